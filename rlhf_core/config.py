@@ -1,0 +1,398 @@
+"""Typed stage configs: one dataclass per stage, loaded from ``params.yaml``, overridable.
+
+``params.yaml`` is also DVC's params file, so the values a stage ran with are recorded in
+``dvc.lock`` and in the stage's MLflow run. Each section of the YAML maps onto one dataclass
+below; every field has a one-line docstring, and ``__post_init__`` rejects values a user
+could plausibly get wrong with a message that names the section and field.
+
+Command-line overrides use ``--set field=value`` (YAML syntax for the value), e.g.
+``alignflow sft --set lr=3e-4 --set max_steps=200``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value or key that cannot be used; the message names file, section and field."""
+
+
+def _check(condition: bool, section: str, name: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"{section}.{name}: {message}")
+
+
+# --------------------------------------------------------------------------------------
+# Stage configs
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class GenerateConfig:
+    """``generate``: write the embedded task's datasets."""
+
+    out_dir: str = "data/embedded"
+    """Folder that receives sft.jsonl, preferences.jsonl, prompts.jsonl and eval.jsonl."""
+    seed: int = 1234
+    """Seed of the problem draw and of the noisy demonstrations."""
+    n_sft: int = 20000
+    """Number of SFT demonstrations."""
+    n_preference: int = 4000
+    """Number of preference pairs (chosen correct, rejected a plausible error)."""
+    n_prompts: int = 2000
+    """Number of RL prompts with labels."""
+    n_eval: int = 1000
+    """Number of held-out evaluation items (disjoint from every training split)."""
+    sft_noise: float = 0.25
+    """Fraction of SFT demonstrations whose answer is wrong, so alignment has work to do."""
+    ops: str = "+-*"
+    """Operators to draw problems from (any of + - *)."""
+    min_add: int = 10
+    """Smallest operand of + and -."""
+    max_add: int = 99
+    """Largest operand of + and -."""
+    min_mul_left: int = 10
+    """Smallest left operand of *."""
+    max_mul_left: int = 99
+    """Largest left operand of *."""
+    min_mul_right: int = 2
+    """Smallest right operand of *."""
+    max_mul_right: int = 9
+    """Largest right operand of *."""
+
+    def __post_init__(self) -> None:
+        s = "generate"
+        for name in ("n_sft", "n_preference", "n_prompts", "n_eval"):
+            _check(getattr(self, name) >= 1, s, name, f"must be >= 1, got {getattr(self, name)}")
+        _check(0.0 <= self.sft_noise < 1.0, s, "sft_noise", f"must be in [0, 1), got {self.sft_noise}")
+        _check(bool(self.ops) and set(self.ops) <= set("+-*"), s, "ops", f"must be a non-empty subset of '+-*', got {self.ops!r}")
+        for lo, hi in (("min_add", "max_add"), ("min_mul_left", "max_mul_left"), ("min_mul_right", "max_mul_right")):
+            _check(0 <= getattr(self, lo) <= getattr(self, hi), s, hi,
+                   f"must be >= {lo} ({getattr(self, lo)}) and {lo} >= 0, got {getattr(self, hi)}")
+
+
+@dataclass
+class ModelConfig:
+    """``init-model``: build the embedded tiny model and its tokenizer."""
+
+    out_dir: str = "models/base"
+    """Folder of the saved HF model directory (weights, config, tokenizer)."""
+    corpus_file: str = "data/embedded/sft.jsonl"
+    """JSONL whose prompt+completion text trains the tokenizer."""
+    arch: str = "qwen2"
+    """Architecture: qwen2 or llama (stock transformers classes)."""
+    vocab_size: int = 320
+    """Target BPE vocabulary size (byte alphabet + specials + merges)."""
+    hidden_size: int = 192
+    """Width of the residual stream."""
+    num_layers: int = 6
+    """Number of transformer blocks."""
+    num_heads: int = 6
+    """Attention heads."""
+    num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention)."""
+    intermediate_size: int = 512
+    """MLP hidden width."""
+    max_positions: int = 128
+    """Maximum sequence length the model supports."""
+    seed: int = 0
+    """Seed of the weight initialisation."""
+
+    def __post_init__(self) -> None:
+        s = "model"
+        _check(self.arch in ("qwen2", "llama"), s, "arch", f"must be 'qwen2' or 'llama', got {self.arch!r}")
+        _check(self.vocab_size >= 260, s, "vocab_size", f"must be >= 260 (byte alphabet + specials), got {self.vocab_size}")
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_positions"):
+            _check(getattr(self, name) >= 1, s, name, f"must be >= 1, got {getattr(self, name)}")
+        _check(self.hidden_size % self.num_heads == 0, s, "hidden_size",
+               f"must be divisible by num_heads ({self.num_heads}), got {self.hidden_size}")
+        _check(self.num_heads % self.num_kv_heads == 0, s, "num_kv_heads",
+               f"must divide num_heads ({self.num_heads}), got {self.num_kv_heads}")
+
+
+@dataclass
+class DataFields:
+    """Field names of a user's dataset (renamable so user data needs no conversion)."""
+
+    prompt_field: str = "prompt"
+    """Field holding the prompt text."""
+    completion_field: str = "completion"
+    """Field holding the target completion (SFT)."""
+    messages_field: str = "messages"
+    """Field holding a chat as a list of {role, content}; used when present instead of prompt/completion."""
+    label_field: str = "label"
+    """Field holding the checkable answer (RL prompts, eval)."""
+    chosen_field: str = "chosen"
+    """Field holding the preferred response (preference pairs)."""
+    rejected_field: str = "rejected"
+    """Field holding the dispreferred response (preference pairs)."""
+    margin_field: str = "margin"
+    """Optional numeric field: how much better chosen is than rejected."""
+
+
+@dataclass
+class SFTConfig(DataFields):
+    """``sft``: supervised fine-tuning on demonstrations, loss on completion tokens only."""
+
+    model_path: str = "models/base"
+    """HF model directory to start from (the embedded model or a user's)."""
+    train_file: str = "data/embedded/sft.jsonl"
+    """Demonstrations: JSONL, parquet or a saved `datasets` folder."""
+    eval_file: str = "data/embedded/eval.jsonl"
+    """Held-out prompts with labels for accuracy (and prompt/completion for eval loss)."""
+    output_dir: str = "models/sft"
+    """Where the final HF model directory is written."""
+    checkpoint_dir: str = "checkpoints/sft"
+    """Where periodic checkpoints (safetensors + trainer state) go; kept out of DVC outputs."""
+    max_steps: int = 1500
+    """Optimizer steps to train (deterministic budget; wall time is logged, not used)."""
+    batch_size: int = 64
+    """Sequences per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (global batch = batch_size * grad_accum * world size)."""
+    lr: float = 2e-3
+    """Peak learning rate of AdamW."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak (cosine decay)."""
+    warmup_steps: int = 50
+    """Linear warmup steps."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip; 0 disables."""
+    max_length: int = 64
+    """Sequences longer than this (in tokens) are truncated from the right."""
+    packing: bool = False
+    """Padding-free batches: concatenate sequences with per-sequence position ids."""
+    precision: str = "auto"
+    """auto (bf16 on a bf16-capable GPU, fp32 otherwise), bf16 or fp32."""
+    eval_every: int = 500
+    """Steps between evaluations (0: only at the end)."""
+    eval_items: int = 1000
+    """Held-out items used for accuracy (greedy exact match)."""
+    save_every: int = 0
+    """Steps between checkpoints (0: only the final model)."""
+    num_threads: int = 2
+    """torch intra-op threads on CPU (fixed, so results are reproducible)."""
+    seed: int = 0
+    """Seed of data order and dropout."""
+
+    def __post_init__(self) -> None:
+        s = "sft"
+        for name in ("max_steps", "batch_size", "grad_accum", "max_length", "eval_items", "num_threads"):
+            _check(getattr(self, name) >= 1, s, name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_every", "save_every"):
+            _check(getattr(self, name) >= 0, s, name, f"must be >= 0, got {getattr(self, name)}")
+        _check(self.lr > 0, s, "lr", f"must be > 0, got {self.lr}")
+        _check(0.0 <= self.min_lr_ratio <= 1.0, s, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        _check(self.weight_decay >= 0, s, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        _check(self.max_grad_norm >= 0, s, "max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
+        _check(self.precision in ("auto", "bf16", "fp32"), s, "precision",
+               f"must be auto, bf16 or fp32, got {self.precision!r}")
+
+
+@dataclass
+class EvalConfig(DataFields):
+    """``evaluate``: greedy exact-match accuracy of a model on held-out prompts."""
+
+    model_path: str = "models/sft"
+    """HF model directory to evaluate."""
+    eval_file: str = "data/embedded/eval.jsonl"
+    """Held-out prompts with labels."""
+    output_file: str = "metrics/eval_sft.json"
+    """JSON file receiving accuracy, its standard error and the item count."""
+    max_items: int = 1000
+    """Evaluate on at most this many items (in file order)."""
+    max_new_tokens: int = 8
+    """Generation budget per answer."""
+    batch_size: int = 256
+    """Prompts per generate call."""
+    num_threads: int = 2
+    """torch intra-op threads on CPU."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_items", "max_new_tokens", "batch_size", "num_threads"):
+            _check(getattr(self, name) >= 1, "evaluate", name, f"must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class TrackingConfig:
+    """``tracking``: where MLflow (or the local-file fallback) records runs."""
+
+    tracking_uri: str = ""
+    """MLflow tracking URI; empty means sqlite at <project>/mlflow.db (MLFLOW_TRACKING_URI wins)."""
+    artifact_dir: str = "mlartifacts"
+    """Artifact folder for new experiments, relative to the project root unless absolute."""
+    experiment: str = "alignflow"
+    """MLflow experiment name."""
+    registered_model: str = "alignflow-sft"
+    """Registry name of the SFT model."""
+    log_model: bool = True
+    """Log the final model with MLflow's transformers flavor and register it."""
+
+
+@dataclass
+class FlowConfig:
+    """``flow``: how the align flow runs its stages."""
+
+    retries: int = 1
+    """Retries of a failed task (transient failures: a busy file system, a killed worker)."""
+    retry_delay_s: float = 2.0
+    """Seconds between retries."""
+    use_cache: bool = True
+    """Reuse a task's result when its inputs (paths + md5s), params and code are unchanged."""
+
+    def __post_init__(self) -> None:
+        _check(self.retries >= 0, "flow", "retries", f"must be >= 0, got {self.retries}")
+
+
+SECTIONS: dict[str, type] = {
+    "generate": GenerateConfig,
+    "model": ModelConfig,
+    "sft": SFTConfig,
+    "evaluate": EvalConfig,
+    "tracking": TrackingConfig,
+    "flow": FlowConfig,
+}
+
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------------------
+# Loading and overriding
+# --------------------------------------------------------------------------------------
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Coerce a YAML value to a dataclass field's annotated type, or raise ConfigError."""
+    if isinstance(annotation, str):
+        annotation = {"int": int, "float": float, "str": str, "bool": bool}.get(annotation, Any)
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], where)
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if annotation is float:
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
+    """Parse ``["lr=3e-4", "packing=true"]`` into a dict, values read as YAML scalars."""
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise ConfigError(f"override {pair!r}: expected field=value")
+        key, raw = pair.split("=", 1)
+        out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+    return out
+
+
+def build_config(cls: type[T], section: str, values: dict[str, Any], source: str = "<overrides>") -> T:
+    """Construct ``cls`` from a mapping, rejecting unknown keys and mistyped values."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source}: section {section!r} must be a mapping, got {type(values).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(
+                f"{source}: {section}.{key}: unknown field; known fields are {', '.join(sorted(known))}"
+            )
+        kwargs[key] = _coerce(value, hints[key], f"{source}: {section}.{key}")
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def read_params(path: str | Path) -> dict[str, Any]:
+    """Read a params YAML file into a dict (empty file -> empty dict)."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: params file not found") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}:{line}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    unknown = set(data) - set(SECTIONS)
+    if unknown:
+        raise ConfigError(f"{path}: unknown section(s) {sorted(unknown)}; known: {sorted(SECTIONS)}")
+    return data
+
+
+def load_config(cls: type[T], section: str, params_path: str | Path | None = "params.yaml",
+                overrides: dict[str, Any] | None = None) -> T:
+    """Load one stage's config from ``params_path`` (if it exists) plus overrides."""
+    values: dict[str, Any] = {}
+    source = "<defaults>"
+    if params_path is not None and Path(params_path).exists():
+        values = dict(read_params(params_path).get(section) or {})
+        source = str(params_path)
+    values.update(overrides or {})
+    return build_config(cls, section, values, source)
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """Flat dict of a config's fields (for MLflow params and cache keys)."""
+    return dataclasses.asdict(config)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The one-line docstring under each field, read from the source (for ``--help``)."""
+    import ast
+    import inspect
+
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        tree = ast.parse(inspect.getsource(klass))
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
+                    and isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
+                docs[node.target.id] = str(nxt.value.value).strip()
+    return docs
+
+
+__all__ = [
+    "ConfigError", "GenerateConfig", "ModelConfig", "DataFields", "SFTConfig", "EvalConfig",
+    "TrackingConfig", "FlowConfig", "SECTIONS", "build_config", "load_config", "read_params",
+    "parse_overrides", "config_to_dict", "field_docs",
+]

@@ -1,0 +1,1 @@
+"""Data layer: readers with file/line provenance, the Great Expectations gate, tokenization."""

@@ -1,0 +1,175 @@
+"""Turn records into token ids with loss masks, and batch them (padded or padding-free).
+
+Two input shapes, both with the loss on the response only:
+
+* ``prompt`` / ``completion``: prompt and completion are tokenized separately and joined
+  (so the prompt's ids equal what generation later sees) and the eos token closes the
+  completion; labels are ``-100`` on the prompt.
+* ``messages`` (chat): rendered with the tokenizer's own chat template, or
+  ``PLAIN_CHAT_TEMPLATE`` when it has none; labels are ``-100`` everywhere except the
+  assistant turns (found by rendering each prefix, so any prefix-stable template works).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from rlhf_core.data.io import DataError, Record, require_str
+
+IGNORE_INDEX = -100
+
+# Used when a tokenizer ships no chat template: plain text, no special tokens needed
+# beyond eos, which ends every assistant turn so that generation knows where to stop.
+# Newlines are Jinja expressions because transformers renders with trim_blocks=True,
+# which would eat a literal newline after a block tag.
+PLAIN_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ message['role'] }}: {{ message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def ensure_chat_template(tokenizer: Any) -> Any:
+    """Give ``tokenizer`` the plain template if it has none; return it."""
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+    return tokenizer
+
+
+@dataclass
+class TokenizedExample:
+    """One training sequence: ids and labels of the same length (labels -100 where no loss)."""
+
+    input_ids: list[int]
+    labels: list[int]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
+    """Token ids of a raw prompt, exactly as training saw them (no special tokens added)."""
+    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+def tokenize_prompt_completion(tokenizer: Any, prompt: str, completion: str, max_length: int) -> TokenizedExample:
+    """``prompt + completion + eos`` with the loss on completion and eos only."""
+    p_ids = encode_prompt(tokenizer, prompt)
+    c_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    ids = (p_ids + c_ids)[:max_length]
+    labels = ([IGNORE_INDEX] * len(p_ids) + c_ids)[:max_length]
+    return TokenizedExample(ids, labels)
+
+
+def _render(tokenizer: Any, messages: Sequence[dict], add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def tokenize_messages(tokenizer: Any, messages: Sequence[dict], max_length: int) -> TokenizedExample:
+    """Render a chat and keep the loss on assistant turns only.
+
+    For assistant turn ``i`` the loss span is the text between ``render(messages[:i],
+    add_generation_prompt=True)`` and ``render(messages[:i+1])``; token offsets map that
+    span to tokens. Raises ValueError when the template is not prefix-stable.
+    """
+    ensure_chat_template(tokenizer)
+    full = _render(tokenizer, messages, add_generation_prompt=False)
+    spans: list[tuple[int, int]] = []
+    for i, msg in enumerate(messages):
+        if msg.get("role") != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        upto = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        if not full.startswith(upto) or not upto.startswith(before):
+            raise ValueError("chat template is not prefix-stable; cannot locate assistant turns")
+        spans.append((len(before), len(upto)))
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids: list[int] = enc["input_ids"]
+    labels = [
+        tok if any(s <= start < e for s, e in spans) else IGNORE_INDEX
+        for tok, (start, _end) in zip(ids, enc["offset_mapping"])
+    ]
+    return TokenizedExample(ids[:max_length], labels[:max_length])
+
+
+def _validate_messages(rec: Record, field: str, path: str | Path) -> list[dict]:
+    msgs = rec.data[field]
+    if not isinstance(msgs, list) or not msgs:
+        raise DataError(path, rec.line, "expected a non-empty list of {role, content}", field)
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(path, rec.line, f"message {j} must be an object with string 'role' and 'content'", field)
+    if not any(m["role"] == "assistant" for m in msgs):
+        raise DataError(path, rec.line, "no assistant turn to train on", field)
+    return msgs
+
+
+def tokenize_sft_records(
+    tokenizer: Any,
+    records: Sequence[Record],
+    *,
+    path: str | Path,
+    prompt_field: str,
+    completion_field: str,
+    messages_field: str,
+    max_length: int,
+) -> list[TokenizedExample]:
+    """Tokenize SFT records (chat when ``messages_field`` is present, else prompt/completion)."""
+    out: list[TokenizedExample] = []
+    for rec in records:
+        if messages_field in rec.data:
+            ex = tokenize_messages(tokenizer, _validate_messages(rec, messages_field, path), max_length)
+        else:
+            prompt = require_str(rec, prompt_field, path)
+            completion = require_str(rec, completion_field, path)
+            ex = tokenize_prompt_completion(tokenizer, prompt, completion, max_length)
+        if all(t == IGNORE_INDEX for t in ex.labels):
+            raise DataError(path, rec.line, f"no response tokens left after truncation to max_length={max_length}")
+        out.append(ex)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Batching
+# --------------------------------------------------------------------------------------
+
+
+def collate_padded(examples: Sequence[TokenizedExample], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch: input_ids, labels, attention_mask, each ``(batch, max_len)``."""
+    width = max(len(e) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, e in enumerate(examples):
+        n = len(e)
+        ids[i, :n] = torch.tensor(e.input_ids)
+        labels[i, :n] = torch.tensor(e.labels)
+        mask[i, :n] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def collate_packed(examples: Sequence[TokenizedExample]) -> dict[str, torch.Tensor]:
+    """Padding-free batch: all sequences in one row ``(1, total_len)``.
+
+    ``position_ids`` restart at 0 for each sequence; transformers derives a block-diagonal
+    causal mask from them, so sequences do not attend to each other. The first label of
+    each sequence is ignored so that no sequence is trained to predict the next one.
+    """
+    ids: list[int] = []
+    labels: list[int] = []
+    pos: list[int] = []
+    for e in examples:
+        ids.extend(e.input_ids)
+        labels.extend([IGNORE_INDEX] + e.labels[1:])
+        pos.extend(range(len(e)))
+    return {
+        "input_ids": torch.tensor([ids]),
+        "labels": torch.tensor([labels]),
+        "position_ids": torch.tensor([pos]),
+    }

@@ -1,0 +1,34 @@
+"""Offline switches for every tool alignflow drives, set before any of them is imported.
+
+Import this module first (``rlhf_core/__init__.py`` does): nothing here may phone home or
+reach a model hub, since the machines this runs on have no network beyond package
+registries, and a user's nightly run must not depend on one.
+"""
+
+from __future__ import annotations
+
+import os
+
+OFFLINE_ENV: dict[str, str] = {
+    "DO_NOT_TRACK": "true",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "DVC_NO_ANALYTICS": "1",
+    "GX_ANALYTICS_ENABLED": "false",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "VLLM_NO_USAGE_STATS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    # Tokenizers' Rust thread pool and fork()ed workers (Ray, DataLoader) deadlock otherwise.
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def apply_offline_env() -> None:
+    """Set every offline switch that the user has not set explicitly."""
+    for key, value in OFFLINE_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+apply_offline_env()

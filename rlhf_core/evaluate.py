@@ -1,0 +1,92 @@
+"""Greedy exact-match evaluation: the one accuracy every stage reports (``eval/accuracy``).
+
+A model answers each held-out prompt greedily; the answer is correct when its first line
+equals the label exactly. The standard error ``sqrt(p (1 - p) / n)`` is reported with it,
+since "alignment raised accuracy" means by more than two of those.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from rlhf_core.data.io import read_records, require_str
+from rlhf_core.data.tokenize import encode_prompt
+from rlhf_core.synthetic import is_correct
+
+
+@dataclass
+class EvalResult:
+    """Accuracy of greedy answers on ``n`` items, with examples for a human to read."""
+
+    accuracy: float
+    stderr: float
+    n: int
+    samples: list[dict[str, str]] = field(default_factory=list)
+
+    def metrics(self, prefix: str = "eval") -> dict[str, float]:
+        return {f"{prefix}/accuracy": self.accuracy, f"{prefix}/accuracy_stderr": self.stderr,
+                f"{prefix}/n_items": float(self.n)}
+
+
+def accuracy_with_stderr(correct: Sequence[bool]) -> tuple[float, float]:
+    """Mean of a 0/1 vector and its binomial standard error ``sqrt(p (1-p) / n)``."""
+    n = len(correct)
+    if n == 0:
+        return 0.0, 0.0
+    p = sum(correct) / n
+    return p, math.sqrt(p * (1.0 - p) / n)
+
+
+@torch.no_grad()
+def greedy_answers(model: Any, tokenizer: Any, prompts: Sequence[str], *, max_new_tokens: int,
+                   batch_size: int) -> list[str]:
+    """Greedy completions of ``prompts`` (left-padded batches, KV cache, stop at eos)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id
+    outputs: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = [encode_prompt(tokenizer, p) for p in prompts[start:start + batch_size]]
+        width = max(len(ids) for ids in chunk)
+        input_ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        attention = torch.zeros((len(chunk), width), dtype=torch.long)
+        for i, ids in enumerate(chunk):  # left padding: every prompt ends at the same column
+            input_ids[i, width - len(ids):] = torch.tensor(ids)
+            attention[i, width - len(ids):] = 1
+        generated = model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention.to(device),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        outputs.extend(tokenizer.batch_decode(generated[:, width:], skip_special_tokens=True))
+    model.train(was_training)
+    return outputs
+
+
+def evaluate_exact_match(model: Any, tokenizer: Any, eval_file: str | Path, *, prompt_field: str = "prompt",
+                         label_field: str = "label", max_items: int = 1000, max_new_tokens: int = 8,
+                         batch_size: int = 256, n_samples: int = 8) -> EvalResult:
+    """Greedy exact-match accuracy of ``model`` on the first ``max_items`` items of ``eval_file``."""
+    records = read_records(eval_file, limit=max_items)
+    prompts = [require_str(r, prompt_field, eval_file) for r in records]
+    labels = [str(r.get(label_field, "")) for r in records]
+    missing = [r.line for r in records if label_field not in r.data]
+    if missing:
+        from rlhf_core.data.io import DataError
+
+        raise DataError(eval_file, missing[0], "missing (needed for exact-match evaluation)", label_field)
+    answers = greedy_answers(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    correct = [is_correct(a, y) for a, y in zip(answers, labels)]
+    acc, se = accuracy_with_stderr(correct)
+    samples = [{"prompt": p, "completion": a, "label": y, "correct": str(c)}
+               for p, a, y, c in list(zip(prompts, answers, labels, correct))[:n_samples]]
+    return EvalResult(acc, se, len(correct), samples)

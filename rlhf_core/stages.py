@@ -1,0 +1,195 @@
+"""Stage entry points: config in, files out, with validation, tracking and lineage around the core.
+
+Each function here is what one pipeline stage *is*, called identically by the CLI (and so
+by ``dvc repro``) and by the Prefect tasks of ``tasks/``. A stage reads its typed config,
+writes its outputs atomically, opens an MLflow run (nested under ``parent_run_id`` when a
+flow runs it), tags it with the git commit and the DVC md5 of every input, and returns
+paths and hashes — never tensors or models — so orchestration layers stay thin.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlhf_core.config import (
+    DataFields,
+    EvalConfig,
+    GenerateConfig,
+    ModelConfig,
+    SFTConfig,
+    TrackingConfig,
+    config_to_dict,
+)
+from rlhf_core.lineage import dvc_md5, git_commit
+
+
+@dataclass
+class StageResult:
+    """What a stage hands to the next: output paths with their md5s, metrics, its run id."""
+
+    outputs: dict[str, str]
+    md5: dict[str, str]
+    metrics: dict[str, float] = field(default_factory=dict)
+    run_id: str | None = None
+    model_uri: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _write_json_atomic(obj: Any, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def lineage_tags(inputs: dict[str, str | Path], stage: str) -> dict[str, str]:
+    """``git.commit``, ``alignflow.stage`` and ``dvc.md5.<name>`` for each existing input."""
+    tags = {"git.commit": git_commit(), "alignflow.stage": stage}
+    for name, path in inputs.items():
+        if Path(path).exists():
+            tags[f"dvc.md5.{name}"] = dvc_md5(path)
+            tags[f"input.{name}"] = str(path)
+    return tags
+
+
+# --------------------------------------------------------------------------------------
+# generate
+# --------------------------------------------------------------------------------------
+
+
+def generate(cfg: GenerateConfig) -> StageResult:
+    """Write the embedded task's datasets (deterministic in ``cfg.seed``)."""
+    from rlhf_core.synthetic import ProblemSpace, generate_datasets
+
+    space = ProblemSpace(ops=cfg.ops, min_add=cfg.min_add, max_add=cfg.max_add,
+                         min_mul_left=cfg.min_mul_left, max_mul_left=cfg.max_mul_left,
+                         min_mul_right=cfg.min_mul_right, max_mul_right=cfg.max_mul_right)
+    paths = generate_datasets(Path(cfg.out_dir), seed=cfg.seed, n_sft=cfg.n_sft, n_preference=cfg.n_preference,
+                              n_prompts=cfg.n_prompts, n_eval=cfg.n_eval, sft_noise=cfg.sft_noise, space=space)
+    outputs = {k: str(v) for k, v in paths.items()}
+    return StageResult(outputs, {k: dvc_md5(v) for k, v in outputs.items()})
+
+
+# --------------------------------------------------------------------------------------
+# init-model
+# --------------------------------------------------------------------------------------
+
+
+def init_model(cfg: ModelConfig) -> StageResult:
+    """Train the tokenizer on the task corpus and build the tiny model from a config."""
+    import tempfile
+
+    from rlhf_core.data.io import read_records
+    from rlhf_core.embedded import build_tiny_model, count_parameters, train_tokenizer
+
+    texts = [str(r.get("prompt", "")) + str(r.get("completion", "")) for r in read_records(cfg.corpus_file)]
+    with tempfile.TemporaryDirectory() as tmp:
+        tok_dir = train_tokenizer(texts, Path(tmp) / "tokenizer", vocab_size=cfg.vocab_size)
+        staging = Path(tmp) / "model"
+        build_tiny_model(tok_dir, staging, arch=cfg.arch, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
+                         num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                         intermediate_size=cfg.intermediate_size, max_positions=cfg.max_positions, seed=cfg.seed)
+        out = Path(cfg.out_dir)
+        if out.exists():
+            shutil.rmtree(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(staging, out)
+    return StageResult({"model": str(out)}, {"model": dvc_md5(out)},
+                       {"model/n_parameters": float(count_parameters(out))})
+
+
+# --------------------------------------------------------------------------------------
+# validate
+# --------------------------------------------------------------------------------------
+
+
+def validate(path: str | Path, kind: str, fields: DataFields | None = None,
+             report_file: str | Path | None = None) -> StageResult:
+    """Run the Great Expectations gate; raise ``ValidationFailed`` (writing nothing) on failure.
+
+    On success, and only then, the report is written to ``report_file`` if given (DVC's
+    validation stages depend on it, so SFT cannot run on an unvalidated file).
+    """
+    from rlhf_core.data.validate import check_dataset
+
+    report = check_dataset(path, kind, fields)
+    outputs: dict[str, str] = {"dataset": str(path)}
+    if report_file is not None:
+        outputs["report"] = str(_write_json_atomic(report.to_dict(), report_file))
+    return StageResult(outputs, {"dataset": dvc_md5(path)}, {"data/n_rows": float(report.n_rows)})
+
+
+# --------------------------------------------------------------------------------------
+# sft
+# --------------------------------------------------------------------------------------
+
+
+def sft(cfg: SFTConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
+        metrics_file: str | Path | None = None, show_progress: bool = True) -> StageResult:
+    """Supervised fine-tuning, tracked as one (nested) MLflow run with lineage and the registered model."""
+    from rlhf_core.tracking import start_run
+    from rlhf_core.trainers.sft import train_sft
+
+    inputs = {"model": cfg.model_path, "train": cfg.train_file, "eval": cfg.eval_file}
+    with start_run(tracking, "sft", parent_run_id, lineage_tags(inputs, "sft")) as run:
+        run.log_params(config_to_dict(cfg))
+        run.log_input(cfg.train_file, "sft_train", dvc_md5(cfg.train_file), "training")
+        run.log_input(cfg.eval_file, "eval", dvc_md5(cfg.eval_file), "evaluation")
+        result = train_sft(cfg, sink=run, show_progress=show_progress)
+        run.log_dict(result.eval_samples, "eval_samples.json")
+        out_md5 = dvc_md5(result.output_dir)
+        run.set_tags({"dvc.md5.output_model": out_md5})
+        model_uri = run.log_hf_model(result.output_dir, tracking.registered_model) if tracking.log_model else None
+        if metrics_file is not None:  # deterministic values only: DVC hashes this file
+            _write_json_atomic({k: round(v, 6) for k, v in result.metrics.items()
+                                if k.startswith(("eval/", "train/loss"))}, metrics_file)
+        return StageResult({"model": str(result.output_dir)}, {"model": out_md5}, result.metrics,
+                           run.run_id, model_uri)
+
+
+# --------------------------------------------------------------------------------------
+# evaluate
+# --------------------------------------------------------------------------------------
+
+
+def evaluate(cfg: EvalConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
+             run_name: str = "evaluate") -> StageResult:
+    """Greedy exact-match accuracy of ``cfg.model_path``; writes ``cfg.output_file``."""
+    import torch
+
+    from rlhf_core.evaluate import evaluate_exact_match
+    from rlhf_core.models import load_causal_lm, load_tokenizer
+    from rlhf_core.tracking import start_run
+
+    if not torch.cuda.is_available():
+        torch.set_num_threads(cfg.num_threads)
+    inputs = {"model": cfg.model_path, "eval": cfg.eval_file}
+    with start_run(tracking, run_name, parent_run_id, lineage_tags(inputs, "evaluate")) as run:
+        run.log_params(config_to_dict(cfg))
+        run.log_input(cfg.eval_file, "eval", dvc_md5(cfg.eval_file), "evaluation")
+        started = time.perf_counter()
+        model = load_causal_lm(cfg.model_path)
+        tokenizer = load_tokenizer(cfg.model_path)
+        result = evaluate_exact_match(model, tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
+                                      label_field=cfg.label_field, max_items=cfg.max_items,
+                                      max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size)
+        metrics = result.metrics("eval")
+        run.log_metrics({**metrics, "perf/eval_seconds": time.perf_counter() - started}, 0)
+        run.log_dict(result.samples, "eval_samples.json")
+        out = _write_json_atomic({k: round(v, 6) for k, v in metrics.items()}, cfg.output_file)
+        return StageResult({"metrics": str(out)}, {"metrics": dvc_md5(out)}, metrics, run.run_id)
+
+
+def env_parent_run_id() -> str | None:
+    """Parent run id handed down by a flow through the environment (``ALIGNFLOW_PARENT_RUN_ID``)."""
+    return os.environ.get("ALIGNFLOW_PARENT_RUN_ID") or None

@@ -1,0 +1,234 @@
+"""The embedded default task: integer arithmetic with answers a rule can check.
+
+Every example is a prompt such as ``"347+85="`` whose completion is the exact integer
+answer (``"432"``). Because the answer is checkable, the task yields every dataset an
+alignment pipeline needs from one seed, with no download:
+
+* SFT demonstrations, a configurable fraction of them wrong in the ways a weak student is
+  wrong (carries dropped, borrows dropped, a factor off by one), so the SFT model inherits
+  errors that alignment can then fix;
+* preference pairs (chosen = correct, rejected = one of those plausible errors: same format,
+  similar length, so a reward model must read the arithmetic, not the shape);
+* RL prompts with their labels, for rule rewards;
+* a held-out evaluation set disjoint from all of the above.
+
+Generation is deterministic in the seed: the same config writes byte-identical files, which
+is what lets ``dvc repro`` reproduce the md5s in ``dvc.lock``.
+
+Run: ``alignflow generate`` (or ``python -m rlhf_core.synthetic --help`` for the raw helper).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+OPS = ("+", "-", "*")
+_PROMPT_RE = re.compile(r"^\s*(-?\d+)\s*([+\-*])\s*(-?\d+)\s*=\s*$")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One arithmetic question ``a op b``."""
+
+    a: int
+    op: str
+    b: int
+
+    @property
+    def prompt(self) -> str:
+        return f"{self.a}{self.op}{self.b}="
+
+    @property
+    def answer(self) -> int:
+        if self.op == "+":
+            return self.a + self.b
+        if self.op == "-":
+            return self.a - self.b
+        return self.a * self.b
+
+
+def parse_prompt(prompt: str) -> Problem | None:
+    """Inverse of ``Problem.prompt``; ``None`` when the text is not an arithmetic prompt."""
+    match = _PROMPT_RE.match(prompt)
+    if match is None:
+        return None
+    return Problem(int(match.group(1)), match.group(2), int(match.group(3)))
+
+
+def normalize_completion(completion: str) -> str:
+    """The answer part of a completion: first line, whitespace stripped."""
+    stripped = completion.strip()
+    return stripped.splitlines()[0].strip() if stripped else ""
+
+
+def is_correct(completion: str, label: str | int) -> bool:
+    """Exact match of a completion's answer against the label."""
+    return normalize_completion(completion) == str(label).strip()
+
+
+def rule_reward(
+    prompts: Sequence[str], completions: Sequence[str], labels: Sequence[str]
+) -> list[float]:
+    """Verifiable reward: 1.0 for an exact answer, 0.0 otherwise.
+
+    Signature ``(prompts, completions, labels) -> rewards`` is the one every rule reward
+    file follows, so this function is also the embedded task's reward file.
+    """
+    del prompts  # the label already carries the answer
+    return [1.0 if is_correct(c, y) else 0.0 for c, y in zip(completions, labels, strict=True)]
+
+
+# --------------------------------------------------------------------------------------
+# Plausible wrong answers
+# --------------------------------------------------------------------------------------
+
+
+def _digitwise(a: int, b: int, combine) -> int:
+    """Apply ``combine`` to aligned decimal digits with no carry or borrow between them."""
+    da, db = str(a)[::-1], str(b)[::-1]
+    width = max(len(da), len(db))
+    digits = [combine(int(da[i]) if i < len(da) else 0, int(db[i]) if i < len(db) else 0)
+              for i in range(width)]
+    return int("".join(str(d) for d in reversed(digits)))
+
+
+def wrong_answer(problem: Problem, rng: random.Random) -> int:
+    """A wrong answer a weak student plausibly gives, of similar length to the right one.
+
+    ``+``: carries dropped (247+185 -> 322); ``-``: borrows dropped, digit-wise absolute
+    difference (402-185 -> 383); ``*``: one factor off by one (23*7 -> 23*8). When the
+    systematic error happens to give the right answer (no carry occurred), one digit is
+    nudged by one instead.
+    """
+    a, b, right = problem.a, problem.b, problem.answer
+    if problem.op == "+":
+        guess = _digitwise(a, b, lambda x, y: (x + y) % 10)
+    elif problem.op == "-":
+        guess = _digitwise(a, b, lambda x, y: abs(x - y))
+        guess = guess if right >= 0 else -guess
+    else:
+        guess = a * (b + rng.choice((-1, 1))) if b > 1 else (a + 1) * b
+    if abs(len(str(guess)) - len(str(right))) > 1:  # 10+90 -> "00": too easy to spot by length
+        guess = right
+    if guess == right:
+        text = str(abs(right))
+        pos = rng.randrange(len(text))
+        digit = int(text[pos])
+        new = (digit + 1) % 10 if pos or digit != 9 else digit - 1
+        if pos == 0 and new == 0 and len(text) > 1:
+            new = digit - 1 if digit > 1 else digit + 1
+        guess = int(text[:pos] + str(new) + text[pos + 1 :]) * (1 if right >= 0 else -1)
+    return guess
+
+
+# --------------------------------------------------------------------------------------
+# Dataset generation
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProblemSpace:
+    """Which problems exist: inclusive operand ranges per operator.
+
+    The defaults fix every operand's width (two digits; one for the right factor of
+    ``*``), which lets a 1M-parameter model learn the task within minutes on a CPU.
+    """
+
+    ops: str = "+-*"
+    min_add: int = 10
+    max_add: int = 99
+    min_mul_left: int = 10
+    max_mul_left: int = 99
+    min_mul_right: int = 2
+    max_mul_right: int = 9
+
+    @property
+    def capacity(self) -> int:
+        """Number of distinct problems."""
+        n_add = self.max_add - self.min_add + 1
+        n_mul = (self.max_mul_left - self.min_mul_left + 1) * (self.max_mul_right - self.min_mul_right + 1)
+        return sum(n_mul if op == "*" else n_add * n_add for op in self.ops)
+
+
+def sample_problems(n: int, rng: random.Random, space: ProblemSpace, exclude: set[Problem]) -> list[Problem]:
+    """Draw ``n`` distinct problems not in ``exclude`` (and add them to it)."""
+    capacity = space.capacity
+    if n + len(exclude) > capacity * 9 // 10:  # rejection sampling slows near capacity
+        raise ValueError(
+            f"asked for {n} problems beyond {len(exclude)} taken, but the problem space holds "
+            f"only {capacity}; raise the operand ranges or lower the dataset sizes"
+        )
+    out: list[Problem] = []
+    while len(out) < n:
+        op = rng.choice(space.ops)
+        if op == "*":
+            p = Problem(rng.randint(space.min_mul_left, space.max_mul_left), op,
+                        rng.randint(space.min_mul_right, space.max_mul_right))
+        else:
+            p = Problem(rng.randint(space.min_add, space.max_add), op, rng.randint(space.min_add, space.max_add))
+        if p not in exclude:
+            exclude.add(p)
+            out.append(p)
+    return out
+
+
+def write_jsonl(rows: Iterable[dict], path: Path) -> Path:
+    """Write rows as JSON lines atomically (a half-written file never appears at ``path``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8", newline="\n") as fh:
+        for row in rows:
+            fh.write(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def generate_datasets(
+    out_dir: Path,
+    *,
+    seed: int,
+    n_sft: int,
+    n_preference: int,
+    n_prompts: int,
+    n_eval: int,
+    sft_noise: float,
+    space: ProblemSpace = ProblemSpace(),
+) -> dict[str, Path]:
+    """Write ``sft.jsonl``, ``preferences.jsonl``, ``prompts.jsonl`` and ``eval.jsonl``.
+
+    Splits are disjoint by problem, so no evaluation item is ever trained on.
+    Returns the written paths by split name.
+    """
+    if not 0.0 <= sft_noise < 1.0:
+        raise ValueError(f"sft_noise must be in [0, 1), got {sft_noise}")
+    rng = random.Random(seed)
+    taken: set[Problem] = set()
+    # Eval first so that its draw does not depend on the training-set sizes.
+    eval_set = sample_problems(n_eval, rng, space, taken)
+    sft = sample_problems(n_sft, rng, space, taken)
+    prefs = sample_problems(n_preference, rng, space, taken)
+    prompts = sample_problems(n_prompts, rng, space, taken)
+
+    def sft_row(p: Problem) -> dict:
+        wrong = rng.random() < sft_noise
+        answer = wrong_answer(p, rng) if wrong else p.answer
+        return {"prompt": p.prompt, "completion": str(answer)}
+
+    def pref_row(p: Problem) -> dict:
+        return {"prompt": p.prompt, "chosen": str(p.answer), "rejected": str(wrong_answer(p, rng))}
+
+    def label_row(p: Problem) -> dict:
+        return {"prompt": p.prompt, "label": str(p.answer)}
+
+    out_dir = Path(out_dir)
+    return {
+        "sft": write_jsonl((sft_row(p) for p in sft), out_dir / "sft.jsonl"),
+        "preferences": write_jsonl((pref_row(p) for p in prefs), out_dir / "preferences.jsonl"),
+        "prompts": write_jsonl((label_row(p) for p in prompts), out_dir / "prompts.jsonl"),
+        "eval": write_jsonl((label_row(p) for p in eval_set), out_dir / "eval.jsonl"),
+    }

@@ -1,0 +1,24 @@
+"""Data tasks: generate the embedded datasets, validate any dataset with Great Expectations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+
+from rlhf_core import stages
+from rlhf_core.config import DataFields, GenerateConfig, build_config
+from tasks.common import TASK_DEFAULTS
+
+
+@task(name="generate-data", **TASK_DEFAULTS)
+def generate_data(params: dict[str, Any]) -> dict[str, Any]:
+    """Write the embedded task's datasets; returns their paths and md5s."""
+    return stages.generate(build_config(GenerateConfig, "generate", params)).to_dict()
+
+
+@task(name="validate-data", task_run_name="validate-{kind}", **{**TASK_DEFAULTS, "retries": 0})
+def validate_data(path: str, md5: str, kind: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """Great Expectations gate on one dataset (``md5`` keys the cache); raises on failure."""
+    del md5  # part of the cache key: same path, new content -> validated again
+    return stages.validate(path, kind, DataFields(**fields)).to_dict()

@@ -1,0 +1,18 @@
+"""Model tasks: build the embedded tiny model and its tokenizer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+
+from rlhf_core import stages
+from rlhf_core.config import ModelConfig, build_config
+from tasks.common import TASK_DEFAULTS
+
+
+@task(name="build-base-model", **TASK_DEFAULTS)
+def build_base_model(params: dict[str, Any], corpus_md5: str) -> dict[str, Any]:
+    """Train the tokenizer on the corpus and build the tiny HF model; returns its path and md5."""
+    del corpus_md5  # cache key only
+    return stages.init_model(build_config(ModelConfig, "model", params)).to_dict()

@@ -1,0 +1,84 @@
+"""Shared fixtures: a micro embedded world (datasets, tokenizer, tiny models) built once per session.
+
+Everything is real: the tokenizer is trained (in a subprocess), the models are stock
+transformers classes saved with ``save_pretrained``, MLflow writes to a sqlite file, Prefect
+runs against a temporary server. Only sizes are micro, so the suite stays within minutes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import rlhf_core  # noqa: F401  (offline switches)
+
+REPO = Path(__file__).resolve().parents[1]
+
+MICRO_GEN = dict(seed=7, n_sft=600, n_preference=100, n_prompts=100, n_eval=100, sft_noise=0.2)
+MICRO_MODEL = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
+                   max_positions=64, seed=0)
+
+
+@pytest.fixture(scope="session")
+def micro_data(tmp_path_factory) -> dict[str, Path]:
+    """The embedded task's four datasets at micro size."""
+    from rlhf_core.synthetic import generate_datasets
+
+    return generate_datasets(tmp_path_factory.mktemp("data"), **MICRO_GEN)
+
+
+@pytest.fixture(scope="session")
+def micro_tokenizer(tmp_path_factory, micro_data) -> Path:
+    """A byte-level BPE tokenizer trained on the micro SFT corpus."""
+    import json
+
+    from rlhf_core.embedded import train_tokenizer
+
+    texts = [json.loads(line)["prompt"] + json.loads(line)["completion"]
+             for line in micro_data["sft"].read_text().splitlines()]
+    return train_tokenizer(texts, tmp_path_factory.mktemp("tok") / "tokenizer", vocab_size=280)
+
+
+@pytest.fixture(scope="session")
+def micro_model(tmp_path_factory, micro_tokenizer) -> Path:
+    """A micro Qwen2 model directory (no chat template: the plain template is used)."""
+    from rlhf_core.embedded import build_tiny_model
+
+    return build_tiny_model(micro_tokenizer, tmp_path_factory.mktemp("models") / "qwen2", arch="qwen2", **MICRO_MODEL)
+
+
+LLAMA_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def llama_chat_model(tmp_path_factory, micro_tokenizer) -> Path:
+    """A differently shaped model: Llama, 3 layers, its own chat template (a 'user' model)."""
+    from rlhf_core.embedded import build_tiny_model
+
+    return build_tiny_model(micro_tokenizer, tmp_path_factory.mktemp("models") / "llama", arch="llama",
+                            hidden_size=48, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=96,
+                            max_positions=96, seed=1, chat_template=LLAMA_CHAT_TEMPLATE)
+
+
+@pytest.fixture()
+def isolated_project(tmp_path, monkeypatch) -> Path:
+    """A fresh project root: MLflow sqlite store and artifacts under ``tmp_path``."""
+    monkeypatch.setenv("ALIGNFLOW_HOME", str(tmp_path))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """A real temporary Prefect server (SQLite) for flow tests."""
+    os.environ.setdefault("PREFECT_HOME", str(tmp_path_factory.mktemp("prefect_home")))
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

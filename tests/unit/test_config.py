@@ -1,0 +1,75 @@
+"""Typed configs: shipped params load; bad values and keys give errors naming file, section and field."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from conftest import REPO
+from rlhf_core.config import (
+    SECTIONS,
+    ConfigError,
+    SFTConfig,
+    build_config,
+    field_docs,
+    load_config,
+    parse_overrides,
+    read_params,
+)
+
+
+def test_shipped_params_yaml_loads_every_section():
+    raw = read_params(REPO / "params.yaml")
+    assert set(raw) == set(SECTIONS)
+    for section, cls in SECTIONS.items():
+        cfg = load_config(cls, section, REPO / "params.yaml")
+        assert isinstance(cfg, cls)
+
+
+def test_every_field_has_a_docstring():
+    for cls in SECTIONS.values():
+        docs = field_docs(cls)
+        missing = [f for f in cls.__dataclass_fields__ if f not in docs]
+        assert not missing, (cls.__name__, missing)
+
+
+def test_overrides_parse_yaml_scalars():
+    assert parse_overrides(["lr=0.5", "packing=true", "output_dir=out/x", "max_steps=10"]) == {
+        "lr": 0.5, "packing": True, "output_dir": "out/x", "max_steps": 10}
+    # YAML 1.1 reads 3e-4 as a string; the float field still accepts it
+    assert build_config(SFTConfig, "sft", parse_overrides(["lr=3e-4"])).lr == 3e-4
+    with pytest.raises(ConfigError, match="expected field=value"):
+        parse_overrides(["lr"])
+
+
+def test_invalid_value_names_section_and_field(tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"sft": {"lr": -1.0}}))
+    with pytest.raises(ConfigError, match=r"params.yaml: sft.lr: must be > 0, got -1.0"):
+        load_config(SFTConfig, "sft", params)
+
+
+def test_unknown_field_and_section(tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"sft": {"learning_rate": 0.1}}))
+    with pytest.raises(ConfigError, match=r"sft.learning_rate: unknown field; known fields are .*lr"):
+        load_config(SFTConfig, "sft", params)
+    params.write_text(yaml.safe_dump({"sftt": {}}))
+    with pytest.raises(ConfigError, match=r"unknown section\(s\) \['sftt'\]"):
+        read_params(params)
+
+
+def test_wrong_types_rejected():
+    with pytest.raises(ConfigError, match=r"sft.max_steps: expected an integer, got 'many'"):
+        build_config(SFTConfig, "sft", {"max_steps": "many"})
+    with pytest.raises(ConfigError, match=r"sft.packing: expected true or false"):
+        build_config(SFTConfig, "sft", {"packing": "yes please"})
+    with pytest.raises(ConfigError, match=r"sft.precision: must be auto, bf16 or fp32"):
+        build_config(SFTConfig, "sft", {"precision": "fp8"})
+
+
+def test_broken_yaml_names_line(tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text("sft:\n  lr: [1,\n")
+    with pytest.raises(ConfigError, match=r"params.yaml: line \d+: not valid YAML"):
+        read_params(params)

@@ -1,0 +1,32 @@
+"""Our md5s equal the ones DVC itself records (so MLflow digests match dvc.lock)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from rlhf_core.lineage import dvc_md5, git_commit
+
+DVC = [sys.executable, "-m", "dvc"]
+
+
+def test_md5_matches_dvc_add(tmp_path):
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run(DVC + ["init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "file.txt").write_text("hello\nworld\n")
+    folder = tmp_path / "folder"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.bin").write_bytes(bytes(range(256)))
+    (folder / "sub" / "b.json").write_text('{"x": 1}\n')
+    subprocess.run(DVC + ["add", "-q", "file.txt", "folder"], cwd=tmp_path, check=True)
+    for name in ("file.txt", "folder"):
+        recorded = yaml.safe_load((tmp_path / f"{name}.dvc").read_text())["outs"][0]["md5"]
+        assert dvc_md5(tmp_path / name) == recorded
+
+
+def test_git_commit_outside_repo(tmp_path):
+    assert git_commit(tmp_path) == "unknown"
+    assert git_commit(Path(__file__).parent) != ""
