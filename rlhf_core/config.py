@@ -43,27 +43,33 @@ class GenerateConfig:
     """Folder that receives sft.jsonl, preferences.jsonl, prompts.jsonl and eval.jsonl."""
     seed: int = 1234
     """Seed of the problem draw and of the noisy demonstrations."""
-    n_sft: int = 20000
+    n_sft: int = 10000
     """Number of SFT demonstrations."""
-    n_preference: int = 4000
+    n_preference: int = 2000
     """Number of preference pairs (chosen correct, rejected a plausible error)."""
-    n_prompts: int = 2000
+    n_prompts: int = 1000
     """Number of RL prompts with labels."""
     n_eval: int = 1000
     """Number of held-out evaluation items (disjoint from every training split)."""
     sft_noise: float = 0.25
     """Fraction of SFT demonstrations whose answer is wrong, so alignment has work to do."""
+    sort_fraction: float = 0.5
+    """Fraction of problems that are digit sorting (the rest are arithmetic)."""
+    sort_min_len: int = 3
+    """Fewest digits in a sorting problem."""
+    sort_max_len: int = 8
+    """Most digits in a sorting problem."""
     ops: str = "+-*"
-    """Operators to draw problems from (any of + - *)."""
-    min_add: int = 10
+    """Operators of arithmetic problems (any of + - *)."""
+    min_add: int = 0
     """Smallest operand of + and -."""
     max_add: int = 99
     """Largest operand of + and -."""
-    min_mul_left: int = 10
+    min_mul_left: int = 0
     """Smallest left operand of *."""
     max_mul_left: int = 99
     """Largest left operand of *."""
-    min_mul_right: int = 2
+    min_mul_right: int = 0
     """Smallest right operand of *."""
     max_mul_right: int = 9
     """Largest right operand of *."""
@@ -73,6 +79,9 @@ class GenerateConfig:
         for name in ("n_sft", "n_preference", "n_prompts", "n_eval"):
             _check(getattr(self, name) >= 1, s, name, f"must be >= 1, got {getattr(self, name)}")
         _check(0.0 <= self.sft_noise < 1.0, s, "sft_noise", f"must be in [0, 1), got {self.sft_noise}")
+        _check(0.0 <= self.sort_fraction <= 1.0, s, "sort_fraction", f"must be in [0, 1], got {self.sort_fraction}")
+        _check(1 <= self.sort_min_len <= self.sort_max_len, s, "sort_max_len",
+               f"must be >= sort_min_len ({self.sort_min_len}) >= 1, got {self.sort_max_len}")
         _check(bool(self.ops) and set(self.ops) <= set("+-*"), s, "ops", f"must be a non-empty subset of '+-*', got {self.ops!r}")
         for lo, hi in (("min_add", "max_add"), ("min_mul_left", "max_mul_left"), ("min_mul_right", "max_mul_right")):
             _check(0 <= getattr(self, lo) <= getattr(self, hi), s, hi,
@@ -91,17 +100,17 @@ class ModelConfig:
     """Architecture: qwen2 or llama (stock transformers classes)."""
     vocab_size: int = 320
     """Target BPE vocabulary size (byte alphabet + specials + merges)."""
-    hidden_size: int = 192
+    hidden_size: int = 128
     """Width of the residual stream."""
     num_layers: int = 6
     """Number of transformer blocks."""
-    num_heads: int = 6
+    num_heads: int = 4
     """Attention heads."""
     num_kv_heads: int = 2
     """Key/value heads (grouped-query attention)."""
-    intermediate_size: int = 512
+    intermediate_size: int = 384
     """MLP hidden width."""
-    max_positions: int = 128
+    max_positions: int = 64
     """Maximum sequence length the model supports."""
     seed: int = 0
     """Seed of the weight initialisation."""
@@ -152,13 +161,13 @@ class SFTConfig(DataFields):
     """Where the final HF model directory is written."""
     checkpoint_dir: str = "checkpoints/sft"
     """Where periodic checkpoints (safetensors + trainer state) go; kept out of DVC outputs."""
-    max_steps: int = 1500
+    max_steps: int = 500
     """Optimizer steps to train (deterministic budget; wall time is logged, not used)."""
-    batch_size: int = 64
+    batch_size: int = 128
     """Sequences per micro-batch."""
     grad_accum: int = 1
     """Micro-batches per optimizer step (global batch = batch_size * grad_accum * world size)."""
-    lr: float = 2e-3
+    lr: float = 3e-3
     """Peak learning rate of AdamW."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak (cosine decay)."""
@@ -174,7 +183,7 @@ class SFTConfig(DataFields):
     """Padding-free batches: concatenate sequences with per-sequence position ids."""
     precision: str = "auto"
     """auto (bf16 on a bf16-capable GPU, fp32 otherwise), bf16 or fp32."""
-    eval_every: int = 500
+    eval_every: int = 0
     """Steps between evaluations (0: only at the end)."""
     eval_items: int = 1000
     """Held-out items used for accuracy (greedy exact match)."""
@@ -211,8 +220,8 @@ class EvalConfig(DataFields):
     """JSON file receiving accuracy, its standard error and the item count."""
     max_items: int = 1000
     """Evaluate on at most this many items (in file order)."""
-    max_new_tokens: int = 8
-    """Generation budget per answer."""
+    max_new_tokens: int = 12
+    """Generation budget per answer (the longest embedded answer is 8 digits + eos)."""
     batch_size: int = 256
     """Prompts per generate call."""
     num_threads: int = 2

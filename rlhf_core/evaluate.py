@@ -16,7 +16,7 @@ import torch
 
 from rlhf_core.data.io import read_records, require_str
 from rlhf_core.data.tokenize import encode_prompt
-from rlhf_core.synthetic import is_correct
+from rlhf_core.synthetic import is_correct, parse_prompt
 
 
 @dataclass
@@ -27,10 +27,13 @@ class EvalResult:
     stderr: float
     n: int
     samples: list[dict[str, str]] = field(default_factory=list)
+    by_skill: dict[str, float] = field(default_factory=dict)
 
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
-        return {f"{prefix}/accuracy": self.accuracy, f"{prefix}/accuracy_stderr": self.stderr,
-                f"{prefix}/n_items": float(self.n)}
+        out = {f"{prefix}/accuracy": self.accuracy, f"{prefix}/accuracy_stderr": self.stderr,
+               f"{prefix}/n_items": float(self.n)}
+        out.update({f"{prefix}/accuracy_{skill}": acc for skill, acc in sorted(self.by_skill.items())})
+        return out
 
 
 def accuracy_with_stderr(correct: Sequence[bool]) -> tuple[float, float]:
@@ -73,7 +76,7 @@ def greedy_answers(model: Any, tokenizer: Any, prompts: Sequence[str], *, max_ne
 
 
 def evaluate_exact_match(model: Any, tokenizer: Any, eval_file: str | Path, *, prompt_field: str = "prompt",
-                         label_field: str = "label", max_items: int = 1000, max_new_tokens: int = 8,
+                         label_field: str = "label", max_items: int = 1000, max_new_tokens: int = 12,
                          batch_size: int = 256, n_samples: int = 8) -> EvalResult:
     """Greedy exact-match accuracy of ``model`` on the first ``max_items`` items of ``eval_file``."""
     records = read_records(eval_file, limit=max_items)
@@ -87,6 +90,13 @@ def evaluate_exact_match(model: Any, tokenizer: Any, eval_file: str | Path, *, p
     answers = greedy_answers(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
     correct = [is_correct(a, y) for a, y in zip(answers, labels)]
     acc, se = accuracy_with_stderr(correct)
+    # Per-skill accuracy for the embedded task (user prompts that parse as neither are skipped).
+    groups: dict[str, list[bool]] = {}
+    for prompt, ok in zip(prompts, correct):
+        problem = parse_prompt(prompt)
+        if problem is not None:
+            groups.setdefault(problem.skill, []).append(ok)
+    by_skill = {skill: accuracy_with_stderr(oks)[0] for skill, oks in groups.items()}
     samples = [{"prompt": p, "completion": a, "label": y, "correct": str(c)}
                for p, a, y, c in list(zip(prompts, answers, labels, correct))[:n_samples]]
-    return EvalResult(acc, se, len(correct), samples)
+    return EvalResult(acc, se, len(correct), samples, by_skill)

@@ -1,21 +1,26 @@
-"""The embedded default task: integer arithmetic with answers a rule can check.
+"""The embedded default task: two digit skills whose answers a rule can check.
 
-Every example is a prompt such as ``"347+85="`` whose completion is the exact integer
-answer (``"432"``). Because the answer is checkable, the task yields every dataset an
-alignment pipeline needs from one seed, with no download:
+* **arithmetic**: ``"47+85="`` -> ``"132"`` (+, - and *; the exact integer answer);
+* **sorting**: ``"sort 5281="`` -> ``"1258"`` (the digits in ascending order).
+
+A tiny transformer learns sorting within a minute or two of CPU training but arithmetic
+(carries, borrows) much more slowly, so after a short SFT the model is good at one skill
+and weak at the other — which leaves visible room for alignment, and per-skill metrics
+show where it went. Because every answer is checkable, one seed yields every dataset an
+alignment pipeline needs, with no download:
 
 * SFT demonstrations, a configurable fraction of them wrong in the ways a weak student is
-  wrong (carries dropped, borrows dropped, a factor off by one), so the SFT model inherits
-  errors that alignment can then fix;
+  wrong (carries dropped, borrows dropped, a factor off by one, two digits swapped), so the
+  SFT model inherits errors that alignment can then fix;
 * preference pairs (chosen = correct, rejected = one of those plausible errors: same format,
-  similar length, so a reward model must read the arithmetic, not the shape);
+  similar length, so a reward model must read the answer, not the shape);
 * RL prompts with their labels, for rule rewards;
 * a held-out evaluation set disjoint from all of the above.
 
 Generation is deterministic in the seed: the same config writes byte-identical files, which
 is what lets ``dvc repro`` reproduce the md5s in ``dvc.lock``.
 
-Run: ``alignflow generate`` (or ``python -m rlhf_core.synthetic --help`` for the raw helper).
+Run: ``alignflow generate``.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 OPS = ("+", "-", "*")
-_PROMPT_RE = re.compile(r"^\s*(-?\d+)\s*([+\-*])\s*(-?\d+)\s*=\s*$")
+_ARITH_RE = re.compile(r"^\s*(-?\d+)\s*([+\-*])\s*(-?\d+)\s*=\s*$")
+_SORT_RE = re.compile(r"^\s*sort\s+(\d+)\s*=\s*$")
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,8 @@ class Problem:
     a: int
     op: str
     b: int
+
+    skill = "arithmetic"
 
     @property
     def prompt(self) -> str:
@@ -52,12 +60,33 @@ class Problem:
         return self.a * self.b
 
 
-def parse_prompt(prompt: str) -> Problem | None:
-    """Inverse of ``Problem.prompt``; ``None`` when the text is not an arithmetic prompt."""
-    match = _PROMPT_RE.match(prompt)
-    if match is None:
-        return None
-    return Problem(int(match.group(1)), match.group(2), int(match.group(3)))
+@dataclass(frozen=True)
+class SortProblem:
+    """Sort a string of decimal digits ascending."""
+
+    digits: str
+
+    skill = "sort"
+
+    @property
+    def prompt(self) -> str:
+        return f"sort {self.digits}="
+
+    @property
+    def answer(self) -> str:
+        return "".join(sorted(self.digits))
+
+
+Task = Problem | SortProblem
+
+
+def parse_prompt(prompt: str) -> Task | None:
+    """Inverse of ``.prompt``; ``None`` when the text is neither task's prompt."""
+    match = _ARITH_RE.match(prompt)
+    if match is not None:
+        return Problem(int(match.group(1)), match.group(2), int(match.group(3)))
+    match = _SORT_RE.match(prompt)
+    return SortProblem(match.group(1)) if match is not None else None
 
 
 def normalize_completion(completion: str) -> str:
@@ -97,14 +126,25 @@ def _digitwise(a: int, b: int, combine) -> int:
     return int("".join(str(d) for d in reversed(digits)))
 
 
-def wrong_answer(problem: Problem, rng: random.Random) -> int:
+def wrong_answer(problem: Task, rng: random.Random) -> int | str:
     """A wrong answer a weak student plausibly gives, of similar length to the right one.
+
+    Sorting: two neighbouring output digits swapped (or, where they are equal, one digit
+    nudged), so the length and the multiset of digits look right at a glance.
 
     ``+``: carries dropped (247+185 -> 322); ``-``: borrows dropped, digit-wise absolute
     difference (402-185 -> 383); ``*``: one factor off by one (23*7 -> 23*8). When the
     systematic error happens to give the right answer (no carry occurred), one digit is
     nudged by one instead.
     """
+    if isinstance(problem, SortProblem):
+        out = list(problem.answer)
+        if len(set(out)) == 1:
+            out[-1] = str((int(out[-1]) + 1) % 10)
+            return "".join(out)
+        i = rng.choice([j for j in range(len(out) - 1) if out[j] != out[j + 1]])
+        out[i], out[i + 1] = out[i + 1], out[i]
+        return "".join(out)
     a, b, right = problem.a, problem.b, problem.answer
     if problem.op == "+":
         guess = _digitwise(a, b, lambda x, y: (x + y) % 10)
@@ -133,44 +173,43 @@ def wrong_answer(problem: Problem, rng: random.Random) -> int:
 
 @dataclass(frozen=True)
 class ProblemSpace:
-    """Which problems exist: inclusive operand ranges per operator.
+    """Which problems exist: the skill mix and inclusive operand ranges."""
 
-    The defaults fix every operand's width (two digits; one for the right factor of
-    ``*``), which lets a 1M-parameter model learn the task within minutes on a CPU.
-    """
-
+    sort_fraction: float = 0.5
     ops: str = "+-*"
-    min_add: int = 10
+    min_add: int = 0
     max_add: int = 99
-    min_mul_left: int = 10
+    min_mul_left: int = 0
     max_mul_left: int = 99
-    min_mul_right: int = 2
+    min_mul_right: int = 0
     max_mul_right: int = 9
+    sort_min_len: int = 3
+    sort_max_len: int = 8
 
-    @property
-    def capacity(self) -> int:
-        """Number of distinct problems."""
-        n_add = self.max_add - self.min_add + 1
-        n_mul = (self.max_mul_left - self.min_mul_left + 1) * (self.max_mul_right - self.min_mul_right + 1)
-        return sum(n_mul if op == "*" else n_add * n_add for op in self.ops)
-
-
-def sample_problems(n: int, rng: random.Random, space: ProblemSpace, exclude: set[Problem]) -> list[Problem]:
-    """Draw ``n`` distinct problems not in ``exclude`` (and add them to it)."""
-    capacity = space.capacity
-    if n + len(exclude) > capacity * 9 // 10:  # rejection sampling slows near capacity
-        raise ValueError(
-            f"asked for {n} problems beyond {len(exclude)} taken, but the problem space holds "
-            f"only {capacity}; raise the operand ranges or lower the dataset sizes"
-        )
-    out: list[Problem] = []
-    while len(out) < n:
-        op = rng.choice(space.ops)
+    def draw(self, rng: random.Random) -> Task:
+        """One problem: a sorting one with probability ``sort_fraction``, else arithmetic."""
+        if rng.random() < self.sort_fraction:
+            n = rng.randint(self.sort_min_len, self.sort_max_len)
+            return SortProblem("".join(str(rng.randrange(10)) for _ in range(n)))
+        op = rng.choice(self.ops)
         if op == "*":
-            p = Problem(rng.randint(space.min_mul_left, space.max_mul_left), op,
-                        rng.randint(space.min_mul_right, space.max_mul_right))
-        else:
-            p = Problem(rng.randint(space.min_add, space.max_add), op, rng.randint(space.min_add, space.max_add))
+            return Problem(rng.randint(self.min_mul_left, self.max_mul_left), op,
+                           rng.randint(self.min_mul_right, self.max_mul_right))
+        return Problem(rng.randint(self.min_add, self.max_add), op, rng.randint(self.min_add, self.max_add))
+
+
+def sample_problems(n: int, rng: random.Random, space: ProblemSpace, exclude: set[Task]) -> list[Task]:
+    """Draw ``n`` distinct problems not in ``exclude`` (and add them to it)."""
+    out: list[Task] = []
+    attempts = 0
+    while len(out) < n:
+        attempts += 1
+        if attempts > 50 * n + 1000:
+            raise ValueError(
+                f"could not draw {n} new problems ({len(exclude)} already taken): the problem space is "
+                "nearly exhausted; widen the operand ranges or lower the dataset sizes"
+            )
+        p = space.draw(rng)
         if p not in exclude:
             exclude.add(p)
             out.append(p)
@@ -214,15 +253,15 @@ def generate_datasets(
     prefs = sample_problems(n_preference, rng, space, taken)
     prompts = sample_problems(n_prompts, rng, space, taken)
 
-    def sft_row(p: Problem) -> dict:
+    def sft_row(p: Task) -> dict:
         wrong = rng.random() < sft_noise
         answer = wrong_answer(p, rng) if wrong else p.answer
         return {"prompt": p.prompt, "completion": str(answer)}
 
-    def pref_row(p: Problem) -> dict:
+    def pref_row(p: Task) -> dict:
         return {"prompt": p.prompt, "chosen": str(p.answer), "rejected": str(wrong_answer(p, rng))}
 
-    def label_row(p: Problem) -> dict:
+    def label_row(p: Task) -> dict:
         return {"prompt": p.prompt, "label": str(p.answer)}
 
     out_dir = Path(out_dir)

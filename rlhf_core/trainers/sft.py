@@ -100,12 +100,17 @@ def train_sft(cfg: SFTConfig, sink: MetricSink | None = None, show_progress: boo
         idx, order = order[:cfg.batch_size], order[cfg.batch_size:]
         return _collate([train[i] for i in idx], cfg, tokenizer.pad_token_id)
 
+    eval_seconds = 0.0
+
     def run_eval(step: int) -> EvalResult:
+        nonlocal eval_seconds
+        started = Timer()
         result = evaluate_exact_match(model, tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
                                       label_field=cfg.label_field, max_items=cfg.eval_items)
         metrics = {**result.metrics("eval"), "eval/loss": eval_loss(model, held_out, cfg, tokenizer.pad_token_id)}
         sink.log_metrics(metrics, step)
         last_metrics.update(metrics)
+        eval_seconds += started.total()
         return result
 
     # ---- train loop -------------------------------------------------------------------
@@ -118,7 +123,7 @@ def train_sft(cfg: SFTConfig, sink: MetricSink | None = None, show_progress: boo
                                     max_grad_norm=cfg.max_grad_norm, autocast_dtype=autocast_dtype)
         tokens_seen += sum(int(mb["input_ids"].numel()) for mb in micro)
         if step % 10 == 0 or step == cfg.max_steps:
-            elapsed = timer.total()
+            elapsed = timer.total() - eval_seconds  # training time only
             sink.log_metrics({"train/loss": stats.loss, "train/grad_norm": stats.grad_norm, "train/lr": stats.lr,
                               "perf/tokens_per_s": tokens_seen / max(elapsed, 1e-9),
                               "perf/elapsed_s": elapsed}, step)
@@ -127,7 +132,7 @@ def train_sft(cfg: SFTConfig, sink: MetricSink | None = None, show_progress: boo
             run_eval(step)
         if cfg.save_every and step % cfg.save_every == 0:
             save_checkpoint(cfg.checkpoint_dir, step, model, tokenizer, optimizer, scheduler)
-    train_seconds = timer.total()
+    train_seconds = timer.total() - eval_seconds
 
     # ---- final eval and save ----------------------------------------------------------
     final = run_eval(cfg.max_steps)

@@ -9,6 +9,7 @@ from rlhf_core.lineage import file_md5
 from rlhf_core.synthetic import (
     Problem,
     ProblemSpace,
+    SortProblem,
     generate_datasets,
     is_correct,
     parse_prompt,
@@ -60,6 +61,8 @@ def test_wrong_answer_is_the_classic_mistake():
     rng = random.Random(0)
     assert wrong_answer(Problem(247, "+", 185), rng) == 322
     assert wrong_answer(Problem(402, "-", 185), rng) == 383
+    assert wrong_answer(SortProblem("3211"), rng) in ("1213", "1132")  # sorted 1123, a neighbouring pair swapped
+    assert wrong_answer(SortProblem("777"), rng) == "778"
     for a in range(0, 100, 7):
         for b in range(0, 10):
             for op in "+-*":
@@ -72,4 +75,14 @@ def test_rule_reward_and_parsing():
     assert rule_reward(["2+2=", "3*3="], ["5", "9"], ["4", "9"]) == [0.0, 1.0]
     assert parse_prompt("12*3=") == Problem(12, "*", 3)
     assert parse_prompt("hello") is None
-    assert ProblemSpace(ops="+", min_add=0, max_add=9).capacity == 100
+    assert parse_prompt("sort 5281=") == SortProblem("5281")
+    assert SortProblem("5281").answer == "1258"
+
+
+def test_exhausted_problem_space_is_a_clear_error(tmp_path):
+    import pytest
+
+    tiny = ProblemSpace(sort_fraction=0.0, ops="+", min_add=0, max_add=9)  # 100 problems
+    with pytest.raises(ValueError, match="nearly exhausted"):
+        generate_datasets(tmp_path, seed=0, n_sft=200, n_preference=1, n_prompts=1, n_eval=1, sft_noise=0.0,
+                          space=tiny)

@@ -1,0 +1,46 @@
+"""Helpers for end-to-end tests: micro params and running the real CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from conftest import REPO
+
+MICRO_PARAMS = {
+    "generate": {"n_sft": 400, "n_preference": 60, "n_prompts": 60, "n_eval": 60, "sft_noise": 0.2, "seed": 5},
+    "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 64,
+              "vocab_size": 280},
+    "sft": {"max_steps": 12, "batch_size": 32, "warmup_steps": 2, "eval_items": 40},
+    "evaluate": {"max_items": 40},
+    "tracking": {"experiment": "alignflow-test"},
+}
+
+
+def write_micro_params(folder: Path) -> Path:
+    """The shipped params.yaml with micro sizes merged in."""
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    for section, values in MICRO_PARAMS.items():
+        params[section].update(values)
+    out = folder / "params.yaml"
+    out.write_text(yaml.safe_dump(params, sort_keys=False))
+    return out
+
+
+def cli_env(project: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["ALIGNFLOW_HOME"] = str(project)
+    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{project / 'mlflow.db'}"
+    env.setdefault("PREFECT_HOME", str(project / ".prefect"))
+    return env
+
+
+def run_cli(args: list[str], project: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run ``alignflow ARGS`` in ``project`` as a user would (a fresh process)."""
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=project, env=cli_env(project),
+                          capture_output=True, text=True, timeout=timeout)

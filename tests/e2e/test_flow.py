@@ -1,0 +1,100 @@
+"""The align flow for real: Prefect server, MLflow sqlite store, GX gate, tiny models.
+
+Micro sizes; the same flow as ``make demo``. Checks the lineage a user reviews in the MLflow
+UI: a parent run, one nested run per stage, the registered model, git and DVC md5 tags.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from helpers import run_cli, write_micro_params
+from rlhf_core.data.io import DataError
+from rlhf_core.data.validate import ValidationFailed
+from rlhf_core.lineage import dvc_md5
+
+pytestmark = pytest.mark.usefixtures("prefect_server")
+
+
+@pytest.fixture()
+def project(isolated_project):
+    write_micro_params(isolated_project)
+    return isolated_project
+
+
+def _client(project):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+
+
+def test_align_flow_records_lineage_and_caches(project):
+    from flows.align import align
+
+    summary = align(params_file="params.yaml")
+    client = _client(project)
+    exp = client.get_experiment_by_name("alignflow-test")
+    runs = client.search_runs([exp.experiment_id])
+    parent = next(r for r in runs if r.info.run_name == "align")
+    children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert set(children) == {"evaluate-base", "sft", "evaluate-sft"}
+    assert all(r.info.status == "FINISHED" for r in runs)
+
+    # lineage: git commit and the DVC md5 of every input, on the parent and on the stage
+    for tags in (parent.data.tags, children["sft"].data.tags):
+        assert tags["git.commit"]
+        assert tags["dvc.md5.eval"] == dvc_md5(project / "data/embedded/eval.jsonl")
+    assert parent.data.tags["dvc.md5.sft"] == dvc_md5(project / "data/embedded/sft.jsonl")
+    assert children["sft"].data.tags["dvc.md5.output_model"] == dvc_md5(project / "models/sft")
+    digests = {d.dataset.name: d.dataset.digest for d in children["sft"].inputs.dataset_inputs}
+    assert digests["sft_train"] == dvc_md5(project / "data/embedded/sft.jsonl")
+
+    # namespaced metrics and the registered model
+    sft_metrics = children["sft"].data.metrics
+    assert {"train/loss", "eval/accuracy", "perf/tokens_per_s"} <= set(sft_metrics)
+    assert "eval/accuracy_sft" in parent.data.metrics
+    versions = client.search_model_versions("name='alignflow-sft'")
+    assert versions and versions[0].run_id == children["sft"].info.run_id
+    assert summary["md5"]["model_sft"] == dvc_md5(project / "models/sft")
+
+    # second run: every task is a cache hit (same outputs, no new SFT run)
+    again = align(params_file="params.yaml")
+    assert again["md5"] == summary["md5"]
+    sft_runs = [r for r in client.search_runs([exp.experiment_id]) if r.info.run_name == "sft"]
+    assert len(sft_runs) == 1
+
+    # a deleted output defeats the cache: SFT runs again and reproduces the same weights
+    shutil.rmtree(project / "models/sft")
+    third = align(params_file="params.yaml")
+    assert third["md5"]["model_sft"] == summary["md5"]["model_sft"]
+    assert len([r for r in client.search_runs([exp.experiment_id]) if r.info.run_name == "sft"]) == 2
+
+
+def test_bad_data_stops_flow_before_training(project, tmp_path):
+    from flows.align import align
+
+    bad = tmp_path / "bad_prefs.jsonl"
+    bad.write_text(json.dumps({"prompt": "1+1=", "chosen": "2", "rejected": "3"}) + "\n"
+                   + json.dumps({"prompt": "1+2=", "rejected": "4"}) + "\n")
+    with pytest.raises(ValidationFailed, match="field 'chosen': missing"):
+        align(params_file="params.yaml", preference_file=str(bad))
+    broken = tmp_path / "broken_sft.jsonl"
+    broken.write_text('{"prompt": "1+1=", "completion": "2"}\n{"prompt": \n')
+    with pytest.raises(DataError, match="broken_sft.jsonl:2: not valid JSON"):
+        align(params_file="params.yaml", sft_file=str(broken))
+    assert not (project / "models").exists()
+    runs = _client(project).search_runs([_client(project).get_experiment_by_name("alignflow-test").experiment_id])
+    assert {r.info.run_name for r in runs} == {"align"}
+    assert all(r.info.status == "FAILED" for r in runs)
+
+
+def test_cli_flow_with_bad_file_exits_nonzero(project, tmp_path):
+    bad = tmp_path / "bad_prefs.jsonl"
+    bad.write_text(json.dumps({"prompt": "1+2=", "rejected": "4"}) + "\n")
+    proc = run_cli(["flow", "align", "--preference-file", str(bad)], project)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"{bad}:1: field 'chosen': missing" in proc.stderr
+    assert not (project / "models").exists()
