@@ -9,6 +9,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.alignflow-installed
 export ALIGNFLOW_HOME := $(CURDIR)
+# DVC stages call `alignflow`; put the venv's scripts first without requiring activation.
+export PATH := $(CURDIR)/$(BIN):$(PATH)
 export PREFECT_HOME ?= $(CURDIR)/.prefect
 
 .PHONY: setup demo test test-slow repro clean-runs

@@ -38,8 +38,9 @@ def _fresh_copy(dest):
 
 
 def _repro(folder):
+    env = {**cli_env(folder), "PYTHONPATH": str(folder)}  # the copy's own code, not the editable install
     proc = subprocess.run([sys.executable, "-m", "dvc", "repro", "--no-run-cache"], cwd=folder,
-                          env=cli_env(folder), capture_output=True, text=True, timeout=900)
+                          env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lock = yaml.safe_load((folder / "dvc.lock").read_text())
     return {stage: [(o["path"], o["md5"]) for o in body.get("outs", [])] for stage, body in lock["stages"].items()}
