@@ -119,10 +119,10 @@ def align(
         base_md5 = dvc_md5(base_model)
 
         # ---- evaluate the starting point, SFT, evaluate the result -----------------------
+        # The flow's metrics go to metrics/flow/: metrics/*.json belong to `dvc repro`.
         eval_params = {**config_to_dict(eval_cfg), **fields, "eval_file": files["eval"]}
         before = _run(evaluate_model, cache,
-                      params={**eval_params, "model_path": base_model,
-                              "output_file": str(Path(eval_cfg.output_file).with_name("eval_base.json"))},
+                      params={**eval_params, "model_path": base_model, "output_file": "metrics/flow/eval_base.json"},
                       tracking=tracking_d, input_md5={"model": base_md5, "eval": md5["eval"]}, label="base",
                       parent_run_id=parent.run_id)
         sft_params = {**config_to_dict(sft_cfg), "model_path": base_model, "train_file": files["sft"],
@@ -131,7 +131,8 @@ def align(
                    input_md5={"model": base_md5, "train": md5["sft"], "eval": md5["eval"]},
                    parent_run_id=parent.run_id)
         after = _run(evaluate_model, cache,
-                     params={**eval_params, "model_path": sft["outputs"]["model"]},
+                     params={**eval_params, "model_path": sft["outputs"]["model"],
+                             "output_file": "metrics/flow/eval_sft.json"},
                      tracking=tracking_d, input_md5={"model": sft["md5"]["model"], "eval": md5["eval"]},
                      label="sft", parent_run_id=parent.run_id)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from rlhf_core.data.io import read_records, require_str
 from rlhf_core.data.tokenize import encode_prompt
@@ -47,14 +48,15 @@ def accuracy_with_stderr(correct: Sequence[bool]) -> tuple[float, float]:
 
 @torch.no_grad()
 def greedy_answers(model: Any, tokenizer: Any, prompts: Sequence[str], *, max_new_tokens: int,
-                   batch_size: int) -> list[str]:
+                   batch_size: int, show_progress: bool = False) -> list[str]:
     """Greedy completions of ``prompts`` (left-padded batches, KV cache, stop at eos)."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
     outputs: list[str] = []
-    for start in range(0, len(prompts), batch_size):
+    starts = range(0, len(prompts), batch_size)
+    for start in tqdm(starts, desc="generate", disable=not show_progress or len(starts) < 3, leave=False):
         chunk = [encode_prompt(tokenizer, p) for p in prompts[start:start + batch_size]]
         width = max(len(ids) for ids in chunk)
         input_ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
@@ -77,7 +79,7 @@ def greedy_answers(model: Any, tokenizer: Any, prompts: Sequence[str], *, max_ne
 
 def evaluate_exact_match(model: Any, tokenizer: Any, eval_file: str | Path, *, prompt_field: str = "prompt",
                          label_field: str = "label", max_items: int = 1000, max_new_tokens: int = 12,
-                         batch_size: int = 256, n_samples: int = 8) -> EvalResult:
+                         batch_size: int = 256, n_samples: int = 8, show_progress: bool = False) -> EvalResult:
     """Greedy exact-match accuracy of ``model`` on the first ``max_items`` items of ``eval_file``."""
     records = read_records(eval_file, limit=max_items)
     prompts = [require_str(r, prompt_field, eval_file) for r in records]
@@ -87,7 +89,8 @@ def evaluate_exact_match(model: Any, tokenizer: Any, eval_file: str | Path, *, p
         from rlhf_core.data.io import DataError
 
         raise DataError(eval_file, missing[0], "missing (needed for exact-match evaluation)", label_field)
-    answers = greedy_answers(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    answers = greedy_answers(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                             show_progress=show_progress)
     correct = [is_correct(a, y) for a, y in zip(answers, labels)]
     acc, se = accuracy_with_stderr(correct)
     # Per-skill accuracy for the embedded task (user prompts that parse as neither are skipped).

@@ -183,7 +183,8 @@ def evaluate(cfg: EvalConfig, tracking: TrackingConfig, parent_run_id: str | Non
         tokenizer = load_tokenizer(cfg.model_path)
         result = evaluate_exact_match(model, tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
                                       label_field=cfg.label_field, max_items=cfg.max_items,
-                                      max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size)
+                                      max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
+                                      show_progress=True)
         metrics = result.metrics("eval")
         run.log_metrics({**metrics, "perf/eval_seconds": time.perf_counter() - started}, 0)
         run.log_dict(result.samples, "eval_samples.json")

@@ -100,9 +100,14 @@ class MlflowTracker:
 
         from rlhf_core.data.io import read_records
 
+        import warnings
+
         preview = pd.DataFrame([dict(r.data) for r in read_records(path, limit=1000)])
-        ds = mlflow.data.from_pandas(preview.astype(str), source=str(Path(path).resolve()), name=name,
-                                     digest=digest[:36])
+        with warnings.catch_warnings():
+            # MLflow registers its local-file source class twice and warns that a path is ambiguous.
+            warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
+            ds = mlflow.data.from_pandas(preview.astype(str), source=str(Path(path).resolve()), name=name,
+                                         digest=digest[:36])
         self.client.log_inputs(self.run_id, datasets=[
             DatasetInput(ds._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])])
 
