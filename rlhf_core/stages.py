@@ -71,10 +71,8 @@ def generate(cfg: GenerateConfig) -> StageResult:
     """Write the embedded task's datasets (deterministic in ``cfg.seed``)."""
     from rlhf_core.synthetic import ProblemSpace, generate_datasets
 
-    space = ProblemSpace(sort_fraction=cfg.sort_fraction, sort_min_len=cfg.sort_min_len,
-                         sort_max_len=cfg.sort_max_len, ops=cfg.ops, min_add=cfg.min_add, max_add=cfg.max_add,
-                         min_mul_left=cfg.min_mul_left, max_mul_left=cfg.max_mul_left,
-                         min_mul_right=cfg.min_mul_right, max_mul_right=cfg.max_mul_right)
+    # The config carries every ProblemSpace field under the same name (plus sizes and seed).
+    space = ProblemSpace(**{name: getattr(cfg, name) for name in ProblemSpace.__dataclass_fields__})
     paths = generate_datasets(Path(cfg.out_dir), seed=cfg.seed, n_sft=cfg.n_sft, n_preference=cfg.n_preference,
                               n_prompts=cfg.n_prompts, n_eval=cfg.n_eval, sft_noise=cfg.sft_noise, space=space)
     outputs = {k: str(v) for k, v in paths.items()}
