@@ -30,11 +30,14 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/alignflow flow align
 
+# PYTEST_ARGS narrows a run, e.g. make test PYTEST_ARGS="tests/unit -x".
+PYTEST_ARGS ?=
+
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -m slow
+	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
 
 repro: $(STAMP)
 	$(BIN)/dvc repro

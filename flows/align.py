@@ -101,20 +101,23 @@ def align(
         given = {"sft": sft_file, "preferences": preference_file, "prompts": prompts_file, "eval": eval_file}
         generated: dict[str, str] = {}
         if any(path is None for path in given.values()):
-            generated = _run(generate_data, cache, params=config_to_dict(gen))["outputs"]
+            generated = _run(generate_data, cache, params=config_to_dict(gen), tracking=tracking_d,
+                             parent_run_id=parent.run_id)["outputs"]
         files = {name: path or generated[name] for name, path in given.items()}
 
         # ---- gate: every dataset validated before anything trains -----------------------
         md5 = {name: dvc_md5(path) for name, path in files.items()}
         for name, path in files.items():
-            report = validate_data(path=str(path), md5=md5[name], kind=DATASET_KINDS[name], fields=fields)
+            report = validate_data(path=str(path), md5=md5[name], kind=DATASET_KINDS[name], name=name,
+                                   fields=fields, tracking=tracking_d, parent_run_id=parent.run_id)
             logger.info("validated %s: %s rows", path, int(report["metrics"]["data/n_rows"]))
         parent.set_tags(lineage_tags(files, "align"))
 
         # ---- base model ------------------------------------------------------------------
         if base_model is None:
             base = _run(build_base_model, cache,
-                        params={**config_to_dict(model_cfg), "corpus_file": files["sft"]}, corpus_md5=md5["sft"])
+                        params={**config_to_dict(model_cfg), "corpus_file": files["sft"]}, corpus_md5=md5["sft"],
+                        tracking=tracking_d, parent_run_id=parent.run_id)
             base_model = base["outputs"]["model"]
         base_md5 = dvc_md5(base_model)
 

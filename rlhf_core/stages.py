@@ -13,9 +13,10 @@ import json
 import os
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from rlhf_core.config import (
     DataFields,
@@ -52,6 +53,19 @@ def _write_json_atomic(obj: Any, path: str | Path) -> Path:
     return path
 
 
+@contextmanager
+def _maybe_run(tracking: TrackingConfig | None, name: str, parent_run_id: str | None,
+               tags: dict[str, str]) -> Iterator[Any]:
+    """An MLflow run when ``tracking`` is given (flows want a run per stage), else ``None``."""
+    if tracking is None:
+        yield None
+        return
+    from rlhf_core.tracking import start_run
+
+    with start_run(tracking, name, parent_run_id, tags) as run:
+        yield run
+
+
 def lineage_tags(inputs: dict[str, str | Path], stage: str) -> dict[str, str]:
     """``git.commit``, ``alignflow.stage`` and ``dvc.md5.<name>`` for each existing input."""
     tags = {"git.commit": git_commit(), "alignflow.stage": stage}
@@ -67,7 +81,8 @@ def lineage_tags(inputs: dict[str, str | Path], stage: str) -> dict[str, str]:
 # --------------------------------------------------------------------------------------
 
 
-def generate(cfg: GenerateConfig) -> StageResult:
+def generate(cfg: GenerateConfig, tracking: TrackingConfig | None = None,
+             parent_run_id: str | None = None) -> StageResult:
     """Write the embedded task's datasets (deterministic in ``cfg.seed``)."""
     from rlhf_core.synthetic import ProblemSpace, generate_datasets
 
@@ -76,7 +91,12 @@ def generate(cfg: GenerateConfig) -> StageResult:
     paths = generate_datasets(Path(cfg.out_dir), seed=cfg.seed, n_sft=cfg.n_sft, n_preference=cfg.n_preference,
                               n_prompts=cfg.n_prompts, n_eval=cfg.n_eval, sft_noise=cfg.sft_noise, space=space)
     outputs = {k: str(v) for k, v in paths.items()}
-    return StageResult(outputs, {k: dvc_md5(v) for k, v in outputs.items()})
+    result = StageResult(outputs, {k: dvc_md5(v) for k, v in outputs.items()})
+    with _maybe_run(tracking, "generate", parent_run_id, lineage_tags({}, "generate")) as run:
+        if run is not None:
+            run.log_params(config_to_dict(cfg))
+            run.set_tags({f"dvc.md5.output_{k}": v for k, v in result.md5.items()})
+    return result
 
 
 # --------------------------------------------------------------------------------------
@@ -84,7 +104,8 @@ def generate(cfg: GenerateConfig) -> StageResult:
 # --------------------------------------------------------------------------------------
 
 
-def init_model(cfg: ModelConfig) -> StageResult:
+def init_model(cfg: ModelConfig, tracking: TrackingConfig | None = None,
+               parent_run_id: str | None = None) -> StageResult:
     """Train the tokenizer on the task corpus and build the tiny model from a config."""
     import tempfile
 
@@ -103,8 +124,14 @@ def init_model(cfg: ModelConfig) -> StageResult:
             shutil.rmtree(out)
         out.parent.mkdir(parents=True, exist_ok=True)
         shutil.copytree(staging, out)
-    return StageResult({"model": str(out)}, {"model": dvc_md5(out)},
-                       {"model/n_parameters": float(count_parameters(out))})
+    result = StageResult({"model": str(out)}, {"model": dvc_md5(out)},
+                         {"model/n_parameters": float(count_parameters(out))})
+    with _maybe_run(tracking, "build-model", parent_run_id, lineage_tags({"corpus": cfg.corpus_file}, "init_model")) as run:
+        if run is not None:
+            run.log_params(config_to_dict(cfg))
+            run.log_metrics(result.metrics, 0)
+            run.set_tags({"dvc.md5.output_model": result.md5["model"]})
+    return result
 
 
 # --------------------------------------------------------------------------------------
@@ -113,15 +140,25 @@ def init_model(cfg: ModelConfig) -> StageResult:
 
 
 def validate(path: str | Path, kind: str, fields: DataFields | None = None,
-             report_file: str | Path | None = None) -> StageResult:
-    """Run the Great Expectations gate; raise ``ValidationFailed`` (writing nothing) on failure.
+             report_file: str | Path | None = None, tracking: TrackingConfig | None = None,
+             parent_run_id: str | None = None, name: str | None = None) -> StageResult:
+    """Run the Great Expectations gate; raise ``ValidationFailed`` (writing no file) on failure.
 
     On success, and only then, the report is written to ``report_file`` if given (DVC's
-    validation stages depend on it, so SFT cannot run on an unvalidated file).
+    validation stages depend on it, so SFT cannot run on an unvalidated file). Under a flow
+    the report is logged to a nested run either way, so the UI shows what failed.
     """
-    from rlhf_core.data.validate import check_dataset
+    from rlhf_core.data.validate import ValidationFailed, validate_dataset
 
-    report = check_dataset(path, kind, fields)
+    with _maybe_run(tracking, f"validate-{name or kind}", parent_run_id,
+                    lineage_tags({"dataset": path}, "validate")) as run:
+        report = validate_dataset(path, kind, fields)
+        if run is not None:
+            run.log_dict(report.to_dict(), "validation_report.json")
+            run.log_metrics({"data/n_rows": float(report.n_rows),
+                             "data/failed_expectations": float(len(report.failures))}, 0)
+        if not report.success:
+            raise ValidationFailed(report)
     outputs: dict[str, str] = {"dataset": str(path)}
     if report_file is not None:
         outputs["report"] = str(_write_json_atomic(report.to_dict(), report_file))

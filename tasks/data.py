@@ -7,18 +7,21 @@ from typing import Any
 from prefect import task
 
 from rlhf_core import stages
-from rlhf_core.config import DataFields, GenerateConfig, build_config
+from rlhf_core.config import DataFields, GenerateConfig, TrackingConfig, build_config
 from tasks.common import TASK_DEFAULTS
 
 
 @task(name="generate-data", **TASK_DEFAULTS)
-def generate_data(params: dict[str, Any]) -> dict[str, Any]:
+def generate_data(params: dict[str, Any], tracking: dict[str, Any], parent_run_id: str | None = None) -> dict[str, Any]:
     """Write the embedded task's datasets; returns their paths and md5s."""
-    return stages.generate(build_config(GenerateConfig, "generate", params)).to_dict()
+    return stages.generate(build_config(GenerateConfig, "generate", params),
+                           build_config(TrackingConfig, "tracking", tracking), parent_run_id).to_dict()
 
 
-@task(name="validate-data", task_run_name="validate-{kind}", **{**TASK_DEFAULTS, "retries": 0})
-def validate_data(path: str, md5: str, kind: str, fields: dict[str, Any]) -> dict[str, Any]:
+@task(name="validate-data", task_run_name="validate-{name}", **{**TASK_DEFAULTS, "retries": 0})
+def validate_data(path: str, md5: str, kind: str, name: str, fields: dict[str, Any], tracking: dict[str, Any],
+                  parent_run_id: str | None = None) -> dict[str, Any]:
     """Great Expectations gate on one dataset (``md5`` keys the cache); raises on failure."""
     del md5  # part of the cache key: same path, new content -> validated again
-    return stages.validate(path, kind, DataFields(**fields)).to_dict()
+    return stages.validate(path, kind, DataFields(**fields), tracking=build_config(TrackingConfig, "tracking", tracking),
+                           parent_run_id=parent_run_id, name=name).to_dict()

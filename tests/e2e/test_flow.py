@@ -40,7 +40,8 @@ def test_align_flow_records_lineage_and_caches(project):
     runs = client.search_runs([exp.experiment_id])
     parent = next(r for r in runs if r.info.run_name == "align")
     children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
-    assert set(children) == {"evaluate-base", "sft", "evaluate-sft"}
+    assert set(children) == {"generate", "validate-sft", "validate-preferences", "validate-prompts",
+                             "validate-eval", "build-model", "evaluate-base", "sft", "evaluate-sft"}
     assert all(r.info.status == "FINISHED" for r in runs)
 
     # lineage: git commit and the DVC md5 of every input, on the parent and on the stage
@@ -87,8 +88,9 @@ def test_bad_data_stops_flow_before_training(project, tmp_path):
         align(params_file="params.yaml", sft_file=str(broken))
     assert not (project / "models").exists()
     runs = _client(project).search_runs([_client(project).get_experiment_by_name("alignflow-test").experiment_id])
-    assert {r.info.run_name for r in runs} == {"align"}
-    assert all(r.info.status == "FAILED" for r in runs)
+    status = {(r.info.run_name, r.info.status) for r in runs}
+    assert ("validate-preferences", "FAILED") in status and ("align", "FAILED") in status
+    assert not {name for name, _ in status} & {"build-model", "sft", "evaluate-base"}  # nothing downstream ran
 
 
 def test_cli_flow_with_bad_file_exits_nonzero(project, tmp_path):
