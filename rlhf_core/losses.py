@@ -7,6 +7,9 @@ so every function here shifts by one.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from enum import Enum
+
 import torch
 import torch.nn.functional as F
 
@@ -78,3 +81,192 @@ def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     safe = labels.masked_fill(~mask, 0)
     logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, safe.unsqueeze(-1)).squeeze(-1)
     return (logp * mask).sum(-1)
+
+
+# --------------------------------------------------------------------------------------
+# Reward models
+# --------------------------------------------------------------------------------------
+
+
+def bradley_terry_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
+                       margin: torch.Tensor | None = None) -> torch.Tensor:
+    """Pairwise reward-model loss, sigmoid form, with an optional per-pair margin.
+
+    ``L = -log sigmoid(r_c - r_r - m)`` (Bradley & Terry 1952; Ouyang et al. 2022 Eq. 1;
+    the margin ``m`` as in Touvron et al. 2023, "Llama 2", Eq. 2).
+
+    Args:
+        chosen_rewards: ``(batch,)`` scalar rewards of the preferred responses.
+        rejected_rewards: ``(batch,)`` rewards of the dispreferred responses.
+        margin: ``(batch,)`` or ``None``; how much better chosen must score.
+
+    Returns:
+        ``(batch,)`` per-pair losses.
+    """
+    diff = chosen_rewards - rejected_rewards
+    if margin is not None:
+        diff = diff - margin
+    return -F.logsigmoid(diff)
+
+
+def log_exp_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> torch.Tensor:
+    """Pairwise loss in log-exp form: ``L = log(1 + exp(r_r - r_c))`` (``(batch,)`` -> ``(batch,)``).
+
+    Equal to :func:`bradley_terry_loss` without margin (``-log sigmoid(x) = log(1 + e^{-x})``),
+    written with ``softplus`` as in OpenRLHF's ``LogExpLoss``; kept as a named option
+    because users port configs that name it.
+    """
+    return F.softplus(rejected_rewards - chosen_rewards)
+
+
+# --------------------------------------------------------------------------------------
+# Direct preference optimisation family
+# --------------------------------------------------------------------------------------
+
+
+class PreferenceLoss(str, Enum):
+    """The closed set of pairwise policy losses, dispatched in :func:`preference_loss`."""
+
+    DPO = "dpo"
+    IPO = "ipo"
+    CDPO = "cdpo"
+
+    @property
+    def needs_reference_model(self) -> bool:
+        """All three compare the policy's log-ratio against a frozen reference."""
+        return True
+
+
+@dataclass
+class PreferenceLossOutput:
+    """Per-pair loss and the implicit rewards ``beta * (log pi - log pi_ref)`` for logging."""
+
+    losses: torch.Tensor
+    chosen_rewards: torch.Tensor
+    rejected_rewards: torch.Tensor
+
+
+def preference_loss(
+    kind: PreferenceLoss,
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    *,
+    beta: float,
+    label_smoothing: float = 0.0,
+) -> PreferenceLossOutput:
+    """DPO, IPO or conservative DPO on sequence log-probs.
+
+    With ``h = (log pi(y_c) - log ref(y_c)) - (log pi(y_r) - log ref(y_r))``:
+
+    * DPO (Rafailov et al. 2023, Eq. 7): ``L = -log sigmoid(beta * h)``;
+    * cDPO (Mitchell 2023, "A note on DPO with noisy preferences"), label smoothing ``eps``:
+      ``L = -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)``; ``eps = 0`` is DPO;
+    * IPO (Azar et al. 2023, Eq. 17): ``L = (h - 1 / (2 beta))^2``, ``beta`` playing the
+      paper's ``tau``. The paper's log-probs are sums over tokens; TRL averages them per
+      token instead. Pass per-token means as the ``*_logps`` to get TRL's variant (the
+      trainer's ``ipo_average_logps`` option does exactly that).
+
+    Args:
+        kind: which loss.
+        policy_chosen_logps, policy_rejected_logps: ``(batch,)`` summed log-probs under the policy.
+        ref_chosen_logps, ref_rejected_logps: ``(batch,)`` the same under the reference model
+            (precomputed once or computed live: the loss does not care).
+        beta: inverse temperature (DPO, cDPO) or regularisation ``tau`` (IPO).
+        label_smoothing: cDPO's assumed fraction of flipped labels, in ``[0, 0.5)``.
+
+    Returns:
+        losses ``(batch,)`` and implicit rewards ``(batch,)`` for chosen and rejected.
+    """
+    chosen_ratio = policy_chosen_logps - ref_chosen_logps
+    rejected_ratio = policy_rejected_logps - ref_rejected_logps
+    h = chosen_ratio - rejected_ratio
+    if kind is PreferenceLoss.IPO:
+        losses = (h - 1.0 / (2.0 * beta)) ** 2
+    elif kind in (PreferenceLoss.DPO, PreferenceLoss.CDPO):
+        eps = label_smoothing if kind is PreferenceLoss.CDPO else 0.0
+        if not 0.0 <= eps < 0.5:
+            raise ValueError(f"label_smoothing must be in [0, 0.5), got {eps}")
+        losses = -(1.0 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
+    else:  # pragma: no cover - the enum is closed
+        raise ValueError(f"unknown preference loss {kind!r}")
+    return PreferenceLossOutput(losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
+
+
+def kto_loss(
+    policy_logps: torch.Tensor,
+    ref_logps: torch.Tensor,
+    desirable: torch.Tensor,
+    kl_reference: torch.Tensor,
+    *,
+    beta: float,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> torch.Tensor:
+    """KTO on unpaired examples (Ethayarajh et al. 2024, "KTO", Eq. 8).
+
+    With ``r = log pi(y|x) - log ref(y|x)`` and reference point ``z0``:
+    desirable ``L = lambda_D (1 - sigmoid(beta (r - z0)))``, undesirable
+    ``L = lambda_U (1 - sigmoid(beta (z0 - r)))``.
+
+    Args:
+        policy_logps, ref_logps: ``(batch,)`` summed response log-probs.
+        desirable: ``(batch,)`` bool, True for desirable examples.
+        kl_reference: scalar ``z0``; see :func:`kto_reference_point`. Treated as a constant.
+        beta: inverse temperature.
+        desirable_weight, undesirable_weight: ``lambda_D``, ``lambda_U``.
+
+    Returns:
+        ``(batch,)`` per-example losses.
+    """
+    r = policy_logps - ref_logps
+    z0 = kl_reference.detach()
+    good = desirable_weight * (1.0 - torch.sigmoid(beta * (r - z0)))
+    bad = undesirable_weight * (1.0 - torch.sigmoid(beta * (z0 - r)))
+    return torch.where(desirable.bool(), good, bad)
+
+
+def kto_reference_point(policy_mismatched_logps: torch.Tensor, ref_mismatched_logps: torch.Tensor) -> torch.Tensor:
+    """KTO's batch reference point ``z0 = max(0, mean(log pi(y'|x) - log ref(y'|x)))``.
+
+    ``y'`` are completions paired with the *wrong* prompts of the batch (shifted by one), an
+    estimate of ``KL(pi || ref)`` (Ethayarajh et al. 2024, Sec. 4.1). Shapes ``(batch,)``
+    -> scalar, detached.
+    """
+    return (policy_mismatched_logps - ref_mismatched_logps).mean().clamp(min=0).detach()
+
+
+# --------------------------------------------------------------------------------------
+# Distillation
+# --------------------------------------------------------------------------------------
+
+
+def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
+                      *, temperature: float = 1.0, nll_weight: float = 0.0) -> torch.Tensor:
+    """Token-level forward KL to a teacher, optionally mixed with NLL.
+
+    ``L = (1 - a) * T^2 * mean_t KL(p_T(.|t) || p_S(.|t)) + a * NLL`` over labelled tokens,
+    with both distributions softened by temperature ``T`` (Hinton et al. 2015, Sec. 2; the
+    ``T^2`` keeps gradient scale independent of ``T``) and ``a = nll_weight``.
+
+    Args:
+        student_logits, teacher_logits: ``(batch, seq_len, vocab)``, unshifted, same vocab.
+        labels: ``(batch, seq_len)``, unshifted, ``-100`` where no loss is taken.
+
+    Returns:
+        scalar loss (mean over labelled tokens).
+    """
+    if not 0.0 <= nll_weight <= 1.0:
+        raise ValueError(f"nll_weight must be in [0, 1], got {nll_weight}")
+    s_logits, shifted = shift_for_next_token(student_logits, labels)
+    t_logits = teacher_logits[:, :-1, :]
+    mask = (shifted != IGNORE_INDEX).float()
+    log_p_s = torch.log_softmax(s_logits.float() / temperature, dim=-1)
+    log_p_t = torch.log_softmax(t_logits.float() / temperature, dim=-1)
+    kl = (log_p_t.exp() * (log_p_t - log_p_s)).sum(-1)  # (batch, seq_len-1)
+    kl_mean = (kl * mask).sum() / mask.sum().clamp(min=1)
+    loss = (1.0 - nll_weight) * temperature**2 * kl_mean
+    if nll_weight > 0:
+        loss = loss + nll_weight * sft_loss(student_logits, labels)
+    return loss
