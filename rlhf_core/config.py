@@ -16,7 +16,7 @@ import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import yaml
 
@@ -148,13 +148,15 @@ class DataFields:
 
 
 @dataclass
-class SFTConfig(DataFields):
-    """``sft``: supervised fine-tuning on demonstrations, loss on completion tokens only."""
+class TrainerConfig(DataFields):
+    """Fields every trainer shares: data, model, optimisation, evaluation, checkpoints."""
+
+    section: ClassVar[str] = "trainer"
 
     model_path: str = "models/base"
     """HF model directory to start from (the embedded model or a user's)."""
     train_file: str = "data/embedded/sft.jsonl"
-    """Demonstrations: JSONL, parquet or a saved `datasets` folder."""
+    """Training data: JSONL, parquet or a saved `datasets` folder."""
     eval_file: str = "data/embedded/eval.jsonl"
     """Held-out prompts with labels for accuracy (and prompt/completion for eval loss)."""
     output_dir: str = "models/sft"
@@ -164,7 +166,7 @@ class SFTConfig(DataFields):
     max_steps: int = 500
     """Optimizer steps to train (deterministic budget; wall time is logged, not used)."""
     batch_size: int = 128
-    """Sequences per micro-batch."""
+    """Examples (sequences, or pairs for preference losses) per micro-batch."""
     grad_accum: int = 1
     """Micro-batches per optimizer step (global batch = batch_size * grad_accum * world size)."""
     lr: float = 3e-3
@@ -179,8 +181,6 @@ class SFTConfig(DataFields):
     """Global gradient-norm clip; 0 disables."""
     max_length: int = 64
     """Sequences longer than this (in tokens) are truncated from the right."""
-    packing: bool = False
-    """Padding-free batches: concatenate sequences with per-sequence position ids."""
     precision: str = "auto"
     """auto (bf16 on a bf16-capable GPU, fp32 otherwise), bf16 or fp32."""
     eval_every: int = 0
@@ -195,7 +195,7 @@ class SFTConfig(DataFields):
     """Seed of data order and dropout."""
 
     def __post_init__(self) -> None:
-        s = "sft"
+        s = self.section
         for name in ("max_steps", "batch_size", "grad_accum", "max_length", "eval_items", "num_threads"):
             _check(getattr(self, name) >= 1, s, name, f"must be >= 1, got {getattr(self, name)}")
         for name in ("warmup_steps", "eval_every", "save_every"):
@@ -206,6 +206,63 @@ class SFTConfig(DataFields):
         _check(self.max_grad_norm >= 0, s, "max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
         _check(self.precision in ("auto", "bf16", "fp32"), s, "precision",
                f"must be auto, bf16 or fp32, got {self.precision!r}")
+
+
+@dataclass
+class SFTConfig(TrainerConfig):
+    """``sft``: supervised fine-tuning on demonstrations, loss on completion tokens only."""
+
+    section: ClassVar[str] = "sft"
+
+    packing: bool = False
+    """Padding-free batches: concatenate sequences with per-sequence position ids."""
+
+
+@dataclass
+class DPOConfig(TrainerConfig):
+    """``dpo``: direct preference optimisation (DPO, IPO or cDPO) on preference pairs."""
+
+    section: ClassVar[str] = "dpo"
+
+    model_path: str = "models/sft"
+    """Policy to start from (usually the SFT model)."""
+    ref_model_path: str = ""
+    """Frozen reference model; empty means the starting policy."""
+    train_file: str = "data/embedded/preferences.jsonl"
+    """Preference pairs (prompt, chosen, rejected)."""
+    output_dir: str = "models/dpo"
+    """Where the final HF model directory is written."""
+    checkpoint_dir: str = "checkpoints/dpo"
+    """Where periodic checkpoints go."""
+    max_steps: int = 200
+    """Optimizer steps to train."""
+    batch_size: int = 32
+    """Preference pairs per micro-batch."""
+    lr: float = 2e-4
+    """Peak learning rate of AdamW."""
+    warmup_steps: int = 10
+    """Linear warmup steps."""
+    loss: str = "dpo"
+    """dpo, ipo or cdpo (see rlhf_core.losses.PreferenceLoss)."""
+    beta: float = 0.1
+    """DPO/cDPO inverse temperature; IPO's tau."""
+    label_smoothing: float = 0.0
+    """cDPO's assumed fraction of flipped preference labels, in [0, 0.5)."""
+    nll_weight: float = 0.0
+    """Weight of an NLL term on the chosen response (0 disables)."""
+    precompute_reference: bool = True
+    """Compute reference log-probs once before training (else live, every step)."""
+    ipo_average_logps: bool = False
+    """IPO on per-token mean log-probs (TRL's choice) instead of sums (the paper's)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        s = self.section
+        _check(self.loss in ("dpo", "ipo", "cdpo"), s, "loss", f"must be dpo, ipo or cdpo, got {self.loss!r}")
+        _check(self.beta > 0, s, "beta", f"must be > 0, got {self.beta}")
+        _check(0.0 <= self.label_smoothing < 0.5, s, "label_smoothing",
+               f"must be in [0, 0.5), got {self.label_smoothing}")
+        _check(self.nll_weight >= 0, s, "nll_weight", f"must be >= 0, got {self.nll_weight}")
 
 
 @dataclass
@@ -267,6 +324,7 @@ SECTIONS: dict[str, type] = {
     "generate": GenerateConfig,
     "model": ModelConfig,
     "sft": SFTConfig,
+    "dpo": DPOConfig,
     "evaluate": EvalConfig,
     "tracking": TrackingConfig,
     "flow": FlowConfig,
@@ -402,6 +460,6 @@ def field_docs(cls: type) -> dict[str, str]:
 
 __all__ = [
     "ConfigError", "GenerateConfig", "ModelConfig", "DataFields", "SFTConfig", "EvalConfig",
-    "TrackingConfig", "FlowConfig", "SECTIONS", "build_config", "load_config", "read_params",
+    "TrackingConfig", "FlowConfig", "TrainerConfig", "DPOConfig", "SECTIONS", "build_config", "load_config", "read_params",
     "parse_overrides", "config_to_dict", "field_docs",
 ]

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 MetricsFn = Callable[[dict[str, float], int], None]
 
@@ -83,6 +84,11 @@ class StepStats:
     lr: float
 
 
+def count_label_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Units of a token-level loss: labelled next-token targets (labels shifted by one)."""
+    return int((batch["labels"][:, 1:] != -100).sum())
+
+
 def accumulate_and_step(
     model: torch.nn.Module,
     micro_batches: Sequence[Any],
@@ -92,32 +98,25 @@ def accumulate_and_step(
     *,
     max_grad_norm: float,
     autocast_dtype: torch.dtype | None,
+    units_fn: Callable[[Any], int] = count_label_tokens,
 ) -> StepStats:
     """One optimizer step over ``micro_batches`` (gradient accumulation).
 
-    ``loss_fn`` returns a *summed* loss and its unit count (tokens, pairs, ...). Each
-    micro-batch's sum is divided by the count of the whole step before backward, so the
-    gradient equals that of one batch holding every micro-batch, whatever their sizes.
+    ``loss_fn`` returns a *summed* loss and its unit count (tokens, pairs, ...); ``units_fn``
+    counts a micro-batch's units without a forward pass. Each micro-batch's sum is divided
+    by the units of the whole step before backward, so the gradient equals that of one
+    batch holding every micro-batch, whatever their sizes.
     """
     device = next(model.parameters()).device
-    counts = [None] * len(micro_batches)
-    # Counts first (cheap: labels only) so each backward already has the global normaliser.
-    total = 0
-    for i, mb in enumerate(micro_batches):
-        labels = mb.get("labels") if isinstance(mb, dict) else None
-        counts[i] = int((labels[:, 1:] != -100).sum()) if labels is not None else None
-    known = all(c is not None for c in counts)
-    total = sum(counts) if known else 0
+    total = sum(units_fn(mb) for mb in micro_batches)
     loss_total = 0.0
     units_total = 0
     for mb in micro_batches:
         with autocast_context(device, autocast_dtype):
             loss_sum, n = loss_fn(model, mb)
-        n_int = int(n)
-        denom = total if known else max(n_int, 1) * len(micro_batches)
-        (loss_sum / max(denom, 1)).backward()
+        (loss_sum / max(total, 1)).backward()
         loss_total += float(loss_sum.detach())
-        units_total += n_int
+        units_total += int(n)
     if max_grad_norm > 0:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
     else:
@@ -200,3 +199,87 @@ def batched(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:
     """Consecutive slices of ``items`` of length ``size`` (the last may be shorter)."""
     for start in range(0, len(items), size):
         yield items[start:start + size]
+
+
+# --------------------------------------------------------------------------------------
+# The step loop every trainer runs
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoopResult:
+    """What the shared loop hands back to a trainer."""
+
+    metrics: dict[str, float]
+    eval_samples: list[dict[str, str]]
+
+
+def run_training(
+    cfg: Any,
+    name: str,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    *,
+    next_micro_batch: Callable[[], Any],
+    loss_fn: Callable[[torch.nn.Module, Any], tuple[torch.Tensor, torch.Tensor]],
+    evaluate: Callable[[], tuple[dict[str, float], list[dict[str, str]]]],
+    sink: MetricSink,
+    units_fn: Callable[[Any], int] = count_label_tokens,
+    step_metrics: Callable[[], dict[str, float]] | None = None,
+    show_progress: bool = True,
+) -> LoopResult:
+    """Optimise ``model`` for ``cfg.max_steps`` steps: batch -> accumulate -> step -> log -> eval -> checkpoint.
+
+    ``cfg`` is a :class:`rlhf_core.config.TrainerConfig`. ``evaluate()`` returns held-out
+    metrics and sample answers; it runs every ``cfg.eval_every`` steps and once at the end,
+    and its time is excluded from ``perf/train_seconds``. ``step_metrics()`` (optional)
+    returns trainer-specific metrics gathered by ``loss_fn`` since the last call.
+    """
+    device = next(model.parameters()).device
+    autocast_dtype = _resolve_autocast(cfg.precision, device)
+    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
+    scheduler = build_scheduler(optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+    last_metrics: dict[str, float] = {}
+    eval_seconds = 0.0
+
+    def run_eval(step: int) -> list[dict[str, str]]:
+        nonlocal eval_seconds
+        started = Timer()
+        metrics, samples = evaluate()
+        sink.log_metrics(metrics, step)
+        last_metrics.update(metrics)
+        eval_seconds += started.total()
+        return samples
+
+    model.train()
+    timer, tokens_seen = Timer(), 0
+    bar = tqdm(range(1, cfg.max_steps + 1), desc=name, disable=not show_progress, mininterval=2.0)
+    for step in bar:
+        micro = [next_micro_batch() for _ in range(cfg.grad_accum)]
+        stats = accumulate_and_step(model, micro, loss_fn, optimizer, scheduler, max_grad_norm=cfg.max_grad_norm,
+                                    autocast_dtype=autocast_dtype, units_fn=units_fn)
+        tokens_seen += sum(int(mb["input_ids"].numel()) for mb in micro)
+        if step % 10 == 0 or step == cfg.max_steps:
+            elapsed = timer.total() - eval_seconds  # training time only
+            extra = step_metrics() if step_metrics is not None else {}
+            sink.log_metrics({"train/loss": stats.loss, "train/grad_norm": stats.grad_norm, "train/lr": stats.lr,
+                              "perf/tokens_per_s": tokens_seen / max(elapsed, 1e-9), "perf/elapsed_s": elapsed,
+                              **extra}, step)
+            bar.set_postfix(loss=f"{stats.loss:.3f}", lr=f"{stats.lr:.1e}")
+        if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.max_steps:
+            run_eval(step)
+        if cfg.save_every and step % cfg.save_every == 0:
+            save_checkpoint(cfg.checkpoint_dir, step, model, tokenizer, optimizer, scheduler)
+    train_seconds = timer.total() - eval_seconds
+
+    samples = run_eval(cfg.max_steps)
+    sink.log_metrics({"perf/train_seconds": train_seconds}, cfg.max_steps)
+    metrics = {**last_metrics, "train/loss_final": stats.loss, "perf/train_seconds": train_seconds,
+               "perf/tokens_per_s": tokens_seen / max(train_seconds, 1e-9)}
+    return LoopResult(metrics, samples)
+
+
+def _resolve_autocast(precision: str, device: torch.device) -> torch.dtype | None:
+    from rlhf_core.models import resolve_precision
+
+    return resolve_precision(precision, device)

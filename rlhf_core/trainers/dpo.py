@@ -1,0 +1,143 @@
+"""Direct preference optimisation: DPO, IPO and cDPO on (prompt, chosen, rejected) pairs.
+
+Reads top to bottom: load policy + reference -> tokenize pairs -> reference log-probs
+(precomputed once, or live) -> shared train loop with the pairwise loss -> save. The loss
+math lives in ``rlhf_core.losses.preference_loss``; log-probs come from
+``rlhf_core.logprobs``; optimiser, schedule, accumulation, eval and checkpoints from
+``rlhf_core.trainers.loop`` — the same pieces SFT uses.
+
+Run: ``alignflow dpo`` (config: ``params.yaml`` section ``dpo``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_core.config import DPOConfig, config_to_dict
+from rlhf_core.data.io import read_records, require_str
+from rlhf_core.data.tokenize import TokenizedExample, collate_padded, tokenize_prompt_completion
+from rlhf_core.evaluate import evaluate_exact_match
+from rlhf_core.logprobs import reference_logprobs, response_logprobs
+from rlhf_core.losses import PreferenceLoss, preference_loss
+from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
+from rlhf_core.trainers.loop import MetricSink, NullSink, run_training, save_hf_dir, seed_everything
+
+
+@dataclass
+class DPOResult:
+    """The trained policy's directory and its final metrics."""
+
+    output_dir: Path
+    metrics: dict[str, float] = field(default_factory=dict)
+    eval_samples: list[dict[str, str]] = field(default_factory=list)
+
+
+def tokenize_pairs(tokenizer: Any, path: str | Path, cfg: DPOConfig) -> list[tuple[TokenizedExample, TokenizedExample]]:
+    """(chosen, rejected) examples of every pair in ``path``, loss masks on the responses."""
+    pairs = []
+    for rec in read_records(path):
+        prompt = require_str(rec, cfg.prompt_field, path)
+        chosen = require_str(rec, cfg.chosen_field, path)
+        rejected = require_str(rec, cfg.rejected_field, path)
+        pairs.append((tokenize_prompt_completion(tokenizer, prompt, chosen, cfg.max_length),
+                      tokenize_prompt_completion(tokenizer, prompt, rejected, cfg.max_length)))
+    return pairs
+
+
+def pair_batch(pairs: list[tuple[TokenizedExample, TokenizedExample]], pad_id: int) -> dict[str, torch.Tensor]:
+    """One padded batch of ``2B`` rows: the B chosen sequences, then the B rejected ones."""
+    batch = collate_padded([c for c, _ in pairs] + [r for _, r in pairs], pad_id)
+    batch["n_pairs"] = torch.tensor(len(pairs))
+    return batch
+
+
+def train_dpo(cfg: DPOConfig, sink: MetricSink | None = None, show_progress: bool = True) -> DPOResult:
+    """Optimise ``cfg.model_path`` on preference pairs and save an HF directory at ``cfg.output_dir``."""
+    sink = sink or NullSink()
+    seed_everything(cfg.seed, cfg.num_threads)
+    kind = PreferenceLoss(cfg.loss)
+    average = kind is PreferenceLoss.IPO and cfg.ipo_average_logps
+    device = pick_device()
+
+    # ---- load: policy, frozen reference, pairs ------------------------------------------
+    tokenizer = load_tokenizer(cfg.model_path)
+    model = load_causal_lm(cfg.model_path, device)
+    reference = load_causal_lm(cfg.ref_model_path or cfg.model_path, device).eval().requires_grad_(False)
+    pairs = tokenize_pairs(tokenizer, cfg.train_file, cfg)
+    pad = tokenizer.pad_token_id
+
+    # ---- reference log-probs: once up front (then the reference is freed), or live -------
+    ref_logps: torch.Tensor | None = None
+    if cfg.precompute_reference:
+        chunks = [pair_batch(pairs[i:i + cfg.batch_size], pad) for i in range(0, len(pairs), cfg.batch_size)]
+        flat = reference_logprobs(reference, chunks, average=average)
+        sizes = [int(c["n_pairs"]) for c in chunks]
+        per_chunk = torch.split(flat, [2 * n for n in sizes])
+        ref_logps = torch.stack([torch.cat([p[:n] for p, n in zip(per_chunk, sizes)]),
+                                 torch.cat([p[n:] for p, n in zip(per_chunk, sizes)])], dim=1)  # (pairs, 2)
+        del reference
+        reference = None
+
+    # ---- batches --------------------------------------------------------------------------
+    generator = torch.Generator().manual_seed(cfg.seed)
+    order: list[int] = []
+
+    def next_micro_batch() -> dict[str, torch.Tensor]:
+        nonlocal order
+        if len(order) < cfg.batch_size:
+            order = order + torch.randperm(len(pairs), generator=generator).tolist()
+        idx, order = order[:cfg.batch_size], order[cfg.batch_size:]
+        batch = pair_batch([pairs[i] for i in idx], pad)
+        if ref_logps is not None:
+            batch["ref_logps"] = ref_logps[idx]  # (B, 2)
+        return batch
+
+    # ---- loss: pairwise on policy vs reference log-ratios ----------------------------------
+    seen: dict[str, list[float]] = {"acc": [], "margin": [], "chosen": [], "rejected": []}
+
+    def loss_fn(policy: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        n = int(batch["n_pairs"])
+        logps = response_logprobs(policy, batch, average=average)
+        if "ref_logps" in batch:
+            ref = batch["ref_logps"].to(logps.device)
+            ref_c, ref_r = ref[:, 0], ref[:, 1]
+        else:
+            with torch.no_grad():
+                live = response_logprobs(reference, batch, average=average)
+            ref_c, ref_r = live[:n], live[n:]
+        out = preference_loss(kind, logps[:n], logps[n:], ref_c, ref_r, beta=cfg.beta,
+                              label_smoothing=cfg.label_smoothing)
+        loss_sum = out.losses.sum()
+        if cfg.nll_weight > 0:  # RPO-style per-token NLL on the chosen response (Pang et al. 2024)
+            n_tok = (batch["labels"][:n, 1:] != -100).sum(-1).clamp(min=1).to(logps.device)
+            chosen_mean = logps[:n] if average else logps[:n] / n_tok
+            loss_sum = loss_sum - cfg.nll_weight * chosen_mean.sum()
+        seen["acc"].append(float((out.chosen_rewards > out.rejected_rewards).float().mean()))
+        seen["margin"].append(float((out.chosen_rewards - out.rejected_rewards).mean()))
+        seen["chosen"].append(float(out.chosen_rewards.mean()))
+        seen["rejected"].append(float(out.rejected_rewards.mean()))
+        return loss_sum, torch.tensor(n)
+
+    def step_metrics() -> dict[str, float]:
+        out = {f"train/reward_{k}" if k != "acc" else "train/reward_accuracy": sum(v) / max(len(v), 1)
+               for k, v in seen.items()}
+        for v in seen.values():
+            v.clear()
+        return out
+
+    def evaluate() -> tuple[dict[str, float], list[dict[str, str]]]:
+        result = evaluate_exact_match(model, tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
+                                      label_field=cfg.label_field, max_items=cfg.eval_items)
+        return result.metrics("eval"), result.samples
+
+    # ---- train, then save -----------------------------------------------------------------
+    loop = run_training(cfg, "dpo", model, tokenizer, next_micro_batch=next_micro_batch, loss_fn=loss_fn,
+                        evaluate=evaluate, sink=sink, units_fn=lambda b: int(b["n_pairs"]),
+                        step_metrics=step_metrics, show_progress=show_progress)
+    save_hf_dir(model, tokenizer, cfg.output_dir,
+                extra={"stage": "dpo", "config": config_to_dict(cfg), "base_model": str(cfg.model_path)})
+    return DPOResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples)
