@@ -22,6 +22,7 @@ from rlhf_core.config import (
     SECTIONS,
     ConfigError,
     DataFields,
+    DPOConfig,
     EvalConfig,
     GenerateConfig,
     ModelConfig,
@@ -84,6 +85,15 @@ def cmd_sft(args: argparse.Namespace) -> int:
     tracking = load_config(TrackingConfig, "tracking", args.params)
     result = stages.sft(cfg, tracking, stages.env_parent_run_id(), metrics_file=args.metrics_file)
     _print(result.to_dict())
+    return 0
+
+
+def cmd_dpo(args: argparse.Namespace) -> int:
+    from rlhf_core import stages
+
+    cfg = _stage_cfg(args, DPOConfig, "dpo")
+    tracking = load_config(TrackingConfig, "tracking", args.params)
+    _print(stages.dpo(cfg, tracking, stages.env_parent_run_id(), metrics_file=args.metrics_file).to_dict())
     return 0
 
 
@@ -152,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p, "sft")
     p.add_argument("--metrics-file", default=None, help="write final metrics JSON here (for DVC)")
     p.set_defaults(func=cmd_sft)
+
+    p = sub.add_parser("dpo", help="direct preference optimisation (DPO, IPO, cDPO) on preference pairs")
+    _common(p, "dpo")
+    p.add_argument("--metrics-file", default=None, help="write final metrics JSON here (for DVC)")
+    p.set_defaults(func=cmd_dpo)
 
     p = sub.add_parser("evaluate", help="greedy exact-match accuracy of a model")
     _common(p, "evaluate")

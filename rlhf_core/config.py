@@ -266,6 +266,47 @@ class DPOConfig(TrainerConfig):
 
 
 @dataclass
+class RewardConfig(TrainerConfig):
+    """``reward``: a scalar reward model trained on preference pairs (Bradley-Terry)."""
+
+    section: ClassVar[str] = "reward"
+
+    model_path: str = "models/sft"
+    """Causal-LM backbone to start from (its LM head is replaced by a scalar head)."""
+    train_file: str = "data/embedded/preferences.jsonl"
+    """Preference pairs (prompt, chosen, rejected, optional margin)."""
+    eval_file: str = ""
+    """Held-out preference pairs; empty means the last eval_fraction of train_file."""
+    eval_fraction: float = 0.1
+    """Fraction of train_file held out when eval_file is empty."""
+    output_dir: str = "models/reward"
+    """Where the reward model's HF directory is written."""
+    checkpoint_dir: str = "checkpoints/reward"
+    """Where periodic checkpoints go."""
+    max_steps: int = 300
+    """Optimizer steps to train."""
+    batch_size: int = 32
+    """Preference pairs per micro-batch."""
+    lr: float = 1e-3
+    """Peak learning rate of AdamW."""
+    warmup_steps: int = 20
+    """Linear warmup steps."""
+    loss: str = "sigmoid"
+    """sigmoid (Bradley-Terry, honours margin) or logexp."""
+    use_margin: bool = True
+    """Subtract the pair's margin field (when present) inside the sigmoid."""
+    eval_items: int = 1000
+    """Held-out pairs used for accuracy."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.loss in ("sigmoid", "logexp"), self.section, "loss",
+               f"must be sigmoid or logexp, got {self.loss!r}")
+        _check(0.0 < self.eval_fraction < 1.0, self.section, "eval_fraction",
+               f"must be in (0, 1), got {self.eval_fraction}")
+
+
+@dataclass
 class EvalConfig(DataFields):
     """``evaluate``: greedy exact-match accuracy of a model on held-out prompts."""
 
@@ -325,6 +366,7 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "sft": SFTConfig,
     "dpo": DPOConfig,
+    "reward": RewardConfig,
     "evaluate": EvalConfig,
     "tracking": TrackingConfig,
     "flow": FlowConfig,
@@ -460,6 +502,6 @@ def field_docs(cls: type) -> dict[str, str]:
 
 __all__ = [
     "ConfigError", "GenerateConfig", "ModelConfig", "DataFields", "SFTConfig", "EvalConfig",
-    "TrackingConfig", "FlowConfig", "TrainerConfig", "DPOConfig", "SECTIONS", "build_config", "load_config", "read_params",
+    "TrackingConfig", "FlowConfig", "TrainerConfig", "DPOConfig", "RewardConfig", "SECTIONS", "build_config", "load_config", "read_params",
     "parse_overrides", "config_to_dict", "field_docs",
 ]

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 
 from rlhf_core.config import (
     DataFields,
+    DPOConfig,
     EvalConfig,
     GenerateConfig,
     ModelConfig,
@@ -191,6 +192,34 @@ def sft(cfg: SFTConfig, tracking: TrackingConfig, parent_run_id: str | None = No
                                 if k.startswith(("eval/", "train/loss"))}, metrics_file)
         return StageResult({"model": str(result.output_dir)}, {"model": out_md5}, result.metrics,
                            run.run_id, model_uri)
+
+
+# --------------------------------------------------------------------------------------
+# dpo
+# --------------------------------------------------------------------------------------
+
+
+def dpo(cfg: DPOConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
+        metrics_file: str | Path | None = None, show_progress: bool = True) -> StageResult:
+    """DPO/IPO/cDPO on preference pairs, tracked as one (nested) MLflow run with lineage."""
+    from rlhf_core.tracking import start_run
+    from rlhf_core.trainers.dpo import train_dpo
+
+    inputs = {"model": cfg.model_path, "train": cfg.train_file, "eval": cfg.eval_file}
+    if cfg.ref_model_path:
+        inputs["reference"] = cfg.ref_model_path
+    with start_run(tracking, "dpo", parent_run_id, lineage_tags(inputs, "dpo")) as run:
+        run.log_params(config_to_dict(cfg))
+        run.log_input(cfg.train_file, "preferences", dvc_md5(cfg.train_file), "training")
+        run.log_input(cfg.eval_file, "eval", dvc_md5(cfg.eval_file), "evaluation")
+        result = train_dpo(cfg, sink=run, show_progress=show_progress)
+        run.log_dict(result.eval_samples, "eval_samples.json")
+        out_md5 = dvc_md5(result.output_dir)
+        run.set_tags({"dvc.md5.output_model": out_md5})
+        if metrics_file is not None:
+            _write_json_atomic({k: round(v, 6) for k, v in result.metrics.items()
+                                if k.startswith(("eval/", "train/loss"))}, metrics_file)
+        return StageResult({"model": str(result.output_dir)}, {"model": out_md5}, result.metrics, run.run_id)
 
 
 # --------------------------------------------------------------------------------------

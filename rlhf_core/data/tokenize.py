@@ -135,6 +135,27 @@ def tokenize_sft_records(
     return out
 
 
+def tokenize_preference_records(
+    tokenizer: Any,
+    records: Sequence[Record],
+    *,
+    path: str | Path,
+    prompt_field: str,
+    chosen_field: str,
+    rejected_field: str,
+    max_length: int,
+) -> list[tuple[TokenizedExample, TokenizedExample]]:
+    """(chosen, rejected) sequences of each preference record, loss masks on the responses."""
+    pairs = []
+    for rec in records:
+        prompt = require_str(rec, prompt_field, path)
+        chosen = require_str(rec, chosen_field, path)
+        rejected = require_str(rec, rejected_field, path)
+        pairs.append((tokenize_prompt_completion(tokenizer, prompt, chosen, max_length),
+                      tokenize_prompt_completion(tokenizer, prompt, rejected, max_length)))
+    return pairs
+
+
 # --------------------------------------------------------------------------------------
 # Batching
 # --------------------------------------------------------------------------------------
@@ -173,3 +194,10 @@ def collate_packed(examples: Sequence[TokenizedExample]) -> dict[str, torch.Tens
         "labels": torch.tensor([labels]),
         "position_ids": torch.tensor([pos]),
     }
+
+
+def collate_pairs(pairs: Sequence[tuple[TokenizedExample, TokenizedExample]], pad_id: int) -> dict[str, torch.Tensor]:
+    """One padded batch of ``2B`` rows: the B chosen sequences, then the B rejected ones."""
+    batch = collate_padded([c for c, _ in pairs] + [r for _, r in pairs], pad_id)
+    batch["n_pairs"] = torch.tensor(len(pairs))
+    return batch

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from rlhf_core.config import DPOConfig, config_to_dict
-from rlhf_core.data.io import read_records, require_str
-from rlhf_core.data.tokenize import TokenizedExample, collate_padded, tokenize_prompt_completion
+from rlhf_core.data.io import read_records
+from rlhf_core.data.tokenize import collate_pairs
+from rlhf_core.data.tokenize import tokenize_preference_records
 from rlhf_core.evaluate import evaluate_exact_match
 from rlhf_core.logprobs import reference_logprobs, response_logprobs
 from rlhf_core.losses import PreferenceLoss, preference_loss
@@ -36,25 +37,6 @@ class DPOResult:
     eval_samples: list[dict[str, str]] = field(default_factory=list)
 
 
-def tokenize_pairs(tokenizer: Any, path: str | Path, cfg: DPOConfig) -> list[tuple[TokenizedExample, TokenizedExample]]:
-    """(chosen, rejected) examples of every pair in ``path``, loss masks on the responses."""
-    pairs = []
-    for rec in read_records(path):
-        prompt = require_str(rec, cfg.prompt_field, path)
-        chosen = require_str(rec, cfg.chosen_field, path)
-        rejected = require_str(rec, cfg.rejected_field, path)
-        pairs.append((tokenize_prompt_completion(tokenizer, prompt, chosen, cfg.max_length),
-                      tokenize_prompt_completion(tokenizer, prompt, rejected, cfg.max_length)))
-    return pairs
-
-
-def pair_batch(pairs: list[tuple[TokenizedExample, TokenizedExample]], pad_id: int) -> dict[str, torch.Tensor]:
-    """One padded batch of ``2B`` rows: the B chosen sequences, then the B rejected ones."""
-    batch = collate_padded([c for c, _ in pairs] + [r for _, r in pairs], pad_id)
-    batch["n_pairs"] = torch.tensor(len(pairs))
-    return batch
-
-
 def train_dpo(cfg: DPOConfig, sink: MetricSink | None = None, show_progress: bool = True) -> DPOResult:
     """Optimise ``cfg.model_path`` on preference pairs and save an HF directory at ``cfg.output_dir``."""
     sink = sink or NullSink()
@@ -67,13 +49,15 @@ def train_dpo(cfg: DPOConfig, sink: MetricSink | None = None, show_progress: boo
     tokenizer = load_tokenizer(cfg.model_path)
     model = load_causal_lm(cfg.model_path, device)
     reference = load_causal_lm(cfg.ref_model_path or cfg.model_path, device).eval().requires_grad_(False)
-    pairs = tokenize_pairs(tokenizer, cfg.train_file, cfg)
+    pairs = tokenize_preference_records(tokenizer, read_records(cfg.train_file), path=cfg.train_file,
+                                        prompt_field=cfg.prompt_field, chosen_field=cfg.chosen_field,
+                                        rejected_field=cfg.rejected_field, max_length=cfg.max_length)
     pad = tokenizer.pad_token_id
 
     # ---- reference log-probs: once up front (then the reference is freed), or live -------
     ref_logps: torch.Tensor | None = None
     if cfg.precompute_reference:
-        chunks = [pair_batch(pairs[i:i + cfg.batch_size], pad) for i in range(0, len(pairs), cfg.batch_size)]
+        chunks = [collate_pairs(pairs[i:i + cfg.batch_size], pad) for i in range(0, len(pairs), cfg.batch_size)]
         flat = reference_logprobs(reference, chunks, average=average)
         sizes = [int(c["n_pairs"]) for c in chunks]
         per_chunk = torch.split(flat, [2 * n for n in sizes])
@@ -91,7 +75,7 @@ def train_dpo(cfg: DPOConfig, sink: MetricSink | None = None, show_progress: boo
         if len(order) < cfg.batch_size:
             order = order + torch.randperm(len(pairs), generator=generator).tolist()
         idx, order = order[:cfg.batch_size], order[cfg.batch_size:]
-        batch = pair_batch([pairs[i] for i in idx], pad)
+        batch = collate_pairs([pairs[i] for i in idx], pad)
         if ref_logps is not None:
             batch["ref_logps"] = ref_logps[idx]  # (B, 2)
         return batch

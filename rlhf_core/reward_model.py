@@ -1,0 +1,66 @@
+"""Reward models: a causal-LM backbone with a scalar head read at the last non-pad token.
+
+Built on ``AutoModelForSequenceClassification(num_labels=1)`` — transformers' own scalar head
+for Llama/Qwen2-style models, which already reads the logit at each row's last non-pad
+token — so a reward model is an ordinary HF directory (safetensors + config.json) that any
+HF tool loads. Normalisation statistics (mean and std of training rewards) are stored in its
+``config.json`` as ``alignflow_reward_mean`` / ``alignflow_reward_std``; :func:`score`
+returns normalised rewards, so PPO sees rewards of unit scale whatever the backbone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from rlhf_core.data.tokenize import collate_padded, tokenize_prompt_completion
+from rlhf_core.models import ModelLoadError, pick_device
+
+MEAN_KEY, STD_KEY = "alignflow_reward_mean", "alignflow_reward_std"
+
+
+def load_reward_model(path: str | Path, device: torch.device | None = None) -> Any:
+    """A scalar-head model from an HF directory (a trained reward model, or an LM to start one from)."""
+    from transformers import AutoModelForSequenceClassification
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise ModelLoadError(f"{path}: not a Hugging Face model directory (no config.json)")
+    model = AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1, dtype=torch.float32)
+    if model.config.pad_token_id is None:
+        raise ModelLoadError(f"{path}: config has no pad_token_id; the reward head needs it to find the last token")
+    return model.to(device or pick_device())
+
+
+def pair_rewards(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``(2B,)`` raw rewards of a :func:`rlhf_core.data.tokenize.collate_pairs` batch."""
+    device = next(model.parameters()).device
+    return model(input_ids=batch["input_ids"].to(device),
+                 attention_mask=batch["attention_mask"].to(device)).logits.squeeze(-1).float()
+
+
+def set_normalisation(model: Any, mean: float, std: float) -> None:
+    """Store reward statistics in the model config (saved with ``save_pretrained``)."""
+    setattr(model.config, MEAN_KEY, float(mean))
+    setattr(model.config, STD_KEY, float(max(std, 1e-6)))
+
+
+@torch.no_grad()
+def score(model: Any, tokenizer: Any, prompts: Sequence[str], completions: Sequence[str], *,
+          batch_size: int = 64, max_length: int = 256, normalise: bool = True) -> list[float]:
+    """Rewards of ``prompt + completion`` pairs (normalised with the stored statistics)."""
+    model.eval()
+    device = next(model.parameters()).device
+    mean = getattr(model.config, MEAN_KEY, 0.0) if normalise else 0.0
+    std = getattr(model.config, STD_KEY, 1.0) if normalise else 1.0
+    out: list[float] = []
+    for start in range(0, len(prompts), batch_size):
+        exs = [tokenize_prompt_completion(tokenizer, p, c, max_length)
+               for p, c in zip(prompts[start:start + batch_size], completions[start:start + batch_size])]
+        batch = collate_padded(exs, tokenizer.pad_token_id)
+        raw = model(input_ids=batch["input_ids"].to(device),
+                    attention_mask=batch["attention_mask"].to(device)).logits.squeeze(-1).float()
+        out.extend(((raw - mean) / std).tolist())
+    return out

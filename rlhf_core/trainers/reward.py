@@ -1,0 +1,126 @@
+"""Reward-model training: Bradley-Terry on (prompt, chosen, rejected) pairs.
+
+Reads top to bottom: load the backbone with a scalar head -> tokenize pairs (held-out split)
+-> shared train loop with the pairwise loss -> reward statistics -> save. Reports pairwise
+accuracy and mean reward margin on held-out pairs (``eval/reward_accuracy``,
+``eval/reward_margin``).
+
+Run: ``alignflow reward`` (config: ``params.yaml`` section ``reward``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_core.config import RewardConfig, config_to_dict
+from rlhf_core.data.io import Record, read_records
+from rlhf_core.data.tokenize import TokenizedExample, collate_pairs, tokenize_preference_records
+from rlhf_core.losses import bradley_terry_loss, log_exp_loss
+from rlhf_core.models import load_tokenizer, pick_device
+from rlhf_core.reward_model import load_reward_model, pair_rewards, set_normalisation
+from rlhf_core.trainers.loop import MetricSink, NullSink, run_training, save_hf_dir, seed_everything
+
+Pair = tuple[TokenizedExample, TokenizedExample]
+
+
+@dataclass
+class RewardResult:
+    """The reward model's directory and its held-out metrics."""
+
+    output_dir: Path
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _margins(records: list[Record], cfg: RewardConfig) -> torch.Tensor:
+    values = [float(r.get(cfg.margin_field, 0.0) or 0.0) if cfg.use_margin else 0.0 for r in records]
+    return torch.tensor(values)
+
+
+@torch.no_grad()
+def pairwise_metrics(model: Any, pairs: list[Pair], pad_id: int, batch_size: int) -> dict[str, float]:
+    """Held-out pairwise accuracy (chosen scores higher) and mean margin r_c - r_r."""
+    was_training = model.training
+    model.eval()
+    diffs = []
+    for start in range(0, len(pairs), batch_size):
+        chunk = pairs[start:start + batch_size]
+        r = pair_rewards(model, collate_pairs(chunk, pad_id))
+        diffs.append(r[:len(chunk)] - r[len(chunk):])
+    model.train(was_training)
+    d = torch.cat(diffs)
+    return {"eval/reward_accuracy": float((d > 0).float().mean()), "eval/reward_margin": float(d.mean()),
+            "eval/n_pairs": float(len(d))}
+
+
+def train_reward_model(cfg: RewardConfig, sink: MetricSink | None = None, show_progress: bool = True) -> RewardResult:
+    """Train a scalar reward model from ``cfg.model_path`` and save it at ``cfg.output_dir``."""
+    sink = sink or NullSink()
+    seed_everything(cfg.seed, cfg.num_threads)
+
+    # ---- load: backbone + scalar head, pairs, held-out split ------------------------------
+    tokenizer = load_tokenizer(cfg.model_path)
+    model = load_reward_model(cfg.model_path, pick_device())
+    fields = dict(prompt_field=cfg.prompt_field, chosen_field=cfg.chosen_field, rejected_field=cfg.rejected_field,
+                  max_length=cfg.max_length)
+    records = read_records(cfg.train_file)
+    if cfg.eval_file:
+        train_recs, eval_recs, eval_path = records, read_records(cfg.eval_file, limit=cfg.eval_items), cfg.eval_file
+    else:
+        n_eval = max(1, int(len(records) * cfg.eval_fraction))
+        train_recs, eval_recs, eval_path = records[:-n_eval], records[-n_eval:], cfg.train_file
+    train = tokenize_preference_records(tokenizer, train_recs, path=cfg.train_file, **fields)
+    held_out = tokenize_preference_records(tokenizer, eval_recs, path=eval_path, **fields)
+    margins = _margins(train_recs, cfg)
+    pad = tokenizer.pad_token_id
+
+    # ---- batches --------------------------------------------------------------------------
+    generator = torch.Generator().manual_seed(cfg.seed)
+    order: list[int] = []
+
+    def next_micro_batch() -> dict[str, torch.Tensor]:
+        nonlocal order
+        if len(order) < cfg.batch_size:
+            order = order + torch.randperm(len(train), generator=generator).tolist()
+        idx, order = order[:cfg.batch_size], order[cfg.batch_size:]
+        batch = collate_pairs([train[i] for i in idx], pad)
+        batch["margin"] = margins[idx]
+        return batch
+
+    # ---- loss: Bradley-Terry on the pair's scalar rewards ---------------------------------
+    seen: list[float] = []
+
+    def loss_fn(rm: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        n = int(batch["n_pairs"])
+        r = pair_rewards(rm, batch)
+        if cfg.loss == "logexp":
+            losses = log_exp_loss(r[:n], r[n:])
+        else:
+            losses = bradley_terry_loss(r[:n], r[n:], batch["margin"].to(r.device) if cfg.use_margin else None)
+        seen.append(float((r[:n] > r[n:]).float().mean()))
+        return losses.sum(), torch.tensor(n)
+
+    def step_metrics() -> dict[str, float]:
+        out = {"train/reward_accuracy": sum(seen) / max(len(seen), 1)}
+        seen.clear()
+        return out
+
+    def evaluate() -> tuple[dict[str, float], list[dict[str, str]]]:
+        return pairwise_metrics(model, held_out, pad, cfg.batch_size), []
+
+    # ---- train, store reward statistics, save ---------------------------------------------
+    loop = run_training(cfg, "reward", model, tokenizer, next_micro_batch=next_micro_batch, loss_fn=loss_fn,
+                        evaluate=evaluate, sink=sink, units_fn=lambda b: int(b["n_pairs"]),
+                        step_metrics=step_metrics, show_progress=show_progress)
+    with torch.no_grad():
+        model.eval()
+        all_r = torch.cat([pair_rewards(model, collate_pairs(train[i:i + cfg.batch_size], pad))
+                           for i in range(0, len(train), cfg.batch_size)])
+    set_normalisation(model, float(all_r.mean()), float(all_r.std()))
+    save_hf_dir(model, tokenizer, cfg.output_dir,
+                extra={"stage": "reward", "config": config_to_dict(cfg), "base_model": str(cfg.model_path)})
+    metrics = {**loop.metrics, "reward/mean": float(all_r.mean()), "reward/std": float(all_r.std())}
+    return RewardResult(Path(cfg.output_dir), metrics)
