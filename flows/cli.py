@@ -25,6 +25,7 @@ from rlhf_core.config import (
     DPOConfig,
     EvalConfig,
     GenerateConfig,
+    RewardConfig,
     ModelConfig,
     SFTConfig,
     TrackingConfig,
@@ -94,6 +95,15 @@ def cmd_dpo(args: argparse.Namespace) -> int:
     cfg = _stage_cfg(args, DPOConfig, "dpo")
     tracking = load_config(TrackingConfig, "tracking", args.params)
     _print(stages.dpo(cfg, tracking, stages.env_parent_run_id(), metrics_file=args.metrics_file).to_dict())
+    return 0
+
+
+def cmd_reward(args: argparse.Namespace) -> int:
+    from rlhf_core import stages
+
+    cfg = _stage_cfg(args, RewardConfig, "reward")
+    tracking = load_config(TrackingConfig, "tracking", args.params)
+    _print(stages.reward(cfg, tracking, stages.env_parent_run_id(), metrics_file=args.metrics_file).to_dict())
     return 0
 
 
@@ -167,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p, "dpo")
     p.add_argument("--metrics-file", default=None, help="write final metrics JSON here (for DVC)")
     p.set_defaults(func=cmd_dpo)
+
+    p = sub.add_parser("reward", help="train a scalar reward model on preference pairs")
+    _common(p, "reward")
+    p.add_argument("--metrics-file", default=None, help="write held-out metrics JSON here (for DVC)")
+    p.set_defaults(func=cmd_reward)
 
     p = sub.add_parser("evaluate", help="greedy exact-match accuracy of a model")
     _common(p, "evaluate")

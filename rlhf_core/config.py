@@ -238,8 +238,8 @@ class DPOConfig(TrainerConfig):
     """Optimizer steps to train."""
     batch_size: int = 32
     """Preference pairs per micro-batch."""
-    lr: float = 2e-4
-    """Peak learning rate of AdamW."""
+    lr: float = 3e-5
+    """Peak learning rate of AdamW (2e-4 collapsed the embedded SFT model: keep it small)."""
     warmup_steps: int = 10
     """Linear warmup steps."""
     loss: str = "dpo"
@@ -248,8 +248,8 @@ class DPOConfig(TrainerConfig):
     """DPO/cDPO inverse temperature; IPO's tau."""
     label_smoothing: float = 0.0
     """cDPO's assumed fraction of flipped preference labels, in [0, 0.5)."""
-    nll_weight: float = 0.0
-    """Weight of an NLL term on the chosen response (0 disables)."""
+    nll_weight: float = 1.0
+    """Weight of a per-token NLL term on the chosen response (RPO; 0 disables)."""
     precompute_reference: bool = True
     """Compute reference log-probs once before training (else live, every step)."""
     ipo_average_logps: bool = False
@@ -304,6 +304,51 @@ class RewardConfig(TrainerConfig):
                f"must be sigmoid or logexp, got {self.loss!r}")
         _check(0.0 < self.eval_fraction < 1.0, self.section, "eval_fraction",
                f"must be in (0, 1), got {self.eval_fraction}")
+
+
+@dataclass
+class RejectionConfig(DataFields):
+    """``rejection``: best-of-n sampling from a policy, scored by a reward model or the rule."""
+
+    policy_path: str = "models/sft"
+    """Policy that samples the candidates."""
+    prompts_file: str = "data/embedded/prompts.jsonl"
+    """Prompts (with labels when scoring by rule)."""
+    scorer: str = "reward_model"
+    """reward_model (uses reward_model_path) or rule (exact match against the label)."""
+    reward_model_path: str = "models/reward"
+    """Reward model directory, for scorer=reward_model."""
+    n_samples: int = 4
+    """Candidates per prompt."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    max_new_tokens: int = 12
+    """Generation budget per candidate."""
+    max_prompts: int = 0
+    """Use at most this many prompts (0: all)."""
+    batch_size: int = 64
+    """Prompts per generate call."""
+    output_file: str = "data/rejection/best.jsonl"
+    """Best candidate per prompt, as an SFT dataset (prompt, completion, score)."""
+    pairs_file: str = "data/rejection/pairs.jsonl"
+    """Best vs worst candidate as preference pairs (only where their scores differ)."""
+    num_threads: int = 2
+    """torch intra-op threads on CPU."""
+    seed: int = 0
+    """Sampling seed."""
+
+    def __post_init__(self) -> None:
+        s = "rejection"
+        _check(self.scorer in ("reward_model", "rule"), s, "scorer",
+               f"must be reward_model or rule, got {self.scorer!r}")
+        _check(self.n_samples >= 2, s, "n_samples", f"must be >= 2, got {self.n_samples}")
+        _check(self.temperature > 0, s, "temperature", f"must be > 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, s, "top_p", f"must be in (0, 1], got {self.top_p}")
+        for name in ("max_new_tokens", "batch_size", "num_threads"):
+            _check(getattr(self, name) >= 1, s, name, f"must be >= 1, got {getattr(self, name)}")
+        _check(self.max_prompts >= 0, s, "max_prompts", f"must be >= 0, got {self.max_prompts}")
 
 
 @dataclass
@@ -367,6 +412,7 @@ SECTIONS: dict[str, type] = {
     "sft": SFTConfig,
     "dpo": DPOConfig,
     "reward": RewardConfig,
+    "rejection": RejectionConfig,
     "evaluate": EvalConfig,
     "tracking": TrackingConfig,
     "flow": FlowConfig,
@@ -502,6 +548,6 @@ def field_docs(cls: type) -> dict[str, str]:
 
 __all__ = [
     "ConfigError", "GenerateConfig", "ModelConfig", "DataFields", "SFTConfig", "EvalConfig",
-    "TrackingConfig", "FlowConfig", "TrainerConfig", "DPOConfig", "RewardConfig", "SECTIONS", "build_config", "load_config", "read_params",
+    "TrackingConfig", "FlowConfig", "TrainerConfig", "DPOConfig", "RewardConfig", "RejectionConfig", "SECTIONS", "build_config", "load_config", "read_params",
     "parse_overrides", "config_to_dict", "field_docs",
 ]

@@ -22,6 +22,7 @@ from rlhf_core.config import (
     DataFields,
     DPOConfig,
     EvalConfig,
+    RewardConfig,
     GenerateConfig,
     ModelConfig,
     SFTConfig,
@@ -219,6 +220,30 @@ def dpo(cfg: DPOConfig, tracking: TrackingConfig, parent_run_id: str | None = No
         if metrics_file is not None:
             _write_json_atomic({k: round(v, 6) for k, v in result.metrics.items()
                                 if k.startswith(("eval/", "train/loss"))}, metrics_file)
+        return StageResult({"model": str(result.output_dir)}, {"model": out_md5}, result.metrics, run.run_id)
+
+
+# --------------------------------------------------------------------------------------
+# reward
+# --------------------------------------------------------------------------------------
+
+
+def reward(cfg: RewardConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
+           metrics_file: str | Path | None = None, show_progress: bool = True) -> StageResult:
+    """Reward-model training as one (nested) MLflow run with lineage; held-out accuracy and margin."""
+    from rlhf_core.tracking import start_run
+    from rlhf_core.trainers.reward import train_reward_model
+
+    inputs = {"model": cfg.model_path, "train": cfg.train_file}
+    with start_run(tracking, "reward", parent_run_id, lineage_tags(inputs, "reward")) as run:
+        run.log_params(config_to_dict(cfg))
+        run.log_input(cfg.train_file, "preferences", dvc_md5(cfg.train_file), "training")
+        result = train_reward_model(cfg, sink=run, show_progress=show_progress)
+        out_md5 = dvc_md5(result.output_dir)
+        run.set_tags({"dvc.md5.output_model": out_md5})
+        if metrics_file is not None:
+            _write_json_atomic({k: round(v, 6) for k, v in result.metrics.items() if k.startswith("eval/")},
+                               metrics_file)
         return StageResult({"model": str(result.output_dir)}, {"model": out_md5}, result.metrics, run.run_id)
 
 
