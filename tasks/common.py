@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from prefect.cache_policies import INPUTS, TASK_SOURCE
+from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE, CacheKeyFnPolicy
 
 from rlhf_core.config import ConfigError
 from rlhf_core.data.io import DataError
@@ -14,8 +15,21 @@ from rlhf_core.models import ModelLoadError
 # Bad input fails the same way every time: retrying it only delays the report.
 PERMANENT_ERRORS = (ValidationFailed, DataError, ConfigError, ModelLoadError, FileNotFoundError)
 
-# The parent run id differs per flow run but does not change a stage's output.
-CACHE_POLICY = (INPUTS + TASK_SOURCE) - "parent_run_id"
+
+
+def _project_key(context: Any, parameters: dict[str, Any]) -> str:
+    """The absolute project folder: stage paths are relative to it, so two projects with
+    identical inputs must not share cached results (Prefect's result store is global)."""
+    del context, parameters
+    return str(Path.cwd().resolve())
+
+
+# Inputs (config dicts and input md5s) + the task's code + the project folder. The parent
+# run id differs per flow run but does not change a stage's output.
+CACHE_POLICY = (INPUTS + TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_project_key)) - "parent_run_id"
+
+# Validation is cheap and is the gate's record in each flow run's lineage: never cached.
+VALIDATION_CACHE_POLICY = NO_CACHE
 
 
 def retry_transient(task: Any, task_run: Any, state: Any) -> bool:

@@ -8,7 +8,7 @@ from prefect import task
 
 from rlhf_core import stages
 from rlhf_core.config import DataFields, GenerateConfig, TrackingConfig, build_config
-from tasks.common import TASK_DEFAULTS
+from tasks.common import TASK_DEFAULTS, VALIDATION_CACHE_POLICY
 
 
 @task(name="generate-data", **TASK_DEFAULTS)
@@ -18,10 +18,11 @@ def generate_data(params: dict[str, Any], tracking: dict[str, Any], parent_run_i
                            build_config(TrackingConfig, "tracking", tracking), parent_run_id).to_dict()
 
 
-@task(name="validate-data", task_run_name="validate-{name}", **{**TASK_DEFAULTS, "retries": 0})
+@task(name="validate-data", task_run_name="validate-{name}",
+      **{**TASK_DEFAULTS, "retries": 0, "cache_policy": VALIDATION_CACHE_POLICY})
 def validate_data(path: str, md5: str, kind: str, name: str, fields: dict[str, Any], tracking: dict[str, Any],
                   parent_run_id: str | None = None) -> dict[str, Any]:
-    """Great Expectations gate on one dataset (``md5`` keys the cache); raises on failure."""
-    del md5  # part of the cache key: same path, new content -> validated again
+    """Great Expectations gate on one dataset; raises on failure (``md5`` is recorded in the task inputs)."""
+    del md5
     return stages.validate(path, kind, DataFields(**fields), tracking=build_config(TrackingConfig, "tracking", tracking),
                            parent_run_id=parent_run_id, name=name).to_dict()

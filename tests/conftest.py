@@ -8,11 +8,16 @@ runs against a temporary server. Only sizes are micro, so the suite stays within
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 import rlhf_core  # noqa: F401  (offline switches)
+
+# A Prefect home of the test session's own (results, local DB), set before Prefect is
+# imported: cached task results of a user's runs must never leak into tests, or back.
+os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="alignflow-prefect-")
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -75,9 +80,8 @@ def isolated_project(tmp_path, monkeypatch) -> Path:
 
 
 @pytest.fixture(scope="session")
-def prefect_server(tmp_path_factory):
+def prefect_server():
     """A real temporary Prefect server (SQLite) for flow tests."""
-    os.environ.setdefault("PREFECT_HOME", str(tmp_path_factory.mktemp("prefect_home")))
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=120):

@@ -98,5 +98,5 @@ def test_cli_flow_with_bad_file_exits_nonzero(project, tmp_path):
     bad.write_text(json.dumps({"prompt": "1+2=", "rejected": "4"}) + "\n")
     proc = run_cli(["flow", "align", "--preference-file", str(bad)], project)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert f"{bad}:1: field 'chosen': missing" in proc.stderr
+    assert f"{bad}:1: field 'chosen': missing" in proc.stderr, proc.stderr[-5000:]
     assert not (project / "models").exists()
