@@ -25,6 +25,7 @@ from rlhf_core.config import (
     DPOConfig,
     EvalConfig,
     GenerateConfig,
+    RejectionConfig,
     RewardConfig,
     ModelConfig,
     SFTConfig,
@@ -107,6 +108,14 @@ def cmd_reward(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rejection(args: argparse.Namespace) -> int:
+    from rlhf_core.rejection import rejection_sample
+
+    result = rejection_sample(_stage_cfg(args, RejectionConfig, "rejection"))
+    _print({"output_file": str(result.output_file), "pairs_file": str(result.pairs_file), "metrics": result.metrics})
+    return 0
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from rlhf_core import stages
 
@@ -182,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p, "reward")
     p.add_argument("--metrics-file", default=None, help="write held-out metrics JSON here (for DVC)")
     p.set_defaults(func=cmd_reward)
+
+    p = sub.add_parser("rejection", help="best-of-n sampling scored by a reward model or the rule")
+    _common(p, "rejection")
+    p.set_defaults(func=cmd_rejection)
 
     p = sub.add_parser("evaluate", help="greedy exact-match accuracy of a model")
     _common(p, "evaluate")
