@@ -80,32 +80,24 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_sft(args: argparse.Namespace) -> int:
-    from rlhf_core import stages
+def _tracked_stage(stage: str, cls: type, section: str):
+    """A command that runs ``rlhf_core.stages.<stage>`` with tracking and an optional metrics file."""
 
-    cfg = _stage_cfg(args, SFTConfig, "sft")
-    tracking = load_config(TrackingConfig, "tracking", args.params)
-    result = stages.sft(cfg, tracking, stages.env_parent_run_id(), metrics_file=args.metrics_file)
-    _print(result.to_dict())
-    return 0
+    def run(args: argparse.Namespace) -> int:
+        from rlhf_core import stages
 
+        cfg = _stage_cfg(args, cls, section)
+        tracking = load_config(TrackingConfig, "tracking", args.params)
+        result = getattr(stages, stage)(cfg, tracking, stages.env_parent_run_id(), metrics_file=args.metrics_file)
+        _print(result.to_dict())
+        return 0
 
-def cmd_dpo(args: argparse.Namespace) -> int:
-    from rlhf_core import stages
-
-    cfg = _stage_cfg(args, DPOConfig, "dpo")
-    tracking = load_config(TrackingConfig, "tracking", args.params)
-    _print(stages.dpo(cfg, tracking, stages.env_parent_run_id(), metrics_file=args.metrics_file).to_dict())
-    return 0
+    return run
 
 
-def cmd_reward(args: argparse.Namespace) -> int:
-    from rlhf_core import stages
-
-    cfg = _stage_cfg(args, RewardConfig, "reward")
-    tracking = load_config(TrackingConfig, "tracking", args.params)
-    _print(stages.reward(cfg, tracking, stages.env_parent_run_id(), metrics_file=args.metrics_file).to_dict())
-    return 0
+cmd_sft = _tracked_stage("sft", SFTConfig, "sft")
+cmd_dpo = _tracked_stage("dpo", DPOConfig, "dpo")
+cmd_reward = _tracked_stage("reward", RewardConfig, "reward")
 
 
 def cmd_rejection(args: argparse.Namespace) -> int:

@@ -172,79 +172,69 @@ def validate(path: str | Path, kind: str, fields: DataFields | None = None,
 # --------------------------------------------------------------------------------------
 
 
-def sft(cfg: SFTConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
-        metrics_file: str | Path | None = None, show_progress: bool = True) -> StageResult:
-    """Supervised fine-tuning, tracked as one (nested) MLflow run with lineage and the registered model."""
-    from rlhf_core.tracking import start_run
-    from rlhf_core.trainers.sft import train_sft
+def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: str | None, *,
+                 train_fn: Any, datasets: dict[str, tuple[str, str]], metrics_file: str | Path | None,
+                 register_as: str | None = None, show_progress: bool = True) -> StageResult:
+    """Run a trainer inside one (nested) MLflow run: params, lineage tags, inputs, metrics, model.
 
-    inputs = {"model": cfg.model_path, "train": cfg.train_file, "eval": cfg.eval_file}
-    with start_run(tracking, "sft", parent_run_id, lineage_tags(inputs, "sft")) as run:
+    ``datasets`` maps a dataset name to ``(path, context)``; ``train_fn(cfg, sink=, show_progress=)``
+    returns an object with ``output_dir`` and ``metrics`` (and optionally ``eval_samples``).
+    ``metrics_file`` receives deterministic metrics only (eval/*, train/loss*), since DVC hashes it.
+    """
+    from rlhf_core.tracking import start_run
+
+    inputs = {"model": cfg.model_path, **{k: path for k, (path, _) in datasets.items()}}
+    if getattr(cfg, "ref_model_path", ""):
+        inputs["reference"] = cfg.ref_model_path
+    with start_run(tracking, name, parent_run_id, lineage_tags(inputs, name)) as run:
         run.log_params(config_to_dict(cfg))
-        run.log_input(cfg.train_file, "sft_train", dvc_md5(cfg.train_file), "training")
-        run.log_input(cfg.eval_file, "eval", dvc_md5(cfg.eval_file), "evaluation")
-        result = train_sft(cfg, sink=run, show_progress=show_progress)
-        run.log_dict(result.eval_samples, "eval_samples.json")
+        for ds_name, (path, context) in datasets.items():
+            run.log_input(path, ds_name, dvc_md5(path), context)
+        result = train_fn(cfg, sink=run, show_progress=show_progress)
+        if getattr(result, "eval_samples", None):
+            run.log_dict(result.eval_samples, "eval_samples.json")
         out_md5 = dvc_md5(result.output_dir)
         run.set_tags({"dvc.md5.output_model": out_md5})
-        model_uri = run.log_hf_model(result.output_dir, tracking.registered_model) if tracking.log_model else None
-        if metrics_file is not None:  # deterministic values only: DVC hashes this file
+        model_uri = run.log_hf_model(result.output_dir, register_as) if register_as else None
+        if metrics_file is not None:
             _write_json_atomic({k: round(v, 6) for k, v in result.metrics.items()
                                 if k.startswith(("eval/", "train/loss"))}, metrics_file)
         return StageResult({"model": str(result.output_dir)}, {"model": out_md5}, result.metrics,
                            run.run_id, model_uri)
 
 
-# --------------------------------------------------------------------------------------
-# dpo
-# --------------------------------------------------------------------------------------
+def sft(cfg: SFTConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
+        metrics_file: str | Path | None = None, show_progress: bool = True) -> StageResult:
+    """Supervised fine-tuning, tracked with lineage; the model is logged and registered."""
+    from rlhf_core.trainers.sft import train_sft
+
+    return _train_stage("sft", cfg, tracking, parent_run_id, train_fn=train_sft,
+                        datasets={"sft_train": (cfg.train_file, "training"), "eval": (cfg.eval_file, "evaluation")},
+                        metrics_file=metrics_file, show_progress=show_progress,
+                        register_as=tracking.registered_model if tracking.log_model else None)
 
 
 def dpo(cfg: DPOConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
         metrics_file: str | Path | None = None, show_progress: bool = True) -> StageResult:
-    """DPO/IPO/cDPO on preference pairs, tracked as one (nested) MLflow run with lineage."""
-    from rlhf_core.tracking import start_run
+    """DPO/IPO/cDPO on preference pairs, tracked with lineage."""
     from rlhf_core.trainers.dpo import train_dpo
 
-    inputs = {"model": cfg.model_path, "train": cfg.train_file, "eval": cfg.eval_file}
-    if cfg.ref_model_path:
-        inputs["reference"] = cfg.ref_model_path
-    with start_run(tracking, "dpo", parent_run_id, lineage_tags(inputs, "dpo")) as run:
-        run.log_params(config_to_dict(cfg))
-        run.log_input(cfg.train_file, "preferences", dvc_md5(cfg.train_file), "training")
-        run.log_input(cfg.eval_file, "eval", dvc_md5(cfg.eval_file), "evaluation")
-        result = train_dpo(cfg, sink=run, show_progress=show_progress)
-        run.log_dict(result.eval_samples, "eval_samples.json")
-        out_md5 = dvc_md5(result.output_dir)
-        run.set_tags({"dvc.md5.output_model": out_md5})
-        if metrics_file is not None:
-            _write_json_atomic({k: round(v, 6) for k, v in result.metrics.items()
-                                if k.startswith(("eval/", "train/loss"))}, metrics_file)
-        return StageResult({"model": str(result.output_dir)}, {"model": out_md5}, result.metrics, run.run_id)
-
-
-# --------------------------------------------------------------------------------------
-# reward
-# --------------------------------------------------------------------------------------
+    return _train_stage("dpo", cfg, tracking, parent_run_id, train_fn=train_dpo,
+                        datasets={"preferences": (cfg.train_file, "training"),
+                                  "eval": (cfg.eval_file, "evaluation")},
+                        metrics_file=metrics_file, show_progress=show_progress)
 
 
 def reward(cfg: RewardConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
            metrics_file: str | Path | None = None, show_progress: bool = True) -> StageResult:
-    """Reward-model training as one (nested) MLflow run with lineage; held-out accuracy and margin."""
-    from rlhf_core.tracking import start_run
+    """Reward-model training, tracked with lineage; held-out pairwise accuracy and margin."""
     from rlhf_core.trainers.reward import train_reward_model
 
-    inputs = {"model": cfg.model_path, "train": cfg.train_file}
-    with start_run(tracking, "reward", parent_run_id, lineage_tags(inputs, "reward")) as run:
-        run.log_params(config_to_dict(cfg))
-        run.log_input(cfg.train_file, "preferences", dvc_md5(cfg.train_file), "training")
-        result = train_reward_model(cfg, sink=run, show_progress=show_progress)
-        out_md5 = dvc_md5(result.output_dir)
-        run.set_tags({"dvc.md5.output_model": out_md5})
-        if metrics_file is not None:
-            _write_json_atomic({k: round(v, 6) for k, v in result.metrics.items() if k.startswith("eval/")},
-                               metrics_file)
-        return StageResult({"model": str(result.output_dir)}, {"model": out_md5}, result.metrics, run.run_id)
+    datasets = {"preferences": (cfg.train_file, "training")}
+    if cfg.eval_file:
+        datasets["eval_preferences"] = (cfg.eval_file, "evaluation")
+    return _train_stage("reward", cfg, tracking, parent_run_id, train_fn=train_reward_model, datasets=datasets,
+                        metrics_file=metrics_file, show_progress=show_progress)
 
 
 # --------------------------------------------------------------------------------------

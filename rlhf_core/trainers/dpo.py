@@ -25,7 +25,7 @@ from rlhf_core.evaluate import evaluate_exact_match
 from rlhf_core.logprobs import reference_logprobs, response_logprobs
 from rlhf_core.losses import PreferenceLoss, preference_loss
 from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
-from rlhf_core.trainers.loop import MetricSink, NullSink, run_training, save_hf_dir, seed_everything
+from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, save_hf_dir, seed_everything
 
 
 @dataclass
@@ -67,14 +67,10 @@ def train_dpo(cfg: DPOConfig, sink: MetricSink | None = None, show_progress: boo
         reference = None
 
     # ---- batches --------------------------------------------------------------------------
-    generator = torch.Generator().manual_seed(cfg.seed)
-    order: list[int] = []
+    sampler = EpochSampler(len(pairs), cfg.batch_size, cfg.seed)
 
     def next_micro_batch() -> dict[str, torch.Tensor]:
-        nonlocal order
-        if len(order) < cfg.batch_size:
-            order = order + torch.randperm(len(pairs), generator=generator).tolist()
-        idx, order = order[:cfg.batch_size], order[cfg.batch_size:]
+        idx = sampler.next()
         batch = collate_pairs([pairs[i] for i in idx], pad)
         if ref_logps is not None:
             batch["ref_logps"] = ref_logps[idx]  # (B, 2)

@@ -180,6 +180,27 @@ def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
+class EpochSampler:
+    """Indices of ``n`` examples in batches of ``batch_size``, reshuffled every epoch from ``seed``.
+
+    Deterministic: the same seed gives the same order on every run (a batch may straddle two
+    epochs; none is dropped).
+    """
+
+    def __init__(self, n: int, batch_size: int, seed: int):
+        if n < 1:
+            raise ValueError("cannot sample batches from an empty dataset")
+        self.n, self.batch_size = n, batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self.order: list[int] = []
+
+    def next(self) -> list[int]:
+        while len(self.order) < self.batch_size:
+            self.order += torch.randperm(self.n, generator=self.generator).tolist()
+        idx, self.order = self.order[:self.batch_size], self.order[self.batch_size:]
+        return idx
+
+
 class Timer:
     """Wall-clock seconds since construction or the last ``lap``."""
 

@@ -22,7 +22,7 @@ from rlhf_core.data.tokenize import TokenizedExample, collate_pairs, tokenize_pr
 from rlhf_core.losses import bradley_terry_loss, log_exp_loss
 from rlhf_core.models import load_tokenizer, pick_device
 from rlhf_core.reward_model import load_reward_model, pair_rewards, set_normalisation
-from rlhf_core.trainers.loop import MetricSink, NullSink, run_training, save_hf_dir, seed_everything
+from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, save_hf_dir, seed_everything
 
 Pair = tuple[TokenizedExample, TokenizedExample]
 
@@ -78,14 +78,10 @@ def train_reward_model(cfg: RewardConfig, sink: MetricSink | None = None, show_p
     pad = tokenizer.pad_token_id
 
     # ---- batches --------------------------------------------------------------------------
-    generator = torch.Generator().manual_seed(cfg.seed)
-    order: list[int] = []
+    sampler = EpochSampler(len(train), cfg.batch_size, cfg.seed)
 
     def next_micro_batch() -> dict[str, torch.Tensor]:
-        nonlocal order
-        if len(order) < cfg.batch_size:
-            order = order + torch.randperm(len(train), generator=generator).tolist()
-        idx, order = order[:cfg.batch_size], order[cfg.batch_size:]
+        idx = sampler.next()
         batch = collate_pairs([train[i] for i in idx], pad)
         batch["margin"] = margins[idx]
         return batch

@@ -22,7 +22,7 @@ from rlhf_core.evaluate import evaluate_exact_match
 from rlhf_core.logprobs import MODEL_INPUTS
 from rlhf_core.losses import token_nll_sum
 from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
-from rlhf_core.trainers.loop import MetricSink, NullSink, run_training, save_hf_dir, seed_everything
+from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, save_hf_dir, seed_everything
 
 
 @dataclass
@@ -75,14 +75,10 @@ def train_sft(cfg: SFTConfig, sink: MetricSink | None = None, show_progress: boo
                                     **{**fields, "completion_field": cfg.label_field})
 
     # ---- batches: a deterministic reshuffle every epoch ---------------------------------
-    generator = torch.Generator().manual_seed(cfg.seed)
-    order: list[int] = []
+    sampler = EpochSampler(len(train), cfg.batch_size, cfg.seed)
 
     def next_micro_batch() -> dict[str, torch.Tensor]:
-        nonlocal order
-        if len(order) < cfg.batch_size:
-            order = order + torch.randperm(len(train), generator=generator).tolist()
-        idx, order = order[:cfg.batch_size], order[cfg.batch_size:]
+        idx = sampler.next()
         return _collate([train[i] for i in idx], cfg, tokenizer.pad_token_id)
 
     def evaluate() -> tuple[dict[str, float], list[dict[str, str]]]:

@@ -24,7 +24,7 @@ class Recorder:
 def _cfg(micro_model, micro_data, tmp_path, **kw):
     base = dict(model_path=str(micro_model), train_file=str(micro_data["preferences"]),
                 eval_file=str(micro_data["eval"]), output_dir=str(tmp_path / "dpo"), max_steps=30, batch_size=16,
-                lr=3e-3, warmup_steps=2, eval_items=20, beta=0.5)
+                lr=3e-3, warmup_steps=2, eval_items=20, beta=0.5, nll_weight=0.0)
     return DPOConfig(**{**base, **kw})
 
 
