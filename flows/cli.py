@@ -169,20 +169,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--params", default="params.yaml", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_validate)
 
-    p = sub.add_parser("sft", help="supervised fine-tuning")
-    _common(p, "sft")
-    p.add_argument("--metrics-file", default=None, help="write final metrics JSON here (for DVC)")
-    p.set_defaults(func=cmd_sft)
-
-    p = sub.add_parser("dpo", help="direct preference optimisation (DPO, IPO, cDPO) on preference pairs")
-    _common(p, "dpo")
-    p.add_argument("--metrics-file", default=None, help="write final metrics JSON here (for DVC)")
-    p.set_defaults(func=cmd_dpo)
-
-    p = sub.add_parser("reward", help="train a scalar reward model on preference pairs")
-    _common(p, "reward")
-    p.add_argument("--metrics-file", default=None, help="write held-out metrics JSON here (for DVC)")
-    p.set_defaults(func=cmd_reward)
+    # The tracked training stages share one command shape: config, overrides, metrics file.
+    for name, help_text, func in (
+        ("sft", "supervised fine-tuning", cmd_sft),
+        ("dpo", "direct preference optimisation (DPO, IPO, cDPO) on preference pairs", cmd_dpo),
+        ("reward", "train a scalar reward model on preference pairs", cmd_reward),
+    ):
+        p = sub.add_parser(name, help=help_text)
+        _common(p, name)
+        p.add_argument("--metrics-file", default=None, help="write final metrics JSON here (for DVC)")
+        p.set_defaults(func=func)
 
     p = sub.add_parser("rejection", help="best-of-n sampling scored by a reward model or the rule")
     _common(p, "rejection")
