@@ -1,0 +1,482 @@
+"""Hand-derived checks of the online-RL math in ``rlhf_core.rl_math`` (each docstring shows the arithmetic)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlhf_core.rl_math import (
+    AdaptiveKLController,
+    AdvantageEstimator,
+    FixedKLController,
+    KLEstimator,
+    LossAggregation,
+    aggregate_loss,
+    clipped_policy_loss,
+    clipped_value_loss,
+    compute_advantages,
+    discounted_returns,
+    dr_grpo_advantages,
+    dynamic_sampling_keep,
+    entropy_from_logits,
+    explained_variance,
+    gae,
+    grpo_advantages,
+    kl_penalty,
+    masked_mean,
+    masked_whiten,
+    overlong_penalty,
+    reinforce_plus_plus,
+    rloo_advantages,
+    token_level_rewards,
+)
+
+
+def T(x) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float32)
+
+
+def close(a, b, atol=1e-5) -> bool:
+    return torch.allclose(torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32), atol=atol)
+
+
+# --------------------------------------------------------------------------------------
+# Masked statistics
+# --------------------------------------------------------------------------------------
+
+
+def test_masked_mean_all_and_per_row():
+    """x = [[1, 2, 3], [4, 5, 6]], mask [[1, 1, 0], [1, 0, 0]].
+    All: (1 + 2 + 4) / 3 = 2.333333. Per row: [(1 + 2) / 2, 4 / 1] = [1.5, 4].
+    A fully masked row gives 0 / max(0, 1) = 0, not NaN."""
+    x = T([[1, 2, 3], [4, 5, 6]])
+    mask = T([[1, 1, 0], [1, 0, 0]])
+    assert close(masked_mean(x, mask), 7 / 3)
+    assert close(masked_mean(x, mask, dim=1), [1.5, 4.0])
+    assert close(masked_mean(x, mask.bool(), dim=1), [1.5, 4.0])
+    assert close(masked_mean(x, torch.zeros(2, 3), dim=1), [0.0, 0.0])
+
+
+def test_masked_whiten_ignores_padding():
+    """Valid [1, 2, 3] (padding value 100 ignored): mean 2, population var (1 + 0 + 1) / 3 = 2/3,
+    std 0.816497 -> [-1.224745, 0, 1.224745], padding -> 0.
+    shift_mean=False adds the mean back: [0.775255, 2, 3.224745, 0]."""
+    x = T([[1, 2], [3, 100]])
+    mask = T([[1, 1], [1, 0]])
+    assert close(masked_whiten(x, mask), [[-1.224745, 0.0], [1.224745, 0.0]])
+    assert close(masked_whiten(x, mask, shift_mean=False), [[0.775255, 2.0], [3.224745, 0.0]])
+
+
+# --------------------------------------------------------------------------------------
+# Loss aggregation
+# --------------------------------------------------------------------------------------
+
+
+def test_aggregation_modes_differ_on_ragged_mask():
+    """loss [[1, 2, 3], [4, 9, 9]] with mask [[1, 1, 1], [1, 0, 0]] (the 9s are padding).
+    token_mean: (1 + 2 + 3 + 4) / 4 = 2.5.
+    seq_mean_token_mean: (6/3 + 4/1) / 2 = (2 + 4) / 2 = 3.0.
+    seq_mean_token_sum_norm, max_len 4: (6/4 + 4/4) / 2 = (1.5 + 1) / 2 = 1.25."""
+    loss = T([[1, 2, 3], [4, 9, 9]])
+    mask = T([[1, 1, 1], [1, 0, 0]])
+    assert close(aggregate_loss(loss, mask, LossAggregation.TOKEN_MEAN), 2.5)
+    assert close(aggregate_loss(loss, mask, LossAggregation.SEQ_MEAN_TOKEN_MEAN), 3.0)
+    assert close(aggregate_loss(loss, mask, LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM, max_len=4), 1.25)
+    assert close(aggregate_loss(loss, mask, "seq_mean_token_sum_norm", max_len=4), 1.25)
+
+
+def test_aggregation_ignores_fully_masked_rows():
+    """A third, fully masked row is not a sequence: seq_mean_token_mean stays (2 + 4) / 2 = 3.0,
+    sum_norm stays 1.25 (not divided by 3 rows)."""
+    loss = T([[1, 2, 3], [4, 9, 9], [7, 7, 7]])
+    mask = T([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
+    assert close(aggregate_loss(loss, mask, "seq_mean_token_mean"), 3.0)
+    assert close(aggregate_loss(loss, mask, "seq_mean_token_sum_norm", max_len=4), 1.25)
+
+
+def test_aggregation_errors():
+    """sum_norm without the generation budget, an unknown mode, and a shape mismatch are refused."""
+    loss, mask = torch.ones(2, 3), torch.ones(2, 3)
+    with pytest.raises(ValueError, match="max_len"):
+        aggregate_loss(loss, mask, LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM)
+    with pytest.raises(ValueError):
+        aggregate_loss(loss, mask, "sum")
+    with pytest.raises(ValueError, match="shape"):
+        aggregate_loss(loss, torch.ones(2, 4), "token_mean")
+    assert LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM.needs_max_len
+    assert not LossAggregation.TOKEN_MEAN.needs_max_len
+
+
+# --------------------------------------------------------------------------------------
+# Policy loss
+# --------------------------------------------------------------------------------------
+
+
+def test_clip_higher_only_upper_bound_binds():
+    """clip_low 0.2, clip_high 0.28 -> ratio range [0.8, 1.28]; A = +1 on every token.
+    r = 1.25: inside, loss -1.25 (symmetric 0.2 would clip it to -1.2).
+    r = 1.5:  upper bound binds, loss -min(1.5, 1.28) = -1.28, zero gradient.
+    r = 0.5:  below 0.8 but for A > 0 the min picks r: loss -0.5 (the lower bound does not bind).
+    token_mean = (-1.25 - 1.28 - 0.5) / 3 = -1.01; clip_frac = 1/3; ratio_mean = 3.25/3 = 1.083333.
+    approx_kl = mean((r - 1) - ln r) = (0.026856 + 0.094535 + 0.193147) / 3 = 0.104846."""
+    logprobs = torch.log(T([[1.25, 1.5, 0.5]])).requires_grad_()
+    old = torch.zeros(1, 3)
+    adv, mask = torch.ones(1, 3), torch.ones(1, 3)
+    loss, stats = clipped_policy_loss(logprobs, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    assert close(loss, -1.01)
+    assert close(stats.clip_frac, 1 / 3)
+    assert close(stats.dual_clip_frac, 0.0)
+    assert close(stats.ratio_mean, 3.25 / 3)
+    assert close(stats.approx_kl, 0.104846)
+    loss.backward()
+    # d/dlogp of -r/3 is -r/3 where unclipped; exactly 0 at the clipped token
+    assert close(logprobs.grad, [[-1.25 / 3, 0.0, -0.5 / 3]])
+    symmetric, _ = clipped_policy_loss(logprobs.detach(), old, adv, mask, clip_low=0.2, clip_high=0.2)
+    assert close(symmetric, (-1.2 - 1.2 - 0.5) / 3)
+
+
+def test_dual_clip_bounds_negative_advantage_only():
+    """clip 0.2 (range [0.8, 1.2]), dual_clip c = 3.
+    Token 1: A = -1, r = 5: PPO loss max(5, 1.2) = 5; dual bound c|A| = 3 -> 3 (dual clip binds).
+    Token 2: A = +1, r = 5: PPO loss max(-5, -1.2) = -1.2 (PPO clip binds); dual not applied to A > 0.
+    Token 3: A = -1, r = 2: max(2, 1.2) = 2 < 3, nothing binds.
+    With dual clip: (3 - 1.2 + 2) / 3 = 1.266667; without: (5 - 1.2 + 2) / 3 = 1.933333.
+    clip_frac = 1/3 (token 2), dual_clip_frac = 1/3 (token 1)."""
+    logprobs = torch.log(T([[5.0, 5.0, 2.0]]))
+    old = torch.zeros(1, 3)
+    adv = T([[-1.0, 1.0, -1.0]])
+    mask = torch.ones(1, 3)
+    loss, stats = clipped_policy_loss(logprobs, old, adv, mask, dual_clip=3.0)
+    assert close(loss, 3.8 / 3)
+    assert close(stats.clip_frac, 1 / 3) and close(stats.dual_clip_frac, 1 / 3)
+    plain, plain_stats = clipped_policy_loss(logprobs, old, adv, mask)
+    assert close(plain, 5.8 / 3)
+    assert close(plain_stats.dual_clip_frac, 0.0)
+
+
+def test_policy_loss_masks_padding_and_uses_aggregation():
+    """Ratio 1 everywhere, A = 2 on valid tokens, garbage A = 50 on padding: per-token loss -2.
+    mask [[1, 1], [1, 0]] -> token_mean -2; seq_mean_token_sum_norm with max_len 4:
+    (-4/4 + -2/4) / 2 = -0.75. Padding moves no statistic: clip_frac 0, ratio_mean 1, approx_kl 0."""
+    lp = torch.zeros(2, 2)
+    adv = T([[2.0, 2.0], [2.0, 50.0]])
+    mask = T([[1, 1], [1, 0]])
+    loss, stats = clipped_policy_loss(lp, lp, adv, mask)
+    assert close(loss, -2.0)
+    assert close(stats.ratio_mean, 1.0) and close(stats.approx_kl, 0.0) and close(stats.clip_frac, 0.0)
+    loss, _ = clipped_policy_loss(lp, lp, adv, mask, aggregation="seq_mean_token_sum_norm", max_len=4)
+    assert close(loss, -0.75)
+
+
+def test_policy_loss_argument_errors():
+    """Bounds that make no sense are refused with a message naming the argument."""
+    x = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="clip_low"):
+        clipped_policy_loss(x, x, x, x, clip_low=1.0)
+    with pytest.raises(ValueError, match="clip_high"):
+        clipped_policy_loss(x, x, x, x, clip_high=-0.1)
+    with pytest.raises(ValueError, match="dual_clip"):
+        clipped_policy_loss(x, x, x, x, dual_clip=1.0)
+    with pytest.raises(ValueError, match="shape"):
+        clipped_policy_loss(x, torch.zeros(1, 3), x, x)
+
+
+# --------------------------------------------------------------------------------------
+# Value loss and explained variance
+# --------------------------------------------------------------------------------------
+
+
+def test_clipped_value_loss():
+    """clip_eps 0.2.
+    Token 1: V_old 1, V 1.5, R 2: clipped V 1.2; errors (0.5)^2 = 0.25 vs (0.8)^2 = 0.64
+             -> 0.5 * 0.64 = 0.32 (clip binds).
+    Token 2: V_old 1, V 1.5, R 1: errors 0.25 vs (0.2)^2 = 0.04 -> 0.5 * 0.25 = 0.125.
+    Token 3: V_old 0, V 0.1, R 1: inside the range, both 0.81 -> 0.405.
+    token_mean = (0.32 + 0.125 + 0.405) / 3 = 0.283333, clip_frac 1/3; token 1 gets zero gradient.
+    Unclipped: (0.125 + 0.125 + 0.405) / 3 = 0.218333."""
+    values = T([[1.5, 1.5, 0.1]]).requires_grad_()
+    old = T([[1.0, 1.0, 0.0]])
+    returns = T([[2.0, 1.0, 1.0]])
+    mask = torch.ones(1, 3)
+    loss, clip_frac = clipped_value_loss(values, old, returns, mask, clip_eps=0.2)
+    assert close(loss, 0.85 / 3)
+    assert close(clip_frac, 1 / 3)
+    loss.backward()
+    # d/dV of 0.5 (V - R)^2 / 3 = (V - R) / 3 where unclipped
+    assert close(values.grad, [[0.0, 0.5 / 3, -0.9 / 3]])
+    plain, frac = clipped_value_loss(values.detach(), old, returns, mask, clip_eps=None)
+    assert close(plain, 0.655 / 3) and close(frac, 0.0)
+    with pytest.raises(ValueError, match="clip_eps"):
+        clipped_value_loss(values.detach(), old, returns, mask, clip_eps=0.0)
+
+
+def test_explained_variance():
+    """R = [1, 2, 3, 4], V = [1, 2, 3, 3] (plus a masked pair 0 vs 99).
+    Var[R] = 1.25; R - V = [0, 0, 0, 1] has mean 0.25, var (3 * 0.0625 + 0.5625) / 4 = 0.1875.
+    EV = 1 - 0.1875 / 1.25 = 0.85. V = R gives 1; constant returns give NaN."""
+    returns = T([[1, 2, 3], [4, 0, 0]])
+    values = T([[1, 2, 3], [3, 99, 0]])
+    mask = T([[1, 1, 1], [1, 0, 0]])
+    assert close(explained_variance(values, returns, mask), 0.85)
+    assert close(explained_variance(returns, returns, mask), 1.0)
+    assert math.isnan(float(explained_variance(values, torch.ones(2, 3), mask)))
+
+
+# --------------------------------------------------------------------------------------
+# KL penalty and controllers
+# --------------------------------------------------------------------------------------
+
+
+def test_kl_estimators_on_known_log_ratio():
+    """logp = ln 0.4, logp_ref = ln 0.2 -> log_ratio = ln 2 = 0.693147, r = pi_ref/pi = 0.5.
+    k1 = 0.693147; k2 = 0.5 * 0.693147^2 = 0.240227; k3 = (0.5 - 1) - ln 0.5 = 0.193147.
+    Swapped (log_ratio = -ln 2, r = 2): k1 = -0.693147 (k1 can be negative), k2 = 0.240227,
+    k3 = (2 - 1) - ln 2 = 0.306853."""
+    logp = torch.log(T([[0.4, 0.2]]))
+    ref = torch.log(T([[0.2, 0.4]]))
+    assert close(kl_penalty(logp, ref, KLEstimator.K1), [[0.693147, -0.693147]])
+    assert close(kl_penalty(logp, ref, KLEstimator.K2), [[0.240227, 0.240227]])
+    assert close(kl_penalty(logp, ref, KLEstimator.K3), [[0.193147, 0.306853]])
+    assert close(kl_penalty(logp, ref, "k3"), [[0.193147, 0.306853]])
+    assert close(kl_penalty(logp, logp, "k3"), [[0.0, 0.0]])
+    with pytest.raises(ValueError):
+        kl_penalty(logp, ref, "k4")
+
+
+def test_k3_clamp_bounds_the_estimate():
+    """log_ratio = -5 (policy gives the token e^-5 of the reference's probability).
+    Exact k3 = e^5 - 1 - 5 = 142.413159; clamped to -2: e^2 - 1 - 2 = 4.389056."""
+    logp, ref = T([[-5.0]]), T([[0.0]])
+    assert torch.allclose(kl_penalty(logp, ref, "k3"), T([[math.exp(5) - 6]]), rtol=1e-6)
+    assert close(kl_penalty(logp, ref, "k3", clamp=2.0), [[4.389056]])
+
+
+def test_fixed_kl_controller():
+    """update leaves beta at 0.05; state_dict round-trips."""
+    ctl = FixedKLController(0.05)
+    ctl.update(current_kl=100.0, n_steps=256)
+    assert ctl.value == 0.05
+    other = FixedKLController(0.0)
+    other.load_state_dict(ctl.state_dict())
+    assert other.value == 0.05
+    with pytest.raises(ValueError, match="kl_coef"):
+        FixedKLController(-1.0)
+
+
+def test_adaptive_kl_controller_one_step():
+    """beta 0.1, target 6, horizon 10000, n_steps 256.
+    KL 6.6: e = 6.6/6 - 1 = 0.1 -> beta = 0.1 * (1 + 0.1 * 256/10000) = 0.1 * 1.00256 = 0.100256.
+    KL 9:   e = 0.5 clipped to 0.2 -> 0.1 * (1 + 0.2 * 0.0256) = 0.1 * 1.00512 = 0.100512.
+    KL 3:   e = -0.5 clipped to -0.2 -> 0.1 * 0.99488 = 0.099488."""
+    for kl, expected in ((6.6, 0.100256), (9.0, 0.100512), (3.0, 0.099488)):
+        ctl = AdaptiveKLController(0.1, target=6.0, horizon=10000)
+        ctl.update(kl, n_steps=256)
+        assert math.isclose(ctl.value, expected, rel_tol=1e-9)
+    resumed = AdaptiveKLController(0.1, target=6.0, horizon=10000)
+    resumed.load_state_dict(ctl.state_dict())
+    assert resumed.value == ctl.value
+    with pytest.raises(ValueError, match="target"):
+        AdaptiveKLController(0.1, target=0.0, horizon=10)
+    with pytest.raises(ValueError, match="horizon"):
+        AdaptiveKLController(0.1, target=6.0, horizon=0)
+
+
+# --------------------------------------------------------------------------------------
+# Advantage estimators
+# --------------------------------------------------------------------------------------
+
+
+def test_estimator_properties():
+    """Only GAE needs a critic; rloo, grpo, dr-grpo and reinforce++-baseline need groups."""
+    assert [e.value for e in AdvantageEstimator if e.needs_critic] == ["gae"]
+    assert {e.value for e in AdvantageEstimator if e.needs_groups} == {
+        "rloo", "grpo", "dr-grpo", "reinforce++-baseline"}
+    assert AdvantageEstimator("reinforce++") is AdvantageEstimator.REINFORCE_PP
+
+
+def test_gae_three_step_episode():
+    """gamma = lam = 0.5, rewards [0, 0, 1], values [0.5, 0.25, 0.5], terminal after step 3
+    (a 4th padding token with reward 9 and value 7 must be ignored).
+    t=2: delta = 1 + 0.5 * 0 - 0.5 = 0.5;              A2 = 0.5
+    t=1: delta = 0 + 0.5 * 0.5 - 0.25 = 0;             A1 = 0 + 0.25 * 0.5 = 0.125
+    t=0: delta = 0 + 0.5 * 0.25 - 0.5 = -0.375;        A0 = -0.375 + 0.25 * 0.125 = -0.34375
+    returns = A + V = [0.15625, 0.375, 1.0]; padding gives 0 in both."""
+    rewards = T([[0, 0, 1, 9]])
+    values = T([[0.5, 0.25, 0.5, 7.0]])
+    mask = T([[1, 1, 1, 0]])
+    adv, ret = gae(rewards, values, mask, gamma=0.5, lam=0.5)
+    assert close(adv, [[-0.34375, 0.125, 0.5, 0.0]])
+    assert close(ret, [[0.15625, 0.375, 1.0, 0.0]])
+
+
+def test_gae_lambda_one_is_monte_carlo():
+    """gamma = lam = 1: A_t = (sum of future rewards) - V_t, so returns = reward-to-go [3, 3, 2]
+    for rewards [0, 1, 2] whatever the values."""
+    rewards, values, mask = T([[0, 1, 2]]), T([[5.0, -1.0, 0.3]]), torch.ones(1, 3)
+    adv, ret = gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    assert close(ret, [[3.0, 3.0, 2.0]])
+    assert close(adv, [[-2.0, 4.0, 1.7]])
+
+
+def test_discounted_returns_and_token_level_rewards():
+    """gamma 0.5, rewards [1, 0, 2, pad]: G2 = 2, G1 = 0 + 0.5 * 2 = 1, G0 = 1 + 0.5 * 1 = 1.5.
+    token_level_rewards: score 1 on the last valid token (index 1 of [1, 1, 0]) plus -0.1 per
+    token -> [-0.1, 0.9, 0]; row with no valid token -> zeros."""
+    assert close(discounted_returns(T([[1, 0, 2, 5]]), T([[1, 1, 1, 0]]), gamma=0.5), [[1.5, 1.0, 2.0, 0.0]])
+    r = token_level_rewards(T([1.0, 3.0]), T([[1, 1, 0], [0, 0, 0]]), token_rewards=torch.full((2, 3), -0.1))
+    assert close(r, [[-0.1, 0.9, 0.0], [0.0, 0.0, 0.0]])
+
+
+def test_reinforce_plus_plus_global_whitening():
+    """scores [1, 0], mask [[1, 1, 1], [1, 1, 0]], gamma 1, no KL: returns [[1, 1, 1], [0, 0, -]].
+    Valid returns [1, 1, 1, 0, 0]: mean 0.6, population var (3 * 0.16 + 2 * 0.36) / 5 = 0.24,
+    std 0.489898 -> 0.4 / 0.489898 = 0.816497 and -0.6 / 0.489898 = -1.224745."""
+    mask = T([[1, 1, 1], [1, 1, 0]])
+    adv, ret = compute_advantages("reinforce++", scores=T([1.0, 0.0]), mask=mask)
+    assert close(ret, [[1, 1, 1], [0, 0, 0]])
+    assert close(adv, [[0.816497] * 3, [-1.224745, -1.224745, 0.0]])
+    direct_adv, _ = reinforce_plus_plus(token_level_rewards(T([1.0, 0.0]), mask), mask)
+    assert close(direct_adv, adv)
+
+
+def test_reinforce_plus_plus_with_kl_token_rewards():
+    """One row, score 1, per-token KL reward -0.1, gamma 1: rewards [-0.1, -0.1, 0.9],
+    returns [0.7, 0.8, 0.9]; whitened: mean 0.8, var 0.02/3, std 0.081650 -> [-1.224745, 0, 1.224745]."""
+    adv, ret = compute_advantages(AdvantageEstimator.REINFORCE_PP, scores=T([1.0]), mask=torch.ones(1, 3),
+                                  token_rewards=torch.full((1, 3), -0.1))
+    assert close(ret, [[0.7, 0.8, 0.9]])
+    assert close(adv, [[-1.224745, 0.0, 1.224745]])
+
+
+def test_reinforce_plus_plus_baseline():
+    """group_size 2, scores [1, 0 | 1, 1] -> minus group mean: [0.5, -0.5, 0, 0]; T = 2, gamma 1,
+    so each row's return is its centred score on both tokens. Whitening over the 8 tokens:
+    mean 0, var 4 * 0.25 / 8 = 0.125, std 0.353553 -> +-0.5 / 0.353553 = +-1.414214, 0."""
+    adv, ret = compute_advantages("reinforce++-baseline", scores=T([1, 0, 1, 1]), mask=torch.ones(4, 2),
+                                  group_size=2)
+    assert close(ret, [[0.5, 0.5], [-0.5, -0.5], [0, 0], [0, 0]])
+    assert close(adv, [[1.414214] * 2, [-1.414214] * 2, [0, 0], [0, 0]])
+
+
+def test_rloo_two_and_three_samples():
+    """n = 2: baseline is the other sample: [1, 3] -> [1 - 3, 3 - 1] = [-2, 2].
+    n = 3, [1, 2, 6]: baselines (2+6)/2 = 4, (1+6)/2 = 3.5, (1+2)/2 = 1.5 -> [-3, -1.5, 4.5]."""
+    assert close(rloo_advantages(T([1.0, 3.0]), 2), [-2.0, 2.0])
+    assert close(rloo_advantages(T([1.0, 2.0, 6.0]), 3), [-3.0, -1.5, 4.5])
+    adv, ret = compute_advantages("rloo", scores=T([1.0, 3.0]), mask=T([[1, 1, 0], [1, 0, 0]]), group_size=2)
+    assert ret is None
+    assert close(adv, [[-2.0, -2.0, 0.0], [2.0, 0.0, 0.0]])
+
+
+def test_grpo_zero_variance_group_gives_zeros():
+    """Groups [1, 0] and [2, 2], eps 1e-6.
+    [1, 0]: mean 0.5, sample std sqrt((0.25 + 0.25) / 1) = 0.707107 -> +-0.5 / 0.707108 = +-0.707106.
+    [2, 2]: std 0 -> 0 / 1e-6 = 0 exactly (no NaN).
+    Broadcast over mask [[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0]]."""
+    scores = T([1.0, 0.0, 2.0, 2.0])
+    assert close(grpo_advantages(scores, 2), [0.707106, -0.707106, 0.0, 0.0])
+    mask = T([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0]])
+    adv, ret = compute_advantages(AdvantageEstimator.GRPO, scores=scores, mask=mask, group_size=2)
+    assert ret is None
+    assert close(adv, [[0.707106, 0.707106, 0.0], [-0.707106, 0.0, 0.0], [0.0] * 3, [0.0] * 3])
+    assert torch.equal(adv[2:], torch.zeros(2, 3))
+
+
+def test_grpo_group_of_four():
+    """[1, 1, 0, 0]: mean 0.5, sample std sqrt(4 * 0.25 / 3) = 0.577350 -> +-0.5 / 0.577350 = +-0.866025."""
+    assert close(grpo_advantages(T([1, 1, 0, 0]), 4), [0.866025, 0.866025, -0.866025, -0.866025])
+
+
+def test_dr_grpo_advantages_and_constant_normaliser():
+    """Group [1, 0]: A = r - mean = [0.5, -0.5] (no std division; [3, 5] gives [-1, 1], not +-0.707).
+    Correct answer 3 tokens, wrong answer 1 token (mask [[1, 1, 1, 0], [1, 0, 0, 0]]); ratio 1 so the
+    per-token loss is -A: [-0.5, -0.5, -0.5] and [0.5].
+    Dr.GRPO sum_norm, max_len 4: (-1.5/4 + 0.5/4) / 2 = -0.125.
+    GRPO seq_mean_token_mean: (-0.5 + 0.5) / 2 = 0 (length information lost).
+    token_mean: (-1.5 + 0.5) / 4 = -0.25."""
+    assert close(dr_grpo_advantages(T([1.0, 0.0]), 2), [0.5, -0.5])
+    assert close(dr_grpo_advantages(T([3.0, 5.0]), 2), [-1.0, 1.0])
+    mask = T([[1, 1, 1, 0], [1, 0, 0, 0]])
+    adv, _ = compute_advantages("dr-grpo", scores=T([1.0, 0.0]), mask=mask, group_size=2)
+    lp = torch.zeros(2, 4)
+    dr, _ = clipped_policy_loss(lp, lp, adv, mask, aggregation="seq_mean_token_sum_norm", max_len=4)
+    grpo, _ = clipped_policy_loss(lp, lp, adv, mask, aggregation="seq_mean_token_mean")
+    tok, _ = clipped_policy_loss(lp, lp, adv, mask, aggregation="token_mean")
+    assert close(dr, -0.125) and close(grpo, 0.0) and close(tok, -0.25)
+
+
+def test_compute_advantages_gae_dispatch():
+    """Score 1 on the last of 3 valid tokens, values [0.5, 0.25, 0.5], gamma = lam = 0.5: the same
+    episode as the GAE test, so A = [-0.34375, 0.125, 0.5] and returns [0.15625, 0.375, 1.0]."""
+    adv, ret = compute_advantages("gae", scores=T([1.0]), mask=T([[1, 1, 1, 0]]),
+                                  values=T([[0.5, 0.25, 0.5, 7.0]]), gamma=0.5, lam=0.5)
+    assert close(adv, [[-0.34375, 0.125, 0.5, 0.0]])
+    assert close(ret, [[0.15625, 0.375, 1.0, 0.0]])
+
+
+def test_compute_advantages_errors():
+    """Indivisible batch, group_size < 2 for group estimators, gae without values,
+    token_rewards for a sequence-level estimator, mis-shaped scores, unknown estimator."""
+    mask = torch.ones(5, 2)
+    with pytest.raises(ValueError, match="divisible"):
+        compute_advantages("grpo", scores=torch.zeros(5), mask=mask, group_size=2)
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        compute_advantages("rloo", scores=torch.zeros(5), mask=mask, group_size=1)
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        compute_advantages("reinforce++-baseline", scores=torch.zeros(5), mask=mask)
+    with pytest.raises(ValueError, match="values"):
+        compute_advantages("gae", scores=torch.zeros(5), mask=mask)
+    with pytest.raises(ValueError, match="token_rewards"):
+        compute_advantages("grpo", scores=torch.zeros(4), mask=torch.ones(4, 2), group_size=2,
+                           token_rewards=torch.zeros(4, 2))
+    with pytest.raises(ValueError, match="scores"):
+        compute_advantages("reinforce++", scores=torch.zeros(4), mask=mask)
+    with pytest.raises(ValueError):
+        compute_advantages("ppo", scores=torch.zeros(5), mask=mask)
+
+
+# --------------------------------------------------------------------------------------
+# DAPO pieces
+# --------------------------------------------------------------------------------------
+
+
+def test_dynamic_sampling_keep():
+    """group_size 2, scores [1, 1 | 0, 1 | 0, 0]: only the middle group has a spread -> keep rows 2 and 3.
+    With atol 0.5, [0.3, 0.0] (spread 0.3) counts as equal."""
+    keep = dynamic_sampling_keep(T([1, 1, 0, 1, 0, 0]), 2)
+    assert keep.dtype == torch.bool
+    assert keep.tolist() == [False, False, True, True, False, False]
+    assert keep.view(-1, 2)[:, 0].tolist() == [False, True, False]
+    assert dynamic_sampling_keep(T([0.3, 0.0]), 2, atol=0.5).tolist() == [False, False]
+    with pytest.raises(ValueError, match="divisible"):
+        dynamic_sampling_keep(T([1, 0, 1]), 2)
+
+
+def test_overlong_penalty_three_regimes():
+    """max_len 20, cache_len 4 -> ramp starts at 16.
+    L = 10, 16: 0 (within budget); L = 18: (16 - 18) / 4 = -0.5; L = 20: (16 - 20) / 4 = -1;
+    L = 25: beyond max_len -> -1."""
+    got = overlong_penalty(torch.tensor([10, 16, 18, 20, 25]), max_len=20, cache_len=4)
+    assert close(got, [0.0, 0.0, -0.5, -1.0, -1.0])
+    with pytest.raises(ValueError, match="cache_len"):
+        overlong_penalty(torch.tensor([1]), max_len=10, cache_len=0)
+    with pytest.raises(ValueError, match="cache_len"):
+        overlong_penalty(torch.tensor([1]), max_len=10, cache_len=11)
+
+
+# --------------------------------------------------------------------------------------
+# Entropy
+# --------------------------------------------------------------------------------------
+
+
+def test_entropy_uniform_is_log_v_and_known_distribution():
+    """Equal logits over V = 5 (any constant, even 1000): H = ln 5 = 1.609438.
+    Logits [0, ln 3] -> p = [1/4, 3/4]: H = 0.25 ln 4 + 0.75 ln(4/3) = 0.346574 + 0.215762 = 0.562335.
+    A one-hot-like row (logits [0, 1000]) gives 0, not NaN."""
+    uniform = torch.cat([torch.zeros(1, 1, 5), torch.full((1, 1, 5), 1000.0)], dim=1)
+    assert close(entropy_from_logits(uniform), [[math.log(5), math.log(5)]])
+    two = T([[[0.0, math.log(3)], [0.0, 1000.0]]])
+    assert close(entropy_from_logits(two), [[0.562335, 0.0]])
+    assert entropy_from_logits(torch.zeros(2, 3, 7, dtype=torch.bfloat16)).shape == (2, 3)
