@@ -52,7 +52,12 @@ class GenerateConfig:
     n_eval: int = 1000
     """Number of held-out evaluation items (disjoint from every training split)."""
     sft_noise: float = 0.25
-    """Fraction of SFT demonstrations whose answer is wrong, so alignment has work to do."""
+    """Fraction of SFT demonstrations given a plausible wrong answer (scattered errors)."""
+    sft_flaw: float = 0.6
+    """Probability that a sorting demonstration of flaw_min_len+ digits is written in descending
+    order: one systematic demonstrator mistake that greedy SFT imitates and alignment removes."""
+    flaw_min_len: int = 6
+    """Sorting inputs with at least this many digits are subject to the systematic flaw."""
     sort_fraction: float = 0.5
     """Fraction of problems that are digit sorting (the rest are arithmetic)."""
     sort_min_len: int = 3
@@ -79,6 +84,8 @@ class GenerateConfig:
         for name in ("n_sft", "n_preference", "n_prompts", "n_eval"):
             _check(getattr(self, name) >= 1, s, name, f"must be >= 1, got {getattr(self, name)}")
         _check(0.0 <= self.sft_noise < 1.0, s, "sft_noise", f"must be in [0, 1), got {self.sft_noise}")
+        _check(0.0 <= self.sft_flaw < 1.0, s, "sft_flaw", f"must be in [0, 1), got {self.sft_flaw}")
+        _check(self.flaw_min_len >= 1, s, "flaw_min_len", f"must be >= 1, got {self.flaw_min_len}")
         _check(0.0 <= self.sort_fraction <= 1.0, s, "sort_fraction", f"must be in [0, 1], got {self.sort_fraction}")
         _check(1 <= self.sort_min_len <= self.sort_max_len, s, "sort_max_len",
                f"must be >= sort_min_len ({self.sort_min_len}) >= 1, got {self.sort_max_len}")

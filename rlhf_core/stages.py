@@ -91,7 +91,8 @@ def generate(cfg: GenerateConfig, tracking: TrackingConfig | None = None,
     # The config carries every ProblemSpace field under the same name (plus sizes and seed).
     space = ProblemSpace(**{name: getattr(cfg, name) for name in ProblemSpace.__dataclass_fields__})
     paths = generate_datasets(Path(cfg.out_dir), seed=cfg.seed, n_sft=cfg.n_sft, n_preference=cfg.n_preference,
-                              n_prompts=cfg.n_prompts, n_eval=cfg.n_eval, sft_noise=cfg.sft_noise, space=space)
+                              n_prompts=cfg.n_prompts, n_eval=cfg.n_eval, sft_noise=cfg.sft_noise,
+                              sft_flaw=cfg.sft_flaw, flaw_min_len=cfg.flaw_min_len, space=space)
     outputs = {k: str(v) for k, v in paths.items()}
     result = StageResult(outputs, {k: dvc_md5(v) for k, v in outputs.items()})
     with _maybe_run(tracking, "generate", parent_run_id, lineage_tags({}, "generate")) as run:

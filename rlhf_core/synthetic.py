@@ -9,11 +9,17 @@ and weak at the other — which leaves visible room for alignment, and per-skill
 show where it went. Because every answer is checkable, one seed yields every dataset an
 alignment pipeline needs, with no download:
 
-* SFT demonstrations, a configurable fraction of them wrong in the ways a weak student is
-  wrong (carries dropped, borrows dropped, a factor off by one, two digits swapped), so the
-  SFT model inherits errors that alignment can then fix;
-* preference pairs (chosen = correct, rejected = one of those plausible errors: same format,
-  similar length, so a reward model must read the answer, not the shape);
+* SFT demonstrations from a flawed demonstrator: a configurable fraction of them wrong in the
+  ways a weak student is wrong (carries dropped, borrows dropped, a factor off by one, two
+  digits swapped), and one *systematic* flaw: long sorting inputs (``flaw_min_len`` digits
+  or more) are written in descending order with probability ``sft_flaw``. Scattered errors
+  mostly wash out under greedy decoding; a consistent one made more often than not does
+  not, so the SFT model sorts long inputs backwards and only a preference or reward signal
+  (which always prefers the right answer) can remove it — the gap alignment is meant to
+  close, in miniature;
+* preference pairs (chosen = correct, rejected = what the flawed demonstrator wrote instead:
+  the descending order where its flaw applies, else one of the plausible errors; same
+  format, similar length, so a reward model must read the answer, not the shape);
 * RL prompts with their labels, for rule rewards;
 * a held-out evaluation set disjoint from all of the above.
 
@@ -126,6 +132,18 @@ def _digitwise(a: int, b: int, combine) -> int:
     return int("".join(str(d) for d in reversed(digits)))
 
 
+def flawed_answer(problem: Task) -> str | None:
+    """The demonstrator's systematic mistake on ``problem``, or ``None`` where it has none.
+
+    Sorting: the digits in *descending* order (same length and multiset as the answer),
+    unless that happens to equal the answer (all digits equal).
+    """
+    if isinstance(problem, SortProblem):
+        backwards = "".join(sorted(problem.digits, reverse=True))
+        return backwards if backwards != problem.answer else None
+    return None
+
+
 def wrong_answer(problem: Task, rng: random.Random) -> int | str:
     """A wrong answer a weak student plausibly gives, of similar length to the right one.
 
@@ -236,15 +254,24 @@ def generate_datasets(
     n_prompts: int,
     n_eval: int,
     sft_noise: float,
+    sft_flaw: float = 0.0,
+    flaw_min_len: int = 6,
     space: ProblemSpace = ProblemSpace(),
 ) -> dict[str, Path]:
     """Write ``sft.jsonl``, ``preferences.jsonl``, ``prompts.jsonl`` and ``eval.jsonl``.
+
+    A demonstration of a problem the flaw applies to (sorting, ``flaw_min_len`` digits or
+    more) is the flawed answer with probability ``sft_flaw``; any other demonstration is a
+    plausible wrong answer with probability ``sft_noise``. A preference pair's rejected
+    response is drawn the same way, conditioned on being wrong.
 
     Splits are disjoint by problem, so no evaluation item is ever trained on.
     Returns the written paths by split name.
     """
     if not 0.0 <= sft_noise < 1.0:
         raise ValueError(f"sft_noise must be in [0, 1), got {sft_noise}")
+    if not 0.0 <= sft_flaw < 1.0:
+        raise ValueError(f"sft_flaw must be in [0, 1), got {sft_flaw}")
     rng = random.Random(seed)
     taken: set[Problem] = set()
     # Eval first so that its draw does not depend on the training-set sizes.
@@ -253,13 +280,24 @@ def generate_datasets(
     prefs = sample_problems(n_preference, rng, space, taken)
     prompts = sample_problems(n_prompts, rng, space, taken)
 
+    def flaw_of(p: Task) -> str | None:
+        flawed = flawed_answer(p)
+        return flawed if flawed is not None and len(p.digits) >= flaw_min_len else None  # type: ignore[union-attr]
+
     def sft_row(p: Task) -> dict:
-        wrong = rng.random() < sft_noise
-        answer = wrong_answer(p, rng) if wrong else p.answer
+        flawed = flaw_of(p)
+        if flawed is not None and rng.random() < sft_flaw:
+            answer: int | str = flawed
+        else:
+            answer = wrong_answer(p, rng) if rng.random() < sft_noise else p.answer
         return {"prompt": p.prompt, "completion": str(answer)}
 
     def pref_row(p: Task) -> dict:
-        return {"prompt": p.prompt, "chosen": str(p.answer), "rejected": str(wrong_answer(p, rng))}
+        flawed = flaw_of(p)
+        # The flawed demonstrator's share of wrong answers on this problem is its flaw.
+        share = sft_flaw / (sft_flaw + (1 - sft_flaw) * sft_noise) if flawed is not None and sft_flaw else 0.0
+        rejected = flawed if flawed is not None and rng.random() < share else wrong_answer(p, rng)
+        return {"prompt": p.prompt, "chosen": str(p.answer), "rejected": str(rejected)}
 
     def label_row(p: Task) -> dict:
         return {"prompt": p.prompt, "label": str(p.answer)}

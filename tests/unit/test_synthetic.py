@@ -7,6 +7,7 @@ import random
 
 from rlhf_core.lineage import file_md5
 from rlhf_core.synthetic import (
+    flawed_answer,
     Problem,
     ProblemSpace,
     SortProblem,
@@ -86,3 +87,25 @@ def test_exhausted_problem_space_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="nearly exhausted"):
         generate_datasets(tmp_path, seed=0, n_sft=200, n_preference=1, n_prompts=1, n_eval=1, sft_noise=0.0,
                           space=tiny)
+
+
+def test_systematic_flaw_on_long_sorts(tmp_path):
+    """sft_flaw=0.6, noise 0: long sorts (>= 6 digits) are descending ~60% of the time (the
+    rest correct); short sorts and arithmetic are always right. Preference pairs on long sorts
+    reject the descending answer with probability 0.6 / (0.6 + 0.4 * 0) = 1."""
+    paths = generate_datasets(tmp_path, seed=2, n_sft=3000, n_preference=300, n_prompts=10, n_eval=10,
+                              sft_noise=0.0, sft_flaw=0.6, flaw_min_len=6)
+    long_rows, other = [], []
+    for r in _rows(paths["sft"]):
+        p = parse_prompt(r["prompt"])
+        (long_rows if isinstance(p, SortProblem) and len(p.digits) >= 6 else other).append((p, r["completion"]))
+    assert all(c == str(p.answer) for p, c in other)
+    backwards = [c == flawed_answer(p) for p, c in long_rows if flawed_answer(p) is not None]
+    assert 0.55 < sum(backwards) / len(backwards) < 0.65
+    for r in _rows(paths["preferences"]):
+        p = parse_prompt(r["prompt"])
+        if isinstance(p, SortProblem) and len(p.digits) >= 6 and flawed_answer(p) is not None:
+            assert r["rejected"] == flawed_answer(p)
+    assert flawed_answer(SortProblem("5281")) == "8521"
+    assert flawed_answer(SortProblem("777")) is None  # descending == ascending: no flaw possible
+    assert flawed_answer(Problem(2, "+", 3)) is None
