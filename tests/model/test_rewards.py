@@ -1,0 +1,300 @@
+"""Reward sources: a function file, a micro reward model, and HTTP against the real serve-rm server."""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from rlhf_core.data.tokenize import tokenize_prompt_completion
+from rlhf_core.models import load_tokenizer
+from rlhf_core.reward_model import load_reward_model, set_normalisation
+from rlhf_core.rewards import (FunctionRewardSource, HttpRewardSource, RewardError, RewardKind, RewardModelSource,
+                               RewardSource, build_reward_source)
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = ["12+30=", "sort 321=", "7*8=", "sort 90817="]
+COMPLETIONS = ["42", "321", "56", "01789"]
+LABELS = ["42", "123", "56", "01789"]
+
+
+# --------------------------------------------------------------------------------------
+# Function files
+# --------------------------------------------------------------------------------------
+
+
+def reward_file(tmp_path: Path, body: str, name: str = "my_reward.py") -> Path:
+    path = tmp_path / name
+    path.write_text(body)
+    return path
+
+
+def test_embedded_reward_file():
+    source = build_reward_source("function", path=str(REPO / "rlhf_core/rewards_embedded.py") + ":reward")
+    assert isinstance(source, RewardSource) and source.name.endswith("rewards_embedded.py:reward")
+    assert source(PROMPTS, COMPLETIONS, LABELS) == [1.0, 0.0, 1.0, 1.0]
+    # sent to another process (a Ray actor) as its spec, re-imported there
+    assert pickle.loads(pickle.dumps(source))(PROMPTS, COMPLETIONS, LABELS) == [1.0, 0.0, 1.0, 1.0]
+    with pytest.raises(RewardError, match=r"rewards_embedded\.py.*sample 2 .*no label"):
+        source(PROMPTS, COMPLETIONS, ["42", "123", None, "01789"])
+
+
+def test_function_file_happy_path(tmp_path):
+    path = reward_file(tmp_path, "def length(prompts, completions, labels):\n"
+                                 "    return [len(c) for c in completions]\n")
+    assert FunctionRewardSource(f"{path}:length")(PROMPTS, COMPLETIONS, [None] * 4) == [2.0, 3.0, 2.0, 5.0]
+
+
+def test_function_that_raises_names_file_function_and_sample(tmp_path):
+    path = reward_file(tmp_path, "def picky(prompts, completions, labels):\n"
+                                 "    return [1.0 / (len(c) - 2) for c in completions]\n")
+    with pytest.raises(RewardError) as err:
+        FunctionRewardSource(f"{path}:picky")(PROMPTS, COMPLETIONS, LABELS)
+    msg = str(err.value)  # completions 0 and 2 have length 2; the first is reported
+    assert str(path) in msg and "picky" in msg and "sample 0" in msg and "ZeroDivisionError" in msg
+
+
+@pytest.mark.parametrize("returned,expect", [
+    ("[1.0, 2.0]", r"returned 2 rewards for 4 samples"),
+    ("[1.0, float('nan'), 0.0, 0.0]", r"sample 1: reward nan is not finite"),
+    ("[0.0, 0.0, float('inf'), 0.0]", r"sample 2: reward inf is not finite"),
+    ("[0.0, 0.0, 0.0, 'high']", r"sample 3: reward 'high' is not a number"),
+    ("None", r"expected a list of 4 rewards, got NoneType"),
+])
+def test_function_bad_results(tmp_path, returned, expect):
+    path = reward_file(tmp_path, f"def bad(prompts, completions, labels):\n    return {returned}\n")
+    with pytest.raises(RewardError, match=expect) as err:
+        FunctionRewardSource(f"{path}:bad")(PROMPTS, COMPLETIONS, LABELS)
+    assert str(path) in str(err.value) and "bad" in str(err.value)
+
+
+def test_function_tensor_result_accepted(tmp_path):
+    path = reward_file(tmp_path, "import torch\n"
+                                 "def t(prompts, completions, labels):\n"
+                                 "    return torch.arange(len(prompts), dtype=torch.float32)\n")
+    assert FunctionRewardSource(f"{path}:t")(PROMPTS, COMPLETIONS, LABELS) == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_function_spec_errors(tmp_path):
+    path = reward_file(tmp_path, "def reward(p, c, l):\n    return [0.0] * len(p)\nNOT_A_FUNCTION = 3\n")
+    with pytest.raises(RewardError, match=r"file .*missing\.py not found"):
+        FunctionRewardSource(f"{tmp_path / 'missing.py'}:reward")
+    with pytest.raises(RewardError, match=r"my_reward\.py defines no 'score'"):
+        FunctionRewardSource(f"{path}:score")
+    with pytest.raises(RewardError, match=r"'NOT_A_FUNCTION' in .*my_reward\.py is not callable"):
+        FunctionRewardSource(f"{path}:NOT_A_FUNCTION")
+    with pytest.raises(RewardError, match=r"expected 'path/to/file\.py:function_name'"):
+        FunctionRewardSource(str(path))
+    with pytest.raises(RewardError, match=r"is not a \.py file"):
+        FunctionRewardSource("json:loads")  # a module name is never imported
+    broken = reward_file(tmp_path, "import not_a_real_module_xyz\n", name="broken.py")
+    with pytest.raises(RewardError, match=r"importing .*broken\.py failed: ModuleNotFoundError"):
+        FunctionRewardSource(f"{broken}:reward")
+
+
+def test_build_reward_source_validates_kind():
+    assert RewardKind.MODEL.loads_model and not RewardKind.HTTP.loads_model
+    with pytest.raises(ValueError, match=r"reward kind 'rule': expected one of \['model', 'function', 'http'\]"):
+        build_reward_source("rule", path="x")
+    with pytest.raises(ValueError, match="'http' needs a url"):
+        build_reward_source(RewardKind.HTTP)
+    with pytest.raises(ValueError, match="'model' needs a path"):
+        build_reward_source("model")
+
+
+# --------------------------------------------------------------------------------------
+# A reward model, in process and behind the real serve-rm server
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def micro_rm(micro_model, tmp_path_factory) -> Path:
+    """An (untrained) micro reward model directory with normalisation statistics."""
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("rm") / "rm"
+    rm = load_reward_model(micro_model, torch.device("cpu"))
+    set_normalisation(rm, mean=0.25, std=2.0)
+    rm.save_pretrained(out)
+    load_tokenizer(micro_model).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def rm_server(micro_rm, tmp_path_factory):
+    """``python -m rlhf_core.reward_server`` on a free port; yields its base URL."""
+    run_dir = tmp_path_factory.mktemp("serve")
+    port_file, log = run_dir / "port", (run_dir / "serve-rm.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf_core.reward_server", "--model", str(micro_rm),
+                             "--port", "0", "--port-file", str(port_file), "--batch-size", "2", "--device", "cpu"],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not port_file.exists():
+            if proc.poll() is not None:
+                pytest.fail(f"serve-rm exited with {proc.returncode}:\n{(run_dir / 'serve-rm.log').read_text()}")
+            if time.monotonic() > deadline:
+                pytest.fail("serve-rm wrote no port file within 120 s")
+            time.sleep(0.1)
+        url = f"http://127.0.0.1:{int(port_file.read_text())}"
+        assert requests.get(f"{url}/health", timeout=10).json() == {"status": "ok", "model": str(micro_rm)}
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def test_reward_model_source(micro_rm):
+    source = build_reward_source("model", path=micro_rm, device="cpu", batch_size=2)
+    assert isinstance(source, RewardModelSource) and source.name == f"model:{micro_rm}"
+    scores = source(PROMPTS, COMPLETIONS, [None] * 4)
+    assert len(scores) == 4 and all(math.isfinite(s) for s in scores) and len(set(scores)) > 1
+    ids = tokenize_prompt_completion(source.tokenizer, PROMPTS[0], COMPLETIONS[0], 256).input_ids
+    with torch.no_grad():
+        raw = source.model(input_ids=torch.tensor([ids])).logits.item()
+    assert scores[0] == pytest.approx((raw - 0.25) / 2.0, abs=1e-5)  # normalised with the stored stats
+    assert source([], [], []) == []
+    with pytest.raises(RewardError, match="4 prompts, 3 completions"):
+        source(PROMPTS, COMPLETIONS[:3], [None] * 4)
+
+
+def test_http_source_against_serve_rm(rm_server, micro_rm):
+    here = RewardModelSource(micro_rm, device="cpu", batch_size=2)(PROMPTS, COMPLETIONS, LABELS)
+    remote = build_reward_source("http", url=f"{rm_server}/score", timeout_s=30, retries=0)
+    assert remote.name == f"http:{rm_server}/score"
+    assert remote(PROMPTS, COMPLETIONS, LABELS) == here  # same batches, same CPU kernels: same floats
+
+
+@pytest.mark.parametrize("body,field", [
+    (b"{not json", "body: malformed JSON"),
+    (json.dumps({"completions": ["1"]}).encode(), "field 'prompts': missing"),
+    (json.dumps({"prompts": ["1+1="]}).encode(), "field 'completions': missing"),
+    (json.dumps({"prompts": ["1+1="], "completions": [2]}).encode(), "field 'completions': expected a list of str"),
+    (json.dumps({"prompts": ["1+1=", "2+2="], "completions": ["2"]}).encode(),
+     "field 'completions': 1 items, but 'prompts' has 2"),
+    (json.dumps({"prompts": ["1+1="], "completions": ["2"], "labels": ["2", "4"]}).encode(),
+     "field 'labels': 2 items, but 'prompts' has 1"),
+])
+def test_serve_rm_rejects_bad_requests(rm_server, body, field):
+    reply = requests.post(f"{rm_server}/score", data=body, timeout=10,
+                          headers={"Content-Type": "application/json"})
+    assert reply.status_code == 400 and field in reply.json()["error"]
+
+
+def test_serve_rm_4xx_is_not_retried(rm_server):
+    source = HttpRewardSource(f"{rm_server}/nope", timeout_s=5, retries=3, backoff_s=5.0)
+    start = time.monotonic()
+    with pytest.raises(RewardError, match=r"HTTP 404 \(not retried\)"):
+        source(PROMPTS, COMPLETIONS, LABELS)
+    assert time.monotonic() - start < 5.0  # no backoff sleep happened
+
+
+# --------------------------------------------------------------------------------------
+# HTTP failure modes against small stdlib servers
+# --------------------------------------------------------------------------------------
+
+
+class _Stub:
+    """A local HTTP server whose handler is ``respond(call_number) -> (status, body_dict)``."""
+
+    def __init__(self, respond, delay_s: float = 0.0):
+        self.calls = 0
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                stub.calls += 1
+                n = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompts"]
+                time.sleep(delay_s)
+                status, body = respond(stub.calls, len(n))
+                data = json.dumps(body).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up (timeout) before we answered
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.server.block_on_close = False
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/score"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_http_server_down():
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    source = HttpRewardSource(f"http://127.0.0.1:{port}/score", timeout_s=2, retries=2, backoff_s=0.01)
+    with pytest.raises(RewardError) as err:
+        source(PROMPTS, COMPLETIONS, LABELS)
+    msg = str(err.value)
+    assert f"127.0.0.1:{port}/score" in msg and "after 3 attempts" in msg and "connection failed" in msg
+
+
+def test_http_timeout_is_honoured():
+    """timeout 0.3 s x 2 attempts + 0.05 s backoff = 0.65 s; the server would take 2 s per call."""
+    stub = _Stub(lambda call, n: (200, {"rewards": [0.0] * n}), delay_s=2.0)
+    try:
+        source = HttpRewardSource(stub.url, timeout_s=0.3, retries=1, backoff_s=0.05)
+        start = time.monotonic()
+        with pytest.raises(RewardError, match=r"after 2 attempts; last error: timed out after 0\.3s"):
+            source(PROMPTS, COMPLETIONS, LABELS)
+        elapsed = time.monotonic() - start
+        assert 0.6 <= elapsed < 0.3 * 2 + 0.05 + 0.8
+        assert stub.calls == 2
+    finally:
+        stub.close()
+
+
+def test_http_retries_503_then_succeeds():
+    stub = _Stub(lambda call, n: (503, {"error": "warming up"}) if call <= 2 else (200, {"rewards": [0.5] * n}))
+    try:
+        source = HttpRewardSource(stub.url, timeout_s=5, retries=2, backoff_s=0.01)
+        assert source(PROMPTS, COMPLETIONS, LABELS) == [0.5] * 4
+        assert stub.calls == 3
+    finally:
+        stub.close()
+
+
+def test_http_503_until_the_end_reports_the_last_error():
+    stub = _Stub(lambda call, n: (503, {"error": "overloaded"}))
+    try:
+        with pytest.raises(RewardError, match=r"after 2 attempts; last error: HTTP 503: .*overloaded"):
+            HttpRewardSource(stub.url, timeout_s=5, retries=1, backoff_s=0.01)(PROMPTS, COMPLETIONS, LABELS)
+    finally:
+        stub.close()
+
+
+@pytest.mark.parametrize("body,expect", [({"rewards": [1.0, float("nan"), 0.0, 0.0]}, "sample 1: reward nan"),
+                                         ({"rewards": [1.0]}, "returned 1 rewards for 4 samples"),
+                                         ({"scores": [1.0] * 4}, "reply has no 'rewards' field")])
+def test_http_bad_replies(body, expect):
+    stub = _Stub(lambda call, n: (200, body))
+    try:
+        with pytest.raises(RewardError, match=expect) as err:
+            HttpRewardSource(stub.url, timeout_s=5, retries=2, backoff_s=0.01)(PROMPTS, COMPLETIONS, LABELS)
+        assert stub.url in str(err.value) and stub.calls == 1  # a malformed 200 is not retried
+    finally:
+        stub.close()
