@@ -1,4 +1,11 @@
-"""The main alignment flow: generate -> validate -> build model -> SFT -> evaluate.
+"""The main alignment flow: generate -> validate -> build model -> SFT -> offline alignment.
+
+After SFT the flow runs the alignment stages named in ``flow.stages`` (params.yaml), in
+order, each starting from the SFT model: a reward model, DPO, KTO, rejection sampling
+scored by the reward model (its kept samples and pairs pass the same Great Expectations
+gate as any dataset), one RAFT round of SFT on the kept samples, and distillation of the
+DPO model back into the SFT model. Every model is evaluated by greedy exact match on the
+held-out set, so the summary compares base, SFT and each aligned model.
 
 One Prefect flow run = one parent MLflow run; every stage is a Prefect task and a nested
 MLflow run. User data and models replace the embedded default stage by stage: give
@@ -34,10 +41,10 @@ from rlhf_core.config import (
 from rlhf_core.lineage import dvc_md5
 from rlhf_core.stages import lineage_tags
 from rlhf_core.tracking import resolve_tracking_uri, start_run
-from tasks.data import generate_data, validate_data
+from tasks.data import generate_data, sample_best_of_n, validate_data
 from tasks.evaluation import evaluate_model
 from tasks.models import build_base_model
-from tasks.training import train_sft
+from tasks.training import distill_teacher, train_dpo, train_kto, train_raft, train_reward, train_sft
 
 DATASET_KINDS = {"sft": "sft", "preferences": "preference", "prompts": "prompts", "eval": "prompts"}
 
@@ -68,6 +75,62 @@ def _run(task_fn: Any, use_cache: bool, **kwargs: Any) -> dict[str, Any]:
     if not _intact(result):
         result = task_fn.with_options(refresh_cache=True)(**kwargs)
     return result
+
+
+def run_alignment_stages(cfg: dict[str, Any], files: dict[str, str], md5: dict[str, str], sft: dict[str, Any],
+                         fields: dict[str, Any], tracking_d: dict[str, Any], parent_run_id: str,
+                         cache: bool) -> dict[str, dict[str, Any]]:
+    """The post-SFT stages of ``flow.stages``, each from the SFT model; returns their task results."""
+    sft_model, sft_md5 = sft["outputs"]["model"], sft["md5"]["model"]
+    common = dict(tracking=tracking_d, parent_run_id=parent_run_id)
+    data = {**fields, "eval_file": files["eval"]}
+    done: dict[str, dict[str, Any]] = {}
+    for stage in cfg["flow"].stages:
+        if stage == "reward":
+            done[stage] = _run(train_reward, cache, **common,
+                               params={**config_to_dict(cfg["reward"]), **fields, "model_path": sft_model,
+                                       "train_file": files["preferences"]},
+                               input_md5={"model": sft_md5, "train": md5["preferences"]})
+        elif stage in ("dpo", "kto"):
+            task_fn = train_dpo if stage == "dpo" else train_kto
+            done[stage] = _run(task_fn, cache, **common,
+                               params={**config_to_dict(cfg[stage]), **data, "model_path": sft_model,
+                                       "train_file": files["preferences"]},
+                               input_md5={"model": sft_md5, "train": md5["preferences"], "eval": md5["eval"]})
+        elif stage == "rejection":
+            rej = cfg["rejection"]
+            params = {**config_to_dict(rej), **fields, "policy_path": sft_model, "prompts_file": files["prompts"]}
+            input_md5 = {"policy": sft_md5, "prompts": md5["prompts"]}
+            if rej.scorer == "reward_model":
+                rm_path = done["reward"]["outputs"]["model"] if "reward" in done else rej.reward_model_path
+                if not Path(rm_path).exists():
+                    raise ConfigError(f"rejection.scorer=reward_model but no reward model at {rm_path}: "
+                                      "add 'reward' to flow.stages before 'rejection', or set scorer: rule")
+                params["reward_model_path"] = rm_path
+                input_md5["reward_model"] = dvc_md5(rm_path)
+            result = _run(sample_best_of_n, cache, **common, params=params, input_md5=input_md5)
+            # The gate: generated data passes the same checks as any dataset before training on it.
+            for name, kind in (("kept", "sft"), ("pairs", "preference")):
+                if name == "pairs" and not Path(result["outputs"][name]).read_text().strip():
+                    get_run_logger().warning("rejection: every prompt's candidates tied; no preference pairs")
+                    continue  # nothing in this flow trains on the pairs; an empty file is a result
+                validate_data(path=result["outputs"][name], md5=result["md5"][name], kind=kind,
+                              name=f"rejection-{name}", fields=fields, **common)
+            done[stage] = result
+        elif stage == "raft":
+            kept = done["rejection"]
+            done[stage] = _run(train_raft, cache, **common,
+                               params={**config_to_dict(cfg["raft"]), **data, "model_path": sft_model,
+                                       "train_file": kept["outputs"]["kept"]},
+                               input_md5={"model": sft_md5, "train": kept["md5"]["kept"], "eval": md5["eval"]})
+        elif stage == "distill":
+            teacher = done["dpo"]["outputs"]["model"] if "dpo" in done else cfg["distill"].teacher_path
+            done[stage] = _run(distill_teacher, cache, **common,
+                               params={**config_to_dict(cfg["distill"]), **data, "model_path": sft_model,
+                                       "teacher_path": teacher, "train_file": files["sft"]},
+                               input_md5={"model": sft_md5, "teacher": dvc_md5(teacher), "train": md5["sft"],
+                                          "eval": md5["eval"]})
+    return done
 
 
 @flow(name="align", log_prints=True)
@@ -139,28 +202,43 @@ def align(
                      tracking=tracking_d, input_md5={"model": sft["md5"]["model"], "eval": md5["eval"]},
                      label="sft", parent_run_id=parent.run_id)
 
+        # ---- offline alignment from the SFT model ----------------------------------------
+        aligned = run_alignment_stages(cfg, {k: str(v) for k, v in files.items()}, md5, sft, fields, tracking_d,
+                                       parent.run_id, cache)
+
         summary_metrics = {
             "eval/accuracy_base": before["metrics"]["eval/accuracy"],
             "eval/accuracy_sft": after["metrics"]["eval/accuracy"],
             "eval/accuracy_stderr_sft": after["metrics"]["eval/accuracy_stderr"],
         }
+        for stage, result in aligned.items():
+            for key in ("eval/accuracy", "eval/accuracy_stderr", "eval/reward_accuracy", "eval/reward_margin",
+                        "rejection/kept_accuracy"):
+                if key in result["metrics"]:
+                    summary_metrics[f"{key}_{stage}"] = result["metrics"][key]
         parent.log_metrics(summary_metrics, 0)
         parent.set_tags({"dvc.md5.model_base": base_md5, "dvc.md5.model_sft": sft["md5"]["model"],
-                         "alignflow.sft_run_id": str(sft.get("run_id"))})
+                         "alignflow.sft_run_id": str(sft.get("run_id")),
+                         **{f"dvc.md5.{stage}_{k}": v for stage, r in aligned.items() for k, v in r["md5"].items()},
+                         **{f"alignflow.{stage}_run_id": str(r.get("run_id")) for stage, r in aligned.items()}})
         summary = {
             "parent_run_id": parent.run_id,
             "tracking_uri": resolve_tracking_uri(tracking),
             "registered_model": tracking.registered_model if tracking.log_model else None,
             "model_uri": sft.get("model_uri"),
             "datasets": {k: str(v) for k, v in files.items()},
-            "md5": {**md5, "model_base": base_md5, "model_sft": sft["md5"]["model"]},
+            "md5": {**md5, "model_base": base_md5, "model_sft": sft["md5"]["model"],
+                    **{f"{stage}_{k}": v for stage, r in aligned.items() for k, v in r["md5"].items()}},
             "sft_model": sft["outputs"]["model"],
+            "stages": {stage: {"outputs": r["outputs"], "run_id": r.get("run_id")} for stage, r in aligned.items()},
             "metrics": summary_metrics,
             "sft_train_seconds": sft["metrics"].get("perf/train_seconds"),
         }
         print(f"align: base accuracy {summary_metrics['eval/accuracy_base']:.3f} -> "
               f"SFT accuracy {summary_metrics['eval/accuracy_sft']:.3f} "
-              f"(± {summary_metrics['eval/accuracy_stderr_sft']:.3f})")
+              f"(± {summary_metrics['eval/accuracy_stderr_sft']:.3f})"
+              + "".join(f"; {stage} {summary_metrics[f'eval/accuracy_{stage}']:.3f}"
+                        for stage in aligned if f"eval/accuracy_{stage}" in summary_metrics))
         return summary
 
 

@@ -1,6 +1,7 @@
 """The ``alignflow`` command line: one subcommand per stage, ``validate``, and ``flow align``.
 
-Stage commands (``generate``, ``init-model``, ``sft``, ``evaluate``) run a stage directly,
+Stage commands (``generate``, ``init-model``, ``sft``, ``reward``, ``dpo``, ``kto``,
+``rejection``, ``raft``, ``distill``, ``evaluate``) run a stage directly,
 as ``dvc repro`` does; ``flow align`` runs the whole pipeline under Prefect. Every command
 reads ``params.yaml`` (``--params``) and takes ``--set field=value`` overrides (``--set
 section.field=value`` for ``flow align``).
@@ -22,8 +23,11 @@ from rlhf_core.config import (
     SECTIONS,
     ConfigError,
     DataFields,
+    DistillConfig,
     DPOConfig,
     EvalConfig,
+    KTOConfig,
+    RaftConfig,
     GenerateConfig,
     RejectionConfig,
     RewardConfig,
@@ -98,14 +102,10 @@ def _tracked_stage(stage: str, cls: type, section: str):
 cmd_sft = _tracked_stage("sft", SFTConfig, "sft")
 cmd_dpo = _tracked_stage("dpo", DPOConfig, "dpo")
 cmd_reward = _tracked_stage("reward", RewardConfig, "reward")
-
-
-def cmd_rejection(args: argparse.Namespace) -> int:
-    from rlhf_core.rejection import rejection_sample
-
-    result = rejection_sample(_stage_cfg(args, RejectionConfig, "rejection"))
-    _print({"output_file": str(result.output_file), "pairs_file": str(result.pairs_file), "metrics": result.metrics})
-    return 0
+cmd_kto = _tracked_stage("kto", KTOConfig, "kto")
+cmd_distill = _tracked_stage("distill", DistillConfig, "distill")
+cmd_rejection = _tracked_stage("rejection", RejectionConfig, "rejection")
+cmd_raft = _tracked_stage("raft", RaftConfig, "raft")
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
@@ -140,6 +140,13 @@ def cmd_flow(args: argparse.Namespace) -> int:
     print("\n=== alignflow: align flow finished ===")
     print(f"eval/accuracy  base {m['eval/accuracy_base']:.3f} -> SFT {m['eval/accuracy_sft']:.3f} "
           f"(± {m['eval/accuracy_stderr_sft']:.3f} std. err.)")
+    for stage in summary.get("stages", {}):
+        if f"eval/accuracy_{stage}" in m:
+            print(f"               {stage:<9} {m[f'eval/accuracy_{stage}']:.3f} "
+                  f"(± {m[f'eval/accuracy_stderr_{stage}']:.3f}; {m[f'eval/accuracy_{stage}'] - m['eval/accuracy_sft']:+.3f} vs SFT)")
+        elif f"eval/reward_accuracy_{stage}" in m:
+            print(f"               {stage:<9} held-out pairwise accuracy {m[f'eval/reward_accuracy_{stage}']:.3f}, "
+                  f"margin {m[f'eval/reward_margin_{stage}']:.2f}")
     print(f"SFT model:       {summary['sft_model']}  (md5 {summary['md5']['model_sft']})")
     print(f"registered:      {summary['registered_model']}  ({summary['model_uri']})")
     print(f"parent run:      {summary['parent_run_id']}")
@@ -174,15 +181,15 @@ def build_parser() -> argparse.ArgumentParser:
         ("sft", "supervised fine-tuning", cmd_sft),
         ("dpo", "direct preference optimisation (DPO, IPO, cDPO) on preference pairs", cmd_dpo),
         ("reward", "train a scalar reward model on preference pairs", cmd_reward),
+        ("kto", "Kahneman-Tversky optimisation on unpaired desirable/undesirable examples", cmd_kto),
+        ("distill", "token-level knowledge distillation from a teacher model", cmd_distill),
+        ("rejection", "best-of-n sampling scored by a reward model or the rule", cmd_rejection),
+        ("raft", "SFT of the policy on its kept best-of-n samples (one RAFT round)", cmd_raft),
     ):
         p = sub.add_parser(name, help=help_text)
         _common(p, name)
         p.add_argument("--metrics-file", default=None, help="write final metrics JSON here (for DVC)")
         p.set_defaults(func=func)
-
-    p = sub.add_parser("rejection", help="best-of-n sampling scored by a reward model or the rule")
-    _common(p, "rejection")
-    p.set_defaults(func=cmd_rejection)
 
     p = sub.add_parser("evaluate", help="greedy exact-match accuracy of a model")
     _common(p, "evaluate")

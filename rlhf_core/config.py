@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -314,6 +314,111 @@ class RewardConfig(TrainerConfig):
 
 
 @dataclass
+class KTOConfig(TrainerConfig):
+    """``kto``: Kahneman-Tversky optimisation on unpaired desirable/undesirable examples."""
+
+    section: ClassVar[str] = "kto"
+
+    model_path: str = "models/sft"
+    """Policy to start from (usually the SFT model)."""
+    ref_model_path: str = ""
+    """Frozen reference model; empty means the starting policy."""
+    train_file: str = "data/embedded/preferences.jsonl"
+    """Unpaired examples (prompt, completion, desirable: true/false), or preference pairs, each
+    split into a desirable (chosen) and an undesirable (rejected) example."""
+    desirable_field: str = "desirable"
+    """Boolean field marking an unpaired example desirable (TRL's files call it `label`)."""
+    output_dir: str = "models/kto"
+    """Where the final HF model directory is written."""
+    checkpoint_dir: str = "checkpoints/kto"
+    """Where periodic checkpoints go."""
+    max_steps: int = 200
+    """Optimizer steps to train."""
+    batch_size: int = 64
+    """Unpaired examples per micro-batch (at least 2: the KL reference point pairs each
+    example's prompt with another example's completion)."""
+    lr: float = 3e-5
+    """Peak learning rate of AdamW."""
+    warmup_steps: int = 10
+    """Linear warmup steps."""
+    beta: float = 0.1
+    """Inverse temperature of the value function."""
+    desirable_weight: float = 1.0
+    """lambda_D: weight of desirable examples (the paper keeps lambda_D n_D / (lambda_U n_U) in [1, 4/3])."""
+    undesirable_weight: float = 1.0
+    """lambda_U: weight of undesirable examples."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        s = self.section
+        _check(self.batch_size >= 2, s, "batch_size", f"must be >= 2 (KL reference pairs), got {self.batch_size}")
+        _check(self.beta > 0, s, "beta", f"must be > 0, got {self.beta}")
+        for name in ("desirable_weight", "undesirable_weight"):
+            _check(getattr(self, name) > 0, s, name, f"must be > 0, got {getattr(self, name)}")
+
+
+@dataclass
+class DistillConfig(TrainerConfig):
+    """``distill``: token-level knowledge distillation from a teacher, mixable with NLL."""
+
+    section: ClassVar[str] = "distill"
+
+    model_path: str = "models/sft"
+    """Student to start from."""
+    teacher_path: str = "models/dpo"
+    """Teacher HF directory; must share the student's tokenizer (vocabulary)."""
+    train_file: str = "data/embedded/sft.jsonl"
+    """Sequences on which the teacher's next-token distributions are matched."""
+    output_dir: str = "models/distill"
+    """Where the final HF model directory is written."""
+    checkpoint_dir: str = "checkpoints/distill"
+    """Where periodic checkpoints go."""
+    max_steps: int = 150
+    """Optimizer steps to train."""
+    batch_size: int = 64
+    """Sequences per micro-batch."""
+    lr: float = 3e-4
+    """Peak learning rate of AdamW."""
+    warmup_steps: int = 10
+    """Linear warmup steps."""
+    temperature: float = 1.0
+    """Softmax temperature of both distributions (the KL is scaled by T^2)."""
+    nll_weight: float = 0.0
+    """Mix weight a of the NLL term: loss = (1 - a) KL + a NLL, in [0, 1]."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        s = self.section
+        _check(self.temperature > 0, s, "temperature", f"must be > 0, got {self.temperature}")
+        _check(0.0 <= self.nll_weight <= 1.0, s, "nll_weight", f"must be in [0, 1], got {self.nll_weight}")
+        _check(bool(self.teacher_path), s, "teacher_path", "must name the teacher's model directory")
+
+
+@dataclass
+class RaftConfig(SFTConfig):
+    """``raft``: SFT of a policy on its own best-of-n samples (RAFT, Dong et al. 2023)."""
+
+    section: ClassVar[str] = "raft"
+
+    model_path: str = "models/sft"
+    """Policy to continue from (the one that sampled the candidates)."""
+    train_file: str = "data/rejection/best.jsonl"
+    """The kept samples written by the rejection stage."""
+    output_dir: str = "models/raft"
+    """Where the final HF model directory is written."""
+    checkpoint_dir: str = "checkpoints/raft"
+    """Where periodic checkpoints go."""
+    max_steps: int = 100
+    """Optimizer steps to train."""
+    batch_size: int = 64
+    """Sequences per micro-batch."""
+    lr: float = 3e-4
+    """Peak learning rate (10x below SFT's: this continues a trained policy)."""
+    warmup_steps: int = 10
+    """Linear warmup steps."""
+
+
+@dataclass
 class RejectionConfig(DataFields):
     """``rejection``: best-of-n sampling from a policy, scored by a reward model or the rule."""
 
@@ -408,9 +513,22 @@ class FlowConfig:
     """Seconds between retries."""
     use_cache: bool = True
     """Reuse a task's result when its inputs (paths + md5s), params and code are unchanged."""
+    stages: list[str] = field(default_factory=lambda: list(ALIGNMENT_STAGES))
+    """Alignment stages run after SFT, in this order: any of reward, dpo, kto, rejection, raft,
+    distill (rejection needs reward when it scores with the reward model; raft needs rejection)."""
 
     def __post_init__(self) -> None:
         _check(self.retries >= 0, "flow", "retries", f"must be >= 0, got {self.retries}")
+        _check(isinstance(self.stages, list) and all(isinstance(x, str) for x in self.stages), "flow", "stages",
+               f"must be a list of stage names, got {self.stages!r}")
+        unknown = [x for x in self.stages if x not in ALIGNMENT_STAGES]
+        _check(not unknown, "flow", "stages", f"unknown stage(s) {unknown}; known: {list(ALIGNMENT_STAGES)}")
+        _check("raft" not in self.stages or "rejection" in self.stages, "flow", "stages",
+               "raft trains on the rejection stage's output: add rejection")
+
+
+ALIGNMENT_STAGES = ("reward", "dpo", "kto", "rejection", "raft", "distill")
+"""The post-SFT stages the align flow knows, in their natural order."""
 
 
 SECTIONS: dict[str, type] = {
@@ -419,7 +537,10 @@ SECTIONS: dict[str, type] = {
     "sft": SFTConfig,
     "dpo": DPOConfig,
     "reward": RewardConfig,
+    "kto": KTOConfig,
+    "distill": DistillConfig,
     "rejection": RejectionConfig,
+    "raft": RaftConfig,
     "evaluate": EvalConfig,
     "tracking": TrackingConfig,
     "flow": FlowConfig,

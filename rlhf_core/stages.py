@@ -20,11 +20,15 @@ from typing import Any, Iterator
 
 from rlhf_core.config import (
     DataFields,
+    DistillConfig,
     DPOConfig,
     EvalConfig,
-    RewardConfig,
     GenerateConfig,
+    KTOConfig,
     ModelConfig,
+    RaftConfig,
+    RejectionConfig,
+    RewardConfig,
     SFTConfig,
     TrackingConfig,
     config_to_dict,
@@ -175,7 +179,8 @@ def validate(path: str | Path, kind: str, fields: DataFields | None = None,
 
 def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: str | None, *,
                  train_fn: Any, datasets: dict[str, tuple[str, str]], metrics_file: str | Path | None,
-                 register_as: str | None = None, show_progress: bool = True) -> StageResult:
+                 register_as: str | None = None, show_progress: bool = True,
+                 extra_inputs: dict[str, str] | None = None) -> StageResult:
     """Run a trainer inside one (nested) MLflow run: params, lineage tags, inputs, metrics, model.
 
     ``datasets`` maps a dataset name to ``(path, context)``; ``train_fn(cfg, sink=, show_progress=)``
@@ -187,6 +192,7 @@ def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: s
     inputs = {"model": cfg.model_path, **{k: path for k, (path, _) in datasets.items()}}
     if getattr(cfg, "ref_model_path", ""):
         inputs["reference"] = cfg.ref_model_path
+    inputs.update(extra_inputs or {})
     with start_run(tracking, name, parent_run_id, lineage_tags(inputs, name)) as run:
         run.log_params(config_to_dict(cfg))
         for ds_name, (path, context) in datasets.items():
@@ -236,6 +242,65 @@ def reward(cfg: RewardConfig, tracking: TrackingConfig, parent_run_id: str | Non
         datasets["eval_preferences"] = (cfg.eval_file, "evaluation")
     return _train_stage("reward", cfg, tracking, parent_run_id, train_fn=train_reward_model, datasets=datasets,
                         metrics_file=metrics_file, show_progress=show_progress)
+
+
+def kto(cfg: KTOConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
+        metrics_file: str | Path | None = None, show_progress: bool = True) -> StageResult:
+    """KTO on unpaired (or split preference) examples, tracked with lineage."""
+    from rlhf_core.trainers.kto import train_kto
+
+    return _train_stage("kto", cfg, tracking, parent_run_id, train_fn=train_kto,
+                        datasets={"kto_train": (cfg.train_file, "training"), "eval": (cfg.eval_file, "evaluation")},
+                        metrics_file=metrics_file, show_progress=show_progress)
+
+
+def distill(cfg: DistillConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
+            metrics_file: str | Path | None = None, show_progress: bool = True) -> StageResult:
+    """Knowledge distillation from ``cfg.teacher_path``, tracked with lineage (the teacher is an input)."""
+    from rlhf_core.trainers.distill import train_distill
+
+    return _train_stage("distill", cfg, tracking, parent_run_id, train_fn=train_distill,
+                        datasets={"distill_train": (cfg.train_file, "training"),
+                                  "eval": (cfg.eval_file, "evaluation")},
+                        metrics_file=metrics_file, show_progress=show_progress, extra_inputs={"teacher": cfg.teacher_path})
+
+
+def raft(cfg: RaftConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
+         metrics_file: str | Path | None = None, show_progress: bool = True) -> StageResult:
+    """SFT of the policy on its own kept best-of-n samples (one RAFT round), tracked with lineage."""
+    from rlhf_core.trainers.sft import train_sft
+
+    return _train_stage("raft", cfg, tracking, parent_run_id, train_fn=train_sft,
+                        datasets={"kept_samples": (cfg.train_file, "training"),
+                                  "eval": (cfg.eval_file, "evaluation")},
+                        metrics_file=metrics_file, show_progress=show_progress)
+
+
+# --------------------------------------------------------------------------------------
+# rejection sampling
+# --------------------------------------------------------------------------------------
+
+
+def rejection(cfg: RejectionConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
+              metrics_file: str | Path | None = None, show_progress: bool = True) -> StageResult:
+    """Best-of-n sampling scored by the reward model or the rule; writes kept samples and pairs."""
+    from rlhf_core.rejection import rejection_sample
+    from rlhf_core.tracking import start_run
+
+    inputs = {"policy": cfg.policy_path, "prompts": cfg.prompts_file}
+    if cfg.scorer == "reward_model":
+        inputs["reward_model"] = cfg.reward_model_path
+    with start_run(tracking, "rejection", parent_run_id, lineage_tags(inputs, "rejection")) as run:
+        run.log_params(config_to_dict(cfg))
+        run.log_input(cfg.prompts_file, "prompts", dvc_md5(cfg.prompts_file), "sampling")
+        result = rejection_sample(cfg, show_progress=show_progress)
+        outputs = {"kept": str(result.output_file), "pairs": str(result.pairs_file)}
+        md5 = {k: dvc_md5(v) for k, v in outputs.items()}
+        run.set_tags({f"dvc.md5.output_{k}": v for k, v in md5.items()})
+        run.log_metrics(result.metrics, 0)
+        if metrics_file is not None:
+            _write_json_atomic({k: round(v, 6) for k, v in result.metrics.items()}, metrics_file)
+        return StageResult(outputs, md5, result.metrics, run.run_id)
 
 
 # --------------------------------------------------------------------------------------

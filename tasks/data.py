@@ -7,7 +7,7 @@ from typing import Any
 from prefect import task
 
 from rlhf_core import stages
-from rlhf_core.config import DataFields, GenerateConfig, TrackingConfig, build_config
+from rlhf_core.config import DataFields, GenerateConfig, RejectionConfig, TrackingConfig, build_config
 from tasks.common import TASK_DEFAULTS, VALIDATION_CACHE_POLICY
 
 
@@ -26,3 +26,12 @@ def validate_data(path: str, md5: str, kind: str, name: str, fields: dict[str, A
     del md5
     return stages.validate(path, kind, DataFields(**fields), tracking=build_config(TrackingConfig, "tracking", tracking),
                            parent_run_id=parent_run_id, name=name).to_dict()
+
+
+@task(name="sample-best-of-n", **TASK_DEFAULTS)
+def sample_best_of_n(params: dict[str, Any], tracking: dict[str, Any], input_md5: dict[str, str],
+                     parent_run_id: str | None = None) -> dict[str, Any]:
+    """Rejection sampling: n candidates per prompt, scored; returns the kept-samples and pairs files."""
+    del input_md5  # cache key only: policy, reward model and prompts content
+    return stages.rejection(build_config(RejectionConfig, "rejection", params),
+                            build_config(TrackingConfig, "tracking", tracking), parent_run_id).to_dict()

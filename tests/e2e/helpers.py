@@ -16,6 +16,12 @@ MICRO_PARAMS = {
     "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 64,
               "vocab_size": 280},
     "sft": {"max_steps": 12, "batch_size": 32, "warmup_steps": 2, "eval_items": 40},
+    "reward": {"max_steps": 6, "batch_size": 16, "warmup_steps": 1},
+    "dpo": {"max_steps": 6, "batch_size": 16, "warmup_steps": 1, "eval_items": 40},
+    "kto": {"max_steps": 6, "batch_size": 16, "warmup_steps": 1, "eval_items": 40},
+    "rejection": {"n_samples": 4, "max_prompts": 30},
+    "raft": {"max_steps": 6, "batch_size": 16, "warmup_steps": 1, "eval_items": 40},
+    "distill": {"max_steps": 6, "batch_size": 16, "warmup_steps": 1, "eval_items": 40},
     "evaluate": {"max_items": 40},
     "tracking": {"experiment": "alignflow-test"},
 }

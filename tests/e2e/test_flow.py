@@ -40,8 +40,9 @@ def test_align_flow_records_lineage_and_caches(project):
     runs = client.search_runs([exp.experiment_id])
     parent = next(r for r in runs if r.info.run_name == "align")
     children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
-    assert set(children) == {"generate", "validate-sft", "validate-preferences", "validate-prompts",
-                             "validate-eval", "build-model", "evaluate-base", "sft", "evaluate-sft"}
+    assert {"generate", "validate-sft", "validate-preferences", "validate-prompts", "validate-eval", "build-model",
+            "evaluate-base", "sft", "evaluate-sft", "reward", "dpo", "kto", "rejection", "validate-rejection-kept",
+            "raft", "distill"} <= set(children) <= {*children, "validate-rejection-pairs"}
     assert all(r.info.status == "FINISHED" for r in runs)
 
     # lineage: git commit and the DVC md5 of every input, on the parent and on the stage
@@ -61,11 +62,23 @@ def test_align_flow_records_lineage_and_caches(project):
     assert versions and versions[0].run_id == children["sft"].info.run_id
     assert summary["md5"]["model_sft"] == dvc_md5(project / "models/sft")
 
+    # the offline stages start from the SFT model and record their inputs
+    for stage in ("reward", "dpo", "kto", "raft", "distill"):
+        tags = children[stage].data.tags
+        assert tags["dvc.md5.model"] == summary["md5"]["model_sft"], stage
+        assert tags["dvc.md5.output_model"] == dvc_md5(project / f"models/{stage}"), stage
+    assert children["distill"].data.tags["dvc.md5.teacher"] == dvc_md5(project / "models/dpo")
+    assert children["rejection"].data.tags["dvc.md5.reward_model"] == dvc_md5(project / "models/reward")
+    assert children["raft"].data.tags["dvc.md5.kept_samples"] == dvc_md5(project / "data/rejection/best.jsonl")
+    assert {"eval/accuracy_dpo", "eval/reward_accuracy_reward", "rejection/kept_accuracy_rejection"} \
+        <= set(parent.data.metrics)
+
     # second run: every task is a cache hit (same outputs, no new SFT run)
     again = align(params_file="params.yaml")
     assert again["md5"] == summary["md5"]
-    sft_runs = [r for r in client.search_runs([exp.experiment_id]) if r.info.run_name == "sft"]
-    assert len(sft_runs) == 1
+    names = [r.info.run_name for r in client.search_runs([exp.experiment_id])]
+    for stage in ("sft", "reward", "dpo", "kto", "rejection", "raft", "distill"):
+        assert names.count(stage) == 1, (stage, names)
 
     # a deleted output defeats the cache: SFT runs again and reproduces the same weights
     shutil.rmtree(project / "models/sft")

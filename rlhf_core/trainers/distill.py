@@ -1,0 +1,95 @@
+"""Knowledge distillation: match a teacher's next-token distributions, optionally with NLL.
+
+Reads top to bottom: load student + frozen teacher (same vocabulary, checked) -> tokenize
+the sequences -> shared train loop with the token-level KL of
+``rlhf_core.losses.distillation_loss`` -> save. Optimiser, schedule, accumulation, eval and
+checkpoints come from ``rlhf_core.trainers.loop``, as for every trainer.
+
+On the embedded default the teacher is the DPO model and the student the SFT model, trained
+on the SFT demonstrations: where a demonstration is wrong, the teacher's distribution still
+puts its mass on the right answer, so the student learns the teacher's behaviour rather
+than the demonstrator's. With a user's models the teacher is usually larger.
+
+Run: ``alignflow distill`` (config: ``params.yaml`` section ``distill``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_core.config import DistillConfig, config_to_dict
+from rlhf_core.data.io import read_records
+from rlhf_core.data.tokenize import collate_padded, tokenize_sft_records
+from rlhf_core.evaluate import evaluate_exact_match
+from rlhf_core.logprobs import MODEL_INPUTS
+from rlhf_core.losses import IGNORE_INDEX, distillation_loss
+from rlhf_core.models import ModelLoadError, load_causal_lm, load_tokenizer, pick_device
+from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, save_hf_dir, seed_everything
+
+
+@dataclass
+class DistillResult:
+    """The student's directory and its final metrics."""
+
+    output_dir: Path
+    metrics: dict[str, float] = field(default_factory=dict)
+    eval_samples: list[dict[str, str]] = field(default_factory=list)
+
+
+def check_same_vocabulary(student_path: str | Path, student_tok: Any, teacher_path: str | Path, teacher_tok: Any) -> None:
+    """Token-level KL needs one vocabulary: same tokens at the same ids, or a clear error."""
+    if student_tok.get_vocab() != teacher_tok.get_vocab():
+        raise ModelLoadError(f"{teacher_path}: teacher's tokenizer differs from the student's ({student_path}); "
+                             "token-level distillation needs the same vocabulary")
+
+
+def train_distill(cfg: DistillConfig, sink: MetricSink | None = None, show_progress: bool = True) -> DistillResult:
+    """Distil ``cfg.teacher_path`` into ``cfg.model_path``; save an HF directory at ``cfg.output_dir``."""
+    sink = sink or NullSink()
+    seed_everything(cfg.seed, cfg.num_threads)
+    device = pick_device()
+
+    # ---- load: student, frozen teacher, sequences ---------------------------------------
+    tokenizer = load_tokenizer(cfg.model_path)
+    check_same_vocabulary(cfg.model_path, tokenizer, cfg.teacher_path, load_tokenizer(cfg.teacher_path))
+    model = load_causal_lm(cfg.model_path, device)
+    teacher = load_causal_lm(cfg.teacher_path, device).eval().requires_grad_(False)
+    if teacher.config.vocab_size != model.config.vocab_size:
+        raise ModelLoadError(f"{cfg.teacher_path}: vocab_size {teacher.config.vocab_size} != student's "
+                             f"{model.config.vocab_size} ({cfg.model_path})")
+    train = tokenize_sft_records(tokenizer, read_records(cfg.train_file), path=cfg.train_file,
+                                 prompt_field=cfg.prompt_field, completion_field=cfg.completion_field,
+                                 messages_field=cfg.messages_field, max_length=cfg.max_length)
+    sampler = EpochSampler(len(train), cfg.batch_size, cfg.seed)
+
+    def next_micro_batch() -> dict[str, torch.Tensor]:
+        return collate_padded([train[i] for i in sampler.next()], tokenizer.pad_token_id)
+
+    # ---- loss: KL(teacher || student) per labelled token, mixed with NLL ----------------
+    def loss_fn(student: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = {k: batch[k].to(device) for k in MODEL_INPUTS if k in batch}
+        labels = batch["labels"].to(device)
+        with torch.no_grad():
+            teacher_logits = teacher(**inputs, use_cache=False).logits
+        logits = student(**inputs, use_cache=False).logits
+        n_tokens = (labels[:, 1:] != IGNORE_INDEX).sum()
+        mean = distillation_loss(logits, teacher_logits, labels, temperature=cfg.temperature,
+                                 nll_weight=cfg.nll_weight)
+        return mean * n_tokens, n_tokens  # the loop wants a sum over its units (tokens)
+
+    def evaluate() -> tuple[dict[str, float], list[dict[str, str]]]:
+        result = evaluate_exact_match(model, tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
+                                      label_field=cfg.label_field, max_items=cfg.eval_items)
+        return result.metrics("eval"), result.samples
+
+    # ---- train, then save ---------------------------------------------------------------
+    loop = run_training(cfg, "distill", model, tokenizer, next_micro_batch=next_micro_batch, loss_fn=loss_fn,
+                        evaluate=evaluate, sink=sink, show_progress=show_progress)
+    save_hf_dir(model, tokenizer, cfg.output_dir,
+                extra={"stage": "distill", "config": config_to_dict(cfg), "base_model": str(cfg.model_path),
+                       "teacher": str(cfg.teacher_path)})
+    return DistillResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples)
