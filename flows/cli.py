@@ -191,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--metrics-file", default=None, help="write final metrics JSON here (for DVC)")
         p.set_defaults(func=func)
 
+    # Listed for --help only: main() hands `serve-rm ...` to rlhf_core.reward_server.main.
+    sub.add_parser("serve-rm", help="serve a trained reward model over HTTP on 127.0.0.1 (serve-rm --help)")
+
     p = sub.add_parser("evaluate", help="greedy exact-match accuracy of a model")
     _common(p, "evaluate")
     p.add_argument("--run-name", default="evaluate")
@@ -207,6 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve-rm"]:  # its own parser owns every argument, --help included
+        from rlhf_core.reward_server import main as serve
+
+        return serve(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
