@@ -419,6 +419,186 @@ class RaftConfig(SFTConfig):
 
 
 @dataclass
+class RLConfig(TrainerConfig):
+    """``rl``: online RL from sampled rollouts: PPO (GAE + critic), REINFORCE++, RLOO, GRPO, Dr.GRPO, DAPO options."""
+
+    section: ClassVar[str] = "rl"
+
+    model_path: str = "models/sft"
+    """Policy to start from (usually the SFT model)."""
+    ref_model_path: str = ""
+    """Frozen reference model of the KL term; empty means the starting policy."""
+    critic_model_path: str = ""
+    """Critic backbone (estimator gae only), loaded with a scalar head via load_reward_model; empty
+    means model_path (the policy's backbone, fresh zero-mean head). Name the reward model
+    directory to start from it instead, as OpenRLHF does."""
+    train_file: str = ""
+    """Unused by rl (prompts come from prompts_file); must stay empty."""
+    prompts_file: str = "data/embedded/prompts.jsonl"
+    """Prompts to sample from, with a label per prompt when the reward needs one."""
+    output_dir: str = "models/rl"
+    """Where the final policy's HF model directory is written."""
+    checkpoint_dir: str = "checkpoints/rl"
+    """Where periodic checkpoints (policy, critic, optimizers, KL controller, RNG) go."""
+    estimator: str = "grpo"
+    """Advantage estimator: gae (PPO, trains a critic), reinforce++, reinforce++-baseline, rloo, grpo or dr-grpo."""
+    reward_kind: str = "function"
+    """Where rewards come from: function (a .py file), model (a reward model directory) or http."""
+    reward_function: str = "rlhf_core/rewards_embedded.py:reward"
+    """``file.py:function`` returning one reward per (prompt, completion, label), for reward_kind function."""
+    reward_model_path: str = "models/reward"
+    """Reward model directory, for reward_kind model."""
+    reward_url: str = ""
+    """Reward server URL (e.g. from ``alignflow serve-rm``), for reward_kind http."""
+    reward_timeout_s: float = 30.0
+    """Seconds to wait for the reward server (connect and each read), for reward_kind http."""
+    reward_retries: int = 3
+    """Retries of a reward request that timed out or failed with a 5xx, for reward_kind http."""
+    max_steps: int = 40
+    """Rollout/update iterations (each samples prompts_per_step x group_size responses)."""
+    prompts_per_step: int = 32
+    """Prompts sampled per iteration (after DAPO filtering: groups kept per iteration)."""
+    group_size: int = 8
+    """Samples per prompt (n); group estimators (grpo, rloo, dr-grpo, reinforce++-baseline) need >= 2."""
+    temperature: float = 1.0
+    """Sampling temperature of rollouts; log-probs for the loss use the same logits / temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass of rollouts, in (0, 1]."""
+    max_new_tokens: int = 12
+    """Generation budget per response in tokens, eos included."""
+    batch_size: int = 256
+    """Rows per forward pass when generating and when computing log-probs and values without gradient."""
+    grad_accum: int = 1
+    """Unused by rl (must stay 1): one mini-batch of mini_batch_size rows is one optimizer step."""
+    max_length: int = 64
+    """Longest prompt + response in tokens; a prompt with max_new_tokens that would exceed it stops the run at load."""
+    ppo_epochs: int = 1
+    """Passes over each iteration's rollouts (PPO's K epochs)."""
+    mini_batch_size: int = 128
+    """Rollout rows per optimizer step (policy and critic); one forward pass each."""
+    lr: float = 3e-4
+    """Peak learning rate of the policy's AdamW."""
+    critic_lr: float = 1e-3
+    """Peak learning rate of the critic's AdamW (estimator gae only)."""
+    warmup_steps: int = 2
+    """Linear warmup, in iterations (the schedule advances once per iteration)."""
+    clip_low: float = 0.2
+    """PPO clip epsilon below 1 (ratio >= 1 - clip_low), in [0, 1)."""
+    clip_high: float = 0.28
+    """PPO clip epsilon above 1 (ratio <= 1 + clip_high); above clip_low is DAPO's clip-higher."""
+    dual_clip: float = 0.0
+    """Dual-clip bound c > 1 on the loss of negative-advantage tokens (Ye et al. 2020); 0 = off."""
+    value_clip: float = 0.2
+    """Clip range of the critic's value update around its rollout-time values; 0 = plain squared error."""
+    vf_coef: float = 1.0
+    """Scale of the value loss (the critic has its own optimizer, so this acts through gradient clipping)."""
+    gamma: float = 1.0
+    """Discount of token-level returns (gae, reinforce++ variants), in [0, 1]."""
+    lam: float = 0.95
+    """GAE lambda, in [0, 1] (1: Monte-Carlo returns minus V)."""
+    kl_coef: float = 0.01
+    """beta: weight of the KL to the reference (initial value when adaptive_kl); 0 = no KL term."""
+    kl_estimator: str = "k3"
+    """Per-token KL estimator of the penalty: k1, k2 or k3 (k1 is the usual choice inside the reward)."""
+    kl_in_reward: bool = False
+    """Fold -beta * KL into token rewards (PPO, REINFORCE++) instead of adding beta * KL to the loss (GRPO);
+    only for gae and the reinforce++ variants."""
+    adaptive_kl: bool = False
+    """Adapt beta towards kl_target (Ziegler et al. 2019) instead of keeping it fixed."""
+    kl_target: float = 0.1
+    """Target mean per-sequence KL (nats) of the adaptive controller."""
+    kl_horizon: int = 10000
+    """Horizon (in samples) of the adaptive controller: beta moves by at most 20% x samples / horizon per step."""
+    entropy_coef: float = 0.0
+    """Weight of an entropy bonus subtracted from the policy loss; 0 = off (entropy is logged either way)."""
+    loss_aggregation: str = "token_mean"
+    """How token losses are reduced: token_mean (DAPO), seq_mean_token_mean (GRPO) or seq_mean_token_sum_norm (Dr.GRPO)."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose samples all scored the same, top up with more prompts."""
+    dynamic_sampling_max_rounds: int = 3
+    """Extra rollout rounds allowed per iteration to top up the kept groups (dynamic_sampling only)."""
+    overlong_max_len: int = 0
+    """DAPO soft overlong penalty: L_max in tokens (at most max_new_tokens); 0 = off."""
+    overlong_cache_len: int = 0
+    """Width in tokens of the overlong penalty's ramp from 0 to -1 (0 < cache <= overlong_max_len when on)."""
+    recompute_old_logprobs: bool = True
+    """Recompute old log-probs with one no-grad policy forward; false uses the engine's sampling log-probs
+    (exact only when the engine samples from the trained weights with the same numerics)."""
+    eval_at_start: bool = True
+    """Evaluate the starting policy before iteration 1 (the baseline of eval/accuracy)."""
+    eval_items: int = 1000
+    """Held-out items used for accuracy (greedy exact match)."""
+    log_rollouts_every: int = 10
+    """Iterations between rollout tables (step, prompt, completion, reward); 0 = never."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        from rlhf_core.rewards import RewardKind
+        from rlhf_core.rl_math import AdvantageEstimator, KLEstimator, LossAggregation
+
+        s = self.section
+
+        def one_of(name: str, enum: type) -> None:
+            values = [e.value for e in enum]
+            _check(getattr(self, name) in values, s, name, f"must be one of {values}, got {getattr(self, name)!r}")
+
+        one_of("estimator", AdvantageEstimator)
+        one_of("reward_kind", RewardKind)
+        one_of("kl_estimator", KLEstimator)
+        one_of("loss_aggregation", LossAggregation)
+        estimator, kind = AdvantageEstimator(self.estimator), RewardKind(self.reward_kind)
+        _check(self.train_file == "", s, "train_file", "rl reads its prompts from prompts_file; leave train_file empty")
+        _check(self.grad_accum == 1, s, "grad_accum", "must be 1 (mini_batch_size rows make one optimizer step)")
+        _check(bool(self.prompts_file), s, "prompts_file", "must name the prompts file")
+        if kind is RewardKind.FUNCTION:
+            _check(":" in self.reward_function, s, "reward_function",
+                   f"must be 'path/to/file.py:function_name', got {self.reward_function!r}")
+        elif kind is RewardKind.MODEL:
+            _check(bool(self.reward_model_path), s, "reward_model_path", "must name a reward model directory")
+        else:
+            _check(self.reward_url.startswith(("http://", "https://")), s, "reward_url",
+                   f"must start with http:// or https:// for reward_kind http, got {self.reward_url!r}")
+        _check(self.reward_timeout_s > 0, s, "reward_timeout_s", f"must be > 0, got {self.reward_timeout_s}")
+        _check(self.reward_retries >= 0, s, "reward_retries", f"must be >= 0, got {self.reward_retries}")
+        for name in ("prompts_per_step", "group_size", "max_new_tokens", "ppo_epochs", "mini_batch_size"):
+            _check(getattr(self, name) >= 1, s, name, f"must be >= 1, got {getattr(self, name)}")
+        _check(not estimator.needs_groups or self.group_size >= 2, s, "group_size",
+               f"must be >= 2 for {estimator.value} (its baseline compares samples of one prompt), got {self.group_size}")
+        rows = self.prompts_per_step * self.group_size
+        _check(self.mini_batch_size <= rows, s, "mini_batch_size",
+               f"must be <= prompts_per_step x group_size = {rows}, got {self.mini_batch_size}")
+        _check(self.temperature > 0, s, "temperature", f"must be > 0 (rollouts are sampled), got {self.temperature}")
+        _check(0 < self.top_p <= 1, s, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.critic_lr > 0, s, "critic_lr", f"must be > 0, got {self.critic_lr}")
+        _check(0.0 <= self.clip_low < 1.0, s, "clip_low", f"must be in [0, 1), got {self.clip_low}")
+        _check(self.clip_high >= 0, s, "clip_high", f"must be >= 0, got {self.clip_high}")
+        _check(self.dual_clip == 0 or self.dual_clip > 1, s, "dual_clip", f"must be 0 (off) or > 1, got {self.dual_clip}")
+        _check(self.value_clip >= 0, s, "value_clip", f"must be >= 0 (0 = off), got {self.value_clip}")
+        _check(self.vf_coef > 0, s, "vf_coef", f"must be > 0, got {self.vf_coef}")
+        for name in ("gamma", "lam"):
+            _check(0.0 <= getattr(self, name) <= 1.0, s, name, f"must be in [0, 1], got {getattr(self, name)}")
+        _check(self.kl_coef >= 0, s, "kl_coef", f"must be >= 0, got {self.kl_coef}")
+        _check(not self.kl_in_reward or estimator in (AdvantageEstimator.GAE, AdvantageEstimator.REINFORCE_PP,
+                                                      AdvantageEstimator.REINFORCE_PP_BASELINE), s, "kl_in_reward",
+               f"{estimator.value} scores whole sequences and takes no token rewards; set kl_in_reward false "
+               "(KL as a loss term)")
+        if self.adaptive_kl:
+            _check(self.kl_coef > 0, s, "kl_coef", "must be > 0 with adaptive_kl (the controller scales it)")
+            _check(self.kl_target > 0, s, "kl_target", f"must be > 0, got {self.kl_target}")
+            _check(self.kl_horizon >= 1, s, "kl_horizon", f"must be >= 1, got {self.kl_horizon}")
+        _check(self.entropy_coef >= 0, s, "entropy_coef", f"must be >= 0, got {self.entropy_coef}")
+        _check(not self.dynamic_sampling or self.group_size >= 2, s, "dynamic_sampling",
+               f"needs group_size >= 2 (it drops groups whose samples all scored the same), got {self.group_size}")
+        _check(self.dynamic_sampling_max_rounds >= 0, s, "dynamic_sampling_max_rounds",
+               f"must be >= 0, got {self.dynamic_sampling_max_rounds}")
+        if self.overlong_max_len or self.overlong_cache_len:
+            _check(0 < self.overlong_cache_len <= self.overlong_max_len <= self.max_new_tokens, s, "overlong_cache_len",
+                   f"need 0 < overlong_cache_len <= overlong_max_len <= max_new_tokens ({self.max_new_tokens}), "
+                   f"got {self.overlong_cache_len} and {self.overlong_max_len}")
+        _check(self.log_rollouts_every >= 0, s, "log_rollouts_every", f"must be >= 0, got {self.log_rollouts_every}")
+
+
+@dataclass
 class RejectionConfig(DataFields):
     """``rejection``: best-of-n sampling from a policy, scored by a reward model or the rule."""
 
@@ -541,6 +721,7 @@ SECTIONS: dict[str, type] = {
     "distill": DistillConfig,
     "rejection": RejectionConfig,
     "raft": RaftConfig,
+    "rl": RLConfig,
     "evaluate": EvalConfig,
     "tracking": TrackingConfig,
     "flow": FlowConfig,
@@ -676,6 +857,6 @@ def field_docs(cls: type) -> dict[str, str]:
 
 __all__ = [
     "ConfigError", "GenerateConfig", "ModelConfig", "DataFields", "SFTConfig", "EvalConfig",
-    "TrackingConfig", "FlowConfig", "TrainerConfig", "DPOConfig", "RewardConfig", "RejectionConfig", "SECTIONS", "build_config", "load_config", "read_params",
+    "TrackingConfig", "FlowConfig", "TrainerConfig", "DPOConfig", "RewardConfig", "RejectionConfig", "RLConfig", "SECTIONS", "build_config", "load_config", "read_params",
     "parse_overrides", "config_to_dict", "field_docs",
 ]

@@ -93,6 +93,12 @@ class MlflowTracker:
     def log_dict(self, obj: Any, artifact_file: str) -> None:
         self.client.log_dict(self.run_id, obj, artifact_file)
 
+    def log_table(self, rows: list[dict[str, Any]], name: str) -> None:
+        """Append ``rows`` to the run's table artifact ``name`` (MLflow merges rows of the same file)."""
+        import pandas as pd
+
+        self.client.log_table(self.run_id, data=pd.DataFrame(rows), artifact_file=name)
+
     def log_input(self, path: str | Path, name: str, digest: str, context: str) -> None:
         """Log a dataset as a run input; its digest is the DVC md5 (the lineage key)."""
         import pandas as pd
@@ -154,6 +160,11 @@ class LocalFileTracker:
     def log_dict(self, obj: Any, artifact_file: str) -> None:
         (self.dir / artifact_file).parent.mkdir(parents=True, exist_ok=True)
         (self.dir / artifact_file).write_text(json.dumps(obj, indent=2, default=str))
+
+    def log_table(self, rows: list[dict[str, Any]], name: str) -> None:
+        """Append ``rows`` to ``<run>/<name>`` as JSON lines."""
+        for row in rows:
+            self._append(name, row)
 
     def log_input(self, path: str | Path, name: str, digest: str, context: str) -> None:
         self._append("inputs.jsonl", {"path": str(path), "name": name, "digest": digest, "context": context})

@@ -1,0 +1,222 @@
+"""Tiny-model online RL: every estimator updates the policy (and PPO its critic), the KL controller
+adapts, DAPO dynamic sampling drops uninformative groups, bad rewards fail loudly, checkpoints resume.
+
+The micro model is untrained, so the embedded rule reward is almost always 0 on it: most tests use
+a dense reward file (longer answer, higher reward) whose samples differ within every group.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhf_core.config import ConfigError, RLConfig
+from rlhf_core.models import load_tokenizer
+from rlhf_core.reward_model import load_reward_model, set_normalisation
+from rlhf_core.rewards import RewardError
+from rlhf_core.trainers.rl import train_rl
+
+REPO = Path(__file__).resolve().parents[2]
+ESTIMATORS = ["gae", "reinforce++", "reinforce++-baseline", "rloo", "grpo", "dr-grpo"]
+
+
+class Recorder:
+    """A sink that keeps every metric row and every rollout table."""
+
+    def __init__(self):
+        self.rows, self.tables = [], []
+
+    def log_metrics(self, metrics, step):
+        self.rows.append((step, dict(metrics)))
+
+    def log_table(self, rows, name):
+        self.tables.append((name, rows))
+
+    def series(self, name):
+        return [m[name] for _, m in self.rows if name in m]
+
+    def steps(self, name):
+        return [s for s, m in self.rows if name in m]
+
+
+@pytest.fixture(scope="module")
+def length_reward(tmp_path_factory) -> str:
+    """A reward file: the answer's length / 10 (differs between samples of one prompt)."""
+    path = tmp_path_factory.mktemp("rewards") / "length_reward.py"
+    path.write_text("def reward(prompts, completions, labels):\n"
+                    "    return [len(c) / 10 for c in completions]\n")
+    return f"{path}:reward"
+
+
+def _cfg(micro_model, micro_data, tmp_path, reward_function, **overrides) -> RLConfig:
+    values = dict(model_path=str(micro_model), prompts_file=str(micro_data["prompts"]),
+                  eval_file=str(micro_data["eval"]), output_dir=str(tmp_path / "rl"),
+                  checkpoint_dir=str(tmp_path / "ckpt"), reward_function=reward_function, max_steps=2,
+                  prompts_per_step=4, group_size=4, max_new_tokens=6, batch_size=64, mini_batch_size=8,
+                  lr=3e-3, critic_lr=3e-3, warmup_steps=0, weight_decay=0.0, eval_items=8, eval_at_start=False,
+                  log_rollouts_every=1, num_threads=1)
+    values.update(overrides)
+    return RLConfig(**values)
+
+
+def _changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> bool:
+    return any(not torch.equal(before[k], after[k]) for k in before if k in after)
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_every_estimator_updates_the_policy(estimator, micro_model, micro_data, tmp_path, length_reward):
+    """Two iterations change the policy's weights and log finite rollout/train/perf metrics under
+    stable names. weight_decay is 0, so any change comes from the gradient of the RL loss."""
+    token_level = estimator in ("gae", "reinforce++", "reinforce++-baseline")
+    sink = Recorder()
+    cfg = _cfg(micro_model, micro_data, tmp_path, length_reward, estimator=estimator, kl_in_reward=token_level,
+               kl_estimator="k1" if token_level else "k3", save_every=2 if estimator == "gae" else 0)
+    result = train_rl(cfg, sink, show_progress=False)
+
+    assert _changed(load_file(str(micro_model / "model.safetensors")),
+                    load_file(str(result.output_dir / "model.safetensors")))
+    names = ["rollout/reward_mean", "rollout/reward_std", "rollout/response_length", "rollout/kept_groups_frac",
+             "train/policy_loss", "train/kl", "train/entropy", "train/clip_frac", "train/approx_kl",
+             "train/adv_mean", "train/adv_std", "train/kl_coef", "perf/rollout_s", "perf/reward_s",
+             "perf/logprob_s", "perf/update_s", "perf/step_s"]
+    for name in names:
+        values = sink.series(name)
+        assert sink.steps(name) == [1, 2], name
+        assert all(math.isfinite(v) for v in values), (name, values)
+    assert all(math.isfinite(v) for _, row in sink.rows for v in row.values()), sink.rows
+    assert sink.series("train/kl")[0] == pytest.approx(0.0, abs=1e-6)  # step 1 samples from the reference itself
+    assert sink.series("train/kl")[1] > 0  # ... step 2 from the updated policy
+    assert sink.series("train/adv_std")[0] > 0
+    assert "eval/accuracy" in result.metrics and sink.steps("eval/accuracy") == [2]
+    # rollout tables: whole groups of the step, with the reward the source gave
+    assert [name for name, _ in sink.tables] == ["rollouts.json", "rollouts.json"]
+    assert result.rollout_table[0].keys() == {"step", "prompt", "completion", "reward"}
+    assert all(r["reward"] == pytest.approx(len(r["completion"]) / 10) for r in result.rollout_table)
+
+    if estimator == "gae":  # PPO also trains its critic, which starts from the policy's backbone
+        values = sink.series("train/value_loss")
+        assert len(values) == 2 and all(math.isfinite(v) for v in values)
+        assert all(math.isfinite(v) for v in sink.series("train/explained_variance"))
+        state = torch.load(tmp_path / "ckpt" / "step-0000002" / "trainer_state.pt", weights_only=False)
+        backbone = {k: v for k, v in load_file(str(micro_model / "model.safetensors")).items()
+                    if k.startswith("model.")}
+        assert _changed(backbone, state["extra"]["critic"])
+    else:
+        assert not sink.series("train/value_loss")
+
+
+def test_rule_reward_and_sampling_logprobs_match_the_recomputed_ones(micro_model, micro_data, tmp_path):
+    """The embedded rule reward file (0 or 1 per sample) drives a GRPO step; the engine's sampling
+    log-probs equal the trainer's recomputed old log-probs (same weights, same logits / T)."""
+    sink = Recorder()
+    cfg = _cfg(micro_model, micro_data, tmp_path, str(REPO / "rlhf_core/rewards_embedded.py") + ":reward",
+               max_steps=1, entropy_coef=0.01, temperature=0.7)
+    train_rl(cfg, sink, show_progress=False)
+    assert 0.0 <= sink.series("rollout/reward_mean")[0] <= 1.0
+    assert sink.series("rollout/logprob_mismatch")[0] < 1e-4
+
+
+def test_adaptive_kl_controller(micro_model, micro_data, tmp_path, length_reward):
+    """Ziegler et al.'s controller with horizon = samples per step moves beta by exactly
+    1 + clip(KL / target - 1, -0.2, 0.2): step 1 samples from the reference (KL = 0, so x0.8);
+    step 2's policy has moved far past a 1e-6 nat target (so x1.2)."""
+    sink = Recorder()
+    cfg = _cfg(micro_model, micro_data, tmp_path, length_reward, max_steps=3, adaptive_kl=True, kl_coef=0.1,
+               kl_target=1e-6, kl_horizon=16)
+    result = train_rl(cfg, sink, show_progress=False)
+    beta = sink.series("train/kl_coef")
+    assert beta[0] == pytest.approx(0.1)
+    assert beta[1] == pytest.approx(0.1 * 0.8)
+    assert beta[2] == pytest.approx(0.1 * 0.8 * 1.2)
+    assert sink.series("train/kl")[1] > 1e-6 and "train/kl_loss" in result.metrics
+
+
+def test_dynamic_sampling_drops_groups_that_all_scored_the_same(micro_model, micro_data, tmp_path):
+    """Sorting prompts score 1 whatever the answer (an all-equal group, no signal); arithmetic ones
+    score by length. DAPO keeps only arithmetic groups and tops up from more prompts."""
+    path = tmp_path / "half_constant.py"
+    path.write_text("def reward(prompts, completions, labels):\n"
+                    "    return [1.0 if p.startswith('sort') else len(c) / 10 for p, c in zip(prompts, completions)]\n")
+    sink = Recorder()
+    cfg = _cfg(micro_model, micro_data, tmp_path, f"{path}:reward", dynamic_sampling=True,
+               dynamic_sampling_max_rounds=3)
+    result = train_rl(cfg, sink, show_progress=False)
+    kept = sink.series("rollout/kept_groups_frac")
+    assert all(0 < k < 1 for k in kept), kept
+    assert all(s > cfg.prompts_per_step for s in sink.series("rollout/sampled_groups"))  # topped up
+    assert result.rollout_table and not any(r["prompt"].startswith("sort") for r in result.rollout_table)
+
+
+def test_reward_that_returns_nan_names_file_and_function(micro_model, micro_data, tmp_path):
+    path = tmp_path / "nan_reward.py"
+    path.write_text("def score_answers(prompts, completions, labels):\n"
+                    "    return [float('nan')] * len(completions)\n")
+    cfg = _cfg(micro_model, micro_data, tmp_path, f"{path}:score_answers", max_steps=1)
+    with pytest.raises(RewardError, match=r"reward function score_answers in .*nan_reward.py: sample 0: "
+                                          r"reward nan is not finite"):
+        train_rl(cfg, show_progress=False)
+
+
+def test_checkpoints_and_resume(micro_model, micro_data, tmp_path, length_reward):
+    """Checkpoints hold the policy, optimizer, schedule, KL controller and RNG; resuming runs only
+    the missing iterations."""
+    cfg = _cfg(micro_model, micro_data, tmp_path, length_reward, save_every=1, adaptive_kl=True, kl_coef=0.1)
+    train_rl(cfg, show_progress=False)
+    ckpts = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert ckpts == ["step-0000001", "step-0000002"]
+    last = tmp_path / "ckpt" / "step-0000002"
+    assert (last / "model.safetensors").exists() and (last / "tokenizer.json").exists()
+    state = torch.load(last / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 2 and {"optimizer", "scheduler", "rng"} <= state.keys()
+    assert state["extra"]["kl_controller"]["value"] != 0.1  # the adaptive beta moved and was saved
+
+    sink = Recorder()
+    cfg = _cfg(micro_model, micro_data, tmp_path, length_reward, save_every=1, adaptive_kl=True, kl_coef=0.1,
+               max_steps=3)
+    train_rl(cfg, sink, show_progress=False, resume=True)
+    assert sink.steps("train/policy_loss") == [3]
+    assert sink.series("train/kl_coef")[0] == pytest.approx(state["extra"]["kl_controller"]["value"])
+
+
+@pytest.fixture(scope="module")
+def micro_rm(micro_model, tmp_path_factory) -> Path:
+    """An untrained micro reward model directory (random head, stored normalisation)."""
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("rm") / "rm"
+    rm = load_reward_model(micro_model, torch.device("cpu"))
+    set_normalisation(rm, mean=0.0, std=0.1)
+    rm.save_pretrained(out)
+    load_tokenizer(micro_model).save_pretrained(out)
+    return out
+
+
+def test_ppo_with_a_reward_model(micro_model, micro_data, micro_rm, tmp_path):
+    """PPO scored by a reward model: the critic starts from the reward model (OpenRLHF's choice),
+    and the RM's mean score of greedy eval answers is logged at the start and the end."""
+    sink = Recorder()
+    cfg = _cfg(micro_model, micro_data, tmp_path, "unused.py:reward", estimator="gae", reward_kind="model",
+               reward_model_path=str(micro_rm), critic_model_path=str(micro_rm), kl_in_reward=True,
+               kl_estimator="k1", eval_at_start=True)
+    result = train_rl(cfg, sink, show_progress=False)
+    assert sink.steps("eval/reward_model_score") == [0, 2]
+    assert all(math.isfinite(v) for v in sink.series("eval/reward_model_score"))
+    assert "eval/reward_model_score_start" in result.metrics and "eval/accuracy_start" in result.metrics
+    assert all(math.isfinite(v) for v in sink.series("train/value_loss"))
+
+
+def test_config_rejects_inconsistent_rl_settings():
+    with pytest.raises(ConfigError, match=r"rl.kl_in_reward: grpo scores whole sequences"):
+        RLConfig(estimator="grpo", kl_in_reward=True)
+    with pytest.raises(ConfigError, match=r"rl.group_size: must be >= 2 for rloo"):
+        RLConfig(estimator="rloo", group_size=1)
+    with pytest.raises(ConfigError, match=r"rl.estimator: must be one of"):
+        RLConfig(estimator="ppo")
+    with pytest.raises(ConfigError, match=r"rl.mini_batch_size: must be <= prompts_per_step x group_size"):
+        RLConfig(prompts_per_step=2, group_size=4, mini_batch_size=16)
+    with pytest.raises(ConfigError, match=r"rl.overlong_cache_len"):
+        RLConfig(overlong_max_len=20, overlong_cache_len=4, max_new_tokens=12)
+    RLConfig(estimator="gae", group_size=1, kl_in_reward=True, mini_batch_size=16)  # PPO needs no groups
