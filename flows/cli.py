@@ -1,7 +1,7 @@
 """The ``alignflow`` command line: one subcommand per stage, ``validate``, and ``flow align``.
 
 Stage commands (``generate``, ``init-model``, ``sft``, ``reward``, ``dpo``, ``kto``,
-``rejection``, ``raft``, ``distill``, ``evaluate``) run a stage directly,
+``rejection``, ``raft``, ``distill``, ``rl``, ``evaluate``) run a stage directly,
 as ``dvc repro`` does; ``flow align`` runs the whole pipeline under Prefect. Every command
 reads ``params.yaml`` (``--params``) and takes ``--set field=value`` overrides (``--set
 section.field=value`` for ``flow align``).
@@ -31,6 +31,7 @@ from rlhf_core.config import (
     GenerateConfig,
     RejectionConfig,
     RewardConfig,
+    RLConfig,
     ModelConfig,
     SFTConfig,
     TrackingConfig,
@@ -106,6 +107,7 @@ cmd_kto = _tracked_stage("kto", KTOConfig, "kto")
 cmd_distill = _tracked_stage("distill", DistillConfig, "distill")
 cmd_rejection = _tracked_stage("rejection", RejectionConfig, "rejection")
 cmd_raft = _tracked_stage("raft", RaftConfig, "raft")
+cmd_rl = _tracked_stage("rl", RLConfig, "rl")
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
@@ -185,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("distill", "token-level knowledge distillation from a teacher model", cmd_distill),
         ("rejection", "best-of-n sampling scored by a reward model or the rule", cmd_rejection),
         ("raft", "SFT of the policy on its kept best-of-n samples (one RAFT round)", cmd_raft),
+        ("rl", "online RL from the policy's samples: PPO, REINFORCE++, RLOO, GRPO, Dr.GRPO (DAPO options)", cmd_rl),
     ):
         p = sub.add_parser(name, help=help_text)
         _common(p, name)

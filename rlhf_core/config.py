@@ -456,6 +456,9 @@ class RLConfig(TrainerConfig):
     """Retries of a reward request that timed out or failed with a 5xx, for reward_kind http."""
     max_steps: int = 40
     """Rollout/update iterations (each samples prompts_per_step x group_size responses)."""
+    num_threads: int = 1
+    """torch intra-op threads on CPU: 1, since generation's small per-token kernels gain little from more and
+    slow down badly when another process shares the cores."""
     prompts_per_step: int = 32
     """Prompts sampled per iteration (after DAPO filtering: groups kept per iteration)."""
     group_size: int = 8
@@ -480,8 +483,8 @@ class RLConfig(TrainerConfig):
     """Peak learning rate of the policy's AdamW."""
     critic_lr: float = 1e-3
     """Peak learning rate of the critic's AdamW (estimator gae only)."""
-    warmup_steps: int = 2
-    """Linear warmup, in iterations (the schedule advances once per iteration)."""
+    warmup_steps: int = 0
+    """Linear warmup, in iterations (the schedule advances once per iteration; its first iteration runs at lr 0)."""
     clip_low: float = 0.2
     """PPO clip epsilon below 1 (ratio >= 1 - clip_low), in [0, 1)."""
     clip_high: float = 0.28
@@ -496,7 +499,7 @@ class RLConfig(TrainerConfig):
     """Discount of token-level returns (gae, reinforce++ variants), in [0, 1]."""
     lam: float = 0.95
     """GAE lambda, in [0, 1] (1: Monte-Carlo returns minus V)."""
-    kl_coef: float = 0.01
+    kl_coef: float = 0.1
     """beta: weight of the KL to the reference (initial value when adaptive_kl); 0 = no KL term."""
     kl_estimator: str = "k3"
     """Per-token KL estimator of the penalty: k1, k2 or k3 (k1 is the usual choice inside the reward)."""
@@ -530,6 +533,8 @@ class RLConfig(TrainerConfig):
     """Held-out items used for accuracy (greedy exact match)."""
     log_rollouts_every: int = 10
     """Iterations between rollout tables (step, prompt, completion, reward); 0 = never."""
+    save_every: int = 20
+    """Iterations between checkpoints (0: only the final model)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

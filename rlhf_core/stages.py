@@ -29,6 +29,7 @@ from rlhf_core.config import (
     RaftConfig,
     RejectionConfig,
     RewardConfig,
+    RLConfig,
     SFTConfig,
     TrackingConfig,
     config_to_dict,
@@ -274,6 +275,26 @@ def raft(cfg: RaftConfig, tracking: TrackingConfig, parent_run_id: str | None = 
                         datasets={"kept_samples": (cfg.train_file, "training"),
                                   "eval": (cfg.eval_file, "evaluation")},
                         metrics_file=metrics_file, show_progress=show_progress)
+
+
+def rl(cfg: RLConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
+       metrics_file: str | Path | None = None, show_progress: bool = True) -> StageResult:
+    """Online RL (PPO, REINFORCE++, RLOO, GRPO, Dr.GRPO) from the policy's own samples, tracked with lineage.
+
+    The reward model (reward_kind model) and a critic start other than the policy are lineage inputs;
+    a reward function file is recorded by path in the params.
+    """
+    from rlhf_core.rewards import RewardKind
+    from rlhf_core.trainers.rl import train_rl
+
+    extra: dict[str, str] = {}
+    if RewardKind(cfg.reward_kind) is RewardKind.MODEL:
+        extra["reward_model"] = cfg.reward_model_path
+    if cfg.critic_model_path:
+        extra["critic"] = cfg.critic_model_path
+    return _train_stage("rl", cfg, tracking, parent_run_id, train_fn=train_rl,
+                        datasets={"prompts": (cfg.prompts_file, "training"), "eval": (cfg.eval_file, "evaluation")},
+                        metrics_file=metrics_file, show_progress=show_progress, extra_inputs=extra)
 
 
 # --------------------------------------------------------------------------------------

@@ -375,6 +375,7 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
                     critic_opt.zero_grad(set_to_none=True)
                     seen["value_loss"].append(float(value_loss.detach()))
                     seen["value_clip_frac"].append(float(value_clip_frac))
+        lr_used = scheduler.get_last_lr()[0]
         scheduler.step()
         if critic_sched is not None:
             critic_sched.step()
@@ -405,7 +406,7 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
             "train/adv_std": float(masked_mean((advantages - masked_mean(advantages, mask)) ** 2, mask).sqrt()),
             "train/kl_coef": kl_coef_used,
             "train/grad_norm": _mean(seen["grad_norm"]),
-            "train/lr": scheduler.get_last_lr()[0],
+            "train/lr": lr_used,
         }
         if seen["kl_loss"]:
             step_metrics["train/kl_loss"] = _mean(seen["kl_loss"])

@@ -220,3 +220,39 @@ def test_config_rejects_inconsistent_rl_settings():
     with pytest.raises(ConfigError, match=r"rl.overlong_cache_len"):
         RLConfig(overlong_max_len=20, overlong_cache_len=4, max_new_tokens=12)
     RLConfig(estimator="gae", group_size=1, kl_in_reward=True, mini_batch_size=16)  # PPO needs no groups
+
+
+def test_shipped_rl_params_list_every_field():
+    """params.yaml's rl section spells out every RLConfig field (the run's whole config is visible to DVC)."""
+    import dataclasses
+
+    import yaml
+
+    section = yaml.safe_load((REPO / "params.yaml").read_text())["rl"]
+    assert set(section) == {f.name for f in dataclasses.fields(RLConfig)}
+
+
+def test_alignflow_rl_command_tracks_lineage(isolated_project, micro_model, micro_data, length_reward):
+    """``alignflow rl`` runs the stage in an MLflow run: prompts and eval as inputs, the rollout table
+    as an artifact, deterministic eval metrics in the metrics file."""
+    import json
+
+    import yaml
+    from mlflow.tracking import MlflowClient
+
+    from flows.cli import main
+
+    params = isolated_project / "params.yaml"
+    params.write_text(yaml.safe_dump({"rl": dict(
+        model_path=str(micro_model), prompts_file=str(micro_data["prompts"]), eval_file=str(micro_data["eval"]),
+        reward_function=length_reward, max_steps=2, prompts_per_step=4, group_size=4, max_new_tokens=6,
+        mini_batch_size=8, eval_items=8, log_rollouts_every=1, save_every=0)}))
+    assert main(["rl", "--params", str(params), "--metrics-file", "metrics/rl.json"]) == 0
+    metrics = json.loads((isolated_project / "metrics/rl.json").read_text())
+    assert {"eval/accuracy", "eval/accuracy_start"} <= metrics.keys()
+    assert all(k.startswith(("eval/", "train/loss")) for k in metrics)
+    assert (isolated_project / "models/rl/model.safetensors").exists()
+    client = MlflowClient()
+    (run,) = client.search_runs(client.get_experiment_by_name("alignflow").experiment_id)
+    assert run.data.tags["input.prompts"] == str(micro_data["prompts"]) and run.data.tags["alignflow.stage"] == "rl"
+    assert {"rollouts.json", "eval_samples.json"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
