@@ -130,13 +130,14 @@ def _section_overrides(pairs: Sequence[str]) -> dict[str, dict[str, Any]]:
 
 
 def cmd_flow(args: argparse.Namespace) -> int:
+    if args.name in ("iterative_dpo", "raft"):
+        return _cmd_cycles(args)
     from flows.align import align
 
     summary = align(params_file=args.params, overrides=_section_overrides(args.set), sft_file=args.sft_file,
                     preference_file=args.preference_file, prompts_file=args.prompts_file,
                     eval_file=args.eval_file, base_model=args.base_model)
-    Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.summary).write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
+    _write_summary(summary, args.summary)
     uri = summary["tracking_uri"]
     m = summary["metrics"]
     print("\n=== alignflow: align flow finished ===")
@@ -155,6 +156,31 @@ def cmd_flow(args: argparse.Namespace) -> int:
     print(f"MLflow UI:       .venv/bin/mlflow ui --backend-store-uri {uri}")
     print(f"summary:         {args.summary}")
     return 0
+
+
+def _write_summary(summary: dict[str, Any], path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def _cmd_cycles(args: argparse.Namespace) -> int:
+    from flows import cycles
+
+    summary = getattr(cycles, args.name)(params_file=args.params, overrides=_section_overrides(args.set),
+                                         cycles=args.cycles)
+    path = args.summary if args.summary != DEFAULT_SUMMARY else f"metrics/{args.name}_summary.json"
+    _write_summary(summary, path)
+    print(f"\n=== alignflow: {args.name} flow finished ===")
+    for h in summary["cycles"]:
+        print(f"cycle {h['cycle']}: eval/accuracy {h['accuracy']:.3f} (± {h['accuracy_stderr']:.3f})  "
+              f"commit {str(h['commit'])[:10]}  {h['registry']['verdict']}")
+    print(f"final model:     {summary['final_model']}")
+    print(f"parent run:      {summary['parent_run_id']}")
+    print(f"summary:         {path}")
+    return 0
+
+
+DEFAULT_SUMMARY = "metrics/align_summary.json"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,11 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_evaluate)
 
     p = sub.add_parser("flow", help="run a Prefect flow")
-    p.add_argument("name", choices=["align"])
+    p.add_argument("name", choices=["align", "iterative_dpo", "raft"])
     _common(p, None)
     p.add_argument("--sft-file"), p.add_argument("--preference-file"), p.add_argument("--prompts-file")
     p.add_argument("--eval-file"), p.add_argument("--base-model", help="a user's HF model directory")
-    p.add_argument("--summary", default="metrics/align_summary.json", help="where the run summary is written")
+    p.add_argument("--cycles", type=int, default=None, help="iterative_dpo / raft: override cycles.cycles")
+    p.add_argument("--summary", default=DEFAULT_SUMMARY,
+                   help="where the run summary is written (cycle flows: metrics/<flow>_summary.json)")
     p.set_defaults(func=cmd_flow)
     return parser
 

@@ -716,6 +716,48 @@ ALIGNMENT_STAGES = ("reward", "dpo", "kto", "rejection", "raft", "distill")
 """The post-SFT stages the align flow knows, in their natural order."""
 
 
+@dataclass
+class CyclesConfig:
+    """``cycles``: the iterative_dpo and raft flows (sample -> score -> version -> train, N times)."""
+
+    cycles: int = 3
+    """Number of cycles; each starts from the previous cycle's policy."""
+    start_model: str = "models/sft"
+    """Policy of the first cycle."""
+    scorer: str = "reward_model"
+    """reward_model (reward_model_path) or rule (exact match against the prompt's label)."""
+    reward_model_path: str = "models/reward"
+    """Reward model scoring the samples (and, with retrain_reward, the one retrained each cycle)."""
+    n_samples: int = 4
+    """Samples per prompt in each cycle."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    max_prompts: int = 0
+    """Prompts sampled per cycle (0: the whole prompt file)."""
+    retrain_reward: bool = False
+    """iterative_dpo: retrain the reward model each cycle on all pairs so far (plus the original pairs)."""
+    data_dir: str = "data/cycles"
+    """Each flow writes its cycle data under <data_dir>/<flow>/ (DVC-tracked, overwritten each cycle)."""
+    models_dir: str = "models/cycles"
+    """Each cycle's policy goes to <models_dir>/<flow>/cycle_<k>."""
+    version: bool = True
+    """Commit each cycle's data (and retrained reward model) to git + DVC and push to the DVC remote."""
+    push: bool = True
+    """Push versioned data to the default DVC remote."""
+    registered_model: str = "alignflow-policy"
+    """Registry name of each cycle's policy (aliases: candidate, champion)."""
+    seed: int = 0
+    """Base sampling seed; cycle k samples with seed + k."""
+
+    def __post_init__(self) -> None:
+        s = "cycles"
+        _check(self.cycles >= 1, s, "cycles", f"must be >= 1, got {self.cycles}")
+        _check(self.scorer in ("reward_model", "rule"), s, "scorer", f"must be reward_model or rule, got {self.scorer!r}")
+        _check(self.n_samples >= 2, s, "n_samples", f"must be >= 2, got {self.n_samples}")
+        _check(self.temperature > 0, s, "temperature", f"must be > 0, got {self.temperature}")
+        _check(self.max_prompts >= 0, s, "max_prompts", f"must be >= 0, got {self.max_prompts}")
+
+
 SECTIONS: dict[str, type] = {
     "generate": GenerateConfig,
     "model": ModelConfig,
@@ -727,6 +769,7 @@ SECTIONS: dict[str, type] = {
     "rejection": RejectionConfig,
     "raft": RaftConfig,
     "rl": RLConfig,
+    "cycles": CyclesConfig,
     "evaluate": EvalConfig,
     "tracking": TrackingConfig,
     "flow": FlowConfig,

@@ -95,7 +95,10 @@ def version_paths(root: str | Path, paths: Sequence[str | Path], message: str, *
     lock = acquire_lock(root, lock_timeout_s, message.splitlines()[0])
     try:
         with Repo(str(root)) as repo:
-            repo.add([str(root / p) for p in rel])  # DVC resolves relative paths against the cwd
+            try:
+                repo.add([str(root / p) for p in rel])  # DVC resolves relative paths against the cwd
+            except Exception as exc:  # noqa: BLE001 - e.g. the .dvc file would be git-ignored
+                raise VersioningError(f"dvc add of {rel} in {root} failed: {exc}") from exc
             touched = [f"{p}.dvc" for p in rel]
             touched += sorted({str(Path(p).parent / ".gitignore") for p in rel
                                if (root / Path(p).parent / ".gitignore").exists()})

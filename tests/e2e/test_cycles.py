@@ -1,0 +1,120 @@
+"""iterative_dpo and raft flows for real: Prefect, MLflow registry aliases, git + DVC per cycle."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from helpers import run_cli, write_micro_params
+from rlhf_core.lineage import dvc_md5
+
+pytestmark = pytest.mark.usefixtures("prefect_server")
+
+
+def _git(root, *args):
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.fixture()
+def project(isolated_project, tmp_path_factory):
+    """A git + DVC project (local remote) with micro data, a micro SFT model and reward model.
+
+    The micro policy is almost always wrong, so rule scores tie and give no pairs (the gate
+    then stops the flow, as it should); the reward model separates the samples."""
+    from dvc.repo import Repo
+
+    root = isolated_project
+    write_micro_params(root)
+    _git(root, "init", "-q")
+    _git(root, "config", "user.name", "Test User")
+    _git(root, "config", "user.email", "test@example.com")
+    Repo.init(str(root)).close()
+    remote = tmp_path_factory.mktemp("dvc-remote")
+    (root / ".dvc" / "config").write_text(f"[core]\n    remote = local\n['remote \"local\"']\n    url = {remote}\n")
+    (root / ".gitignore").write_text("/mlflow.db\n/mlartifacts/\n/.alignflow/\n/models/base/\n/models/sft/\n"
+                                     "/models/reward/\n/models/cycles/*/cycle_*/\n/metrics/\n/checkpoints/\n"
+                                     "/data/embedded/\n/.prefect/\n")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-q", "-m", "project")
+    for cmd in (["generate"], ["init-model"], ["sft"], ["reward"]):
+        proc = run_cli(cmd, root)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return root
+
+
+def _client(project):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+
+
+MICRO = {"cycles": {"cycles": 2, "scorer": "reward_model", "max_prompts": 24, "n_samples": 4, "retrain_reward": True},
+         "dpo": {"max_steps": 4, "batch_size": 8, "warmup_steps": 1, "eval_items": 30},
+         "raft": {"max_steps": 4, "batch_size": 8, "warmup_steps": 1, "eval_items": 30},
+         "reward": {"max_steps": 3, "batch_size": 8, "warmup_steps": 1}}
+
+
+def test_iterative_dpo_versions_every_cycle_and_tracks_lineage(project):
+    from flows.cycles import iterative_dpo
+
+    head_before = _git(project, "rev-parse", "HEAD")
+    summary = iterative_dpo(params_file="params.yaml", overrides=MICRO)
+    history = summary["cycles"]
+    assert [h["cycle"] for h in history] == [1, 2]
+
+    # one commit per cycle, named after the flow and cycle, holding only .dvc/.gitignore files
+    commits = [h["commit"] for h in history]
+    assert len(set(commits)) == 2 and head_before not in commits
+    subjects = _git(project, "log", "--format=%s", f"{head_before}..HEAD").splitlines()
+    assert len(subjects) == 2 and "cycle 2/2" in subjects[0] and "cycle 1/2" in subjects[1]
+    for c in commits:
+        files = _git(project, "show", "--name-only", "--format=", c).split()
+        assert files and all(f.endswith((".dvc", ".gitignore")) for f in files), files
+    assert any(f.endswith("reward.dvc") for f in _git(project, "show", "--name-only", "--format=", commits[1]).split())
+
+    # checking out cycle 1's commit restores its pairs byte for byte (from the DVC remote)
+    pairs = project / "data/cycles/iterative_dpo/pairs.jsonl"
+    _git(project, "checkout", "-q", commits[0], "--", "data/cycles/iterative_dpo/pairs.jsonl.dvc")
+    subprocess.run(["rm", "-rf", str(project / ".dvc/cache"), str(pairs)], check=True)
+    from dvc.repo import Repo
+
+    with Repo(str(project)) as repo:
+        repo.pull(targets=[str(pairs)])
+    assert dvc_md5(pairs) == history[0]["data_md5"]["pairs"]
+    _git(project, "checkout", "-q", "HEAD", "--", "data/cycles/iterative_dpo/pairs.jsonl.dvc")
+
+    # MLflow: parent, cycles nested with their index and parent cycle, stages nested in cycles
+    client = _client(project)
+    exp = client.get_experiment_by_name("alignflow-test")
+    runs = client.search_runs([exp.experiment_id])
+    parent = next(r for r in runs if r.info.run_name == "iterative_dpo")
+    cycles = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id
+              and r.info.run_name.startswith("cycle-")}
+    assert set(cycles) == {"cycle-1", "cycle-2"}
+    assert cycles["cycle-2"].data.tags["alignflow.parent_cycle_run_id"] == cycles["cycle-1"].info.run_id
+    assert cycles["cycle-1"].data.tags["git.version_commit"] == commits[0]
+    dpo_runs = [r for r in runs if r.info.run_name == "dpo"]
+    assert {r.data.tags["mlflow.parentRunId"] for r in dpo_runs} == {c.info.run_id for c in cycles.values()}
+    assert parent.data.tags["prefect.flow_run_id"]
+
+    # registry: each cycle a version; candidate = the last; champion = the best so far
+    versions = client.search_model_versions("name='alignflow-policy'")
+    assert len(versions) == 2
+    candidate = client.get_model_version_by_alias("alignflow-policy", "candidate")
+    champion = client.get_model_version_by_alias("alignflow-policy", "champion")
+    assert str(candidate.version) == history[1]["registry"]["version"]
+    best = max(history, key=lambda h: (h["accuracy"], -h["cycle"]))
+    assert str(champion.version) == best["registry"]["version"]
+    assert {v.run_id for v in versions} == {r.info.run_id for r in dpo_runs}
+    assert "champion" in client.get_model_version("alignflow-policy", candidate.version).tags["promotion"]
+
+
+def test_raft_flow_trains_on_kept_samples(project):
+    from flows.cycles import raft
+
+    summary = raft(params_file="params.yaml", overrides={**MICRO, "cycles": {**MICRO["cycles"], "cycles": 1}})
+    (h,) = summary["cycles"]
+    assert h["commit"] and (project / "data/cycles/raft/kept.jsonl.dvc").exists()
+    assert h["model_md5"] == dvc_md5(project / "models/cycles/raft/cycle_1")
+    assert _git(project, "status", "--porcelain", "--untracked-files=no") == ""
