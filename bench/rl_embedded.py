@@ -1,13 +1,13 @@
-"""Rerun the online-RL acceptance runs on the embedded task (CPU, 2 threads), printing every step.
+"""Rerun the online-RL acceptance runs on the embedded task (CPU, 1 torch thread by default), printing every step.
 
 Reads the ``rl`` section of ``params.yaml`` (or ``--params``), applies ``--set field=value``
 overrides, trains with :func:`rlhf_core.trainers.rl.train_rl` without MLflow, and writes every
 logged metric row and the rollout table to ``--out`` (JSON). Examples, from the repository root::
 
     # (a) GRPO with the rule reward
-    OMP_NUM_THREADS=2 .venv/bin/python bench/rl_embedded.py --out bench/results/rl_grpo.json
+    OMP_NUM_THREADS=1 .venv/bin/python bench/rl_embedded.py --out bench/results/rl_grpo.json
     # (b) PPO (GAE + critic) with the trained reward model
-    OMP_NUM_THREADS=2 .venv/bin/python bench/rl_embedded.py --out bench/results/rl_ppo.json \\
+    OMP_NUM_THREADS=1 .venv/bin/python bench/rl_embedded.py --out bench/results/rl_ppo.json \\
         --set estimator=gae --set reward_kind=model --set kl_in_reward=true --set kl_estimator=k1
 
 ``--root DIR`` points model_path, reward_model_path and the data files at another checkout of the
@@ -30,7 +30,8 @@ from rlhf_core.trainers.rl import train_rl  # noqa: E402
 
 SHOWN = ("rollout/reward_mean", "rollout/kept_groups_frac", "rollout/response_length", "train/kl",
          "train/entropy", "train/clip_frac", "train/value_loss", "train/explained_variance", "train/kl_coef",
-         "perf/rollout_s", "perf/reward_s", "perf/logprob_s", "perf/update_s", "perf/step_s", "eval/accuracy", "eval/accuracy_sort", "eval/reward_model_score")
+         "perf/rollout_s", "perf/reward_s", "perf/logprob_s", "perf/update_s", "perf/step_s", "eval/accuracy",
+         "eval/accuracy_sort", "eval/reward_model_score")
 
 
 class PrintSink:

@@ -293,7 +293,8 @@ def rl(cfg: RLConfig, tracking: TrackingConfig, parent_run_id: str | None = None
     if cfg.critic_model_path:
         extra["critic"] = cfg.critic_model_path
     return _train_stage("rl", cfg, tracking, parent_run_id, train_fn=train_rl,
-                        datasets={"prompts": (cfg.prompts_file, "training"), "eval": (cfg.eval_file, "evaluation")},
+                        datasets={"prompts": (cfg.prompts_file, "training"),
+                                  "eval": (cfg.eval_file, "evaluation")},
                         metrics_file=metrics_file, show_progress=show_progress, extra_inputs=extra)
 
 
