@@ -4,7 +4,8 @@ After SFT the flow runs the alignment stages named in ``flow.stages`` (params.ya
 order, each starting from the SFT model: a reward model, DPO, KTO, rejection sampling
 scored by the reward model (its kept samples and pairs pass the same Great Expectations
 gate as any dataset), one RAFT round of SFT on the kept samples, and distillation of the
-DPO model back into the SFT model. Every model is evaluated by greedy exact match on the
+DPO model back into the SFT model, and online RL (GRPO with the rule reward by default;
+PPO with the reward model by config). Every model is evaluated by greedy exact match on the
 held-out set, so the summary compares base, SFT and each aligned model.
 
 One Prefect flow run = one parent MLflow run; every stage is a Prefect task and a nested
@@ -44,7 +45,7 @@ from rlhf_core.tracking import resolve_tracking_uri, start_run
 from tasks.data import generate_data, sample_best_of_n, validate_data
 from tasks.evaluation import evaluate_model
 from tasks.models import build_base_model
-from tasks.training import distill_teacher, train_dpo, train_kto, train_raft, train_reward, train_sft
+from tasks.training import distill_teacher, train_dpo, train_kto, train_raft, train_reward, train_rl, train_sft
 
 DATASET_KINDS = {"sft": "sft", "preferences": "preference", "prompts": "prompts", "eval": "prompts"}
 
@@ -130,6 +131,17 @@ def run_alignment_stages(cfg: dict[str, Any], files: dict[str, str], md5: dict[s
                                        "teacher_path": teacher, "train_file": files["sft"]},
                                input_md5={"model": sft_md5, "teacher": dvc_md5(teacher), "train": md5["sft"],
                                           "eval": md5["eval"]})
+        elif stage == "rl":
+            rl = cfg["rl"]
+            params = {**config_to_dict(rl), **data, "model_path": sft_model, "prompts_file": files["prompts"]}
+            input_md5 = {"model": sft_md5, "prompts": md5["prompts"], "eval": md5["eval"]}
+            if rl.reward_kind == "model":
+                rm_path = done["reward"]["outputs"]["model"] if "reward" in done else rl.reward_model_path
+                params["reward_model_path"] = rm_path
+                input_md5["reward_model"] = dvc_md5(rm_path)
+            elif rl.reward_kind == "function":
+                input_md5["reward_function"] = dvc_md5(rl.reward_function.rsplit(":", 1)[0])
+            done[stage] = _run(train_rl, cache, **common, params=params, input_md5=input_md5)
     return done
 
 

@@ -700,7 +700,8 @@ class FlowConfig:
     """Reuse a task's result when its inputs (paths + md5s), params and code are unchanged."""
     stages: list[str] = field(default_factory=lambda: list(ALIGNMENT_STAGES))
     """Alignment stages run after SFT, in this order: any of reward, dpo, kto, rejection, raft,
-    distill (rejection needs reward when it scores with the reward model; raft needs rejection)."""
+    distill, rl (rejection and rl with reward_kind model use the reward stage's model; raft
+    needs rejection)."""
 
     def __post_init__(self) -> None:
         _check(self.retries >= 0, "flow", "retries", f"must be >= 0, got {self.retries}")
@@ -712,7 +713,7 @@ class FlowConfig:
                "raft trains on the rejection stage's output: add rejection")
 
 
-ALIGNMENT_STAGES = ("reward", "dpo", "kto", "rejection", "raft", "distill")
+ALIGNMENT_STAGES = ("reward", "dpo", "kto", "rejection", "raft", "distill", "rl")
 """The post-SFT stages the align flow knows, in their natural order."""
 
 

@@ -17,6 +17,7 @@ from rlhf_core.config import (
     KTOConfig,
     RaftConfig,
     RewardConfig,
+    RLConfig,
     SFTConfig,
     TrackingConfig,
     build_config,
@@ -75,3 +76,11 @@ def distill_teacher(params: dict[str, Any], tracking: dict[str, Any], input_md5:
     del input_md5
     return stages.distill(build_config(DistillConfig, "distill", params), _tracking(tracking),
                           parent_run_id).to_dict()
+
+
+@task(name="train-rl", **TASK_DEFAULTS)
+def train_rl(params: dict[str, Any], tracking: dict[str, Any], input_md5: dict[str, str],
+             parent_run_id: str | None = None) -> dict[str, Any]:
+    """Online RL (GRPO, PPO, ...) from the policy's own rollouts."""
+    del input_md5
+    return stages.rl(build_config(RLConfig, "rl", params), _tracking(tracking), parent_run_id).to_dict()

@@ -22,6 +22,8 @@ MICRO_PARAMS = {
     "rejection": {"n_samples": 4, "max_prompts": 30},
     "raft": {"max_steps": 6, "batch_size": 16, "warmup_steps": 1, "eval_items": 40},
     "distill": {"max_steps": 6, "batch_size": 16, "warmup_steps": 1, "eval_items": 40},
+    "rl": {"max_steps": 2, "prompts_per_step": 4, "group_size": 4, "eval_items": 40, "mini_batch_size": 16,
+           "save_every": 0},
     "evaluate": {"max_items": 40},
     "tracking": {"experiment": "alignflow-test"},
 }

@@ -18,7 +18,8 @@ def test_shipped_dvc_yaml_parses_and_matches_params():
     with Repo(str(REPO)) as repo:
         names = {stage.addressing for stage in repo.index.stages}
     assert {"generate", "init_model", "sft", "evaluate", "validate@sft", "validate@preferences", "reward", "dpo",
-            "kto", "rejection", "validate_rejection@kept", "validate_rejection@pairs", "raft", "distill"} <= names
+            "kto", "rejection", "validate_rejection@kept", "validate_rejection@pairs", "raft", "distill",
+            "rl"} <= names
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     for stage in yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"].values():
         for section in stage.get("params", []):
@@ -52,7 +53,7 @@ def test_micro_repro_is_deterministic_across_fresh_copies(tmp_path):
     b = _repro(_fresh_copy((tmp_path / "b")))
     assert a == b
     assert any(path == "models/sft" for path, _ in a["sft"])
-    for stage in ("reward", "dpo", "kto", "raft", "distill"):
+    for stage in ("reward", "dpo", "kto", "raft", "distill", "rl"):
         assert f"models/{stage}" in [path for path, _ in a[stage]], stage
     assert a["rejection"] and (tmp_path / "a" / "reports/validation/rejection_kept.json").exists()
     assert (tmp_path / "a" / "reports/validation/sft.json").exists()

@@ -42,7 +42,7 @@ def test_align_flow_records_lineage_and_caches(project):
     children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
     assert {"generate", "validate-sft", "validate-preferences", "validate-prompts", "validate-eval", "build-model",
             "evaluate-base", "sft", "evaluate-sft", "reward", "dpo", "kto", "rejection", "validate-rejection-kept",
-            "raft", "distill"} <= set(children) <= {*children, "validate-rejection-pairs"}
+            "raft", "distill", "rl"} <= set(children) <= {*children, "validate-rejection-pairs"}
     assert all(r.info.status == "FINISHED" for r in runs)
 
     # lineage: git commit and the DVC md5 of every input, on the parent and on the stage
@@ -63,7 +63,7 @@ def test_align_flow_records_lineage_and_caches(project):
     assert summary["md5"]["model_sft"] == dvc_md5(project / "models/sft")
 
     # the offline stages start from the SFT model and record their inputs
-    for stage in ("reward", "dpo", "kto", "raft", "distill"):
+    for stage in ("reward", "dpo", "kto", "raft", "distill", "rl"):
         tags = children[stage].data.tags
         assert tags["dvc.md5.model"] == summary["md5"]["model_sft"], stage
         assert tags["dvc.md5.output_model"] == dvc_md5(project / f"models/{stage}"), stage
@@ -77,7 +77,7 @@ def test_align_flow_records_lineage_and_caches(project):
     again = align(params_file="params.yaml")
     assert again["md5"] == summary["md5"]
     names = [r.info.run_name for r in client.search_runs([exp.experiment_id])]
-    for stage in ("sft", "reward", "dpo", "kto", "rejection", "raft", "distill"):
+    for stage in ("sft", "reward", "dpo", "kto", "rejection", "raft", "distill", "rl"):
         assert names.count(stage) == 1, (stage, names)
 
     # a deleted output defeats the cache: SFT runs again and reproduces the same weights
