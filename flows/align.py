@@ -140,7 +140,9 @@ def run_alignment_stages(cfg: dict[str, Any], files: dict[str, str], md5: dict[s
                 params["reward_model_path"] = rm_path
                 input_md5["reward_model"] = dvc_md5(rm_path)
             elif rl.reward_kind == "function":
-                input_md5["reward_function"] = dvc_md5(rl.reward_function.rsplit(":", 1)[0])
+                from rlhf_core.rewards import resolve_reward_file
+
+                input_md5["reward_function"] = dvc_md5(resolve_reward_file(rl.reward_function.rsplit(":", 1)[0]))
             done[stage] = _run(train_rl, cache, **common, params=params, input_md5=input_md5)
     return done
 

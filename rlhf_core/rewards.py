@@ -125,6 +125,20 @@ class RewardModelSource:
 # --------------------------------------------------------------------------------------
 
 
+INSTALL_ROOT = Path(__file__).resolve().parents[1]
+"""The folder holding ``rlhf_core/``: where the shipped reward files live."""
+
+
+def resolve_reward_file(file_part: str) -> Path:
+    """A reward file's path: as given (relative to the working directory), else, for a
+    relative path that does not exist there, relative to the alignflow installation — so
+    the shipped ``rlhf_core/rewards_embedded.py`` is found from any project folder."""
+    path = Path(file_part).expanduser()
+    if not path.is_absolute() and not path.exists() and (INSTALL_ROOT / path).is_file():
+        path = INSTALL_ROOT / path
+    return path.resolve()
+
+
 def load_function(spec: str) -> tuple[Path, str, Callable[..., Any]]:
     """``(file, name, function)`` of ``"path/to/file.py:name"``, imported from that file only.
 
@@ -135,7 +149,7 @@ def load_function(spec: str) -> tuple[Path, str, Callable[..., Any]]:
     file_part, sep, func_name = spec.rpartition(":")
     if not sep or not file_part or not func_name:
         raise RewardError(f"reward function {spec!r}: expected 'path/to/file.py:function_name'")
-    path = Path(file_part).expanduser().resolve()
+    path = resolve_reward_file(file_part)
     if path.suffix != ".py":
         raise RewardError(f"reward function {spec!r}: {file_part} is not a .py file")
     if not path.is_file():
