@@ -173,6 +173,11 @@ def align(
     tags = {"prefect.flow_run_id": str(flow_run.get_id() or ""), "prefect.flow_run_name": str(flow_run.get_name() or "")}
     with start_run(tracking, "align", tags=tags) as parent:
         parent.log_params({name: config_to_dict(c) for name, c in cfg.items()})
+        # The exact, typed params and inputs of this run: what `alignflow reproduce` reruns with.
+        parent.log_dict({"flow": "align", "params": {name: config_to_dict(c) for name, c in cfg.items()},
+                         "inputs": {"sft_file": sft_file, "preference_file": preference_file,
+                                    "prompts_file": prompts_file, "eval_file": eval_file, "base_model": base_model}},
+                        "reproduce.json")
 
         # ---- data: user files where given, the embedded task for the rest ---------------
         given = {"sft": sft_file, "preferences": preference_file, "prompts": prompts_file, "eval": eval_file}

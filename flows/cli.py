@@ -222,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Listed for --help only: main() hands `serve-rm ...` to rlhf_core.reward_server.main.
     sub.add_parser("serve-rm", help="serve a trained reward model over HTTP on 127.0.0.1 (serve-rm --help)")
+    sub.add_parser("reproduce", help="rerun a run (MLflow run id) or commit (git rev) with no cache; compare (reproduce --help)")
     sub.add_parser("nightly", help="serve align / iterative_dpo as cron deployments (default 02:00 UTC; nightly --help)")
 
     p = sub.add_parser("evaluate", help="greedy exact-match accuracy of a model")
@@ -251,6 +252,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from flows.nightly import main as nightly
 
         return nightly(argv[1:])
+    if argv[:1] == ["reproduce"]:
+        from flows.reproduce import main as reproduce
+
+        return reproduce(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

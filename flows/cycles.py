@@ -66,6 +66,8 @@ def run_cycles(kind: str, params_file: str | None, overrides: dict[str, dict[str
             "alignflow.flow": kind}
 
     with start_run(tracking, kind, tags=tags) as parent:
+        parent.log_dict({"flow": kind, "params": {name: config_to_dict(c) for name, c in cfg.items()},
+                         "inputs": {"cycles": n_cycles}}, "reproduce.json")
         parent.log_params({"cycles": config_to_dict(cyc), "rejection": config_to_dict(rejection),
                            "train": config_to_dict(dpo if kind == "iterative_dpo" else raft)})
         md5 = {"prompts": dvc_md5(prompts_file), "eval": dvc_md5(eval_file)}
