@@ -198,7 +198,16 @@ def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: s
         run.log_params(config_to_dict(cfg))
         for ds_name, (path, context) in datasets.items():
             run.log_input(path, ds_name, dvc_md5(path), context)
-        result = train_fn(cfg, sink=run, show_progress=show_progress)
+        from rlhf_core.plots import RecordingSink, curves_figure
+
+        sink = RecordingSink(run)
+        result = train_fn(cfg, sink=sink, show_progress=show_progress)
+        figure = curves_figure(sink.history, f"{name}: {cfg.output_dir}")
+        if figure is not None and hasattr(run, "log_figure"):
+            run.log_figure(figure, "curves.png")
+            import matplotlib.pyplot as plt
+
+            plt.close(figure)
         if getattr(result, "eval_samples", None):
             run.log_dict(result.eval_samples, "eval_samples.json")
         out_md5 = dvc_md5(result.output_dir)

@@ -93,6 +93,10 @@ class MlflowTracker:
     def log_dict(self, obj: Any, artifact_file: str) -> None:
         self.client.log_dict(self.run_id, obj, artifact_file)
 
+    def log_figure(self, figure: Any, artifact_file: str) -> None:
+        """A matplotlib figure as a PNG artifact."""
+        self.client.log_figure(self.run_id, figure, artifact_file)
+
     def log_table(self, rows: list[dict[str, Any]], name: str) -> None:
         """Append ``rows`` to the run's table artifact ``name`` (MLflow merges rows of the same file)."""
         import pandas as pd
@@ -160,6 +164,10 @@ class LocalFileTracker:
     def log_dict(self, obj: Any, artifact_file: str) -> None:
         (self.dir / artifact_file).parent.mkdir(parents=True, exist_ok=True)
         (self.dir / artifact_file).write_text(json.dumps(obj, indent=2, default=str))
+
+    def log_figure(self, figure: Any, artifact_file: str) -> None:
+        (self.dir / artifact_file).parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(self.dir / artifact_file, dpi=100)
 
     def log_table(self, rows: list[dict[str, Any]], name: str) -> None:
         """Append ``rows`` to ``<run>/<name>`` as JSON lines."""

@@ -86,3 +86,24 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """Debian's headless Chromium, installed (apt-get) when absent; fails, never skips, when it can't be."""
+    import shutil
+    import subprocess
+
+    found = shutil.which("chromium")
+    if found:
+        return found
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], capture_output=True, text=True, env=env)
+    if install.returncode != 0:  # a fresh machine may need its package lists first
+        subprocess.run(["apt-get", "update", "-q"], capture_output=True, text=True, env=env)
+        install = subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], capture_output=True, text=True,
+                                 env=env)
+    found = shutil.which("chromium")
+    if not found:
+        pytest.fail(f"chromium is needed for the MLflow UI test and could not be installed:\n{install.stderr[-2000:]}")
+    return found

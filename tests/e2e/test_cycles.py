@@ -55,7 +55,7 @@ MICRO = {"cycles": {"cycles": 2, "scorer": "reward_model", "max_prompts": 24, "n
          "reward": {"max_steps": 3, "batch_size": 8, "warmup_steps": 1}}
 
 
-def test_iterative_dpo_versions_every_cycle_and_tracks_lineage(project):
+def test_iterative_dpo_versions_every_cycle_and_tracks_lineage(project, chromium):
     from flows.cycles import iterative_dpo
 
     head_before = _git(project, "rev-parse", "HEAD")
@@ -108,6 +108,24 @@ def test_iterative_dpo_versions_every_cycle_and_tracks_lineage(project):
     assert str(champion.version) == best["registry"]["version"]
     assert {v.run_id for v in versions} == {r.info.run_id for r in dpo_runs}
     assert "champion" in client.get_model_version("alignflow-policy", candidate.version).tags["promotion"]
+
+    # the MLflow UI itself (headless Chromium): the champion, its source run, that run's
+    # datasets and its parent (cycle) run
+    from ui import mlflow_ui, page_text
+
+    source = client.get_run(champion.run_id)
+    parent_cycle = client.get_run(source.data.tags["mlflow.parentRunId"])
+    with mlflow_ui(f"sqlite:///{project / 'mlflow.db'}") as url:
+        model_page = page_text(chromium, f"{url}/#/models/alignflow-policy/versions/{champion.version}",
+                               project / "mlflow_ui_champion.png")
+        run_page = page_text(chromium, f"{url}/#/experiments/{exp.experiment_id}/runs/{champion.run_id}",
+                             project / "mlflow_ui_source_run.png")
+    assert f"Version {champion.version}" in model_page and "@ champion" in model_page, model_page[:3000]
+    assert "Source Run : dpo" in model_page
+    assert champion.run_id in run_page and f"Parent run {parent_cycle.info.run_name}" in run_page, run_page[:4000]
+    pairs_digest = source.data.tags["dvc.md5.preferences"]
+    assert f"preferences ({pairs_digest[:36]})" in run_page
+    assert (project / "mlflow_ui_champion.png").stat().st_size > 10_000
 
 
 def test_raft_flow_trains_on_kept_samples(project):

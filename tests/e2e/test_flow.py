@@ -68,6 +68,11 @@ def test_align_flow_records_lineage_and_caches(project):
         assert tags["dvc.md5.model"] == summary["md5"]["model_sft"], stage
         assert tags["dvc.md5.output_model"] == dvc_md5(project / f"models/{stage}"), stage
     assert children["distill"].data.tags["dvc.md5.teacher"] == dvc_md5(project / "models/dpo")
+    # curves as PNG, the GX report, and the RL rollout table as artifacts
+    for stage in ("sft", "dpo", "reward", "rl"):
+        assert "curves.png" in {a.path for a in client.list_artifacts(children[stage].info.run_id)}, stage
+    assert "validation_report.json" in {a.path for a in client.list_artifacts(children["validate-sft"].info.run_id)}
+    assert "rollouts.json" in {a.path for a in client.list_artifacts(children["rl"].info.run_id)}
     assert children["rejection"].data.tags["dvc.md5.reward_model"] == dvc_md5(project / "models/reward")
     assert children["raft"].data.tags["dvc.md5.kept_samples"] == dvc_md5(project / "data/rejection/best.jsonl")
     assert {"eval/accuracy_dpo", "eval/reward_accuracy_reward", "rejection/kept_accuracy_rejection"} \
