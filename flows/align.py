@@ -250,6 +250,7 @@ def align(
                     **{f"{stage}_{k}": v for stage, r in aligned.items() for k, v in r["md5"].items()}},
             "sft_model": sft["outputs"]["model"],
             "stages": {stage: {"outputs": r["outputs"], "run_id": r.get("run_id")} for stage, r in aligned.items()},
+            "rejection_n": cfg["rejection"].n_samples,
             "metrics": summary_metrics,
             "sft_train_seconds": sft["metrics"].get("perf/train_seconds"),
         }

@@ -147,6 +147,9 @@ def cmd_flow(args: argparse.Namespace) -> int:
         if f"eval/accuracy_{stage}" in m:
             print(f"               {stage:<9} {m[f'eval/accuracy_{stage}']:.3f} "
                   f"(± {m[f'eval/accuracy_stderr_{stage}']:.3f}; {m[f'eval/accuracy_{stage}'] - m['eval/accuracy_sft']:+.3f} vs SFT)")
+        elif f"rejection/kept_accuracy_{stage}" in m:
+            print(f"               {stage:<9} kept samples correct {m[f'rejection/kept_accuracy_{stage}']:.3f} "
+                  f"(best of {summary.get('rejection_n', 'n')} by the reward model)")
         elif f"eval/reward_accuracy_{stage}" in m:
             print(f"               {stage:<9} held-out pairwise accuracy {m[f'eval/reward_accuracy_{stage}']:.3f}, "
                   f"margin {m[f'eval/reward_margin_{stage}']:.2f}")
