@@ -107,3 +107,44 @@ def chromium() -> str:
     if not found:
         pytest.fail(f"chromium is needed for the MLflow UI test and could not be installed:\n{install.stderr[-2000:]}")
     return found
+
+
+class Recorder:
+    """A real MetricSink for tiny-model tests: keeps every metric row and rollout table, as MLflow would."""
+
+    def __init__(self):
+        self.rows: list[tuple[int, dict]] = []
+        self.tables: list[tuple[str, list]] = []
+
+    def log_metrics(self, metrics, step):
+        self.rows.append((step, dict(metrics)))
+
+    def log_table(self, rows, name):
+        self.tables.append((name, rows))
+
+    def series(self, name):
+        return [m[name] for _, m in self.rows if name in m]
+
+    def steps(self, name):
+        return [s for s, m in self.rows if name in m]
+
+
+@pytest.fixture(scope="session")
+def make_micro_rm(micro_model, tmp_path_factory):
+    """Build an (untrained) micro reward model directory with the given normalisation statistics."""
+
+    def make(mean: float, std: float) -> Path:
+        import torch
+
+        from rlhf_core.models import load_tokenizer
+        from rlhf_core.reward_model import load_reward_model, set_normalisation
+
+        torch.manual_seed(0)
+        out = tmp_path_factory.mktemp("rm") / "rm"
+        rm = load_reward_model(micro_model, torch.device("cpu"))
+        set_normalisation(rm, mean=mean, std=std)
+        rm.save_pretrained(out)
+        load_tokenizer(micro_model).save_pretrained(out)
+        return out
+
+    return make

@@ -8,17 +8,9 @@ from safetensors.torch import load_file
 
 from rlhf_core.config import DPOConfig
 from rlhf_core.trainers.dpo import train_dpo
+from conftest import Recorder
 
 
-class Recorder:
-    def __init__(self):
-        self.rows = []
-
-    def log_metrics(self, metrics, step):
-        self.rows.append((step, dict(metrics)))
-
-    def series(self, name):
-        return [m[name] for _, m in self.rows if name in m]
 
 
 def _cfg(micro_model, micro_data, tmp_path, **kw):

@@ -13,17 +13,9 @@ from rlhf_core.data.io import DataError, read_records
 from rlhf_core.models import ModelLoadError, load_tokenizer
 from rlhf_core.trainers.distill import check_same_vocabulary, train_distill
 from rlhf_core.trainers.kto import train_kto, unpaired_examples
+from conftest import Recorder
 
 
-class Recorder:
-    def __init__(self):
-        self.rows = []
-
-    def log_metrics(self, metrics, step):
-        self.rows.append((step, dict(metrics)))
-
-    def series(self, name):
-        return [m[name] for _, m in self.rows if name in m]
 
 
 def _changed(before_dir, after_dir) -> bool:

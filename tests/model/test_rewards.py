@@ -18,8 +18,6 @@ import requests
 import torch
 
 from rlhf_core.data.tokenize import tokenize_prompt_completion
-from rlhf_core.models import load_tokenizer
-from rlhf_core.reward_model import load_reward_model, set_normalisation
 from rlhf_core.rewards import (FunctionRewardSource, HttpRewardSource, RewardError, RewardKind, RewardModelSource,
                                RewardSource, build_reward_source)
 
@@ -119,15 +117,9 @@ def test_build_reward_source_validates_kind():
 
 
 @pytest.fixture(scope="module")
-def micro_rm(micro_model, tmp_path_factory) -> Path:
+def micro_rm(make_micro_rm) -> Path:
     """An (untrained) micro reward model directory with normalisation statistics."""
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("rm") / "rm"
-    rm = load_reward_model(micro_model, torch.device("cpu"))
-    set_normalisation(rm, mean=0.25, std=2.0)
-    rm.save_pretrained(out)
-    load_tokenizer(micro_model).save_pretrained(out)
-    return out
+    return make_micro_rm(mean=0.25, std=2.0)
 
 
 @pytest.fixture(scope="module")

@@ -15,32 +15,14 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf_core.config import ConfigError, RLConfig
-from rlhf_core.models import load_tokenizer
-from rlhf_core.reward_model import load_reward_model, set_normalisation
 from rlhf_core.rewards import RewardError
 from rlhf_core.trainers.rl import train_rl
+from conftest import Recorder
 
 REPO = Path(__file__).resolve().parents[2]
 ESTIMATORS = ["gae", "reinforce++", "reinforce++-baseline", "rloo", "grpo", "dr-grpo"]
 
 
-class Recorder:
-    """A sink that keeps every metric row and every rollout table."""
-
-    def __init__(self):
-        self.rows, self.tables = [], []
-
-    def log_metrics(self, metrics, step):
-        self.rows.append((step, dict(metrics)))
-
-    def log_table(self, rows, name):
-        self.tables.append((name, rows))
-
-    def series(self, name):
-        return [m[name] for _, m in self.rows if name in m]
-
-    def steps(self, name):
-        return [s for s, m in self.rows if name in m]
 
 
 @pytest.fixture(scope="module")
@@ -183,15 +165,9 @@ def test_checkpoints_and_resume(micro_model, micro_data, tmp_path, length_reward
 
 
 @pytest.fixture(scope="module")
-def micro_rm(micro_model, tmp_path_factory) -> Path:
+def micro_rm(make_micro_rm) -> Path:
     """An untrained micro reward model directory (random head, stored normalisation)."""
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("rm") / "rm"
-    rm = load_reward_model(micro_model, torch.device("cpu"))
-    set_normalisation(rm, mean=0.0, std=0.1)
-    rm.save_pretrained(out)
-    load_tokenizer(micro_model).save_pretrained(out)
-    return out
+    return make_micro_rm(mean=0.0, std=0.1)
 
 
 def test_ppo_with_a_reward_model(micro_model, micro_data, micro_rm, tmp_path):

@@ -12,19 +12,9 @@ from rlhf_core.config import SFTConfig
 from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.trainers.loop import latest_checkpoint
 from rlhf_core.trainers.sft import train_sft
+from conftest import Recorder
 
 
-class Recorder:
-    """A MetricSink that keeps everything (a real sink: the trainer calls it as it would MLflow)."""
-
-    def __init__(self):
-        self.rows: list[tuple[int, dict]] = []
-
-    def log_metrics(self, metrics, step):
-        self.rows.append((step, dict(metrics)))
-
-    def series(self, name):
-        return [m[name] for _, m in self.rows if name in m]
 
 
 def _cfg(micro_model, micro_data, tmp_path, **kw):
