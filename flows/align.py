@@ -1,4 +1,4 @@
-"""The main alignment flow: generate -> validate -> build model -> SFT -> offline alignment.
+"""The main alignment flow: generate -> validate -> build model -> SFT -> alignment -> register.
 
 After SFT the flow runs the alignment stages named in ``flow.stages`` (params.yaml), in
 order, each starting from the SFT model: a reward model, DPO, KTO, rejection sampling
@@ -6,7 +6,9 @@ scored by the reward model (its kept samples and pairs pass the same Great Expec
 gate as any dataset), one RAFT round of SFT on the kept samples, and distillation of the
 DPO model back into the SFT model, and online RL (GRPO with the rule reward by default;
 PPO with the reward model by config). Every model is evaluated by greedy exact match on the
-held-out set, so the summary compares base, SFT and each aligned model.
+held-out set, so the summary compares base, SFT and each aligned model. The last policy
+stage's model (GRPO's by default) is registered as ``candidate`` of the policy registry and
+promoted to ``champion`` only if it beats the current champion.
 
 One Prefect flow run = one parent MLflow run; every stage is a Prefect task and a nested
 MLflow run. User data and models replace the embedded default stage by stage: give
@@ -45,6 +47,7 @@ from rlhf_core.tracking import resolve_tracking_uri, start_run
 from tasks.data import generate_data, sample_best_of_n, validate_data
 from tasks.evaluation import evaluate_model
 from tasks.models import build_base_model
+from tasks.registry import register_model
 from tasks.training import distill_teacher, train_dpo, train_kto, train_raft, train_reward, train_rl, train_sft
 
 DATASET_KINDS = {"sft": "sft", "preferences": "preference", "prompts": "prompts", "eval": "prompts"}
@@ -225,6 +228,20 @@ def align(
         aligned = run_alignment_stages(cfg, {k: str(v) for k, v in files.items()}, md5, sft, fields, tracking_d,
                                        parent.run_id, cache)
 
+        # ---- register the pipeline's end product: the last policy stage's model -------------
+        # It becomes `candidate` of the policy registry, and `champion` only if its held-out
+        # accuracy beats the current champion's (tasks/registry.py).
+        policy_stages = [st for st in aligned if "model" in aligned[st]["outputs"] and st != "reward"
+                         and "eval/accuracy" in aligned[st]["metrics"]]
+        promotion = None
+        if policy_stages and tracking.log_model:
+            final = aligned[policy_stages[-1]]
+            promotion = {"stage": policy_stages[-1], **register_model(
+                model_dir=final["outputs"]["model"], run_id=final["run_id"],
+                accuracy=final["metrics"]["eval/accuracy"], registered_name=cfg["cycles"].registered_model,
+                tracking=tracking_d)}
+            parent.set_tags({"registry.version": promotion["version"], "registry.verdict": promotion["verdict"]})
+
         summary_metrics = {
             "eval/accuracy_base": before["metrics"]["eval/accuracy"],
             "eval/accuracy_sft": after["metrics"]["eval/accuracy"],
@@ -251,6 +268,7 @@ def align(
             "sft_model": sft["outputs"]["model"],
             "stages": {stage: {"outputs": r["outputs"], "run_id": r.get("run_id")} for stage, r in aligned.items()},
             "rejection_n": cfg["rejection"].n_samples,
+            "promotion": promotion,
             "metrics": summary_metrics,
             "sft_train_seconds": sft["metrics"].get("perf/train_seconds"),
         }

@@ -154,6 +154,9 @@ def cmd_flow(args: argparse.Namespace) -> int:
             print(f"               {stage:<9} held-out pairwise accuracy {m[f'eval/reward_accuracy_{stage}']:.3f}, "
                   f"margin {m[f'eval/reward_margin_{stage}']:.2f}")
     print(f"SFT model:       {summary['sft_model']}  (md5 {summary['md5']['model_sft']})")
+    if summary.get("promotion"):
+        p = summary["promotion"]
+        print(f"policy registry: {p['stage']} model: {p['verdict']}")
     print(f"registered:      {summary['registered_model']}  ({summary['model_uri']})")
     print(f"parent run:      {summary['parent_run_id']}")
     print(f"MLflow UI:       .venv/bin/mlflow ui --backend-store-uri {uri}")

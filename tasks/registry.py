@@ -32,8 +32,14 @@ def register_model(model_dir: str, run_id: str, accuracy: float, registered_name
     import mlflow
 
     mlflow.set_tracking_uri(resolve_tracking_uri(cfg))
-    model_uri = MlflowTracker(client, run_id).log_hf_model(model_dir, registered_name)
-    version = next(v for v in client.search_model_versions(f"name='{registered_name}'") if v.run_id == run_id)
+    # Idempotent: a stage run already registered (a cached stage in a re-run flow) keeps its version.
+    existing = [v for v in client.search_model_versions(f"name='{registered_name}'") if v.run_id == run_id]
+    if existing:
+        version = existing[0]
+        model_uri = version.source
+    else:
+        model_uri = MlflowTracker(client, run_id).log_hf_model(model_dir, registered_name)
+        version = next(v for v in client.search_model_versions(f"name='{registered_name}'") if v.run_id == run_id)
     client.set_model_version_tag(registered_name, version.version, METRIC_TAG, f"{accuracy:.6f}")
     client.set_registered_model_alias(registered_name, CANDIDATE, version.version)
 

@@ -61,6 +61,10 @@ def test_align_flow_records_lineage_and_caches(project):
     versions = client.search_model_versions("name='alignflow-sft'")
     assert versions and versions[0].run_id == children["sft"].info.run_id
     assert summary["md5"]["model_sft"] == dvc_md5(project / "models/sft")
+    # the end product (the rl stage's model) is the policy registry's candidate, and champion
+    champion = client.get_model_version_by_alias("alignflow-policy", "champion")
+    assert champion.run_id == children["rl"].info.run_id and summary["promotion"]["stage"] == "rl"
+    assert client.get_model_version_by_alias("alignflow-policy", "candidate").version == champion.version
 
     # the offline stages start from the SFT model and record their inputs
     for stage in ("reward", "dpo", "kto", "raft", "distill", "rl"):
