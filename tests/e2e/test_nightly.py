@@ -34,6 +34,16 @@ def _wait(check, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """Ctrl-C the process group (serve pauses its schedules on the way out); kill it if that hangs."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
 @pytest.fixture()
 def prefect_api(tmp_path):
     """A `prefect server start` of the test's own (its own PREFECT_HOME and SQLite database)."""
@@ -96,8 +106,7 @@ def test_cron_deployment_runs_and_its_mlflow_run_has_the_flow_run_id(isolated_pr
         state = _wait(finished, 900, "the triggered nightly run")
         assert state["type"] == "COMPLETED", (state, (project / "serve.log").read_text()[-5000:])
     finally:
-        os.killpg(serve.pid, signal.SIGINT)
-        serve.wait(timeout=60)
+        _stop(serve)
 
     from mlflow.tracking import MlflowClient
 
