@@ -42,6 +42,7 @@ from rlhf_core.config import (
     read_params,
 )
 from rlhf_core.lineage import dvc_md5
+from rlhf_core.rewards import resolve_reward_file
 from rlhf_core.stages import lineage_tags
 from rlhf_core.tracking import resolve_tracking_uri, start_run
 from tasks.data import generate_data, sample_best_of_n, validate_data
@@ -143,8 +144,6 @@ def run_alignment_stages(cfg: dict[str, Any], files: dict[str, str], md5: dict[s
                 params["reward_model_path"] = rm_path
                 input_md5["reward_model"] = dvc_md5(rm_path)
             elif rl.reward_kind == "function":
-                from rlhf_core.rewards import resolve_reward_file
-
                 input_md5["reward_function"] = dvc_md5(resolve_reward_file(rl.reward_function.rsplit(":", 1)[0]))
             done[stage] = _run(train_rl, cache, **common, params=params, input_md5=input_md5)
     return done

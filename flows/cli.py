@@ -13,6 +13,7 @@ config, command line or model directory.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -226,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--metrics-file", default=None, help="write final metrics JSON here (for DVC)")
         p.set_defaults(func=func)
 
-    # Listed for --help only: main() hands `serve-rm ...` to rlhf_core.reward_server.main.
+    # Listed for --help only: main() hands these to their modules (PASSTHROUGH).
     sub.add_parser("serve-rm", help="serve a trained reward model over HTTP on 127.0.0.1 (serve-rm --help)")
     sub.add_parser("reproduce", help="rerun a run (MLflow run id) or commit (git rev) with no cache; compare (reproduce --help)")
     sub.add_parser("nightly", help="serve align / iterative_dpo as cron deployments (default 02:00 UTC; nightly --help)")
@@ -248,20 +249,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Commands implemented by a module's own ``main(argv)``; listed in build_parser for --help only.
+PASSTHROUGH = {"serve-rm": "rlhf_core.reward_server", "nightly": "flows.nightly", "reproduce": "flows.reproduce"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["serve-rm"]:  # its own parser owns every argument, --help included
-        from rlhf_core.reward_server import main as serve
-
-        return serve(argv[1:])
-    if argv[:1] == ["nightly"]:
-        from flows.nightly import main as nightly
-
-        return nightly(argv[1:])
-    if argv[:1] == ["reproduce"]:
-        from flows.reproduce import main as reproduce
-
-        return reproduce(argv[1:])
+    if argv[:1] and argv[0] in PASSTHROUGH:  # these commands' own parsers own every argument, --help included
+        return importlib.import_module(PASSTHROUGH[argv[0]]).main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -24,14 +24,13 @@ METRIC_TAG = "eval_accuracy"
 def register_model(model_dir: str, run_id: str, accuracy: float, registered_name: str,
                    tracking: dict[str, Any], higher_is_better: bool = True) -> dict[str, Any]:
     """Register ``model_dir`` from stage run ``run_id``; alias it ``candidate``, and ``champion`` if it beats it."""
+    import mlflow
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    cfg = build_config(TrackingConfig, "tracking", tracking)
-    client = MlflowClient(tracking_uri=resolve_tracking_uri(cfg))
-    import mlflow
-
-    mlflow.set_tracking_uri(resolve_tracking_uri(cfg))
+    uri = resolve_tracking_uri(build_config(TrackingConfig, "tracking", tracking))
+    client = MlflowClient(tracking_uri=uri)
+    mlflow.set_tracking_uri(uri)  # log_hf_model goes through the fluent API
     # Idempotent: a stage run already registered (a cached stage in a re-run flow) keeps its version.
     existing = [v for v in client.search_model_versions(f"name='{registered_name}'") if v.run_id == run_id]
     if existing:

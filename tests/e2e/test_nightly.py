@@ -50,9 +50,7 @@ def prefect_api(tmp_path):
     port = _free_port()
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-server"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "DO_NOT_TRACK": "true", "PREFECT_UI_ENABLED": "false"}
-    server = subprocess.Popen([str(REPO / ".venv/bin/prefect") if (REPO / ".venv/bin/prefect").exists()
-                               else os.path.join(os.path.dirname(sys.executable), "prefect"),
-                               "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+    server = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     api = f"http://127.0.0.1:{port}/api"
 
