@@ -194,8 +194,12 @@ class TrainerConfig(DataFields):
     """Steps between evaluations (0: only at the end)."""
     eval_items: int = 1000
     """Held-out items used for accuracy (greedy exact match)."""
-    save_every: int = 0
-    """Steps between checkpoints (0: only the final model)."""
+    save_every: int = 50
+    """Steps between checkpoints (0: none; a SIGTERM still writes one). Removed once the final model is saved."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep while the run is going."""
+    resume: bool = True
+    """Continue an interrupted run (same config and inputs) from its newest complete checkpoint."""
     num_threads: int = 2
     """torch intra-op threads on CPU (fixed, so results are reproducible)."""
     seed: int = 0
@@ -203,7 +207,8 @@ class TrainerConfig(DataFields):
 
     def __post_init__(self) -> None:
         s = self.section
-        for name in ("max_steps", "batch_size", "grad_accum", "max_length", "eval_items", "num_threads"):
+        for name in ("max_steps", "batch_size", "grad_accum", "max_length", "eval_items", "num_threads",
+                     "keep_checkpoints"):
             _check(getattr(self, name) >= 1, s, name, f"must be >= 1, got {getattr(self, name)}")
         for name in ("warmup_steps", "eval_every", "save_every"):
             _check(getattr(self, name) >= 0, s, name, f"must be >= 0, got {getattr(self, name)}")

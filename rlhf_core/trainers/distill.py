@@ -21,14 +21,14 @@ from typing import Any
 
 import torch
 
-from rlhf_core.config import DistillConfig, config_to_dict
+from rlhf_core.config import DistillConfig
 from rlhf_core.data.io import read_records
 from rlhf_core.data.tokenize import collate_padded, tokenize_sft_records
 from rlhf_core.evaluate import evaluate_exact_match
 from rlhf_core.logprobs import MODEL_INPUTS
 from rlhf_core.losses import IGNORE_INDEX, distillation_loss
 from rlhf_core.models import ModelLoadError, load_causal_lm, load_tokenizer, pick_device
-from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, save_hf_dir, seed_everything
+from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, seed_everything
 
 
 @dataclass
@@ -88,8 +88,6 @@ def train_distill(cfg: DistillConfig, sink: MetricSink | None = None, show_progr
 
     # ---- train, then save ---------------------------------------------------------------
     loop = run_training(cfg, "distill", model, tokenizer, next_micro_batch=next_micro_batch, loss_fn=loss_fn,
-                        evaluate=evaluate, sink=sink, show_progress=show_progress)
-    save_hf_dir(model, tokenizer, cfg.output_dir,
-                extra={"stage": "distill", "config": config_to_dict(cfg), "base_model": str(cfg.model_path),
-                       "teacher": str(cfg.teacher_path)})
+                        evaluate=evaluate, sink=sink, state={"sampler": sampler},
+                        lineage={"teacher": str(cfg.teacher_path)}, show_progress=show_progress)
     return DistillResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples)

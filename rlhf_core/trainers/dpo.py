@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from rlhf_core.config import DPOConfig, config_to_dict
+from rlhf_core.config import DPOConfig
 from rlhf_core.data.io import read_records
 from rlhf_core.data.tokenize import collate_pairs
 from rlhf_core.data.tokenize import tokenize_preference_records
@@ -25,7 +25,7 @@ from rlhf_core.evaluate import evaluate_exact_match
 from rlhf_core.logprobs import reference_logprobs, response_logprobs
 from rlhf_core.losses import PreferenceLoss, preference_loss
 from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
-from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, save_hf_dir, seed_everything
+from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, seed_everything
 
 
 @dataclass
@@ -116,8 +116,6 @@ def train_dpo(cfg: DPOConfig, sink: MetricSink | None = None, show_progress: boo
 
     # ---- train, then save -----------------------------------------------------------------
     loop = run_training(cfg, "dpo", model, tokenizer, next_micro_batch=next_micro_batch, loss_fn=loss_fn,
-                        evaluate=evaluate, sink=sink, units_fn=lambda b: int(b["n_pairs"]),
+                        evaluate=evaluate, sink=sink, state={"sampler": sampler}, units_fn=lambda b: int(b["n_pairs"]),
                         step_metrics=step_metrics, show_progress=show_progress)
-    save_hf_dir(model, tokenizer, cfg.output_dir,
-                extra={"stage": "dpo", "config": config_to_dict(cfg), "base_model": str(cfg.model_path)})
     return DPOResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples)

@@ -22,14 +22,14 @@ from typing import Any, Sequence
 
 import torch
 
-from rlhf_core.config import KTOConfig, config_to_dict
+from rlhf_core.config import KTOConfig
 from rlhf_core.data.io import DataError, Record, read_records, require_str
 from rlhf_core.data.tokenize import TokenizedExample, collate_padded, tokenize_prompt_completion
 from rlhf_core.evaluate import evaluate_exact_match
 from rlhf_core.logprobs import response_logprobs
 from rlhf_core.losses import kto_loss, kto_reference_point
 from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
-from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, save_hf_dir, seed_everything
+from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, seed_everything
 
 
 @dataclass(frozen=True)
@@ -142,8 +142,6 @@ def train_kto(cfg: KTOConfig, sink: MetricSink | None = None, show_progress: boo
 
     # ---- train, then save -------------------------------------------------------------
     loop = run_training(cfg, "kto", model, tokenizer, next_micro_batch=next_micro_batch, loss_fn=loss_fn,
-                        evaluate=evaluate, sink=sink, units_fn=lambda b: len(b["desirable"]),
+                        evaluate=evaluate, sink=sink, state={"sampler": sampler}, units_fn=lambda b: len(b["desirable"]),
                         step_metrics=step_metrics, show_progress=show_progress)
-    save_hf_dir(model, tokenizer, cfg.output_dir,
-                extra={"stage": "kto", "config": config_to_dict(cfg), "base_model": str(cfg.model_path)})
     return KTOResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples)

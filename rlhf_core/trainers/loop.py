@@ -8,6 +8,8 @@ accumulation, clipping, the schedule and checkpoint format are written once.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import random
 import shutil
@@ -20,6 +22,8 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 import numpy as np
 import torch
 from tqdm.auto import tqdm
+
+log = logging.getLogger(__name__)
 
 MetricsFn = Callable[[dict[str, float], int], None]
 
@@ -89,6 +93,10 @@ def count_label_tokens(batch: dict[str, torch.Tensor]) -> int:
     return int((batch["labels"][:, 1:] != -100).sum())
 
 
+class NonFiniteError(FloatingPointError):
+    """A loss or gradient norm was NaN or inf; the step was not applied."""
+
+
 def accumulate_and_step(
     model: torch.nn.Module,
     micro_batches: Sequence[Any],
@@ -99,6 +107,7 @@ def accumulate_and_step(
     max_grad_norm: float,
     autocast_dtype: torch.dtype | None,
     units_fn: Callable[[Any], int] = count_label_tokens,
+    step: int | None = None,
 ) -> StepStats:
     """One optimizer step over ``micro_batches`` (gradient accumulation).
 
@@ -106,21 +115,32 @@ def accumulate_and_step(
     counts a micro-batch's units without a forward pass. Each micro-batch's sum is divided
     by the units of the whole step before backward, so the gradient equals that of one
     batch holding every micro-batch, whatever their sizes.
+
+    A NaN/inf loss or gradient norm raises :class:`NonFiniteError` (naming ``step``) before
+    the optimizer touches the weights, so the model and the last checkpoint stay good.
     """
     device = next(model.parameters()).device
     total = sum(units_fn(mb) for mb in micro_batches)
     loss_total = 0.0
     units_total = 0
-    for mb in micro_batches:
+    where = f"step {step}" if step is not None else "this step"
+    for i, mb in enumerate(micro_batches):
         with autocast_context(device, autocast_dtype):
             loss_sum, n = loss_fn(model, mb)
+        value = float(loss_sum.detach())
+        if not math.isfinite(value):
+            optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteError(f"{where}: loss is {value} (micro-batch {i}); the step was not applied")
         (loss_sum / max(total, 1)).backward()
-        loss_total += float(loss_sum.detach())
+        loss_total += value
         units_total += int(n)
     if max_grad_norm > 0:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
     else:
         grad_norm = float(torch.norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])))
+    if not math.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteError(f"{where}: gradient norm is {grad_norm}; the step was not applied")
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -157,29 +177,6 @@ def save_hf_dir(model: Any, tokenizer: Any, out_dir: str | Path, extra: dict[str
     return out_dir
 
 
-def save_checkpoint(ckpt_root: str | Path, step: int, model: Any, tokenizer: Any, optimizer: torch.optim.Optimizer,
-                    scheduler: Any, extra_state: dict[str, Any] | None = None, keep: int = 2) -> Path:
-    """Write ``ckpt_root/step-{step:07d}``: weights (safetensors) + optimizer, schedule and RNG state."""
-    path = save_hf_dir(model, tokenizer, Path(ckpt_root) / f"step-{step:07d}")
-    state = {
-        "step": step,
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-        "extra": extra_state or {},
-    }
-    torch.save(state, path / "trainer_state.pt")
-    for old in sorted(Path(ckpt_root).glob("step-*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return path
-
-
-def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
-    """The newest complete checkpoint under ``ckpt_root`` (one with its trainer state)."""
-    done = [p for p in sorted(Path(ckpt_root).glob("step-*")) if (p / "trainer_state.pt").exists()]
-    return done[-1] if done else None
-
-
 class EpochSampler:
     """Indices of ``n`` examples in batches of ``batch_size``, reshuffled every epoch from ``seed``.
 
@@ -199,6 +196,14 @@ class EpochSampler:
             self.order += torch.randperm(self.n, generator=self.generator).tolist()
         idx, self.order = self.order[:self.batch_size], self.order[self.batch_size:]
         return idx
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Generator state and the rest of the current epoch's order (checkpoint contents)."""
+        return {"generator": self.generator.get_state(), "order": torch.tensor(self.order, dtype=torch.int64)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.generator.set_state(state["generator"])
+        self.order = [int(i) for i in state["order"].tolist()]
 
 
 class Timer:
@@ -233,6 +238,15 @@ class LoopResult:
 
     metrics: dict[str, float]
     eval_samples: list[dict[str, str]]
+    resumed_from_step: int = 0
+
+
+class Resumable(Protocol):
+    """Trainer-side state the loop checkpoints beside the model (a sampler, a controller)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 def run_training(
@@ -247,21 +261,40 @@ def run_training(
     sink: MetricSink,
     units_fn: Callable[[Any], int] = count_label_tokens,
     step_metrics: Callable[[], dict[str, float]] | None = None,
+    state: dict[str, Resumable] | None = None,
+    lineage: dict[str, str] | None = None,
+    before_save: Callable[[], dict[str, float]] | None = None,
     show_progress: bool = True,
 ) -> LoopResult:
-    """Optimise ``model`` for ``cfg.max_steps`` steps: batch -> accumulate -> step -> log -> eval -> checkpoint.
+    """Optimise ``model`` for ``cfg.max_steps`` steps, then save it to ``cfg.output_dir``.
 
-    ``cfg`` is a :class:`rlhf_core.config.TrainerConfig`. ``evaluate()`` returns held-out
-    metrics and sample answers; it runs every ``cfg.eval_every`` steps and once at the end,
-    and its time is excluded from ``perf/train_seconds``. ``step_metrics()`` (optional)
-    returns trainer-specific metrics gathered by ``loss_fn`` since the last call.
+    Per step: batch -> accumulate -> step -> log -> eval -> checkpoint. ``cfg`` is a
+    :class:`rlhf_core.config.TrainerConfig`. ``evaluate()`` returns held-out metrics and
+    sample answers; it runs every ``cfg.eval_every`` steps and once at the end, and its time
+    is excluded from ``perf/train_seconds``. ``step_metrics()`` (optional) returns
+    trainer-specific metrics gathered by ``loss_fn`` since the last call.
+
+    Resuming: every ``cfg.save_every`` steps (and on SIGTERM) a checkpoint holds the weights,
+    optimizer, schedule, RNG, the objects in ``state`` (the data sampler) and the loop's
+    counters. With ``cfg.resume`` a run whose config and inputs match an interrupted run's
+    continues from its newest checkpoint and ends with the same weights and metrics as an
+    uninterrupted run. The final model is saved with ``lineage`` (plus stage, config and base
+    model) in ``alignflow.json`` (``before_save()``, if given, runs first and its metrics are
+    added); then the run's checkpoints are removed.
     """
+    from rlhf_core.checkpoint import Checkpointer, TrainingInterrupted, load_weights, run_fingerprint, \
+        set_rng_state, sigterm_checkpoints
+    from rlhf_core.config import config_to_dict
+
     device = next(model.parameters()).device
     autocast_dtype = _resolve_autocast(cfg.precision, device)
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+    state = dict(state or {})
     last_metrics: dict[str, float] = {}
     eval_seconds = 0.0
+    timer, tokens_seen, last_loss = Timer(), 0, float("nan")
+    checkpointer = Checkpointer(cfg.checkpoint_dir, run_fingerprint(cfg), cfg.keep_checkpoints)
 
     def run_eval(step: int) -> list[dict[str, str]]:
         nonlocal eval_seconds
@@ -272,32 +305,91 @@ def run_training(
         eval_seconds += started.total()
         return samples
 
+    def save(step: int) -> Path:
+        return checkpointer.save(step, model, tokenizer, {
+            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "objects": {key: obj.state_dict() for key, obj in state.items()},
+            "loop": {"tokens_seen": tokens_seen, "last_metrics": dict(last_metrics), "last_loss": last_loss}})
+
+    # ---- resume an interrupted run of this config ---------------------------------------
+    start_step = 1
+    found = checkpointer.latest() if cfg.resume else None
+    if found is not None:
+        load_weights(model, found.path)
+        optimizer.load_state_dict(found.state["optimizer"])
+        scheduler.load_state_dict(found.state["scheduler"])
+        for key, obj in state.items():
+            obj.load_state_dict(found.state["objects"][key])
+        tokens_seen = int(found.state["loop"]["tokens_seen"])
+        last_loss = float(found.state["loop"]["last_loss"])
+        last_metrics.update(found.state["loop"]["last_metrics"])
+        set_rng_state(found.state["rng"])
+        start_step = found.step + 1
+        log.warning("%s: resuming from %s (step %d of %d)", name, found.path, found.step, cfg.max_steps)
+        sink.log_metrics({"checkpoint/resumed_from_step": float(found.step)}, found.step)
+
     model.train()
-    timer, tokens_seen = Timer(), 0
-    bar = tqdm(range(1, cfg.max_steps + 1), desc=name, disable=not show_progress, mininterval=2.0)
-    for step in bar:
-        micro = [next_micro_batch() for _ in range(cfg.grad_accum)]
-        stats = accumulate_and_step(model, micro, loss_fn, optimizer, scheduler, max_grad_norm=cfg.max_grad_norm,
-                                    autocast_dtype=autocast_dtype, units_fn=units_fn)
-        tokens_seen += sum(int(mb["input_ids"].numel()) for mb in micro)
-        if step % 10 == 0 or step == cfg.max_steps:
-            elapsed = timer.total() - eval_seconds  # training time only
-            extra = step_metrics() if step_metrics is not None else {}
-            sink.log_metrics({"train/loss": stats.loss, "train/grad_norm": stats.grad_norm, "train/lr": stats.lr,
-                              "perf/tokens_per_s": tokens_seen / max(elapsed, 1e-9), "perf/elapsed_s": elapsed,
-                              **extra}, step)
-            bar.set_postfix(loss=f"{stats.loss:.3f}", lr=f"{stats.lr:.1e}")
-        if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.max_steps:
-            run_eval(step)
-        if cfg.save_every and step % cfg.save_every == 0:
-            save_checkpoint(cfg.checkpoint_dir, step, model, tokenizer, optimizer, scheduler)
+    bar = tqdm(range(start_step, cfg.max_steps + 1), desc=name, disable=not show_progress, mininterval=2.0)
+    with sigterm_checkpoints() as stop:
+        for step in bar:
+            micro = [next_micro_batch() for _ in range(cfg.grad_accum)]
+            stats = accumulate_and_step(model, micro, loss_fn, optimizer, scheduler, max_grad_norm=cfg.max_grad_norm,
+                                        autocast_dtype=autocast_dtype, units_fn=units_fn, step=step)
+            tokens_seen += sum(int(mb["input_ids"].numel()) for mb in micro)
+            last_loss = stats.loss
+            if step % 10 == 0 or step == cfg.max_steps:
+                elapsed = timer.total() - eval_seconds  # training time only
+                extra = step_metrics() if step_metrics is not None else {}
+                sink.log_metrics({"train/loss": stats.loss, "train/grad_norm": stats.grad_norm, "train/lr": stats.lr,
+                                  "perf/tokens_per_s": tokens_seen / max(elapsed, 1e-9), "perf/elapsed_s": elapsed,
+                                  **extra}, step)
+                bar.set_postfix(loss=f"{stats.loss:.3f}", lr=f"{stats.lr:.1e}")
+            if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.max_steps:
+                run_eval(step)
+            if (cfg.save_every and step % cfg.save_every == 0) or stop.requested:
+                path = save(step)
+            if stop.requested:
+                raise TrainingInterrupted(f"{name}: stopped by SIGTERM after step {step}; resume from {path}")
+            inject_fault(name, step)
     train_seconds = timer.total() - eval_seconds
 
     samples = run_eval(cfg.max_steps)
     sink.log_metrics({"perf/train_seconds": train_seconds}, cfg.max_steps)
-    metrics = {**last_metrics, "train/loss_final": stats.loss, "perf/train_seconds": train_seconds,
+    metrics = {**last_metrics, "train/loss_final": last_loss, "perf/train_seconds": train_seconds,
                "perf/tokens_per_s": tokens_seen / max(train_seconds, 1e-9)}
-    return LoopResult(metrics, samples)
+    if before_save is not None:
+        metrics.update(before_save())
+    # Only deterministic content next to the weights, so DVC md5s repeat across runs.
+    save_hf_dir(model, tokenizer, cfg.output_dir, extra={
+        "stage": name, "config": config_to_dict(cfg), "base_model": str(cfg.model_path), **(lineage or {})})
+    checkpointer.clear()
+    return LoopResult(metrics, samples, start_step - 1)
+
+
+def inject_fault(stage: str, step: int) -> None:
+    """Test hook: ``ALIGNFLOW_FAULT=<stage>:<step>[:<marker file>]`` raises after that step.
+
+    With a marker file the fault fires once (the file is created when it fires), which is how
+    the tests make a Prefect task fail on its first attempt and succeed on its retry. Unset in
+    normal use: the cost is one environment lookup per step.
+    """
+    spec = os.environ.get("ALIGNFLOW_FAULT")
+    if not spec:
+        return
+    parts = spec.split(":", 2)
+    if len(parts) < 2 or parts[0] != stage or parts[1] != str(step):
+        return
+    if len(parts) == 3:
+        marker = Path(parts[2])
+        if marker.exists():
+            return
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"{stage}:{step}\n")
+    raise InjectedFault(f"{stage}: fault injected after step {step} (ALIGNFLOW_FAULT={spec})")
+
+
+class InjectedFault(RuntimeError):
+    """Raised by :func:`inject_fault`; Prefect treats it as transient and retries."""
 
 
 def _resolve_autocast(precision: str, device: torch.device) -> torch.dtype | None:

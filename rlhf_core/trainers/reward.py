@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from rlhf_core.config import RewardConfig, config_to_dict
+from rlhf_core.config import RewardConfig
 from rlhf_core.data.io import Record, read_records
 from rlhf_core.data.tokenize import TokenizedExample, collate_pairs, tokenize_preference_records
 from rlhf_core.losses import bradley_terry_loss, log_exp_loss
 from rlhf_core.models import load_tokenizer, pick_device
 from rlhf_core.reward_model import load_reward_model, pair_rewards, set_normalisation
-from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, save_hf_dir, seed_everything
+from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, seed_everything
 
 Pair = tuple[TokenizedExample, TokenizedExample]
 
@@ -107,16 +107,16 @@ def train_reward_model(cfg: RewardConfig, sink: MetricSink | None = None, show_p
     def evaluate() -> tuple[dict[str, float], list[dict[str, str]]]:
         return pairwise_metrics(model, held_out, pad, cfg.batch_size), []
 
-    # ---- train, store reward statistics, save ---------------------------------------------
+    # ---- train; before the save, store the reward statistics used to normalise scores --------
+    def store_normalisation() -> dict[str, float]:
+        with torch.no_grad():
+            model.eval()
+            all_r = torch.cat([pair_rewards(model, collate_pairs(train[i:i + cfg.batch_size], pad))
+                               for i in range(0, len(train), cfg.batch_size)])
+        set_normalisation(model, float(all_r.mean()), float(all_r.std()))
+        return {"reward/mean": float(all_r.mean()), "reward/std": float(all_r.std())}
+
     loop = run_training(cfg, "reward", model, tokenizer, next_micro_batch=next_micro_batch, loss_fn=loss_fn,
-                        evaluate=evaluate, sink=sink, units_fn=lambda b: int(b["n_pairs"]),
-                        step_metrics=step_metrics, show_progress=show_progress)
-    with torch.no_grad():
-        model.eval()
-        all_r = torch.cat([pair_rewards(model, collate_pairs(train[i:i + cfg.batch_size], pad))
-                           for i in range(0, len(train), cfg.batch_size)])
-    set_normalisation(model, float(all_r.mean()), float(all_r.std()))
-    save_hf_dir(model, tokenizer, cfg.output_dir,
-                extra={"stage": "reward", "config": config_to_dict(cfg), "base_model": str(cfg.model_path)})
-    metrics = {**loop.metrics, "reward/mean": float(all_r.mean()), "reward/std": float(all_r.std())}
-    return RewardResult(Path(cfg.output_dir), metrics)
+                        evaluate=evaluate, sink=sink, state={"sampler": sampler}, units_fn=lambda b: int(b["n_pairs"]),
+                        step_metrics=step_metrics, before_save=store_normalisation, show_progress=show_progress)
+    return RewardResult(Path(cfg.output_dir), loop.metrics)

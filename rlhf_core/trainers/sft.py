@@ -15,14 +15,14 @@ from typing import Any
 
 import torch
 
-from rlhf_core.config import SFTConfig, config_to_dict
+from rlhf_core.config import SFTConfig
 from rlhf_core.data.io import read_records
 from rlhf_core.data.tokenize import TokenizedExample, collate_packed, collate_padded, tokenize_sft_records
 from rlhf_core.evaluate import evaluate_exact_match
 from rlhf_core.logprobs import MODEL_INPUTS
 from rlhf_core.losses import token_nll_sum
 from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
-from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, save_hf_dir, seed_everything
+from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, seed_everything
 
 
 @dataclass
@@ -89,8 +89,5 @@ def train_sft(cfg: SFTConfig, sink: MetricSink | None = None, show_progress: boo
 
     # ---- train, then save ---------------------------------------------------------------
     loop = run_training(cfg, "sft", model, tokenizer, next_micro_batch=next_micro_batch, loss_fn=_nll_loss_fn,
-                        evaluate=evaluate, sink=sink, show_progress=show_progress)
-    # Only deterministic content next to the weights, so DVC md5s repeat across runs.
-    save_hf_dir(model, tokenizer, cfg.output_dir,
-                extra={"stage": "sft", "config": config_to_dict(cfg), "base_model": str(cfg.model_path)})
+                        evaluate=evaluate, sink=sink, state={"sampler": sampler}, show_progress=show_progress)
     return SFTResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples)

@@ -1,5 +1,5 @@
 """Tiny-model online RL: every estimator updates the policy (and PPO its critic), the KL controller
-adapts, DAPO dynamic sampling drops uninformative groups, bad rewards fail loudly, checkpoints resume.
+adapts, DAPO dynamic sampling drops uninformative groups, bad rewards fail loudly (resume: test_resume.py).
 
 The micro model is untrained, so the embedded rule reward is almost always 0 on it: most tests use
 a dense reward file (longer answer, higher reward) whose samples differ within every group.
@@ -56,7 +56,7 @@ def test_every_estimator_updates_the_policy(estimator, micro_model, micro_data, 
     token_level = estimator in ("gae", "reinforce++", "reinforce++-baseline")
     sink = Recorder()
     cfg = _cfg(micro_model, micro_data, tmp_path, length_reward, estimator=estimator, kl_in_reward=token_level,
-               kl_estimator="k1" if token_level else "k3", save_every=2 if estimator == "gae" else 0)
+               kl_estimator="k1" if token_level else "k3", save_every=0)
     result = train_rl(cfg, sink, show_progress=False)
 
     assert _changed(load_file(str(micro_model / "model.safetensors")),
@@ -83,10 +83,7 @@ def test_every_estimator_updates_the_policy(estimator, micro_model, micro_data, 
         values = sink.series("train/value_loss")
         assert len(values) == 2 and all(math.isfinite(v) for v in values)
         assert all(math.isfinite(v) for v in sink.series("train/explained_variance"))
-        state = torch.load(tmp_path / "ckpt" / "step-0000002" / "trainer_state.pt", weights_only=False)
-        backbone = {k: v for k, v in load_file(str(micro_model / "model.safetensors")).items()
-                    if k.startswith("model.")}
-        assert _changed(backbone, state["extra"]["critic"])
+        # (that the critic's weights move is checked on its checkpoint in test_resume.py)
     else:
         assert not sink.series("train/value_loss")
 
@@ -141,27 +138,6 @@ def test_reward_that_returns_nan_names_file_and_function(micro_model, micro_data
     with pytest.raises(RewardError, match=r"reward function score_answers in .*nan_reward.py: sample 0: "
                                           r"reward nan is not finite"):
         train_rl(cfg, show_progress=False)
-
-
-def test_checkpoints_and_resume(micro_model, micro_data, tmp_path, length_reward):
-    """Checkpoints hold the policy, optimizer, schedule, KL controller and RNG; resuming runs only
-    the missing iterations."""
-    cfg = _cfg(micro_model, micro_data, tmp_path, length_reward, save_every=1, adaptive_kl=True, kl_coef=0.1)
-    train_rl(cfg, show_progress=False)
-    ckpts = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
-    assert ckpts == ["step-0000001", "step-0000002"]
-    last = tmp_path / "ckpt" / "step-0000002"
-    assert (last / "model.safetensors").exists() and (last / "tokenizer.json").exists()
-    state = torch.load(last / "trainer_state.pt", weights_only=False)
-    assert state["step"] == 2 and {"optimizer", "scheduler", "rng"} <= state.keys()
-    assert state["extra"]["kl_controller"]["value"] != 0.1  # the adaptive beta moved and was saved
-
-    sink = Recorder()
-    cfg = _cfg(micro_model, micro_data, tmp_path, length_reward, save_every=1, adaptive_kl=True, kl_coef=0.1,
-               max_steps=3)
-    train_rl(cfg, sink, show_progress=False, resume=True)
-    assert sink.steps("train/policy_loss") == [3]
-    assert sink.series("train/kl_coef")[0] == pytest.approx(state["extra"]["kl_controller"]["value"])
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,176 @@
+"""Checkpoints resume exactly: a run stopped mid-way and resumed ends bit-identical to one that was not.
+
+The stop is the loop's fault hook (``ALIGNFLOW_FAULT``, raised right after a step's checkpoint),
+so these run in-process in seconds; tests/e2e/test_kill_resume.py does the same with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from rlhf_core.checkpoint import Checkpointer, load_weights, run_fingerprint
+from rlhf_core.config import DPOConfig, RewardConfig, RLConfig, SFTConfig
+from rlhf_core.lineage import dvc_md5
+from rlhf_core.trainers.dpo import train_dpo
+from rlhf_core.trainers.loop import InjectedFault, NonFiniteError, run_training
+from rlhf_core.trainers.reward import train_reward_model
+from rlhf_core.trainers.rl import train_rl
+from rlhf_core.trainers.sft import train_sft
+from conftest import Recorder
+
+
+def _sft(micro_model, micro_data, root, **kw) -> SFTConfig:
+    return SFTConfig(**{**dict(model_path=str(micro_model), train_file=str(micro_data["sft"]),
+                               eval_file=str(micro_data["eval"]), output_dir=str(root / "out"),
+                               checkpoint_dir=str(root / "ckpt"), max_steps=12, batch_size=16, lr=3e-3,
+                               warmup_steps=2, eval_every=5, eval_items=20, save_every=4, num_threads=1), **kw})
+
+
+def _dpo(micro_model, micro_data, root, **kw) -> DPOConfig:
+    return DPOConfig(**{**dict(model_path=str(micro_model), train_file=str(micro_data["preferences"]),
+                               eval_file=str(micro_data["eval"]), output_dir=str(root / "out"),
+                               checkpoint_dir=str(root / "ckpt"), max_steps=12, batch_size=8, lr=3e-3,
+                               warmup_steps=2, eval_items=20, save_every=4, beta=0.5, num_threads=1), **kw})
+
+
+def _reward(micro_model, micro_data, root, **kw) -> RewardConfig:
+    return RewardConfig(**{**dict(model_path=str(micro_model), train_file=str(micro_data["preferences"]),
+                                  eval_file="", output_dir=str(root / "out"), checkpoint_dir=str(root / "ckpt"),
+                                  max_steps=12, batch_size=8, lr=3e-3, warmup_steps=2, save_every=4,
+                                  num_threads=1), **kw})
+
+
+def _rl(micro_model, micro_data, root, **kw) -> RLConfig:
+    reward = root.parent / "length_reward.py"
+    reward.write_text("def reward(prompts, completions, labels):\n    return [len(c) / 10 for c in completions]\n")
+    return RLConfig(**{**dict(model_path=str(micro_model), prompts_file=str(micro_data["prompts"]),
+                              eval_file=str(micro_data["eval"]), output_dir=str(root / "out"),
+                              checkpoint_dir=str(root / "ckpt"), reward_function=f"{reward}:reward", max_steps=5,
+                              prompts_per_step=4, group_size=4, max_new_tokens=6, batch_size=64, mini_batch_size=8,
+                              lr=3e-3, warmup_steps=0, eval_items=8, eval_at_start=True, adaptive_kl=True,
+                              kl_coef=0.1, log_rollouts_every=1, save_every=2, num_threads=1), **kw})
+
+
+TRAINERS = {
+    "sft": (_sft, train_sft, 9),       # fails after step 9; checkpoints at 4 and 8 -> resumes at 8
+    "dpo": (_dpo, train_dpo, 9),
+    "reward": (_reward, train_reward_model, 10),
+    "rl": (_rl, train_rl, 4),           # checkpoints at 2 and 4 -> resumes at iteration 4
+}
+DETERMINISTIC = ("eval/", "train/loss_final", "rollout/", "train/kl", "train/policy_loss", "reward/")
+
+
+@pytest.mark.parametrize("stage", list(TRAINERS))
+def test_interrupted_run_resumes_to_identical_result(stage, micro_model, micro_data, tmp_path, monkeypatch, caplog):
+    make_cfg, train, fail_at = TRAINERS[stage]
+    whole = train(make_cfg(micro_model, micro_data, tmp_path / "whole"), show_progress=False)
+    assert not list((tmp_path / "whole" / "ckpt").glob("step-*")), "a finished run removes its checkpoints"
+
+    cfg = make_cfg(micro_model, micro_data, tmp_path / "cut")
+    monkeypatch.setenv("ALIGNFLOW_FAULT", f"{stage}:{fail_at}")
+    with pytest.raises(InjectedFault, match=f"{stage}: fault injected after step {fail_at}"):
+        train(cfg, show_progress=False)
+    kept = sorted(p.name for p in (tmp_path / "cut" / "ckpt").glob("step-*"))
+    assert len(kept) == 2, kept  # keep_checkpoints=2 of the ones written so far
+    monkeypatch.delenv("ALIGNFLOW_FAULT")
+
+    sink = Recorder()
+    with caplog.at_level(logging.WARNING):
+        resumed = train(cfg, sink, show_progress=False)
+    resumed_at = sink.series("checkpoint/resumed_from_step")
+    assert resumed_at and resumed_at[0] > 0 and f"step-{int(resumed_at[0]):07d}" == kept[-1]
+    assert "resuming from" in caplog.text
+    assert dvc_md5(whole.output_dir / "model.safetensors") == dvc_md5(resumed.output_dir / "model.safetensors")
+    for key, value in whole.metrics.items():
+        if key.startswith(DETERMINISTIC):
+            assert resumed.metrics[key] == value, key
+    assert not list((tmp_path / "cut" / "ckpt").glob("step-*"))
+
+
+def test_changed_config_starts_over(micro_model, micro_data, tmp_path, monkeypatch, caplog):
+    """A checkpoint of another config (here another lr) is not resumed."""
+    monkeypatch.setenv("ALIGNFLOW_FAULT", "sft:5")
+    with pytest.raises(InjectedFault):
+        train_sft(_sft(micro_model, micro_data, tmp_path), show_progress=False)
+    monkeypatch.delenv("ALIGNFLOW_FAULT")
+    sink = Recorder()
+    with caplog.at_level(logging.WARNING):
+        train_sft(_sft(micro_model, micro_data, tmp_path, lr=1e-3), sink, show_progress=False)
+    assert not sink.series("checkpoint/resumed_from_step")
+    assert "written by a run with another config" in caplog.text
+
+
+def test_torn_checkpoint_is_skipped(micro_model, micro_data, tmp_path, monkeypatch, caplog):
+    """The newest checkpoint's state file cut short: the previous one is used, with a warning."""
+    cfg = _sft(micro_model, micro_data, tmp_path)
+    monkeypatch.setenv("ALIGNFLOW_FAULT", "sft:9")
+    with pytest.raises(InjectedFault):
+        train_sft(cfg, show_progress=False)
+    monkeypatch.delenv("ALIGNFLOW_FAULT")
+    newest = tmp_path / "ckpt" / "step-0000008" / "trainer_state.pt"
+    newest.write_bytes(newest.read_bytes()[:100])
+    sink = Recorder()
+    with caplog.at_level(logging.WARNING):
+        train_sft(cfg, sink, show_progress=False)
+    assert sink.series("checkpoint/resumed_from_step") == [4.0]
+    assert "skipping torn checkpoint" in caplog.text and "step-0000008" in caplog.text
+
+
+def test_checkpoint_state_loads_weights_only(micro_model, micro_data, tmp_path, monkeypatch):
+    """trainer_state.pt holds tensors and plain values only (no pickled objects), weights in safetensors;
+    a PPO checkpoint carries the critic, whose weights moved away from the backbone it started from."""
+    from safetensors.torch import load_file
+
+    cfg = _rl(micro_model, micro_data, tmp_path, estimator="gae", kl_in_reward=True, kl_estimator="k1")
+    monkeypatch.setenv("ALIGNFLOW_FAULT", "rl:2")
+    with pytest.raises(InjectedFault):
+        train_rl(cfg, show_progress=False)
+    ckpt = Checkpointer(cfg.checkpoint_dir, run_fingerprint(cfg)).latest()
+    assert ckpt is not None and ckpt.step == 2
+    state = torch.load(ckpt.path / "trainer_state.pt", weights_only=True)
+    assert {"optimizer", "scheduler", "rng", "objects", "loop", "fingerprint"} <= state.keys()
+    assert {"sampler", "kl_controller", "update_generator", "critic", "critic_optimizer"} <= state["objects"].keys()
+    backbone = {k: v for k, v in load_file(str(micro_model / "model.safetensors")).items() if k.startswith("model.")}
+    assert any(not torch.equal(v, state["objects"]["critic"][k]) for k, v in backbone.items())
+    assert state["objects"]["kl_controller"]["value"] != 0.1  # the adaptive beta moved and was saved
+    assert not list(ckpt.path.glob("*.bin")) and (ckpt.path / "model.safetensors").exists()
+
+
+def test_nan_loss_stops_at_that_step_with_last_checkpoint_intact(micro_model, micro_data, tmp_path):
+    """The loss turns NaN at step 7: the stage stops there naming the step and the quantity; the
+    step-4 checkpoint is intact and the weights were not touched by the bad step."""
+    from rlhf_core.data.io import read_records
+    from rlhf_core.data.tokenize import collate_padded, tokenize_sft_records
+    from rlhf_core.models import load_causal_lm, load_tokenizer
+    from rlhf_core.trainers.loop import EpochSampler
+    from rlhf_core.trainers.sft import _nll_loss_fn
+
+    cfg = _sft(micro_model, micro_data, tmp_path, max_steps=10)
+    tokenizer = load_tokenizer(cfg.model_path)
+    model = load_causal_lm(cfg.model_path, torch.device("cpu"))
+    train = tokenize_sft_records(tokenizer, read_records(cfg.train_file), path=cfg.train_file,
+                                 prompt_field="prompt", completion_field="completion", messages_field="messages",
+                                 max_length=cfg.max_length)
+    sampler = EpochSampler(len(train), cfg.batch_size, cfg.seed)
+    calls = {"n": 0}
+
+    def loss_fn(m, batch):
+        calls["n"] += 1
+        loss, n = _nll_loss_fn(m, batch)
+        return (loss * float("nan"), n) if calls["n"] == 7 else (loss, n)
+
+    with pytest.raises(NonFiniteError, match=r"step 7: loss is nan"):
+        run_training(cfg, "sft", model, tokenizer, sink=Recorder(), show_progress=False, state={"sampler": sampler},
+                     next_micro_batch=lambda: collate_padded([train[i] for i in sampler.next()],
+                                                             tokenizer.pad_token_id),
+                     loss_fn=loss_fn, evaluate=lambda: ({}, []))
+    ckpt = Checkpointer(cfg.checkpoint_dir, run_fingerprint(cfg)).latest()
+    assert ckpt is not None and ckpt.step == 4
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    fresh = load_causal_lm(cfg.model_path, torch.device("cpu"))
+    load_weights(fresh, ckpt.path)  # loadable, finite
+    assert all(torch.isfinite(p).all() for p in fresh.parameters())
+    assert not (tmp_path / "out").exists(), "no output model is written for a failed stage"
