@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -258,8 +260,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] and argv[0] in PASSTHROUGH:  # these commands' own parsers own every argument, --help included
         return importlib.import_module(PASSTHROUGH[argv[0]]).main(argv[1:])
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from rlhf_core.checkpoint import TrainingInterrupted
+    from rlhf_core.rewards import RewardError
+    from rlhf_core.trainers.loop import NonFiniteError
+
     try:
         return args.func(args)
+    except TrainingInterrupted as exc:  # SIGTERM: a checkpoint was written; the same command resumes
+        print(f"stopped: {exc}", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    except (NonFiniteError, RewardError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except ValidationFailed as exc:
         print(exc.report.render(), file=sys.stderr)
         return 1

@@ -207,6 +207,24 @@ class Checkpointer:
         for path in self._step_dirs() + sorted(self.root.glob(".step-*.tmp-*")):
             shutil.rmtree(path, ignore_errors=True)
 
+    @contextmanager
+    def hold(self, name: str) -> Iterator[None]:
+        """Own ``root`` for the whole run: a second run of the stage on the same project (another
+        flow started at the same time) waits here, and says so, instead of sharing checkpoints."""
+        from filelock import FileLock, Timeout
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(self.root / ".lock"))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            log.warning("%s: another run is using %s; waiting for it to finish", name, self.root)
+            lock.acquire()
+        try:
+            yield
+        finally:
+            lock.release()
+
     def _step_dirs(self) -> list[Path]:
         return sorted(p for p in self.root.glob("step-*") if p.is_dir()) if self.root.exists() else []
 

@@ -178,6 +178,25 @@ def validate(path: str | Path, kind: str, fields: DataFields | None = None,
 # --------------------------------------------------------------------------------------
 
 
+# The Great Expectations suite each named stage input must pass (kto_train has its own unpaired
+# format, checked row by row by its reader).
+_GATE_KINDS = {"sft_train": "sft", "distill_train": "sft", "kept_samples": "sft", "preferences": "preference",
+               "eval_preferences": "preference", "prompts": "prompts", "eval": "prompts"}
+
+
+def gate_datasets(fields: DataFields, datasets: dict[str, tuple[str, str]]) -> None:
+    """Validate a training stage's datasets before anything is loaded or opened: the command-line
+    stages get the same gate as the flows, so bad rows never reach a model (``ValidationFailed``)."""
+    from rlhf_core.data.validate import ValidationFailed, validate_dataset
+
+    for name, (path, _) in datasets.items():
+        kind = _GATE_KINDS.get(name)
+        if kind is not None and path:
+            report = validate_dataset(path, kind, fields)
+            if not report.success:
+                raise ValidationFailed(report)
+
+
 def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: str | None, *,
                  train_fn: Any, datasets: dict[str, tuple[str, str]], metrics_file: str | Path | None,
                  register_as: str | None = None, show_progress: bool = True,
@@ -190,6 +209,7 @@ def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: s
     """
     from rlhf_core.tracking import start_run
 
+    gate_datasets(cfg, datasets)
     inputs = {"model": cfg.model_path, **{k: path for k, (path, _) in datasets.items()}}
     if getattr(cfg, "ref_model_path", ""):
         inputs["reference"] = cfg.ref_model_path

@@ -38,8 +38,13 @@ class Record:
 
 
 def _iter_jsonl(path: Path) -> Iterator[Record]:
-    with path.open("r", encoding="utf-8") as fh:
-        for lineno, raw in enumerate(fh, start=1):
+    with path.open("rb") as fh:  # decoded per line, so a bad byte is reported with its line
+        for lineno, raw_bytes in enumerate(fh, start=1):
+            try:
+                raw = raw_bytes.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(path, lineno, f"not UTF-8 text (byte 0x{raw_bytes[exc.start]:02x} at column "
+                                              f"{exc.start + 1})") from None
             text = raw.strip()
             if not text:
                 continue

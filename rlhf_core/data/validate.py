@@ -22,6 +22,7 @@ custom expectations do not run on pandas, hence helper columns rather than custo
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,6 +194,8 @@ def validate_dataset(path: str | Path, kind: str, fields: DataFields | None = No
     """Validate ``path`` as a ``kind`` dataset with Great Expectations; never writes anything."""
     import great_expectations as gx
 
+    # GX sets this module's logger to INFO itself; its temp-folder notice is noise on stderr.
+    logging.getLogger("great_expectations.data_context.types.base").setLevel(logging.WARNING)
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     fields = fields or DataFields()
@@ -205,6 +208,10 @@ def validate_dataset(path: str | Path, kind: str, fields: DataFields | None = No
     df, suite_items = _frame_and_suite(records, kind, fields, max_chars, gx)
 
     context = gx.get_context(mode="ephemeral")
+    # GX's per-metric progress bars would bury the report on stderr.
+    from great_expectations.data_context.types.base import ProgressBarsConfig
+
+    context.variables.progress_bars = ProgressBarsConfig(globally=False)
     source = context.data_sources.add_pandas(name="alignflow")
     asset = source.add_dataframe_asset(name=kind)
     batch = asset.add_batch_definition_whole_dataframe("all").get_batch(batch_parameters={"dataframe": df})

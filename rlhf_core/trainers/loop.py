@@ -311,58 +311,59 @@ def run_training(
             "objects": {key: obj.state_dict() for key, obj in state.items()},
             "loop": {"tokens_seen": tokens_seen, "last_metrics": dict(last_metrics), "last_loss": last_loss}})
 
-    # ---- resume an interrupted run of this config ---------------------------------------
-    start_step = 1
-    found = checkpointer.latest() if cfg.resume else None
-    if found is not None:
-        load_weights(model, found.path)
-        optimizer.load_state_dict(found.state["optimizer"])
-        scheduler.load_state_dict(found.state["scheduler"])
-        for key, obj in state.items():
-            obj.load_state_dict(found.state["objects"][key])
-        tokens_seen = int(found.state["loop"]["tokens_seen"])
-        last_loss = float(found.state["loop"]["last_loss"])
-        last_metrics.update(found.state["loop"]["last_metrics"])
-        set_rng_state(found.state["rng"])
-        start_step = found.step + 1
-        log.warning("%s: resuming from %s (step %d of %d)", name, found.path, found.step, cfg.max_steps)
-        sink.log_metrics({"checkpoint/resumed_from_step": float(found.step)}, found.step)
+    with checkpointer.hold(name):
+        # ---- resume an interrupted run of this config ---------------------------------------
+        start_step = 1
+        found = checkpointer.latest() if cfg.resume else None
+        if found is not None:
+            load_weights(model, found.path)
+            optimizer.load_state_dict(found.state["optimizer"])
+            scheduler.load_state_dict(found.state["scheduler"])
+            for key, obj in state.items():
+                obj.load_state_dict(found.state["objects"][key])
+            tokens_seen = int(found.state["loop"]["tokens_seen"])
+            last_loss = float(found.state["loop"]["last_loss"])
+            last_metrics.update(found.state["loop"]["last_metrics"])
+            set_rng_state(found.state["rng"])
+            start_step = found.step + 1
+            log.warning("%s: resuming from %s (step %d of %d)", name, found.path, found.step, cfg.max_steps)
+            sink.log_metrics({"checkpoint/resumed_from_step": float(found.step)}, found.step)
 
-    model.train()
-    bar = tqdm(range(start_step, cfg.max_steps + 1), desc=name, disable=not show_progress, mininterval=2.0)
-    with sigterm_checkpoints() as stop:
-        for step in bar:
-            micro = [next_micro_batch() for _ in range(cfg.grad_accum)]
-            stats = accumulate_and_step(model, micro, loss_fn, optimizer, scheduler, max_grad_norm=cfg.max_grad_norm,
-                                        autocast_dtype=autocast_dtype, units_fn=units_fn, step=step)
-            tokens_seen += sum(int(mb["input_ids"].numel()) for mb in micro)
-            last_loss = stats.loss
-            if step % 10 == 0 or step == cfg.max_steps:
-                elapsed = timer.total() - eval_seconds  # training time only
-                extra = step_metrics() if step_metrics is not None else {}
-                sink.log_metrics({"train/loss": stats.loss, "train/grad_norm": stats.grad_norm, "train/lr": stats.lr,
-                                  "perf/tokens_per_s": tokens_seen / max(elapsed, 1e-9), "perf/elapsed_s": elapsed,
-                                  **extra}, step)
-                bar.set_postfix(loss=f"{stats.loss:.3f}", lr=f"{stats.lr:.1e}")
-            if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.max_steps:
-                run_eval(step)
-            if (cfg.save_every and step % cfg.save_every == 0) or stop.requested:
-                path = save(step)
-            if stop.requested:
-                raise TrainingInterrupted(f"{name}: stopped by SIGTERM after step {step}; resume from {path}")
-            inject_fault(name, step)
-    train_seconds = timer.total() - eval_seconds
+        model.train()
+        bar = tqdm(range(start_step, cfg.max_steps + 1), desc=name, disable=not show_progress, mininterval=2.0)
+        with sigterm_checkpoints() as stop:
+            for step in bar:
+                micro = [next_micro_batch() for _ in range(cfg.grad_accum)]
+                stats = accumulate_and_step(model, micro, loss_fn, optimizer, scheduler, max_grad_norm=cfg.max_grad_norm,
+                                            autocast_dtype=autocast_dtype, units_fn=units_fn, step=step)
+                tokens_seen += sum(int(mb["input_ids"].numel()) for mb in micro)
+                last_loss = stats.loss
+                if step % 10 == 0 or step == cfg.max_steps:
+                    elapsed = timer.total() - eval_seconds  # training time only
+                    extra = step_metrics() if step_metrics is not None else {}
+                    sink.log_metrics({"train/loss": stats.loss, "train/grad_norm": stats.grad_norm, "train/lr": stats.lr,
+                                      "perf/tokens_per_s": tokens_seen / max(elapsed, 1e-9), "perf/elapsed_s": elapsed,
+                                      **extra}, step)
+                    bar.set_postfix(loss=f"{stats.loss:.3f}", lr=f"{stats.lr:.1e}")
+                if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.max_steps:
+                    run_eval(step)
+                if (cfg.save_every and step % cfg.save_every == 0) or stop.requested:
+                    path = save(step)
+                if stop.requested:
+                    raise TrainingInterrupted(f"{name}: stopped by SIGTERM after step {step}; resume from {path}")
+                inject_fault(name, step)
+        train_seconds = timer.total() - eval_seconds
 
-    samples = run_eval(cfg.max_steps)
-    sink.log_metrics({"perf/train_seconds": train_seconds}, cfg.max_steps)
-    metrics = {**last_metrics, "train/loss_final": last_loss, "perf/train_seconds": train_seconds,
-               "perf/tokens_per_s": tokens_seen / max(train_seconds, 1e-9)}
-    if before_save is not None:
-        metrics.update(before_save())
-    # Only deterministic content next to the weights, so DVC md5s repeat across runs.
-    save_hf_dir(model, tokenizer, cfg.output_dir, extra={
-        "stage": name, "config": config_to_dict(cfg), "base_model": str(cfg.model_path), **(lineage or {})})
-    checkpointer.clear()
+        samples = run_eval(cfg.max_steps)
+        sink.log_metrics({"perf/train_seconds": train_seconds}, cfg.max_steps)
+        metrics = {**last_metrics, "train/loss_final": last_loss, "perf/train_seconds": train_seconds,
+                   "perf/tokens_per_s": tokens_seen / max(train_seconds, 1e-9)}
+        if before_save is not None:
+            metrics.update(before_save())
+        # Only deterministic content next to the weights, so DVC md5s repeat across runs.
+        save_hf_dir(model, tokenizer, cfg.output_dir, extra={
+            "stage": name, "config": config_to_dict(cfg), "base_model": str(cfg.model_path), **(lineage or {})})
+        checkpointer.clear()
     return LoopResult(metrics, samples, start_step - 1)
 
 

@@ -185,7 +185,6 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
     tokenizer = load_tokenizer(cfg.model_path)
     pad_id = tokenizer.pad_token_id
     checkpointer = Checkpointer(cfg.checkpoint_dir, run_fingerprint(cfg), cfg.keep_checkpoints)
-    ckpt = checkpointer.latest() if cfg.resume else None
     # Dropout stays off throughout (eval mode, gradients still flow): the update must score
     # tokens with the same function that sampled them, or the importance ratios are noise.
     policy = load_causal_lm(cfg.model_path, device).eval()
@@ -219,252 +218,254 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
     kl_ctl: KLController = (AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl
                             else FixedKLController(cfg.kl_coef))
     update_gen = torch.Generator().manual_seed(cfg.seed)
-    resumables = {"sampler": sampler, "kl_controller": kl_ctl, "update_generator": _GeneratorState(update_gen)}
-    if critic is not None:
-        resumables.update(critic=critic, critic_optimizer=critic_opt, critic_scheduler=critic_sched)
+    with checkpointer.hold("rl"):
+        ckpt = checkpointer.latest() if cfg.resume else None
+        resumables = {"sampler": sampler, "kl_controller": kl_ctl, "update_generator": _GeneratorState(update_gen)}
+        if critic is not None:
+            resumables.update(critic=critic, critic_optimizer=critic_opt, critic_scheduler=critic_sched)
 
-    # ---- evaluation: greedy exact match (+ the reward model's score of the greedy answers) -
-    def evaluate(step: int) -> tuple[dict[str, float], list[dict[str, str]]]:
-        result = evaluate_exact_match(policy, tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
-                                      label_field=cfg.label_field, max_items=cfg.eval_items,
-                                      max_new_tokens=cfg.max_new_tokens, n_samples=cfg.eval_items)
-        metrics = result.metrics("eval")
-        if kind is RewardKind.MODEL:
-            # how much the reward model likes the policy's answers: rises with reward hacking as well
-            # as with real progress, so read it next to eval/accuracy
-            rm = reward_source([s["prompt"] for s in result.samples], [s["completion"] for s in result.samples],
-                               [s["label"] for s in result.samples])
-            metrics["eval/reward_model_score"] = _mean(rm)
-        sink.log_metrics(metrics, step)
-        return metrics, result.samples[:_EVAL_SAMPLES]
+        # ---- evaluation: greedy exact match (+ the reward model's score of the greedy answers) -
+        def evaluate(step: int) -> tuple[dict[str, float], list[dict[str, str]]]:
+            result = evaluate_exact_match(policy, tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
+                                          label_field=cfg.label_field, max_items=cfg.eval_items,
+                                          max_new_tokens=cfg.max_new_tokens, n_samples=cfg.eval_items)
+            metrics = result.metrics("eval")
+            if kind is RewardKind.MODEL:
+                # how much the reward model likes the policy's answers: rises with reward hacking as well
+                # as with real progress, so read it next to eval/accuracy
+                rm = reward_source([s["prompt"] for s in result.samples], [s["completion"] for s in result.samples],
+                                   [s["label"] for s in result.samples])
+                metrics["eval/reward_model_score"] = _mean(rm)
+            sink.log_metrics(metrics, step)
+            return metrics, result.samples[:_EVAL_SAMPLES]
 
-    summary: dict[str, float] = {}
-    eval_metrics: dict[str, float] = {}
-    eval_samples: list[dict[str, str]] = []
-    eval_seconds = 0.0
-    rollout_table: list[dict[str, Any]] = []
-    step_metrics: dict[str, float] = {}
-    start_step = 1
-    if ckpt is not None:
-        start_step = _restore(ckpt, policy, optimizer, scheduler, resumables) + 1
-        loop_state = ckpt.state["loop"]
-        summary, step_metrics = dict(loop_state["summary"]), dict(loop_state["step_metrics"])
-        eval_metrics, rollout_table = dict(loop_state["eval_metrics"]), list(loop_state["rollout_table"])
-        log.warning("rl: resuming from %s (iteration %d of %d)", ckpt.path, ckpt.step, cfg.max_steps)
-        sink.log_metrics({"checkpoint/resumed_from_step": float(ckpt.step)}, ckpt.step)
-    if cfg.eval_at_start and ckpt is None:
-        started = Timer()
-        eval_metrics, eval_samples = evaluate(0)
-        summary.update({f"{k}_start": v for k, v in eval_metrics.items()
-                        if k in ("eval/accuracy", "eval/accuracy_stderr", "eval/reward_model_score")})
-        eval_seconds += started.total()
+        summary: dict[str, float] = {}
+        eval_metrics: dict[str, float] = {}
+        eval_samples: list[dict[str, str]] = []
+        eval_seconds = 0.0
+        rollout_table: list[dict[str, Any]] = []
+        step_metrics: dict[str, float] = {}
+        start_step = 1
+        if ckpt is not None:
+            start_step = _restore(ckpt, policy, optimizer, scheduler, resumables) + 1
+            loop_state = ckpt.state["loop"]
+            summary, step_metrics = dict(loop_state["summary"]), dict(loop_state["step_metrics"])
+            eval_metrics, rollout_table = dict(loop_state["eval_metrics"]), list(loop_state["rollout_table"])
+            log.warning("rl: resuming from %s (iteration %d of %d)", ckpt.path, ckpt.step, cfg.max_steps)
+            sink.log_metrics({"checkpoint/resumed_from_step": float(ckpt.step)}, ckpt.step)
+        if cfg.eval_at_start and ckpt is None:
+            started = Timer()
+            eval_metrics, eval_samples = evaluate(0)
+            summary.update({f"{k}_start": v for k, v in eval_metrics.items()
+                            if k in ("eval/accuracy", "eval/accuracy_stderr", "eval/reward_model_score")})
+            eval_seconds += started.total()
 
-    bar = tqdm(range(start_step, cfg.max_steps + 1), desc="rl", disable=not show_progress, mininterval=2.0)
-    with sigterm_checkpoints() as stop:
-        for step in bar:
-            step_timer, lap = Timer(), Timer()
-            perf = {"perf/rollout_s": 0.0, "perf/reward_s": 0.0}
+        bar = tqdm(range(start_step, cfg.max_steps + 1), desc="rl", disable=not show_progress, mininterval=2.0)
+        with sigterm_checkpoints() as stop:
+            for step in bar:
+                step_timer, lap = Timer(), Timer()
+                perf = {"perf/rollout_s": 0.0, "perf/reward_s": 0.0}
 
-            # ---- rollout + reward (+ DAPO dynamic sampling: top up with informative groups) ---
-            kept_batches: list[RolloutBatch] = []
-            kept_scores: list[torch.Tensor] = []
-            all_rewards: list[torch.Tensor] = []
-            all_lengths: list[torch.Tensor] = []
-            sampled_groups = kept_groups = 0
-            for round_ in range(1 + (cfg.dynamic_sampling_max_rounds if cfg.dynamic_sampling else 0)):
-                idx = sampler.next()
-                params = SamplingParams(n=n, temperature=temp, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                                        seed=cfg.seed * 1_000_003 + step * 101 + round_)
+                # ---- rollout + reward (+ DAPO dynamic sampling: top up with informative groups) ---
+                kept_batches: list[RolloutBatch] = []
+                kept_scores: list[torch.Tensor] = []
+                all_rewards: list[torch.Tensor] = []
+                all_lengths: list[torch.Tensor] = []
+                sampled_groups = kept_groups = 0
+                for round_ in range(1 + (cfg.dynamic_sampling_max_rounds if cfg.dynamic_sampling else 0)):
+                    idx = sampler.next()
+                    params = SamplingParams(n=n, temperature=temp, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                                            seed=cfg.seed * 1_000_003 + step * 101 + round_)
+                    lap.lap()
+                    batch = engine.generate([prompts[i] for i in idx], params)
+                    perf["perf/rollout_s"] += lap.lap()
+                    row_labels = [labels[i] for i in idx for _ in range(n)]
+                    rewards = torch.tensor(reward_source(batch.prompts, batch.completions, row_labels), dtype=torch.float32)
+                    perf["perf/reward_s"] += lap.lap()
+                    all_rewards.append(rewards)
+                    all_lengths.append(batch.response_lengths().float())
+                    keep = dynamic_sampling_keep(rewards, n) if n >= 2 else torch.ones(len(batch), dtype=torch.bool)
+                    sampled_groups += len(idx)
+                    kept_groups += int(keep.view(-1, n)[:, 0].sum())
+                    if cfg.dynamic_sampling:
+                        if not keep.any():
+                            continue
+                        rows = keep.nonzero().squeeze(-1)
+                        batch, rewards = _take(batch, rows), rewards[rows]
+                    kept_batches.append(batch)
+                    kept_scores.append(rewards)
+                    if sum(len(b) for b in kept_batches) >= cfg.prompts_per_step * n:
+                        break
+                if not kept_batches:  # every group of every round was uninformative: learn from nothing this step
+                    kept_batches, kept_scores = [batch], [rewards]
+                batch = _concat(kept_batches, pad_id)
+                rewards = torch.cat(kept_scores)[:cfg.prompts_per_step * n]
+                if len(batch) > cfg.prompts_per_step * n:
+                    batch = _take(batch, torch.arange(cfg.prompts_per_step * n))
+
+                # ---- reward shaping: DAPO soft overlong penalty -------------------------------------
+                lengths = batch.response_lengths()
+                scores = rewards.clone()
+                if cfg.overlong_max_len:
+                    scores = scores + overlong_penalty(lengths, cfg.overlong_max_len, cfg.overlong_cache_len)
+
+                # ---- old / reference log-probs and values (no grad) ---------------------------------
                 lap.lap()
-                batch = engine.generate([prompts[i] for i in idx], params)
-                perf["perf/rollout_s"] += lap.lap()
-                row_labels = [labels[i] for i in idx for _ in range(n)]
-                rewards = torch.tensor(reward_source(batch.prompts, batch.completions, row_labels), dtype=torch.float32)
-                perf["perf/reward_s"] += lap.lap()
-                all_rewards.append(rewards)
-                all_lengths.append(batch.response_lengths().float())
-                keep = dynamic_sampling_keep(rewards, n) if n >= 2 else torch.ones(len(batch), dtype=torch.bool)
-                sampled_groups += len(idx)
-                kept_groups += int(keep.view(-1, n)[:, 0].sum())
-                if cfg.dynamic_sampling:
-                    if not keep.any():
-                        continue
-                    rows = keep.nonzero().squeeze(-1)
-                    batch, rewards = _take(batch, rows), rewards[rows]
-                kept_batches.append(batch)
-                kept_scores.append(rewards)
-                if sum(len(b) for b in kept_batches) >= cfg.prompts_per_step * n:
-                    break
-            if not kept_batches:  # every group of every round was uninformative: learn from nothing this step
-                kept_batches, kept_scores = [batch], [rewards]
-            batch = _concat(kept_batches, pad_id)
-            rewards = torch.cat(kept_scores)[:cfg.prompts_per_step * n]
-            if len(batch) > cfg.prompts_per_step * n:
-                batch = _take(batch, torch.arange(cfg.prompts_per_step * n))
-
-            # ---- reward shaping: DAPO soft overlong penalty -------------------------------------
-            lengths = batch.response_lengths()
-            scores = rewards.clone()
-            if cfg.overlong_max_len:
-                scores = scores + overlong_penalty(lengths, cfg.overlong_max_len, cfg.overlong_cache_len)
-
-            # ---- old / reference log-probs and values (no grad) ---------------------------------
-            lap.lap()
-            ids, attention = batch.sequences()
-            prompt_width = batch.prompt_ids.shape[1]
-            exp = {"input_ids": ids, "attention_mask": attention, "position_ids": batch.position_ids(),
-                   "response_ids": batch.response_ids}
-            exp = {k: v.to(device) for k, v in exp.items()}
-            mask = batch.response_mask.to(device).float()
-            with autocast_context(device, autocast_dtype):
-                sampling_logp = batch.sampling_logprobs.to(device)
-                if cfg.recompute_old_logprobs:
-                    old_logp = _in_chunks(lambda e: token_logprobs(policy, e, prompt_width, temp)[0], exp,
+                ids, attention = batch.sequences()
+                prompt_width = batch.prompt_ids.shape[1]
+                exp = {"input_ids": ids, "attention_mask": attention, "position_ids": batch.position_ids(),
+                       "response_ids": batch.response_ids}
+                exp = {k: v.to(device) for k, v in exp.items()}
+                mask = batch.response_mask.to(device).float()
+                with autocast_context(device, autocast_dtype):
+                    sampling_logp = batch.sampling_logprobs.to(device)
+                    if cfg.recompute_old_logprobs:
+                        old_logp = _in_chunks(lambda e: token_logprobs(policy, e, prompt_width, temp)[0], exp,
+                                              cfg.batch_size)
+                    else:
+                        old_logp = sampling_logp
+                    ref_logp = _in_chunks(lambda e: token_logprobs(reference, e, prompt_width, temp)[0], exp,
                                           cfg.batch_size)
-                else:
-                    old_logp = sampling_logp
-                ref_logp = _in_chunks(lambda e: token_logprobs(reference, e, prompt_width, temp)[0], exp,
-                                      cfg.batch_size)
-                old_values = (_in_chunks(lambda e: token_values(critic, e, prompt_width), exp, cfg.batch_size)
-                              if critic is not None else None)
-            old_logp, ref_logp = old_logp * mask, ref_logp * mask
-            perf["perf/logprob_s"] = lap.lap()
+                    old_values = (_in_chunks(lambda e: token_values(critic, e, prompt_width), exp, cfg.batch_size)
+                                  if critic is not None else None)
+                old_logp, ref_logp = old_logp * mask, ref_logp * mask
+                perf["perf/logprob_s"] = lap.lap()
 
-            # ---- advantages (KL to the reference folded into token rewards when kl_in_reward) ----
-            kl_tokens = kl_penalty(old_logp, ref_logp, cfg.kl_estimator, clamp=_KL_CLAMP) * mask
-            token_rewards = -kl_ctl.value * kl_tokens if cfg.kl_in_reward else None
-            scores = scores.to(device)
-            advantages, returns = compute_advantages(estimator, scores=scores, mask=mask, group_size=n,
-                                                     values=old_values, token_rewards=token_rewards,
-                                                     gamma=cfg.gamma, lam=cfg.lam)
-            if estimator is AdvantageEstimator.GAE:
-                advantages = masked_whiten(advantages, mask)  # PPO's batch-level normalisation
-            exp.update(mask=mask, old_logp=old_logp, ref_logp=ref_logp, advantages=advantages)
-            if critic is not None:
-                exp.update(old_values=old_values * mask, returns=returns)
+                # ---- advantages (KL to the reference folded into token rewards when kl_in_reward) ----
+                kl_tokens = kl_penalty(old_logp, ref_logp, cfg.kl_estimator, clamp=_KL_CLAMP) * mask
+                token_rewards = -kl_ctl.value * kl_tokens if cfg.kl_in_reward else None
+                scores = scores.to(device)
+                advantages, returns = compute_advantages(estimator, scores=scores, mask=mask, group_size=n,
+                                                         values=old_values, token_rewards=token_rewards,
+                                                         gamma=cfg.gamma, lam=cfg.lam)
+                if estimator is AdvantageEstimator.GAE:
+                    advantages = masked_whiten(advantages, mask)  # PPO's batch-level normalisation
+                exp.update(mask=mask, old_logp=old_logp, ref_logp=ref_logp, advantages=advantages)
+                if critic is not None:
+                    exp.update(old_values=old_values * mask, returns=returns)
 
-            # ---- update: ppo_epochs x mini-batches of the policy (and critic) ------------------
-            seen: dict[str, list[float]] = {k: [] for k in ("policy_loss", "clip_frac", "approx_kl", "entropy",
-                                                              "kl_loss", "value_loss", "value_clip_frac", "grad_norm")}
-            rows = len(batch)
-            for _epoch in range(cfg.ppo_epochs):
-                order = torch.randperm(rows, generator=update_gen)
-                for start in range(0, rows, cfg.mini_batch_size):
-                    mb_idx = order[start:start + cfg.mini_batch_size].to(device)
-                    mb = {k: v[mb_idx] for k, v in exp.items()}
-                    with autocast_context(device, autocast_dtype):
-                        logp, entropy = token_logprobs(policy, mb, prompt_width, temp, with_entropy=True)
-                    pg_loss, stats = clipped_policy_loss(logp, mb["old_logp"], mb["advantages"], mb["mask"],
-                                                         clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                                         dual_clip=cfg.dual_clip or None, aggregation=aggregation,
-                                                         max_len=cfg.max_new_tokens)
-                    entropy_term = aggregate_loss(entropy, mb["mask"], aggregation, cfg.max_new_tokens)
-                    loss = pg_loss - cfg.entropy_coef * entropy_term
-                    if not cfg.kl_in_reward and kl_ctl.value > 0:  # GRPO, Eq. 3: + beta * KL(pi || pi_ref)
-                        kl_loss = aggregate_loss(kl_penalty(logp, mb["ref_logp"], cfg.kl_estimator, clamp=_KL_CLAMP),
-                                                 mb["mask"], aggregation, cfg.max_new_tokens)
-                        loss = loss + kl_ctl.value * kl_loss
-                        seen["kl_loss"].append(float(kl_loss.detach()))
-                    _check_finite(float(loss.detach()), "policy loss", step)
-                    loss.backward()
-                    grad_norm = float(torch.nn.utils.clip_grad_norm_(
-                        policy.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")))
-                    _check_finite(grad_norm, "policy gradient norm", step)
-                    seen["grad_norm"].append(grad_norm)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    seen["policy_loss"].append(float(pg_loss.detach()))
-                    seen["clip_frac"].append(float(stats.clip_frac))
-                    seen["approx_kl"].append(float(stats.approx_kl))
-                    seen["entropy"].append(float(masked_mean(entropy.detach(), mb["mask"])))
-
-                    if critic is not None:
+                # ---- update: ppo_epochs x mini-batches of the policy (and critic) ------------------
+                seen: dict[str, list[float]] = {k: [] for k in ("policy_loss", "clip_frac", "approx_kl", "entropy",
+                                                                  "kl_loss", "value_loss", "value_clip_frac", "grad_norm")}
+                rows = len(batch)
+                for _epoch in range(cfg.ppo_epochs):
+                    order = torch.randperm(rows, generator=update_gen)
+                    for start in range(0, rows, cfg.mini_batch_size):
+                        mb_idx = order[start:start + cfg.mini_batch_size].to(device)
+                        mb = {k: v[mb_idx] for k, v in exp.items()}
                         with autocast_context(device, autocast_dtype):
-                            values = token_values(critic, mb, prompt_width)
-                        value_loss, value_clip_frac = clipped_value_loss(
-                            values, mb["old_values"], mb["returns"], mb["mask"], clip_eps=cfg.value_clip or None)
-                        _check_finite(float(value_loss.detach()), "value loss", step)
-                        (cfg.vf_coef * value_loss).backward()
-                        if cfg.max_grad_norm > 0:
-                            torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)
-                        critic_opt.step()
-                        critic_opt.zero_grad(set_to_none=True)
-                        seen["value_loss"].append(float(value_loss.detach()))
-                        seen["value_clip_frac"].append(float(value_clip_frac))
-            lr_used = scheduler.get_last_lr()[0]
-            scheduler.step()
-            if critic_sched is not None:
-                critic_sched.step()
-            engine.update_weights(policy)  # a no-op for the HF engine that holds the policy itself
-            perf["perf/update_s"] = lap.lap()
+                            logp, entropy = token_logprobs(policy, mb, prompt_width, temp, with_entropy=True)
+                        pg_loss, stats = clipped_policy_loss(logp, mb["old_logp"], mb["advantages"], mb["mask"],
+                                                             clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                                             dual_clip=cfg.dual_clip or None, aggregation=aggregation,
+                                                             max_len=cfg.max_new_tokens)
+                        entropy_term = aggregate_loss(entropy, mb["mask"], aggregation, cfg.max_new_tokens)
+                        loss = pg_loss - cfg.entropy_coef * entropy_term
+                        if not cfg.kl_in_reward and kl_ctl.value > 0:  # GRPO, Eq. 3: + beta * KL(pi || pi_ref)
+                            kl_loss = aggregate_loss(kl_penalty(logp, mb["ref_logp"], cfg.kl_estimator, clamp=_KL_CLAMP),
+                                                     mb["mask"], aggregation, cfg.max_new_tokens)
+                            loss = loss + kl_ctl.value * kl_loss
+                            seen["kl_loss"].append(float(kl_loss.detach()))
+                        _check_finite(float(loss.detach()), "policy loss", step)
+                        loss.backward()
+                        grad_norm = float(torch.nn.utils.clip_grad_norm_(
+                            policy.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")))
+                        _check_finite(grad_norm, "policy gradient norm", step)
+                        seen["grad_norm"].append(grad_norm)
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+                        seen["policy_loss"].append(float(pg_loss.detach()))
+                        seen["clip_frac"].append(float(stats.clip_frac))
+                        seen["approx_kl"].append(float(stats.approx_kl))
+                        seen["entropy"].append(float(masked_mean(entropy.detach(), mb["mask"])))
 
-            # ---- KL controller and logging -------------------------------------------------------
-            # train/kl: mean over sequences of the summed per-token k3 estimate of KL(pi_old || pi_ref),
-            # whatever kl_estimator the penalty uses, so runs with different penalties compare.
-            seq_kl = (kl_penalty(old_logp, ref_logp, "k3", clamp=_KL_CLAMP) * mask).sum(-1)
-            kl_coef_used = kl_ctl.value
-            kl_ctl.update(float(seq_kl.mean()), rows)
-            sampled_rewards = torch.cat(all_rewards)
-            step_metrics = {
-                "rollout/reward_mean": float(sampled_rewards.mean()),
-                "rollout/reward_std": float(sampled_rewards.std()) if sampled_rewards.numel() > 1 else 0.0,
-                "rollout/response_length": float(torch.cat(all_lengths).mean()),
-                "rollout/kept_groups_frac": kept_groups / max(sampled_groups, 1),
-                "rollout/sampled_groups": float(sampled_groups),
-                "rollout/score_mean": float(scores.mean()),
-                "rollout/logprob_mismatch": float(masked_mean((sampling_logp - old_logp).abs(), mask)),
-                "train/policy_loss": _mean(seen["policy_loss"]),
-                "train/kl": float(seq_kl.mean()),
-                "train/entropy": _mean(seen["entropy"]),
-                "train/clip_frac": _mean(seen["clip_frac"]),
-                "train/approx_kl": _mean(seen["approx_kl"]),
-                "train/adv_mean": float(masked_mean(advantages, mask)),
-                "train/adv_std": float(masked_mean((advantages - masked_mean(advantages, mask)) ** 2, mask).sqrt()),
-                "train/kl_coef": kl_coef_used,
-                "train/grad_norm": _mean(seen["grad_norm"]),
-                "train/lr": lr_used,
-            }
-            if seen["kl_loss"]:
-                step_metrics["train/kl_loss"] = _mean(seen["kl_loss"])
-            if critic is not None:
-                step_metrics.update({"train/value_loss": _mean(seen["value_loss"]),
-                                     "train/value_clip_frac": _mean(seen["value_clip_frac"]),
-                                     "train/explained_variance": float(explained_variance(exp["old_values"], returns,
-                                                                                          mask))})
-            step_metrics.update(perf)
-            step_metrics["perf/step_s"] = step_timer.total()
-            sink.log_metrics(step_metrics, step)
-            bar.set_postfix(reward=f"{step_metrics['rollout/reward_mean']:.3f}", kl=f"{step_metrics['train/kl']:.3f}")
+                        if critic is not None:
+                            with autocast_context(device, autocast_dtype):
+                                values = token_values(critic, mb, prompt_width)
+                            value_loss, value_clip_frac = clipped_value_loss(
+                                values, mb["old_values"], mb["returns"], mb["mask"], clip_eps=cfg.value_clip or None)
+                            _check_finite(float(value_loss.detach()), "value loss", step)
+                            (cfg.vf_coef * value_loss).backward()
+                            if cfg.max_grad_norm > 0:
+                                torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)
+                            critic_opt.step()
+                            critic_opt.zero_grad(set_to_none=True)
+                            seen["value_loss"].append(float(value_loss.detach()))
+                            seen["value_clip_frac"].append(float(value_clip_frac))
+                lr_used = scheduler.get_last_lr()[0]
+                scheduler.step()
+                if critic_sched is not None:
+                    critic_sched.step()
+                engine.update_weights(policy)  # a no-op for the HF engine that holds the policy itself
+                perf["perf/update_s"] = lap.lap()
 
-            if cfg.log_rollouts_every and (step % cfg.log_rollouts_every == 0 or step == 1):
-                rows_now = [{"step": step, "prompt": batch.prompts[i], "completion": batch.completions[i],
-                             "reward": float(rewards[i])} for i in range(min(len(batch), _TABLE_GROUPS * n))]
-                rollout_table += rows_now
-                if hasattr(sink, "log_table"):
-                    sink.log_table(rows_now, "rollouts.json")
+                # ---- KL controller and logging -------------------------------------------------------
+                # train/kl: mean over sequences of the summed per-token k3 estimate of KL(pi_old || pi_ref),
+                # whatever kl_estimator the penalty uses, so runs with different penalties compare.
+                seq_kl = (kl_penalty(old_logp, ref_logp, "k3", clamp=_KL_CLAMP) * mask).sum(-1)
+                kl_coef_used = kl_ctl.value
+                kl_ctl.update(float(seq_kl.mean()), rows)
+                sampled_rewards = torch.cat(all_rewards)
+                step_metrics = {
+                    "rollout/reward_mean": float(sampled_rewards.mean()),
+                    "rollout/reward_std": float(sampled_rewards.std()) if sampled_rewards.numel() > 1 else 0.0,
+                    "rollout/response_length": float(torch.cat(all_lengths).mean()),
+                    "rollout/kept_groups_frac": kept_groups / max(sampled_groups, 1),
+                    "rollout/sampled_groups": float(sampled_groups),
+                    "rollout/score_mean": float(scores.mean()),
+                    "rollout/logprob_mismatch": float(masked_mean((sampling_logp - old_logp).abs(), mask)),
+                    "train/policy_loss": _mean(seen["policy_loss"]),
+                    "train/kl": float(seq_kl.mean()),
+                    "train/entropy": _mean(seen["entropy"]),
+                    "train/clip_frac": _mean(seen["clip_frac"]),
+                    "train/approx_kl": _mean(seen["approx_kl"]),
+                    "train/adv_mean": float(masked_mean(advantages, mask)),
+                    "train/adv_std": float(masked_mean((advantages - masked_mean(advantages, mask)) ** 2, mask).sqrt()),
+                    "train/kl_coef": kl_coef_used,
+                    "train/grad_norm": _mean(seen["grad_norm"]),
+                    "train/lr": lr_used,
+                }
+                if seen["kl_loss"]:
+                    step_metrics["train/kl_loss"] = _mean(seen["kl_loss"])
+                if critic is not None:
+                    step_metrics.update({"train/value_loss": _mean(seen["value_loss"]),
+                                         "train/value_clip_frac": _mean(seen["value_clip_frac"]),
+                                         "train/explained_variance": float(explained_variance(exp["old_values"], returns,
+                                                                                              mask))})
+                step_metrics.update(perf)
+                step_metrics["perf/step_s"] = step_timer.total()
+                sink.log_metrics(step_metrics, step)
+                bar.set_postfix(reward=f"{step_metrics['rollout/reward_mean']:.3f}", kl=f"{step_metrics['train/kl']:.3f}")
 
-            # ---- periodic eval and checkpoints --------------------------------------------------
-            if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.max_steps:
-                started = Timer()
-                eval_metrics, eval_samples = evaluate(step)
-                eval_seconds += started.total()
-            if (cfg.save_every and step % cfg.save_every == 0) or stop.requested:
-                path = checkpointer.save(step, policy, tokenizer, {
-                    "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "objects": {key: obj.state_dict() for key, obj in resumables.items()},
-                    "loop": {"summary": summary, "step_metrics": step_metrics, "eval_metrics": eval_metrics,
-                             "rollout_table": rollout_table}})
-            if stop.requested:
-                raise TrainingInterrupted(f"rl: stopped by SIGTERM after iteration {step}; resume from {path}")
-            inject_fault("rl", step)
-    train_seconds = timer.total() - eval_seconds
+                if cfg.log_rollouts_every and (step % cfg.log_rollouts_every == 0 or step == 1):
+                    rows_now = [{"step": step, "prompt": batch.prompts[i], "completion": batch.completions[i],
+                                 "reward": float(rewards[i])} for i in range(min(len(batch), _TABLE_GROUPS * n))]
+                    rollout_table += rows_now
+                    if hasattr(sink, "log_table"):
+                        sink.log_table(rows_now, "rollouts.json")
 
-    # ---- final eval, then save ---------------------------------------------------------------
-    eval_metrics, eval_samples = evaluate(cfg.max_steps)
-    sink.log_metrics({"perf/train_seconds": train_seconds, "perf/total_seconds": timer.total()}, cfg.max_steps)
-    save_hf_dir(policy, tokenizer, cfg.output_dir,
-                extra={"stage": "rl", "config": config_to_dict(cfg), "base_model": str(cfg.model_path)})
-    checkpointer.clear()
+                # ---- periodic eval and checkpoints --------------------------------------------------
+                if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.max_steps:
+                    started = Timer()
+                    eval_metrics, eval_samples = evaluate(step)
+                    eval_seconds += started.total()
+                if (cfg.save_every and step % cfg.save_every == 0) or stop.requested:
+                    path = checkpointer.save(step, policy, tokenizer, {
+                        "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                        "objects": {key: obj.state_dict() for key, obj in resumables.items()},
+                        "loop": {"summary": summary, "step_metrics": step_metrics, "eval_metrics": eval_metrics,
+                                 "rollout_table": rollout_table}})
+                if stop.requested:
+                    raise TrainingInterrupted(f"rl: stopped by SIGTERM after iteration {step}; resume from {path}")
+                inject_fault("rl", step)
+        train_seconds = timer.total() - eval_seconds
+
+        # ---- final eval, then save ---------------------------------------------------------------
+        eval_metrics, eval_samples = evaluate(cfg.max_steps)
+        sink.log_metrics({"perf/train_seconds": train_seconds, "perf/total_seconds": timer.total()}, cfg.max_steps)
+        save_hf_dir(policy, tokenizer, cfg.output_dir,
+                    extra={"stage": "rl", "config": config_to_dict(cfg), "base_model": str(cfg.model_path)})
+        checkpointer.clear()
     metrics = {**step_metrics, **eval_metrics, **summary, "perf/train_seconds": train_seconds,
                "perf/total_seconds": timer.total()}
     return RLResult(Path(cfg.output_dir), metrics, eval_samples, rollout_table)

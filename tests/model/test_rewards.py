@@ -290,3 +290,61 @@ def test_http_bad_replies(body, expect):
         assert stub.url in str(err.value) and stub.calls == 1  # a malformed 200 is not retried
     finally:
         stub.close()
+
+
+# --------------------------------------------------------------------------------------
+# A whole RL stage against flaky and dead reward servers
+# --------------------------------------------------------------------------------------
+
+
+def _rl_cfg(micro_model, micro_data, tmp_path, url, **kw):
+    from rlhf_core.config import RLConfig
+
+    return RLConfig(**{**dict(model_path=str(micro_model), prompts_file=str(micro_data["prompts"]),
+                              eval_file=str(micro_data["eval"]), output_dir=str(tmp_path / "rl"),
+                              checkpoint_dir=str(tmp_path / "ckpt"), reward_kind="http", reward_url=url,
+                              max_steps=2, prompts_per_step=2, group_size=2, max_new_tokens=4, mini_batch_size=4,
+                              eval_items=8, eval_at_start=False, num_threads=1), **kw})
+
+
+def test_rl_run_survives_a_server_that_fails_twice(micro_model, micro_data, tmp_path):
+    """503, then a dropped connection, then answers: the RL stage finishes, scored by the server."""
+    from rlhf_core.trainers.rl import train_rl
+
+    def respond(call, n):
+        if call == 1:
+            return 503, {"error": "warming up"}
+        if call == 2:
+            return 500, {"error": "worker crashed"}
+        return 200, {"rewards": [0.25] * n}
+
+    stub = _Stub(respond)
+    try:
+        result = train_rl(_rl_cfg(micro_model, micro_data, tmp_path, stub.url, reward_retries=2,
+                                  reward_timeout_s=5), show_progress=False)
+        assert stub.calls == 4  # 3 for iteration 1 (two failures, one answer) + 1 for iteration 2
+        assert (result.output_dir / "model.safetensors").exists()
+        assert result.metrics["rollout/reward_mean"] == pytest.approx(0.25)
+    finally:
+        stub.close()
+
+
+def test_rl_run_against_a_dead_server_fails_within_timeout_times_attempts(micro_model, micro_data, tmp_path):
+    """A server that never answers in time: the stage fails with the URL, the attempts and the
+    timeout in the message, after about timeout x attempts, and writes no model."""
+    from rlhf_core.trainers.rl import train_rl
+
+    stub = _Stub(lambda call, n: (200, {"rewards": [0.0] * n}), delay_s=5.0)
+    try:
+        cfg = _rl_cfg(micro_model, micro_data, tmp_path, stub.url, reward_retries=1, reward_timeout_s=0.5)
+        start = time.monotonic()
+        with pytest.raises(RewardError, match=r"127\.0\.0\.1:\d+/score.*after 2 attempts; last error: timed out "
+                                              r"after 0\.5s"):
+            train_rl(cfg, show_progress=False)
+        elapsed_in_reward = time.monotonic() - start
+        # 2 attempts x 0.5 s + 1 s backoff, plus model loading and one rollout (a few seconds at most)
+        assert elapsed_in_reward < 0.5 * 2 + 1.0 + 15, elapsed_in_reward
+        assert stub.calls == 2
+        assert not (tmp_path / "rl").exists()
+    finally:
+        stub.close()
