@@ -21,6 +21,7 @@ Run: ``alignflow flow align`` (or ``python -m flows.align``).
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +73,13 @@ def _intact(result: dict[str, Any]) -> bool:
                for k, md5 in result["md5"].items() if k in result["outputs"])
 
 
-def _run(task_fn: Any, use_cache: bool, **kwargs: Any) -> dict[str, Any]:
-    """Run a task; a cache hit whose outputs were deleted or changed is recomputed."""
-    if not use_cache:
+def _run(task_fn: Any, flow_cfg: FlowConfig, **kwargs: Any) -> dict[str, Any]:
+    """Run a task with the flow's cache, retry and isolation settings; a cache hit whose outputs
+    were deleted or changed is recomputed."""
+    if "isolation" in inspect.signature(task_fn.fn).parameters:
+        kwargs["isolation"] = flow_cfg.isolation
+    task_fn = task_fn.with_options(retries=flow_cfg.retries, retry_delay_seconds=flow_cfg.retry_delay_s)
+    if not flow_cfg.use_cache:
         return task_fn.with_options(refresh_cache=True)(**kwargs)
     result = task_fn(**kwargs)
     if not _intact(result):
@@ -84,7 +89,7 @@ def _run(task_fn: Any, use_cache: bool, **kwargs: Any) -> dict[str, Any]:
 
 def run_alignment_stages(cfg: dict[str, Any], files: dict[str, str], md5: dict[str, str], sft: dict[str, Any],
                          fields: dict[str, Any], tracking_d: dict[str, Any], parent_run_id: str,
-                         cache: bool) -> dict[str, dict[str, Any]]:
+                         cache: FlowConfig) -> dict[str, dict[str, Any]]:
     """The post-SFT stages of ``flow.stages``, each from the SFT model; returns their task results."""
     sft_model, sft_md5 = sft["outputs"]["model"], sft["md5"]["model"]
     common = dict(tracking=tracking_d, parent_run_id=parent_run_id)
@@ -169,7 +174,7 @@ def align(
     tracking: TrackingConfig = cfg["tracking"]
     flow_cfg: FlowConfig = cfg["flow"]
     tracking_d = config_to_dict(tracking)
-    cache = flow_cfg.use_cache
+    cache = flow_cfg  # cache, retries and isolation of every task below
     fields = {f: getattr(sft_cfg, f) for f in DataFields.__dataclass_fields__}
 
     tags = {"prefect.flow_run_id": str(flow_run.get_id() or ""), "prefect.flow_run_name": str(flow_run.get_name() or "")}

@@ -53,7 +53,7 @@ def run_cycles(kind: str, params_file: str | None, overrides: dict[str, dict[str
     n_cycles = cycles or cyc.cycles
     tracking = cfg["tracking"]
     tracking_d = config_to_dict(tracking)
-    cache = cfg["flow"].use_cache
+    cache = cfg["flow"]  # cache, retries and isolation of every task below
     fields = {f: getattr(cfg["sft"], f) for f in DataFields.__dataclass_fields__}
     rejection, dpo, raft, reward = cfg["rejection"], cfg["dpo"], cfg["raft"], cfg["reward"]
     prompts_file, eval_file = rejection.prompts_file, dpo.eval_file

@@ -703,6 +703,10 @@ class FlowConfig:
     """Seconds between retries."""
     use_cache: bool = True
     """Reuse a task's result when its inputs (paths + md5s), params and code are unchanged."""
+    isolation: str = "process"
+    """Where training tasks run: process (a child process per stage, so a killed or crashed trainer is a
+    failed task that Prefect retries from the stage's checkpoint, and the stage's memory is returned
+    when it ends) or inline (in the flow's own process: no start-up cost, but a crash ends the flow)."""
     stages: list[str] = field(default_factory=lambda: list(ALIGNMENT_STAGES))
     """Alignment stages run after SFT, in this order: any of reward, dpo, kto, rejection, raft,
     distill, rl (rejection and rl with reward_kind model use the reward stage's model; raft
@@ -710,6 +714,8 @@ class FlowConfig:
 
     def __post_init__(self) -> None:
         _check(self.retries >= 0, "flow", "retries", f"must be >= 0, got {self.retries}")
+        _check(self.isolation in ("process", "inline"), "flow", "isolation",
+               f"must be process or inline, got {self.isolation!r}")
         _check(isinstance(self.stages, list) and all(isinstance(x, str) for x in self.stages), "flow", "stages",
                f"must be a list of stage names, got {self.stages!r}")
         unknown = [x for x in self.stages if x not in ALIGNMENT_STAGES]

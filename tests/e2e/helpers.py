@@ -26,6 +26,9 @@ MICRO_PARAMS = {
            "save_every": 0},
     "evaluate": {"max_items": 40},
     "tracking": {"experiment": "alignflow-test"},
+    # Training in the flow's process keeps micro flows fast; test_flow and test_retry_resume
+    # run the default (a child process per stage).
+    "flow": {"isolation": "inline"},
 }
 
 

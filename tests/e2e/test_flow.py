@@ -21,7 +21,13 @@ pytestmark = pytest.mark.usefixtures("prefect_server")
 
 @pytest.fixture()
 def project(isolated_project):
-    write_micro_params(isolated_project)
+    """Micro params with the shipped default isolation: every training stage in its own process."""
+    import yaml
+
+    path = write_micro_params(isolated_project)
+    params = yaml.safe_load(path.read_text())
+    params["flow"]["isolation"] = "process"
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
     return isolated_project
 
 

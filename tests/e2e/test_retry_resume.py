@@ -74,3 +74,68 @@ def test_failed_dpo_task_resumes_on_retry(isolated_project, micro_model, micro_d
                                             "checkpoint_dir": str(project / "whole-ckpt")}), show_progress=False)
     assert dvc_md5(whole.output_dir / "model.safetensors") == dvc_md5(project / "models" / "dpo" / "model.safetensors")
     assert not list((project / "checkpoints" / "dpo").glob("step-*"))
+
+
+def test_killed_training_process_is_retried_and_resumes(isolated_project, micro_model, micro_data):
+    """isolation=process: the train-dpo task's child process is SIGKILLed after its second
+    checkpoint; Prefect retries the task, the new child resumes at that checkpoint's step, and the
+    weights equal those of a run that was never killed."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from mlflow.tracking import MlflowClient
+    from prefect import flow
+
+    from tasks.training import train_dpo
+    from tasks.worker import pid_file
+
+    project = isolated_project
+    ckpt_dir = project / "checkpoints" / "dpo"
+    params = config_to_dict(DPOConfig(
+        model_path=str(micro_model), train_file=str(micro_data["preferences"]), eval_file=str(micro_data["eval"]),
+        output_dir=str(project / "models" / "dpo"), checkpoint_dir=str(ckpt_dir), max_steps=60, batch_size=8,
+        lr=3e-3, warmup_steps=2, eval_items=20, save_every=5, beta=0.5, num_threads=1))
+    killed: dict[str, object] = {}
+
+    def kill_after_two_checkpoints() -> None:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            steps = sorted(ckpt_dir.glob("step-*"))
+            if len(steps) >= 2 and pid_file("dpo").exists():
+                killed["pid"] = int(pid_file("dpo").read_text())
+                killed["checkpoints"] = [p.name for p in steps]
+                os.kill(killed["pid"], signal.SIGKILL)
+                return
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=kill_after_two_checkpoints, daemon=True)
+    watcher.start()
+
+    @flow(name="one-dpo-stage-in-a-process")
+    def one_stage() -> dict:
+        return train_dpo(params, {"experiment": "kill-test", "log_model": False},
+                         input_md5={"preferences": dvc_md5(micro_data["preferences"])}, isolation="process")
+
+    state = one_stage(return_state=True)
+    watcher.join(timeout=5)
+    assert "pid" in killed, "the watcher never saw two checkpoints"
+    assert state.is_completed(), state
+    names, run_count = _states(str(state.state_details.flow_run_id))
+    assert run_count == 2 and "AwaitingRetry" in names and names[-1] == "Completed", names
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("kill-test")
+    runs = sorted(client.search_runs([exp.experiment_id]), key=lambda r: r.info.start_time)
+    assert len(runs) == 2 and runs[-1].info.status == "FINISHED"
+    resumed = [m.value for m in client.get_metric_history(runs[-1].info.run_id, "checkpoint/resumed_from_step")]
+    newest_seen = max(int(name.split("-")[1]) for name in killed["checkpoints"])
+    # the newest complete checkpoint when the kill landed: the one seen, or one written in between
+    assert len(resumed) == 1 and resumed[0] >= newest_seen > 0 and resumed[0] % 5 == 0, (resumed, killed)
+    print(f"killed pid {killed['pid']} with checkpoints {killed['checkpoints']}; the retry resumed at step "
+          f"{int(resumed[0])}")
+
+    whole = train_dpo_directly(DPOConfig(**{**params, "output_dir": str(project / "whole"),
+                                            "checkpoint_dir": str(project / "whole-ckpt")}), show_progress=False)
+    assert dvc_md5(whole.output_dir / "model.safetensors") == dvc_md5(project / "models" / "dpo" / "model.safetensors")
