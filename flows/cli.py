@@ -13,6 +13,7 @@ config, command line or model directory.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import logging
@@ -88,6 +89,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _require_checkpoint(cfg: Any, section: str) -> None:
+    """``--resume``: there must be a checkpoint of this run (same config and inputs) to continue."""
+    from rlhf_core.checkpoint import Checkpointer, run_fingerprint
+
+    if Checkpointer(cfg.checkpoint_dir, run_fingerprint(cfg)).latest() is None:
+        raise ConfigError(f"{section}: --resume: no checkpoint of this run (same config and inputs) in "
+                          f"{cfg.checkpoint_dir}; run without --resume to start one")
+
+
 def _tracked_stage(stage: str, cls: type, section: str):
     """A command that runs ``rlhf_core.stages.<stage>`` with tracking and an optional metrics file."""
 
@@ -95,6 +105,10 @@ def _tracked_stage(stage: str, cls: type, section: str):
         from rlhf_core import stages
 
         cfg = _stage_cfg(args, cls, section)
+        if getattr(args, "resume", None) is not None:
+            cfg = dataclasses.replace(cfg, resume=args.resume)
+            if args.resume:
+                _require_checkpoint(cfg, section)
         tracking = load_config(TrackingConfig, "tracking", args.params)
         result = getattr(stages, stage)(cfg, tracking, stages.env_parent_run_id(), metrics_file=args.metrics_file)
         _print(result.to_dict())
@@ -227,6 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         _common(p, name)
         p.add_argument("--metrics-file", default=None, help="write final metrics JSON here (for DVC)")
+        if name != "rejection":  # the trainers checkpoint; rejection sampling does not
+            group = p.add_mutually_exclusive_group()
+            group.add_argument("--resume", dest="resume", action="store_const", const=True, default=None,
+                               help="continue this run from its newest checkpoint (an error if there is none); "
+                                    "resuming an interrupted run is also the default without this flag")
+            group.add_argument("--fresh", dest="resume", action="store_const", const=False,
+                               help="start over, ignoring any checkpoint")
         p.set_defaults(func=func)
 
     # Listed for --help only: main() hands these to their modules (PASSTHROUGH).

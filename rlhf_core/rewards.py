@@ -29,6 +29,8 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from rlhf_core.config import redact_secrets
+
 
 class RewardError(RuntimeError):
     """A reward source that failed or answered something other than one finite number per sample."""
@@ -243,13 +245,13 @@ class HttpRewardSource:
 
     @property
     def name(self) -> str:
-        return f"http:{self.url}"
+        return f"http:{redact_secrets(self.url)}"  # names appear in logs and MLflow: no credentials
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str],
                  labels: Sequence[str | None]) -> list[float]:
         import requests
 
-        where = f"reward server {self.url}"
+        where = f"reward server {redact_secrets(self.url)}"
         _check_inputs(where, prompts, completions, labels)
         body = {"prompts": list(prompts), "completions": list(completions), "labels": list(labels)}
         attempts, last = self.retries + 1, ""

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
-from rlhf_core.config import TrackingConfig
+from rlhf_core.config import TrackingConfig, redact_secrets
 
 try:  # optional: rlhf_core runs with torch + transformers alone
     import mlflow
@@ -55,6 +55,8 @@ def resolve_tracking_uri(cfg: TrackingConfig) -> str:
 
 
 def _flatten(params: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """Dotted keys, string values, secrets redacted (see :func:`redact_secrets`)."""
+    params = redact_secrets(params)
     out: dict[str, str] = {}
     for key, value in params.items():
         name = f"{prefix}{key}"
@@ -88,10 +90,10 @@ class MlflowTracker:
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
 
-        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in redact_secrets(tags).items()])
 
     def log_dict(self, obj: Any, artifact_file: str) -> None:
-        self.client.log_dict(self.run_id, obj, artifact_file)
+        self.client.log_dict(self.run_id, redact_secrets(obj), artifact_file)
 
     def log_figure(self, figure: Any, artifact_file: str) -> None:
         """A matplotlib figure as a PNG artifact."""
@@ -159,11 +161,11 @@ class LocalFileTracker:
         self._append("metrics.jsonl", {"step": step, **{k: float(v) for k, v in metrics.items()}})
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        self._append("tags.jsonl", tags)
+        self._append("tags.jsonl", redact_secrets(tags))
 
     def log_dict(self, obj: Any, artifact_file: str) -> None:
         (self.dir / artifact_file).parent.mkdir(parents=True, exist_ok=True)
-        (self.dir / artifact_file).write_text(json.dumps(obj, indent=2, default=str))
+        (self.dir / artifact_file).write_text(json.dumps(redact_secrets(obj), indent=2, default=str))
 
     def log_figure(self, figure: Any, artifact_file: str) -> None:
         (self.dir / artifact_file).parent.mkdir(parents=True, exist_ok=True)
@@ -205,13 +207,13 @@ def start_run(cfg: TrackingConfig, run_name: str, parent_run_id: str | None = No
         tracker: Any = LocalFileTracker(project_root() / "runs", f"{run_name}-{uuid.uuid4().hex[:12]}")
         if parent_run_id:
             tags["parent_run_id"] = parent_run_id
-        tracker.set_tags({"run_name": run_name, **tags})
+        tracker.set_tags({"run_name": run_name, **tags})  # (redacted by set_tags)
         yield tracker
         return
     client, exp_id = _mlflow_client(cfg)
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
-    run = client.create_run(exp_id, run_name=run_name, tags=tags)
+    run = client.create_run(exp_id, run_name=run_name, tags=redact_secrets(tags))
     tracker = MlflowTracker(client, run.info.run_id)
     try:
         yield tracker

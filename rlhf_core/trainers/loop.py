@@ -284,7 +284,7 @@ def run_training(
     """
     from rlhf_core.checkpoint import Checkpointer, TrainingInterrupted, load_weights, run_fingerprint, \
         set_rng_state, sigterm_checkpoints
-    from rlhf_core.config import config_to_dict
+    from rlhf_core.config import config_to_dict, redact_secrets
 
     device = next(model.parameters()).device
     autocast_dtype = _resolve_autocast(cfg.precision, device)
@@ -362,7 +362,8 @@ def run_training(
             metrics.update(before_save())
         # Only deterministic content next to the weights, so DVC md5s repeat across runs.
         save_hf_dir(model, tokenizer, cfg.output_dir, extra={
-            "stage": name, "config": config_to_dict(cfg), "base_model": str(cfg.model_path), **(lineage or {})})
+            "stage": name, "config": redact_secrets(config_to_dict(cfg)), "base_model": str(cfg.model_path),
+            **(lineage or {})})
         checkpointer.clear()
     return LoopResult(metrics, samples, start_step - 1)
 

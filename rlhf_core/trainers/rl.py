@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from rlhf_core.config import ConfigError, RLConfig, config_to_dict
+from rlhf_core.config import ConfigError, RLConfig, config_to_dict, redact_secrets
 from rlhf_core.data.io import DataError, read_records, require_str
 from rlhf_core.data.tokenize import encode_prompt
 from rlhf_core.evaluate import evaluate_exact_match
@@ -464,7 +464,8 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
         eval_metrics, eval_samples = evaluate(cfg.max_steps)
         sink.log_metrics({"perf/train_seconds": train_seconds, "perf/total_seconds": timer.total()}, cfg.max_steps)
         save_hf_dir(policy, tokenizer, cfg.output_dir,
-                    extra={"stage": "rl", "config": config_to_dict(cfg), "base_model": str(cfg.model_path)})
+                    extra={"stage": "rl", "config": redact_secrets(config_to_dict(cfg)),
+                           "base_model": str(cfg.model_path)})
         checkpointer.clear()
     metrics = {**step_metrics, **eval_metrics, **summary, "perf/train_seconds": train_seconds,
                "perf/total_seconds": timer.total()}

@@ -86,6 +86,7 @@ CASES: dict[str, Case] = {
                                suffix=".yaml"),
     "extra_params_field": Case(["sft", "--params", "{bad}"], b"sft:\n  max_step: 10\n", r"bad\.yaml: sft\.max_step: unknown field",
                                suffix=".yaml"),
+    "resume_without_checkpoint": Case(["sft", "--resume"], None, r"sft: --resume: no checkpoint of this run"),
     # ---- model directories ----------------------------------------------------------------
     "model_dir_without_weights": Case(["sft", "--set", "model_path={nomodel}"], None, r"nomodel.*(weights|safetensors)"),
     "model_dir_missing": Case(["dpo", "--set", "model_path={missing}"], None, r"missing-model"),

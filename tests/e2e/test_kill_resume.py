@@ -44,8 +44,9 @@ def _sections(micro_model: Path, micro_data: dict[str, Path], project: Path) -> 
     }
 
 
-def _start(stage: str, project: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", stage, "--metrics-file", f"metrics/{stage}.json"],
+def _start(stage: str, project: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", stage, "--metrics-file", f"metrics/{stage}.json",
+                             *extra],
                             cwd=project, env=cli_env(project), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
@@ -76,7 +77,7 @@ def test_sigkill_then_resume_matches_uninterrupted(stage, tmp_path, micro_model,
     kept = _kill_after_two_checkpoints(_start(stage, project), project / "checkpoints" / stage, rng)
     assert not (project / "models" / stage).exists(), "a killed run leaves no output model"
 
-    proc = _start(stage, project)
+    proc = _start(stage, project, "--resume")  # also the default; the flag insists on a checkpoint
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     match = re.search(r"resuming from \S+step-(\d+) \((?:step|iteration) (\d+)", err)
