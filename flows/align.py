@@ -22,8 +22,9 @@ Run: ``alignflow flow align`` (or ``python -m flows.align``).
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
@@ -65,6 +66,34 @@ def load_all(params_file: str | None, overrides: dict[str, dict[str, Any]] | Non
     return {name: build_config(cls, name, {**(raw.get(name) or {}), **overrides.get(name, {})},
                                str(params_file or "<defaults>"))
             for name, cls in SECTIONS.items()}
+
+
+@contextmanager
+def one_flow_at_a_time(name: str) -> Iterator[None]:
+    """Hold the project's flow lock (``.alignflow/flow.lock``) for the whole flow run.
+
+    Flows of one project write the same paths (data/, models/, metrics/, the DVC cache and
+    git), so a second flow started while one runs waits here — and says so — then runs, its
+    unchanged stages coming from the cache. Flows that must run side by side use separate
+    project folders (clones). The lock is released by the OS if the process dies.
+    """
+    from filelock import FileLock, Timeout
+
+    from rlhf_core.tracking import project_root
+
+    path = project_root() / ".alignflow" / "flow.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        get_run_logger().warning("%s: another flow is running in %s; waiting for it to finish (%s)",
+                                 name, project_root(), path)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _intact(result: dict[str, Any]) -> bool:
@@ -178,7 +207,7 @@ def align(
     fields = {f: getattr(sft_cfg, f) for f in DataFields.__dataclass_fields__}
 
     tags = {"prefect.flow_run_id": str(flow_run.get_id() or ""), "prefect.flow_run_name": str(flow_run.get_name() or "")}
-    with start_run(tracking, "align", tags=tags) as parent:
+    with one_flow_at_a_time("align"), start_run(tracking, "align", tags=tags) as parent:
         parent.log_params({name: config_to_dict(c) for name, c in cfg.items()})
         # The exact, typed params and inputs of this run: what `alignflow reproduce` reruns with.
         parent.log_dict({"flow": "align", "params": {name: config_to_dict(c) for name, c in cfg.items()},

@@ -29,7 +29,7 @@ from rlhf_core.lineage import dvc_md5
 from rlhf_core.stages import lineage_tags
 from rlhf_core.synthetic import write_jsonl
 from rlhf_core.tracking import resolve_tracking_uri, start_run
-from flows.align import _run, load_all
+from flows.align import _run, load_all, one_flow_at_a_time
 from tasks.data import sample_best_of_n, validate_data
 from tasks.registry import register_model
 from tasks.training import train_dpo, train_raft, train_reward
@@ -38,10 +38,25 @@ from tasks.versioning import version_outputs
 FLOWS = ("iterative_dpo", "raft")
 
 
-def _accumulate_pairs(sources: list[str], out: Path) -> str:
-    """All pairs seen so far, one file (the reward model's training set when it is retrained)."""
-    rows = [json.loads(line) for src in sources for line in Path(src).read_text().splitlines() if line.strip()]
-    return str(write_jsonl(rows, out))
+class PairPool:
+    """Every distinct preference pair seen so far (the reward model's training set when it is retrained).
+
+    Rows are copied in as each cycle produces them: a cycle's pairs file is overwritten by the
+    next cycle, so keeping paths would lose earlier cycles and repeat the latest.
+    """
+
+    def __init__(self, fields: dict[str, Any]):
+        self.keys = (fields["prompt_field"], fields["chosen_field"], fields["rejected_field"])
+        self.rows: dict[tuple[str, ...], dict[str, Any]] = {}
+
+    def add(self, path: str) -> None:
+        for line in Path(path).read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                row = json.loads(line)
+                self.rows.setdefault(tuple(str(row.get(k)) for k in self.keys), row)
+
+    def write(self, out: Path) -> str:
+        return str(write_jsonl(list(self.rows.values()), out))
 
 
 def run_cycles(kind: str, params_file: str | None, overrides: dict[str, dict[str, Any]] | None,
@@ -65,7 +80,7 @@ def run_cycles(kind: str, params_file: str | None, overrides: dict[str, dict[str
     tags = {"prefect.flow_run_id": str(flow_run.get_id() or ""), "prefect.flow_run_name": run_label,
             "alignflow.flow": kind}
 
-    with start_run(tracking, kind, tags=tags) as parent:
+    with one_flow_at_a_time(kind), start_run(tracking, kind, tags=tags) as parent:
         parent.log_dict({"flow": kind, "params": {name: config_to_dict(c) for name, c in cfg.items()},
                          "inputs": {"cycles": n_cycles}}, "reproduce.json")
         parent.log_params({"cycles": config_to_dict(cyc), "rejection": config_to_dict(rejection),
@@ -78,7 +93,9 @@ def run_cycles(kind: str, params_file: str | None, overrides: dict[str, dict[str
                                      kind))
 
         policy, rm_path = cyc.start_model, cyc.reward_model_path
-        pair_history = [reward.train_file] if cyc.retrain_reward else []
+        pair_pool = PairPool(fields)
+        if cyc.retrain_reward:
+            pair_pool.add(reward.train_file)
         history: list[dict[str, Any]] = []
         previous_cycle_run: str | None = None
         for k in range(1, n_cycles + 1):
@@ -106,8 +123,8 @@ def run_cycles(kind: str, params_file: str | None, overrides: dict[str, dict[str
                               fields=fields, **common)
                 to_version = [sampled["outputs"]["pairs"], sampled["outputs"]["kept"]]
                 if kind == "iterative_dpo" and cyc.retrain_reward:
-                    pair_history.append(sampled["outputs"]["pairs"])
-                    accumulated = _accumulate_pairs(pair_history, data_dir / "reward_pairs.jsonl")
+                    pair_pool.add(sampled["outputs"]["pairs"])
+                    accumulated = pair_pool.write(data_dir / "reward_pairs.jsonl")
                     rm = _run(train_reward, cache, **common,
                               params={**config_to_dict(reward), **fields, "train_file": accumulated,
                                       "output_dir": str(models_dir / "reward")},

@@ -148,3 +148,47 @@ def make_micro_rm(micro_model, tmp_path_factory):
         return out
 
     return make
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def prefect_api(tmp_path):
+    """A `prefect server start` of the test's own (its own PREFECT_HOME and SQLite database),
+    for flows run as separate processes (a deployment's runs, two flows at once)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    port = _free_port()
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-server"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "DO_NOT_TRACK": "true", "PREFECT_UI_ENABLED": "false"}
+    server = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    api = f"http://127.0.0.1:{port}/api"
+
+    def healthy():
+        try:
+            return httpx.get(f"{api}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        deadline = time.time() + 120
+        while not healthy():
+            assert time.time() < deadline and server.poll() is None, "prefect server start did not come up in 120 s"
+            time.sleep(1.0)
+        yield api
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)

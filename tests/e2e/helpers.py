@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -55,3 +58,29 @@ def run_cli(args: list[str], project: Path, timeout: int = 600) -> subprocess.Co
     """Run ``alignflow ARGS`` in ``project`` as a user would (a fresh process)."""
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=project, env=cli_env(project),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(check, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        result = check()
+        if result:
+            return result
+        time.sleep(1.0)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """Ctrl-C the process group (serve pauses its schedules on the way out); kill it if that hangs."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)

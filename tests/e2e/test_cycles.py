@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -82,6 +83,11 @@ def test_iterative_dpo_versions_every_cycle_and_tracks_lineage(project, chromium
     with Repo(str(project)) as repo:
         repo.pull(targets=[str(pairs)])
     assert dvc_md5(pairs) == history[0]["data_md5"]["pairs"]
+    # the retrained reward model's pool holds cycle 1's pairs too (no cycle overwrote another), once each
+    key = lambda r: (r["prompt"], r["chosen"], r["rejected"])  # noqa: E731
+    pool = [key(json.loads(x)) for x in (project / "data/cycles/iterative_dpo/reward_pairs.jsonl").read_text().splitlines()]
+    assert len(pool) == len(set(pool))
+    assert {key(json.loads(x)) for x in pairs.read_text().splitlines()} <= set(pool)
     _git(project, "checkout", "-q", "HEAD", "--", "data/cycles/iterative_dpo/pairs.jsonl.dvc")
 
     # MLflow: parent, cycles nested with their index and parent cycle, stages nested in cycles

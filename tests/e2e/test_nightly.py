@@ -3,69 +3,14 @@ a triggered run that completes, and its MLflow run carrying the Prefect flow-run
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
-import pytest
 import yaml
 
 from conftest import REPO
-from helpers import cli_env, write_micro_params
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(check, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(1.0)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """Ctrl-C the process group (serve pauses its schedules on the way out); kill it if that hangs."""
-    os.killpg(proc.pid, signal.SIGINT)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-
-
-@pytest.fixture()
-def prefect_api(tmp_path):
-    """A `prefect server start` of the test's own (its own PREFECT_HOME and SQLite database)."""
-    port = _free_port()
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-server"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "DO_NOT_TRACK": "true", "PREFECT_UI_ENABLED": "false"}
-    server = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    api = f"http://127.0.0.1:{port}/api"
-
-    def healthy():
-        try:
-            return httpx.get(f"{api}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        _wait(healthy, 120, "prefect server start")
-        yield api
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=30)
+from helpers import cli_env, stop_group, wait_for, write_micro_params
 
 
 def test_prefect_yaml_is_valid():
@@ -90,7 +35,7 @@ def test_cron_deployment_runs_and_its_mlflow_run_has_the_flow_run_id(isolated_pr
             found = httpx.post(f"{prefect_api}/deployments/filter", json={}, timeout=10).json()
             return next((d for d in found if d["name"] == "nightly-align"), None)
 
-        dep = _wait(deployment, 180, "the served deployment")
+        dep = wait_for(deployment, 180, "the served deployment")
         (schedule,) = dep["schedules"]
         assert schedule["schedule"]["cron"] == "0 2 * * *" and schedule["schedule"]["timezone"] == "UTC"
         assert schedule["active"]
@@ -101,10 +46,10 @@ def test_cron_deployment_runs_and_its_mlflow_run_has_the_flow_run_id(isolated_pr
             state = httpx.get(f"{prefect_api}/flow_runs/{run['id']}", timeout=10).json()["state"]
             return state if state and state["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
 
-        state = _wait(finished, 900, "the triggered nightly run")
+        state = wait_for(finished, 900, "the triggered nightly run")
         assert state["type"] == "COMPLETED", (state, (project / "serve.log").read_text()[-5000:])
     finally:
-        _stop(serve)
+        stop_group(serve)
 
     from mlflow.tracking import MlflowClient
 
