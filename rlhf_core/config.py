@@ -460,6 +460,11 @@ class RLConfig(TrainerConfig):
     """Seconds to wait for the reward server (connect and each read), for reward_kind http."""
     reward_retries: int = 3
     """Retries of a reward request that timed out or failed with a 5xx, for reward_kind http."""
+    rollout_engine: str = "hf"
+    """hf (transformers generate on the policy itself) or vllm (a vLLM engine whose weights are synced after
+    every update; falls back to hf, with a warning, when vLLM cannot be imported)."""
+    vllm_memory_fraction: float = 0.1
+    """rollout_engine vllm: fraction of GPU memory (of RAM on CPU) vLLM reserves for its KV cache."""
     max_steps: int = 40
     """Rollout/update iterations (each samples prompts_per_step x group_size responses)."""
     num_threads: int = 1
@@ -533,6 +538,10 @@ class RLConfig(TrainerConfig):
     recompute_old_logprobs: bool = True
     """Recompute old log-probs with one no-grad policy forward; false uses the engine's sampling log-probs
     (exact only when the engine samples from the trained weights with the same numerics)."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling (Yao et al. 2025): weight each token's policy-gradient term by
+    min(pi_old / pi_engine, tis_cap) to correct for an engine (vLLM) that samples slightly off the
+    trainer's policy; 0 = off, 2 is the paper's choice. Needs recompute_old_logprobs."""
     eval_at_start: bool = True
     """Evaluate the starting policy before iteration 1 (the baseline of eval/accuracy)."""
     eval_items: int = 1000
@@ -571,6 +580,13 @@ class RLConfig(TrainerConfig):
                    f"must start with http:// or https:// for reward_kind http, got {self.reward_url!r}")
         _check(self.reward_timeout_s > 0, s, "reward_timeout_s", f"must be > 0, got {self.reward_timeout_s}")
         _check(self.reward_retries >= 0, s, "reward_retries", f"must be >= 0, got {self.reward_retries}")
+        _check(self.tis_cap >= 0, s, "tis_cap", f"must be >= 0 (0 = off), got {self.tis_cap}")
+        _check(self.tis_cap == 0 or self.recompute_old_logprobs, s, "tis_cap",
+               "needs recompute_old_logprobs: true (without it pi_old is the engine's own log-prob)")
+        _check(self.rollout_engine in ("hf", "vllm"), s, "rollout_engine",
+               f"must be hf or vllm, got {self.rollout_engine!r}")
+        _check(0 < self.vllm_memory_fraction <= 1, s, "vllm_memory_fraction",
+               f"must be in (0, 1], got {self.vllm_memory_fraction}")
         for name in ("prompts_per_step", "group_size", "max_new_tokens", "ppo_epochs", "mini_batch_size"):
             _check(getattr(self, name) >= 1, s, name, f"must be >= 1, got {getattr(self, name)}")
         _check(not estimator.needs_groups or self.group_size >= 2, s, "group_size",

@@ -290,6 +290,30 @@ def clipped_value_loss(
     return aggregate_loss(per_token, mask, aggregation, max_len), clip_frac
 
 
+def truncated_is_weights(old_logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor,
+                         cap: float) -> torch.Tensor:
+    """Truncated importance weights ``min(pi_old / pi_sampler, cap)`` per token (TIS; Yao et al. 2025,
+    "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training").
+
+    A fast rollout engine (vLLM, other kernels, lower precision) samples from a slightly different
+    distribution than the trainer's ``pi_old``; weighting each token's policy-gradient term by this
+    ratio corrects the bias, and the cap bounds the variance. Multiplying the advantages by the
+    weights is the same thing for PPO's clipped objective, since ``w > 0`` factors out of its min.
+
+    Args:
+        old_logp, sampling_logp, mask: ``(batch, response_len)``; the log-probs of the trainer's
+            policy before the update and of the engine that sampled.
+        cap: upper bound ``C > 0`` on each weight.
+
+    Returns:
+        ``(batch, response_len)`` detached weights, 0 where ``mask`` is 0.
+    """
+    _check_shapes("old_logp", old_logp=old_logp, sampling_logp=sampling_logp, mask=mask)
+    if not cap > 0:
+        raise ValueError(f"truncated_is_weights: cap must be > 0, got {cap}")
+    return torch.exp(old_logp.detach() - sampling_logp.detach()).clamp(max=cap) * mask
+
+
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``1 - Var[R - V] / Var[R]`` over valid tokens: 1 is a perfect critic, 0 no better than a constant.
 

@@ -39,7 +39,7 @@ from rlhf_core.rewards import RewardKind, RewardSource, build_reward_source
 from rlhf_core.rl_math import (AdaptiveKLController, AdvantageEstimator, FixedKLController, KLController,
                                LossAggregation, aggregate_loss, clipped_policy_loss, clipped_value_loss,
                                compute_advantages, dynamic_sampling_keep, entropy_from_logits, explained_variance,
-                               kl_penalty, masked_mean, masked_whiten, overlong_penalty)
+                               kl_penalty, masked_mean, masked_whiten, overlong_penalty, truncated_is_weights)
 from rlhf_core.rollout import HFGenerateEngine, RolloutBatch, RolloutEngine, SamplingParams
 from rlhf_core.checkpoint import (Checkpoint, Checkpointer, TrainingInterrupted, load_weights, run_fingerprint,
                                   set_rng_state, sigterm_checkpoints)
@@ -200,7 +200,8 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
             kind, path=cfg.reward_model_path if kind is RewardKind.MODEL else cfg.reward_function,
             url=cfg.reward_url, device=device, batch_size=cfg.batch_size, timeout_s=cfg.reward_timeout_s,
             retries=cfg.reward_retries)
-    engine = engine or HFGenerateEngine(policy, tokenizer, batch_size=cfg.batch_size)
+    owns_engine = engine is None
+    engine = engine or build_rollout_engine(cfg, policy, tokenizer)
     prompts, labels = read_prompts(cfg)
     longest = max(len(encode_prompt(tokenizer, p)) for p in prompts)
     if longest + cfg.max_new_tokens > cfg.max_length:
@@ -248,6 +249,7 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
         start_step = 1
         if ckpt is not None:
             start_step = _restore(ckpt, policy, optimizer, scheduler, resumables) + 1
+            engine.update_weights(policy)  # an engine of its own (vLLM) samples from the restored weights
             loop_state = ckpt.state["loop"]
             summary, step_metrics = dict(loop_state["summary"]), dict(loop_state["step_metrics"])
             eval_metrics, rollout_table = dict(loop_state["eval_metrics"]), list(loop_state["rollout_table"])
@@ -340,6 +342,12 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
                                                          gamma=cfg.gamma, lam=cfg.lam)
                 if estimator is AdvantageEstimator.GAE:
                     advantages = masked_whiten(advantages, mask)  # PPO's batch-level normalisation
+                tis = {}
+                if cfg.tis_cap > 0:  # engine/trainer mismatch: weight each token by min(pi_old / pi_engine, C)
+                    weights = truncated_is_weights(old_logp, sampling_logp * mask, mask, cfg.tis_cap)
+                    tis = {"train/tis_weight_mean": float(masked_mean(weights, mask)),
+                           "train/tis_capped_frac": float(masked_mean((weights >= cfg.tis_cap).float(), mask))}
+                    advantages = advantages * weights
                 exp.update(mask=mask, old_logp=old_logp, ref_logp=ref_logp, advantages=advantages)
                 if critic is not None:
                     exp.update(old_values=old_values * mask, returns=returns)
@@ -432,6 +440,7 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
                                          "train/value_clip_frac": _mean(seen["value_clip_frac"]),
                                          "train/explained_variance": float(explained_variance(exp["old_values"], returns,
                                                                                               mask))})
+                step_metrics.update(tis)
                 step_metrics.update(perf)
                 step_metrics["perf/step_s"] = step_timer.total()
                 sink.log_metrics(step_metrics, step)
@@ -467,6 +476,8 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
                     extra={"stage": "rl", "config": redact_secrets(config_to_dict(cfg)),
                            "base_model": str(cfg.model_path)})
         checkpointer.clear()
+    if owns_engine and hasattr(engine, "close"):
+        engine.close()  # a vLLM engine's worker processes (on an exception, vLLM's own exit hooks do it)
     metrics = {**step_metrics, **eval_metrics, **summary, "perf/train_seconds": train_seconds,
                "perf/total_seconds": timer.total()}
     return RLResult(Path(cfg.output_dir), metrics, eval_samples, rollout_table)
@@ -488,6 +499,17 @@ class _GeneratorState:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.generator.set_state(state["state"])
+
+
+def build_rollout_engine(cfg: RLConfig, policy: Any, tokenizer: Any) -> RolloutEngine:
+    """The engine ``cfg.rollout_engine`` names; vLLM falls back to HF generate, with a warning, when absent."""
+    if cfg.rollout_engine == "vllm":
+        from rlhf_core.rollout_vllm import VLLMEngine, vllm_available
+
+        if vllm_available():
+            return VLLMEngine(cfg.model_path, tokenizer, seed=cfg.seed, memory_fraction=cfg.vllm_memory_fraction)
+        log.warning("rl: rollout_engine is vllm but vLLM cannot be imported here; using the HF engine instead")
+    return HFGenerateEngine(policy, tokenizer, batch_size=cfg.batch_size)
 
 
 def _restore(ckpt: Checkpoint, policy: Any, optimizer: Any, scheduler: Any, resumables: dict[str, Any]) -> int:

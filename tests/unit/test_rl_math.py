@@ -480,3 +480,30 @@ def test_entropy_uniform_is_log_v_and_known_distribution():
     two = T([[[0.0, math.log(3)], [0.0, 1000.0]]])
     assert close(entropy_from_logits(two), [[0.562335, 0.0]])
     assert entropy_from_logits(torch.zeros(2, 3, 7, dtype=torch.bfloat16)).shape == (2, 3)
+
+
+def test_truncated_is_weights():
+    from rlhf_core.rl_math import truncated_is_weights
+
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -1.0, 0.0]], requires_grad=True)
+    sampler = torch.tensor([[-1.0, -3.0, -0.1], [-1.0, -1.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    w = truncated_is_weights(old, sampler, mask, cap=2.0)
+    expected = torch.tensor([[1.0, 2.0, math.exp(-0.4)], [math.exp(-2.0), 1.0, 0.0]])  # e^1 = 2.72 capped at 2
+    assert torch.allclose(w, expected) and not w.requires_grad
+    with pytest.raises(ValueError, match="cap must be > 0"):
+        truncated_is_weights(old, sampler, mask, cap=0.0)
+
+
+def test_tis_as_scaled_advantages_weights_each_token_of_the_clipped_loss():
+    """Scaling advantages by w > 0 scales each token's clipped surrogate by w (w factors out of the min)."""
+    from rlhf_core.rl_math import clipped_policy_loss
+
+    torch.manual_seed(0)
+    logp, old = torch.randn(3, 5) * 0.3 - 1, torch.randn(3, 5) * 0.3 - 1
+    adv, mask, w = torch.randn(3, 5), torch.ones(3, 5), torch.rand(3, 5) + 0.1
+    weighted, _ = clipped_policy_loss(logp, old, adv * w, mask, aggregation="token_mean")
+    per_token = [clipped_policy_loss(logp[i:i + 1, j:j + 1], old[i:i + 1, j:j + 1], adv[i:i + 1, j:j + 1],
+                                     mask[i:i + 1, j:j + 1], aggregation="token_mean")[0] * w[i, j]
+                 for i in range(3) for j in range(5)]
+    assert torch.allclose(weighted, torch.stack(per_token).mean(), atol=1e-6)
