@@ -94,3 +94,30 @@ def test_sigkill_then_resume_matches_uninterrupted(stage, tmp_path, micro_model,
         if key.startswith("eval/"):
             assert round(whole.metrics[key], 6) == value, key  # the metrics file keeps 6 decimals
     assert not list((project / "checkpoints" / stage).glob("step-*"))
+
+
+def test_sigterm_checkpoints_the_current_step_and_exits_143(tmp_path, micro_model, micro_data):
+    """SIGTERM (a scheduler's polite stop) finishes the step in progress, writes its checkpoint
+    (even between save_every steps) and exits 143; the next run resumes right there."""
+    project = tmp_path / "project"
+    project.mkdir()
+    section = {**_sections(micro_model, micro_data, project)["sft"], "save_every": 1000, "max_steps": 400}
+    (project / "params.yaml").write_text(yaml.safe_dump({"sft": section, "tracking": {"experiment": "term",
+                                                                                     "log_model": False}}))
+    proc = _start("sft", project)
+    deadline = time.time() + 300
+    while "sft:" not in (line := proc.stderr.readline()):  # the progress bar: training has begun
+        assert proc.poll() is None and time.time() < deadline, "the run ended before training started"
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err[-3000:]
+    match = re.search(r"stopped by SIGTERM after step (\d+); resume from \S+step-(\d+)", err)
+    assert match and int(match.group(1)) == int(match.group(2)) > 0, err[-3000:]
+    step = int(match.group(1))
+    assert [p.name for p in (project / "checkpoints" / "sft").glob("step-*")] == [f"step-{step:07d}"]
+
+    proc = _start("sft", project)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and f"(step {step} of 400)" in err, err[-3000:]
+    print(f"SIGTERM after step {step}: checkpointed, exit 143, resumed at step {step}")

@@ -344,6 +344,8 @@ def test_rl_run_against_a_dead_server_fails_within_timeout_times_attempts(micro_
         elapsed_in_reward = time.monotonic() - start
         # 2 attempts x 0.5 s + 1 s backoff, plus model loading and one rollout (a few seconds at most)
         assert elapsed_in_reward < 0.5 * 2 + 1.0 + 15, elapsed_in_reward
+        print(f"dead reward server: the stage failed after {elapsed_in_reward:.1f} s (2 attempts x 0.5 s + 1 s "
+              f"backoff, plus model load and one rollout)")
         assert stub.calls == 2
         assert not (tmp_path / "rl").exists()
     finally:
