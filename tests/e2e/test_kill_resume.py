@@ -27,6 +27,10 @@ from rlhf_core.trainers.dpo import train_dpo
 from rlhf_core.trainers.rl import train_rl
 from rlhf_core.trainers.sft import train_sft
 
+# Eight real training processes (killed, resumed, SIGTERMed): about 4 minutes on 2 cores; run
+# with `make test-slow`. The in-process resume tests (tests/model/test_resume.py) run in `make test`.
+pytestmark = pytest.mark.slow
+
 
 def _sections(micro_model: Path, micro_data: dict[str, Path], project: Path) -> dict[str, dict]:
     reward = project / "length_reward.py"
