@@ -76,11 +76,12 @@ def wait_for(check, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def stop_group(proc: subprocess.Popen) -> None:
-    """Ctrl-C the process group (serve pauses its schedules on the way out); kill it if that hangs."""
-    os.killpg(proc.pid, signal.SIGINT)
+def stop_group(proc: subprocess.Popen, sig: int = signal.SIGINT, timeout: float = 60) -> None:
+    """Signal the process group (Ctrl-C by default: serve pauses its schedules on the way out);
+    kill it if it has not exited after ``timeout`` seconds."""
+    os.killpg(proc.pid, sig)
     try:
-        proc.wait(timeout=60)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)

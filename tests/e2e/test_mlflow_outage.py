@@ -19,7 +19,7 @@ import pytest
 import requests
 import yaml
 
-from helpers import cli_env, free_port
+from helpers import cli_env, free_port, stop_group
 
 # Three `mlflow server` start-ups (about 20 s each on 2 busy cores): run with `make test-slow`.
 pytestmark = pytest.mark.slow
@@ -43,14 +43,7 @@ def _start_server(root: Path, port: int) -> subprocess.Popen:
 
 
 def _stop_server(proc: subprocess.Popen) -> None:
-    import os
-
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    stop_group(proc, signal.SIGTERM, timeout=30)
 
 
 def _metric_steps(port: int, run_id: str, key: str) -> list[int]:
