@@ -167,6 +167,7 @@ def validate(path: str | Path, kind: str, fields: DataFields | None = None,
                              "data/failed_expectations": float(len(report.failures))}, 0)
         if not report.success:
             raise ValidationFailed(report)
+    _remember_pass(path, kind, fields or DataFields(), report.n_rows)
     outputs: dict[str, str] = {"dataset": str(path)}
     if report_file is not None:
         outputs["report"] = str(_write_json_atomic(report.to_dict(), report_file))
@@ -184,17 +185,47 @@ _GATE_KINDS = {"sft_train": "sft", "distill_train": "sft", "kept_samples": "sft"
                "eval_preferences": "preference", "prompts": "prompts", "eval": "prompts"}
 
 
+def _gate_key(path: str | Path, kind: str, fields: DataFields) -> str:
+    """What a passed validation depends on: the file's content, the kind, the field names and the
+    validator's own code (a changed suite must not trust old passes)."""
+    import hashlib
+
+    from rlhf_core.data import validate as validator
+
+    names = {f: getattr(fields, f) for f in DataFields.__dataclass_fields__}
+    code = hashlib.sha256(Path(validator.__file__).read_bytes()).hexdigest()
+    blob = json.dumps({"md5": dvc_md5(path), "kind": kind, "fields": names, "max_chars": validator.MAX_CHARS,
+                       "validator": code}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _gate_record(path: str | Path, kind: str, fields: DataFields) -> Path:
+    from rlhf_core.tracking import project_root
+
+    return project_root() / ".alignflow" / "validated" / f"{_gate_key(path, kind, fields)}.json"
+
+
+def _remember_pass(path: str | Path, kind: str, fields: DataFields, n_rows: int) -> None:
+    _write_json_atomic({"path": str(path), "kind": kind, "n_rows": n_rows}, _gate_record(path, kind, fields))
+
+
 def gate_datasets(fields: DataFields, datasets: dict[str, tuple[str, str]]) -> None:
     """Validate a training stage's datasets before anything is loaded or opened: the command-line
-    stages get the same gate as the flows, so bad rows never reach a model (``ValidationFailed``)."""
+    stages get the same gate as the flows, so bad rows never reach a model (``ValidationFailed``).
+
+    A file that already passed — same content, kind, fields and validator code, recorded under
+    ``.alignflow/validated/`` by :func:`validate` or an earlier gate — is not validated again (in
+    a flow or ``dvc repro`` the validate step just did it)."""
     from rlhf_core.data.validate import ValidationFailed, validate_dataset
 
     for name, (path, _) in datasets.items():
         kind = _GATE_KINDS.get(name)
-        if kind is not None and path:
-            report = validate_dataset(path, kind, fields)
-            if not report.success:
-                raise ValidationFailed(report)
+        if kind is None or not path or _gate_record(path, kind, fields).exists():
+            continue
+        report = validate_dataset(path, kind, fields)
+        if not report.success:
+            raise ValidationFailed(report)
+        _remember_pass(path, kind, fields, report.n_rows)
 
 
 def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: str | None, *,

@@ -19,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from flows.cli import main
+from rlhf_core.data.validate import ValidationFailed
 
 GOOD_PAIR = {"prompt": "1+1=", "chosen": "2", "rejected": "3"}
 GOOD_SFT = {"prompt": "1+1=", "completion": "2"}
@@ -197,3 +198,25 @@ def test_bad_input_is_refused_with_its_source(name, project, bad_server, micro_m
 def test_corpus_is_at_least_twenty_distinct_inputs():
     assert len(CASES) >= 20
     assert len({(tuple(c.argv), c.content, c.expect) for c in CASES.values()}) == len(CASES)
+
+
+def test_gate_validates_a_file_once_per_content(isolated_project, micro_data, monkeypatch):
+    """A passed file is remembered by content (+ kind, fields, validator code): the next stage that
+    reads it does not run GX again; the same path with other content is validated afresh."""
+    from rlhf_core import stages
+    from rlhf_core.config import DPOConfig
+    from rlhf_core.data import validate as validator
+
+    calls = []
+    real = validator.validate_dataset
+    monkeypatch.setattr(validator, "validate_dataset", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    data = isolated_project / "prefs.jsonl"
+    data.write_bytes(micro_data["preferences"].read_bytes())
+    cfg = DPOConfig(train_file=str(data))
+    stages.gate_datasets(cfg, {"preferences": (str(data), "training")})
+    stages.gate_datasets(cfg, {"preferences": (str(data), "training")})
+    assert calls == [str(data)]
+    data.write_bytes(data.read_bytes() + _jsonl({"prompt": "9+9=", "chosen": "18", "rejected": "18"}))
+    with pytest.raises(ValidationFailed, match=r"prefs\.jsonl:\d+: field 'chosen': 'chosen' equals 'rejected'"):
+        stages.gate_datasets(cfg, {"preferences": (str(data), "training")})
+    assert len(calls) == 2
