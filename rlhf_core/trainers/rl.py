@@ -201,7 +201,7 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
             url=cfg.reward_url, device=device, batch_size=cfg.batch_size, timeout_s=cfg.reward_timeout_s,
             retries=cfg.reward_retries)
     owns_engine = engine is None
-    engine = engine or build_rollout_engine(cfg, policy, tokenizer)
+    engine = engine or build_rollout_engine(cfg, policy, tokenizer, autocast_dtype)
     prompts, labels = read_prompts(cfg)
     longest = max(len(encode_prompt(tokenizer, p)) for p in prompts)
     if longest + cfg.max_new_tokens > cfg.max_length:
@@ -501,7 +501,8 @@ class _GeneratorState:
         self.generator.set_state(state["state"])
 
 
-def build_rollout_engine(cfg: RLConfig, policy: Any, tokenizer: Any) -> RolloutEngine:
+def build_rollout_engine(cfg: RLConfig, policy: Any, tokenizer: Any,
+                         autocast_dtype: torch.dtype | None = None) -> RolloutEngine:
     """The engine ``cfg.rollout_engine`` names; vLLM falls back to HF generate, with a warning, when absent."""
     if cfg.rollout_engine == "vllm":
         from rlhf_core.rollout_vllm import VLLMEngine, vllm_available
@@ -509,7 +510,7 @@ def build_rollout_engine(cfg: RLConfig, policy: Any, tokenizer: Any) -> RolloutE
         if vllm_available():
             return VLLMEngine(cfg.model_path, tokenizer, seed=cfg.seed, memory_fraction=cfg.vllm_memory_fraction)
         log.warning("rl: rollout_engine is vllm but vLLM cannot be imported here; using the HF engine instead")
-    return HFGenerateEngine(policy, tokenizer, batch_size=cfg.batch_size)
+    return HFGenerateEngine(policy, tokenizer, batch_size=cfg.batch_size, autocast_dtype=autocast_dtype)
 
 
 def _restore(ckpt: Checkpoint, policy: Any, optimizer: Any, scheduler: Any, resumables: dict[str, Any]) -> int:

@@ -1,0 +1,137 @@
+"""GPU benchmark: alignflow's GRPO trainer (``train_rl``, HF generate engine) on a Qwen2-0.5B-shaped model
+with random weights, in the configuration of the TRL anchor in ``../shared/device/ANCHORS.md``:
+64 prompts x 8 samples x 256 new tokens, bf16 autocast, KL coefficient 0 (TRL's default beta).
+
+Differences from the anchor, stated rather than hidden: our trainer keeps fp32 master weights
+(bf16 autocast) and has no gradient checkpointing yet, so the 512 samples are updated in
+mini-batches of ``MINI`` (each an optimizer step; TRL takes one step per generation), and it
+still computes the reference model's log-probs with beta = 0.
+
+Runs on the lent GPUs with torch + transformers only (no MLflow, Prefect or Ray needed)::
+
+    PYTHONPATH=. python bench/gpu_grpo.py --out $OUT/gpu_grpo.json
+
+Prints one JSON line per step and a summary line (median step time of steps 2..N, generated
+tokens/s, peak GPU memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import rlhf_core  # noqa: E402,F401  (offline switches)
+
+
+def build_tokenizer(vocab: int, out: Path) -> Path:
+    """A byte-level BPE of ``vocab`` tokens trained on the standard library's source (no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    files = sorted(glob.glob(os.path.dirname(os.__file__) + "/*.py"))[:200]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train(files, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<|pad|>"],
+                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
+    fast.save_pretrained(str(out))
+    return out
+
+
+def build_model(tokenizer_dir: Path, out: Path) -> Path:
+    """Qwen2-0.5B dimensions (896 hidden, 24 layers, 14 heads, 2 KV heads, 4864 MLP), random weights."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                      num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                      max_position_embeddings=4096, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      bos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).save_pretrained(str(out), safe_serialization=True)
+    tok.save_pretrained(str(out))
+    return out
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.rows.append((step, dict(metrics)))
+        if "perf/step_s" in metrics:
+            print(json.dumps({"step": step, **{k: round(v, 4) for k, v in metrics.items()
+                                               if k.startswith(("perf/", "rollout/response_length"))}}),
+                  flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/gpu_grpo.json")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--mini", type=int, default=64)
+    ap.add_argument("--gen-batch", type=int, default=512)
+    args = ap.parse_args()
+
+    from rlhf_core.config import RLConfig
+    from rlhf_core.trainers.rl import train_rl
+
+    work = Path(tempfile.mkdtemp(prefix="gpu-grpo-"))
+    model_dir = build_model(build_tokenizer(32000, work / "tok"), work / "model")
+    prompts = work / "prompts.jsonl"
+    words = ["alpha", "beta", "gamma", "delta", "kernel", "tensor", "matrix", "vector", "policy", "reward"]
+    with prompts.open("w") as fh:
+        for i in range(max(args.prompts * args.steps, 256)):
+            fh.write(json.dumps({"prompt": f"Question {i}: explain {words[i % 10]} and {words[(i * 7) % 10]}.",
+                                 "label": "x"}) + "\n")
+    reward = work / "reward.py"
+    reward.write_text("def reward(prompts, completions, labels):\n    return [len(c) / 100 for c in completions]\n")
+
+    cfg = RLConfig(model_path=str(model_dir), prompts_file=str(prompts), eval_file=str(prompts),
+                   output_dir=str(work / "out"), checkpoint_dir=str(work / "ckpt"),
+                   reward_function=f"{reward}:reward", estimator="grpo", max_steps=args.steps,
+                   prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.new_tokens,
+                   max_length=args.new_tokens + 64, batch_size=args.gen_batch, mini_batch_size=args.mini,
+                   ppo_epochs=1, kl_coef=0.0, lr=1e-6, warmup_steps=0, eval_items=1, eval_at_start=False,
+                   save_every=0, log_rollouts_every=0, precision="auto")
+    torch.cuda.reset_peak_memory_stats()
+    sink = Sink()
+    started = time.perf_counter()
+    train_rl(cfg, sink, show_progress=False)
+    total = time.perf_counter() - started
+    steps = [m for _, m in sink.rows if "perf/step_s" in m]
+    timed = steps[1:] if len(steps) > 1 else steps
+    step_s = statistics.median(m["perf/step_s"] for m in timed)
+    gen_tokens = statistics.median(m["rollout/response_length"] for m in timed) * args.prompts * args.group
+    summary = {
+        "what": "alignflow GRPO (train_rl, HF generate), Qwen2-0.5B-shaped random weights, 32k vocab",
+        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+        "prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens, "mini_batch": args.mini,
+        "median_step_s": round(step_s, 3), "samples_per_s": round(args.prompts * args.group / step_s, 1),
+        "generated_tokens_per_s": round(gen_tokens / step_s, 1),
+        "phase_s": {k: round(statistics.median(m[k] for m in timed), 3)
+                    for k in ("perf/rollout_s", "perf/reward_s", "perf/logprob_s", "perf/update_s")},
+        "peak_gpu_memory_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2), "total_s": round(total, 1),
+    }
+    print(json.dumps(summary), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"summary": summary, "steps": [m for _, m in sink.rows]}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
