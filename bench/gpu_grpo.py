@@ -86,10 +86,19 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--mini", type=int, default=64)
     ap.add_argument("--gen-batch", type=int, default=512)
+    ap.add_argument("--sampling", choices=["copy", "master"], default="copy",
+                    help="copy: the HF engine samples with a bf16 copy of the policy (default); master: with the "
+                         "fp32 master weights (the engine before that change, for an A/B on one machine)")
     args = ap.parse_args()
 
     from rlhf_core.config import RLConfig
+    from rlhf_core.trainers import rl
     from rlhf_core.trainers.rl import train_rl
+
+    if args.sampling == "master":
+        from rlhf_core.rollout import HFGenerateEngine
+
+        rl.build_rollout_engine = lambda cfg, policy, tok, dtype=None: HFGenerateEngine(policy, tok, cfg.batch_size)
 
     work = Path(tempfile.mkdtemp(prefix="gpu-grpo-"))
     model_dir = build_model(build_tokenizer(32000, work / "tok"), work / "model")
@@ -121,7 +130,7 @@ def main() -> None:
     summary = {
         "what": "alignflow GRPO (train_rl, HF generate), Qwen2-0.5B-shaped random weights, 32k vocab",
         "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-        "prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens, "mini_batch": args.mini,
+        "sampling": args.sampling, "prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens, "mini_batch": args.mini,
         "median_step_s": round(step_s, 3), "samples_per_s": round(args.prompts * args.group / step_s, 1),
         "generated_tokens_per_s": round(gen_tokens / step_s, 1),
         "phase_s": {k: round(statistics.median(m[k] for m in timed), 3)

@@ -144,6 +144,25 @@ def test_update_weights(engine, micro_model):
         engine.model.load_state_dict(before)
 
 
+def test_mixed_precision_samples_from_a_refreshed_low_precision_copy(micro_model):
+    """With the trainer's autocast dtype (bf16 on a GPU) the engine samples from a bf16 copy of the
+    policy; update_weights(policy) refreshes the copy after each optimizer step."""
+    model = load_causal_lm(micro_model, torch.device("cpu"))
+    eng = HFGenerateEngine(model, load_tokenizer(micro_model), batch_size=8, autocast_dtype=torch.bfloat16)
+    assert eng.sampler is not None and next(eng.sampler.parameters()).dtype == torch.bfloat16
+    assert next(model.parameters()).dtype == torch.float32  # the trainer's master weights stay fp32
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=0)
+    batch = eng.generate(["12+30="], params)
+    assert batch.sampling_logprobs.dtype == torch.float32 and torch.isfinite(batch.sampling_logprobs).all()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    assert not torch.equal(next(eng.sampler.parameters()).float(), next(model.parameters()).bfloat16().float())
+    eng.update_weights(model)
+    for mine, theirs in zip(eng.sampler.parameters(), model.parameters()):
+        assert torch.equal(mine, theirs.to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("kwargs,field", [({"n": 0}, "n"), ({"temperature": -1.0}, "temperature"),
                                           ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k"),
                                           ({"max_new_tokens": 0}, "max_new_tokens"), ({"seed": "x"}, "seed")])
