@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from conftest import REPO
@@ -48,6 +49,7 @@ def _repro(folder):
     return {stage: [(o["path"], o["md5"]) for o in body.get("outs", [])] for stage, body in lock["stages"].items()}
 
 
+@pytest.mark.slow  # two full `dvc repro` runs of ~20 stage processes each: 9 minutes on 2 cores (`make test-slow`)
 def test_micro_repro_is_deterministic_across_fresh_copies(tmp_path):
     a = _repro(_fresh_copy((tmp_path / "a")))
     b = _repro(_fresh_copy((tmp_path / "b")))
