@@ -46,7 +46,7 @@ def vllm_model(tmp_path_factory, micro_tokenizer):
 
 @pytest.fixture(scope="module")
 def engine(vllm_model):
-    eng = VLLMEngine(vllm_model, load_tokenizer(vllm_model), seed=0, memory_fraction=0.05)
+    eng = VLLMEngine(vllm_model, load_tokenizer(vllm_model), seed=0, memory_fraction=0.2)
     yield eng
     eng.close()
 
@@ -110,7 +110,7 @@ def test_grpo_run_with_the_vllm_engine(vllm_model, micro_data, tmp_path):
                    eval_file=str(micro_data["eval"]), output_dir=str(tmp_path / "rl"),
                    checkpoint_dir=str(tmp_path / "ckpt"), reward_function=f"{reward}:reward", max_steps=3,
                    prompts_per_step=4, group_size=4, max_new_tokens=6, mini_batch_size=8, eval_items=8,
-                   eval_at_start=False, rollout_engine="vllm", vllm_memory_fraction=0.05, tis_cap=2.0,
+                   eval_at_start=False, rollout_engine="vllm", vllm_memory_fraction=0.2, tis_cap=2.0,
                    num_threads=1)
     sink = Recorder()
     result = train_rl(cfg, sink, show_progress=False)
