@@ -193,6 +193,8 @@ class TrainerConfig(DataFields):
     """auto (bf16 on a bf16-capable GPU, fp32 otherwise), bf16 or fp32."""
     eval_every: int = 0
     """Steps between evaluations (0: only at the end)."""
+    log_every: int = 10
+    """Steps between train/* and perf/* metric points (and at the last step)."""
     eval_items: int = 1000
     """Held-out items used for accuracy (greedy exact match)."""
     save_every: int = 50
@@ -205,11 +207,36 @@ class TrainerConfig(DataFields):
     """torch intra-op threads on CPU (fixed, so results are reproducible)."""
     seed: int = 0
     """Seed of data order and dropout."""
+    num_workers: int = 1
+    """Data-parallel training workers. Above 1 they run as Ray actors forming one torch.distributed world
+    (local Ray, or the cluster ``RAY_ADDRESS`` names); the global batch stays batch_size x grad_accum."""
+    parallel: str = "ddp"
+    """How workers share a step when num_workers > 1: ddp (torch DDP), zero2 or zero3 (DeepSpeed ZeRO)."""
+    offload_optimizer: bool = False
+    """zero2/zero3 only: keep optimizer state in CPU memory (DeepSpeed's CPU AdamW)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward instead of storing them (less memory, about 30% more compute)."""
+    lora_rank: int = 0
+    """LoRA rank r of adapters on every linear layer (peft); 0 trains all weights. The saved model is merged."""
+    lora_alpha: float = 16.0
+    """LoRA scale numerator: updates are scaled by lora_alpha / lora_rank."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA branch's input."""
 
     def __post_init__(self) -> None:
         s = self.section
+        _check(self.num_workers >= 1, s, "num_workers", f"must be >= 1, got {self.num_workers}")
+        _check(self.batch_size >= self.num_workers, s, "batch_size",
+               f"must be >= num_workers ({self.num_workers}): each worker takes rows of every micro-batch")
+        _check(self.parallel in ("ddp", "zero2", "zero3"), s, "parallel",
+               f"must be ddp, zero2 or zero3, got {self.parallel!r}")
+        _check(self.offload_optimizer is False or self.parallel != "ddp", s, "offload_optimizer",
+               "needs parallel zero2 or zero3 (DDP keeps optimizer state on the device)")
+        _check(self.lora_rank >= 0, s, "lora_rank", f"must be >= 0, got {self.lora_rank}")
+        _check(self.lora_alpha > 0, s, "lora_alpha", f"must be > 0, got {self.lora_alpha}")
+        _check(0.0 <= self.lora_dropout < 1.0, s, "lora_dropout", f"must be in [0, 1), got {self.lora_dropout}")
         for name in ("max_steps", "batch_size", "grad_accum", "max_length", "eval_items", "num_threads",
-                     "keep_checkpoints"):
+                     "keep_checkpoints", "log_every"):
             _check(getattr(self, name) >= 1, s, name, f"must be >= 1, got {getattr(self, name)}")
         for name in ("warmup_steps", "eval_every", "save_every"):
             _check(getattr(self, name) >= 0, s, name, f"must be >= 0, got {getattr(self, name)}")
@@ -465,6 +492,11 @@ class RLConfig(TrainerConfig):
     every update; falls back to hf, with a warning, when vLLM cannot be imported)."""
     vllm_memory_fraction: float = 0.1
     """rollout_engine vllm: fraction of GPU memory (of RAM on CPU) vLLM reserves for its KV cache."""
+    placement: str = "none"
+    """none (every role in this process) or, through Ray, colocated (policy, reference, reward model and
+    rollout engine share each worker's bundle) or disaggregated (each role its own bundles)."""
+    rollout_workers: int = 1
+    """Rollout engine replicas under Ray (prompts are split across them); ignored with placement none."""
     max_steps: int = 40
     """Rollout/update iterations (each samples prompts_per_step x group_size responses)."""
     num_threads: int = 1
@@ -587,6 +619,13 @@ class RLConfig(TrainerConfig):
                f"must be hf or vllm, got {self.rollout_engine!r}")
         _check(0 < self.vllm_memory_fraction <= 1, s, "vllm_memory_fraction",
                f"must be in (0, 1], got {self.vllm_memory_fraction}")
+        _check(self.placement in ("none", "colocated", "disaggregated"), s, "placement",
+               f"must be none, colocated or disaggregated, got {self.placement!r}")
+        _check(self.rollout_workers >= 1, s, "rollout_workers", f"must be >= 1, got {self.rollout_workers}")
+        _check(self.num_workers == 1 or self.placement != "none", s, "num_workers",
+               f"{self.num_workers} policy workers need Ray: set placement to colocated or disaggregated")
+        _check(self.mini_batch_size >= self.num_workers, s, "mini_batch_size",
+               f"must be >= num_workers ({self.num_workers}) so every worker gets rows")
         for name in ("prompts_per_step", "group_size", "max_new_tokens", "ppo_epochs", "mini_batch_size"):
             _check(getattr(self, name) >= 1, s, name, f"must be >= 1, got {getattr(self, name)}")
         _check(not estimator.needs_groups or self.group_size >= 2, s, "group_size",

@@ -65,3 +65,84 @@ def load_causal_lm(path: str | Path, device: torch.device | None = None) -> Any:
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{path}: cannot load as a causal LM: {exc}") from None
     return model.to(device or pick_device())
+
+
+# --------------------------------------------------------------------------------------
+# Memory switches: gradient checkpointing and LoRA (peft)
+# --------------------------------------------------------------------------------------
+
+
+def prepare_for_training(model: Any, *, gradient_checkpointing: bool = False, lora_rank: int = 0,
+                         lora_alpha: float = 16.0, lora_dropout: float = 0.0) -> Any:
+    """Turn on gradient checkpointing and/or LoRA adapters, in place; returns the model to train.
+
+    LoRA (Hu et al. 2021) comes from ``peft``: adapters ``W + (alpha / r) B A`` on every linear
+    layer but the LM head, base weights frozen. ``peft`` injects the adapter modules into the
+    model it wraps, so code holding the original model (an evaluation closure, the HF rollout
+    engine) already runs with the adapters. Save with :func:`merged_model` to get a plain model.
+    """
+    if gradient_checkpointing:
+        # non-reentrant: works with frozen inputs (LoRA) and under DDP without extra flags
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora_rank > 0:
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                            target_modules="all-linear", bias="none")
+        get_peft_model(model, config)  # injects adapters into ``model`` itself
+    return model
+
+
+def has_lora(model: Any) -> bool:
+    return any("lora_A" in name for name, _ in model.named_parameters())
+
+
+def merged_model(model: Any) -> Any:
+    """``model`` with any LoRA adapters folded into its weights and removed (a plain HF model).
+
+    Call once, at the end: the adapters are gone afterwards.
+    """
+    if not has_lora(model):
+        return model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.merge()
+    _unwrap_lora_layers(model)
+    return model
+
+
+def _unwrap_lora_layers(model: Any) -> None:
+    """Replace each (merged) LoRA layer by its base layer, so names and modules are the plain model's."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, BaseTunerLayer):
+                setattr(module, child_name, child.get_base_layer())
+    model.requires_grad_(True)
+
+
+def export_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """The plain model's weights (LoRA merged in, names without adapters), for a rollout engine.
+
+    The model itself is left as it was: adapters are merged for the copy, then unmerged.
+    """
+    if not has_lora(model):
+        return {k: v.detach() for k, v in model.state_dict().items()}
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer.merge()
+    try:
+        out = {}
+        for key, value in model.state_dict().items():
+            if "lora_" in key:
+                continue
+            out[key.replace(".base_layer.", ".")] = value.detach().clone()
+        return out
+    finally:
+        for layer in layers:
+            layer.unmerge()

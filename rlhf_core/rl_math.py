@@ -156,6 +156,25 @@ def aggregate_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, mode: LossA
     return (row_losses * has_tokens).sum() / has_tokens.sum().clamp(min=1)
 
 
+def aggregation_units(mask: torch.Tensor, mode: LossAggregation | str) -> torch.Tensor:
+    """The denominator :func:`aggregate_loss` divides by: valid tokens, or rows with a valid token.
+
+    Every mode is ``sum(row or token terms) / units``, so data-parallel shards combine exactly:
+    the loss of the whole batch is ``sum_r units_r * loss_r / sum_r units_r`` over shards ``r``.
+
+    Args:
+        mask: ``(batch, response_len)``.
+
+    Returns:
+        scalar count (float).
+    """
+    mode = LossAggregation(mode)
+    m = mask.float()
+    if mode is LossAggregation.TOKEN_MEAN:
+        return m.sum()
+    return (m.sum(-1) > 0).float().sum()
+
+
 # --------------------------------------------------------------------------------------
 # Policy and value losses
 # --------------------------------------------------------------------------------------

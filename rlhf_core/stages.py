@@ -228,6 +228,21 @@ def gate_datasets(fields: DataFields, datasets: dict[str, tuple[str, str]]) -> N
         _remember_pass(path, kind, fields, report.n_rows)
 
 
+def _launcher(train_fn: Any, cfg: Any) -> Any:
+    """``train_fn`` itself, or the Ray launcher that runs it on several workers / role actors."""
+    if getattr(cfg, "placement", "none") != "none":
+        from rlhf_core.ray_launcher import train_rl_on_ray
+
+        return train_rl_on_ray
+    if cfg.num_workers > 1:
+        import functools
+
+        from rlhf_core.ray_launcher import train_data_parallel
+
+        return functools.partial(train_data_parallel, train_fn)
+    return train_fn
+
+
 def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: str | None, *,
                  train_fn: Any, datasets: dict[str, tuple[str, str]], metrics_file: str | Path | None,
                  register_as: str | None = None, show_progress: bool = True,
@@ -252,7 +267,7 @@ def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: s
         from rlhf_core.plots import RecordingSink, curves_figure
 
         sink = RecordingSink(run)
-        result = train_fn(cfg, sink=sink, show_progress=show_progress)
+        result = _launcher(train_fn, cfg)(cfg, sink=sink, show_progress=show_progress)
         figure = curves_figure(sink.history, f"{name}: {cfg.output_dir}")
         if figure is not None and hasattr(run, "log_figure"):
             run.log_figure(figure, "curves.png")

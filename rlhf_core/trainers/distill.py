@@ -28,6 +28,7 @@ from rlhf_core.evaluate import evaluate_exact_match
 from rlhf_core.logprobs import MODEL_INPUTS
 from rlhf_core.losses import IGNORE_INDEX, distillation_loss
 from rlhf_core.models import ModelLoadError, load_causal_lm, load_tokenizer, pick_device
+from rlhf_core.parallel import current_world
 from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, seed_everything
 
 
@@ -64,7 +65,7 @@ def train_distill(cfg: DistillConfig, sink: MetricSink | None = None, show_progr
     train = tokenize_sft_records(tokenizer, read_records(cfg.train_file), path=cfg.train_file,
                                  prompt_field=cfg.prompt_field, completion_field=cfg.completion_field,
                                  messages_field=cfg.messages_field, max_length=cfg.max_length)
-    sampler = EpochSampler(len(train), cfg.batch_size, cfg.seed)
+    sampler = EpochSampler(len(train), cfg.batch_size, cfg.seed, current_world())
 
     def next_micro_batch() -> dict[str, torch.Tensor]:
         return collate_padded([train[i] for i in sampler.next()], tokenizer.pad_token_id)

@@ -25,6 +25,7 @@ from rlhf_core.evaluate import evaluate_exact_match
 from rlhf_core.logprobs import reference_logprobs, response_logprobs
 from rlhf_core.losses import PreferenceLoss, preference_loss
 from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
+from rlhf_core.parallel import current_world
 from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, seed_everything
 
 
@@ -67,7 +68,7 @@ def train_dpo(cfg: DPOConfig, sink: MetricSink | None = None, show_progress: boo
         reference = None
 
     # ---- batches --------------------------------------------------------------------------
-    sampler = EpochSampler(len(pairs), cfg.batch_size, cfg.seed)
+    sampler = EpochSampler(len(pairs), cfg.batch_size, cfg.seed, current_world())
 
     def next_micro_batch() -> dict[str, torch.Tensor]:
         idx = sampler.next()

@@ -29,6 +29,7 @@ from rlhf_core.evaluate import evaluate_exact_match
 from rlhf_core.logprobs import response_logprobs
 from rlhf_core.losses import kto_loss, kto_reference_point
 from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
+from rlhf_core.parallel import current_world
 from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, seed_everything
 
 
@@ -96,7 +97,7 @@ def train_kto(cfg: KTOConfig, sink: MetricSink | None = None, show_progress: boo
     matched = [tokenize(e.prompt, e.completion) for e in examples]
 
     # ---- batches: the examples, and the same prompts with the next example's completion --
-    sampler = EpochSampler(len(examples), cfg.batch_size, cfg.seed)
+    sampler = EpochSampler(len(examples), cfg.batch_size, cfg.seed, current_world())
 
     def next_micro_batch() -> dict[str, Any]:
         idx = sampler.next()

@@ -98,53 +98,65 @@ class NonFiniteError(FloatingPointError):
 
 
 def accumulate_and_step(
-    model: torch.nn.Module,
+    strategy: Any,
     micro_batches: Sequence[Any],
     loss_fn: Callable[[torch.nn.Module, Any], tuple[torch.Tensor, torch.Tensor]],
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
     *,
     max_grad_norm: float,
     autocast_dtype: torch.dtype | None,
     units_fn: Callable[[Any], int] = count_label_tokens,
     step: int | None = None,
+    world: Any = None,
 ) -> StepStats:
-    """One optimizer step over ``micro_batches`` (gradient accumulation).
+    """One optimizer step over ``micro_batches`` (gradient accumulation, and data parallelism).
 
-    ``loss_fn`` returns a *summed* loss and its unit count (tokens, pairs, ...); ``units_fn``
-    counts a micro-batch's units without a forward pass. Each micro-batch's sum is divided
-    by the units of the whole step before backward, so the gradient equals that of one
-    batch holding every micro-batch, whatever their sizes.
+    ``strategy`` is a :class:`rlhf_core.parallel.Strategy` (the plain model in one process, DDP or
+    DeepSpeed across ``world``). ``loss_fn`` returns a *summed* loss and its unit count (tokens,
+    pairs, ...); ``units_fn`` counts a micro-batch's units without a forward pass. Each
+    micro-batch's sum is divided by the units of the whole step on every rank before backward,
+    so the gradient equals that of one batch holding every micro-batch of every rank, whatever
+    their sizes.
 
-    A NaN/inf loss or gradient norm raises :class:`NonFiniteError` (naming ``step``) before
-    the optimizer touches the weights, so the model and the last checkpoint stay good.
+    A NaN/inf loss or gradient norm (on any rank) raises :class:`NonFiniteError` (naming
+    ``step``) before the optimizer touches the weights, so the model and the last checkpoint
+    stay good. (Under DeepSpeed the engine clips and steps in one call; its norm is checked after.)
     """
-    device = next(model.parameters()).device
-    total = sum(units_fn(mb) for mb in micro_batches)
-    loss_total = 0.0
-    units_total = 0
+    from rlhf_core.parallel import World
+
+    world = world or World()
+    device = next(strategy.unwrap().parameters()).device
+    total = world.all_reduce_sum([sum(units_fn(mb) for mb in micro_batches)])[0]
+    loss_total, units_total, bad_micro = 0.0, 0, -1
     where = f"step {step}" if step is not None else "this step"
     for i, mb in enumerate(micro_batches):
-        with autocast_context(device, autocast_dtype):
-            loss_sum, n = loss_fn(model, mb)
-        value = float(loss_sum.detach())
-        if not math.isfinite(value):
-            optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteError(f"{where}: loss is {value} (micro-batch {i}); the step was not applied")
-        (loss_sum / max(total, 1)).backward()
+        with strategy.accumulating(last=i == len(micro_batches) - 1):
+            with autocast_context(device, autocast_dtype):
+                loss_sum, n = loss_fn(strategy.module, mb)
+            value = float(loss_sum.detach())
+            if not math.isfinite(value) and bad_micro < 0:
+                bad_micro = i
+            strategy.backward(loss_sum * (strategy.grad_scale / max(total, 1)))
+            if hasattr(strategy, "last_grad_norm"):  # DeepSpeed steps inside its own accumulation count
+                strategy.step()
         loss_total += value
         units_total += int(n)
-    if max_grad_norm > 0:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
+    loss_total, units_total, bad = world.all_reduce_sum([loss_total, units_total, float(bad_micro >= 0)])
+    if bad:
+        strategy.zero_grad()
+        raise NonFiniteError(f"{where}: loss is {loss_total} (micro-batch {bad_micro} on this rank, or another "
+                             f"rank's); the step was not applied")
+    if hasattr(strategy, "last_grad_norm"):
+        grad_norm = strategy.last_grad_norm()
+        if not math.isfinite(grad_norm):
+            raise NonFiniteError(f"{where}: gradient norm is {grad_norm} (DeepSpeed applied the step)")
     else:
-        grad_norm = float(torch.norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])))
-    if not math.isfinite(grad_norm):
-        optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteError(f"{where}: gradient norm is {grad_norm}; the step was not applied")
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return StepStats(loss_total / max(units_total, 1), units_total, grad_norm, scheduler.get_last_lr()[0])
+        grad_norm = strategy.clip_grad_norm(max_grad_norm)
+        if not math.isfinite(grad_norm):
+            strategy.zero_grad()
+            raise NonFiniteError(f"{where}: gradient norm is {grad_norm}; the step was not applied")
+        strategy.step()
+    lr = strategy.scheduler.get_last_lr()[0] if strategy.scheduler is not None else float("nan")
+    return StepStats(loss_total / max(units_total, 1), int(units_total), grad_norm, lr)
 
 
 # --------------------------------------------------------------------------------------
@@ -181,13 +193,14 @@ class EpochSampler:
     """Indices of ``n`` examples in batches of ``batch_size``, reshuffled every epoch from ``seed``.
 
     Deterministic: the same seed gives the same order on every run (a batch may straddle two
-    epochs; none is dropped).
+    epochs; none is dropped). With a data-parallel ``world`` every rank draws the same global
+    batch and keeps its rows ``rank::size`` of it, so N workers see the examples one would.
     """
 
-    def __init__(self, n: int, batch_size: int, seed: int):
+    def __init__(self, n: int, batch_size: int, seed: int, world: Any = None):
         if n < 1:
             raise ValueError("cannot sample batches from an empty dataset")
-        self.n, self.batch_size = n, batch_size
+        self.n, self.batch_size, self.world = n, batch_size, world
         self.generator = torch.Generator().manual_seed(seed)
         self.order: list[int] = []
 
@@ -195,7 +208,7 @@ class EpochSampler:
         while len(self.order) < self.batch_size:
             self.order += torch.randperm(self.n, generator=self.generator).tolist()
         idx, self.order = self.order[:self.batch_size], self.order[self.batch_size:]
-        return idx
+        return idx if self.world is None else idx[self.world.rows(len(idx))]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Generator state and the rest of the current epoch's order (checkpoint contents)."""
@@ -285,11 +298,24 @@ def run_training(
     from rlhf_core.checkpoint import Checkpointer, TrainingInterrupted, load_weights, run_fingerprint, \
         set_rng_state, sigterm_checkpoints
     from rlhf_core.config import config_to_dict, redact_secrets
+    from rlhf_core.models import merged_model, prepare_for_training
+    from rlhf_core.parallel import build_strategy, current_world
 
+    # ---- data parallelism: every rank runs this loop; rank 0 logs, checkpoints and saves ------
+    world = current_world()
+    if not world.is_main:
+        sink, show_progress = NullSink(), False
     device = next(model.parameters()).device
     autocast_dtype = _resolve_autocast(cfg.precision, device)
+    prepare_for_training(model, gradient_checkpointing=cfg.gradient_checkpointing, lora_rank=cfg.lora_rank,
+                         lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout)
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+    strategy = build_strategy(cfg.parallel, model, optimizer, scheduler, world, grad_accum=cfg.grad_accum,
+                              max_grad_norm=cfg.max_grad_norm, offload_optimizer=cfg.offload_optimizer)
+    # Under ZeRO the optimizer state is partitioned across ranks; mid-run checkpoints would need
+    # DeepSpeed's own sharded format, so a ZeRO run writes only its final model (no resume yet).
+    can_checkpoint = world.is_main and strategy.optimizer_state() is not None
     state = dict(state or {})
     last_metrics: dict[str, float] = {}
     eval_seconds = 0.0
@@ -305,19 +331,22 @@ def run_training(
         eval_seconds += started.total()
         return samples
 
-    def save(step: int) -> Path:
+    def save(step: int) -> Path | None:
+        if not can_checkpoint:
+            return None
         return checkpointer.save(step, model, tokenizer, {
-            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "optimizer": strategy.optimizer_state(), "scheduler": scheduler.state_dict(),
             "objects": {key: obj.state_dict() for key, obj in state.items()},
             "loop": {"tokens_seen": tokens_seen, "last_metrics": dict(last_metrics), "last_loss": last_loss}})
 
-    with checkpointer.hold(name):
+    # Only rank 0 takes the run's lock; the other ranks of its world only read checkpoints.
+    with checkpointer.hold(name) if world.is_main else nullcontext():
         # ---- resume an interrupted run of this config ---------------------------------------
         start_step = 1
-        found = checkpointer.latest() if cfg.resume else None
+        found = checkpointer.latest() if cfg.resume and strategy.optimizer_state() is not None else None
         if found is not None:
             load_weights(model, found.path)
-            optimizer.load_state_dict(found.state["optimizer"])
+            strategy.load_optimizer_state(found.state["optimizer"])
             scheduler.load_state_dict(found.state["scheduler"])
             for key, obj in state.items():
                 obj.load_state_dict(found.state["objects"][key])
@@ -334,11 +363,11 @@ def run_training(
         with sigterm_checkpoints() as stop:
             for step in bar:
                 micro = [next_micro_batch() for _ in range(cfg.grad_accum)]
-                stats = accumulate_and_step(model, micro, loss_fn, optimizer, scheduler, max_grad_norm=cfg.max_grad_norm,
-                                            autocast_dtype=autocast_dtype, units_fn=units_fn, step=step)
-                tokens_seen += sum(int(mb["input_ids"].numel()) for mb in micro)
+                stats = accumulate_and_step(strategy, micro, loss_fn, max_grad_norm=cfg.max_grad_norm,
+                                            autocast_dtype=autocast_dtype, units_fn=units_fn, step=step, world=world)
+                tokens_seen += int(world.all_reduce_sum([sum(int(mb["input_ids"].numel()) for mb in micro)])[0])
                 last_loss = stats.loss
-                if step % 10 == 0 or step == cfg.max_steps:
+                if step % cfg.log_every == 0 or step == cfg.max_steps:
                     elapsed = timer.total() - eval_seconds  # training time only
                     extra = step_metrics() if step_metrics is not None else {}
                     sink.log_metrics({"train/loss": stats.loss, "train/grad_norm": stats.grad_norm, "train/lr": stats.lr,
@@ -349,6 +378,7 @@ def run_training(
                     run_eval(step)
                 if (cfg.save_every and step % cfg.save_every == 0) or stop.requested:
                     path = save(step)
+                    world.barrier()  # no rank runs ahead of a checkpoint it might have to resume from
                 if stop.requested:
                     raise TrainingInterrupted(f"{name}: stopped by SIGTERM after step {step}; resume from {path}")
                 inject_fault(name, step)
@@ -360,11 +390,15 @@ def run_training(
                    "perf/tokens_per_s": tokens_seen / max(train_seconds, 1e-9)}
         if before_save is not None:
             metrics.update(before_save())
-        # Only deterministic content next to the weights, so DVC md5s repeat across runs.
-        save_hf_dir(model, tokenizer, cfg.output_dir, extra={
-            "stage": name, "config": redact_secrets(config_to_dict(cfg)), "base_model": str(cfg.model_path),
-            **(lineage or {})})
-        checkpointer.clear()
+        # Only deterministic content next to the weights, so DVC md5s repeat across runs. LoRA
+        # adapters are merged, so the output is a plain HF model directory.
+        with strategy.gathered():
+            if world.is_main:
+                save_hf_dir(merged_model(model), tokenizer, cfg.output_dir, extra={
+                    "stage": name, "config": redact_secrets(config_to_dict(cfg)), "base_model": str(cfg.model_path),
+                    **(lineage or {})})
+                checkpointer.clear()
+        world.barrier()
     return LoopResult(metrics, samples, start_step - 1)
 
 

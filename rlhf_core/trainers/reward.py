@@ -22,6 +22,7 @@ from rlhf_core.data.tokenize import TokenizedExample, collate_pairs, tokenize_pr
 from rlhf_core.losses import bradley_terry_loss, log_exp_loss
 from rlhf_core.models import load_tokenizer, pick_device
 from rlhf_core.reward_model import load_reward_model, pair_rewards, set_normalisation
+from rlhf_core.parallel import current_world
 from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, seed_everything
 
 Pair = tuple[TokenizedExample, TokenizedExample]
@@ -78,7 +79,7 @@ def train_reward_model(cfg: RewardConfig, sink: MetricSink | None = None, show_p
     pad = tokenizer.pad_token_id
 
     # ---- batches --------------------------------------------------------------------------
-    sampler = EpochSampler(len(train), cfg.batch_size, cfg.seed)
+    sampler = EpochSampler(len(train), cfg.batch_size, cfg.seed, current_world())
 
     def next_micro_batch() -> dict[str, torch.Tensor]:
         idx = sampler.next()

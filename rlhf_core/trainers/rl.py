@@ -34,21 +34,18 @@ from rlhf_core.config import ConfigError, RLConfig, config_to_dict, redact_secre
 from rlhf_core.data.io import DataError, read_records, require_str
 from rlhf_core.data.tokenize import encode_prompt
 from rlhf_core.evaluate import evaluate_exact_match
-from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device, resolve_precision
+from rlhf_core.models import load_tokenizer, merged_model, pick_device, resolve_precision
 from rlhf_core.rewards import RewardKind, RewardSource, build_reward_source
 from rlhf_core.rl_math import (AdaptiveKLController, AdvantageEstimator, FixedKLController, KLController,
-                               LossAggregation, aggregate_loss, clipped_policy_loss, clipped_value_loss,
-                               compute_advantages, dynamic_sampling_keep, entropy_from_logits, explained_variance,
-                               kl_penalty, masked_mean, masked_whiten, overlong_penalty, truncated_is_weights)
+                               compute_advantages, dynamic_sampling_keep, explained_variance, kl_penalty, masked_mean,
+                               masked_whiten, overlong_penalty, truncated_is_weights)
 from rlhf_core.rollout import HFGenerateEngine, RolloutBatch, RolloutEngine, SamplingParams
-from rlhf_core.checkpoint import (Checkpoint, Checkpointer, TrainingInterrupted, load_weights, run_fingerprint,
-                                  set_rng_state, sigterm_checkpoints)
-from rlhf_core.trainers.loop import (EpochSampler, MetricSink, NonFiniteError, NullSink, Timer, autocast_context,
-                                     build_optimizer, build_scheduler, inject_fault, save_hf_dir, seed_everything)
-
-# Log-ratios to the reference are clamped before k3's exp (verl's bound): one token the policy
-# has nearly abandoned must not turn the KL term into inf.
-_KL_CLAMP = 20.0
+from rlhf_core.checkpoint import (Checkpoint, Checkpointer, TrainingInterrupted, run_fingerprint, set_rng_state,
+                                  sigterm_checkpoints)
+from rlhf_core.trainers.loop import (EpochSampler, MetricSink, NullSink, Timer, inject_fault, save_hf_dir,
+                                     seed_everything)
+from rlhf_core.trainers.rl_roles import KL_CLAMP as _KL_CLAMP
+from rlhf_core.trainers.rl_roles import PolicyLearner, ReferenceScorer, token_logprobs, token_values  # noqa: F401
 # Rollout tables show whole groups, so a reader sees what the group baseline compared.
 _TABLE_GROUPS = 4
 _EVAL_SAMPLES = 8
@@ -111,49 +108,6 @@ def _take(batch: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
                         sampling_logprobs=batch.sampling_logprobs[rows], group_size=batch.group_size)
 
 
-# --------------------------------------------------------------------------------------
-# Forward passes: response log-probs (policy, reference) and token values (critic)
-# --------------------------------------------------------------------------------------
-
-
-def _model_inputs(exp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    # position_ids count from each row's first real token, as generate did: without them a
-    # left-padded row is scored at shifted positions and its ratio to the sampler drifts.
-    return {"input_ids": exp["input_ids"], "attention_mask": exp["attention_mask"],
-            "position_ids": exp["position_ids"]}
-
-
-def token_logprobs(model: Any, exp: dict[str, torch.Tensor], prompt_width: int, temperature: float,
-                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(rows, R)`` ``log_softmax(logits / T)`` of each response token, and optionally its entropy.
-
-    The logits at position ``t`` predict token ``t + 1``, so the response tokens (columns
-    ``P .. P+R-1``) are scored by columns ``P-1 .. P+R-2``. Dividing by the sampling temperature
-    matches the engine's ``sampling_logprobs`` (see :mod:`rlhf_core.rollout`), so on-policy ratios are 1.
-    """
-    logits = model(**_model_inputs(exp), use_cache=False).logits[:, prompt_width - 1:-1].float() / temperature
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, exp["response_ids"].unsqueeze(-1)).squeeze(-1)
-    return logp, (entropy_from_logits(logits) if with_entropy else None)
-
-
-def token_values(critic: Any, exp: dict[str, torch.Tensor], prompt_width: int) -> torch.Tensor:
-    """``(rows, R)`` ``V(s_t)``: the critic's scalar head on the hidden state that precedes response token ``t``.
-
-    ``critic`` is an ``AutoModelForSequenceClassification`` (:func:`rlhf_core.reward_model.load_reward_model`);
-    its backbone gives every position's hidden state and its ``score`` head maps each to a value,
-    where the reward-model forward would keep only the last token's.
-    """
-    hidden = critic.base_model(**_model_inputs(exp), use_cache=False).last_hidden_state
-    return critic.score(hidden[:, prompt_width - 1:-1]).squeeze(-1).float()
-
-
-@torch.no_grad()
-def _in_chunks(fn: Any, exp: dict[str, torch.Tensor], rows: int) -> torch.Tensor:
-    """``fn`` over consecutive row chunks of ``exp`` (no gradient), concatenated."""
-    n = exp["input_ids"].shape[0]
-    return torch.cat([fn({k: v[s:s + rows] for k, v in exp.items()}) for s in range(0, n, rows)])
-
-
 def _mean(values: list[float]) -> float:
     return float(sum(values) / len(values)) if values else float("nan")
 
@@ -164,36 +118,35 @@ def _mean(values: list[float]) -> float:
 
 
 def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool = True, *,
-             engine: RolloutEngine | None = None, reward_source: RewardSource | None = None) -> RLResult:
+             engine: RolloutEngine | None = None, reward_source: RewardSource | None = None,
+             learner: Any = None, reference: Any = None) -> RLResult:
     """Optimise ``cfg.model_path`` online against a reward and save an HF directory at ``cfg.output_dir``.
 
-    ``engine`` and ``reward_source`` default to :class:`HFGenerateEngine` on the policy and the source
-    ``cfg.reward_kind`` names; pass others to swap them (the trainer calls ``engine.update_weights(policy)``
-    after every update). With ``cfg.resume`` an interrupted run of the same config and inputs continues
-    from its newest checkpoint in ``cfg.checkpoint_dir`` (see :mod:`rlhf_core.checkpoint`).
+    This function is the single controller. ``engine`` and ``reward_source`` default to
+    :class:`HFGenerateEngine` on the policy and the source ``cfg.reward_kind`` names; ``learner``
+    and ``reference`` default to an in-process :class:`PolicyLearner` and :class:`ReferenceScorer`
+    (:mod:`rlhf_core.trainers.rl_roles`). The Ray launcher passes proxies of actor groups with
+    the same methods (``alignflow rl --set placement=colocated``). The trainer calls
+    ``engine.update_weights(...)`` after every update. With ``cfg.resume`` an interrupted run of the
+    same config and inputs continues from its newest checkpoint in ``cfg.checkpoint_dir`` (see
+    :mod:`rlhf_core.checkpoint`).
     """
     sink = sink or NullSink()
     seed_everything(cfg.seed, cfg.num_threads)
     device = pick_device()
     autocast_dtype = resolve_precision(cfg.precision, device)
     estimator = AdvantageEstimator(cfg.estimator)
-    aggregation = LossAggregation(cfg.loss_aggregation)
     n, temp = cfg.group_size, cfg.temperature
     timer = Timer()
 
-    # ---- load: policy, frozen reference, critic, reward, engine, prompts ----------------
+    # ---- load: policy learner (+ critic), frozen reference, reward, engine, prompts ----------
     tokenizer = load_tokenizer(cfg.model_path)
     pad_id = tokenizer.pad_token_id
     checkpointer = Checkpointer(cfg.checkpoint_dir, run_fingerprint(cfg), cfg.keep_checkpoints)
-    # Dropout stays off throughout (eval mode, gradients still flow): the update must score
-    # tokens with the same function that sampled them, or the importance ratios are noise.
-    policy = load_causal_lm(cfg.model_path, device).eval()
-    reference = load_causal_lm(cfg.ref_model_path or cfg.model_path, device).eval().requires_grad_(False)
-    critic = None
-    if estimator.needs_critic:
-        from rlhf_core.reward_model import load_reward_model
-
-        critic = load_reward_model(cfg.critic_model_path or cfg.model_path, device).eval()
+    learner = learner or PolicyLearner(cfg, device)
+    reference = reference or ReferenceScorer(cfg, device)
+    policy = learner.policy  # in-process: the trained model; under Ray: a view refreshed from rank 0 on demand
+    has_critic = estimator.needs_critic
     kind = RewardKind(cfg.reward_kind)
     if reward_source is None:
         reward_source = build_reward_source(
@@ -202,6 +155,8 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
             retries=cfg.reward_retries)
     owns_engine = engine is None
     engine = engine or build_rollout_engine(cfg, policy, tokenizer, autocast_dtype)
+    # A LoRA policy's engine needs merged weights; the HF engine that holds the policy needs nothing.
+    sync_weights = getattr(learner, "engine_weights", None)
     prompts, labels = read_prompts(cfg)
     longest = max(len(encode_prompt(tokenizer, p)) for p in prompts)
     if longest + cfg.max_new_tokens > cfg.max_length:
@@ -209,25 +164,18 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
                           f"max_new_tokens {cfg.max_new_tokens} that exceeds max_length {cfg.max_length}")
     sampler = EpochSampler(len(prompts), cfg.prompts_per_step, cfg.seed)
 
-    # ---- optimisers (the schedule advances once per iteration) and the KL controller -----
-    optimizer = build_optimizer(policy, cfg.lr, cfg.weight_decay)
-    scheduler = build_scheduler(optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
-    critic_opt = critic_sched = None
-    if critic is not None:
-        critic_opt = build_optimizer(critic, cfg.critic_lr, cfg.weight_decay)
-        critic_sched = build_scheduler(critic_opt, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+    # ---- the KL controller; the learner owns the optimisers (its schedule advances once per iteration)
     kl_ctl: KLController = (AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl
                             else FixedKLController(cfg.kl_coef))
     update_gen = torch.Generator().manual_seed(cfg.seed)
     with checkpointer.hold("rl"):
         ckpt = checkpointer.latest() if cfg.resume else None
         resumables = {"sampler": sampler, "kl_controller": kl_ctl, "update_generator": _GeneratorState(update_gen)}
-        if critic is not None:
-            resumables.update(critic=critic, critic_optimizer=critic_opt, critic_scheduler=critic_sched)
 
         # ---- evaluation: greedy exact match (+ the reward model's score of the greedy answers) -
         def evaluate(step: int) -> tuple[dict[str, float], list[dict[str, str]]]:
-            result = evaluate_exact_match(policy, tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
+            model = learner.view() if hasattr(learner, "view") else policy
+            result = evaluate_exact_match(model, tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
                                           label_field=cfg.label_field, max_items=cfg.eval_items,
                                           max_new_tokens=cfg.max_new_tokens, n_samples=cfg.eval_items)
             metrics = result.metrics("eval")
@@ -248,8 +196,8 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
         step_metrics: dict[str, float] = {}
         start_step = 1
         if ckpt is not None:
-            start_step = _restore(ckpt, policy, optimizer, scheduler, resumables) + 1
-            engine.update_weights(policy)  # an engine of its own (vLLM) samples from the restored weights
+            start_step = _restore(ckpt, learner, resumables) + 1
+            engine.update_weights(sync_weights(engine))  # an engine of its own (vLLM) samples from the restored weights
             loop_state = ckpt.state["loop"]
             summary, step_metrics = dict(loop_state["summary"]), dict(loop_state["step_metrics"])
             eval_metrics, rollout_table = dict(loop_state["eval_metrics"]), list(loop_state["rollout_table"])
@@ -319,17 +267,11 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
                        "response_ids": batch.response_ids}
                 exp = {k: v.to(device) for k, v in exp.items()}
                 mask = batch.response_mask.to(device).float()
-                with autocast_context(device, autocast_dtype):
-                    sampling_logp = batch.sampling_logprobs.to(device)
-                    if cfg.recompute_old_logprobs:
-                        old_logp = _in_chunks(lambda e: token_logprobs(policy, e, prompt_width, temp)[0], exp,
-                                              cfg.batch_size)
-                    else:
-                        old_logp = sampling_logp
-                    ref_logp = _in_chunks(lambda e: token_logprobs(reference, e, prompt_width, temp)[0], exp,
-                                          cfg.batch_size)
-                    old_values = (_in_chunks(lambda e: token_values(critic, e, prompt_width), exp, cfg.batch_size)
-                                  if critic is not None else None)
+                sampling_logp = batch.sampling_logprobs.to(device)
+                scored = learner.score(exp, prompt_width) if cfg.recompute_old_logprobs or has_critic else {}
+                old_logp = scored["old_logp"].to(device) if cfg.recompute_old_logprobs else sampling_logp
+                ref_logp = reference.logprobs(exp, prompt_width).to(device)
+                old_values = scored["old_values"].to(device) if has_critic else None
                 old_logp, ref_logp = old_logp * mask, ref_logp * mask
                 perf["perf/logprob_s"] = lap.lap()
 
@@ -349,62 +291,15 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
                            "train/tis_capped_frac": float(masked_mean((weights >= cfg.tis_cap).float(), mask))}
                     advantages = advantages * weights
                 exp.update(mask=mask, old_logp=old_logp, ref_logp=ref_logp, advantages=advantages)
-                if critic is not None:
+                if has_critic:
                     exp.update(old_values=old_values * mask, returns=returns)
 
                 # ---- update: ppo_epochs x mini-batches of the policy (and critic) ------------------
-                seen: dict[str, list[float]] = {k: [] for k in ("policy_loss", "clip_frac", "approx_kl", "entropy",
-                                                                  "kl_loss", "value_loss", "value_clip_frac", "grad_norm")}
                 rows = len(batch)
-                for _epoch in range(cfg.ppo_epochs):
-                    order = torch.randperm(rows, generator=update_gen)
-                    for start in range(0, rows, cfg.mini_batch_size):
-                        mb_idx = order[start:start + cfg.mini_batch_size].to(device)
-                        mb = {k: v[mb_idx] for k, v in exp.items()}
-                        with autocast_context(device, autocast_dtype):
-                            logp, entropy = token_logprobs(policy, mb, prompt_width, temp, with_entropy=True)
-                        pg_loss, stats = clipped_policy_loss(logp, mb["old_logp"], mb["advantages"], mb["mask"],
-                                                             clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                                             dual_clip=cfg.dual_clip or None, aggregation=aggregation,
-                                                             max_len=cfg.max_new_tokens)
-                        entropy_term = aggregate_loss(entropy, mb["mask"], aggregation, cfg.max_new_tokens)
-                        loss = pg_loss - cfg.entropy_coef * entropy_term
-                        if not cfg.kl_in_reward and kl_ctl.value > 0:  # GRPO, Eq. 3: + beta * KL(pi || pi_ref)
-                            kl_loss = aggregate_loss(kl_penalty(logp, mb["ref_logp"], cfg.kl_estimator, clamp=_KL_CLAMP),
-                                                     mb["mask"], aggregation, cfg.max_new_tokens)
-                            loss = loss + kl_ctl.value * kl_loss
-                            seen["kl_loss"].append(float(kl_loss.detach()))
-                        _check_finite(float(loss.detach()), "policy loss", step)
-                        loss.backward()
-                        grad_norm = float(torch.nn.utils.clip_grad_norm_(
-                            policy.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")))
-                        _check_finite(grad_norm, "policy gradient norm", step)
-                        seen["grad_norm"].append(grad_norm)
-                        optimizer.step()
-                        optimizer.zero_grad(set_to_none=True)
-                        seen["policy_loss"].append(float(pg_loss.detach()))
-                        seen["clip_frac"].append(float(stats.clip_frac))
-                        seen["approx_kl"].append(float(stats.approx_kl))
-                        seen["entropy"].append(float(masked_mean(entropy.detach(), mb["mask"])))
-
-                        if critic is not None:
-                            with autocast_context(device, autocast_dtype):
-                                values = token_values(critic, mb, prompt_width)
-                            value_loss, value_clip_frac = clipped_value_loss(
-                                values, mb["old_values"], mb["returns"], mb["mask"], clip_eps=cfg.value_clip or None)
-                            _check_finite(float(value_loss.detach()), "value loss", step)
-                            (cfg.vf_coef * value_loss).backward()
-                            if cfg.max_grad_norm > 0:
-                                torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)
-                            critic_opt.step()
-                            critic_opt.zero_grad(set_to_none=True)
-                            seen["value_loss"].append(float(value_loss.detach()))
-                            seen["value_clip_frac"].append(float(value_clip_frac))
-                lr_used = scheduler.get_last_lr()[0]
-                scheduler.step()
-                if critic_sched is not None:
-                    critic_sched.step()
-                engine.update_weights(policy)  # a no-op for the HF engine that holds the policy itself
+                orders = [torch.randperm(rows, generator=update_gen) for _ in range(cfg.ppo_epochs)]
+                seen = learner.update(exp, prompt_width, orders, kl_ctl.value, step)
+                lr_used = learner.end_iteration()
+                engine.update_weights(sync_weights(engine))  # a no-op for the HF engine that holds the policy itself
                 perf["perf/update_s"] = lap.lap()
 
                 # ---- KL controller and logging -------------------------------------------------------
@@ -435,7 +330,7 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
                 }
                 if seen["kl_loss"]:
                     step_metrics["train/kl_loss"] = _mean(seen["kl_loss"])
-                if critic is not None:
+                if has_critic:
                     step_metrics.update({"train/value_loss": _mean(seen["value_loss"]),
                                          "train/value_clip_frac": _mean(seen["value_clip_frac"]),
                                          "train/explained_variance": float(explained_variance(exp["old_values"], returns,
@@ -459,8 +354,8 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
                     eval_metrics, eval_samples = evaluate(step)
                     eval_seconds += started.total()
                 if (cfg.save_every and step % cfg.save_every == 0) or stop.requested:
-                    path = checkpointer.save(step, policy, tokenizer, {
-                        "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    path = checkpointer.save(step, learner.view() if hasattr(learner, "view") else policy, tokenizer, {
+                        **learner.state_dict(),
                         "objects": {key: obj.state_dict() for key, obj in resumables.items()},
                         "loop": {"summary": summary, "step_metrics": step_metrics, "eval_metrics": eval_metrics,
                                  "rollout_table": rollout_table}})
@@ -472,7 +367,8 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
         # ---- final eval, then save ---------------------------------------------------------------
         eval_metrics, eval_samples = evaluate(cfg.max_steps)
         sink.log_metrics({"perf/train_seconds": train_seconds, "perf/total_seconds": timer.total()}, cfg.max_steps)
-        save_hf_dir(policy, tokenizer, cfg.output_dir,
+        final = learner.view() if hasattr(learner, "view") else policy
+        save_hf_dir(merged_model(final), tokenizer, cfg.output_dir,
                     extra={"stage": "rl", "config": redact_secrets(config_to_dict(cfg)),
                            "base_model": str(cfg.model_path)})
         checkpointer.clear()
@@ -513,11 +409,15 @@ def build_rollout_engine(cfg: RLConfig, policy: Any, tokenizer: Any,
     return HFGenerateEngine(policy, tokenizer, batch_size=cfg.batch_size, autocast_dtype=autocast_dtype)
 
 
-def _restore(ckpt: Checkpoint, policy: Any, optimizer: Any, scheduler: Any, resumables: dict[str, Any]) -> int:
-    """Load a checkpoint into the policy, optimizer, schedule, RNG and ``resumables``; returns its step."""
-    load_weights(policy, ckpt.path)
-    optimizer.load_state_dict(ckpt.state["optimizer"])
-    scheduler.load_state_dict(ckpt.state["scheduler"])
+def _restore(ckpt: Checkpoint, learner: Any, resumables: dict[str, Any]) -> int:
+    """Load a checkpoint into the learner (policy, optimizers, schedules, critic), RNG and ``resumables``."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(ckpt.path).glob("*.safetensors"))
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    learner.load_state_dict(ckpt.state, _complete_tied(weights, learner))
     for key, obj in resumables.items():
         if key not in ckpt.state["objects"]:
             raise ValueError(f"{ckpt.path}: checkpoint has no {key} state")
@@ -526,7 +426,8 @@ def _restore(ckpt: Checkpoint, policy: Any, optimizer: Any, scheduler: Any, resu
     return ckpt.step
 
 
-def _check_finite(value: float, what: str, step: int) -> None:
-    if not math.isfinite(value):
-        raise NonFiniteError(f"rl: iteration {step}: {what} is {value}; stopped before the optimizer step, "
-                             f"the last checkpoint is intact")
+def _complete_tied(weights: dict[str, torch.Tensor], learner: Any) -> dict[str, torch.Tensor]:
+    """safetensors drops a tied LM head; give it back so ``load_state_dict`` is strict-complete."""
+    if "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
+        weights = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}
+    return weights

@@ -22,6 +22,7 @@ from rlhf_core.evaluate import evaluate_exact_match
 from rlhf_core.logprobs import MODEL_INPUTS
 from rlhf_core.losses import token_nll_sum
 from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
+from rlhf_core.parallel import current_world
 from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, seed_everything
 
 
@@ -75,7 +76,7 @@ def train_sft(cfg: SFTConfig, sink: MetricSink | None = None, show_progress: boo
                                     **{**fields, "completion_field": cfg.label_field})
 
     # ---- batches: a deterministic reshuffle every epoch ---------------------------------
-    sampler = EpochSampler(len(train), cfg.batch_size, cfg.seed)
+    sampler = EpochSampler(len(train), cfg.batch_size, cfg.seed, current_world())
 
     def next_micro_batch() -> dict[str, torch.Tensor]:
         idx = sampler.next()

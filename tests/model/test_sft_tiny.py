@@ -56,6 +56,7 @@ def test_grad_accumulation_matches_big_batch(micro_model, micro_data, tmp_path):
     from rlhf_core.data.io import read_records
     from rlhf_core.data.tokenize import collate_padded, tokenize_sft_records
     from rlhf_core.losses import token_nll_sum
+    from rlhf_core.parallel import LocalStrategy
     from rlhf_core.trainers.loop import accumulate_and_step
 
     tok = load_tokenizer(micro_model)
@@ -81,7 +82,8 @@ def test_grad_accumulation_matches_big_batch(micro_model, micro_data, tmp_path):
             return orig_step(*a, **k)
 
         opt.step = step_and_capture
-        accumulate_and_step(model, micro, loss_fn, opt, sched, max_grad_norm=0.0, autocast_dtype=None)
+        accumulate_and_step(LocalStrategy(model, opt, sched), micro, loss_fn, max_grad_norm=0.0,
+                            autocast_dtype=None)
         grads.append(captured)
     for name in grads[0]:
         assert torch.allclose(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-4), name

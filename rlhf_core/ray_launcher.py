@@ -1,0 +1,465 @@
+"""The one Ray boundary: actor classes, the actor-group helper, placement groups, and two launchers.
+
+Everything Ray-specific lives here; the trainers and roles it hosts (:mod:`rlhf_core.trainers`,
+:mod:`rlhf_core.trainers.rl_roles`) run the same in a plain process. Two entry points:
+
+* :func:`train_data_parallel`: N ranks of any trainer (SFT, DPO, KTO, reward model, distill)
+  as :class:`TrainerActor` s forming one ``torch.distributed`` world (gloo on CPU, NCCL on GPU);
+  each rank runs the trainer function, rank 0's metrics stream back to the caller's sink.
+  ``alignflow sft --set num_workers=2``.
+* :func:`train_rl_on_ray`: online RL with this process as the single controller
+  (:func:`rlhf_core.trainers.rl.train_rl`) and the models in actors: the policy learner as N
+  data-parallel ranks, reference scorers, rollout engines and (for ``reward_kind: model``) a
+  reward model. ``alignflow rl --set placement=colocated --set num_workers=2``.
+
+Placement groups are made only by :class:`Launcher`. *Colocated*: one bundle per policy rank and
+every role takes a fraction of it (reference rank i, rollout replica i and the reward model
+share policy rank i's device; each role hands its cached memory back after its phase).
+*Disaggregated*: each role gets bundles of its own.
+
+The cluster: :func:`connect` attaches to the one ``RAY_ADDRESS`` names (``ray start --head``
+on the head node; see README "Scale out with Ray"), or starts a local instance.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import time
+from dataclasses import replace
+from typing import Any, Callable, Sequence
+
+import ray
+import torch
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlhf_core.env import OFFLINE_ENV
+
+log = logging.getLogger(__name__)
+
+# A colocated bundle is shared by up to four roles (policy, reference, rollout, reward model).
+_COLOCATED_SHARE = 0.25
+
+
+# --------------------------------------------------------------------------------------
+# The cluster
+# --------------------------------------------------------------------------------------
+
+
+def connect(min_cpus: float = 0.0) -> str:
+    """Attach to the cluster ``RAY_ADDRESS`` names, or start a local one; returns the GCS address.
+
+    A local instance gets at least ``min_cpus`` logical CPUs (bundles are scheduling units; on a
+    small laptop several roles time-share its cores). Workers inherit the offline switches.
+    """
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS") or None
+        kwargs: dict[str, Any] = {"runtime_env": {"env_vars": dict(OFFLINE_ENV)}, "log_to_driver": True,
+                                  "logging_level": logging.WARNING}
+        if address is None:
+            kwargs.update(num_cpus=max(os.cpu_count() or 1, math.ceil(min_cpus)), include_dashboard=False)
+        ray.init(address=address, **kwargs)
+        log.warning("ray: %s cluster at %s", "attached to" if address else "started a local",
+                    ray.get_runtime_context().gcs_address)
+    return ray.get_runtime_context().gcs_address
+
+
+def cluster_has_gpus() -> bool:
+    return ray.cluster_resources().get("GPU", 0) >= 1
+
+
+# --------------------------------------------------------------------------------------
+# Actors: one generic host, one named class per role (so Ray's listings say what runs where)
+# --------------------------------------------------------------------------------------
+
+
+class _Worker:
+    """Hosts one role object (or runs one trainer function) in an actor; optionally a rank of a world."""
+
+    def __init__(self, cwd: str, num_threads: int):
+        if os.path.isdir(cwd):  # relative paths in configs mean the driver's directory (same machine/NFS)
+            os.chdir(cwd)
+        torch.set_num_threads(num_threads)
+        self.role: Any = None
+
+    def rendezvous(self) -> tuple[str, int]:
+        """This node's address and a free port, for rank 0 of a world."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def join_world(self, addr: str, port: int, rank: int, size: int) -> int:
+        """``torch.distributed.init_process_group``: NCCL when this actor has a GPU, else gloo."""
+        import torch.distributed as dist
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        # What torchrun would set; DeepSpeed reads them. Ray shows each actor only its own GPU(s),
+        # so the local device is always 0.
+        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size),
+                          LOCAL_RANK="0")
+        if backend == "nccl":
+            torch.cuda.set_device(0)  # Ray exposes this actor's GPU(s) as CUDA_VISIBLE_DEVICES
+        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=size)
+        return os.getpid()
+
+    def build(self, factory: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
+        self.role = factory(*args, **kwargs)
+        return os.getpid()
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.role, method)(*args, **kwargs)
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    def leave_world(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if hasattr(self.role, "close"):
+            self.role.close()
+
+
+@ray.remote
+class TrainerActor(_Worker):
+    """A data-parallel rank: of an offline trainer, or of the RL policy learner (policy + critic)."""
+
+
+@ray.remote
+class ReferenceActor(_Worker):
+    """A frozen reference model scoring its share of rollout rows."""
+
+
+@ray.remote
+class RolloutActor(_Worker):
+    """A rollout engine replica (HF generate or vLLM) on its own copy of the policy."""
+
+
+@ray.remote
+class RewardModelActor(_Worker):
+    """A reward model scoring (prompt, completion) pairs."""
+
+
+class ActorGroup:
+    """``n`` actors of one class, one per placement-group bundle; optionally one torch.distributed world."""
+
+    def __init__(self, actor_cls: Any, name: str, pg: PlacementGroup, bundles: Sequence[int], *, num_cpus: float,
+                 num_gpus: float, num_threads: int, world: bool):
+        self.name = name
+        self.actors = [actor_cls.options(
+            num_cpus=num_cpus, num_gpus=num_gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b),
+        ).remote(os.getcwd(), num_threads) for b in bundles]
+        if world and len(self.actors) > 1:
+            addr, port = ray.get(self.actors[0].rendezvous.remote())
+            ray.get([a.join_world.remote(addr, port, i, len(self.actors)) for i, a in enumerate(self.actors)])
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def build(self, factory: Callable[..., Any], *args: Any, per_rank: Callable[[int], dict] | None = None,
+              **kwargs: Any) -> None:
+        ray.get([a.build.remote(factory, *args, **kwargs, **(per_rank(i) if per_rank else {}))
+                 for i, a in enumerate(self.actors)])
+
+    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """``role.method(*args)`` on every actor (same arguments), results in rank order."""
+        return ray.get([a.call.remote(method, *args, **kwargs) for a in self.actors])
+
+    def run_all(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        return [a.run.remote(fn, *args, **kwargs) for a in self.actors]
+
+    def shutdown(self) -> None:
+        try:
+            ray.get([a.leave_world.remote() for a in self.actors], timeout=60)
+        except Exception as exc:  # noqa: BLE001 - best effort: the actors are killed next either way
+            log.warning("ray: %s did not leave cleanly: %s", self.name, exc)
+        for a in self.actors:
+            ray.kill(a)
+
+
+# --------------------------------------------------------------------------------------
+# Placement: the only place placement groups are made
+# --------------------------------------------------------------------------------------
+
+
+class Launcher:
+    """Creates placement groups and actor groups for one run, and removes them at the end."""
+
+    def __init__(self, use_gpus: bool):
+        self.use_gpus = use_gpus
+        self.groups: list[ActorGroup] = []
+        self.pgs: list[PlacementGroup] = []
+
+    def bundles(self, n: int) -> PlacementGroup:
+        """``n`` bundles of one CPU (and one GPU when the cluster has them), packed on few nodes."""
+        bundle = {"CPU": 1.0, **({"GPU": 1.0} if self.use_gpus else {})}
+        pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+        ray.get(pg.ready(), timeout=300)
+        self.pgs.append(pg)
+        return pg
+
+    def group(self, actor_cls: Any, name: str, pg: PlacementGroup, bundles: Sequence[int], *, share: float,
+              num_threads: int, world: bool = False) -> ActorGroup:
+        g = ActorGroup(actor_cls, name, pg, bundles, num_cpus=share, num_gpus=share if self.use_gpus else 0,
+                       num_threads=num_threads, world=world)
+        self.groups.append(g)
+        return g
+
+    def shutdown(self) -> None:
+        for g in reversed(self.groups):
+            g.shutdown()
+        for pg in self.pgs:
+            remove_placement_group(pg)
+
+
+# --------------------------------------------------------------------------------------
+# Offline trainers: N data-parallel ranks, metrics streamed to the caller's sink
+# --------------------------------------------------------------------------------------
+
+
+class _QueueSink:
+    """A rank-0 sink that forwards metrics to the driver through a Ray queue."""
+
+    def __init__(self, queue: Any):
+        self.queue = queue
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.queue.put((dict(metrics), step))
+
+
+def _run_rank(train_fn: Callable[..., Any], cfg: Any, queue: Any, show_progress: bool) -> Any:
+    from rlhf_core.parallel import current_world
+
+    sink = _QueueSink(queue) if current_world().is_main else None
+    return train_fn(cfg, sink=sink, show_progress=show_progress and current_world().is_main)
+
+
+def train_data_parallel(train_fn: Callable[..., Any], cfg: Any, sink: Any = None, show_progress: bool = True) -> Any:
+    """Run ``train_fn(cfg)`` on ``cfg.num_workers`` Ray actors forming one data-parallel world.
+
+    Returns rank 0's result (the output directory and metrics); rank 0's metrics reach ``sink``
+    while the run goes. Same global batch as one worker (see :mod:`rlhf_core.parallel`).
+    """
+    from ray.util.queue import Queue
+
+    connect(min_cpus=cfg.num_workers)
+    launcher = Launcher(cluster_has_gpus())
+    queue = Queue()
+    try:
+        pg = launcher.bundles(cfg.num_workers)
+        group = launcher.group(TrainerActor, "trainer", pg, range(cfg.num_workers), share=1.0,
+                               num_threads=cfg.num_threads, world=True)
+        refs = group.run_all(_run_rank, train_fn, cfg, queue, show_progress)
+        pending = list(refs)
+        while pending:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+            _drain(queue, sink)
+        results = ray.get(refs)
+        _drain(queue, sink)
+        return results[0]
+    finally:
+        launcher.shutdown()
+        queue.shutdown()
+
+
+def _drain(queue: Any, sink: Any) -> None:
+    while not queue.empty():
+        metrics, step = queue.get()
+        if sink is not None:
+            sink.log_metrics(metrics, step)
+
+
+# --------------------------------------------------------------------------------------
+# Online RL: the controller here, the models in actors
+# --------------------------------------------------------------------------------------
+
+
+def _interleave(shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Undo ``rows rank::N`` sharding: shard r holds rows r, r+N, ... of the result."""
+    n = len(shards)
+    rows = sum(s.shape[0] for s in shards)
+    out = torch.empty((rows, *shards[0].shape[1:]), dtype=shards[0].dtype)
+    for r, s in enumerate(shards):
+        out[r::n] = s
+    return out
+
+
+class RemoteLearner:
+    """The controller's handle on the policy learner group: same methods as :class:`PolicyLearner`."""
+
+    def __init__(self, group: ActorGroup, cfg: Any):
+        from rlhf_core.models import load_causal_lm
+
+        self.group, self.cfg = group, cfg
+        # A CPU copy of the policy for evaluation and saving, refreshed from rank 0 on demand.
+        self.policy = load_causal_lm(cfg.model_path, torch.device("cpu")).eval().requires_grad_(False)
+        self._fresh = True
+
+    def score(self, exp: dict[str, torch.Tensor], prompt_width: int) -> dict[str, torch.Tensor]:
+        exp = {k: v.cpu() for k, v in exp.items()}
+        outs = self.group.call_all("score", exp, prompt_width)
+        return {k: _interleave([o[k] for o in outs]) for k in outs[0]}
+
+    def update(self, exp: dict[str, torch.Tensor], prompt_width: int, orders: list[torch.Tensor], kl_coef: float,
+               step: int) -> dict[str, list[float]]:
+        self._fresh = False
+        exp = {k: v.cpu() for k, v in exp.items()}
+        return self.group.call_all("update", exp, prompt_width, orders, kl_coef, step)[0]
+
+    def end_iteration(self) -> float:
+        return self.group.call_all("end_iteration")[0]
+
+    def engine_weights(self, engine: Any = None) -> Any:
+        """Rank 0's weights as a Ray object (every rank takes part: ZeRO-3 gathers them)."""
+        refs = [a.call.remote("engine_weights") for a in self.group.actors]
+        ray.wait(refs, num_returns=len(refs))
+        return refs[0] if isinstance(engine, RemoteRollout) else ray.get(refs[0])
+
+    def view(self) -> Any:
+        """The controller's copy of the policy with rank 0's current weights."""
+        if not self._fresh:
+            weights = self.engine_weights()
+            self.policy.load_state_dict(weights)
+            self._fresh = True
+        return self.policy
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.group.call_all("state_dict")[0]
+
+    def load_state_dict(self, state: dict[str, Any], policy_weights: dict[str, torch.Tensor] | None = None) -> None:
+        self.group.call_all("load_state_dict", state, policy_weights)
+        if policy_weights is not None:
+            self.policy.load_state_dict(policy_weights)
+
+
+class RemoteReference:
+    """The controller's handle on the reference scorers: rows split across replicas."""
+
+    def __init__(self, group: ActorGroup):
+        self.group = group
+
+    def logprobs(self, exp: dict[str, torch.Tensor], prompt_width: int) -> torch.Tensor:
+        exp = {k: v.cpu() for k, v in exp.items()}
+        return _interleave(self.group.call_all("logprobs", exp, prompt_width))
+
+
+class RemoteRollout:
+    """A :class:`rlhf_core.rollout.RolloutEngine` over rollout replicas: prompts split, batches joined."""
+
+    def __init__(self, group: ActorGroup, pad_id: int, inner_name: str):
+        self.group, self.pad_id, self.inner_name = group, pad_id, inner_name
+
+    @property
+    def name(self) -> str:
+        return f"ray[{len(self.group)}x{self.inner_name}]"
+
+    def generate(self, prompts: Sequence[str], params: Any) -> Any:
+        from rlhf_core.trainers.rl import _concat
+
+        k = min(len(self.group), len(prompts))
+        size = -(-len(prompts) // k)
+        chunks = [list(prompts[i:i + size]) for i in range(0, len(prompts), size)]
+        refs = [a.call.remote("generate", chunk, replace(params, seed=None if params.seed is None else params.seed + i))
+                for i, (a, chunk) in enumerate(zip(self.group.actors, chunks))]
+        return _concat(ray.get(refs), self.pad_id)
+
+    def update_weights(self, weights: Any) -> None:
+        """Push weights (a Ray object reference, fetched once per node, or a state dict) to every replica."""
+        self.group.call_all("update_weights", weights)
+
+
+class RemoteReward:
+    """A :class:`rlhf_core.rewards.RewardSource` served by a reward-model actor."""
+
+    def __init__(self, group: ActorGroup):
+        self.group = group
+
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str], labels: Sequence[str | None]) -> list[float]:
+        return ray.get(self.group.actors[0].call.remote("__call__", list(prompts), list(completions), list(labels)))
+
+
+def _rollout_replica(cfg: Any) -> Any:
+    """A rollout engine on its own copy of the starting policy (built inside the actor)."""
+    from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device, resolve_precision
+    from rlhf_core.trainers.rl import build_rollout_engine
+
+    device = pick_device()
+    policy = load_causal_lm(cfg.model_path, device).eval().requires_grad_(False)
+    return build_rollout_engine(cfg, policy, load_tokenizer(cfg.model_path), resolve_precision(cfg.precision, device))
+
+
+def _reward_model(cfg: Any) -> Any:
+    from rlhf_core.models import pick_device
+    from rlhf_core.rewards import build_reward_source
+
+    return build_reward_source("model", path=cfg.reward_model_path, device=pick_device(), batch_size=cfg.batch_size)
+
+
+def _reference(cfg: Any, rank: int, size: int) -> Any:
+    from rlhf_core.parallel import World
+    from rlhf_core.trainers.rl_roles import ReferenceScorer
+
+    return ReferenceScorer(cfg, world=World(rank, size))
+
+
+def _learner(cfg: Any) -> Any:
+    from rlhf_core.trainers.rl_roles import PolicyLearner
+
+    return PolicyLearner(cfg)
+
+
+def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> Any:
+    """:func:`rlhf_core.trainers.rl.train_rl` with its models in Ray actors placed as ``cfg.placement`` says."""
+    from rlhf_core.models import load_tokenizer
+    from rlhf_core.trainers.rl import train_rl
+
+    if cfg.placement not in ("colocated", "disaggregated"):
+        raise ValueError(f"rl.placement must be colocated or disaggregated to run on Ray, got {cfg.placement!r}")
+    workers, replicas = cfg.num_workers, cfg.rollout_workers
+    reward_model = cfg.reward_kind == "model"
+    colocated = cfg.placement == "colocated"
+    n_refs = workers if colocated else 1
+    connect(min_cpus=workers if colocated else workers + n_refs + replicas + int(reward_model))
+    launcher = Launcher(cluster_has_gpus())
+    started = time.perf_counter()
+    try:
+        if colocated:
+            pg = launcher.bundles(workers)
+            ranks = list(range(workers))
+            pgs = {"policy": (pg, ranks), "reference": (pg, ranks),
+                   "rollout": (pg, [i % workers for i in range(replicas)]), "reward": (pg, [0])}
+            share = _COLOCATED_SHARE
+        else:
+            pgs = {"policy": (launcher.bundles(workers), range(workers)),
+                   "reference": (launcher.bundles(n_refs), range(n_refs)),
+                   "rollout": (launcher.bundles(replicas), range(replicas))}
+            if reward_model:
+                pgs["reward"] = (launcher.bundles(1), [0])
+            share = 1.0
+        threads = cfg.num_threads
+        policy = launcher.group(TrainerActor, "policy", *pgs["policy"], share=share, num_threads=threads, world=True)
+        policy.build(_learner, cfg)
+        reference = launcher.group(ReferenceActor, "reference", *pgs["reference"], share=share, num_threads=threads)
+        reference.build(_reference, cfg, per_rank=lambda i: {"rank": i, "size": n_refs})
+        rollout = launcher.group(RolloutActor, "rollout", *pgs["rollout"], share=share, num_threads=threads)
+        rollout.build(_rollout_replica, cfg)
+        reward_source = None
+        if reward_model:
+            rm = launcher.group(RewardModelActor, "reward", *pgs["reward"], share=share, num_threads=threads)
+            rm.build(_reward_model, cfg)
+            reward_source = RemoteReward(rm)
+        log.warning("ray: rl %s placement: %d policy rank(s), %d reference, %d rollout replica(s)%s, ready in %.1f s",
+                    cfg.placement, workers, n_refs, replicas, " and a reward model" if reward_model else "",
+                    time.perf_counter() - started)
+        tokenizer = load_tokenizer(cfg.model_path)
+        engine = RemoteRollout(rollout, tokenizer.pad_token_id, cfg.rollout_engine)
+        return train_rl(cfg, sink, show_progress, engine=engine, reward_source=reward_source,
+                        learner=RemoteLearner(policy, cfg), reference=RemoteReference(reference))
+    finally:
+        launcher.shutdown()

@@ -1,0 +1,328 @@
+"""The model-holding roles of online RL: the policy learner (policy + critic) and the reference scorer.
+
+:func:`rlhf_core.trainers.rl.train_rl` is the single controller: it samples, scores and
+computes advantages, and asks these roles for forward passes and updates. In one process
+the roles are plain objects; under Ray (:mod:`rlhf_core.ray_launcher`) each runs in actors,
+the learner as N data-parallel ranks, and the controller talks to them through proxies with
+the same methods. Only torch and transformers here.
+
+Data parallelism (Sec. "Global-batch semantics" of :mod:`rlhf_core.parallel`): every rank gets
+the whole experience and the same shuffled row order, and takes rows ``rank::N`` of each
+mini-batch. Its aggregated loss ``L_r`` over ``u_r`` units (tokens or sequences, see
+:func:`rlhf_core.rl_math.aggregation_units`) enters backward as ``L_r * u_r / sum_r u_r``, so the
+summed gradient is the one-worker gradient of the whole mini-batch.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+
+from rlhf_core.config import RLConfig
+from rlhf_core.models import export_state_dict, has_lora, load_causal_lm, pick_device, prepare_for_training, \
+    resolve_precision
+from rlhf_core.parallel import World, build_strategy, current_world, disable_dropout, train_mode
+from rlhf_core.rl_math import (AdvantageEstimator, LossAggregation, aggregate_loss, aggregation_units,
+                               clipped_policy_loss, clipped_value_loss, entropy_from_logits, kl_penalty, masked_mean)
+from rlhf_core.trainers.loop import autocast_context, build_optimizer, build_scheduler
+
+# Log-ratios to the reference are clamped before k3's exp (verl's bound): one token the policy
+# has nearly abandoned must not turn the KL term into inf.
+KL_CLAMP = 20.0
+SEEN_KEYS = ("policy_loss", "clip_frac", "approx_kl", "entropy", "kl_loss", "value_loss", "value_clip_frac",
+             "grad_norm")
+
+
+# --------------------------------------------------------------------------------------
+# Forward passes: response log-probs (policy, reference) and token values (critic)
+# --------------------------------------------------------------------------------------
+
+
+def _model_inputs(exp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # position_ids count from each row's first real token, as generate did: without them a
+    # left-padded row is scored at shifted positions and its ratio to the sampler drifts.
+    return {"input_ids": exp["input_ids"], "attention_mask": exp["attention_mask"],
+            "position_ids": exp["position_ids"]}
+
+
+def token_logprobs(model: Any, exp: dict[str, torch.Tensor], prompt_width: int, temperature: float,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(rows, R)`` ``log_softmax(logits / T)`` of each response token, and optionally its entropy.
+
+    The logits at position ``t`` predict token ``t + 1``, so the response tokens (columns
+    ``P .. P+R-1``) are scored by columns ``P-1 .. P+R-2``. Dividing by the sampling temperature
+    matches the engine's ``sampling_logprobs`` (see :mod:`rlhf_core.rollout`), so on-policy ratios are 1.
+    """
+    logits = model(**_model_inputs(exp), use_cache=False).logits[:, prompt_width - 1:-1].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, exp["response_ids"].unsqueeze(-1)).squeeze(-1)
+    return logp, (entropy_from_logits(logits) if with_entropy else None)
+
+
+def token_values(critic: Any, exp: dict[str, torch.Tensor], prompt_width: int) -> torch.Tensor:
+    """``(rows, R)`` ``V(s_t)``: the critic's scalar head on the hidden state that precedes response token ``t``.
+
+    ``critic`` is an ``AutoModelForSequenceClassification`` (:func:`rlhf_core.reward_model.load_reward_model`);
+    its backbone gives every position's hidden state and its ``score`` head maps each to a value,
+    where the reward-model forward would keep only the last token's.
+    """
+    hidden = critic.base_model(**_model_inputs(exp), use_cache=False).last_hidden_state
+    return critic.score(hidden[:, prompt_width - 1:-1]).squeeze(-1).float()
+
+
+@torch.no_grad()
+def _in_chunks(fn: Any, exp: dict[str, torch.Tensor], rows: torch.Tensor, n_chunks: int) -> torch.Tensor:
+    """``fn`` over ``n_chunks`` consecutive chunks of the rows ``rows`` of ``exp`` (no gradient), concatenated.
+
+    The chunk count is the same on every rank (ZeRO-3 gathers parameters in every forward, so
+    ranks must run the same number of them).
+    """
+    parts = [fn({k: v[chunk] for k, v in exp.items()}) for chunk in torch.tensor_split(rows, n_chunks)]
+    return torch.cat(parts)
+
+
+def _to(exp: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in exp.items()}
+
+
+def release_memory() -> None:
+    """Hand cached allocator blocks back between phases (colocated roles share a GPU)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class _Sharded:
+    """Rows of this rank and the chunking every rank agrees on."""
+
+    def __init__(self, world: World, rows: int, batch_size: int):
+        self.rows = torch.arange(rows)[world.rows(rows)]
+        self.n_chunks = max(1, -(-rows // (batch_size * world.size)))
+
+
+# --------------------------------------------------------------------------------------
+# Reference: frozen log-probs
+# --------------------------------------------------------------------------------------
+
+
+class ReferenceScorer:
+    """The frozen reference policy of the KL term; scores rows ``rank::N`` of an experience."""
+
+    def __init__(self, cfg: RLConfig, device: torch.device | None = None, world: World | None = None):
+        self.cfg, self.device, self.world = cfg, device or pick_device(), world or current_world()
+        self.autocast_dtype = resolve_precision(cfg.precision, self.device)
+        self.model = load_causal_lm(cfg.ref_model_path or cfg.model_path, self.device).eval().requires_grad_(False)
+
+    def logprobs(self, exp: dict[str, torch.Tensor], prompt_width: int) -> torch.Tensor:
+        """``(my_rows, R)`` reference log-probs of this rank's rows."""
+        exp = _to(exp, self.device)
+        shard = _Sharded(self.world, exp["input_ids"].shape[0], self.cfg.batch_size)
+        with autocast_context(self.device, self.autocast_dtype):
+            out = _in_chunks(lambda e: token_logprobs(self.model, e, prompt_width, self.cfg.temperature)[0], exp,
+                             shard.rows.to(self.device), shard.n_chunks)
+        release_memory()
+        return out.cpu()
+
+
+# --------------------------------------------------------------------------------------
+# Policy learner: policy (+ critic for gae), optimizers, schedules, the PPO update
+# --------------------------------------------------------------------------------------
+
+
+class PolicyLearner:
+    """The trained policy (and the critic, for ``gae``) with their optimizers; one data-parallel rank."""
+
+    def __init__(self, cfg: RLConfig, device: torch.device | None = None, world: World | None = None):
+        self.cfg, self.device, self.world = cfg, device or pick_device(), world or current_world()
+        self.autocast_dtype = resolve_precision(cfg.precision, self.device)
+        self.aggregation = LossAggregation(cfg.loss_aggregation)
+        # Dropout stays off (and eval mode, gradients still flow): the update must score tokens
+        # with the same function that sampled them, or the importance ratios are noise.
+        self.policy = load_causal_lm(cfg.model_path, self.device).eval()
+        disable_dropout(self.policy)
+        prepare_for_training(self.policy, gradient_checkpointing=cfg.gradient_checkpointing, lora_rank=cfg.lora_rank,
+                             lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout)
+        self.optimizer = build_optimizer(self.policy, cfg.lr, cfg.weight_decay)
+        self.scheduler = build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+        # The schedule is stepped here once per iteration (end_iteration), not by DeepSpeed per optimizer step.
+        self.strategy = build_strategy(cfg.parallel, self.policy, self.optimizer, None, self.world,
+                                       max_grad_norm=cfg.max_grad_norm, offload_optimizer=cfg.offload_optimizer)
+        self.critic = self.critic_opt = self.critic_sched = self.critic_strategy = None
+        if AdvantageEstimator(cfg.estimator).needs_critic:
+            from rlhf_core.reward_model import load_reward_model
+
+            self.critic = load_reward_model(cfg.critic_model_path or cfg.model_path, self.device).eval()
+            disable_dropout(self.critic)
+            prepare_for_training(self.critic, gradient_checkpointing=cfg.gradient_checkpointing)
+            self.critic_opt = build_optimizer(self.critic, cfg.critic_lr, cfg.weight_decay)
+            self.critic_sched = build_scheduler(self.critic_opt, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+            # The critic is called through its submodules (backbone, then the score head on every
+            # position), which DDP's forward hook would miss: it stays a plain replica on each rank
+            # and its gradients are summed by hand.
+            self.critic_strategy = build_strategy("ddp", self.critic, self.critic_opt, self.critic_sched, World())
+
+    # ---- old log-probs and values (no grad) --------------------------------------------------
+
+    def score(self, exp: dict[str, torch.Tensor], prompt_width: int) -> dict[str, torch.Tensor]:
+        """``old_logp`` (and ``old_values`` with a critic) of this rank's rows, each ``(my_rows, R)``."""
+        exp = _to(exp, self.device)
+        shard = _Sharded(self.world, exp["input_ids"].shape[0], self.cfg.batch_size)
+        rows = shard.rows.to(self.device)
+        out = {}
+        with autocast_context(self.device, self.autocast_dtype):
+            out["old_logp"] = _in_chunks(
+                lambda e: token_logprobs(self.strategy.module, e, prompt_width, self.cfg.temperature)[0], exp, rows,
+                shard.n_chunks).cpu()
+            if self.critic is not None:
+                out["old_values"] = _in_chunks(lambda e: token_values(self.critic, e, prompt_width), exp, rows,
+                                               shard.n_chunks).cpu()
+        release_memory()
+        return out
+
+    # ---- update: ppo_epochs x mini-batches of the policy (and critic) ------------------------
+
+    def update(self, exp: dict[str, torch.Tensor], prompt_width: int, orders: list[torch.Tensor], kl_coef: float,
+               step: int) -> dict[str, list[float]]:
+        """One pass per tensor in ``orders`` (a row permutation per PPO epoch) of mini-batch updates.
+
+        ``exp`` holds every row's ``input_ids``, ``attention_mask``, ``position_ids``, ``response_ids``,
+        ``mask``, ``old_logp``, ``ref_logp``, ``advantages`` (and ``old_values``, ``returns`` with a
+        critic), each ``(rows, ...)``. Returns per-optimizer-step diagnostics, identical on every rank.
+        """
+        cfg, world = self.cfg, self.world
+        exp = _to(exp, self.device)
+        seen: dict[str, list[float]] = {k: [] for k in SEEN_KEYS}
+        checkpointing = train_mode(self.policy) if cfg.gradient_checkpointing else _nothing()
+        with checkpointing:
+            for order in orders:
+                for start in range(0, len(order), cfg.mini_batch_size):
+                    mb_rows = order[start:start + cfg.mini_batch_size]
+                    mb = {k: v[mb_rows[world.rows(len(mb_rows))].to(self.device)] for k, v in exp.items()}
+                    self._policy_step(mb, prompt_width, kl_coef, step, seen)
+                    if self.critic is not None:
+                        self._critic_step(mb, prompt_width, step, seen)
+        release_memory()
+        return seen
+
+    def _policy_step(self, mb: dict[str, torch.Tensor], prompt_width: int, kl_coef: float, step: int,
+                     seen: dict[str, list[float]]) -> None:
+        cfg, agg = self.cfg, self.aggregation
+        with autocast_context(self.device, self.autocast_dtype):
+            logp, entropy = token_logprobs(self.strategy.module, mb, prompt_width, cfg.temperature, with_entropy=True)
+        pg_loss, stats = clipped_policy_loss(logp, mb["old_logp"], mb["advantages"], mb["mask"],
+                                             clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                             dual_clip=cfg.dual_clip or None, aggregation=agg,
+                                             max_len=cfg.max_new_tokens)
+        entropy_term = aggregate_loss(entropy, mb["mask"], agg, cfg.max_new_tokens)
+        loss = pg_loss - cfg.entropy_coef * entropy_term
+        kl_loss = torch.zeros(())
+        use_kl_loss = not cfg.kl_in_reward and kl_coef > 0
+        if use_kl_loss:  # GRPO, Eq. 3: + beta * KL(pi || pi_ref)
+            kl_loss = aggregate_loss(kl_penalty(logp, mb["ref_logp"], cfg.kl_estimator, clamp=KL_CLAMP),
+                                     mb["mask"], agg, cfg.max_new_tokens)
+            loss = loss + kl_coef * kl_loss
+        # this rank's share of the mini-batch's loss: units_r / sum_r units_r (1 in one process)
+        units = float(aggregation_units(mb["mask"], agg))
+        total_units = self.world.all_reduce_sum([units])[0]
+        share = units / max(total_units, 1.0)
+        self.strategy.backward(loss * share * self.strategy.grad_scale)
+        # diagnostics as the whole mini-batch's (unit-weighted means over ranks); finiteness checked by all
+        ent = float(masked_mean(entropy.detach(), mb["mask"]))
+        sums = self.world.all_reduce_sum([share * float(v) for v in (loss.detach(), pg_loss.detach(), kl_loss.detach(),
+                                                                     stats.clip_frac, stats.approx_kl, ent)])
+        _check_finite(sums[0], "policy loss", step)
+        if hasattr(self.strategy, "last_grad_norm"):
+            self.strategy.step()
+            grad_norm = self.strategy.last_grad_norm()
+        else:
+            grad_norm = self.strategy.clip_grad_norm(cfg.max_grad_norm)
+            _check_finite(grad_norm, "policy gradient norm", step)
+            self.strategy.optimizer.step()  # the schedule advances once per iteration (end_iteration)
+            self.strategy.zero_grad()
+        seen["grad_norm"].append(grad_norm)
+        seen["policy_loss"].append(sums[1])
+        if use_kl_loss:
+            seen["kl_loss"].append(sums[2])
+        seen["clip_frac"].append(sums[3])
+        seen["approx_kl"].append(sums[4])
+        seen["entropy"].append(sums[5])
+
+    def _critic_step(self, mb: dict[str, torch.Tensor], prompt_width: int, step: int,
+                     seen: dict[str, list[float]]) -> None:
+        cfg = self.cfg
+        with autocast_context(self.device, self.autocast_dtype):
+            values = token_values(self.critic_strategy.module, mb, prompt_width)
+        value_loss, value_clip_frac = clipped_value_loss(values, mb["old_values"], mb["returns"], mb["mask"],
+                                                         clip_eps=cfg.value_clip or None)
+        units = float(mb["mask"].sum())  # the value loss is a token mean
+        share = units / max(self.world.all_reduce_sum([units])[0], 1.0)
+        self.critic_strategy.backward(cfg.vf_coef * value_loss * share * self.critic_strategy.grad_scale)
+        self.world.all_reduce_grads(self.critic)
+        sums = self.world.all_reduce_sum([share * float(value_loss.detach()), share * float(value_clip_frac)])
+        _check_finite(sums[0], "value loss", step)
+        if cfg.max_grad_norm > 0:
+            self.critic_strategy.clip_grad_norm(cfg.max_grad_norm)
+        self.critic_strategy.optimizer.step()
+        self.critic_strategy.zero_grad()
+        seen["value_loss"].append(sums[0])
+        seen["value_clip_frac"].append(sums[1])
+
+    def end_iteration(self) -> float:
+        """Advance the schedules once (one per iteration); returns the policy lr the iteration used."""
+        lr_used = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        if self.critic_sched is not None:
+            self.critic_sched.step()
+        return lr_used
+
+    # ---- weights and checkpoints -------------------------------------------------------------
+
+    def engine_weights(self, engine: Any = None) -> Any:
+        """What a rollout engine's ``update_weights`` takes: the policy itself, or its merged LoRA weights."""
+        if engine is not None and getattr(engine, "model", None) is self.policy:
+            return self.policy  # the HF engine holds this very model (adapters and all)
+        with self.strategy.gathered():  # every rank takes part (ZeRO-3 gathers); rank 0 answers
+            if not self.world.is_main:
+                return None
+            weights = export_state_dict(self.policy) if has_lora(self.policy) else self.policy.state_dict()
+            return {k: v.detach().cpu().clone() for k, v in weights.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer, schedules and the critic (policy weights are saved beside, as safetensors)."""
+        state = {"optimizer": self.strategy.optimizer_state(), "scheduler": self.scheduler.state_dict()}
+        if self.critic is not None:
+            state.update(critic=self.critic.state_dict(), critic_optimizer=self.critic_opt.state_dict(),
+                         critic_scheduler=self.critic_sched.state_dict())
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], policy_weights: dict[str, torch.Tensor] | None = None) -> None:
+        if policy_weights is not None:
+            self.policy.load_state_dict(policy_weights)
+        self.strategy.load_optimizer_state(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.critic is not None:
+            for key in ("critic", "critic_optimizer", "critic_scheduler"):
+                if key not in state:
+                    raise ValueError(f"checkpoint has no {key} state")
+            self.critic.load_state_dict(state["critic"])
+            self.critic_opt.load_state_dict(state["critic_optimizer"])
+            self.critic_sched.load_state_dict(state["critic_scheduler"])
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _check_finite(value: float, what: str, step: int) -> None:
+    import math
+
+    from rlhf_core.trainers.loop import NonFiniteError
+
+    if not math.isfinite(value):
+        raise NonFiniteError(f"rl: iteration {step}: {what} is {value}; stopped before the optimizer step, "
+                             f"the last checkpoint is intact")
