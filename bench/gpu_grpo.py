@@ -11,6 +11,15 @@ Runs on the lent GPUs with torch + transformers only (no MLflow, Prefect or Ray 
 
     PYTHONPATH=. python bench/gpu_grpo.py --out $OUT/gpu_grpo.json
 
+and through the Ray launcher (carried Ray + DeepSpeed from ``../shared/device/pack.sh``), the
+controller here and the models in actors, N policy ranks on N GPUs::
+
+    PYTHONPATH=/tmp/site:. python bench/gpu_grpo.py --placement colocated --workers 2 --parallel zero2 \
+        --out $OUT/gpu_grpo_2gpu_zero2.json
+
+Peak memory is the largest ``memory.used`` nvidia-smi saw on any GPU (every process on it), sampled
+every 200 ms.
+
 Prints one JSON line per step and a summary line (median step time of steps 2..N, generated
 tokens/s, peak GPU memory).
 """
@@ -22,6 +31,7 @@ import glob
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -86,6 +96,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--mini", type=int, default=64)
     ap.add_argument("--gen-batch", type=int, default=512)
+    ap.add_argument("--placement", choices=["none", "colocated", "disaggregated"], default="none")
+    ap.add_argument("--workers", type=int, default=1, help="policy data-parallel ranks (Ray actors, a GPU each)")
+    ap.add_argument("--rollout-workers", type=int, default=0, help="rollout replicas (default: one per worker)")
+    ap.add_argument("--parallel", choices=["ddp", "zero2", "zero3"], default="ddp")
+    ap.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in the policy update")
     ap.add_argument("--sampling", choices=["copy", "master"], default="copy",
                     help="copy: the HF engine samples with a bf16 copy of the policy (default); master: with the "
                          "fp32 master weights (the engine before that change, for an A/B on one machine)")
@@ -117,12 +132,26 @@ def main() -> None:
                    prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.new_tokens,
                    max_length=args.new_tokens + 64, batch_size=args.gen_batch, mini_batch_size=args.mini,
                    ppo_epochs=1, kl_coef=0.0, lr=1e-6, warmup_steps=0, eval_items=1, eval_at_start=False,
-                   save_every=0, log_rollouts_every=0, precision="auto")
+                   save_every=0, log_rollouts_every=0, precision="auto", placement=args.placement,
+                   num_workers=args.workers, rollout_workers=args.rollout_workers or args.workers,
+                   parallel=args.parallel, gradient_checkpointing=args.grad_ckpt)
     torch.cuda.reset_peak_memory_stats()
     sink = Sink()
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits",
+                            "-lms", "200"], stdout=subprocess.PIPE, text=True)
     started = time.perf_counter()
-    train_rl(cfg, sink, show_progress=False)
+    if args.placement == "none":
+        train_rl(cfg, sink, show_progress=False)
+    else:
+        from rlhf_core.ray_launcher import train_rl_on_ray
+
+        train_rl_on_ray(cfg, sink, show_progress=False)
     total = time.perf_counter() - started
+    smi.terminate()
+    used = [line.split(",") for line in smi.communicate()[0].splitlines() if "," in line]
+    peak_by_gpu: dict[str, float] = {}
+    for idx, mib in used:
+        peak_by_gpu[idx.strip()] = max(peak_by_gpu.get(idx.strip(), 0.0), float(mib) / 1024)
     steps = [m for _, m in sink.rows if "perf/step_s" in m]
     timed = steps[1:] if len(steps) > 1 else steps
     step_s = statistics.median(m["perf/step_s"] for m in timed)
@@ -130,12 +159,16 @@ def main() -> None:
     summary = {
         "what": "alignflow GRPO (train_rl, HF generate), Qwen2-0.5B-shaped random weights, 32k vocab",
         "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+        "placement": args.placement, "workers": args.workers, "parallel": args.parallel,
+        "rollout_workers": cfg.rollout_workers, "gradient_checkpointing": args.grad_ckpt,
+        "gpus_seen": torch.cuda.device_count(), "peak_memory_used_gb_by_gpu": {k: round(v, 2) for k, v in peak_by_gpu.items()},
         "sampling": args.sampling, "prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens, "mini_batch": args.mini,
         "median_step_s": round(step_s, 3), "samples_per_s": round(args.prompts * args.group / step_s, 1),
         "generated_tokens_per_s": round(gen_tokens / step_s, 1),
         "phase_s": {k: round(statistics.median(m[k] for m in timed), 3)
-                    for k in ("perf/rollout_s", "perf/reward_s", "perf/logprob_s", "perf/update_s")},
-        "peak_gpu_memory_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2), "total_s": round(total, 1),
+                    for k in ("perf/rollout_s", "perf/reward_s", "perf/logprob_s", "perf/update_s",
+                              "perf/weight_sync_s")},
+        "peak_gpu_memory_gb_this_process": round(torch.cuda.max_memory_allocated() / 2**30, 2), "total_s": round(total, 1),
     }
     print(json.dumps(summary), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -104,16 +104,34 @@ def _intact(result: dict[str, Any]) -> bool:
 
 def _run(task_fn: Any, flow_cfg: FlowConfig, **kwargs: Any) -> dict[str, Any]:
     """Run a task with the flow's cache, retry and isolation settings; a cache hit whose outputs
-    were deleted or changed is recomputed."""
+    were deleted or changed is recomputed. With ``flow.ray_address`` a training task is submitted
+    to that Ray cluster (prefect-ray) and runs in a Ray worker there."""
+    on_ray = bool(flow_cfg.ray_address) and "isolation" in inspect.signature(task_fn.fn).parameters
     if "isolation" in inspect.signature(task_fn.fn).parameters:
-        kwargs["isolation"] = flow_cfg.isolation
+        # a Ray worker is already a process of its own: the stage runs in it
+        kwargs["isolation"] = "inline" if on_ray else flow_cfg.isolation
     task_fn = task_fn.with_options(retries=flow_cfg.retries, retry_delay_seconds=flow_cfg.retry_delay_s)
+
+    def call(fn: Any) -> dict[str, Any]:
+        return _submit_to_ray(fn, kwargs, flow_cfg.ray_address) if on_ray else fn(**kwargs)
+
     if not flow_cfg.use_cache:
-        return task_fn.with_options(refresh_cache=True)(**kwargs)
-    result = task_fn(**kwargs)
+        return call(task_fn.with_options(refresh_cache=True))
+    result = call(task_fn)
     if not _intact(result):
-        result = task_fn.with_options(refresh_cache=True)(**kwargs)
+        result = call(task_fn.with_options(refresh_cache=True))
     return result
+
+
+def _submit_to_ray(task_fn: Any, parameters: dict[str, Any], address: str) -> dict[str, Any]:
+    """Run one task on the Ray cluster at ``address`` through prefect-ray's task runner; wait for it."""
+    from prefect_ray import RayTaskRunner
+
+    from rlhf_core.env import OFFLINE_ENV
+
+    runner = RayTaskRunner(address=address, init_kwargs={"runtime_env": {"env_vars": dict(OFFLINE_ENV)}})
+    with runner:
+        return runner.submit(task_fn, parameters=parameters).result()
 
 
 def run_alignment_stages(cfg: dict[str, Any], files: dict[str, str], md5: dict[str, str], sft: dict[str, Any],

@@ -763,6 +763,10 @@ class FlowConfig:
     """Where training tasks run: process (a child process per stage, so a killed or crashed trainer is a
     failed task that Prefect retries from the stage's checkpoint, and the stage's memory is returned
     when it ends) or inline (in the flow's own process: no start-up cost, but a crash ends the flow)."""
+    ray_address: str = ""
+    """Ray cluster (``host:port`` that ``ray start --head`` prints) that training tasks are submitted to through
+    prefect-ray; each task then runs in a Ray worker there (its data-parallel ranks too). Empty: tasks run on
+    this machine, where a stage with num_workers > 1 still attaches to RAY_ADDRESS when that is set."""
     stages: list[str] = field(default_factory=lambda: list(ALIGNMENT_STAGES))
     """Alignment stages run after SFT, in this order: any of reward, dpo, kto, rejection, raft,
     distill, rl (rejection and rl with reward_kind model use the reward stage's model; raft

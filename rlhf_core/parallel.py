@@ -202,7 +202,8 @@ class DeepSpeedStrategy:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None, world: World, *, stage: int,
-                 grad_accum: int, max_grad_norm: float, offload_optimizer: bool):
+                 grad_accum: int, max_grad_norm: float, offload_optimizer: bool,
+                 autocast_dtype: torch.dtype | None = None):
         import deepspeed
 
         self.stage, self.model = stage, model
@@ -217,6 +218,10 @@ class DeepSpeedStrategy:
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
+        if autocast_dtype is not None:
+            # fp32 master weights, bf16 compute: the engine disables an outer torch.autocast unless
+            # its own torch_autocast section is on (then it also reduces those layers' grads in bf16)
+            config["torch_autocast"] = {"enabled": True, "dtype": str(autocast_dtype).removeprefix("torch.")}
         if offload_optimizer:
             config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
             # Offload needs DeepSpeed's own CPU Adam; same hyper-parameters as build_optimizer.
@@ -271,7 +276,8 @@ class DeepSpeedStrategy:
 
 def build_strategy(kind: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    scheduler: torch.optim.lr_scheduler.LRScheduler | None, world: World | None = None, *,
-                   grad_accum: int = 1, max_grad_norm: float = 1.0, offload_optimizer: bool = False) -> Strategy:
+                   grad_accum: int = 1, max_grad_norm: float = 1.0, offload_optimizer: bool = False,
+                   autocast_dtype: torch.dtype | None = None) -> Strategy:
     """The strategy ``kind`` (``ddp``, ``zero2``, ``zero3``) for ``world``; a single rank is always local.
 
     ``zero2``/``zero3`` need DeepSpeed; on a CPU-only world (gloo) they run on DeepSpeed's CPU
@@ -282,7 +288,8 @@ def build_strategy(kind: str, model: torch.nn.Module, optimizer: torch.optim.Opt
         raise ValueError(f"parallel must be one of {', '.join(PARALLEL_CHOICES)}, got {kind!r}")
     if kind.startswith("zero"):
         return DeepSpeedStrategy(model, optimizer, scheduler, world, stage=int(kind[-1]), grad_accum=grad_accum,
-                                 max_grad_norm=max_grad_norm, offload_optimizer=offload_optimizer)
+                                 max_grad_norm=max_grad_norm, offload_optimizer=offload_optimizer,
+                                 autocast_dtype=autocast_dtype)
     if not world.distributed:
         return LocalStrategy(model, optimizer, scheduler)
     return DDPStrategy(model, optimizer, scheduler, world)

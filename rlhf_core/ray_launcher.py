@@ -316,8 +316,12 @@ class RemoteLearner:
         return self.group.call_all("end_iteration")[0]
 
     def engine_weights(self, engine: Any = None) -> Any:
-        """Rank 0's weights as a Ray object (every rank takes part: ZeRO-3 gathers them)."""
-        refs = [a.call.remote("engine_weights") for a in self.group.actors]
+        """Rank 0's weights as a Ray object (every rank takes part: ZeRO-3 gathers them), in the
+        engine's compute dtype when it samples in one."""
+        from rlhf_core.models import pick_device, resolve_precision
+
+        dtype = resolve_precision(self.cfg.precision, pick_device()) if isinstance(engine, RemoteRollout) else None
+        refs = [a.call.remote("engine_weights", None, dtype) for a in self.group.actors]
         ray.wait(refs, num_returns=len(refs))
         return refs[0] if isinstance(engine, RemoteRollout) else ray.get(refs[0])
 
@@ -384,14 +388,37 @@ class RemoteReward:
         return ray.get(self.group.actors[0].call.remote("__call__", list(prompts), list(completions), list(labels)))
 
 
-def _rollout_replica(cfg: Any) -> Any:
-    """A rollout engine on its own copy of the starting policy (built inside the actor)."""
-    from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device, resolve_precision
-    from rlhf_core.trainers.rl import build_rollout_engine
+class RolloutReplica:
+    """A rollout engine on its own copy of the starting policy (built inside the actor).
 
-    device = pick_device()
-    policy = load_causal_lm(cfg.model_path, device).eval().requires_grad_(False)
-    return build_rollout_engine(cfg, policy, load_tokenizer(cfg.model_path), resolve_precision(cfg.precision, device))
+    With mixed precision the copy is held in the compute dtype (bf16) only: it exists to sample,
+    and the learner sends its weights already cast (half the bytes of fp32).
+    """
+
+    def __init__(self, cfg: Any):
+        from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device, resolve_precision
+        from rlhf_core.trainers.rl import build_rollout_engine
+
+        device = pick_device()
+        self.dtype = resolve_precision(cfg.precision, device)
+        policy = load_causal_lm(cfg.model_path, device).eval().requires_grad_(False)
+        if self.dtype is not None:
+            policy = policy.to(self.dtype)
+        self.engine = build_rollout_engine(cfg, policy, load_tokenizer(cfg.model_path), self.dtype)
+
+    def generate(self, prompts: Sequence[str], params: Any) -> Any:
+        from rlhf_core.trainers.rl_roles import release_memory
+
+        batch = self.engine.generate(prompts, params)
+        release_memory()  # colocated: the KV cache's blocks go back before the learner's phase
+        return batch
+
+    def update_weights(self, weights: Any) -> None:
+        self.engine.update_weights(weights)
+
+    def close(self) -> None:
+        if hasattr(self.engine, "close"):
+            self.engine.close()
 
 
 def _reward_model(cfg: Any) -> Any:
@@ -448,7 +475,7 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
         reference = launcher.group(ReferenceActor, "reference", *pgs["reference"], share=share, num_threads=threads)
         reference.build(_reference, cfg, per_rank=lambda i: {"rank": i, "size": n_refs})
         rollout = launcher.group(RolloutActor, "rollout", *pgs["rollout"], share=share, num_threads=threads)
-        rollout.build(_rollout_replica, cfg)
+        rollout.build(RolloutReplica, cfg)
         reward_source = None
         if reward_model:
             rm = launcher.group(RewardModelActor, "reward", *pgs["reward"], share=share, num_threads=threads)

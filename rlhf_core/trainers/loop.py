@@ -312,7 +312,8 @@ def run_training(
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
     strategy = build_strategy(cfg.parallel, model, optimizer, scheduler, world, grad_accum=cfg.grad_accum,
-                              max_grad_norm=cfg.max_grad_norm, offload_optimizer=cfg.offload_optimizer)
+                              max_grad_norm=cfg.max_grad_norm, offload_optimizer=cfg.offload_optimizer,
+                              autocast_dtype=autocast_dtype)
     # Under ZeRO the optimizer state is partitioned across ranks; mid-run checkpoints would need
     # DeepSpeed's own sharded format, so a ZeRO run writes only its final model (no resume yet).
     can_checkpoint = world.is_main and strategy.optimizer_state() is not None

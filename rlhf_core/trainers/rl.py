@@ -299,8 +299,9 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
                 orders = [torch.randperm(rows, generator=update_gen) for _ in range(cfg.ppo_epochs)]
                 seen = learner.update(exp, prompt_width, orders, kl_ctl.value, step)
                 lr_used = learner.end_iteration()
-                engine.update_weights(sync_weights(engine))  # a no-op for the HF engine that holds the policy itself
                 perf["perf/update_s"] = lap.lap()
+                engine.update_weights(sync_weights(engine))  # a no-op for the HF engine that holds the policy itself
+                perf["perf/weight_sync_s"] = lap.lap()
 
                 # ---- KL controller and logging -------------------------------------------------------
                 # train/kl: mean over sequences of the summed per-token k3 estimate of KL(pi_old || pi_ref),

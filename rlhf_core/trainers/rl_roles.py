@@ -147,7 +147,8 @@ class PolicyLearner:
         self.scheduler = build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
         # The schedule is stepped here once per iteration (end_iteration), not by DeepSpeed per optimizer step.
         self.strategy = build_strategy(cfg.parallel, self.policy, self.optimizer, None, self.world,
-                                       max_grad_norm=cfg.max_grad_norm, offload_optimizer=cfg.offload_optimizer)
+                                       max_grad_norm=cfg.max_grad_norm, offload_optimizer=cfg.offload_optimizer,
+                                       autocast_dtype=self.autocast_dtype)
         self.critic = self.critic_opt = self.critic_sched = self.critic_strategy = None
         if AdvantageEstimator(cfg.estimator).needs_critic:
             from rlhf_core.reward_model import load_reward_model
@@ -278,15 +279,17 @@ class PolicyLearner:
 
     # ---- weights and checkpoints -------------------------------------------------------------
 
-    def engine_weights(self, engine: Any = None) -> Any:
-        """What a rollout engine's ``update_weights`` takes: the policy itself, or its merged LoRA weights."""
+    def engine_weights(self, engine: Any = None, dtype: torch.dtype | None = None) -> Any:
+        """What a rollout engine's ``update_weights`` takes: the policy itself, or its (merged LoRA) weights
+        on the CPU, cast to ``dtype`` when given."""
         if engine is not None and getattr(engine, "model", None) is self.policy:
             return self.policy  # the HF engine holds this very model (adapters and all)
         with self.strategy.gathered():  # every rank takes part (ZeRO-3 gathers); rank 0 answers
             if not self.world.is_main:
                 return None
             weights = export_state_dict(self.policy) if has_lora(self.policy) else self.policy.state_dict()
-            return {k: v.detach().cpu().clone() for k, v in weights.items()}
+            on_cpu = next(self.policy.parameters()).device.type == "cpu"
+            return {k: _cpu_copy(v.detach().to(dtype or v.dtype), on_cpu) for k, v in weights.items()}
 
     def state_dict(self) -> dict[str, Any]:
         """Optimizer, schedules and the critic (policy weights are saved beside, as safetensors)."""
@@ -308,6 +311,11 @@ class PolicyLearner:
             self.critic.load_state_dict(state["critic"])
             self.critic_opt.load_state_dict(state["critic_optimizer"])
             self.critic_sched.load_state_dict(state["critic_scheduler"])
+
+
+def _cpu_copy(t: torch.Tensor, on_cpu: bool) -> torch.Tensor:
+    # .cpu() of a GPU tensor is already a copy; on the CPU it would alias the live weights
+    return t.clone() if on_cpu else t.cpu()
 
 
 class _nothing:
