@@ -100,23 +100,49 @@ def test_grpo_run_with_the_vllm_engine(vllm_model, micro_data, tmp_path):
     """rollout_engine vllm end to end (with the truncated importance-sampling correction): samples
     from vLLM, weights synced after every update, the trainer's log-probs of the sampled tokens
     agree with the engine's."""
-    from rlhf_core.config import RLConfig
     from rlhf_core.trainers.rl import train_rl
     from conftest import Recorder
 
-    reward = tmp_path / "length_reward.py"
-    reward.write_text("def reward(prompts, completions, labels):\n    return [len(c) / 10 for c in completions]\n")
-    cfg = RLConfig(model_path=str(vllm_model), prompts_file=str(micro_data["prompts"]),
-                   eval_file=str(micro_data["eval"]), output_dir=str(tmp_path / "rl"),
-                   checkpoint_dir=str(tmp_path / "ckpt"), reward_function=f"{reward}:reward", max_steps=3,
-                   prompts_per_step=4, group_size=4, max_new_tokens=6, mini_batch_size=8, eval_items=8,
-                   eval_at_start=False, rollout_engine="vllm", vllm_memory_fraction=0.2, tis_cap=2.0,
-                   num_threads=1)
     sink = Recorder()
-    result = train_rl(cfg, sink, show_progress=False)
+    result = train_rl(_vllm_rl_cfg(vllm_model, micro_data, tmp_path), sink, show_progress=False)
     assert (result.output_dir / "model.safetensors").exists()
     mismatch = sink.series("rollout/logprob_mismatch")
     assert len(mismatch) == 3 and max(mismatch) < 0.02, mismatch  # iterations 2, 3 sample from synced weights
     assert sink.series("train/kl")[-1] > 0
     # truncated importance sampling on: engine and trainer agree, so the weights are ~1
     assert all(abs(w - 1) < 0.05 for w in sink.series("train/tis_weight_mean"))
+
+
+def _vllm_rl_cfg(vllm_model, micro_data, tmp_path, **kw):
+    from rlhf_core.config import RLConfig
+
+    reward = tmp_path / "length_reward.py"
+    reward.write_text("def reward(prompts, completions, labels):\n    return [len(c) / 10 for c in completions]\n")
+    values = dict(model_path=str(vllm_model), prompts_file=str(micro_data["prompts"]),
+                  eval_file=str(micro_data["eval"]), output_dir=str(tmp_path / "rl"),
+                  checkpoint_dir=str(tmp_path / "ckpt"), reward_function=f"{reward}:reward", max_steps=3,
+                  prompts_per_step=4, group_size=4, max_new_tokens=6, mini_batch_size=8, eval_items=8,
+                  eval_at_start=False, rollout_engine="vllm", vllm_memory_fraction=0.2, tis_cap=2.0, num_threads=1)
+    return RLConfig(**{**values, **kw})
+
+
+@pytest.mark.slow
+def test_grpo_with_a_vllm_replica_in_a_ray_actor(vllm_model, micro_data, tmp_path):
+    """Disaggregated placement: the vLLM engine lives in its own Ray actor; after each update rank 0's
+    weights reach it through Ray's object store and vLLM's worker reload, so iterations 2 and 3
+    sample from the trained weights (engine and trainer log-probs agree)."""
+    import ray
+
+    from conftest import Recorder
+    from rlhf_core.ray_launcher import train_rl_on_ray
+
+    sink = Recorder()
+    try:
+        result = train_rl_on_ray(_vllm_rl_cfg(vllm_model, micro_data, tmp_path, placement="disaggregated"), sink,
+                                 show_progress=False)
+    finally:
+        ray.shutdown()
+    assert (result.output_dir / "model.safetensors").exists()
+    mismatch = sink.series("rollout/logprob_mismatch")
+    assert len(mismatch) == 3 and max(mismatch) < 0.02, mismatch
+    assert min(sink.series("perf/weight_sync_s")) > 0
