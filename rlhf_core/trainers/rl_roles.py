@@ -16,6 +16,7 @@ summed gradient is the one-worker gradient of the whole mini-batch.
 from __future__ import annotations
 
 import gc
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -194,7 +195,7 @@ class PolicyLearner:
         cfg, world = self.cfg, self.world
         exp = _to(exp, self.device)
         seen: dict[str, list[float]] = {k: [] for k in SEEN_KEYS}
-        checkpointing = train_mode(self.policy) if cfg.gradient_checkpointing else _nothing()
+        checkpointing = train_mode(self.policy) if cfg.gradient_checkpointing else nullcontext()
         with checkpointing:
             for order in orders:
                 for start in range(0, len(order), cfg.mini_batch_size):
@@ -316,14 +317,6 @@ class PolicyLearner:
 def _cpu_copy(t: torch.Tensor, on_cpu: bool) -> torch.Tensor:
     # .cpu() of a GPU tensor is already a copy; on the CPU it would alias the live weights
     return t.clone() if on_cpu else t.cpu()
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def _check_finite(value: float, what: str, step: int) -> None:

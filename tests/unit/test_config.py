@@ -75,3 +75,19 @@ def test_broken_yaml_names_line(tmp_path):
     params.write_text("sft:\n  lr: [1,\n")
     with pytest.raises(ConfigError, match=r"params.yaml: line \d+: not valid YAML"):
         read_params(params)
+
+
+def test_scale_out_fields_are_checked():
+    """Worker counts, strategies and placements a user could mistype fail with section.field."""
+    from rlhf_core.config import ConfigError, RLConfig, SFTConfig
+
+    with pytest.raises(ConfigError, match=r"sft.parallel: must be ddp, zero2 or zero3"):
+        SFTConfig(parallel="fsdp")
+    with pytest.raises(ConfigError, match=r"sft.batch_size: must be >= num_workers"):
+        SFTConfig(num_workers=4, batch_size=2)
+    with pytest.raises(ConfigError, match=r"sft.offload_optimizer: needs parallel zero2 or zero3"):
+        SFTConfig(offload_optimizer=True)
+    with pytest.raises(ConfigError, match=r"rl.num_workers: 2 policy workers need Ray"):
+        RLConfig(num_workers=2)
+    with pytest.raises(ConfigError, match=r"rl.placement: must be none, colocated or disaggregated"):
+        RLConfig(placement="spread")

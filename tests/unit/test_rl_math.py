@@ -507,3 +507,20 @@ def test_tis_as_scaled_advantages_weights_each_token_of_the_clipped_loss():
                                      mask[i:i + 1, j:j + 1], aggregation="token_mean")[0] * w[i, j]
                  for i in range(3) for j in range(5)]
     assert torch.allclose(weighted, torch.stack(per_token).mean(), atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_sharded_losses_recombine_exactly(mode):
+    """Data parallelism's identity: with u_r = aggregation_units(shard r), the whole batch's loss is
+    sum_r u_r * loss_r / sum_r u_r. Rows 0, 2 and 1, 3 are two ranks' shards (rows rank::2); row 3 has
+    no valid token, so the sequence modes count 2 + 1 sequences and token_mean 3 + 2 + 2 + 0 = 7 tokens."""
+    from rlhf_core.rl_math import aggregate_loss, aggregation_units
+
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 0.0], [6.0, 7.0, 0.0], [9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 0], [0, 0, 0]], dtype=torch.float32)
+    whole = aggregate_loss(loss, mask, mode, max_len=3)
+    shards = [slice(0, 4, 2), slice(1, 4, 2)]
+    units = [aggregation_units(mask[s], mode) for s in shards]
+    parts = [aggregate_loss(loss[s], mask[s], mode, max_len=3) for s in shards]
+    assert float(aggregation_units(mask, mode)) == (7.0 if mode == "token_mean" else 3.0)
+    assert torch.isclose(sum(u * p for u, p in zip(units, parts)) / sum(units), whole)
