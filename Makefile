@@ -13,7 +13,7 @@ export ALIGNFLOW_HOME := $(CURDIR)
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 export PREFECT_HOME ?= $(CURDIR)/.prefect
 
-.PHONY: setup demo test test-slow repro clean-runs
+.PHONY: setup demo test test-slow repro bench-cpu clean-runs
 
 setup: $(STAMP)
 
@@ -38,6 +38,11 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
+
+# alignflow vs TRL's GRPOTrainer on the embedded default, same settings, alternating (BENCHMARKS.md).
+bench-cpu: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[bench]' -c constraints.txt
+	$(BIN)/python bench/trl_cpu_grpo.py --out bench/results/trl_cpu_grpo.json
 
 repro: $(STAMP)
 	$(BIN)/dvc repro
