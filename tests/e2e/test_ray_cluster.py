@@ -12,13 +12,14 @@ import json
 import os
 import re
 import secrets
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import free_port, run_cli, write_micro_params
+from helpers import free_port, run_cli, stop_group, wait_for, write_micro_params
 from rlhf_core.env import OFFLINE_ENV
 
 RAY = str(Path(sys.executable).parent / "ray")
@@ -35,7 +36,8 @@ def _ray_list(what: str, dashboard: str, *filters: str) -> list[dict]:
 
 @pytest.fixture()
 def ray_cluster(prefect_api, tmp_path, monkeypatch):
-    """``ray start --head`` with a dashboard (Ray's state API), 6 logical CPUs; stopped afterwards."""
+    """``ray start --head --block`` with a dashboard (Ray's state API) and 6 logical CPUs, in a process group
+    of its own that is killed afterwards (``ray stop`` would stop every Ray instance on the machine)."""
     port, dash = free_port(), free_port()
     # Ray 2.60 clusters require a token; the head and every client of this test share one.
     token = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
@@ -43,14 +45,17 @@ def ray_cluster(prefect_api, tmp_path, monkeypatch):
         monkeypatch.setenv(key, value)
     env = {**os.environ, **OFFLINE_ENV, "PREFECT_API_URL": prefect_api}
     env.pop("RAY_ADDRESS", None)
-    start = subprocess.run([RAY, "start", "--head", f"--port={port}", f"--dashboard-port={dash}",
-                            "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--num-cpus=6",
-                            "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=180)
-    assert start.returncode == 0, start.stdout[-2000:] + start.stderr[-2000:]
+    head = subprocess.Popen([RAY, "start", "--head", "--block", f"--port={port}", f"--dashboard-port={dash}",
+                             "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--num-cpus=6",
+                             "--disable-usage-stats"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
+        wait_for(lambda: head.poll() is None and subprocess.run(
+            [RAY, "list", "nodes", "--address", f"http://127.0.0.1:{dash}"], capture_output=True, env=env,
+            timeout=60).returncode == 0, 180, "ray start --head")
         yield f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", prefect_api
     finally:
-        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        stop_group(head, signal.SIGTERM, timeout=60)
 
 
 def test_training_uses_the_cluster_ray_address_names(ray_cluster, tmp_path, monkeypatch):
