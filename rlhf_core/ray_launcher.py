@@ -61,7 +61,9 @@ def connect(min_cpus: float = 0.0) -> str:
                                   "logging_level": logging.WARNING}
         if address is None:
             kwargs.update(num_cpus=max(os.cpu_count() or 1, math.ceil(min_cpus)), include_dashboard=False)
-        ray.init(address=address, **kwargs)
+        # "local": a new instance, never whatever cluster /tmp/ray/ray_current_cluster last named
+        # (plain ray.init() would join it, or fail on a stale entry left by a killed head)
+        ray.init(address=address or "local", **kwargs)
         log.warning("ray: %s cluster at %s", "attached to" if address else "started a local",
                     ray.get_runtime_context().gcs_address)
     return ray.get_runtime_context().gcs_address
