@@ -113,6 +113,8 @@ class Strategy(Protocol):
 
     module: torch.nn.Module
     """Call this for forward passes (DDP / DeepSpeed wrapper, or the model itself)."""
+    scheduler: Any
+    """The learning-rate schedule stepped with the optimizer (None where the caller steps its own)."""
     grad_scale: float
     """Multiply a loss normalised by the global unit count by this before ``backward``
     (the world size where the wrapper *averages* gradients over ranks, 1 where it sums)."""

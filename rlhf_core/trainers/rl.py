@@ -22,7 +22,6 @@ Run: ``alignflow rl`` (config: ``params.yaml`` section ``rl``), or ``train_rl(RL
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
