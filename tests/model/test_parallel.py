@@ -44,7 +44,9 @@ def _sft(micro_model, micro_data, tmp_path, **kw) -> SFTConfig:
     return SFTConfig(**{**base, **kw})
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "zero2"])
+# ZeRO-2 (DeepSpeed's CPU accelerator, about 60 s with its op build) sits in the slow tier to keep
+# `make test` under 30 minutes; DDP exercises the same loop and world on every run.
+@pytest.mark.parametrize("parallel", ["ddp", pytest.param("zero2", marks=pytest.mark.slow)])
 def test_two_workers_take_the_step_one_worker_takes(ray_local, micro_model, micro_data, tmp_path, parallel):
     """fp32, same global batch (8 rows x 2 micro-batches): each step's loss with 2 data-parallel Ray
     workers is within 1e-4 (relative) of one process's, and so are the final weights."""
@@ -87,7 +89,7 @@ def length_reward(tmp_path_factory) -> str:
     return f"{path}:reward"
 
 
-@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+@pytest.mark.parametrize("placement", ["colocated", pytest.param("disaggregated", marks=pytest.mark.slow)])
 def test_grpo_runs_on_ray_with_either_placement(ray_local, micro_model, micro_data, tmp_path, length_reward,
                                                 placement):
     """GRPO with the controller here and the models in actors: 2 policy ranks (DDP over gloo), reference
