@@ -338,10 +338,10 @@ class RemoteLearner:
     def state_dict(self) -> dict[str, Any]:
         return self.group.call_all("state_dict")[0]
 
-    def load_state_dict(self, state: dict[str, Any], policy_weights: dict[str, torch.Tensor] | None = None) -> None:
-        self.group.call_all("load_state_dict", state, policy_weights)
-        if policy_weights is not None:
-            self.policy.load_state_dict(policy_weights)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint's state on every rank, with the weights just loaded into the controller's view."""
+        self.group.call_all("load_state_dict", state, self.policy.state_dict())
+        self._fresh = True
 
 
 class RemoteReference:

@@ -39,8 +39,8 @@ from rlhf_core.rl_math import (AdaptiveKLController, AdvantageEstimator, FixedKL
                                compute_advantages, dynamic_sampling_keep, explained_variance, kl_penalty, masked_mean,
                                masked_whiten, overlong_penalty, truncated_is_weights)
 from rlhf_core.rollout import HFGenerateEngine, RolloutBatch, RolloutEngine, SamplingParams
-from rlhf_core.checkpoint import (Checkpoint, Checkpointer, TrainingInterrupted, run_fingerprint, set_rng_state,
-                                  sigterm_checkpoints)
+from rlhf_core.checkpoint import (Checkpoint, Checkpointer, TrainingInterrupted, load_weights, run_fingerprint,
+                                  set_rng_state, sigterm_checkpoints)
 from rlhf_core.trainers.loop import (EpochSampler, MetricSink, NullSink, Timer, inject_fault, save_hf_dir,
                                      seed_everything)
 from rlhf_core.trainers.rl_roles import KL_CLAMP as _KL_CLAMP
@@ -173,7 +173,7 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
 
         # ---- evaluation: greedy exact match (+ the reward model's score of the greedy answers) -
         def evaluate(step: int) -> tuple[dict[str, float], list[dict[str, str]]]:
-            model = learner.view() if hasattr(learner, "view") else policy
+            model = learner.view()
             result = evaluate_exact_match(model, tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
                                           label_field=cfg.label_field, max_items=cfg.eval_items,
                                           max_new_tokens=cfg.max_new_tokens, n_samples=cfg.eval_items)
@@ -354,7 +354,7 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
                     eval_metrics, eval_samples = evaluate(step)
                     eval_seconds += started.total()
                 if (cfg.save_every and step % cfg.save_every == 0) or stop.requested:
-                    path = checkpointer.save(step, learner.view() if hasattr(learner, "view") else policy, tokenizer, {
+                    path = checkpointer.save(step, learner.view(), tokenizer, {
                         **learner.state_dict(),
                         "objects": {key: obj.state_dict() for key, obj in resumables.items()},
                         "loop": {"summary": summary, "step_metrics": step_metrics, "eval_metrics": eval_metrics,
@@ -367,7 +367,7 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
         # ---- final eval, then save ---------------------------------------------------------------
         eval_metrics, eval_samples = evaluate(cfg.max_steps)
         sink.log_metrics({"perf/train_seconds": train_seconds, "perf/total_seconds": timer.total()}, cfg.max_steps)
-        final = learner.view() if hasattr(learner, "view") else policy
+        final = learner.view()
         save_hf_dir(merged_model(final), tokenizer, cfg.output_dir,
                     extra={"stage": "rl", "config": redact_secrets(config_to_dict(cfg)),
                            "base_model": str(cfg.model_path)})
@@ -411,13 +411,8 @@ def build_rollout_engine(cfg: RLConfig, policy: Any, tokenizer: Any,
 
 def _restore(ckpt: Checkpoint, learner: Any, resumables: dict[str, Any]) -> int:
     """Load a checkpoint into the learner (policy, optimizers, schedules, critic), RNG and ``resumables``."""
-    from safetensors.torch import load_file
-
-    files = sorted(Path(ckpt.path).glob("*.safetensors"))
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        weights.update(load_file(str(f)))
-    learner.load_state_dict(ckpt.state, _complete_tied(weights, learner))
+    load_weights(learner.view(), ckpt.path)  # the policy itself, or the controller's view of rank 0's
+    learner.load_state_dict(ckpt.state)
     for key, obj in resumables.items():
         if key not in ckpt.state["objects"]:
             raise ValueError(f"{ckpt.path}: checkpoint has no {key} state")
@@ -426,8 +421,3 @@ def _restore(ckpt: Checkpoint, learner: Any, resumables: dict[str, Any]) -> int:
     return ckpt.step
 
 
-def _complete_tied(weights: dict[str, torch.Tensor], learner: Any) -> dict[str, torch.Tensor]:
-    """safetensors drops a tied LM head; give it back so ``load_state_dict`` is strict-complete."""
-    if "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
-        weights = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}
-    return weights

@@ -300,7 +300,12 @@ class PolicyLearner:
                          critic_scheduler=self.critic_sched.state_dict())
         return state
 
+    def view(self) -> Any:
+        """The policy model as the controller sees it (in-process: the trained model itself)."""
+        return self.policy
+
     def load_state_dict(self, state: dict[str, Any], policy_weights: dict[str, torch.Tensor] | None = None) -> None:
+        """Optimizers, schedules and critic of a checkpoint (and the policy's weights when given)."""
         if policy_weights is not None:
             self.policy.load_state_dict(policy_weights)
         self.strategy.load_optimizer_state(state["optimizer"])
