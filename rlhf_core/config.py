@@ -488,8 +488,9 @@ class RLConfig(TrainerConfig):
     reward_retries: int = 3
     """Retries of a reward request that timed out or failed with a 5xx, for reward_kind http."""
     rollout_engine: str = "hf"
-    """hf (transformers generate on the policy itself) or vllm (a vLLM engine whose weights are synced after
-    every update; falls back to hf, with a warning, when vLLM cannot be imported)."""
+    """hf (transformers generate on the policy itself), static (our decode loop: static KV cache, CUDA graphs on
+    a GPU; Llama-family models, falls back to hf with a warning otherwise) or vllm (a vLLM engine whose weights
+    are synced after every update; falls back to hf, with a warning, when vLLM cannot be imported)."""
     vllm_memory_fraction: float = 0.1
     """rollout_engine vllm: fraction of GPU memory (of RAM on CPU) vLLM reserves for its KV cache."""
     placement: str = "none"
@@ -521,7 +522,11 @@ class RLConfig(TrainerConfig):
     ppo_epochs: int = 1
     """Passes over each iteration's rollouts (PPO's K epochs)."""
     mini_batch_size: int = 128
-    """Rollout rows per optimizer step (policy and critic); one forward pass each."""
+    """Rollout rows per optimizer step (policy and critic); with prompts_per_step x group_size rows and one
+    PPO epoch, one update per batch (pi_old is then the update's own detached log-prob: no extra forward)."""
+    micro_batch_size: int = 0
+    """Rows per forward/backward of the policy update on each rank; gradients accumulate over a mini-batch's
+    micro-batches (0: a rank's whole share of the mini-batch in one pass). Bounds activation memory."""
     lr: float = 3e-4
     """Peak learning rate of the policy's AdamW."""
     critic_lr: float = 1e-3
@@ -615,8 +620,8 @@ class RLConfig(TrainerConfig):
         _check(self.tis_cap >= 0, s, "tis_cap", f"must be >= 0 (0 = off), got {self.tis_cap}")
         _check(self.tis_cap == 0 or self.recompute_old_logprobs, s, "tis_cap",
                "needs recompute_old_logprobs: true (without it pi_old is the engine's own log-prob)")
-        _check(self.rollout_engine in ("hf", "vllm"), s, "rollout_engine",
-               f"must be hf or vllm, got {self.rollout_engine!r}")
+        _check(self.rollout_engine in ("hf", "static", "vllm"), s, "rollout_engine",
+               f"must be hf, static or vllm, got {self.rollout_engine!r}")
         _check(0 < self.vllm_memory_fraction <= 1, s, "vllm_memory_fraction",
                f"must be in (0, 1], got {self.vllm_memory_fraction}")
         _check(self.placement in ("none", "colocated", "disaggregated"), s, "placement",
@@ -626,6 +631,8 @@ class RLConfig(TrainerConfig):
                f"{self.num_workers} policy workers need Ray: set placement to colocated or disaggregated")
         _check(self.mini_batch_size >= self.num_workers, s, "mini_batch_size",
                f"must be >= num_workers ({self.num_workers}) so every worker gets rows")
+        _check(isinstance(self.micro_batch_size, int) and self.micro_batch_size >= 0, s, "micro_batch_size",
+               f"must be an integer >= 0 (0: no micro-batching), got {self.micro_batch_size!r}")
         for name in ("prompts_per_step", "group_size", "max_new_tokens", "ppo_epochs", "mini_batch_size"):
             _check(getattr(self, name) >= 1, s, name, f"must be >= 1, got {getattr(self, name)}")
         _check(not estimator.needs_groups or self.group_size >= 2, s, "group_size",

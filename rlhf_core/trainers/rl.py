@@ -267,8 +267,13 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
                 exp = {k: v.to(device) for k, v in exp.items()}
                 mask = batch.response_mask.to(device).float()
                 sampling_logp = batch.sampling_logprobs.to(device)
-                scored = learner.score(exp, prompt_width) if cfg.recompute_old_logprobs or has_critic else {}
-                old_logp = scored["old_logp"].to(device) if cfg.recompute_old_logprobs else sampling_logp
+                # One update per batch: pi_old is the update's own detached log-prob (PolicyLearner.update),
+                # so the no-grad policy forward is skipped.
+                fused_old = (cfg.recompute_old_logprobs and cfg.ppo_epochs == 1 and cfg.mini_batch_size >= len(batch)
+                             and not has_critic and not cfg.kl_in_reward and cfg.tis_cap == 0)
+                recompute = cfg.recompute_old_logprobs and not fused_old
+                scored = learner.score(exp, prompt_width) if recompute or has_critic else {}
+                old_logp = scored["old_logp"].to(device) if recompute else sampling_logp
                 ref_logp = reference.logprobs(exp, prompt_width).to(device)
                 old_values = scored["old_values"].to(device) if has_critic else None
                 old_logp, ref_logp = old_logp * mask, ref_logp * mask
@@ -289,7 +294,8 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
                     tis = {"train/tis_weight_mean": float(masked_mean(weights, mask)),
                            "train/tis_capped_frac": float(masked_mean((weights >= cfg.tis_cap).float(), mask))}
                     advantages = advantages * weights
-                exp.update(mask=mask, old_logp=old_logp, ref_logp=ref_logp, advantages=advantages)
+                exp.update(mask=mask, ref_logp=ref_logp, advantages=advantages)
+                exp.update({"sampling_logp": sampling_logp * mask} if fused_old else {"old_logp": old_logp})
                 if has_critic:
                     exp.update(old_values=old_values * mask, returns=returns)
 
@@ -305,9 +311,13 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
                 # ---- KL controller and logging -------------------------------------------------------
                 # train/kl: mean over sequences of the summed per-token k3 estimate of KL(pi_old || pi_ref),
                 # whatever kl_estimator the penalty uses, so runs with different penalties compare.
-                seq_kl = (kl_penalty(old_logp, ref_logp, "k3", clamp=_KL_CLAMP) * mask).sum(-1)
+                if fused_old:  # measured by the learner against pi_old, as below
+                    mean_seq_kl, mismatch = _mean(seen["seq_kl"]), _mean(seen["logprob_mismatch"])
+                else:
+                    mean_seq_kl = float((kl_penalty(old_logp, ref_logp, "k3", clamp=_KL_CLAMP) * mask).sum(-1).mean())
+                    mismatch = float(masked_mean((sampling_logp - old_logp).abs(), mask))
                 kl_coef_used = kl_ctl.value
-                kl_ctl.update(float(seq_kl.mean()), rows)
+                kl_ctl.update(mean_seq_kl, rows)
                 sampled_rewards = torch.cat(all_rewards)
                 step_metrics = {
                     "rollout/reward_mean": float(sampled_rewards.mean()),
@@ -316,9 +326,9 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
                     "rollout/kept_groups_frac": kept_groups / max(sampled_groups, 1),
                     "rollout/sampled_groups": float(sampled_groups),
                     "rollout/score_mean": float(scores.mean()),
-                    "rollout/logprob_mismatch": float(masked_mean((sampling_logp - old_logp).abs(), mask)),
+                    "rollout/logprob_mismatch": mismatch,
                     "train/policy_loss": _mean(seen["policy_loss"]),
-                    "train/kl": float(seq_kl.mean()),
+                    "train/kl": mean_seq_kl,
                     "train/entropy": _mean(seen["entropy"]),
                     "train/clip_frac": _mean(seen["clip_frac"]),
                     "train/approx_kl": _mean(seen["approx_kl"]),
@@ -406,6 +416,13 @@ def build_rollout_engine(cfg: RLConfig, policy: Any, tokenizer: Any,
         if vllm_available():
             return VLLMEngine(cfg.model_path, tokenizer, seed=cfg.seed, memory_fraction=cfg.vllm_memory_fraction)
         log.warning("rl: rollout_engine is vllm but vLLM cannot be imported here; using the HF engine instead")
+    if cfg.rollout_engine == "static":
+        from rlhf_core.rollout_static import StaticCacheEngine, supports
+
+        reason = supports(policy)
+        if reason is None:
+            return StaticCacheEngine(policy, tokenizer, batch_size=cfg.batch_size, autocast_dtype=autocast_dtype)
+        log.warning("rl: rollout_engine static cannot run this policy (%s); using the HF engine instead", reason)
     return HFGenerateEngine(policy, tokenizer, batch_size=cfg.batch_size, autocast_dtype=autocast_dtype)
 
 

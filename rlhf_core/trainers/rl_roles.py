@@ -48,17 +48,39 @@ def _model_inputs(exp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             "position_ids": exp["position_ids"]}
 
 
+def _keeps_logits(model: Any) -> bool:
+    """Whether the causal LM under any wrappers (DDP, DeepSpeed, peft) takes ``logits_to_keep``."""
+    import inspect
+
+    while hasattr(model, "module"):
+        model = model.module
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return "logits_to_keep" in inspect.signature(type(model).forward).parameters
+
+
 def token_logprobs(model: Any, exp: dict[str, torch.Tensor], prompt_width: int, temperature: float,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   with_entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(rows, R)`` ``log_softmax(logits / T)`` of each response token, and optionally its entropy.
 
     The logits at position ``t`` predict token ``t + 1``, so the response tokens (columns
-    ``P .. P+R-1``) are scored by columns ``P-1 .. P+R-2``. Dividing by the sampling temperature
+    ``P .. P+R-1``) are scored by columns ``P-1 .. P+R-2``; the LM head runs on those ``R + 1``
+    positions only (``logits_to_keep``), never on the prompt. Dividing by the sampling temperature
     matches the engine's ``sampling_logprobs`` (see :mod:`rlhf_core.rollout`), so on-policy ratios are 1.
+    The entropy (a diagnostic unless it enters the loss) carries a gradient only with ``entropy_grad``.
+
+    ``log_softmax(z)[y] = z_y - logsumexp(z)``: gathering before normalising keeps no ``(rows, R, V)``
+    log-softmax tensor alive for backward.
     """
-    logits = model(**_model_inputs(exp), use_cache=False).logits[:, prompt_width - 1:-1].float() / temperature
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, exp["response_ids"].unsqueeze(-1)).squeeze(-1)
-    return logp, (entropy_from_logits(logits) if with_entropy else None)
+    width = exp["input_ids"].shape[1]
+    kwargs = {"logits_to_keep": width - prompt_width + 1} if _keeps_logits(model) else {}
+    logits = model(**_model_inputs(exp), use_cache=False, **kwargs).logits
+    logits = logits[:, -(width - prompt_width + 1):-1].float() / temperature
+    logp = logits.gather(-1, exp["response_ids"].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    if not with_entropy:
+        return logp, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        return logp, entropy_from_logits(logits if entropy_grad else logits.detach())
 
 
 def token_values(critic: Any, exp: dict[str, torch.Tensor], prompt_width: int) -> torch.Tensor:
@@ -146,10 +168,14 @@ class PolicyLearner:
                              lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout)
         self.optimizer = build_optimizer(self.policy, cfg.lr, cfg.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+        # Micro-batches per mini-batch on each rank (the same count on every rank and mini-batch: DeepSpeed
+        # counts accumulation steps itself).
+        share = -(-cfg.mini_batch_size // self.world.size)
+        self.micro_batches = -(-share // cfg.micro_batch_size) if cfg.micro_batch_size else 1
         # The schedule is stepped here once per iteration (end_iteration), not by DeepSpeed per optimizer step.
         self.strategy = build_strategy(cfg.parallel, self.policy, self.optimizer, None, self.world,
-                                       max_grad_norm=cfg.max_grad_norm, offload_optimizer=cfg.offload_optimizer,
-                                       autocast_dtype=self.autocast_dtype)
+                                       grad_accum=self.micro_batches, max_grad_norm=cfg.max_grad_norm,
+                                       offload_optimizer=cfg.offload_optimizer, autocast_dtype=self.autocast_dtype)
         self.critic = self.critic_opt = self.critic_sched = self.critic_strategy = None
         if AdvantageEstimator(cfg.estimator).needs_critic:
             from rlhf_core.reward_model import load_reward_model
@@ -191,6 +217,12 @@ class PolicyLearner:
         ``exp`` holds every row's ``input_ids``, ``attention_mask``, ``position_ids``, ``response_ids``,
         ``mask``, ``old_logp``, ``ref_logp``, ``advantages`` (and ``old_values``, ``returns`` with a
         critic), each ``(rows, ...)``. Returns per-optimizer-step diagnostics, identical on every rank.
+
+        Without ``old_logp`` (one update per batch: the controller skipped :meth:`score`), pi_old is
+        the update's own log-prob, detached: the weights have not moved since sampling, so it is the
+        same quantity without a second forward pass (TRL does the same with ``num_iterations=1``).
+        ``exp`` then carries ``sampling_logp``, and the diagnostics add ``seq_kl`` (per-sequence k3
+        KL(pi_old || pi_ref)) and ``logprob_mismatch`` that the controller would have computed.
         """
         cfg, world = self.cfg, self.world
         exp = _to(exp, self.device)
@@ -210,32 +242,54 @@ class PolicyLearner:
     def _policy_step(self, mb: dict[str, torch.Tensor], prompt_width: int, kl_coef: float, step: int,
                      seen: dict[str, list[float]]) -> None:
         cfg, agg = self.cfg, self.aggregation
-        with autocast_context(self.device, self.autocast_dtype):
-            logp, entropy = token_logprobs(self.strategy.module, mb, prompt_width, cfg.temperature, with_entropy=True)
-        pg_loss, stats = clipped_policy_loss(logp, mb["old_logp"], mb["advantages"], mb["mask"],
-                                             clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                             dual_clip=cfg.dual_clip or None, aggregation=agg,
-                                             max_len=cfg.max_new_tokens)
-        entropy_term = aggregate_loss(entropy, mb["mask"], agg, cfg.max_new_tokens)
-        loss = pg_loss - cfg.entropy_coef * entropy_term
-        kl_loss = torch.zeros(())
         use_kl_loss = not cfg.kl_in_reward and kl_coef > 0
-        if use_kl_loss:  # GRPO, Eq. 3: + beta * KL(pi || pi_ref)
-            kl_loss = aggregate_loss(kl_penalty(logp, mb["ref_logp"], cfg.kl_estimator, clamp=KL_CLAMP),
-                                     mb["mask"], agg, cfg.max_new_tokens)
-            loss = loss + kl_coef * kl_loss
-        # this rank's share of the mini-batch's loss: units_r / sum_r units_r (1 in one process)
-        units = float(aggregation_units(mb["mask"], agg))
-        total_units = self.world.all_reduce_sum([units])[0]
-        share = units / max(total_units, 1.0)
-        self.strategy.backward(loss * share * self.strategy.grad_scale)
+        fused_old = "old_logp" not in mb
+        # Each micro-batch's loss L_m over u_m units enters backward as L_m * u_m / U, U the units of the
+        # whole mini-batch over all ranks: the accumulated gradient is the one-pass gradient.
+        rows = torch.arange(mb["mask"].shape[0], device=mb["mask"].device)
+        micro = [{k: v[chunk] for k, v in mb.items()} for chunk in torch.tensor_split(rows, self.micro_batches)]
+        if any(m["mask"].shape[0] == 0 for m in micro):
+            raise ValueError(f"rl.micro_batch_size: a mini-batch share of {len(rows)} rows cannot fill "
+                             f"{self.micro_batches} micro-batches; raise micro_batch_size or mini_batch_size")
+        units = [float(aggregation_units(m["mask"], agg)) for m in micro]
+        total_units, n_seq, n_tok = self.world.all_reduce_sum([sum(units), float(len(rows)), float(mb["mask"].sum())])
+        total_units = max(total_units, 1.0)
+        acc = torch.zeros(8, dtype=torch.float64)  # loss, pg, kl_loss, clip_frac, approx_kl, entropy, seq_kl, mismatch
+        for i, m in enumerate(micro):
+            with self.strategy.accumulating(last=i == len(micro) - 1):
+                with autocast_context(self.device, self.autocast_dtype):
+                    logp, entropy = token_logprobs(self.strategy.module, m, prompt_width, cfg.temperature,
+                                                   with_entropy=True, entropy_grad=cfg.entropy_coef != 0)
+                old_logp = logp.detach() * m["mask"] if fused_old else m["old_logp"]
+                pg_loss, stats = clipped_policy_loss(logp, old_logp, m["advantages"], m["mask"],
+                                                     clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                                     dual_clip=cfg.dual_clip or None, aggregation=agg,
+                                                     max_len=cfg.max_new_tokens)
+                loss = pg_loss
+                if cfg.entropy_coef:
+                    loss = loss - cfg.entropy_coef * aggregate_loss(entropy, m["mask"], agg, cfg.max_new_tokens)
+                kl_loss = torch.zeros(())
+                if use_kl_loss:  # GRPO, Eq. 3: + beta * KL(pi || pi_ref)
+                    kl_loss = aggregate_loss(kl_penalty(logp, m["ref_logp"], cfg.kl_estimator, clamp=KL_CLAMP),
+                                             m["mask"], agg, cfg.max_new_tokens)
+                    loss = loss + kl_coef * kl_loss
+                share = units[i] / total_units
+                self.strategy.backward(loss * share * self.strategy.grad_scale)
+                if hasattr(self.strategy, "last_grad_norm"):  # DeepSpeed steps inside its own accumulation count
+                    self.strategy.step()
+            extra = (0.0, 0.0)
+            if fused_old:  # what the controller logs from pi_old when it computes it itself
+                seq_kl = (kl_penalty(old_logp, m["ref_logp"], "k3", clamp=KL_CLAMP) * m["mask"]).sum(-1)
+                extra = (float(seq_kl.sum()) / n_seq,
+                         float(((m["sampling_logp"] - old_logp).abs() * m["mask"]).sum()) / max(n_tok, 1.0))
+            acc += torch.tensor([share * float(v) for v in (loss.detach(), pg_loss.detach(), kl_loss.detach(),
+                                                            stats.clip_frac, stats.approx_kl,
+                                                            masked_mean(entropy.detach(), m["mask"]))] + list(extra),
+                                dtype=torch.float64)
         # diagnostics as the whole mini-batch's (unit-weighted means over ranks); finiteness checked by all
-        ent = float(masked_mean(entropy.detach(), mb["mask"]))
-        sums = self.world.all_reduce_sum([share * float(v) for v in (loss.detach(), pg_loss.detach(), kl_loss.detach(),
-                                                                     stats.clip_frac, stats.approx_kl, ent)])
+        sums = self.world.all_reduce_sum(acc.tolist())
         _check_finite(sums[0], "policy loss", step)
         if hasattr(self.strategy, "last_grad_norm"):
-            self.strategy.step()
             grad_norm = self.strategy.last_grad_norm()
         else:
             grad_norm = self.strategy.clip_grad_norm(cfg.max_grad_norm)
@@ -249,6 +303,9 @@ class PolicyLearner:
         seen["clip_frac"].append(sums[3])
         seen["approx_kl"].append(sums[4])
         seen["entropy"].append(sums[5])
+        if fused_old:
+            seen.setdefault("seq_kl", []).append(sums[6])
+            seen.setdefault("logprob_mismatch", []).append(sums[7])
 
     def _critic_step(self, mb: dict[str, torch.Tensor], prompt_width: int, step: int,
                      seen: dict[str, list[float]]) -> None:

@@ -208,3 +208,76 @@ def test_alignflow_rl_command_tracks_lineage(isolated_project, micro_model, micr
     (run,) = client.search_runs(client.get_experiment_by_name("alignflow").experiment_id)
     assert run.data.tags["input.prompts"] == str(micro_data["prompts"]) and run.data.tags["alignflow.stage"] == "rl"
     assert {"rollouts.json", "eval_samples.json"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+
+
+def _learner_and_experience(micro_model, micro_data, tmp_path, **overrides):
+    """A PolicyLearner and one batch of experience (16 rows) as the controller builds it."""
+    from rlhf_core.rollout import HFGenerateEngine, SamplingParams
+    from rlhf_core.trainers.rl_roles import PolicyLearner, ReferenceScorer
+
+    cfg = _cfg(micro_model, micro_data, tmp_path, "unused.py:reward", mini_batch_size=16, **overrides)
+    torch.manual_seed(0)
+    learner = PolicyLearner(cfg, torch.device("cpu"))
+    from rlhf_core.models import load_tokenizer
+
+    tok = load_tokenizer(micro_model)
+    batch = HFGenerateEngine(learner.policy, tok).generate(["12+30=", "7*8=", "sort 321=", "1+1="],
+                                                           SamplingParams(n=4, max_new_tokens=6, seed=1))
+    ids, attention = batch.sequences()
+    exp = {"input_ids": ids, "attention_mask": attention, "position_ids": batch.position_ids(),
+           "response_ids": batch.response_ids}
+    p = batch.prompt_ids.shape[1]
+    mask = batch.response_mask.float()
+    exp.update(mask=mask, ref_logp=ReferenceScorer(cfg, torch.device("cpu")).logprobs(exp, p) * mask,
+               advantages=torch.randn(len(batch), 1).expand_as(mask) * mask)
+    return learner, exp, p, batch.sampling_logprobs * mask
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_micro_batches_and_the_fused_old_logprob_give_the_one_pass_update(micro_model, micro_data, tmp_path,
+                                                                          aggregation):
+    """One update per batch three ways: pi_old from a separate forward, one pass; pi_old fused into the
+    update (no extra forward), one pass; fused, over 4 micro-batches. Same weights and diagnostics."""
+    results = []
+    for micro, fused in ((0, False), (0, True), (4, True)):
+        learner, exp, p, sampling = _learner_and_experience(micro_model, micro_data, tmp_path,
+                                                            micro_batch_size=micro, loss_aggregation=aggregation)
+        assert learner.micro_batches == (4 if micro else 1)
+        if fused:
+            exp["sampling_logp"] = sampling
+        else:
+            exp["old_logp"] = learner.score(exp, p)["old_logp"] * exp["mask"]
+        seen = learner.update(exp, p, [torch.arange(16)], kl_coef=0.1, step=1)
+        results.append((seen, {k: v.clone() for k, v in learner.policy.state_dict().items()}))
+    (seen0, w0), (seen1, w1), (seen2, w2) = results
+    start = load_file(str(micro_model / "model.safetensors"))
+    assert any(not torch.equal(w0[k], start[k]) for k in start if k in w0)  # the update moved the weights
+    for w in (w1, w2):
+        for k in w0:
+            torch.testing.assert_close(w[k], w0[k], atol=2e-6, rtol=1e-5)
+    for seen in (seen1, seen2):
+        for key in ("policy_loss", "kl_loss", "clip_frac", "approx_kl", "entropy"):
+            assert seen[key] == pytest.approx(seen0[key], abs=1e-5)
+        assert seen["logprob_mismatch"][0] < 1e-4  # the HF engine sampled from these very weights
+        assert math.isfinite(seen["seq_kl"][0]) and seen["seq_kl"][0] >= 0
+
+
+def test_one_update_per_batch_skips_the_old_logprob_forward(micro_model, micro_data, tmp_path, length_reward,
+                                                            monkeypatch):
+    """mini_batch_size = every row and one epoch: train_rl never calls PolicyLearner.score, logs the same metrics."""
+    from rlhf_core.trainers.rl_roles import PolicyLearner
+
+    calls = []
+    original = PolicyLearner.score
+    monkeypatch.setattr(PolicyLearner, "score", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    sink = Recorder()
+    cfg = _cfg(micro_model, micro_data, tmp_path, length_reward, mini_batch_size=16, micro_batch_size=8,
+               save_every=0)
+    train_rl(cfg, sink, show_progress=False)
+    assert calls == []
+    for key in ("train/kl", "rollout/logprob_mismatch", "train/policy_loss", "train/entropy"):
+        assert len(sink.series(key)) == 2 and all(math.isfinite(v) for v in sink.series(key))
+    assert max(sink.series("rollout/logprob_mismatch")) < 1e-4
+    cfg = _cfg(micro_model, micro_data, tmp_path / "two", length_reward, mini_batch_size=8, save_every=0)
+    train_rl(cfg, Recorder(), show_progress=False)
+    assert len(calls) == 2  # two mini-batches per batch: pi_old must be computed before the first step

@@ -1,0 +1,387 @@
+"""Our own rollout engine: a static KV cache, CUDA graphs over the decode step, early stop.
+
+Why not ``model.generate``: on an H100, HF ``generate`` of a 0.4B model at batch 512 spends
+14-20 ms per decode step (``../shared/device/ANCHORS.md``, ``bench/results``) where the weights
+and KV cache need about 0.6 ms of memory traffic: the step is bound by Python and kernel
+launches (a few hundred small kernels), not by the GPU. vLLM fixes that but cannot be
+installed everywhere (not on the lent GPUs, for one). This engine does what vLLM's decode
+does for one fixed batch, in plain torch:
+
+* the cache is preallocated once per call, ``(B, H_kv, P + R, D)`` per layer, and step ``t``
+  writes column ``P + t`` (prompts are left-padded, so every row's new token shares a column);
+* one decode step has fixed shapes and touches only preallocated buffers (the token, its
+  position, the column and a key mask are updated in place), so on CUDA it is captured once
+  into a ``torch.cuda.CUDAGraph`` and replayed: one launch per step instead of hundreds;
+* grouped-query attention needs no copy of the shared K/V heads: at one query position, the
+  ``G = H / H_kv`` query heads of a KV head are the ``G`` query rows of one SDPA call over that
+  head's cache (``q: (B, H_kv, G, D)``), exact and memory-bound;
+* sampling (temperature, top-k, top-p; Gumbel-max with the call's own generator) runs after
+  each replay, and the loop stops once every row has emitted eos (checked every few steps so
+  the host does not wait on the GPU each step).
+
+It runs the model's own modules (projections, norms, MLP, rotary embedding), so it holds no
+weights of its own: :meth:`update_weights` copies into the model in place and captured graphs
+stay valid. Architectures: the Llama family's decoder layer (``llama``, ``qwen2``, ``qwen3``
+with its q/k norms, ``mistral`` within its sliding window); :func:`supports` says why a model is
+refused, and :func:`rlhf_core.trainers.rl.build_rollout_engine` then falls back to HF ``generate``.
+
+Log-probs follow the contract of :mod:`rlhf_core.rollout`: ``log_softmax(logits / T)`` of the
+sampled token, before top-k / top-p filtering.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from rlhf_core.data.tokenize import encode_prompt
+from rlhf_core.rollout import RolloutBatch, SamplingParams, _left_pad, _pad_to, response_mask_from_ids
+
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+# How often (in decode steps) the host asks whether every row has finished: on a GPU each ask waits
+# for the device, so it asks every 16 steps there and every step on the CPU.
+_EOS_CHECK_EVERY = {"cuda": 16}
+
+
+def supports(model: Any) -> str | None:
+    """``None`` when this engine can run ``model``; otherwise the reason it cannot."""
+    cfg = getattr(model, "config", None)
+    kind = getattr(cfg, "model_type", None)
+    if kind not in SUPPORTED:
+        return f"model_type {kind!r} is not one of {SUPPORTED}"
+    if hasattr(model, "peft_config"):
+        return "the model carries LoRA adapters (the HF engine samples through them)"
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return "the model does not have the Llama-family layout (model.embed_tokens/layers/norm/rotary_emb)"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r}"
+    if kind == "qwen2" and getattr(cfg, "use_sliding_window", False):
+        return "Qwen2 sliding-window attention"
+    return None
+
+
+@dataclass
+class _Shapes:
+    rows: int
+    width: int  # prompt width P + max_new_tokens R
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+class StaticCacheEngine:
+    """Rollouts from a Llama-family causal LM with our decode loop (see the module docstring)."""
+
+    def __init__(self, model: Any, tokenizer: Any, batch_size: int = 256, autocast_dtype: torch.dtype | None = None,
+                 cuda_graphs: bool = True):
+        reason = supports(model)
+        if reason:
+            raise ValueError(f"StaticCacheEngine: cannot run this model: {reason}")
+        if batch_size < 1:
+            raise ValueError(f"StaticCacheEngine: batch_size must be >= 1, got {batch_size}")
+        if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
+            raise ValueError("StaticCacheEngine: tokenizer needs an eos and a pad token (use models.load_tokenizer)")
+        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.cuda_graphs = cuda_graphs
+        # Sampling in the trainer's mixed precision (bf16 on a GPU) uses a bf16 copy of the policy,
+        # refreshed in place by update_weights, as the HF engine does.
+        self.sampler = model
+        if autocast_dtype is not None and next(model.parameters()).dtype != autocast_dtype:
+            import copy
+
+            self.sampler = copy.deepcopy(model).to(autocast_dtype).eval().requires_grad_(False)
+        cfg = model.config
+        self._window = getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
+        self.last_stats: dict[str, float] = {}
+
+    @property
+    def name(self) -> str:
+        return "static"
+
+    # ---- weights ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | torch.nn.Module | str | Path) -> None:
+        """Copy a state dict, a model's weights or an HF directory into the sampling model, in place."""
+        if weights is self.model:
+            if self.sampler is not self.model:
+                for mine, theirs in zip(self.sampler.parameters(), self.model.parameters()):
+                    mine.copy_(theirs)
+            return
+        if isinstance(weights, (str, Path)):
+            from rlhf_core.models import load_causal_lm
+
+            weights = load_causal_lm(weights, torch.device("cpu"))
+        if isinstance(weights, torch.nn.Module):
+            weights = weights.state_dict()
+        self.model.load_state_dict(weights, strict=True)
+        if self.sampler is not self.model:
+            self.update_weights(self.model)
+
+    # ---- generate ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[str], params: SamplingParams) -> RolloutBatch:
+        """``params.n`` samples per prompt; see :class:`rlhf_core.rollout.RolloutBatch` for the layout."""
+        if not prompts:
+            raise ValueError("StaticCacheEngine.generate: no prompts")
+        encoded = [encode_prompt(self.tokenizer, p) for p in prompts]
+        empty = [i for i, ids in enumerate(encoded) if not ids]
+        if empty:
+            raise ValueError(f"StaticCacheEngine.generate: prompt {empty[0]} encodes to no tokens")
+        width = max(len(e) for e in encoded) + params.max_new_tokens
+        if self._window and width > self._window:
+            raise ValueError(f"StaticCacheEngine: prompt + max_new_tokens = {width} tokens exceeds the model's "
+                             f"sliding window {self._window}; use rollout_engine hf")
+        model = self.sampler
+        device = next(model.parameters()).device
+        generator = torch.Generator(device=device)
+        generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(2**62, ()).item()))
+        was_training = model.training
+        model.eval()
+        try:
+            # Whole prompt groups per chunk: n copies of batch_size // n prompts.
+            per_chunk = max(1, self.batch_size // params.n)
+            chunks = [self._generate_chunk(encoded[s:s + per_chunk], params, device, generator)
+                      for s in range(0, len(encoded), per_chunk)]
+        finally:
+            model.train(was_training)
+        pad = self.tokenizer.pad_token_id
+        p_width = max(c[0].shape[1] for c in chunks)
+        r_width = max(c[2].shape[1] for c in chunks)
+        prompt_ids = torch.cat([_pad_to(c[0], p_width, pad, left=True) for c in chunks])
+        prompt_mask = torch.cat([_pad_to(c[1], p_width, 0, left=True) for c in chunks])
+        response_ids = torch.cat([_pad_to(c[2], r_width, pad, left=False) for c in chunks])
+        response_mask = torch.cat([_pad_to(c[3], r_width, 0, left=False) for c in chunks])
+        logprobs = torch.cat([_pad_to(c[4], r_width, 0.0, left=False) for c in chunks])
+        completions = [self.tokenizer.decode(ids[:n], skip_special_tokens=True)
+                       for ids, n in zip(response_ids.tolist(), response_mask.sum(-1).tolist())]
+        return RolloutBatch(prompts=[p for p in prompts for _ in range(params.n)], completions=completions,
+                            prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+                            response_mask=response_mask, sampling_logprobs=logprobs, group_size=params.n)
+
+    def _generate_chunk(self, encoded: Sequence[list[int]], params: SamplingParams, device: torch.device,
+                        generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        ids, mask = _left_pad(encoded, pad)
+        # Each prompt is prefilled once and its cache shared by its n samples (rows i*n .. i*n+n-1).
+        decoder = _Decoder(self.sampler, ids.to(device), mask.to(device), params.max_new_tokens, params.n)
+        logits = decoder.prefill()
+        ids, mask = ids.repeat_interleave(params.n, dim=0), mask.repeat_interleave(params.n, dim=0)
+        use_graph = self.cuda_graphs and device.type == "cuda"
+        if use_graph:
+            decoder.capture()
+        R = params.max_new_tokens
+        out_ids = torch.full((ids.shape[0], R), pad, dtype=torch.long, device=device)
+        out_logp = torch.zeros((ids.shape[0], R), dtype=torch.float32, device=device)
+        finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
+        steps, check_every = R, _EOS_CHECK_EVERY.get(device.type, 1)
+        for t in range(R):
+            token, logp = _sample(logits, params, generator)
+            token = token.masked_fill(finished, pad)  # rows past their eos only pad
+            out_ids[:, t], out_logp[:, t] = token, logp
+            finished |= token == eos
+            if t == R - 1 or ((t + 1) % check_every == 0 and bool(finished.all())):
+                steps = t + 1
+                break
+            logits = decoder.step(token, graph=use_graph)
+        decoder.release()
+        response = out_ids[:, :steps].cpu()
+        logprobs = out_logp[:, :steps].cpu()
+        response_mask = response_mask_from_ids(response, eos)
+        longest = max(int(response_mask.sum(-1).max()), 1)  # columns after every row's eos: dropped, as generate does
+        response, response_mask, logprobs = response[:, :longest], response_mask[:, :longest], logprobs[:, :longest]
+        response = response.masked_fill(response_mask == 0, pad)
+        self.last_stats = {"decode_steps": float(steps), "cuda_graph": float(use_graph)}
+        return ids, mask, response, response_mask, logprobs.masked_fill(response_mask == 0, 0.0)
+
+
+def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ``(rows,)`` and its ``log_softmax(logits / T)`` ``(rows,)`` from ``(rows, V)`` logits."""
+    logits = logits.float()
+    if params.greedy:
+        logp = torch.log_softmax(logits, dim=-1)
+        token = logits.argmax(-1)
+        return token, logp.gather(-1, token[:, None]).squeeze(-1)
+    logp = torch.log_softmax(logits / params.temperature, dim=-1)
+    scores = logp
+    if params.top_k:  # keep the k largest (ties at the k-th kept, as HF's TopKLogitsWarper)
+        kth = torch.topk(scores, min(params.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:  # the smallest set whose mass reaches top_p (HF's TopPLogitsWarper rule)
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
+        cum = sorted_scores.softmax(-1).cumsum(-1)
+        drop_sorted = cum <= 1 - params.top_p
+        drop_sorted[:, -1] = False
+        scores = scores.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
+    # Gumbel-max: argmax(s + G) with G = -log(E), E ~ Exp(1), samples softmax(s).
+    noise = torch.empty_like(scores).exponential_(generator=generator)
+    token = (scores - noise.log()).argmax(-1)
+    return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
+class _Decoder:
+    """One chunk's decode state: the static cache and the buffers a captured step reads and writes.
+
+    Shapes: ``B`` rows, ``P`` prompt width, ``W = P + R`` cache width, ``H``/``H_kv`` query/KV heads,
+    ``D`` head size, ``V`` vocabulary.
+    """
+
+    def __init__(self, model: Any, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, n: int):
+        cfg = model.config
+        self.model, self.inner = model, model.model
+        self.layers = list(self.inner.layers)
+        attn = self.layers[0].self_attn
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(attn, "head_dim", None) or cfg.hidden_size // heads
+        prompts, P = ids.shape
+        B = prompts * n  # decode rows: n samples of each prompt, contiguous
+        self.n = n
+        self.shape = _Shapes(B, P + max_new_tokens, heads, kv_heads, head_dim)
+        self.scaling = getattr(attn, "scaling", head_dim ** -0.5)
+        self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        dtype = next(model.parameters()).dtype
+        device = ids.device
+        W = self.shape.width
+        self.k = [torch.zeros(B, kv_heads, W, head_dim, dtype=dtype, device=device) for _ in self.layers]
+        self.v = [torch.zeros(B, kv_heads, W, head_dim, dtype=dtype, device=device) for _ in self.layers]
+        # rotary tables for positions 0 .. W-1, from the model's own rotary module (any rope scaling)
+        probe = torch.zeros(1, W, head_dim, dtype=dtype, device=device)
+        cos, sin = self.inner.rotary_emb(probe, torch.arange(W, device=device)[None])
+        self.cos, self.sin = cos[0], sin[0]  # (W, D)
+        self.ids, self.prompt_mask = ids, mask  # (prompts, P): one row per prompt
+        # decode-step buffers (updated in place, read by the captured graph), one row per sample
+        row_mask = mask.repeat_interleave(n, dim=0)
+        self.valid = torch.zeros(B, W, dtype=torch.bool, device=device)  # keys a row may attend to
+        self.valid[:, :P] = row_mask.bool()
+        self.token = torch.zeros(B, dtype=torch.long, device=device)
+        self.pos = (row_mask.sum(-1) - 1).clamp(min=0)  # position of the last prompt token; advanced before a step
+        self.col = torch.tensor([P - 1], dtype=torch.long, device=device)
+        self.logits: torch.Tensor | None = None
+        self.graph: Any = None
+
+    # ---- the math -----------------------------------------------------------------------------
+
+    def _layer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write: Any,
+               attend: Any) -> torch.Tensor:
+        """One decoder layer on ``x (B, T, hidden)``: the model's modules, our cache handling."""
+        layer = self.layers[i]
+        attn = layer.self_attn
+        s = self.shape
+        B, T, _ = x.shape
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(B, T, s.heads, s.head_dim)
+        k = attn.k_proj(h).view(B, T, s.kv_heads, s.head_dim)
+        v = attn.v_proj(h).view(B, T, s.kv_heads, s.head_dim).transpose(1, 2)
+        if hasattr(attn, "q_norm"):  # Qwen3: RMS norm of each head before rotary
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (B, H, T, D), (B, H_kv, T, D)
+        write(i, k, v)
+        o = attend(i, q)  # (B, T, H * D)
+        x = x + attn.o_proj(o)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.inner.norm(x))
+
+    # ---- prefill: the prompts, every position at once --------------------------------------------
+
+    def prefill(self) -> torch.Tensor:
+        """Run each prompt once, fill cache columns ``0 .. P-1`` of its ``n`` rows; ``(B, V)`` next-token logits."""
+        B, P = self.ids.shape  # B prompts here
+        pos = (self.prompt_mask.cumsum(-1) - 1).clamp(min=0)  # as generate: counted from the first real token
+        cos, sin = self.cos[pos], self.sin[pos]  # (B, P, D)
+        keys = self.prompt_mask.bool()
+        causal = torch.ones(P, P, dtype=torch.bool, device=self.ids.device).tril()
+        allowed = causal[None] & keys[:, None, :]  # (B, P, P)
+        allowed |= torch.eye(P, dtype=torch.bool, device=self.ids.device)[None]  # pad queries: no empty rows
+        s = self.shape
+
+        kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def write(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            kv[i] = (k, v)
+            self.k[i][:, :, :P] = k.repeat_interleave(self.n, dim=0)
+            self.v[i][:, :, :P] = v.repeat_interleave(self.n, dim=0)
+
+        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+            k, v = kv.pop(i)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=self.scaling,
+                                               enable_gqa=s.heads != s.kv_heads)
+            return o.transpose(1, 2).reshape(B, P, s.heads * s.head_dim)
+
+        x = self.inner.embed_tokens(self.ids)
+        for i in range(len(self.layers)):
+            x = self._layer(i, x, cos, sin, write, attend)
+        return self._head(x[:, -1]).repeat_interleave(self.n, dim=0)
+
+    # ---- decode: one new token per row, fixed shapes -----------------------------------------------
+
+    def _step(self) -> torch.Tensor:
+        """Reads ``token``, ``pos``, ``col``, ``valid``; writes the cache at ``col``; ``(B, V)`` logits."""
+        s = self.shape
+        B, G = s.rows, s.heads // s.kv_heads
+        cos, sin = self.cos[self.pos][:, None], self.sin[self.pos][:, None]  # (B, 1, D)
+        key_mask = self.valid[:, None, None, :]  # (B, 1, 1, W)
+
+        def write(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            self.k[i].index_copy_(2, self.col, k)
+            self.v[i].index_copy_(2, self.col, v)
+
+        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+            # the G query heads of each KV head as G query rows over that head's cache: no K/V copies
+            o = F.scaled_dot_product_attention(q.reshape(B, s.kv_heads, G, s.head_dim), self.k[i], self.v[i],
+                                               attn_mask=key_mask, scale=self.scaling)
+            return o.reshape(B, 1, s.heads * s.head_dim)
+
+        x = self.inner.embed_tokens(self.token[:, None])
+        for i in range(len(self.layers)):
+            x = self._layer(i, x, cos, sin, write, attend)
+        return self._head(x[:, 0])
+
+    def _advance(self, token: torch.Tensor) -> None:
+        self.token.copy_(token)
+        self.pos += 1
+        self.col += 1
+        self.valid.index_fill_(1, self.col, True)
+
+    def step(self, token: torch.Tensor, graph: bool) -> torch.Tensor:
+        """Feed ``token (B,)``; the next ``(B, V)`` logits (a view of a static buffer when ``graph``)."""
+        self._advance(token)
+        if graph:
+            self.graph.replay()
+            return self.logits
+        return self._step()
+
+    def capture(self) -> None:
+        """Capture :meth:`_step` into a CUDA graph (after warm-up runs on a side stream, as torch requires).
+
+        Warm-up and capture write cache column ``P`` and advance nothing: the buffers are restored, and
+        the first real step rewrites that column.
+        """
+        saved = (self.token.clone(), self.pos.clone(), self.col.clone(), self.valid.clone())
+        self.pos += 1
+        self.col += 1
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._step()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._step()
+        for buf, value in zip((self.token, self.pos, self.col, self.valid), saved):
+            buf.copy_(value)
+
+    def release(self) -> None:
+        self.graph = None
+        self.k = self.v = []
+        self.logits = None

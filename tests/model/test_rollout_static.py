@@ -1,0 +1,142 @@
+"""Our static-cache rollout engine against HF generate: same greedy tokens, the log-prob contract,
+groups, early stop, in-place weight updates, and the fallback for models it cannot run."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from rlhf_core.config import RLConfig
+from rlhf_core.models import load_causal_lm, load_tokenizer
+from rlhf_core.rollout import HFGenerateEngine, RolloutEngine, SamplingParams
+from rlhf_core.rollout_static import StaticCacheEngine, supports
+from rlhf_core.trainers.rl import build_rollout_engine
+
+PROMPTS = ["12+30=", "sort 321=", "7*8=", "sort 90817=", "1+1="]
+
+
+def _eos_biased(path):
+    """The micro model nudged to say eos (+3 on its logit, as a bias of the LM head) so rows end at different steps."""
+    model = load_causal_lm(path, torch.device("cpu")).eval()
+    tokenizer = load_tokenizer(path)
+    head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight)
+        head.bias.zero_()
+        head.bias[tokenizer.eos_token_id] = 3.0
+    model.lm_head = head
+    model.config.tie_word_embeddings = False
+    return model, tokenizer
+
+
+def _recomputed(model, batch, temperature: float) -> torch.Tensor:
+    ids, mask = batch.sequences()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=batch.position_ids()).logits.float()
+    p = batch.prompt_ids.shape[1]
+    logps = torch.log_softmax(logits[:, p - 1:-1] / temperature, dim=-1)
+    return logps.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1) * batch.response_mask
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_greedy_matches_hf_generate_token_for_token(arch, micro_model, llama_chat_model):
+    model, tok = _eos_biased(micro_model if arch == "qwen2" else llama_chat_model)
+    with torch.no_grad():  # greedy on an untrained model: +3 would make eos win every step
+        model.lm_head.bias[tok.eos_token_id] = 0.5
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=10)
+    # batch sizes that split the prompts differently: chunks of whole groups are stitched together
+    ours = StaticCacheEngine(model, tok, batch_size=4).generate(PROMPTS, params)
+    ref = HFGenerateEngine(model, tok, batch_size=64).generate(PROMPTS, params)
+    assert isinstance(StaticCacheEngine(model, tok), RolloutEngine)
+    assert torch.equal(ours.response_ids, ref.response_ids)
+    assert torch.equal(ours.response_mask, ref.response_mask)
+    assert torch.equal(ours.prompt_ids, ref.prompt_ids) and ours.completions == ref.completions
+    torch.testing.assert_close(ours.sampling_logprobs, ref.sampling_logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9)])
+def test_sampling_logprobs_are_the_trainers(temperature, top_k, top_p, micro_model):
+    """log_softmax(logits / T) of every sampled token, before top-k/top-p: what the trainer recomputes."""
+    model, tok = _eos_biased(micro_model)
+    if top_k:  # with the +3 eos bias eos would be drawn nearly every time inside the top 5
+        with torch.no_grad():
+            model.lm_head.bias.zero_()
+    engine = StaticCacheEngine(model, tok, batch_size=64)
+    params = SamplingParams(n=4, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=12, seed=5)
+    batch = engine.generate(PROMPTS, params)
+    assert len(batch) == len(PROMPTS) * 4 and batch.prompts == [p for p in PROMPTS for _ in range(4)]
+    torch.testing.assert_close(batch.sampling_logprobs, _recomputed(model, batch, temperature), atol=2e-5, rtol=0)
+    assert (batch.sampling_logprobs[batch.response_mask == 0] == 0).all()
+    lengths = batch.response_lengths()
+    if not top_k:
+        assert (lengths < 12).any() and (lengths > 1).any()  # rows stop at their own eos
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    for row, n in zip(batch.response_ids, batch.response_lengths().tolist()):
+        assert (row[:n - 1] != eos).all() and (row[n:] == pad).all()
+    if top_k:  # every sampled token is inside the top k of its step
+        ranks = []
+        ids, mask = batch.sequences()
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=batch.position_ids()).logits
+        p = batch.prompt_ids.shape[1]
+        for r in range(len(batch)):
+            for t in range(int(batch.response_lengths()[r])):
+                step = logits[r, p - 1 + t]
+                ranks.append(int((step > step[batch.response_ids[r, t]]).sum()))
+        assert max(ranks) < top_k
+    # seeded: the same call gives the same samples; another seed other samples
+    again = engine.generate(PROMPTS, params)
+    assert torch.equal(again.response_ids, batch.response_ids)
+    other = engine.generate(PROMPTS, SamplingParams(n=4, temperature=temperature, top_k=top_k, top_p=top_p,
+                                                    max_new_tokens=12, seed=6))
+    assert not torch.equal(other.response_ids, batch.response_ids) or other.response_ids.shape != batch.response_ids.shape
+
+
+def test_samples_follow_the_model_distribution(micro_model):
+    """First tokens of 4000 samples of one prompt: frequencies within 3 sigma of softmax(logits)."""
+    model = load_causal_lm(micro_model, torch.device("cpu")).eval()
+    tok = load_tokenizer(micro_model)
+    batch = StaticCacheEngine(model, tok, batch_size=4000).generate(
+        ["7*8="], SamplingParams(n=4000, temperature=1.0, max_new_tokens=1, seed=0))
+    ids = torch.tensor([tok("7*8=", add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        probs = model(input_ids=ids).logits[0, -1].float().softmax(-1)
+    counts = torch.bincount(batch.response_ids[:, 0], minlength=probs.numel()).float()
+    expected = probs * 4000
+    sigma = (4000 * probs * (1 - probs)).sqrt()
+    assert ((counts - expected).abs() <= 3 * sigma + 1).all()
+
+
+def test_update_weights_in_place_and_the_trainers_model(micro_model):
+    model, tok = load_causal_lm(micro_model, torch.device("cpu")).eval(), load_tokenizer(micro_model)
+    engine = StaticCacheEngine(model, tok)
+    params = SamplingParams(n=1, temperature=0, max_new_tokens=6)
+    before = engine.generate(PROMPTS, params)
+    other = load_causal_lm(micro_model, torch.device("cpu"))
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    engine.update_weights(other.state_dict())
+    after = engine.generate(PROMPTS, params)
+    assert engine.model is model  # the weights moved into the same model object
+    assert not torch.equal(before.sampling_logprobs, after.sampling_logprobs)
+    ref = HFGenerateEngine(other, tok).generate(PROMPTS, params)
+    assert torch.equal(after.response_ids, ref.response_ids)
+
+
+def test_rl_config_picks_it_and_falls_back_for_models_it_cannot_run(micro_model, micro_data, tmp_path, caplog):
+    cfg = RLConfig(model_path=str(micro_model), prompts_file=str(micro_data["prompts"]), rollout_engine="static",
+                   output_dir=str(tmp_path / "o"), checkpoint_dir=str(tmp_path / "c"))
+    model, tok = load_causal_lm(micro_model, torch.device("cpu")), load_tokenizer(micro_model)
+    assert build_rollout_engine(cfg, model, tok).name == "static"
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=16, n_layer=1, n_head=2, n_positions=64))
+    assert "model_type 'gpt2'" in supports(gpt2)
+    with caplog.at_level(logging.WARNING):
+        assert build_rollout_engine(cfg, gpt2, tok).name == "hf"
+    assert "rollout_engine static cannot run this policy (model_type 'gpt2'" in caplog.text
+    with pytest.raises(ValueError, match="cannot run this model: model_type 'gpt2'"):
+        StaticCacheEngine(gpt2, tok)
