@@ -60,13 +60,16 @@ def build_tokenizer(vocab: int, out: Path) -> Path:
     return out
 
 
-def build_model(tokenizer_dir: Path, out: Path) -> Path:
-    """Qwen2-0.5B dimensions (896 hidden, 24 layers, 14 heads, 2 KV heads, 4864 MLP), random weights."""
+def build_model(tokenizer_dir: Path, out: Path, **dims: int) -> Path:
+    """Qwen2-0.5B dimensions (896 hidden, 24 layers, 14 heads, 2 KV heads, 4864 MLP), random weights;
+    ``dims`` overrides them (a smoke test's micro model)."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                      num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+    shape = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2)
+    shape.update(dims)
+    cfg = Qwen2Config(vocab_size=len(tok), **shape, tie_word_embeddings=True,
                       max_position_embeddings=4096, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                       bos_token_id=tok.eos_token_id)
     torch.manual_seed(0)

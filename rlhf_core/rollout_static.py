@@ -31,6 +31,7 @@ sampled token, before top-k / top-p filtering.
 
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,8 @@ import torch.nn.functional as F
 
 from rlhf_core.data.tokenize import encode_prompt
 from rlhf_core.rollout import RolloutBatch, SamplingParams, _left_pad, _pad_to, response_mask_from_ids
+
+log = logging.getLogger(__name__)
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 # How often (in decode steps) the host asks whether every row has finished: on a GPU each ask waits
@@ -176,7 +179,11 @@ class StaticCacheEngine:
         ids, mask = ids.repeat_interleave(params.n, dim=0), mask.repeat_interleave(params.n, dim=0)
         use_graph = self.cuda_graphs and device.type == "cuda"
         if use_graph:
-            decoder.capture()
+            try:
+                decoder.capture()
+            except RuntimeError as err:  # e.g. an op of this model/torch that graphs cannot capture
+                log.warning("StaticCacheEngine: CUDA graph capture failed (%s); decoding eagerly from now on", err)
+                self.cuda_graphs = use_graph = False
         R = params.max_new_tokens
         out_ids = torch.full((ids.shape[0], R), pad, dtype=torch.long, device=device)
         out_logp = torch.zeros((ids.shape[0], R), dtype=torch.float32, device=device)
