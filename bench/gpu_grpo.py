@@ -1,11 +1,7 @@
-"""GPU benchmark: alignflow's GRPO trainer (``train_rl``, HF generate engine) on a Qwen2-0.5B-shaped model
-with random weights, in the configuration of the TRL anchor in ``../shared/device/ANCHORS.md``:
-64 prompts x 8 samples x 256 new tokens, bf16 autocast, KL coefficient 0 (TRL's default beta).
-
-Differences from the anchor, stated rather than hidden: our trainer keeps fp32 master weights
-(bf16 autocast) and has no gradient checkpointing yet, so the 512 samples are updated in
-mini-batches of ``MINI`` (each an optimizer step; TRL takes one step per generation), and it
-still computes the reference model's log-probs with beta = 0.
+"""GPU benchmark: alignflow's GRPO trainer (``train_rl``) on a Qwen2-0.5B-shaped model with random weights,
+64 prompts x 8 samples x 256 new tokens, bf16 autocast; in one process or through the Ray launcher on
+N GPUs (the data-parallel scaling figure of BENCHMARKS.md). ``bench/side_by_side.py`` runs the same
+configuration against TRL; this script varies placement, workers, engine and parallelism.
 
 Runs on the lent GPUs with torch + transformers only (no MLflow, Prefect or Ray needed)::
 
@@ -97,13 +93,17 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--mini", type=int, default=64)
+    ap.add_argument("--mini", type=int, default=64, help="rows per optimizer step (512: one update per batch)")
+    ap.add_argument("--micro", type=int, default=0, help="rows per forward/backward within a mini-batch (0: all)")
+    ap.add_argument("--engine", choices=["hf", "static"], default="hf", help="rollout engine")
+    ap.add_argument("--kl", type=float, default=0.0, help="KL coefficient beta (> 0: reference log-probs computed)")
     ap.add_argument("--gen-batch", type=int, default=512)
     ap.add_argument("--placement", choices=["none", "colocated", "disaggregated"], default="none")
     ap.add_argument("--workers", type=int, default=1, help="policy data-parallel ranks (Ray actors, a GPU each)")
     ap.add_argument("--rollout-workers", type=int, default=0, help="rollout replicas (default: one per worker)")
     ap.add_argument("--parallel", choices=["ddp", "zero2", "zero3"], default="ddp")
     ap.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in the policy update")
+    ap.add_argument("--small", action="store_true", help="a micro model and short rows (CPU smoke test)")
     ap.add_argument("--sampling", choices=["copy", "master"], default="copy",
                     help="copy: the HF engine samples with a bf16 copy of the policy (default); master: with the "
                          "fp32 master weights (the engine before that change, for an A/B on one machine)")
@@ -119,7 +119,9 @@ def main() -> None:
         rl.build_rollout_engine = lambda cfg, policy, tok, dtype=None: HFGenerateEngine(policy, tok, cfg.batch_size)
 
     work = Path(tempfile.mkdtemp(prefix="gpu-grpo-"))
-    model_dir = build_model(build_tokenizer(32000, work / "tok"), work / "model")
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1) if args.small else {}
+    model_dir = build_model(build_tokenizer(32000, work / "tok"), work / "model", **small)
     prompts = work / "prompts.jsonl"
     words = ["alpha", "beta", "gamma", "delta", "kernel", "tensor", "matrix", "vector", "policy", "reward"]
     with prompts.open("w") as fh:
@@ -134,14 +136,17 @@ def main() -> None:
                    reward_function=f"{reward}:reward", estimator="grpo", max_steps=args.steps,
                    prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.new_tokens,
                    max_length=args.new_tokens + 64, batch_size=args.gen_batch, mini_batch_size=args.mini,
-                   ppo_epochs=1, kl_coef=0.0, lr=1e-6, warmup_steps=0, eval_items=1, eval_at_start=False,
+                   micro_batch_size=args.micro, rollout_engine=args.engine,
+                   ppo_epochs=1, kl_coef=args.kl, lr=1e-6, warmup_steps=0, eval_items=1, eval_at_start=False,
                    save_every=0, log_rollouts_every=0, precision="auto", placement=args.placement,
                    num_workers=args.workers, rollout_workers=args.rollout_workers or args.workers,
                    parallel=args.parallel, gradient_checkpointing=args.grad_ckpt)
-    torch.cuda.reset_peak_memory_stats()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     sink = Sink()
     smi = subprocess.Popen(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits",
-                            "-lms", "200"], stdout=subprocess.PIPE, text=True)
+                            "-lms", "200"] if cuda else ["sleep", "0"], stdout=subprocess.PIPE, text=True)
     started = time.perf_counter()
     if args.placement == "none":
         train_rl(cfg, sink, show_progress=False)
@@ -160,18 +165,20 @@ def main() -> None:
     step_s = statistics.median(m["perf/step_s"] for m in timed)
     gen_tokens = statistics.median(m["rollout/response_length"] for m in timed) * args.prompts * args.group
     summary = {
-        "what": "alignflow GRPO (train_rl, HF generate), Qwen2-0.5B-shaped random weights, 32k vocab",
-        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+        "what": "alignflow GRPO (train_rl), Qwen2-0.5B-shaped random weights, 32k vocab",
+        "gpu": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
         "placement": args.placement, "workers": args.workers, "parallel": args.parallel,
         "rollout_workers": cfg.rollout_workers, "gradient_checkpointing": args.grad_ckpt,
         "gpus_seen": torch.cuda.device_count(), "peak_memory_used_gb_by_gpu": {k: round(v, 2) for k, v in peak_by_gpu.items()},
-        "sampling": args.sampling, "prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens, "mini_batch": args.mini,
+        "sampling": args.sampling, "engine": args.engine, "kl_coef": args.kl, "micro_batch": args.micro,
+        "logprob_mismatch": round(statistics.median(m["rollout/logprob_mismatch"] for m in timed), 5),
+        "prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens, "mini_batch": args.mini,
         "median_step_s": round(step_s, 3), "samples_per_s": round(args.prompts * args.group / step_s, 1),
         "generated_tokens_per_s": round(gen_tokens / step_s, 1),
         "phase_s": {k: round(statistics.median(m[k] for m in timed), 3)
                     for k in ("perf/rollout_s", "perf/reward_s", "perf/logprob_s", "perf/update_s",
                               "perf/weight_sync_s")},
-        "peak_gpu_memory_gb_this_process": round(torch.cuda.max_memory_allocated() / 2**30, 2), "total_s": round(total, 1),
+        "peak_gpu_memory_gb_this_process": round(torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, 2), "total_s": round(total, 1),
     }
     print(json.dumps(summary), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -323,6 +323,11 @@ class RemoteLearner:
         from rlhf_core.models import pick_device, resolve_precision
 
         dtype = resolve_precision(self.cfg.precision, pick_device()) if isinstance(engine, RemoteRollout) else None
+        if isinstance(engine, RemoteRollout) and engine.beside_ranks:
+            # replica i shares rank i's GPU: CUDA IPC handles, one per rank (None where it cannot work)
+            handles = self.group.call_all("share_weights", dtype)
+            if all(h is not None for h in handles):
+                return PerReplica(handles)
         refs = [a.call.remote("engine_weights", None, dtype) for a in self.group.actors]
         ray.wait(refs, num_returns=len(refs))
         return refs[0] if isinstance(engine, RemoteRollout) else ray.get(refs[0])
@@ -355,11 +360,20 @@ class RemoteReference:
         return _interleave(self.group.call_all("logprobs", exp, prompt_width))
 
 
-class RemoteRollout:
-    """A :class:`rlhf_core.rollout.RolloutEngine` over rollout replicas: prompts split, batches joined."""
+class PerReplica(list):
+    """Weights payloads, one per rollout replica in order (CUDA IPC handles of the ranks beside them)."""
 
-    def __init__(self, group: ActorGroup, pad_id: int, inner_name: str):
+
+class RemoteRollout:
+    """A :class:`rlhf_core.rollout.RolloutEngine` over rollout replicas: prompts split, batches joined.
+
+    ``beside_ranks``: replica ``i`` runs on policy rank ``i``'s GPU (colocated, one replica per rank),
+    so weights can move GPU to GPU through CUDA IPC (:meth:`PolicyLearner.share_weights`).
+    """
+
+    def __init__(self, group: ActorGroup, pad_id: int, inner_name: str, beside_ranks: bool = False):
         self.group, self.pad_id, self.inner_name = group, pad_id, inner_name
+        self.beside_ranks = beside_ranks
 
     @property
     def name(self) -> str:
@@ -376,7 +390,11 @@ class RemoteRollout:
         return _concat(ray.get(refs), self.pad_id)
 
     def update_weights(self, weights: Any) -> None:
-        """Push weights (a Ray object reference, fetched once per node, or a state dict) to every replica."""
+        """Push weights (a Ray object reference, fetched once per node, a state dict, or one CUDA IPC
+        payload per replica) to every replica."""
+        if isinstance(weights, PerReplica):
+            ray.get([a.call.remote("update_weights", w) for a, w in zip(self.group.actors, weights)])
+            return
         self.group.call_all("update_weights", weights)
 
 
@@ -416,11 +434,25 @@ class RolloutReplica:
         return batch
 
     def update_weights(self, weights: Any) -> None:
+        if isinstance(weights, dict) and "cuda_ipc" in weights:  # a rank's buffer on this GPU
+            if getattr(self, "_shared", None) is None:  # map it once; the rank refills it in place
+                rebuild, args = weights["cuda_ipc"]
+                self._shared = rebuild(*args)
+            flat = self._shared
+            weights = {name: flat[offset:offset + _numel(shape)].view(shape)
+                       for name, shape, offset in weights["layout"]}
         self.engine.update_weights(weights)
 
     def close(self) -> None:
         if hasattr(self.engine, "close"):
             self.engine.close()
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _reward_model(cfg: Any) -> Any:
@@ -487,7 +519,8 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
                     cfg.placement, workers, n_refs, replicas, " and a reward model" if reward_model else "",
                     time.perf_counter() - started)
         tokenizer = load_tokenizer(cfg.model_path)
-        engine = RemoteRollout(rollout, tokenizer.pad_token_id, cfg.rollout_engine)
+        engine = RemoteRollout(rollout, tokenizer.pad_token_id, cfg.rollout_engine,
+                               beside_ranks=colocated and replicas == workers and launcher.use_gpus)
         return train_rl(cfg, sink, show_progress, engine=engine, reward_source=reward_source,
                         learner=RemoteLearner(policy, cfg), reference=RemoteReference(reference))
     finally:

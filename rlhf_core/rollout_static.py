@@ -227,9 +227,12 @@ def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Gener
         drop_sorted = cum <= 1 - params.top_p
         drop_sorted[:, -1] = False
         scores = scores.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
-    # Gumbel-max: argmax(s + G) with G = -log(E), E ~ Exp(1), samples softmax(s).
-    noise = torch.empty_like(scores).exponential_(generator=generator)
-    token = (scores - noise.log()).argmax(-1)
+    # Inverse-CDF sampling: one uniform per row, u * total mass located in the running sum of
+    # softmax(s). Exact like Gumbel-max, but draws B numbers instead of B x V (profiled on an H100 at
+    # B = 512, V = 32k: the per-element noise cost as much as a third of the decode step).
+    cdf = (scores - scores.amax(-1, keepdim=True)).exp_().cumsum_(-1)
+    u = torch.rand((cdf.shape[0], 1), device=cdf.device, generator=generator) * cdf[:, -1:]
+    token = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 

@@ -1,0 +1,142 @@
+"""Where a GRPO step's GPU time goes: torch.profiler over one captured decode step of the static engine
+and over one update micro-batch (forward + backward, gradient checkpointing, bf16 autocast), on the
+GRPO benchmark's model (Qwen2-0.5B-shaped, 32k vocab) and shapes (512 rows, prompt ~20 + 256 tokens).
+
+Prints the top CUDA-time ops of each and writes them to ``--out``. Run on a lent GPU::
+
+    PYTHONPATH=. python bench/gpu_profile.py --out $OUT/gpu_profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+import rlhf_core  # noqa: E402,F401
+
+
+def top(prof, n: int = 25) -> list[dict]:
+    rows = []
+    for e in sorted(prof.key_averages(), key=lambda e: -getattr(e, "self_device_time_total", 0))[:n]:
+        rows.append({"op": e.key[:90], "calls": e.count, "device_ms": round(e.self_device_time_total / 1000, 3),
+                     "cpu_ms": round(e.self_cpu_time_total / 1000, 3)})
+    return rows
+
+
+def timed(fn, reps: int = 5) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=512)
+    ap.add_argument("--micro", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--out", default="bench/out/gpu_profile.json")
+    args = ap.parse_args()
+    from gpu_grpo import build_model, build_tokenizer
+
+    from rlhf_core.models import load_causal_lm, load_tokenizer, prepare_for_training
+    from rlhf_core.parallel import train_mode
+    from rlhf_core.rollout_static import _Decoder
+    from rlhf_core.trainers.rl_roles import token_logprobs
+
+    dev = torch.device("cuda")
+    work = Path(tempfile.mkdtemp())
+    model_dir = build_model(build_tokenizer(32000, work / "tok"), work / "model")
+    tok = load_tokenizer(model_dir, padding_side="left")
+    report: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+
+    # ---- decode: one step of the static engine, graph replay vs eager ------------------------------
+    sampler = load_causal_lm(model_dir, dev).to(torch.bfloat16).eval()
+    P = 20
+    ids = torch.randint(5, 30000, (args.rows // 8, P), device=dev)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        dec = _Decoder(sampler, ids, mask, args.new_tokens, 8)
+        dec.prefill()
+        dec.capture()
+        token = torch.randint(5, 30000, (args.rows,), device=dev)
+        for _ in range(100):  # fill the cache halfway, as the mean decode step sees it
+            dec.step(token, graph=True)
+        report["decode_step_ms_graph"] = round(1000 * timed(lambda: dec.graph.replay(), 20), 3)
+        report["decode_step_ms_eager"] = round(1000 * timed(lambda: dec._step(), 5), 3)
+        logits = dec.logits
+
+        def sample() -> None:
+            logp = torch.log_softmax(logits.float(), -1)
+            noise = torch.empty_like(logp).exponential_()
+            tok_ = (logp - noise.log()).argmax(-1)
+            logp.gather(-1, tok_[:, None])
+
+        report["sample_ms"] = round(1000 * timed(sample, 20), 3)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            dec._step()
+            torch.cuda.synchronize()
+        report["decode_eager_top"] = top(prof)
+        dec.release()
+    del sampler
+    torch.cuda.empty_cache()
+
+    # ---- update: one micro-batch forward + backward --------------------------------------------------
+    policy = load_causal_lm(model_dir, dev).eval()
+    prepare_for_training(policy, gradient_checkpointing=True)
+    W = P + args.new_tokens
+    exp = {"input_ids": torch.randint(5, 30000, (args.micro, W), device=dev),
+           "attention_mask": torch.ones(args.micro, W, dtype=torch.long, device=dev),
+           "position_ids": torch.arange(W, device=dev).expand(args.micro, W),
+           "response_ids": torch.randint(5, 30000, (args.micro, args.new_tokens), device=dev)}
+    exp["response_ids"] = exp["input_ids"][:, P:]
+
+    def update() -> None:
+        with train_mode(policy), torch.autocast("cuda", dtype=torch.bfloat16):
+            logp, ent = token_logprobs(policy, exp, P, 1.0, with_entropy=True)
+            loss = logp.mean()
+        loss.backward()
+
+    def forward_only() -> None:
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            token_logprobs(policy, exp, P, 1.0)
+
+    update()
+    torch.cuda.reset_peak_memory_stats()
+    report["update_micro_s"] = round(timed(update, 3), 4)
+    report["update_micro_peak_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    report["forward_micro_s"] = round(timed(forward_only, 3), 4)
+    tokens = args.micro * W
+    n = sum(p.numel() for p in policy.parameters())
+    report["update_micro_tflops_6NT"] = round(6 * n * tokens / report["update_micro_s"] / 1e12, 1)
+    report["forward_micro_tflops_2NT"] = round(2 * n * tokens / report["forward_micro_s"] / 1e12, 1)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        update()
+        torch.cuda.synchronize()
+    report["update_top"] = top(prof, 30)
+    for k, v in report.items():
+        if not k.endswith("_top"):
+            print(k, v)
+    for k in ("decode_eager_top", "update_top"):
+        print(k)
+        for r in report[k]:
+            print("  ", r)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
