@@ -62,7 +62,7 @@ BENCHES = ("grpo", "sft", "dpo", "rm")
 SETTINGS = {
     "cpu": dict(model="models/sft", threads=1, seed=0,
                 grpo=dict(prompts="data/embedded/prompts.jsonl", prompts_per_step=32, group_size=8,
-                          max_new_tokens=12, temperature=1.0, beta=0.1, lr=3e-4, micro_rows=256, steps=5,
+                          max_new_tokens=12, temperature=1.0, beta=0.1, lr=3e-4, micro_rows=32, steps=5,
                           grad_ckpt=False),
                 sft=dict(data="data/embedded/sft.jsonl", batch=64, max_length=64, lr=3e-4, steps=12, grad_ckpt=False),
                 dpo=dict(data="data/embedded/preferences.jsonl", batch=32, max_length=64, lr=3e-5, steps=12,

@@ -96,15 +96,59 @@ def token_values(critic: Any, exp: dict[str, torch.Tensor], prompt_width: int) -
     return critic.score(hidden[:, prompt_width - 1:-1]).squeeze(-1).float()
 
 
-@torch.no_grad()
-def _in_chunks(fn: Any, exp: dict[str, torch.Tensor], rows: torch.Tensor, n_chunks: int) -> torch.Tensor:
-    """``fn`` over ``n_chunks`` consecutive chunks of the rows ``rows`` of ``exp`` (no gradient), concatenated.
+_SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")
 
-    The chunk count is the same on every rank (ZeRO-3 gathers parameters in every forward, so
-    ranks must run the same number of them).
+
+def trim_padding(exp: dict[str, torch.Tensor], prompt_width: int) -> tuple[dict[str, torch.Tensor], int]:
+    """A chunk of rows without the columns that are padding in all of them; and the chunk's prompt width.
+
+    Prompts are left-padded to the batch's longest and responses right-padded to its longest, so a
+    chunk of short rows carries columns nobody needs: those left of its own longest prompt and right
+    of its own longest response are dropped (``(rows, P + R)`` keys and ``(rows, R)`` keys alike).
+    Positions travel in ``position_ids``, so the kept tokens are scored exactly as before; dropped
+    response columns are masked everywhere, so losses and log-probs of real tokens do not change.
     """
-    parts = [fn({k: v[chunk] for k, v in exp.items()}) for chunk in torch.tensor_split(rows, n_chunks)]
-    return torch.cat(parts)
+    att = exp["attention_mask"]
+    R = att.shape[1] - prompt_width
+    start = prompt_width - int(att[:, :prompt_width].sum(-1).max())
+    r = max(int(att[:, prompt_width:].sum(-1).max()), 1)
+    out = {}
+    for k, v in exp.items():
+        if k in _SEQUENCE_KEYS:
+            out[k] = v[:, start:prompt_width + r]
+        elif v.dim() >= 2 and v.shape[1] == R:
+            out[k] = v[:, :r]
+        else:
+            out[k] = v
+    return out, prompt_width - start
+
+
+def by_length(exp: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+    """Positions into ``rows`` ordering them by real length: consecutive chunks then hold rows of similar
+    length, and :func:`trim_padding` drops more columns."""
+    return torch.argsort(exp["attention_mask"][rows].sum(-1), stable=True)
+
+
+@torch.no_grad()
+def _in_chunks(fn: Any, exp: dict[str, torch.Tensor], prompt_width: int, rows: torch.Tensor,
+               n_chunks: int) -> torch.Tensor:
+    """``fn(chunk, chunk_prompt_width)`` over ``n_chunks`` chunks of the rows ``rows`` of ``exp`` (no gradient).
+
+    Rows are grouped by length and each chunk trimmed (:func:`trim_padding`); results come back
+    ``(len(rows), R)`` in the order of ``rows``, zero in trimmed columns. The chunk count is the
+    same on every rank (ZeRO-3 gathers parameters in every forward, so ranks must run the same
+    number of them).
+    """
+    R = exp["input_ids"].shape[1] - prompt_width
+    order = by_length(exp, rows)
+    out = None
+    for chunk in torch.tensor_split(order, n_chunks):
+        part, width = trim_padding({k: v[rows[chunk]] for k, v in exp.items()}, prompt_width)
+        value = fn(part, width)
+        if out is None:
+            out = value.new_zeros((len(rows), R))
+        out[chunk, :value.shape[1]] = value
+    return out
 
 
 def _to(exp: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -158,7 +202,7 @@ class ReferenceScorer:
         exp = _to(exp, self.device)
         shard = _sharded(self.world, exp, prompt_width, self.cfg.batch_size, self.model)
         with autocast_context(self.device, self.autocast_dtype):
-            out = _in_chunks(lambda e: token_logprobs(self.model, e, prompt_width, self.cfg.temperature)[0], exp,
+            out = _in_chunks(lambda e, p: token_logprobs(self.model, e, p, self.cfg.temperature)[0], exp, prompt_width,
                              shard.rows.to(self.device), shard.n_chunks)
         release_memory()
         return out.cpu()
@@ -216,10 +260,10 @@ class PolicyLearner:
         out = {}
         with autocast_context(self.device, self.autocast_dtype):
             out["old_logp"] = _in_chunks(
-                lambda e: token_logprobs(self.strategy.module, e, prompt_width, self.cfg.temperature)[0], exp, rows,
-                shard.n_chunks).cpu()
+                lambda e, p: token_logprobs(self.strategy.module, e, p, self.cfg.temperature)[0], exp, prompt_width,
+                rows, shard.n_chunks).cpu()
             if self.critic is not None:
-                out["old_values"] = _in_chunks(lambda e: token_values(self.critic, e, prompt_width), exp, rows,
+                out["old_values"] = _in_chunks(lambda e, p: token_values(self.critic, e, p), exp, prompt_width, rows,
                                                shard.n_chunks).cpu()
         release_memory()
         return out
@@ -263,18 +307,21 @@ class PolicyLearner:
         # Each micro-batch's loss L_m over u_m units enters backward as L_m * u_m / U, U the units of the
         # whole mini-batch over all ranks: the accumulated gradient is the one-pass gradient.
         rows = torch.arange(mb["mask"].shape[0], device=mb["mask"].device)
-        micro = [{k: v[chunk] for k, v in mb.items()} for chunk in torch.tensor_split(rows, self.micro_batches)]
-        if any(m["mask"].shape[0] == 0 for m in micro):
+        # rows of similar length together, each micro-batch trimmed to its own widths: the summed
+        # gradient is the same whichever rows share a micro-batch
+        chunks = torch.tensor_split(by_length(mb, rows), self.micro_batches)
+        if any(len(c) == 0 for c in chunks):
             raise ValueError(f"rl.micro_batch_size: a mini-batch share of {len(rows)} rows cannot fill "
                              f"{self.micro_batches} micro-batches; raise micro_batch_size or mini_batch_size")
-        units = [float(aggregation_units(m["mask"], agg)) for m in micro]
+        micro = [trim_padding({k: v[chunk] for k, v in mb.items()}, prompt_width) for chunk in chunks]
+        units = [float(aggregation_units(m["mask"], agg)) for m, _ in micro]
         total_units, n_seq, n_tok = self.world.all_reduce_sum([sum(units), float(len(rows)), float(mb["mask"].sum())])
         total_units = max(total_units, 1.0)
         acc = torch.zeros(8, dtype=torch.float64)  # loss, pg, kl_loss, clip_frac, approx_kl, entropy, seq_kl, mismatch
-        for i, m in enumerate(micro):
+        for i, (m, width) in enumerate(micro):
             with self.strategy.accumulating(last=i == len(micro) - 1):
                 with autocast_context(self.device, self.autocast_dtype):
-                    logp, entropy = token_logprobs(self.strategy.module, m, prompt_width, cfg.temperature,
+                    logp, entropy = token_logprobs(self.strategy.module, m, width, cfg.temperature,
                                                    with_entropy=True, entropy_grad=cfg.entropy_coef != 0)
                 old_logp = logp.detach() * m["mask"] if fused_old else m["old_logp"]
                 pg_loss, stats = clipped_policy_loss(logp, old_logp, m["advantages"], m["mask"],

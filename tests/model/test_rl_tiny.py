@@ -281,3 +281,23 @@ def test_one_update_per_batch_skips_the_old_logprob_forward(micro_model, micro_d
     cfg = _cfg(micro_model, micro_data, tmp_path / "two", length_reward, mini_batch_size=8, save_every=0)
     train_rl(cfg, Recorder(), show_progress=False)
     assert len(calls) == 2  # two mini-batches per batch: pi_old must be computed before the first step
+
+
+def test_chunked_trimmed_logprobs_equal_one_full_pass(micro_model, micro_data, tmp_path):
+    """No-grad passes group rows by length and drop all-padding columns per chunk: same log-probs as one
+    untrimmed pass over the whole batch, in the original row order."""
+    from rlhf_core.trainers.rl_roles import ReferenceScorer, token_logprobs, trim_padding
+
+    learner, exp, p, _ = _learner_and_experience(micro_model, micro_data, tmp_path, batch_size=3)
+    mask = exp.pop("mask")
+    for k in ("ref_logp", "advantages"):
+        exp.pop(k)
+    lengths = exp["attention_mask"].sum(-1)
+    assert lengths.min() < lengths.max()  # rows of different lengths: chunks really get trimmed
+    trimmed, width = trim_padding({k: v[lengths.argsort()[:3]] for k, v in exp.items()}, p)
+    assert trimmed["input_ids"].shape[1] < exp["input_ids"].shape[1] and width <= p
+    scorer = ReferenceScorer(learner.cfg, torch.device("cpu"))
+    chunked = scorer.logprobs(exp, p)
+    with torch.no_grad():
+        full, _ = token_logprobs(scorer.model, exp, p, learner.cfg.temperature)
+    torch.testing.assert_close(chunked * mask, full * mask, atol=1e-5, rtol=0)
