@@ -487,10 +487,11 @@ class RLConfig(TrainerConfig):
     """Seconds to wait for the reward server (connect and each read), for reward_kind http."""
     reward_retries: int = 3
     """Retries of a reward request that timed out or failed with a 5xx, for reward_kind http."""
-    rollout_engine: str = "hf"
-    """hf (transformers generate on the policy itself), static (our decode loop: static KV cache, CUDA graphs on
-    a GPU; Llama-family models, falls back to hf with a warning otherwise) or vllm (a vLLM engine whose weights
-    are synced after every update; falls back to hf, with a warning, when vLLM cannot be imported)."""
+    rollout_engine: str = "static"
+    """static (our decode loop, rlhf_core/rollout_static.py: static KV cache, prompts prefilled once per group,
+    CUDA graphs on a GPU; Llama-family models, falls back to hf with a warning otherwise), hf (transformers
+    generate on the policy itself) or vllm (a vLLM engine whose weights are synced after every update; falls
+    back to hf, with a warning, when vLLM cannot be imported)."""
     vllm_memory_fraction: float = 0.1
     """rollout_engine vllm: fraction of GPU memory (of RAM on CPU) vLLM reserves for its KV cache."""
     placement: str = "none"
