@@ -392,13 +392,15 @@ def summarize(variant: str, name: str, runs: dict[str, list[dict]], warmup: int,
         out[side] = entry
     if all("median_step_s" in out.get(k, {}) for k in ("alignflow", "trl")):
         out["speedup_alignflow_over_trl"] = round(out["trl"]["median_step_s"] / out["alignflow"]["median_step_s"], 2)
-    out["floor"] = floor(variant, name, peak, n_params, model_info)
+    resp = out.get("alignflow", {}).get("median_response_len") if name == "grpo" else None
+    out["floor"] = floor(variant, name, peak, n_params, model_info, resp)
     if "median_step_s" in out.get("alignflow", {}):
         out["alignflow"]["fraction_of_floor"] = round(out["floor"]["step_s"] / out["alignflow"]["median_step_s"], 4)
     return out
 
 
-def floor(variant: str, name: str, peak: dict[str, float], n_params: int, info: dict) -> dict:
+def floor(variant: str, name: str, peak: dict[str, float], n_params: int, info: dict,
+          response_len: float | None = None) -> dict:
     """The physical floor of one step: FLOPs over the measured matmul peak, bytes over the copy bandwidth."""
     b = SETTINGS[variant][name]
     F, BW = peak["matmul_flops"], peak["copy_bytes_per_s"]
@@ -412,7 +414,8 @@ def floor(variant: str, name: str, peak: dict[str, float], n_params: int, info: 
     bytes_per = 2 if variant == "gpu" else 4
     kv = info["kv_bytes_per_token"] * rows * (P + R / 2)  # mean cache length over the decode
     decode = max((n_params * bytes_per + kv) / BW, 2 * n_params * rows / F)
-    tokens = rows * (P + R)
+    # training passes need only the real tokens: mean prompt + measured mean response
+    tokens = rows * (info.get("mean_prompt_tokens", P) + (response_len or R))
     gen, ref, upd = R * decode, 2 * n_params * tokens / F, 6 * n_params * tokens / F
     return {"step_s": round(gen + ref + upd, 4), "generation_s": round(gen, 4), "reference_s": round(ref, 4),
             "update_s": round(upd, 4), "rule": "R x max(bytes/BW, 2NB/peak) + 2NT/peak + 6NT/peak"}
@@ -436,8 +439,9 @@ def model_facts(variant: str, inputs: dict[str, str]) -> tuple[int, dict]:
         rows = read_records(_paths(variant, inputs, name)[1])[:256]
         per_row[name] = _real_tokens(model_dir, rows, fields, s[name]["max_length"])
     prompts = read_records(_paths(variant, inputs, "grpo")[1])
-    prompt_tokens = max(len(tok(r["prompt"], add_special_tokens=False)["input_ids"]) for r in prompts)
-    return n_params, {"tokens_per_row": per_row, "kv_bytes_per_token": kv_bytes, "prompt_tokens": prompt_tokens,
+    lengths = [len(tok(r["prompt"], add_special_tokens=False)["input_ids"]) for r in prompts]
+    return n_params, {"tokens_per_row": per_row, "kv_bytes_per_token": kv_bytes, "prompt_tokens": max(lengths),
+                      "mean_prompt_tokens": sum(lengths) / len(lengths),
                       "lm_head_params": cfg.vocab_size * cfg.hidden_size}
 
 
@@ -450,6 +454,7 @@ def main() -> None:
     ap.add_argument("--sides", default="alignflow,trl")
     ap.add_argument("--out", default="bench/results/side_by_side_cpu.json")
     ap.add_argument("--small", action="store_true", help="GPU variant's code on a micro model (smoke test)")
+    ap.add_argument("--resummarize", metavar="FILE", help="recompute the summaries of a result file from its runs")
     ap.add_argument("--child", choices=["alignflow", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--bench", choices=BENCHES, help=argparse.SUPPRESS)
     ap.add_argument("--inputs", default="{}", help=argparse.SUPPRESS)
@@ -458,6 +463,16 @@ def main() -> None:
 
     if args.small:
         make_small()
+    if args.resummarize:  # recompute summaries (ratios, floors) of a result file from its recorded runs
+        data = json.loads(Path(args.resummarize).read_text())
+        peak = {"matmul_flops": data["measured_peak"]["matmul_tflops"] * 1e12,
+                "copy_bytes_per_s": data["measured_peak"]["copy_tb_per_s"] * 1e12}
+        for name, res in data["results"].items():
+            res["summary"] = summarize(data["variant"], name, res["runs"], args.warmup, {}, peak,
+                                       data["model_params"], data["model_info"])
+            print(json.dumps({"bench": name, "summary": res["summary"]}))
+        Path(args.resummarize).write_text(json.dumps(data, indent=2) + "\n")
+        return
     if args.child:
         result = (ours if args.child == "alignflow" else trl_side)(args.variant, args.bench, json.loads(args.inputs))
         print(json.dumps({"result": result}), flush=True)

@@ -15,7 +15,6 @@ summed gradient is the one-worker gradient of the whole mini-batch.
 
 from __future__ import annotations
 
-import gc
 from contextlib import nullcontext
 from typing import Any
 
@@ -156,9 +155,13 @@ def _to(exp: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.T
 
 
 def release_memory() -> None:
-    """Hand cached allocator blocks back between phases (colocated roles share a GPU)."""
-    gc.collect()
-    if torch.cuda.is_available():
+    """Hand cached CUDA allocator blocks back between phases (colocated roles share a GPU); nothing on a CPU.
+
+    Only the allocator's cache: a full ``gc.collect()`` here cost 0.2 s per call (three per RL
+    iteration) with transformers loaded, measured on the embedded default, and the phases'
+    tensors are freed by reference counting, not by the cycle collector.
+    """
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 
 
