@@ -64,7 +64,6 @@ def main() -> None:
                "static_cuda_graphs": StaticCacheEngine(model, tok, batch_size=rows, cuda_graphs=True)}
     report: dict = {"gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "rows": rows, "new_tokens": args.new_tokens, "engines": {}}
-    params = SamplingParams(n=args.group, temperature=1.0, max_new_tokens=args.new_tokens, seed=0)
     for name, engine in engines.items():
         engine.generate(prompts[:8], SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=0))  # warm-up
         times, lengths = [], []

@@ -52,7 +52,7 @@ def main() -> None:
     args = ap.parse_args()
     from gpu_grpo import build_model, build_tokenizer
 
-    from rlhf_core.models import load_causal_lm, load_tokenizer, prepare_for_training
+    from rlhf_core.models import load_causal_lm, prepare_for_training
     from rlhf_core.parallel import train_mode
     from rlhf_core.rollout_static import _Decoder
     from rlhf_core.trainers.rl_roles import token_logprobs
@@ -60,7 +60,6 @@ def main() -> None:
     dev = torch.device("cuda")
     work = Path(tempfile.mkdtemp())
     model_dir = build_model(build_tokenizer(32000, work / "tok"), work / "model")
-    tok = load_tokenizer(model_dir, padding_side="left")
     report: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
 
     # ---- decode: one step of the static engine, graph replay vs eager ------------------------------

@@ -42,7 +42,6 @@ cache bytes) / measured copy bandwidth and ``2 N B`` FLOPs / peak.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import random

@@ -216,6 +216,24 @@ def _pad_to(t: torch.Tensor, width: int, value: float, *, left: bool) -> torch.T
     return torch.cat([fill, t] if left else [t, fill], dim=1)
 
 
+def assemble_batch(tokenizer: Any, prompts: Sequence[str], n: int, chunks: Sequence[tuple[torch.Tensor, ...]]) -> RolloutBatch:
+    """One :class:`RolloutBatch` from per-chunk ``(prompt_ids, prompt_mask, response_ids, response_mask,
+    logprobs)``: prompts left-padded and responses right-padded to the widest chunk, completions decoded."""
+    pad = tokenizer.pad_token_id
+    p_width = max(c[0].shape[1] for c in chunks)
+    r_width = max(c[2].shape[1] for c in chunks)
+    prompt_ids = torch.cat([_pad_to(c[0], p_width, pad, left=True) for c in chunks])
+    prompt_mask = torch.cat([_pad_to(c[1], p_width, 0, left=True) for c in chunks])
+    response_ids = torch.cat([_pad_to(c[2], r_width, pad, left=False) for c in chunks])
+    response_mask = torch.cat([_pad_to(c[3], r_width, 0, left=False) for c in chunks])
+    logprobs = torch.cat([_pad_to(c[4], r_width, 0.0, left=False) for c in chunks])
+    completions = [tokenizer.decode(ids[:k], skip_special_tokens=True)
+                   for ids, k in zip(response_ids.tolist(), response_mask.sum(-1).tolist())]
+    return RolloutBatch(prompts=[p for p in prompts for _ in range(n)], completions=completions,
+                        prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+                        response_mask=response_mask, sampling_logprobs=logprobs, group_size=n)
+
+
 def response_mask_from_ids(response_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
     """``(rows, R)`` long: 1 up to and including each row's first ``eos_id``, all 1 where none."""
     is_eos = (response_ids == eos_id).long()
@@ -232,9 +250,9 @@ class HFGenerateEngine:
 
     def __init__(self, model: Any, tokenizer: Any, batch_size: int = 16, autocast_dtype: torch.dtype | None = None):
         if batch_size < 1:
-            raise ValueError(f"HFGenerateEngine: batch_size must be >= 1, got {batch_size}")
+            raise ValueError(f"{type(self).__name__}: batch_size must be >= 1, got {batch_size}")
         if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
-            raise ValueError("HFGenerateEngine: tokenizer needs an eos and a pad token (use models.load_tokenizer)")
+            raise ValueError(f"{type(self).__name__}: tokenizer needs an eos and a pad token (use models.load_tokenizer)")
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
         # With the trainer's mixed precision (bf16 on a GPU) sampling runs on a bf16 copy of the
         # policy, refreshed by update_weights: the decode loop then does no fp32 -> bf16 casts
@@ -273,15 +291,20 @@ class HFGenerateEngine:
     def _sampling_model(self) -> Any:
         return self.sampler if self.sampler is not None else self.model
 
-    @torch.no_grad()
-    def generate(self, prompts: Sequence[str], params: SamplingParams) -> RolloutBatch:
-        """``params.n`` samples per prompt; see :class:`RolloutBatch` for the layout."""
+    def _encode(self, prompts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each prompt; an empty list, or a prompt with no tokens, is an error naming it."""
         if not prompts:
-            raise ValueError("HFGenerateEngine.generate: no prompts")
+            raise ValueError(f"{type(self).__name__}.generate: no prompts")
         encoded = [encode_prompt(self.tokenizer, p) for p in prompts]
         empty = [i for i, ids in enumerate(encoded) if not ids]
         if empty:
-            raise ValueError(f"HFGenerateEngine.generate: prompt {empty[0]} encodes to no tokens")
+            raise ValueError(f"{type(self).__name__}.generate: prompt {empty[0]} encodes to no tokens")
+        return encoded
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[str], params: SamplingParams) -> RolloutBatch:
+        """``params.n`` samples per prompt; see :class:`RolloutBatch` for the layout."""
+        encoded = self._encode(prompts)
         device = torch.device("cpu")
         try:
             device = next(self._sampling_model.parameters()).device
@@ -300,20 +323,7 @@ class HFGenerateEngine:
                           for s in range(0, len(encoded), self.batch_size)]
         finally:
             model.train(was_training)
-
-        pad = self.tokenizer.pad_token_id
-        p_width = max(c[0].shape[1] for c in chunks)
-        r_width = max(c[2].shape[1] for c in chunks)
-        prompt_ids = torch.cat([_pad_to(c[0], p_width, pad, left=True) for c in chunks])
-        prompt_mask = torch.cat([_pad_to(c[1], p_width, 0, left=True) for c in chunks])
-        response_ids = torch.cat([_pad_to(c[2], r_width, pad, left=False) for c in chunks])
-        response_mask = torch.cat([_pad_to(c[3], r_width, 0, left=False) for c in chunks])
-        logprobs = torch.cat([_pad_to(c[4], r_width, 0.0, left=False) for c in chunks])
-        completions = [self.tokenizer.decode(ids[:n], skip_special_tokens=True)
-                       for ids, n in zip(response_ids.tolist(), response_mask.sum(-1).tolist())]
-        return RolloutBatch(prompts=[p for p in prompts for _ in range(params.n)], completions=completions,
-                            prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
-                            response_mask=response_mask, sampling_logprobs=logprobs, group_size=params.n)
+        return assemble_batch(self.tokenizer, prompts, params.n, chunks)
 
     def _generate_chunk(self, encoded: Sequence[list[int]], params: SamplingParams,
                         device: torch.device) -> tuple[torch.Tensor, ...]:

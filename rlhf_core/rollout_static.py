@@ -34,14 +34,13 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from rlhf_core.data.tokenize import encode_prompt
-from rlhf_core.rollout import RolloutBatch, SamplingParams, _left_pad, _pad_to, response_mask_from_ids
+from rlhf_core.rollout import (HFGenerateEngine, RolloutBatch, SamplingParams, _left_pad, assemble_batch,
+                               response_mask_from_ids)
 
 log = logging.getLogger(__name__)
 
@@ -78,27 +77,20 @@ class _Shapes:
     head_dim: int
 
 
-class StaticCacheEngine:
-    """Rollouts from a Llama-family causal LM with our decode loop (see the module docstring)."""
+class StaticCacheEngine(HFGenerateEngine):
+    """Rollouts from a Llama-family causal LM with our decode loop (see the module docstring).
+
+    Weights, the bf16 sampling copy under mixed precision and :meth:`update_weights` are the HF
+    engine's (in place, so captured graphs stay valid); only generation differs.
+    """
 
     def __init__(self, model: Any, tokenizer: Any, batch_size: int = 256, autocast_dtype: torch.dtype | None = None,
                  cuda_graphs: bool = True):
         reason = supports(model)
         if reason:
             raise ValueError(f"StaticCacheEngine: cannot run this model: {reason}")
-        if batch_size < 1:
-            raise ValueError(f"StaticCacheEngine: batch_size must be >= 1, got {batch_size}")
-        if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
-            raise ValueError("StaticCacheEngine: tokenizer needs an eos and a pad token (use models.load_tokenizer)")
-        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        super().__init__(model, tokenizer, batch_size=batch_size, autocast_dtype=autocast_dtype)
         self.cuda_graphs = cuda_graphs
-        # Sampling in the trainer's mixed precision (bf16 on a GPU) uses a bf16 copy of the policy,
-        # refreshed in place by update_weights, as the HF engine does.
-        self.sampler = model
-        if autocast_dtype is not None and next(model.parameters()).dtype != autocast_dtype:
-            import copy
-
-            self.sampler = copy.deepcopy(model).to(autocast_dtype).eval().requires_grad_(False)
         cfg = model.config
         self._window = getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
         self.last_stats: dict[str, float] = {}
@@ -107,42 +99,17 @@ class StaticCacheEngine:
     def name(self) -> str:
         return "static"
 
-    # ---- weights ----------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def update_weights(self, weights: Mapping[str, torch.Tensor] | torch.nn.Module | str | Path) -> None:
-        """Copy a state dict, a model's weights or an HF directory into the sampling model, in place."""
-        if weights is self.model:
-            if self.sampler is not self.model:
-                for mine, theirs in zip(self.sampler.parameters(), self.model.parameters()):
-                    mine.copy_(theirs)
-            return
-        if isinstance(weights, (str, Path)):
-            from rlhf_core.models import load_causal_lm
-
-            weights = load_causal_lm(weights, torch.device("cpu"))
-        if isinstance(weights, torch.nn.Module):
-            weights = weights.state_dict()
-        self.model.load_state_dict(weights, strict=True)
-        if self.sampler is not self.model:
-            self.update_weights(self.model)
-
     # ---- generate ---------------------------------------------------------------------------
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[str], params: SamplingParams) -> RolloutBatch:
         """``params.n`` samples per prompt; see :class:`rlhf_core.rollout.RolloutBatch` for the layout."""
-        if not prompts:
-            raise ValueError("StaticCacheEngine.generate: no prompts")
-        encoded = [encode_prompt(self.tokenizer, p) for p in prompts]
-        empty = [i for i, ids in enumerate(encoded) if not ids]
-        if empty:
-            raise ValueError(f"StaticCacheEngine.generate: prompt {empty[0]} encodes to no tokens")
+        encoded = self._encode(prompts)
         width = max(len(e) for e in encoded) + params.max_new_tokens
         if self._window and width > self._window:
             raise ValueError(f"StaticCacheEngine: prompt + max_new_tokens = {width} tokens exceeds the model's "
                              f"sliding window {self._window}; use rollout_engine hf")
-        model = self.sampler
+        model = self._sampling_model
         device = next(model.parameters()).device
         generator = torch.Generator(device=device)
         generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(2**62, ()).item()))
@@ -155,26 +122,14 @@ class StaticCacheEngine:
                       for s in range(0, len(encoded), per_chunk)]
         finally:
             model.train(was_training)
-        pad = self.tokenizer.pad_token_id
-        p_width = max(c[0].shape[1] for c in chunks)
-        r_width = max(c[2].shape[1] for c in chunks)
-        prompt_ids = torch.cat([_pad_to(c[0], p_width, pad, left=True) for c in chunks])
-        prompt_mask = torch.cat([_pad_to(c[1], p_width, 0, left=True) for c in chunks])
-        response_ids = torch.cat([_pad_to(c[2], r_width, pad, left=False) for c in chunks])
-        response_mask = torch.cat([_pad_to(c[3], r_width, 0, left=False) for c in chunks])
-        logprobs = torch.cat([_pad_to(c[4], r_width, 0.0, left=False) for c in chunks])
-        completions = [self.tokenizer.decode(ids[:n], skip_special_tokens=True)
-                       for ids, n in zip(response_ids.tolist(), response_mask.sum(-1).tolist())]
-        return RolloutBatch(prompts=[p for p in prompts for _ in range(params.n)], completions=completions,
-                            prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
-                            response_mask=response_mask, sampling_logprobs=logprobs, group_size=params.n)
+        return assemble_batch(self.tokenizer, prompts, params.n, chunks)
 
     def _generate_chunk(self, encoded: Sequence[list[int]], params: SamplingParams, device: torch.device,
                         generator: torch.Generator) -> tuple[torch.Tensor, ...]:
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         ids, mask = _left_pad(encoded, pad)
         # Each prompt is prefilled once and its cache shared by its n samples (rows i*n .. i*n+n-1).
-        decoder = _Decoder(self.sampler, ids.to(device), mask.to(device), params.max_new_tokens, params.n)
+        decoder = _Decoder(self._sampling_model, ids.to(device), mask.to(device), params.max_new_tokens, params.n)
         logits = decoder.prefill()
         ids, mask = ids.repeat_interleave(params.n, dim=0), mask.repeat_interleave(params.n, dim=0)
         use_graph = self.cuda_graphs and device.type == "cuda"

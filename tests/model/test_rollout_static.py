@@ -13,6 +13,7 @@ from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.rollout import HFGenerateEngine, RolloutEngine, SamplingParams
 from rlhf_core.rollout_static import StaticCacheEngine, supports
 from rlhf_core.trainers.rl import build_rollout_engine
+from test_rollout_hf import forward_logprobs
 
 PROMPTS = ["12+30=", "sort 321=", "7*8=", "sort 90817=", "1+1="]
 
@@ -29,15 +30,6 @@ def _eos_biased(path):
     model.lm_head = head
     model.config.tie_word_embeddings = False
     return model, tokenizer
-
-
-def _recomputed(model, batch, temperature: float) -> torch.Tensor:
-    ids, mask = batch.sequences()
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=batch.position_ids()).logits.float()
-    p = batch.prompt_ids.shape[1]
-    logps = torch.log_softmax(logits[:, p - 1:-1] / temperature, dim=-1)
-    return logps.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1) * batch.response_mask
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
@@ -67,7 +59,7 @@ def test_sampling_logprobs_are_the_trainers(temperature, top_k, top_p, micro_mod
     params = SamplingParams(n=4, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=12, seed=5)
     batch = engine.generate(PROMPTS, params)
     assert len(batch) == len(PROMPTS) * 4 and batch.prompts == [p for p in PROMPTS for _ in range(4)]
-    torch.testing.assert_close(batch.sampling_logprobs, _recomputed(model, batch, temperature), atol=2e-5, rtol=0)
+    torch.testing.assert_close(batch.sampling_logprobs, forward_logprobs(model, batch, temperature), atol=2e-5, rtol=0)
     assert (batch.sampling_logprobs[batch.response_mask == 0] == 0).all()
     lengths = batch.response_lengths()
     if not top_k:
