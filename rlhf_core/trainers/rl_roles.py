@@ -15,6 +15,7 @@ summed gradient is the one-worker gradient of the whole mini-batch.
 
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 from typing import Any
 
@@ -49,13 +50,18 @@ def _model_inputs(exp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _keeps_logits(model: Any) -> bool:
     """Whether the causal LM under any wrappers (DDP, DeepSpeed, peft) takes ``logits_to_keep``."""
-    import inspect
-
     while hasattr(model, "module"):
         model = model.module
     if hasattr(model, "get_base_model"):
         model = model.get_base_model()
-    return "logits_to_keep" in inspect.signature(type(model).forward).parameters
+    return _forward_takes(type(model), "logits_to_keep")
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_takes(cls: type, name: str) -> bool:
+    import inspect
+
+    return name in inspect.signature(cls.forward).parameters
 
 
 def token_logprobs(model: Any, exp: dict[str, torch.Tensor], prompt_width: int, temperature: float,
