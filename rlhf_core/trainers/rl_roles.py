@@ -24,7 +24,7 @@ import torch
 from rlhf_core.config import RLConfig
 from rlhf_core.models import export_state_dict, has_lora, load_causal_lm, pick_device, prepare_for_training, \
     resolve_precision
-from rlhf_core.parallel import World, build_strategy, current_world, disable_dropout, train_mode
+from rlhf_core.parallel import LocalStrategy, World, build_strategy, current_world, disable_dropout, train_mode
 from rlhf_core.rl_math import (AdvantageEstimator, LossAggregation, aggregate_loss, aggregation_units,
                                clipped_policy_loss, clipped_value_loss, entropy_from_logits, kl_penalty, masked_mean)
 from rlhf_core.trainers.loop import autocast_context, build_optimizer, build_scheduler
@@ -64,8 +64,41 @@ def _forward_takes(cls: type, name: str) -> bool:
     return name in inspect.signature(cls.forward).parameters
 
 
+def _shared_prompt_logits(model: Any, exp: dict[str, torch.Tensor], prompt_width: int) -> torch.Tensor | None:
+    """``(rows, R, V)`` logits of the response positions with each distinct prompt run once; ``None`` if none repeats.
+
+    GRPO-style groups score ``n`` responses to one prompt, and on short answers the prompt is most
+    of the tokens (60% on the embedded default). The distinct prompts (ids and mask) run once with
+    a KV cache; the cache is gathered to every row (``index_select``, differentiable) and the
+    responses run on it. Same attention over the same keys as one full pass, so the same
+    log-probs to rounding (``tests/model/test_rl_tiny.py``).
+    """
+    P, rows = prompt_width, exp["input_ids"].shape[0]
+    R = exp["input_ids"].shape[1] - P
+    prompt = torch.cat([exp["input_ids"][:, :P], exp["attention_mask"][:, :P]], dim=1)
+    distinct, inverse = torch.unique(prompt, dim=0, return_inverse=True)
+    if P == 0 or len(distinct) == rows:
+        return None
+    first = torch.full((len(distinct),), rows, dtype=torch.long, device=inverse.device)
+    first = first.scatter_reduce(0, inverse, torch.arange(rows, device=inverse.device), reduce="amin")
+    kwargs = {"logits_to_keep": 1} if _keeps_logits(model) else {}
+    head = model(input_ids=exp["input_ids"][first, :P], attention_mask=exp["attention_mask"][first, :P],
+                 position_ids=exp["position_ids"][first, :P], use_cache=True, **kwargs)
+    if head.past_key_values is None:  # e.g. gradient checkpointing in train mode turns the cache off
+        return None
+    last = head.logits[:, -1:][inverse]  # (rows, 1, V): predicts response token 0
+    if R == 1:
+        return last
+    cache = head.past_key_values
+    cache.reorder_cache(inverse)  # every row gets its prompt's keys and values
+    rest = model(input_ids=exp["input_ids"][:, P:-1], attention_mask=exp["attention_mask"][:, :-1],
+                 position_ids=exp["position_ids"][:, P:-1], past_key_values=cache, use_cache=True).logits
+    return torch.cat([last, rest], dim=1)
+
+
 def token_logprobs(model: Any, exp: dict[str, torch.Tensor], prompt_width: int, temperature: float,
-                   with_entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   with_entropy: bool = False, entropy_grad: bool = False,
+                   share_prompts: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(rows, R)`` ``log_softmax(logits / T)`` of each response token, and optionally its entropy.
 
     The logits at position ``t`` predict token ``t + 1``, so the response tokens (columns
@@ -73,14 +106,17 @@ def token_logprobs(model: Any, exp: dict[str, torch.Tensor], prompt_width: int, 
     positions only (``logits_to_keep``), never on the prompt. Dividing by the sampling temperature
     matches the engine's ``sampling_logprobs`` (see :mod:`rlhf_core.rollout`), so on-policy ratios are 1.
     The entropy (a diagnostic unless it enters the loss) carries a gradient only with ``entropy_grad``.
+    ``share_prompts`` runs each distinct prompt once (:func:`_shared_prompt_logits`).
 
     ``log_softmax(z)[y] = z_y - logsumexp(z)``: gathering before normalising keeps no ``(rows, R, V)``
     log-softmax tensor alive for backward.
     """
     width = exp["input_ids"].shape[1]
-    kwargs = {"logits_to_keep": width - prompt_width + 1} if _keeps_logits(model) else {}
-    logits = model(**_model_inputs(exp), use_cache=False, **kwargs).logits
-    logits = logits[:, -(width - prompt_width + 1):-1].float()
+    logits = _shared_prompt_logits(model, exp, prompt_width) if share_prompts else None
+    if logits is None:
+        kwargs = {"logits_to_keep": width - prompt_width + 1} if _keeps_logits(model) else {}
+        logits = model(**_model_inputs(exp), use_cache=False, **kwargs).logits[:, -(width - prompt_width + 1):-1]
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     logp = logits.gather(-1, exp["response_ids"].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
@@ -128,10 +164,18 @@ def trim_padding(exp: dict[str, torch.Tensor], prompt_width: int) -> tuple[dict[
     return out, prompt_width - start
 
 
-def by_length(exp: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
-    """Positions into ``rows`` ordering them by real length: consecutive chunks then hold rows of similar
-    length, and :func:`trim_padding` drops more columns."""
-    return torch.argsort(exp["attention_mask"][rows].sum(-1), stable=True)
+def by_length(exp: dict[str, torch.Tensor], rows: torch.Tensor, prompt_width: int) -> torch.Tensor:
+    """Positions into ``rows`` ordering them by prompt length, then prompt, then response length.
+
+    Consecutive chunks then hold rows of similar widths (:func:`trim_padding` drops more columns)
+    and whole groups of one prompt (:func:`_shared_prompt_logits` runs it once).
+    """
+    att = exp["attention_mask"][rows]
+    prompt = torch.cat([exp["input_ids"][rows, :prompt_width], att[:, :prompt_width]], dim=1)
+    prompt_id = torch.unique(prompt, dim=0, return_inverse=True)[1]
+    order = torch.argsort(att[:, prompt_width:].sum(-1), stable=True)
+    order = order[torch.argsort(prompt_id[order], stable=True)]
+    return order[torch.argsort(att[order, :prompt_width].sum(-1), stable=True)]
 
 
 @torch.no_grad()
@@ -145,7 +189,7 @@ def _in_chunks(fn: Any, exp: dict[str, torch.Tensor], prompt_width: int, rows: t
     number of them).
     """
     R = exp["input_ids"].shape[1] - prompt_width
-    order = by_length(exp, rows)
+    order = by_length(exp, rows, prompt_width)
     out = None
     for chunk in torch.tensor_split(order, n_chunks):
         part, width = trim_padding({k: v[rows[chunk]] for k, v in exp.items()}, prompt_width)
@@ -211,8 +255,8 @@ class ReferenceScorer:
         exp = _to(exp, self.device)
         shard = _sharded(self.world, exp, prompt_width, self.cfg.batch_size, self.model)
         with autocast_context(self.device, self.autocast_dtype):
-            out = _in_chunks(lambda e, p: token_logprobs(self.model, e, p, self.cfg.temperature)[0], exp, prompt_width,
-                             shard.rows.to(self.device), shard.n_chunks)
+            out = _in_chunks(lambda e, p: token_logprobs(self.model, e, p, self.cfg.temperature, share_prompts=True)[0],
+                             exp, prompt_width, shard.rows.to(self.device), shard.n_chunks)
         release_memory()
         return out.cpu()
 
@@ -245,6 +289,13 @@ class PolicyLearner:
         self.strategy = build_strategy(cfg.parallel, self.policy, self.optimizer, None, self.world,
                                        grad_accum=self.micro_batches, max_grad_norm=cfg.max_grad_norm,
                                        offload_optimizer=cfg.offload_optimizer, autocast_dtype=self.autocast_dtype)
+        # Prompts shared across a group (token_logprobs) only on a plain model: whether a chunk has repeated
+        # prompts, hence one forward call or two, depends on its rows, and under DDP or DeepSpeed every call
+        # is a collective (buffer broadcast, ZeRO-3 gathers) that all ranks must make; in the update it is
+        # also two forwards before one backward. No cache under gradient checkpointing either.
+        local = type(self.strategy) is LocalStrategy  # DDPStrategy subclasses it
+        self.share_prompts = local and not cfg.gradient_checkpointing
+        self.share_prompts_scoring = local
         self.critic = self.critic_opt = self.critic_sched = self.critic_strategy = None
         if AdvantageEstimator(cfg.estimator).needs_critic:
             from rlhf_core.reward_model import load_reward_model
@@ -269,8 +320,9 @@ class PolicyLearner:
         out = {}
         with autocast_context(self.device, self.autocast_dtype):
             out["old_logp"] = _in_chunks(
-                lambda e, p: token_logprobs(self.strategy.module, e, p, self.cfg.temperature)[0], exp, prompt_width,
-                rows, shard.n_chunks).cpu()
+                lambda e, p: token_logprobs(self.strategy.module, e, p, self.cfg.temperature,
+                                            share_prompts=self.share_prompts_scoring)[0],
+                exp, prompt_width, rows, shard.n_chunks).cpu()
             if self.critic is not None:
                 out["old_values"] = _in_chunks(lambda e, p: token_values(self.critic, e, p), exp, prompt_width, rows,
                                                shard.n_chunks).cpu()
@@ -318,7 +370,7 @@ class PolicyLearner:
         rows = torch.arange(mb["mask"].shape[0], device=mb["mask"].device)
         # rows of similar length together, each micro-batch trimmed to its own widths: the summed
         # gradient is the same whichever rows share a micro-batch
-        chunks = torch.tensor_split(by_length(mb, rows), self.micro_batches)
+        chunks = torch.tensor_split(by_length(mb, rows, prompt_width), self.micro_batches)
         if any(len(c) == 0 for c in chunks):
             raise ValueError(f"rl.micro_batch_size: a mini-batch share of {len(rows)} rows cannot fill "
                              f"{self.micro_batches} micro-batches; raise micro_batch_size or mini_batch_size")
@@ -331,7 +383,8 @@ class PolicyLearner:
             with self.strategy.accumulating(last=i == len(micro) - 1):
                 with autocast_context(self.device, self.autocast_dtype):
                     logp, entropy = token_logprobs(self.strategy.module, m, width, cfg.temperature,
-                                                   with_entropy=True, entropy_grad=cfg.entropy_coef != 0)
+                                                   with_entropy=True, entropy_grad=cfg.entropy_coef != 0,
+                                                   share_prompts=self.share_prompts)
                 old_logp = logp.detach() * m["mask"] if fused_old else m["old_logp"]
                 pg_loss, stats = clipped_policy_loss(logp, old_logp, m["advantages"], m["mask"],
                                                      clip_low=cfg.clip_low, clip_high=cfg.clip_high,

@@ -301,3 +301,28 @@ def test_chunked_trimmed_logprobs_equal_one_full_pass(micro_model, micro_data, t
     with torch.no_grad():
         full, _ = token_logprobs(scorer.model, exp, p, learner.cfg.temperature)
     torch.testing.assert_close(chunked * mask, full * mask, atol=1e-5, rtol=0)
+
+
+def test_prompts_shared_across_a_group_give_the_same_logprobs_and_gradients(micro_model, micro_data, tmp_path):
+    """Each distinct prompt run once, its KV cache gathered to its rows (rows shuffled, groups of 4):
+    the same log-probs and parameter gradients as one full pass."""
+    from rlhf_core.trainers.rl_roles import token_logprobs
+
+    learner, exp, p, _ = _learner_and_experience(micro_model, micro_data, tmp_path)
+    assert learner.share_prompts  # one process, no checkpointing
+    mask = exp["mask"]
+    shuffled = torch.randperm(len(mask), generator=torch.Generator().manual_seed(0))
+    exp = {k: v[shuffled] for k, v in exp.items()}
+    mask = mask[shuffled]
+    model = learner.policy
+    results = []
+    for share in (False, True):
+        model.zero_grad()
+        logp, _ = token_logprobs(model, exp, p, 0.7, share_prompts=share)
+        (logp * mask).sum().backward()
+        results.append((logp.detach(), {n: q.grad.clone() for n, q in model.named_parameters()}))
+    (lp0, g0), (lp1, g1) = results
+    torch.testing.assert_close(lp1 * mask, lp0 * mask, atol=1e-5, rtol=0)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], atol=1e-5, rtol=1e-4)
+    assert any(g.abs().sum() > 0 for g in g0.values())
