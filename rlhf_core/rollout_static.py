@@ -93,7 +93,6 @@ class StaticCacheEngine(HFGenerateEngine):
         self.cuda_graphs = cuda_graphs
         cfg = model.config
         self._window = getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
-        self.last_stats: dict[str, float] = {}
 
     @property
     def name(self) -> str:
@@ -160,7 +159,6 @@ class StaticCacheEngine(HFGenerateEngine):
         longest = max(int(response_mask.sum(-1).max()), 1)  # columns after every row's eos: dropped, as generate does
         response, response_mask, logprobs = response[:, :longest], response_mask[:, :longest], logprobs[:, :longest]
         response = response.masked_fill(response_mask == 0, pad)
-        self.last_stats = {"decode_steps": float(steps), "cuda_graph": float(use_graph)}
         return ids, mask, response, response_mask, logprobs.masked_fill(response_mask == 0, 0.0)
 
 
