@@ -38,7 +38,9 @@ from rlhf_core.config import config_to_dict
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.pt"
-FORMAT_VERSION = 1
+# 2: the loop's evaluation metrics are ``loop.eval_metrics`` for every trainer (one checkpointed loop).
+# A checkpoint of another format is skipped (the run starts over) rather than misread.
+FORMAT_VERSION = 2
 
 # Config fields that decide where or how often state is written, not what is computed.
 _NOT_FINGERPRINTED = frozenset({"resume", "save_every", "keep_checkpoints", "checkpoint_dir", "output_dir",
@@ -192,6 +194,10 @@ class Checkpointer:
                 state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
             except Exception as exc:  # noqa: BLE001 - any unreadable state means a torn checkpoint
                 log.warning("skipping torn checkpoint %s: %s", path, exc)
+                continue
+            if state.get("format") != FORMAT_VERSION:
+                log.warning("skipping checkpoint %s: format %s, this version reads format %d", path,
+                            state.get("format"), FORMAT_VERSION)
                 continue
             if state.get("fingerprint") != self.fingerprint:
                 log.warning("skipping checkpoint %s: written by a run with another config or inputs", path)

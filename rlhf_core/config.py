@@ -12,7 +12,6 @@ Command-line overrides use ``--set field=value`` (YAML syntax for the value), e.
 from __future__ import annotations
 
 import dataclasses
-import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +19,10 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import yaml
+
+if typing.TYPE_CHECKING:  # annotations only; imported at run time inside RLConfig's checks
+    from rlhf_core.rewards import RewardKind
+    from rlhf_core.rl_math import AdvantageEstimator
 
 
 class ConfigError(ValueError):
@@ -591,6 +594,18 @@ class RLConfig(TrainerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        estimator, kind = self._check_choices()
+        self._check_inputs()
+        self._check_reward(kind)
+        self._check_rollout()
+        self._check_batches(estimator)
+        self._check_update()
+        self._check_kl(estimator)
+        self._check_dapo()
+
+    def _check_choices(self) -> tuple[AdvantageEstimator, RewardKind]:
+        """Check the enum-valued fields; return the (AdvantageEstimator, RewardKind) they name."""
+        # Local imports: rewards and rl_math import torch, and ``import rlhf_core.config`` stays torch-free.
         from rlhf_core.rewards import RewardKind
         from rlhf_core.rl_math import AdvantageEstimator, KLEstimator, LossAggregation
 
@@ -604,10 +619,20 @@ class RLConfig(TrainerConfig):
         one_of("reward_kind", RewardKind)
         one_of("kl_estimator", KLEstimator)
         one_of("loss_aggregation", LossAggregation)
-        estimator, kind = AdvantageEstimator(self.estimator), RewardKind(self.reward_kind)
+        return AdvantageEstimator(self.estimator), RewardKind(self.reward_kind)
+
+    def _check_inputs(self) -> None:
+        """Trainer fields rl does not use must keep their neutral values; prompts must be named."""
+        s = self.section
         _check(self.train_file == "", s, "train_file", "rl reads its prompts from prompts_file; leave train_file empty")
         _check(self.grad_accum == 1, s, "grad_accum", "must be 1 (mini_batch_size rows make one optimizer step)")
         _check(bool(self.prompts_file), s, "prompts_file", "must name the prompts file")
+
+    def _check_reward(self, kind: RewardKind) -> None:
+        """The reward source ``kind`` needs its own field; HTTP limits."""
+        from rlhf_core.rewards import RewardKind
+
+        s = self.section
         if kind is RewardKind.FUNCTION:
             _check(":" in self.reward_function, s, "reward_function",
                    f"must be 'path/to/file.py:function_name', got {self.reward_function!r}")
@@ -618,6 +643,10 @@ class RLConfig(TrainerConfig):
                    f"must start with http:// or https:// for reward_kind http, got {self.reward_url!r}")
         _check(self.reward_timeout_s > 0, s, "reward_timeout_s", f"must be > 0, got {self.reward_timeout_s}")
         _check(self.reward_retries >= 0, s, "reward_retries", f"must be >= 0, got {self.reward_retries}")
+
+    def _check_rollout(self) -> None:
+        """Rollout engine, its off-policy correction, and where roles and workers run."""
+        s = self.section
         _check(self.tis_cap >= 0, s, "tis_cap", f"must be >= 0 (0 = off), got {self.tis_cap}")
         _check(self.tis_cap == 0 or self.recompute_old_logprobs, s, "tis_cap",
                "needs recompute_old_logprobs: true (without it pi_old is the engine's own log-prob)")
@@ -630,6 +659,10 @@ class RLConfig(TrainerConfig):
         _check(self.rollout_workers >= 1, s, "rollout_workers", f"must be >= 1, got {self.rollout_workers}")
         _check(self.num_workers == 1 or self.placement != "none", s, "num_workers",
                f"{self.num_workers} policy workers need Ray: set placement to colocated or disaggregated")
+
+    def _check_batches(self, estimator: AdvantageEstimator) -> None:
+        """Batch, group and mini-batch sizes fit together and suit ``estimator``."""
+        s = self.section
         _check(self.mini_batch_size >= self.num_workers, s, "mini_batch_size",
                f"must be >= num_workers ({self.num_workers}) so every worker gets rows")
         _check(isinstance(self.micro_batch_size, int) and self.micro_batch_size >= 0, s, "micro_batch_size",
@@ -641,6 +674,10 @@ class RLConfig(TrainerConfig):
         rows = self.prompts_per_step * self.group_size
         _check(self.mini_batch_size <= rows, s, "mini_batch_size",
                f"must be <= prompts_per_step x group_size = {rows}, got {self.mini_batch_size}")
+
+    def _check_update(self) -> None:
+        """Sampling, PPO clipping, critic and return parameters of the update."""
+        s = self.section
         _check(self.temperature > 0, s, "temperature", f"must be > 0 (rollouts are sampled), got {self.temperature}")
         _check(0 < self.top_p <= 1, s, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.critic_lr > 0, s, "critic_lr", f"must be > 0, got {self.critic_lr}")
@@ -651,6 +688,12 @@ class RLConfig(TrainerConfig):
         _check(self.vf_coef > 0, s, "vf_coef", f"must be > 0, got {self.vf_coef}")
         for name in ("gamma", "lam"):
             _check(0.0 <= getattr(self, name) <= 1.0, s, name, f"must be in [0, 1], got {getattr(self, name)}")
+
+    def _check_kl(self, estimator: AdvantageEstimator) -> None:
+        """KL penalty: coefficient, where it applies for ``estimator``, adaptive controller."""
+        from rlhf_core.rl_math import AdvantageEstimator
+
+        s = self.section
         _check(self.kl_coef >= 0, s, "kl_coef", f"must be >= 0, got {self.kl_coef}")
         _check(not self.kl_in_reward or estimator in (AdvantageEstimator.GAE, AdvantageEstimator.REINFORCE_PP,
                                                       AdvantageEstimator.REINFORCE_PP_BASELINE), s, "kl_in_reward",
@@ -660,6 +703,10 @@ class RLConfig(TrainerConfig):
             _check(self.kl_coef > 0, s, "kl_coef", "must be > 0 with adaptive_kl (the controller scales it)")
             _check(self.kl_target > 0, s, "kl_target", f"must be > 0, got {self.kl_target}")
             _check(self.kl_horizon >= 1, s, "kl_horizon", f"must be >= 1, got {self.kl_horizon}")
+
+    def _check_dapo(self) -> None:
+        """Entropy bonus, DAPO dynamic sampling and overlong penalty, rollout logging."""
+        s = self.section
         _check(self.entropy_coef >= 0, s, "entropy_coef", f"must be >= 0, got {self.entropy_coef}")
         _check(not self.dynamic_sampling or self.group_size >= 2, s, "dynamic_sampling",
                f"needs group_size >= 2 (it drops groups whose samples all scored the same), got {self.group_size}")
@@ -963,31 +1010,6 @@ def load_config(cls: type[T], section: str, params_path: str | Path | None = "pa
 def config_to_dict(config: Any) -> dict[str, Any]:
     """Flat dict of a config's fields (for MLflow params and cache keys)."""
     return dataclasses.asdict(config)
-
-
-_SECRET_WORDS = frozenset({"token", "secret", "password", "passwd", "apikey", "auth", "credential", "credentials"})
-_URL_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s]+@", re.IGNORECASE)
-_SECRET_QUERY = re.compile(r"(?P<key>[?&][^=&#\s]*(?:token|secret|password|key|auth|sig)[^=&#\s]*=)[^&#\s]+",
-                           re.IGNORECASE)
-REDACTED = "***"
-
-
-def redact_secrets(obj: Any, key: str = "") -> Any:
-    """``obj`` with secrets replaced by ``***``: values under keys that name a secret (token,
-    password, api_key, ...), credentials in URLs (``https://user:pass@host``) and secret-looking
-    query parameters (``?token=...``). Applied to everything alignflow writes to MLflow, to logs
-    and beside a model, so a reward-server URL with a token never lands in a tracking store."""
-    if isinstance(obj, dict):
-        return {k: redact_secrets(v, str(k)) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(redact_secrets(v, key) for v in obj)
-    if isinstance(obj, str):
-        words = set(re.split(r"[_.\-\s]+", key.lower().replace("api_key", "apikey").replace("api-key", "apikey")))
-        if obj and words & _SECRET_WORDS:
-            return REDACTED
-        obj = _URL_USERINFO.sub(lambda m: f"{m.group('scheme')}{REDACTED}@", obj)
-        return _SECRET_QUERY.sub(lambda m: f"{m.group('key')}{REDACTED}", obj)
-    return obj
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from rlhf_core.config import redact_secrets
+from rlhf_core.redact import redact_secrets
 
 
 class RewardError(RuntimeError):

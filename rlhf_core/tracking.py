@@ -22,7 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
-from rlhf_core.config import TrackingConfig, redact_secrets
+from rlhf_core.config import TrackingConfig
+from rlhf_core.redact import redact_secrets
 
 try:  # optional: rlhf_core runs with torch + transformers alone
     import mlflow

@@ -19,7 +19,7 @@ import torch
 
 from rlhf_core.config import DPOConfig
 from rlhf_core.data.io import read_records
-from rlhf_core.data.tokenize import collate_pairs
+from rlhf_core.data.tokenize import TokenizedExample, collate_pairs
 from rlhf_core.data.tokenize import tokenize_preference_records
 from rlhf_core.evaluate import evaluate_exact_match
 from rlhf_core.logprobs import reference_logprobs, response_logprobs
@@ -36,6 +36,22 @@ class DPOResult:
     output_dir: Path
     metrics: dict[str, float] = field(default_factory=dict)
     eval_samples: list[dict[str, str]] = field(default_factory=list)
+
+
+def precompute_reference_logps(reference: Any, pairs: list[tuple[TokenizedExample, TokenizedExample]], pad: int,
+                               batch_size: int, average: bool) -> torch.Tensor:
+    """The frozen reference's log-probs of every pair's chosen and rejected response, in one pass.
+
+    ``pairs`` are tokenized preference records, collated ``batch_size`` at a time (each chunk stacks
+    its chosen rows above its rejected rows); ``average`` takes per-token means instead of sums.
+    Returns ``(n_pairs, 2)``: column 0 chosen, column 1 rejected, rows in ``pairs`` order.
+    """
+    chunks = [collate_pairs(pairs[i:i + batch_size], pad) for i in range(0, len(pairs), batch_size)]
+    flat = reference_logprobs(reference, chunks, average=average)
+    sizes = [int(c["n_pairs"]) for c in chunks]
+    per_chunk = torch.split(flat, [2 * n for n in sizes])
+    return torch.stack([torch.cat([p[:n] for p, n in zip(per_chunk, sizes)]),
+                        torch.cat([p[n:] for p, n in zip(per_chunk, sizes)])], dim=1)
 
 
 def train_dpo(cfg: DPOConfig, sink: MetricSink | None = None, show_progress: bool = True) -> DPOResult:
@@ -58,12 +74,7 @@ def train_dpo(cfg: DPOConfig, sink: MetricSink | None = None, show_progress: boo
     # ---- reference log-probs: once up front (then the reference is freed), or live -------
     ref_logps: torch.Tensor | None = None
     if cfg.precompute_reference:
-        chunks = [collate_pairs(pairs[i:i + cfg.batch_size], pad) for i in range(0, len(pairs), cfg.batch_size)]
-        flat = reference_logprobs(reference, chunks, average=average)
-        sizes = [int(c["n_pairs"]) for c in chunks]
-        per_chunk = torch.split(flat, [2 * n for n in sizes])
-        ref_logps = torch.stack([torch.cat([p[:n] for p, n in zip(per_chunk, sizes)]),
-                                 torch.cat([p[n:] for p, n in zip(per_chunk, sizes)])], dim=1)  # (pairs, 2)
+        ref_logps = precompute_reference_logps(reference, pairs, pad, cfg.batch_size, average)  # (pairs, 2)
         del reference
         reference = None
 

@@ -97,6 +97,14 @@ class NonFiniteError(FloatingPointError):
     """A loss or gradient norm was NaN or inf; the step was not applied."""
 
 
+def check_finite(value: float, what: str, where: str) -> None:
+    """The loop's NaN/inf guard: raise :class:`NonFiniteError` before a non-finite ``value`` reaches an
+    optimizer step, so the weights and the last checkpoint stay good (a retry would meet the same value)."""
+    if not math.isfinite(value):
+        raise NonFiniteError(f"{where}: {what} is {value}; stopped before the optimizer step, "
+                             f"the last checkpoint is intact")
+
+
 def accumulate_and_step(
     strategy: Any,
     micro_batches: Sequence[Any],
@@ -241,7 +249,169 @@ def batched(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:
 
 
 # --------------------------------------------------------------------------------------
-# The step loop every trainer runs
+# The one checkpointed loop: offline trainers and RL run their steps through it
+# --------------------------------------------------------------------------------------
+
+
+class Resumable(Protocol):
+    """Trainer-side state the loop checkpoints beside the model (a sampler, a controller)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class LoopClock:
+    """Wall-clock seconds of a run, split into training and evaluation (eval time is not training)."""
+
+    def __init__(self) -> None:
+        self.timer, self.eval_seconds = Timer(), 0.0
+
+    def train_seconds(self) -> float:
+        return self.timer.total() - self.eval_seconds
+
+    def total_seconds(self) -> float:
+        return self.timer.total()
+
+
+class TrainingBody(Protocol):
+    """A trainer as :func:`run_checkpointed` sees it: a step, an evaluation, its state and its final save."""
+
+    def can_resume(self) -> bool:
+        """Whether this run's checkpoints can be written and read back (not under ZeRO yet)."""
+
+    def restore(self, ckpt: Any) -> None:
+        """Load a checkpoint (found and fingerprint-checked by the loop): weights, optimizers, objects."""
+
+    def train_step(self, step: int, clock: LoopClock) -> dict[str, float] | None:
+        """One optimizer step (an RL iteration); returns the metrics to log at ``step``, or None."""
+
+    def progress(self, metrics: dict[str, float]) -> dict[str, str]:
+        """The progress bar's postfix for the metrics a step logged."""
+
+    def evaluate(self, step: int) -> tuple[dict[str, float], list[dict[str, str]]]:
+        """Held-out metrics and sample answers of the current weights."""
+
+    def checkpoint(self) -> tuple[Any, Any, dict[str, Any]] | None:
+        """``(model, tokenizer, state)`` to write at a checkpoint; None where this rank writes nothing."""
+
+    def save_final(self) -> None:
+        """Write the trained model to its output directory (every rank calls it; rank 0 writes)."""
+
+
+@dataclass
+class LoopPlan:
+    """When the loop steps, evaluates, checkpoints and resumes (a trainer config's loop fields)."""
+
+    name: str
+    max_steps: int
+    eval_every: int
+    save_every: int
+    resume: bool
+    eval_at_start: bool = False
+
+
+@dataclass
+class LoopOutcome:
+    """What the loop hands back: the last evaluation, timings and where the run started."""
+
+    eval_metrics: dict[str, float]
+    eval_samples: list[dict[str, str]]
+    train_seconds: float
+    total_seconds: float
+    resumed_from_step: int = 0
+
+
+def run_checkpointed(plan: LoopPlan, checkpointer: Any, body: TrainingBody, *, sink: MetricSink,
+                     world: Any = None, show_progress: bool = True) -> LoopOutcome:
+    """Run ``body`` for ``plan.max_steps`` steps with resume, SIGTERM, checkpoints, evals and logging.
+
+    Per step: ``body.train_step`` -> log its metrics -> eval every ``plan.eval_every`` steps ->
+    checkpoint every ``plan.save_every`` steps (and on SIGTERM, then stop). With ``plan.resume``
+    the newest checkpoint of this run's fingerprint is restored first and the loop continues
+    after its step, so an interrupted run ends with the weights and metrics of an uninterrupted
+    one. At the end: a final eval, ``body.save_final()``, and only then are the run's checkpoints
+    removed. Every rank of a data-parallel ``world`` runs this; rank 0 alone holds the run's lock,
+    writes checkpoints and logs. Evaluation time is kept out of ``perf/train_seconds``.
+    """
+    from rlhf_core.checkpoint import TrainingInterrupted, sigterm_checkpoints
+    from rlhf_core.parallel import World
+
+    world = world or World()
+    clock, evals = LoopClock(), _Evaluations(body, sink)
+    with checkpointer.hold(plan.name) if world.is_main else nullcontext():
+        start = _resume(plan, checkpointer, body, sink, evals)
+        if plan.eval_at_start and start == 1:
+            evals.run(0, clock)
+        bar = tqdm(range(start, plan.max_steps + 1), desc=plan.name, disable=not show_progress, mininterval=2.0)
+        with sigterm_checkpoints() as stop:
+            for step in bar:
+                metrics = body.train_step(step, clock)
+                if metrics:
+                    sink.log_metrics(metrics, step)
+                    bar.set_postfix(body.progress(metrics))
+                if plan.eval_every and step % plan.eval_every == 0 and step != plan.max_steps:
+                    evals.run(step, clock)
+                if (plan.save_every and step % plan.save_every == 0) or stop.requested:
+                    path = _save(checkpointer, body, step, evals)
+                    world.barrier()  # no rank runs ahead of a checkpoint it might have to resume from
+                if stop.requested:
+                    raise TrainingInterrupted(f"{plan.name}: stopped by SIGTERM after step {step}; resume from {path}")
+                inject_fault(plan.name, step)
+        train_seconds = clock.train_seconds()
+        evals.run(plan.max_steps, clock)
+        sink.log_metrics({"perf/train_seconds": train_seconds, "perf/total_seconds": clock.total_seconds()},
+                         plan.max_steps)
+        body.save_final()
+        if world.is_main:  # only once the final model is in place
+            checkpointer.clear()
+        world.barrier()
+    return LoopOutcome(dict(evals.metrics), evals.samples, train_seconds, clock.total_seconds(), start - 1)
+
+
+class _Evaluations:
+    """Runs, logs and times ``body.evaluate``; keeps the latest metrics (checkpointed) and samples."""
+
+    def __init__(self, body: TrainingBody, sink: MetricSink):
+        self.body, self.sink = body, sink
+        self.metrics: dict[str, float] = {}
+        self.samples: list[dict[str, str]] = []
+
+    def run(self, step: int, clock: LoopClock) -> None:
+        started = Timer()
+        metrics, self.samples = self.body.evaluate(step)
+        self.sink.log_metrics(metrics, step)
+        self.metrics.update(metrics)
+        clock.eval_seconds += started.total()
+
+
+def _resume(plan: LoopPlan, checkpointer: Any, body: TrainingBody, sink: MetricSink, evals: _Evaluations) -> int:
+    """Restore the newest checkpoint of this run when ``plan.resume``; returns the first step to run."""
+    from rlhf_core.checkpoint import set_rng_state
+
+    found = checkpointer.latest() if plan.resume and body.can_resume() else None
+    if found is None:
+        return 1
+    body.restore(found)
+    evals.metrics.update(found.state["loop"]["eval_metrics"])
+    set_rng_state(found.state["rng"])
+    log.warning("%s: resuming from %s (step %d of %d)", plan.name, found.path, found.step, plan.max_steps)
+    sink.log_metrics({"checkpoint/resumed_from_step": float(found.step)}, found.step)
+    return found.step + 1
+
+
+def _save(checkpointer: Any, body: TrainingBody, step: int, evals: _Evaluations) -> Path | None:
+    """Write a checkpoint of ``step`` (the body's state plus the loop's own); None where this rank writes none."""
+    written = body.checkpoint()
+    if written is None:
+        return None
+    model, tokenizer, state = written
+    state = {**state, "loop": {**state.get("loop", {}), "eval_metrics": dict(evals.metrics)}}
+    return checkpointer.save(step, model, tokenizer, state)
+
+
+# --------------------------------------------------------------------------------------
+# Offline trainers (SFT, reward model, DPO, KTO, distillation): accumulate-and-step bodies
 # --------------------------------------------------------------------------------------
 
 
@@ -252,14 +422,6 @@ class LoopResult:
     metrics: dict[str, float]
     eval_samples: list[dict[str, str]]
     resumed_from_step: int = 0
-
-
-class Resumable(Protocol):
-    """Trainer-side state the loop checkpoints beside the model (a sampler, a controller)."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 def run_training(
@@ -281,126 +443,118 @@ def run_training(
 ) -> LoopResult:
     """Optimise ``model`` for ``cfg.max_steps`` steps, then save it to ``cfg.output_dir``.
 
-    Per step: batch -> accumulate -> step -> log -> eval -> checkpoint. ``cfg`` is a
-    :class:`rlhf_core.config.TrainerConfig`. ``evaluate()`` returns held-out metrics and
-    sample answers; it runs every ``cfg.eval_every`` steps and once at the end, and its time
-    is excluded from ``perf/train_seconds``. ``step_metrics()`` (optional) returns
-    trainer-specific metrics gathered by ``loss_fn`` since the last call.
-
-    Resuming: every ``cfg.save_every`` steps (and on SIGTERM) a checkpoint holds the weights,
-    optimizer, schedule, RNG, the objects in ``state`` (the data sampler) and the loop's
-    counters. With ``cfg.resume`` a run whose config and inputs match an interrupted run's
-    continues from its newest checkpoint and ends with the same weights and metrics as an
-    uninterrupted run. The final model is saved with ``lineage`` (plus stage, config and base
-    model) in ``alignflow.json`` (``before_save()``, if given, runs first and its metrics are
-    added); then the run's checkpoints are removed.
+    Per step: batch -> accumulate -> step -> log, inside :func:`run_checkpointed` (eval,
+    checkpoints, resume, SIGTERM). ``cfg`` is a :class:`rlhf_core.config.TrainerConfig`.
+    ``evaluate()`` returns held-out metrics and sample answers; it runs every ``cfg.eval_every``
+    steps and once at the end. ``step_metrics()`` (optional) returns trainer-specific metrics
+    gathered by ``loss_fn`` since the last call. A checkpoint holds the weights, optimizer,
+    schedule, RNG, the objects in ``state`` (the data sampler) and the loop's counters. The final
+    model is saved with ``lineage`` (plus stage, config and base model) in ``alignflow.json``
+    (``before_save()``, if given, runs first and its metrics are added).
     """
-    from rlhf_core.checkpoint import Checkpointer, TrainingInterrupted, load_weights, run_fingerprint, \
-        set_rng_state, sigterm_checkpoints
-    from rlhf_core.config import config_to_dict, redact_secrets
-    from rlhf_core.models import merged_model, prepare_for_training
-    from rlhf_core.parallel import build_strategy, current_world
+    from rlhf_core.checkpoint import Checkpointer, run_fingerprint
+    from rlhf_core.parallel import current_world
 
-    # ---- data parallelism: every rank runs this loop; rank 0 logs, checkpoints and saves ------
     world = current_world()
-    if not world.is_main:
+    if not world.is_main:  # every rank runs the loop; rank 0 logs, checkpoints and saves
         sink, show_progress = NullSink(), False
-    device = next(model.parameters()).device
-    autocast_dtype = _resolve_autocast(cfg.precision, device)
-    prepare_for_training(model, gradient_checkpointing=cfg.gradient_checkpointing, lora_rank=cfg.lora_rank,
-                         lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout)
-    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
-    scheduler = build_scheduler(optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
-    strategy = build_strategy(cfg.parallel, model, optimizer, scheduler, world, grad_accum=cfg.grad_accum,
-                              max_grad_norm=cfg.max_grad_norm, offload_optimizer=cfg.offload_optimizer,
-                              autocast_dtype=autocast_dtype)
-    # Under ZeRO the optimizer state is partitioned across ranks; mid-run checkpoints would need
-    # DeepSpeed's own sharded format, so a ZeRO run writes only its final model (no resume yet).
-    can_checkpoint = world.is_main and strategy.optimizer_state() is not None
-    state = dict(state or {})
-    last_metrics: dict[str, float] = {}
-    eval_seconds = 0.0
-    timer, tokens_seen, last_loss = Timer(), 0, float("nan")
+    body = _OfflineBody(cfg, name, model, tokenizer, world, next_micro_batch=next_micro_batch, loss_fn=loss_fn,
+                        evaluate=evaluate, units_fn=units_fn, step_metrics=step_metrics, state=dict(state or {}),
+                        lineage=lineage or {}, before_save=before_save)
+    plan = LoopPlan(name, cfg.max_steps, cfg.eval_every, cfg.save_every, cfg.resume)
     checkpointer = Checkpointer(cfg.checkpoint_dir, run_fingerprint(cfg), cfg.keep_checkpoints)
+    outcome = run_checkpointed(plan, checkpointer, body, sink=sink, world=world, show_progress=show_progress)
+    metrics = {**outcome.eval_metrics, "train/loss_final": body.last_loss, "perf/train_seconds": outcome.train_seconds,
+               "perf/tokens_per_s": body.tokens_seen / max(outcome.train_seconds, 1e-9), **body.saved_metrics}
+    return LoopResult(metrics, outcome.eval_samples, outcome.resumed_from_step)
 
-    def run_eval(step: int) -> list[dict[str, str]]:
-        nonlocal eval_seconds
-        started = Timer()
-        metrics, samples = evaluate()
-        sink.log_metrics(metrics, step)
-        last_metrics.update(metrics)
-        eval_seconds += started.total()
-        return samples
 
-    def save(step: int) -> Path | None:
-        if not can_checkpoint:
-            return None
-        return checkpointer.save(step, model, tokenizer, {
-            "optimizer": strategy.optimizer_state(), "scheduler": scheduler.state_dict(),
-            "objects": {key: obj.state_dict() for key, obj in state.items()},
-            "loop": {"tokens_seen": tokens_seen, "last_metrics": dict(last_metrics), "last_loss": last_loss}})
+class _OfflineBody:
+    """A supervised trainer's step: ``grad_accum`` micro-batches, one optimizer step (a :class:`TrainingBody`)."""
 
-    # Only rank 0 takes the run's lock; the other ranks of its world only read checkpoints.
-    with checkpointer.hold(name) if world.is_main else nullcontext():
-        # ---- resume an interrupted run of this config ---------------------------------------
-        start_step = 1
-        found = checkpointer.latest() if cfg.resume and strategy.optimizer_state() is not None else None
-        if found is not None:
-            load_weights(model, found.path)
-            strategy.load_optimizer_state(found.state["optimizer"])
-            scheduler.load_state_dict(found.state["scheduler"])
-            for key, obj in state.items():
-                obj.load_state_dict(found.state["objects"][key])
-            tokens_seen = int(found.state["loop"]["tokens_seen"])
-            last_loss = float(found.state["loop"]["last_loss"])
-            last_metrics.update(found.state["loop"]["last_metrics"])
-            set_rng_state(found.state["rng"])
-            start_step = found.step + 1
-            log.warning("%s: resuming from %s (step %d of %d)", name, found.path, found.step, cfg.max_steps)
-            sink.log_metrics({"checkpoint/resumed_from_step": float(found.step)}, found.step)
+    def __init__(self, cfg: Any, name: str, model: torch.nn.Module, tokenizer: Any, world: Any, *,
+                 next_micro_batch: Callable[[], Any], loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+                 evaluate: Callable[[], tuple[dict[str, float], list[dict[str, str]]]],
+                 units_fn: Callable[[Any], int], step_metrics: Callable[[], dict[str, float]] | None,
+                 state: dict[str, Resumable], lineage: dict[str, str],
+                 before_save: Callable[[], dict[str, float]] | None):
+        from rlhf_core.models import prepare_for_training
+        from rlhf_core.parallel import build_strategy
 
+        self.cfg, self.name, self.model, self.tokenizer, self.world = cfg, name, model, tokenizer, world
+        self.next_micro_batch, self.loss_fn, self._evaluate, self.units_fn = next_micro_batch, loss_fn, evaluate, units_fn
+        self.step_metrics, self.state, self.lineage, self.before_save = step_metrics, state, lineage, before_save
+        self.autocast_dtype = _resolve_autocast(cfg.precision, next(model.parameters()).device)
+        prepare_for_training(model, gradient_checkpointing=cfg.gradient_checkpointing, lora_rank=cfg.lora_rank,
+                             lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout)
+        optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
+        self.scheduler = build_scheduler(optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+        self.strategy = build_strategy(cfg.parallel, model, optimizer, self.scheduler, world, grad_accum=cfg.grad_accum,
+                                       max_grad_norm=cfg.max_grad_norm, offload_optimizer=cfg.offload_optimizer,
+                                       autocast_dtype=self.autocast_dtype)
+        self.tokens_seen, self.last_loss = 0, float("nan")
+        self.saved_metrics: dict[str, float] = {}
         model.train()
-        bar = tqdm(range(start_step, cfg.max_steps + 1), desc=name, disable=not show_progress, mininterval=2.0)
-        with sigterm_checkpoints() as stop:
-            for step in bar:
-                micro = [next_micro_batch() for _ in range(cfg.grad_accum)]
-                stats = accumulate_and_step(strategy, micro, loss_fn, max_grad_norm=cfg.max_grad_norm,
-                                            autocast_dtype=autocast_dtype, units_fn=units_fn, step=step, world=world)
-                tokens_seen += int(world.all_reduce_sum([sum(int(mb["input_ids"].numel()) for mb in micro)])[0])
-                last_loss = stats.loss
-                if step % cfg.log_every == 0 or step == cfg.max_steps:
-                    elapsed = timer.total() - eval_seconds  # training time only
-                    extra = step_metrics() if step_metrics is not None else {}
-                    sink.log_metrics({"train/loss": stats.loss, "train/grad_norm": stats.grad_norm, "train/lr": stats.lr,
-                                      "perf/tokens_per_s": tokens_seen / max(elapsed, 1e-9), "perf/elapsed_s": elapsed,
-                                      **extra}, step)
-                    bar.set_postfix(loss=f"{stats.loss:.3f}", lr=f"{stats.lr:.1e}")
-                if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.max_steps:
-                    run_eval(step)
-                if (cfg.save_every and step % cfg.save_every == 0) or stop.requested:
-                    path = save(step)
-                    world.barrier()  # no rank runs ahead of a checkpoint it might have to resume from
-                if stop.requested:
-                    raise TrainingInterrupted(f"{name}: stopped by SIGTERM after step {step}; resume from {path}")
-                inject_fault(name, step)
-        train_seconds = timer.total() - eval_seconds
 
-        samples = run_eval(cfg.max_steps)
-        sink.log_metrics({"perf/train_seconds": train_seconds}, cfg.max_steps)
-        metrics = {**last_metrics, "train/loss_final": last_loss, "perf/train_seconds": train_seconds,
-                   "perf/tokens_per_s": tokens_seen / max(train_seconds, 1e-9)}
-        if before_save is not None:
-            metrics.update(before_save())
+    def can_resume(self) -> bool:
+        # Under ZeRO the optimizer state is partitioned across ranks; mid-run checkpoints would need
+        # DeepSpeed's own sharded format, so a ZeRO run writes only its final model (no resume yet).
+        return self.strategy.optimizer_state() is not None
+
+    def restore(self, ckpt: Any) -> None:
+        from rlhf_core.checkpoint import load_weights
+
+        load_weights(self.model, ckpt.path)
+        self.strategy.load_optimizer_state(ckpt.state["optimizer"])
+        self.scheduler.load_state_dict(ckpt.state["scheduler"])
+        for key, obj in self.state.items():
+            obj.load_state_dict(ckpt.state["objects"][key])
+        self.tokens_seen = int(ckpt.state["loop"]["tokens_seen"])
+        self.last_loss = float(ckpt.state["loop"]["last_loss"])
+
+    def train_step(self, step: int, clock: LoopClock) -> dict[str, float] | None:
+        cfg, world = self.cfg, self.world
+        micro = [self.next_micro_batch() for _ in range(cfg.grad_accum)]
+        stats = accumulate_and_step(self.strategy, micro, self.loss_fn, max_grad_norm=cfg.max_grad_norm,
+                                    autocast_dtype=self.autocast_dtype, units_fn=self.units_fn, step=step, world=world)
+        self.tokens_seen += int(world.all_reduce_sum([sum(int(mb["input_ids"].numel()) for mb in micro)])[0])
+        self.last_loss = stats.loss
+        if step % cfg.log_every != 0 and step != cfg.max_steps:
+            return None
+        elapsed = clock.train_seconds()
+        extra = self.step_metrics() if self.step_metrics is not None else {}
+        return {"train/loss": stats.loss, "train/grad_norm": stats.grad_norm, "train/lr": stats.lr,
+                "perf/tokens_per_s": self.tokens_seen / max(elapsed, 1e-9), "perf/elapsed_s": elapsed, **extra}
+
+    def progress(self, metrics: dict[str, float]) -> dict[str, str]:
+        return {"loss": f"{metrics['train/loss']:.3f}", "lr": f"{metrics['train/lr']:.1e}"}
+
+    def evaluate(self, step: int) -> tuple[dict[str, float], list[dict[str, str]]]:
+        del step
+        return self._evaluate()
+
+    def checkpoint(self) -> tuple[Any, Any, dict[str, Any]] | None:
+        if not (self.world.is_main and self.can_resume()):
+            return None
+        return self.model, self.tokenizer, {
+            "optimizer": self.strategy.optimizer_state(), "scheduler": self.scheduler.state_dict(),
+            "objects": {key: obj.state_dict() for key, obj in self.state.items()},
+            "loop": {"tokens_seen": self.tokens_seen, "last_loss": self.last_loss}}
+
+    def save_final(self) -> None:
+        from rlhf_core.config import config_to_dict
+        from rlhf_core.redact import redact_secrets
+        from rlhf_core.models import merged_model
+
+        if self.before_save is not None:
+            self.saved_metrics = self.before_save()
         # Only deterministic content next to the weights, so DVC md5s repeat across runs. LoRA
         # adapters are merged, so the output is a plain HF model directory.
-        with strategy.gathered():
-            if world.is_main:
-                save_hf_dir(merged_model(model), tokenizer, cfg.output_dir, extra={
-                    "stage": name, "config": redact_secrets(config_to_dict(cfg)), "base_model": str(cfg.model_path),
-                    **(lineage or {})})
-                checkpointer.clear()
-        world.barrier()
-    return LoopResult(metrics, samples, start_step - 1)
+        with self.strategy.gathered():
+            if self.world.is_main:
+                save_hf_dir(merged_model(self.model), self.tokenizer, self.cfg.output_dir, extra={
+                    "stage": self.name, "config": redact_secrets(config_to_dict(self.cfg)),
+                    "base_model": str(self.cfg.model_path), **self.lineage})
 
 
 def inject_fault(stage: str, step: int) -> None:

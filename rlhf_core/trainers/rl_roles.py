@@ -27,7 +27,7 @@ from rlhf_core.models import export_state_dict, has_lora, load_causal_lm, pick_d
 from rlhf_core.parallel import LocalStrategy, World, build_strategy, current_world, disable_dropout, train_mode
 from rlhf_core.rl_math import (AdvantageEstimator, LossAggregation, aggregate_loss, aggregation_units,
                                clipped_policy_loss, clipped_value_loss, entropy_from_logits, kl_penalty, masked_mean)
-from rlhf_core.trainers.loop import autocast_context, build_optimizer, build_scheduler
+from rlhf_core.trainers.loop import autocast_context, build_optimizer, build_scheduler, check_finite
 
 # Log-ratios to the reference are clamped before k3's exp (verl's bound): one token the policy
 # has nearly abandoned must not turn the KL term into inf.
@@ -540,10 +540,4 @@ def _cpu_copy(t: torch.Tensor, on_cpu: bool) -> torch.Tensor:
 
 
 def _check_finite(value: float, what: str, step: int) -> None:
-    import math
-
-    from rlhf_core.trainers.loop import NonFiniteError
-
-    if not math.isfinite(value):
-        raise NonFiniteError(f"rl: iteration {step}: {what} is {value}; stopped before the optimizer step, "
-                             f"the last checkpoint is intact")
+    check_finite(value, what, f"rl: iteration {step}")

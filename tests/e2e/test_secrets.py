@@ -7,7 +7,7 @@ import json
 import yaml
 
 from flows.cli import main
-from rlhf_core.config import redact_secrets
+from rlhf_core.redact import redact_secrets
 
 SECRETS = ("s3cr3t-pass", "tok-abc123")
 
