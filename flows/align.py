@@ -33,11 +33,7 @@ from rlhf_core.config import (
     SECTIONS,
     ConfigError,
     DataFields,
-    EvalConfig,
     FlowConfig,
-    GenerateConfig,
-    ModelConfig,
-    SFTConfig,
     TrackingConfig,
     build_config,
     config_to_dict,
@@ -46,7 +42,7 @@ from rlhf_core.config import (
 from rlhf_core.lineage import dvc_md5
 from rlhf_core.rewards import resolve_reward_file
 from rlhf_core.stages import lineage_tags
-from rlhf_core.tracking import resolve_tracking_uri, start_run
+from rlhf_core.tracking import Tracker, resolve_tracking_uri, start_run
 from tasks.data import generate_data, sample_best_of_n, validate_data
 from tasks.evaluation import evaluate_model
 from tasks.models import build_base_model
@@ -201,6 +197,154 @@ def run_alignment_stages(cfg: dict[str, Any], files: dict[str, str], md5: dict[s
     return done
 
 
+def data_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The dataset field names (``prompt_field``, ...) every task reads, from the ``sft`` section."""
+    return {f: getattr(cfg["sft"], f) for f in DataFields.__dataclass_fields__}
+
+
+def log_align_inputs(parent: Tracker, cfg: dict[str, Any], given: dict[str, str | None],
+                     base_model: str | None) -> None:
+    """Log every section's params, and ``reproduce.json``: the exact, typed params and inputs of
+    this run, what ``alignflow reproduce`` reruns with."""
+    parent.log_params({name: config_to_dict(c) for name, c in cfg.items()})
+    parent.log_dict({"flow": "align", "params": {name: config_to_dict(c) for name, c in cfg.items()},
+                     "inputs": {"sft_file": given["sft"], "preference_file": given["preferences"],
+                                "prompts_file": given["prompts"], "eval_file": given["eval"],
+                                "base_model": base_model}},
+                    "reproduce.json")
+
+
+def resolve_datasets(cfg: dict[str, Any], given: dict[str, str | None], parent_run_id: str) -> dict[str, str]:
+    """The four datasets: the user's files where given, the embedded task's (generated) for the rest."""
+    generated: dict[str, str] = {}
+    if any(path is None for path in given.values()):
+        generated = _run(generate_data, cfg["flow"], params=config_to_dict(cfg["generate"]),
+                         tracking=config_to_dict(cfg["tracking"]), parent_run_id=parent_run_id)["outputs"]
+    return {name: path or generated[name] for name, path in given.items()}
+
+
+def validate_datasets(cfg: dict[str, Any], files: dict[str, str], parent_run_id: str) -> dict[str, str]:
+    """The gate: every dataset validated before anything trains; returns their DVC md5s."""
+    md5 = {name: dvc_md5(path) for name, path in files.items()}
+    for name, path in files.items():
+        report = validate_data(path=str(path), md5=md5[name], kind=DATASET_KINDS[name], name=name,
+                               fields=data_fields(cfg), tracking=config_to_dict(cfg["tracking"]),
+                               parent_run_id=parent_run_id)
+        get_run_logger().info("validated %s: %s rows", path, int(report["metrics"]["data/n_rows"]))
+    return md5
+
+
+def build_base(cfg: dict[str, Any], files: dict[str, str], md5: dict[str, str], parent_run_id: str) -> str:
+    """Build the tiny base model on the SFT corpus (when the user gave none); returns its path."""
+    base = _run(build_base_model, cfg["flow"],
+                params={**config_to_dict(cfg["model"]), "corpus_file": files["sft"]}, corpus_md5=md5["sft"],
+                tracking=config_to_dict(cfg["tracking"]), parent_run_id=parent_run_id)
+    return base["outputs"]["model"]
+
+
+def run_sft_between_evaluations(
+    cfg: dict[str, Any], files: dict[str, str], md5: dict[str, str], base_model: str, base_md5: str,
+    parent_run_id: str,
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Evaluate the base model, train SFT from it, evaluate the SFT model; returns the three task results.
+
+    The flow's metrics go to metrics/flow/: metrics/*.json belong to `dvc repro`.
+    """
+    cache, tracking_d = cfg["flow"], config_to_dict(cfg["tracking"])
+    eval_params = {**config_to_dict(cfg["evaluate"]), **data_fields(cfg), "eval_file": files["eval"]}
+    before = _run(evaluate_model, cache,
+                  params={**eval_params, "model_path": base_model, "output_file": "metrics/flow/eval_base.json"},
+                  tracking=tracking_d, input_md5={"model": base_md5, "eval": md5["eval"]}, label="base",
+                  parent_run_id=parent_run_id)
+    sft_params = {**config_to_dict(cfg["sft"]), "model_path": base_model, "train_file": files["sft"],
+                  "eval_file": files["eval"]}
+    sft = _run(train_sft, cache, params=sft_params, tracking=tracking_d,
+               input_md5={"model": base_md5, "train": md5["sft"], "eval": md5["eval"]},
+               parent_run_id=parent_run_id)
+    after = _run(evaluate_model, cache,
+                 params={**eval_params, "model_path": sft["outputs"]["model"],
+                         "output_file": "metrics/flow/eval_sft.json"},
+                 tracking=tracking_d, input_md5={"model": sft["md5"]["model"], "eval": md5["eval"]},
+                 label="sft", parent_run_id=parent_run_id)
+    return before, sft, after
+
+
+def register_final_policy(cfg: dict[str, Any], aligned: dict[str, dict[str, Any]],
+                          parent: Tracker) -> dict[str, Any] | None:
+    """Register the pipeline's end product, the last policy stage's model, if models are logged.
+
+    It becomes `candidate` of the policy registry, and `champion` only if its held-out
+    accuracy beats the current champion's (tasks/registry.py). Returns the stage and the
+    registry's answer, or None when nothing was registered.
+    """
+    policy_stages = [st for st in aligned if "model" in aligned[st]["outputs"] and st != "reward"
+                     and "eval/accuracy" in aligned[st]["metrics"]]
+    if not (policy_stages and cfg["tracking"].log_model):
+        return None
+    final = aligned[policy_stages[-1]]
+    promotion = {"stage": policy_stages[-1], **register_model(
+        model_dir=final["outputs"]["model"], run_id=final["run_id"],
+        accuracy=final["metrics"]["eval/accuracy"], registered_name=cfg["cycles"].registered_model,
+        tracking=config_to_dict(cfg["tracking"]))}
+    parent.set_tags({"registry.version": promotion["version"], "registry.verdict": promotion["verdict"]})
+    return promotion
+
+
+def headline_metrics(before: dict[str, Any], after: dict[str, Any],
+                     aligned: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """The parent run's metrics: base and SFT accuracy, and each aligned stage's headline numbers."""
+    metrics = {
+        "eval/accuracy_base": before["metrics"]["eval/accuracy"],
+        "eval/accuracy_sft": after["metrics"]["eval/accuracy"],
+        "eval/accuracy_stderr_sft": after["metrics"]["eval/accuracy_stderr"],
+    }
+    for stage, result in aligned.items():
+        for key in ("eval/accuracy", "eval/accuracy_stderr", "eval/reward_accuracy", "eval/reward_margin",
+                    "rejection/kept_accuracy"):
+            if key in result["metrics"]:
+                metrics[f"{key}_{stage}"] = result["metrics"][key]
+    return metrics
+
+
+def model_lineage_tags(base_md5: str, sft: dict[str, Any], aligned: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """The parent run's tags naming every model's md5 and every stage's MLflow run."""
+    return {"dvc.md5.model_base": base_md5, "dvc.md5.model_sft": sft["md5"]["model"],
+            "alignflow.sft_run_id": str(sft.get("run_id")),
+            **{f"dvc.md5.{stage}_{k}": v for stage, r in aligned.items() for k, v in r["md5"].items()},
+            **{f"alignflow.{stage}_run_id": str(r.get("run_id")) for stage, r in aligned.items()}}
+
+
+def align_summary(cfg: dict[str, Any], parent_run_id: str, files: dict[str, str], md5: dict[str, str],
+                  base_md5: str, sft: dict[str, Any], aligned: dict[str, dict[str, Any]],
+                  promotion: dict[str, Any] | None, metrics: dict[str, float]) -> dict[str, Any]:
+    """What ``align`` returns: paths, md5s, run ids and the headline metrics."""
+    tracking: TrackingConfig = cfg["tracking"]
+    return {
+        "parent_run_id": parent_run_id,
+        "tracking_uri": resolve_tracking_uri(tracking),
+        "registered_model": tracking.registered_model if tracking.log_model else None,
+        "model_uri": sft.get("model_uri"),
+        "datasets": {k: str(v) for k, v in files.items()},
+        "md5": {**md5, "model_base": base_md5, "model_sft": sft["md5"]["model"],
+                **{f"{stage}_{k}": v for stage, r in aligned.items() for k, v in r["md5"].items()}},
+        "sft_model": sft["outputs"]["model"],
+        "stages": {stage: {"outputs": r["outputs"], "run_id": r.get("run_id")} for stage, r in aligned.items()},
+        "rejection_n": cfg["rejection"].n_samples,
+        "promotion": promotion,
+        "metrics": metrics,
+        "sft_train_seconds": sft["metrics"].get("perf/train_seconds"),
+    }
+
+
+def headline(metrics: dict[str, float], aligned: dict[str, dict[str, Any]]) -> str:
+    """One line: base -> SFT accuracy, then each aligned stage's."""
+    return (f"align: base accuracy {metrics['eval/accuracy_base']:.3f} -> "
+            f"SFT accuracy {metrics['eval/accuracy_sft']:.3f} "
+            f"(± {metrics['eval/accuracy_stderr_sft']:.3f})"
+            + "".join(f"; {stage} {metrics[f'eval/accuracy_{stage}']:.3f}"
+                      for stage in aligned if f"eval/accuracy_{stage}" in metrics))
+
+
 @flow(name="align", log_prints=True)
 def align(
     params_file: str | None = "params.yaml",
@@ -212,122 +356,27 @@ def align(
     base_model: str | None = None,
 ) -> dict[str, Any]:
     """Run the alignment pipeline; returns paths, md5s, run ids and the headline metrics."""
-    logger = get_run_logger()
     cfg = load_all(params_file, overrides)
-    gen: GenerateConfig = cfg["generate"]
-    model_cfg: ModelConfig = cfg["model"]
-    sft_cfg: SFTConfig = cfg["sft"]
-    eval_cfg: EvalConfig = cfg["evaluate"]
-    tracking: TrackingConfig = cfg["tracking"]
-    flow_cfg: FlowConfig = cfg["flow"]
-    tracking_d = config_to_dict(tracking)
-    cache = flow_cfg  # cache, retries and isolation of every task below
-    fields = {f: getattr(sft_cfg, f) for f in DataFields.__dataclass_fields__}
-
+    given = {"sft": sft_file, "preferences": preference_file, "prompts": prompts_file, "eval": eval_file}
     tags = {"prefect.flow_run_id": str(flow_run.get_id() or ""), "prefect.flow_run_name": str(flow_run.get_name() or "")}
-    with one_flow_at_a_time("align"), start_run(tracking, "align", tags=tags) as parent:
-        parent.log_params({name: config_to_dict(c) for name, c in cfg.items()})
-        # The exact, typed params and inputs of this run: what `alignflow reproduce` reruns with.
-        parent.log_dict({"flow": "align", "params": {name: config_to_dict(c) for name, c in cfg.items()},
-                         "inputs": {"sft_file": sft_file, "preference_file": preference_file,
-                                    "prompts_file": prompts_file, "eval_file": eval_file, "base_model": base_model}},
-                        "reproduce.json")
-
-        # ---- data: user files where given, the embedded task for the rest ---------------
-        given = {"sft": sft_file, "preferences": preference_file, "prompts": prompts_file, "eval": eval_file}
-        generated: dict[str, str] = {}
-        if any(path is None for path in given.values()):
-            generated = _run(generate_data, cache, params=config_to_dict(gen), tracking=tracking_d,
-                             parent_run_id=parent.run_id)["outputs"]
-        files = {name: path or generated[name] for name, path in given.items()}
-
-        # ---- gate: every dataset validated before anything trains -----------------------
-        md5 = {name: dvc_md5(path) for name, path in files.items()}
-        for name, path in files.items():
-            report = validate_data(path=str(path), md5=md5[name], kind=DATASET_KINDS[name], name=name,
-                                   fields=fields, tracking=tracking_d, parent_run_id=parent.run_id)
-            logger.info("validated %s: %s rows", path, int(report["metrics"]["data/n_rows"]))
+    with one_flow_at_a_time("align"), start_run(cfg["tracking"], "align", tags=tags) as parent:
+        log_align_inputs(parent, cfg, given, base_model)
+        files = resolve_datasets(cfg, given, parent.run_id)
+        md5 = validate_datasets(cfg, files, parent.run_id)
         parent.set_tags(lineage_tags(files, "align"))
-
-        # ---- base model ------------------------------------------------------------------
         if base_model is None:
-            base = _run(build_base_model, cache,
-                        params={**config_to_dict(model_cfg), "corpus_file": files["sft"]}, corpus_md5=md5["sft"],
-                        tracking=tracking_d, parent_run_id=parent.run_id)
-            base_model = base["outputs"]["model"]
+            base_model = build_base(cfg, files, md5, parent.run_id)
         base_md5 = dvc_md5(base_model)
-
-        # ---- evaluate the starting point, SFT, evaluate the result -----------------------
-        # The flow's metrics go to metrics/flow/: metrics/*.json belong to `dvc repro`.
-        eval_params = {**config_to_dict(eval_cfg), **fields, "eval_file": files["eval"]}
-        before = _run(evaluate_model, cache,
-                      params={**eval_params, "model_path": base_model, "output_file": "metrics/flow/eval_base.json"},
-                      tracking=tracking_d, input_md5={"model": base_md5, "eval": md5["eval"]}, label="base",
-                      parent_run_id=parent.run_id)
-        sft_params = {**config_to_dict(sft_cfg), "model_path": base_model, "train_file": files["sft"],
-                      "eval_file": files["eval"]}
-        sft = _run(train_sft, cache, params=sft_params, tracking=tracking_d,
-                   input_md5={"model": base_md5, "train": md5["sft"], "eval": md5["eval"]},
-                   parent_run_id=parent.run_id)
-        after = _run(evaluate_model, cache,
-                     params={**eval_params, "model_path": sft["outputs"]["model"],
-                             "output_file": "metrics/flow/eval_sft.json"},
-                     tracking=tracking_d, input_md5={"model": sft["md5"]["model"], "eval": md5["eval"]},
-                     label="sft", parent_run_id=parent.run_id)
-
-        # ---- offline alignment from the SFT model ----------------------------------------
-        aligned = run_alignment_stages(cfg, {k: str(v) for k, v in files.items()}, md5, sft, fields, tracking_d,
-                                       parent.run_id, cache)
-
-        # ---- register the pipeline's end product: the last policy stage's model -------------
-        # It becomes `candidate` of the policy registry, and `champion` only if its held-out
-        # accuracy beats the current champion's (tasks/registry.py).
-        policy_stages = [st for st in aligned if "model" in aligned[st]["outputs"] and st != "reward"
-                         and "eval/accuracy" in aligned[st]["metrics"]]
-        promotion = None
-        if policy_stages and tracking.log_model:
-            final = aligned[policy_stages[-1]]
-            promotion = {"stage": policy_stages[-1], **register_model(
-                model_dir=final["outputs"]["model"], run_id=final["run_id"],
-                accuracy=final["metrics"]["eval/accuracy"], registered_name=cfg["cycles"].registered_model,
-                tracking=tracking_d)}
-            parent.set_tags({"registry.version": promotion["version"], "registry.verdict": promotion["verdict"]})
-
-        summary_metrics = {
-            "eval/accuracy_base": before["metrics"]["eval/accuracy"],
-            "eval/accuracy_sft": after["metrics"]["eval/accuracy"],
-            "eval/accuracy_stderr_sft": after["metrics"]["eval/accuracy_stderr"],
-        }
-        for stage, result in aligned.items():
-            for key in ("eval/accuracy", "eval/accuracy_stderr", "eval/reward_accuracy", "eval/reward_margin",
-                        "rejection/kept_accuracy"):
-                if key in result["metrics"]:
-                    summary_metrics[f"{key}_{stage}"] = result["metrics"][key]
-        parent.log_metrics(summary_metrics, 0)
-        parent.set_tags({"dvc.md5.model_base": base_md5, "dvc.md5.model_sft": sft["md5"]["model"],
-                         "alignflow.sft_run_id": str(sft.get("run_id")),
-                         **{f"dvc.md5.{stage}_{k}": v for stage, r in aligned.items() for k, v in r["md5"].items()},
-                         **{f"alignflow.{stage}_run_id": str(r.get("run_id")) for stage, r in aligned.items()}})
-        summary = {
-            "parent_run_id": parent.run_id,
-            "tracking_uri": resolve_tracking_uri(tracking),
-            "registered_model": tracking.registered_model if tracking.log_model else None,
-            "model_uri": sft.get("model_uri"),
-            "datasets": {k: str(v) for k, v in files.items()},
-            "md5": {**md5, "model_base": base_md5, "model_sft": sft["md5"]["model"],
-                    **{f"{stage}_{k}": v for stage, r in aligned.items() for k, v in r["md5"].items()}},
-            "sft_model": sft["outputs"]["model"],
-            "stages": {stage: {"outputs": r["outputs"], "run_id": r.get("run_id")} for stage, r in aligned.items()},
-            "rejection_n": cfg["rejection"].n_samples,
-            "promotion": promotion,
-            "metrics": summary_metrics,
-            "sft_train_seconds": sft["metrics"].get("perf/train_seconds"),
-        }
-        print(f"align: base accuracy {summary_metrics['eval/accuracy_base']:.3f} -> "
-              f"SFT accuracy {summary_metrics['eval/accuracy_sft']:.3f} "
-              f"(± {summary_metrics['eval/accuracy_stderr_sft']:.3f})"
-              + "".join(f"; {stage} {summary_metrics[f'eval/accuracy_{stage}']:.3f}"
-                        for stage in aligned if f"eval/accuracy_{stage}" in summary_metrics))
+        before, sft, after = run_sft_between_evaluations(cfg, files, md5, base_model, base_md5, parent.run_id)
+        # offline alignment and online RL, each from the SFT model
+        aligned = run_alignment_stages(cfg, {k: str(v) for k, v in files.items()}, md5, sft, data_fields(cfg),
+                                       config_to_dict(cfg["tracking"]), parent.run_id, cfg["flow"])
+        promotion = register_final_policy(cfg, aligned, parent)
+        metrics = headline_metrics(before, after, aligned)
+        parent.log_metrics(metrics, 0)
+        parent.set_tags(model_lineage_tags(base_md5, sft, aligned))
+        summary = align_summary(cfg, parent.run_id, files, md5, base_md5, sft, aligned, promotion, metrics)
+        print(headline(metrics, aligned))
         return summary
 
 

@@ -18,18 +18,19 @@ params.yaml, with the ``rejection``, ``dpo``, ``raft`` and ``reward`` sections f
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from rlhf_core.config import ConfigError, CyclesConfig, DataFields, config_to_dict
+from rlhf_core.config import ConfigError, CyclesConfig, config_to_dict
 from rlhf_core.lineage import dvc_md5
 from rlhf_core.stages import lineage_tags
 from rlhf_core.synthetic import write_jsonl
-from rlhf_core.tracking import resolve_tracking_uri, start_run
-from flows.align import _run, load_all, one_flow_at_a_time
+from rlhf_core.tracking import Tracker, resolve_tracking_uri, start_run
+from flows.align import _run, data_fields, load_all, one_flow_at_a_time
 from tasks.data import sample_best_of_n, validate_data
 from tasks.registry import register_model
 from tasks.training import train_dpo, train_raft, train_reward
@@ -59,125 +60,209 @@ class PairPool:
         return str(write_jsonl(list(self.rows.values()), out))
 
 
-def run_cycles(kind: str, params_file: str | None, overrides: dict[str, dict[str, Any]] | None,
-               cycles: int | None) -> dict[str, Any]:
-    """The body both flows share; ``kind`` is ``iterative_dpo`` or ``raft``."""
-    logger = get_run_logger()
-    cfg = load_all(params_file, overrides)
+@dataclass(frozen=True)
+class CyclePlan:
+    """What every cycle of one ``iterative_dpo`` / ``raft`` flow run shares."""
+
+    kind: str
+    cfg: dict[str, Any]
+    n_cycles: int
+    run_label: str
+    tags: dict[str, str]
+
+    @property
+    def cyc(self) -> CyclesConfig:
+        return self.cfg["cycles"]
+
+    @property
+    def tracking_d(self) -> dict[str, Any]:
+        return config_to_dict(self.cfg["tracking"])
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        return data_fields(self.cfg)
+
+    @property
+    def prompts_file(self) -> str:
+        return self.cfg["rejection"].prompts_file
+
+    @property
+    def eval_file(self) -> str:
+        return self.cfg["dpo"].eval_file
+
+    @property
+    def data_dir(self) -> Path:
+        return Path(self.cyc.data_dir) / self.kind
+
+    @property
+    def models_dir(self) -> Path:
+        return Path(self.cyc.models_dir) / self.kind
+
+    @property
+    def consumed(self) -> str:
+        """The sampled file the next policy trains on: best-vs-worst pairs (DPO) or kept samples (RAFT)."""
+        return "pairs" if self.kind == "iterative_dpo" else "kept"
+
+
+def plan_cycles(kind: str, cfg: dict[str, Any], cycles: int | None) -> CyclePlan:
+    """Check the configs and fix what the cycles share; ``cycles`` overrides ``cycles.cycles``."""
     cyc: CyclesConfig = cfg["cycles"]
-    n_cycles = cycles or cyc.cycles
-    tracking = cfg["tracking"]
-    tracking_d = config_to_dict(tracking)
-    cache = cfg["flow"]  # cache, retries and isolation of every task below
-    fields = {f: getattr(cfg["sft"], f) for f in DataFields.__dataclass_fields__}
-    rejection, dpo, raft, reward = cfg["rejection"], cfg["dpo"], cfg["raft"], cfg["reward"]
-    prompts_file, eval_file = rejection.prompts_file, dpo.eval_file
-    data_dir, models_dir = Path(cyc.data_dir) / kind, Path(cyc.models_dir) / kind
     if cyc.scorer == "reward_model" and not Path(cyc.reward_model_path).exists():
         raise ConfigError(f"cycles.reward_model_path: no reward model at {cyc.reward_model_path} "
                           "(train one with `alignflow reward`, or set cycles.scorer: rule)")
     run_label = str(flow_run.get_name() or "local")
     tags = {"prefect.flow_run_id": str(flow_run.get_id() or ""), "prefect.flow_run_name": run_label,
             "alignflow.flow": kind}
+    return CyclePlan(kind, cfg, cycles or cyc.cycles, run_label, tags)
 
-    with one_flow_at_a_time(kind), start_run(tracking, kind, tags=tags) as parent:
-        parent.log_dict({"flow": kind, "params": {name: config_to_dict(c) for name, c in cfg.items()},
-                         "inputs": {"cycles": n_cycles}}, "reproduce.json")
-        parent.log_params({"cycles": config_to_dict(cyc), "rejection": config_to_dict(rejection),
-                           "train": config_to_dict(dpo if kind == "iterative_dpo" else raft)})
-        md5 = {"prompts": dvc_md5(prompts_file), "eval": dvc_md5(eval_file)}
-        for name, path in (("prompts", prompts_file), ("eval", eval_file)):
-            validate_data(path=path, md5=md5[name], kind="prompts", name=name, fields=fields, tracking=tracking_d,
-                          parent_run_id=parent.run_id)
-        parent.set_tags(lineage_tags({"prompts": prompts_file, "eval": eval_file, "start_model": cyc.start_model},
-                                     kind))
 
+def log_and_validate_inputs(plan: CyclePlan, parent: Tracker) -> dict[str, str]:
+    """Log the params and ``reproduce.json``, validate the prompts and eval sets; returns their md5s."""
+    cfg, kind = plan.cfg, plan.kind
+    parent.log_dict({"flow": kind, "params": {name: config_to_dict(c) for name, c in cfg.items()},
+                     "inputs": {"cycles": plan.n_cycles}}, "reproduce.json")
+    parent.log_params({"cycles": config_to_dict(plan.cyc), "rejection": config_to_dict(cfg["rejection"]),
+                       "train": config_to_dict(cfg["dpo"] if kind == "iterative_dpo" else cfg["raft"])})
+    prompts_file, eval_file = plan.prompts_file, plan.eval_file
+    md5 = {"prompts": dvc_md5(prompts_file), "eval": dvc_md5(eval_file)}
+    for name, path in (("prompts", prompts_file), ("eval", eval_file)):
+        validate_data(path=path, md5=md5[name], kind="prompts", name=name, fields=plan.fields,
+                      tracking=plan.tracking_d, parent_run_id=parent.run_id)
+    parent.set_tags(lineage_tags({"prompts": prompts_file, "eval": eval_file, "start_model": plan.cyc.start_model},
+                                 kind))
+    return md5
+
+
+def sample_and_score(plan: CyclePlan, k: int, policy: str, policy_md5: str, rm_path: str, md5: dict[str, str],
+                     common: dict[str, Any]) -> dict[str, Any]:
+    """n completions per prompt from the current policy, scored; the kept samples and pairs."""
+    cyc = plan.cyc
+    params = {**config_to_dict(plan.cfg["rejection"]), **plan.fields, "policy_path": policy,
+              "prompts_file": plan.prompts_file, "scorer": cyc.scorer, "reward_model_path": rm_path,
+              "n_samples": cyc.n_samples, "temperature": cyc.temperature, "max_prompts": cyc.max_prompts,
+              "seed": cyc.seed + k, "output_file": str(plan.data_dir / "kept.jsonl"),
+              "pairs_file": str(plan.data_dir / "pairs.jsonl")}
+    input_md5 = {"policy": policy_md5, "prompts": md5["prompts"]}
+    if cyc.scorer == "reward_model":
+        input_md5["reward_model"] = dvc_md5(rm_path)
+    return _run(sample_best_of_n, plan.cfg["flow"], params=params, input_md5=input_md5, **common)
+
+
+def retrain_reward_model(plan: CyclePlan, sampled: dict[str, Any], pair_pool: PairPool,
+                         common: dict[str, Any]) -> tuple[str, list[str]]:
+    """Retrain the reward model on every pair so far; returns its path and the files to version."""
+    reward = plan.cfg["reward"]
+    pair_pool.add(sampled["outputs"]["pairs"])
+    accumulated = pair_pool.write(plan.data_dir / "reward_pairs.jsonl")
+    rm = _run(train_reward, plan.cfg["flow"], **common,
+              params={**config_to_dict(reward), **plan.fields, "train_file": accumulated,
+                      "output_dir": str(plan.models_dir / "reward")},
+              input_md5={"model": dvc_md5(reward.model_path), "train": dvc_md5(accumulated)})
+    rm_path = rm["outputs"]["model"]
+    return rm_path, [accumulated, rm_path]
+
+
+def version_cycle(plan: CyclePlan, k: int, sampled: dict[str, Any], to_version: list[str],
+                  cycle_run: Tracker) -> dict[str, Any] | None:
+    """``dvc add`` + a git commit naming the flow run and cycle (+ ``dvc push``), if ``cycles.version``."""
+    if not plan.cyc.version:
+        return None
+    consumed = plan.consumed
+    message = (f"{plan.kind} {plan.run_label} cycle {k}/{plan.n_cycles}: {consumed} "
+               f"{sampled['md5'][consumed]} (flow run {plan.tags['prefect.flow_run_id'] or '-'})")
+    versioned = version_outputs(paths=to_version, message=message, push=plan.cyc.push)
+    cycle_run.set_tags({"git.version_commit": versioned["commit"],
+                        **{f"dvc.md5.versioned.{Path(p).name}": m for p, m in versioned["md5"].items()}})
+    return versioned
+
+
+def train_next_policy(plan: CyclePlan, k: int, policy: str, policy_md5: str, sampled: dict[str, Any],
+                      md5: dict[str, str], common: dict[str, Any]) -> dict[str, Any]:
+    """DPO on the pairs with the current policy as reference, or SFT on the kept samples (RAFT)."""
+    kind, cfg = plan.kind, plan.cfg
+    out_dir = str(plan.models_dir / f"cycle_{k}")
+    checkpoint_dir = str(Path("checkpoints") / kind / f"cycle_{k}")
+    if kind == "iterative_dpo":
+        return _run(train_dpo, cfg["flow"], **common,
+                    params={**config_to_dict(cfg["dpo"]), **plan.fields, "model_path": policy,
+                            "ref_model_path": policy, "train_file": sampled["outputs"]["pairs"],
+                            "eval_file": plan.eval_file, "output_dir": out_dir, "checkpoint_dir": checkpoint_dir},
+                    input_md5={"model": policy_md5, "train": sampled["md5"]["pairs"], "eval": md5["eval"]})
+    return _run(train_raft, cfg["flow"], **common,
+                params={**config_to_dict(cfg["raft"]), **plan.fields, "model_path": policy,
+                        "train_file": sampled["outputs"]["kept"], "eval_file": plan.eval_file,
+                        "output_dir": out_dir, "checkpoint_dir": checkpoint_dir},
+                input_md5={"model": policy_md5, "train": sampled["md5"]["kept"], "eval": md5["eval"]})
+
+
+def register_and_record(plan: CyclePlan, k: int, policy: str, sampled: dict[str, Any], trained: dict[str, Any],
+                        versioned: dict[str, Any] | None, cycle_run: Tracker, parent: Tracker) -> dict[str, Any]:
+    """Register the trained policy (``champion`` if it beats the current one), log the cycle's
+    metrics and tags; returns the cycle's history entry."""
+    accuracy = trained["metrics"]["eval/accuracy"]
+    registry = register_model(model_dir=trained["outputs"]["model"], run_id=trained["run_id"],
+                              accuracy=accuracy, registered_name=plan.cyc.registered_model,
+                              tracking=plan.tracking_d)
+    metrics = {"cycle/accuracy": accuracy, "cycle/accuracy_stderr": trained["metrics"]["eval/accuracy_stderr"],
+               **{f"cycle/{k2.split('/')[-1]}": v for k2, v in sampled["metrics"].items()}}
+    cycle_run.log_metrics(metrics, k)
+    parent.log_metrics({"eval/accuracy": accuracy}, k)
+    cycle_run.set_tags({"registry.version": registry["version"], "registry.verdict": registry["verdict"],
+                        "dvc.md5.output_model": trained["md5"]["model"]})
+    get_run_logger().info("%s cycle %d/%d: accuracy %.3f ± %.3f; %s", plan.kind, k, plan.n_cycles, accuracy,
+                          metrics["cycle/accuracy_stderr"], registry["verdict"])
+    return {"cycle": k, "policy_in": policy, "model": trained["outputs"]["model"],
+            "model_md5": trained["md5"]["model"], "accuracy": accuracy,
+            "accuracy_stderr": metrics["cycle/accuracy_stderr"], "data_md5": sampled["md5"],
+            "commit": versioned["commit"] if versioned else None, "run_id": cycle_run.run_id,
+            "registry": registry}
+
+
+def run_cycle(plan: CyclePlan, k: int, policy: str, rm_path: str, pair_pool: PairPool, md5: dict[str, str],
+              parent: Tracker, previous_cycle_run: str | None) -> tuple[dict[str, Any], str]:
+    """One cycle, a nested MLflow run: sample and score -> gate -> version -> train -> register.
+    Returns the cycle's history entry and the reward model the next cycle scores with."""
+    kind = plan.kind
+    cycle_tags = {"alignflow.cycle": str(k), "alignflow.flow": kind,
+                  "alignflow.parent_cycle_run_id": previous_cycle_run or "",
+                  **lineage_tags({"policy": policy}, f"{kind}-cycle")}
+    with start_run(plan.cfg["tracking"], f"cycle-{k}", parent.run_id, cycle_tags) as cycle_run:
+        common = dict(tracking=plan.tracking_d, parent_run_id=cycle_run.run_id)
+        policy_md5 = dvc_md5(policy)
+        sampled = sample_and_score(plan, k, policy, policy_md5, rm_path, md5, common)
+        # The gate: generated data passes the same checks as any dataset before training on it.
+        consumed = plan.consumed
+        validate_data(path=sampled["outputs"][consumed], md5=sampled["md5"][consumed],
+                      kind="preference" if consumed == "pairs" else "sft", name=f"cycle-{k}-{consumed}",
+                      fields=plan.fields, **common)
+        to_version = [sampled["outputs"]["pairs"], sampled["outputs"]["kept"]]
+        if kind == "iterative_dpo" and plan.cyc.retrain_reward:
+            rm_path, reward_files = retrain_reward_model(plan, sampled, pair_pool, common)
+            to_version += reward_files
+        versioned = version_cycle(plan, k, sampled, to_version, cycle_run)
+        trained = train_next_policy(plan, k, policy, policy_md5, sampled, md5, common)
+        entry = register_and_record(plan, k, policy, sampled, trained, versioned, cycle_run, parent)
+    return entry, rm_path
+
+
+def run_cycles(kind: str, params_file: str | None, overrides: dict[str, dict[str, Any]] | None,
+               cycles: int | None) -> dict[str, Any]:
+    """The body both flows share; ``kind`` is ``iterative_dpo`` or ``raft``."""
+    cfg = load_all(params_file, overrides)
+    plan = plan_cycles(kind, cfg, cycles)
+    tracking, cyc = cfg["tracking"], plan.cyc
+    with one_flow_at_a_time(kind), start_run(tracking, kind, tags=plan.tags) as parent:
+        md5 = log_and_validate_inputs(plan, parent)
         policy, rm_path = cyc.start_model, cyc.reward_model_path
-        pair_pool = PairPool(fields)
+        pair_pool = PairPool(plan.fields)
         if cyc.retrain_reward:
-            pair_pool.add(reward.train_file)
+            pair_pool.add(cfg["reward"].train_file)
         history: list[dict[str, Any]] = []
         previous_cycle_run: str | None = None
-        for k in range(1, n_cycles + 1):
-            cycle_tags = {"alignflow.cycle": str(k), "alignflow.flow": kind,
-                          "alignflow.parent_cycle_run_id": previous_cycle_run or "",
-                          **lineage_tags({"policy": policy}, f"{kind}-cycle")}
-            with start_run(tracking, f"cycle-{k}", parent.run_id, cycle_tags) as cycle_run:
-                common = dict(tracking=tracking_d, parent_run_id=cycle_run.run_id)
-                policy_md5 = dvc_md5(policy)
-
-                # ---- sample and score ----------------------------------------------------
-                params = {**config_to_dict(rejection), **fields, "policy_path": policy, "prompts_file": prompts_file,
-                          "scorer": cyc.scorer, "reward_model_path": rm_path, "n_samples": cyc.n_samples,
-                          "temperature": cyc.temperature, "max_prompts": cyc.max_prompts, "seed": cyc.seed + k,
-                          "output_file": str(data_dir / "kept.jsonl"), "pairs_file": str(data_dir / "pairs.jsonl")}
-                input_md5 = {"policy": policy_md5, "prompts": md5["prompts"]}
-                if cyc.scorer == "reward_model":
-                    input_md5["reward_model"] = dvc_md5(rm_path)
-                sampled = _run(sample_best_of_n, cache, params=params, input_md5=input_md5, **common)
-                consumed = "pairs" if kind == "iterative_dpo" else "kept"
-
-                # ---- the gate, then versioning ------------------------------------------
-                validate_data(path=sampled["outputs"][consumed], md5=sampled["md5"][consumed],
-                              kind="preference" if consumed == "pairs" else "sft", name=f"cycle-{k}-{consumed}",
-                              fields=fields, **common)
-                to_version = [sampled["outputs"]["pairs"], sampled["outputs"]["kept"]]
-                if kind == "iterative_dpo" and cyc.retrain_reward:
-                    pair_pool.add(sampled["outputs"]["pairs"])
-                    accumulated = pair_pool.write(data_dir / "reward_pairs.jsonl")
-                    rm = _run(train_reward, cache, **common,
-                              params={**config_to_dict(reward), **fields, "train_file": accumulated,
-                                      "output_dir": str(models_dir / "reward")},
-                              input_md5={"model": dvc_md5(reward.model_path), "train": dvc_md5(accumulated)})
-                    rm_path = rm["outputs"]["model"]
-                    to_version += [accumulated, rm_path]
-                versioned = None
-                if cyc.version:
-                    message = (f"{kind} {run_label} cycle {k}/{n_cycles}: {consumed} "
-                               f"{sampled['md5'][consumed]} (flow run {tags['prefect.flow_run_id'] or '-'})")
-                    versioned = version_outputs(paths=to_version, message=message, push=cyc.push)
-                    cycle_run.set_tags({"git.version_commit": versioned["commit"],
-                                        **{f"dvc.md5.versioned.{Path(p).name}": m
-                                           for p, m in versioned["md5"].items()}})
-
-                # ---- train the next policy --------------------------------------------------
-                out_dir = str(models_dir / f"cycle_{k}")
-                if kind == "iterative_dpo":
-                    trained = _run(train_dpo, cache, **common,
-                                   params={**config_to_dict(dpo), **fields, "model_path": policy,
-                                           "ref_model_path": policy, "train_file": sampled["outputs"]["pairs"],
-                                           "eval_file": eval_file, "output_dir": out_dir,
-                                           "checkpoint_dir": str(Path("checkpoints") / kind / f"cycle_{k}")},
-                                   input_md5={"model": policy_md5, "train": sampled["md5"]["pairs"],
-                                              "eval": md5["eval"]})
-                else:
-                    trained = _run(train_raft, cache, **common,
-                                   params={**config_to_dict(raft), **fields, "model_path": policy,
-                                           "train_file": sampled["outputs"]["kept"], "eval_file": eval_file,
-                                           "output_dir": out_dir,
-                                           "checkpoint_dir": str(Path("checkpoints") / kind / f"cycle_{k}")},
-                                   input_md5={"model": policy_md5, "train": sampled["md5"]["kept"],
-                                              "eval": md5["eval"]})
-
-                # ---- evaluate, register, promote --------------------------------------------
-                accuracy = trained["metrics"]["eval/accuracy"]
-                registry = register_model(model_dir=trained["outputs"]["model"], run_id=trained["run_id"],
-                                          accuracy=accuracy, registered_name=cyc.registered_model,
-                                          tracking=tracking_d)
-                metrics = {"cycle/accuracy": accuracy, "cycle/accuracy_stderr": trained["metrics"]["eval/accuracy_stderr"],
-                           **{f"cycle/{k2.split('/')[-1]}": v for k2, v in sampled["metrics"].items()}}
-                cycle_run.log_metrics(metrics, k)
-                parent.log_metrics({"eval/accuracy": accuracy}, k)
-                cycle_run.set_tags({"registry.version": registry["version"], "registry.verdict": registry["verdict"],
-                                    "dvc.md5.output_model": trained["md5"]["model"]})
-                logger.info("%s cycle %d/%d: accuracy %.3f ± %.3f; %s", kind, k, n_cycles, accuracy,
-                            metrics["cycle/accuracy_stderr"], registry["verdict"])
-                history.append({"cycle": k, "policy_in": policy, "model": trained["outputs"]["model"],
-                                "model_md5": trained["md5"]["model"], "accuracy": accuracy,
-                                "accuracy_stderr": metrics["cycle/accuracy_stderr"], "data_md5": sampled["md5"],
-                                "commit": versioned["commit"] if versioned else None, "run_id": cycle_run.run_id,
-                                "registry": registry})
-                policy, previous_cycle_run = trained["outputs"]["model"], cycle_run.run_id
+        for k in range(1, plan.n_cycles + 1):
+            entry, rm_path = run_cycle(plan, k, policy, rm_path, pair_pool, md5, parent, previous_cycle_run)
+            history.append(entry)
+            policy, previous_cycle_run = entry["model"], entry["run_id"]
 
         summary = {"flow": kind, "parent_run_id": parent.run_id, "tracking_uri": resolve_tracking_uri(tracking),
                    "registered_model": cyc.registered_model, "cycles": history, "final_model": policy}

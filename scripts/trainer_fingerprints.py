@@ -31,7 +31,9 @@ Run from the repository root whose ``rlhf_core`` you want to fingerprint::
 ``--compare`` prints IDENTICAL / DIFFERENT (with the first differences) per trainer and exits 1
 if any trainer differs or is missing from one side. The run prints ``rlhf_core.__file__`` (and the
 one Ray workers import): check that it is the checkout you meant (the venv's editable install points
-at /work/main; PYTHONPATH wins over it). Takes about 4-6 minutes on 2 CPU cores.
+at the checkout it was made from; PYTHONPATH wins over it). To fingerprint an older commit, run it in a
+``git worktree`` of that commit with ``PYTHONPATH`` set there. About a minute on 2 CPU cores, half of
+it Ray's start-up.
 """
 
 from __future__ import annotations

@@ -28,15 +28,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from tasks.errors import StageProcessDied, StageRejected
+
 log = logging.getLogger(__name__)
-
-
-class StageProcessDied(RuntimeError):
-    """The stage's process ended without a result (killed, crashed); transient: Prefect retries."""
-
-
-class StageRejected(RuntimeError):
-    """The stage refused its input (bad data, bad config, bad model): permanent, never retried."""
 
 
 def _stage_fn(stage: str) -> Any:
