@@ -40,6 +40,7 @@ from rlhf_core.config import (
     read_params,
 )
 from rlhf_core.lineage import dvc_md5
+from rlhf_core.redact import redact_secrets
 from rlhf_core.rewards import resolve_reward_file
 from rlhf_core.stages import lineage_tags
 from rlhf_core.tracking import Tracker, resolve_tracking_uri, start_run
@@ -321,7 +322,8 @@ def align_summary(cfg: dict[str, Any], parent_run_id: str, files: dict[str, str]
     tracking: TrackingConfig = cfg["tracking"]
     return {
         "parent_run_id": parent_run_id,
-        "tracking_uri": resolve_tracking_uri(tracking),
+        # printed by the CLI and written to metrics/*_summary.json: never a server's user:pass@ or ?token=
+        "tracking_uri": redact_secrets(resolve_tracking_uri(tracking)),
         "registered_model": tracking.registered_model if tracking.log_model else None,
         "model_uri": sft.get("model_uri"),
         "datasets": {k: str(v) for k, v in files.items()},

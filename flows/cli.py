@@ -251,8 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
 
     # Listed for --help only: main() hands these to their modules (PASSTHROUGH).
-    sub.add_parser("serve-rm", help="serve a trained reward model over HTTP on 127.0.0.1 (serve-rm --help)")
-    sub.add_parser("reproduce", help="rerun a run (MLflow run id) or commit (git rev) with no cache; compare (reproduce --help)")
+    sub.add_parser("serve-rm", help="serve a trained reward model over HTTP on 127.0.0.1; --token-env NAME requires a "
+                                    "bearer token; body and batch size capped (serve-rm --help)")
+    sub.add_parser("reproduce", help="rerun a run (MLflow run id) or commit (git rev) with no cache; compare; stored "
+                                     "params that change code, outputs, URLs or tracking need --trust (reproduce --help)")
     sub.add_parser("nightly", help="serve align / iterative_dpo as cron deployments (default 02:00 UTC; nightly --help)")
 
     p = sub.add_parser("evaluate", help="greedy exact-match accuracy of a model")

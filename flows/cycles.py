@@ -27,6 +27,7 @@ from prefect.runtime import flow_run
 
 from rlhf_core.config import ConfigError, CyclesConfig, config_to_dict
 from rlhf_core.lineage import dvc_md5
+from rlhf_core.redact import redact_secrets
 from rlhf_core.stages import lineage_tags
 from rlhf_core.synthetic import write_jsonl
 from rlhf_core.tracking import Tracker, resolve_tracking_uri, start_run
@@ -264,7 +265,8 @@ def run_cycles(kind: str, params_file: str | None, overrides: dict[str, dict[str
             history.append(entry)
             policy, previous_cycle_run = entry["model"], entry["run_id"]
 
-        summary = {"flow": kind, "parent_run_id": parent.run_id, "tracking_uri": resolve_tracking_uri(tracking),
+        summary = {"flow": kind, "parent_run_id": parent.run_id,
+                   "tracking_uri": redact_secrets(resolve_tracking_uri(tracking)),  # no user:pass@ in summaries
                    "registered_model": cyc.registered_model, "cycles": history, "final_model": policy}
         print(f"{kind}: " + " -> ".join(f"cycle {h['cycle']} {h['accuracy']:.3f}" for h in history))
         return summary

@@ -3,41 +3,56 @@
 A checkpoint is ``<checkpoint_dir>/step-0000040/``: an HF directory (safetensors weights and
 tokenizer) plus ``trainer_state.pt`` holding everything else as tensors and plain Python
 values, so it is read back with ``torch.load(weights_only=True)`` — never arbitrary pickle.
-Both are written into a temporary folder that is renamed into place, so a crash mid-write
-leaves no half checkpoint under a ``step-*`` name; one that is unreadable anyway (a disk
-fault, a copy cut short) is skipped with a warning and the previous one is used.
 
-Each checkpoint carries the run's *fingerprint* (its config and the size and mtime of every
-input path), and a run only resumes from a checkpoint with its own fingerprint: a changed
-config or dataset starts over instead of silently continuing someone else's run.
-Checkpoints exist to resume an interrupted run; :meth:`Checkpointer.clear` removes them once
-the run has saved its final model (they would otherwise be resumed by the next, identical run
-even after a code change).
+Durable: every file is written into a temporary folder (a unique ``.step-*.tmp-<pid>-<random>``
+name), fsynced, listed with its size and sha256 in ``manifest.json`` (written last, fsynced),
+then the folder is fsynced and renamed into place and the parent fsynced; older checkpoints
+are pruned only after that. A crash mid-write leaves no half checkpoint under a ``step-*``
+name, and one that is damaged anyway (a disk fault, a copy cut short, no manifest) fails
+verification in :meth:`Checkpointer.latest`, is skipped with a warning naming what failed,
+and the previous one is used. Temp folders are removed in ``finally`` on failure and swept
+when a run takes the checkpoint folder's lock (those of killed runs).
+
+Each checkpoint carries the run's *fingerprint* (its config, the size and mtime of every
+input path, the bytes of every ``file.py:function`` the config names, and the training
+core's code), and a run only resumes from a checkpoint with its own fingerprint and format:
+a changed config, dataset, reward function or trainer starts over instead of silently
+continuing someone else's run. Checkpoints exist to resume an interrupted run;
+:meth:`Checkpointer.clear` removes them once the run has saved its final model.
+
+A full, read-only or forbidden disk (ENOSPC, EDQUOT, EROFS, EACCES) while writing raises
+:class:`StorageError`, a permanent error: retrying cannot help until someone frees space or
+fixes the mount.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import random
+import re
+import secrets
 import shutil
 import signal
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
 from rlhf_core.config import config_to_dict
+from rlhf_core.lineage import core_fingerprint, file_sha256
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.pt"
+MANIFEST_FILE = "manifest.json"
 # 2: the loop's evaluation metrics are ``loop.eval_metrics`` for every trainer (one checkpointed loop).
 # A checkpoint of another format is skipped (the run starts over) rather than misread.
 FORMAT_VERSION = 2
@@ -49,6 +64,11 @@ _NOT_FINGERPRINTED = frozenset({"resume", "save_every", "keep_checkpoints", "che
 
 class TrainingInterrupted(RuntimeError):
     """SIGTERM arrived; a checkpoint of the last finished step was written before stopping."""
+
+
+class StorageError(OSError):
+    """A checkpoint or model could not be written: the disk is full or read-only, or the path is not
+    writable. Permanent (a retry meets the same disk); the message names the path and what to do."""
 
 
 # --------------------------------------------------------------------------------------
@@ -73,15 +93,38 @@ def _path_signature(value: str) -> list[Any] | None:
     return None
 
 
-def run_fingerprint(cfg: Any) -> str:
-    """sha256 of the config (less the fields in ``_NOT_FINGERPRINTED``) and of its input paths' stats.
+# A config value naming code to run: ``path/to/file.py:function`` (e.g. ``rl.reward_function``).
+_CODE_SPEC = re.compile(r"^(?P<file>[^:]+\.py):(?P<function>[A-Za-z_][A-Za-z0-9_]*)$")
 
-    Stats, not content hashes: a multi-GB model would otherwise be read at every start. A
-    false mismatch (a touched file) only costs a fresh start; DVC's md5s guard outputs.
+
+def _code_file_signature(spec: str) -> str | None:
+    """sha256 of the file a ``file.py:function`` value names (``"missing"`` if absent); None if not such a value.
+
+    Contents, not stats: the file is small, and an edited reward function must not continue a run
+    that was scored by the old one.
+    """
+    from rlhf_core.rewards import resolve_reward_file
+
+    match = _CODE_SPEC.match(spec)
+    if match is None:
+        return None
+    path = resolve_reward_file(match["file"])
+    return file_sha256(path) if path.is_file() else "missing"
+
+
+def run_fingerprint(cfg: Any) -> str:
+    """sha256 of the config (less the fields in ``_NOT_FINGERPRINTED``), its input paths' stats, the
+    contents of every ``file.py:function`` it names, and the training core's code
+    (:func:`rlhf_core.lineage.core_fingerprint`: package version and ``rlhf_core`` source hash).
+
+    Stats, not content hashes, for data and models: a multi-GB model would otherwise be read at
+    every start. A false mismatch (a touched file) only costs a fresh start; DVC's md5s guard outputs.
     """
     params = {k: v for k, v in config_to_dict(cfg).items() if k not in _NOT_FINGERPRINTED}
     inputs = {k: sig for k, v in params.items() if isinstance(v, str) and (sig := _path_signature(v)) is not None}
-    blob = json.dumps({"params": params, "inputs": inputs}, sort_keys=True, default=str)
+    code = {k: sig for k, v in params.items() if isinstance(v, str) and (sig := _code_file_signature(v)) is not None}
+    blob = json.dumps({"params": params, "inputs": inputs, "code_files": code, "core": core_fingerprint()},
+                      sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -146,6 +189,187 @@ def load_weights(model: torch.nn.Module, directory: str | Path) -> None:
 
 
 # --------------------------------------------------------------------------------------
+# Durable writes: fsync, unique temp names, stale-temp sweeps, storage faults
+# --------------------------------------------------------------------------------------
+
+# Storage faults a retry cannot fix, and what the user does about each.
+_STORAGE_ADVICE = {
+    errno.ENOSPC: "free space on that filesystem or point the path at a larger one",
+    errno.EDQUOT: "free space within the disk quota, raise the quota, or point the path elsewhere",
+    errno.EROFS: "the filesystem is mounted read-only: remount it writable or point the path elsewhere",
+    errno.EACCES: "make the folder writable by this user or point the path elsewhere",
+}
+# ``.<name>.tmp-<pid>-<random>`` (being written) and ``.<name>.old-<pid>-<random>`` (the previous
+# version, moved aside for a moment); names without the random part are from older versions.
+_TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)(?:-[0-9a-f]+)?$")
+
+
+def storage_errno(exc: BaseException) -> int | None:
+    """The errno of a storage fault behind ``exc`` (one of ``_STORAGE_ADVICE``), else None.
+
+    Writers do not all raise OSError: safetensors' Rust writer raises ``SafetensorError(... (os
+    error 28))`` and ``torch.save`` a RuntimeError whose context is the file handle's OSError, so
+    the cause chain and the OS's own wording are both read.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in _STORAGE_ADVICE:
+            return current.errno
+        text = str(current)
+        for code in _STORAGE_ADVICE:
+            if f"(os error {code})" in text or os.strerror(code) in text:
+                return code
+        current = current.__cause__ or current.__context__
+    return None
+
+
+@contextmanager
+def storage_guard(path: str | Path, what: str) -> Iterator[None]:
+    """Re-raise a storage fault inside as :class:`StorageError` naming ``path`` and what to do."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except Exception as exc:
+        code = storage_errno(exc)
+        if code is None:
+            raise
+        raise StorageError(code, f"{what} {path}: {os.strerror(code)} ({errno.errorcode[code]}); "
+                                 f"{_STORAGE_ADVICE[code]}. Not retried: a retry would meet the same disk") from exc
+
+
+def temp_sibling(path: Path, kind: str = "tmp") -> Path:
+    """``.<name>.<kind>-<pid>-<random>`` beside ``path``: unique per writer, and the pid tells a sweep
+    whether its writer is still alive."""
+    return path.with_name(f".{path.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def fsync_path(path: str | Path) -> None:
+    """fsync a file or a directory (a directory's fsync makes the names in it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file under ``root``, then every directory, deepest first."""
+    for dirpath, _dirs, files in os.walk(root, topdown=False):
+        for name in files:
+            fsync_path(os.path.join(dirpath, name))
+        fsync_path(dirpath)
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Rename ``src`` to ``dst`` durably, replacing an existing ``dst``; ``dst`` is never missing
+    for long: the old one waits under a temp name (restored by a sweep after a crash) until the new
+    one is in place and the parent fsynced."""
+    old = temp_sibling(dst, "old")
+    if dst.exists():
+        dst.rename(old)
+    try:
+        src.rename(dst)
+    except BaseException:
+        if old.exists() and not dst.exists():
+            old.rename(dst)
+        raise
+    fsync_path(dst.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def sweep_temps(parent: Path, owns: Callable[[str], bool], *, dead_only: bool = True) -> list[Path]:
+    """Remove the temp folders of killed writers under ``parent`` (of names for which ``owns(name)``);
+    returns what was removed or restored.
+
+    With ``dead_only`` only those whose writer pid is gone (on this host) are touched; without
+    it every one is (the caller holds a lock that excludes other writers). An ``.old-`` folder
+    whose target is missing was moved aside by a writer killed mid-replace: it is renamed back.
+    """
+    swept: list[Path] = []
+    if not parent.is_dir():
+        return swept
+    for path in sorted(parent.iterdir()):
+        match = _TEMP_NAME.match(path.name)
+        if match is None or not owns(match["name"]) or (dead_only and _pid_alive(int(match["pid"]))):
+            continue
+        target = parent / match["name"]
+        if match["kind"] == "old" and not target.exists():
+            path.rename(target)
+            log.warning("restored %s from %s (its writer was killed while replacing it)", target, path.name)
+        elif path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        swept.append(path)
+    if swept:
+        log.warning("swept %d stale temp folder(s) under %s: %s", len(swept), parent, [p.name for p in swept])
+    return swept
+
+
+def write_manifest(folder: Path, header: dict[str, Any]) -> None:
+    """fsync every file under ``folder`` and list it (relative path, size, sha256) in ``manifest.json``,
+    written last and fsynced, with ``header`` (format, step, fingerprint) beside the list."""
+    files = []
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_FILE):
+        digest = hashlib.sha256()
+        with path.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+            os.fsync(fh.fileno())
+        files.append({"path": path.relative_to(folder).as_posix(), "size": path.stat().st_size,
+                      "sha256": digest.hexdigest()})
+    with open(folder / MANIFEST_FILE, "w", encoding="utf-8") as fh:
+        json.dump({**header, "files": files}, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    for dirpath, _dirs, _files in os.walk(folder, topdown=False):
+        fsync_path(dirpath)
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """``manifest.json`` of a checkpoint; ValueError (naming what is wrong) if absent or unreadable."""
+    path = folder / MANIFEST_FILE
+    if not path.is_file():
+        raise ValueError(f"no {MANIFEST_FILE} (torn, or written before checkpoints carried one)")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        files = manifest["files"]
+        assert isinstance(files, list)
+    except (OSError, ValueError, KeyError, AssertionError) as exc:
+        raise ValueError(f"{MANIFEST_FILE} unreadable: {exc!r}") from exc
+    return manifest
+
+
+def verify_manifest(folder: Path, manifest: dict[str, Any]) -> str | None:
+    """What in ``folder`` differs from its manifest (a missing file, a size, a sha256), or None if nothing."""
+    for entry in manifest["files"]:
+        path = folder / entry["path"]
+        if not path.is_file():
+            return f"{entry['path']} is missing"
+        size = path.stat().st_size
+        if size != entry["size"]:
+            return f"{entry['path']} is {size} bytes, the manifest says {entry['size']}"
+        if file_sha256(path) != entry["sha256"]:
+            return f"{entry['path']} sha256 differs from the manifest"
+    return None
+
+
+# --------------------------------------------------------------------------------------
 # Checkpointer
 # --------------------------------------------------------------------------------------
 
@@ -159,6 +383,10 @@ class Checkpoint:
     state: dict[str, Any]
 
 
+def _is_step_name(name: str) -> bool:
+    return name.startswith("step-")
+
+
 class Checkpointer:
     """Writes, finds and prunes the checkpoints of one run under ``root``."""
 
@@ -166,70 +394,102 @@ class Checkpointer:
         self.root, self.fingerprint, self.keep = Path(root), fingerprint, max(int(keep), 1)
 
     def save(self, step: int, model: Any, tokenizer: Any, state: dict[str, Any]) -> Path:
-        """Write ``step-{step:07d}`` atomically (weights, tokenizer, ``trainer_state.pt``), keep the last K."""
+        """Write ``step-{step:07d}`` durably (weights, tokenizer, ``trainer_state.pt``, manifest), then keep the
+        last K. A storage fault raises :class:`StorageError`; the temp folder is removed and older checkpoints
+        are untouched."""
         final = self.root / f"step-{step:07d}"
-        tmp = self.root / f".step-{step:07d}.tmp-{os.getpid()}"
-        self.root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        payload = {"format": FORMAT_VERSION, "step": int(step), "fingerprint": self.fingerprint,
-                   "rng": rng_state(), **state}
-        with open(tmp / STATE_FILE, "wb") as fh:
-            torch.save(payload, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        if final.exists():  # the same step saved again (a resumed run re-saving): replace it
-            shutil.rmtree(final)
-        tmp.rename(final)
-        for old in self._step_dirs()[:-self.keep]:
+        tmp = temp_sibling(final)
+        try:
+            with storage_guard(final, "cannot write checkpoint"):
+                self.root.mkdir(parents=True, exist_ok=True)
+                model.save_pretrained(str(tmp), safe_serialization=True)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(str(tmp))
+                header = {"format": FORMAT_VERSION, "step": int(step), "fingerprint": self.fingerprint}
+                with open(tmp / STATE_FILE, "wb") as fh:
+                    torch.save({**header, "rng": rng_state(), **state}, fh)
+                    fh.flush()
+                write_manifest(tmp, header)  # fsyncs every file, the manifest and the folders
+                replace_dir(tmp, final)  # a resumed run re-saving the same step replaces it
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # only still there if something above failed
+        for old in self._step_dirs()[:-self.keep]:  # only now that the new one is durable
             shutil.rmtree(old, ignore_errors=True)
         return final
 
     def latest(self) -> Checkpoint | None:
-        """The newest readable checkpoint of this run; torn or foreign ones are skipped with a warning."""
+        """The newest checkpoint of this run that verifies and loads; others are skipped with a warning."""
         for path in reversed(self._step_dirs()):
-            try:
-                state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
-            except Exception as exc:  # noqa: BLE001 - any unreadable state means a torn checkpoint
-                log.warning("skipping torn checkpoint %s: %s", path, exc)
-                continue
-            if state.get("format") != FORMAT_VERSION:
-                log.warning("skipping checkpoint %s: format %s, this version reads format %d", path,
-                            state.get("format"), FORMAT_VERSION)
-                continue
-            if state.get("fingerprint") != self.fingerprint:
-                log.warning("skipping checkpoint %s: written by a run with another config or inputs", path)
-                continue
-            if not any(path.glob("*.safetensors")):
-                log.warning("skipping torn checkpoint %s: no weights", path)
-                continue
-            return Checkpoint(path, int(state["step"]), state)
+            found = self._read(path)
+            if found is not None:
+                return found
         return None
+
+    def _read(self, path: Path) -> Checkpoint | None:
+        """``path`` as a checkpoint of this run, or None (with a warning saying why) if it is not one."""
+        try:
+            manifest = read_manifest(path)
+        except ValueError as exc:
+            log.warning("skipping torn checkpoint %s: %s", path, exc)
+            return None
+        if self._foreign(path, manifest):  # decided by the manifest's header: no hashing of another run's files
+            return None
+        if (problem := verify_manifest(path, manifest)) is not None:
+            log.warning("skipping torn checkpoint %s: %s", path, problem)
+            return None
+        try:
+            state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any unreadable state means a torn checkpoint
+            log.warning("skipping torn checkpoint %s: %s cannot be loaded: %s", path, STATE_FILE, exc)
+            return None
+        if self._foreign(path, state):
+            return None
+        if not any(path.glob("*.safetensors")):
+            log.warning("skipping torn checkpoint %s: no weights", path)
+            return None
+        return Checkpoint(path, int(state["step"]), state)
+
+    def _foreign(self, path: Path, header: dict[str, Any]) -> bool:
+        """Whether ``header`` (a manifest's or a state's) is of another format or run (logged)."""
+        if header.get("format") != FORMAT_VERSION:
+            log.warning("skipping checkpoint %s: format %s, this version reads format %d", path,
+                        header.get("format"), FORMAT_VERSION)
+            return True
+        if header.get("fingerprint") != self.fingerprint:
+            log.warning("skipping checkpoint %s: written by a run with another config, inputs or code", path)
+            return True
+        return False
 
     def clear(self) -> None:
         """Remove every checkpoint (and leftover temp folder) under ``root``."""
-        for path in self._step_dirs() + sorted(self.root.glob(".step-*.tmp-*")):
+        for path in self._step_dirs():
             shutil.rmtree(path, ignore_errors=True)
+        sweep_temps(self.root, _is_step_name, dead_only=False)
 
     @contextmanager
     def hold(self, name: str) -> Iterator[None]:
         """Own ``root`` for the whole run: a second run of the stage on the same project (another
-        flow started at the same time) waits here, and says so, instead of sharing checkpoints."""
+        flow started at the same time) waits here, and says so, instead of sharing checkpoints.
+        Once held, the temp folders of killed runs are swept (no other writer can be using them)."""
         from filelock import FileLock, Timeout
 
-        self.root.mkdir(parents=True, exist_ok=True)
-        lock = FileLock(str(self.root / ".lock"))
+        with storage_guard(self.root, f"{name}: cannot use the checkpoint folder"):
+            self.root.mkdir(parents=True, exist_ok=True)
+            lock = FileLock(str(self.root / ".lock"))
+            try:
+                lock.acquire(timeout=0)
+            except Timeout:
+                log.warning("%s: another run is using %s; waiting for it to finish", name, self.root)
+                lock.acquire()
         try:
-            lock.acquire(timeout=0)
-        except Timeout:
-            log.warning("%s: another run is using %s; waiting for it to finish", name, self.root)
-            lock.acquire()
-        try:
+            sweep_temps(self.root, _is_step_name, dead_only=False)
             yield
         finally:
             lock.release()
+
+    def bytes_held(self) -> int:
+        """Bytes of the checkpoints under ``root`` now (pruned or replaced as this run saves)."""
+        return sum(f.stat().st_size for d in self._step_dirs() for f in d.rglob("*") if f.is_file())
 
     def _step_dirs(self) -> list[Path]:
         return sorted(p for p in self.root.glob("step-*") if p.is_dir()) if self.root.exists() else []

@@ -12,6 +12,8 @@ Command-line overrides use ``--set field=value`` (YAML syntax for the value), e.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -490,6 +492,13 @@ class RLConfig(TrainerConfig):
     """Seconds to wait for the reward server (connect and each read), for reward_kind http."""
     reward_retries: int = 3
     """Retries of a reward request that timed out or failed with a 5xx, for reward_kind http."""
+    reward_backoff_cap_s: float = 30.0
+    """Longest wait between reward-server retries (full-jitter exponential backoff from 1 s), for reward_kind http."""
+    reward_deadline_s: float = 300.0
+    """Seconds one reward call may take, all retries and waits (429 Retry-After included), for reward_kind http."""
+    reward_token_env: str = ""
+    """NAME of the environment variable holding the reward server's token (sent as Authorization: Bearer); never
+    the token itself, so configs, Prefect parameters and MLflow hold the name only. Empty: no token."""
     rollout_engine: str = "static"
     """static (our decode loop, rlhf_core/rollout_static.py: static KV cache, prompts prefilled once per group,
     CUDA graphs on a GPU; Llama-family models, falls back to hf with a warning otherwise), hf (transformers
@@ -555,6 +564,9 @@ class RLConfig(TrainerConfig):
     """beta: weight of the KL to the reference (initial value when adaptive_kl); 0 = no KL term."""
     kl_estimator: str = "k3"
     """Per-token KL estimator of the penalty: k1, k2 or k3 (k1 is the usual choice inside the reward)."""
+    kl_k3_cap: float = 10.0
+    """Upper bound on each token's k3 value in the penalty (verl, OpenRLHF: 10); 0 disables. Where it binds
+    the token's KL gradient is zero (rl_math.kl_penalty); train/kl is logged uncapped."""
     kl_in_reward: bool = False
     """Fold -beta * KL into token rewards (PPO, REINFORCE++) instead of adding beta * KL to the loss (GRPO);
     only for gae and the reinforce++ variants."""
@@ -630,6 +642,7 @@ class RLConfig(TrainerConfig):
 
     def _check_reward(self, kind: RewardKind) -> None:
         """The reward source ``kind`` needs its own field; HTTP limits."""
+        from rlhf_core.redact import redact_secrets
         from rlhf_core.rewards import RewardKind
 
         s = self.section
@@ -640,9 +653,27 @@ class RLConfig(TrainerConfig):
             _check(bool(self.reward_model_path), s, "reward_model_path", "must name a reward model directory")
         else:
             _check(self.reward_url.startswith(("http://", "https://")), s, "reward_url",
-                   f"must start with http:// or https:// for reward_kind http, got {self.reward_url!r}")
+                   f"must start with http:// or https:// for reward_kind http, got {redact_secrets(self.reward_url)!r}")
         _check(self.reward_timeout_s > 0, s, "reward_timeout_s", f"must be > 0, got {self.reward_timeout_s}")
         _check(self.reward_retries >= 0, s, "reward_retries", f"must be >= 0, got {self.reward_retries}")
+        _check(self.reward_backoff_cap_s >= 0, s, "reward_backoff_cap_s", f"must be >= 0, got {self.reward_backoff_cap_s}")
+        _check(self.reward_deadline_s > 0, s, "reward_deadline_s", f"must be > 0, got {self.reward_deadline_s}")
+        self._check_token_env(kind)
+
+    def _check_token_env(self, kind: RewardKind) -> None:
+        """reward_token_env must be a variable's name, set now (checked at load: fail before hours of training)."""
+        from rlhf_core.rewards import RewardKind
+
+        name, s = self.reward_token_env, self.section
+        if not name or kind is not RewardKind.HTTP:
+            return
+        # Never quote a value that is not a name: it may be the token itself, pasted in by mistake.
+        _check(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) is not None, s, "reward_token_env",
+               "must be the NAME of an environment variable holding the token (letters, digits, _), not the token")
+        _check(bool(os.environ.get(name)), s, "reward_token_env",
+               f"environment variable {name} is not set (or is empty); export the reward server's token under it")
+        _check("@" not in self.reward_url.split("/")[2], s, "reward_token_env",
+               "is set, and reward_url also carries user:pass@ credentials; use one (only the token would be sent)")
 
     def _check_rollout(self) -> None:
         """Rollout engine, its off-policy correction, and where roles and workers run."""
@@ -695,6 +726,8 @@ class RLConfig(TrainerConfig):
 
         s = self.section
         _check(self.kl_coef >= 0, s, "kl_coef", f"must be >= 0, got {self.kl_coef}")
+        _check(self.kl_k3_cap >= 0, s, "kl_k3_cap",
+               f"must be >= 0 (an upper bound on each token's k3 value; 0 disables the cap), got {self.kl_k3_cap}")
         _check(not self.kl_in_reward or estimator in (AdvantageEstimator.GAE, AdvantageEstimator.REINFORCE_PP,
                                                       AdvantageEstimator.REINFORCE_PP_BASELINE), s, "kl_in_reward",
                f"{estimator.value} scores whole sequences and takes no token rewards; set kl_in_reward false "
@@ -802,6 +835,14 @@ class TrackingConfig:
     """Registry name of the SFT model."""
     log_model: bool = True
     """Log the final model with MLflow's transformers flavor and register it."""
+    connect_patience_s: float = 20.0
+    """Seconds a stage waits for an http(s) tracking server to answer when it opens its run, then fails with a
+    clear error (without this bound MLflow's own retries block each call about 4 minutes). 20 s keeps the whole
+    failure, process start included, within 30 s; raise it to ride out a server restart."""
+
+    def __post_init__(self) -> None:
+        _check(self.connect_patience_s >= 0, "tracking", "connect_patience_s",
+               f"must be >= 0 seconds, got {self.connect_patience_s}")
 
 
 @dataclass

@@ -5,46 +5,208 @@ md5 of the JSON list of its files' md5s and relative paths, with a ``.dir`` suff
 the digest on an MLflow run equals the one in ``dvc.lock`` and a user can go from a run to
 the DVC commit that reproduces it. Pure Python on purpose: ``rlhf_core`` must run on GPU
 machines where DVC is not installed; a test checks these against ``dvc`` itself.
+
+Hashing is cached per file, keyed on (absolute path, size, mtime_ns, inode) — the key DVC's
+own state database uses — in one JSON file per project, ``<project>/.alignflow/hash-cache.json``
+(:class:`HashCache`; ``ALIGNFLOW_HASH_CACHE=off`` disables it, ``=<path>`` moves it). A 7B
+model directory (~15 GB) is hashed several times per stage; with the cache only the first
+pass reads its weights (files under 1 MiB are always re-read). The trade-off is DVC's: a file
+rewritten in place with the same size, mtime and inode keeps its old md5.
+
+The code a run executes is identified by :func:`core_fingerprint` (the package version and a
+hash of the ``rlhf_core`` sources): Prefect's cache key (``tasks.common``) and a checkpoint's
+run fingerprint (:mod:`rlhf_core.checkpoint`) both include it. Not the git HEAD: iterative
+cycles commit mid-flow without changing the code that runs.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import logging
 import os
+import secrets
 import subprocess
+import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Any
 
+import rlhf_core
+
+log = logging.getLogger(__name__)
 _CHUNK = 1 << 20
 
 
-def file_md5(path: str | Path) -> str:
-    """md5 hex digest of a file's bytes."""
-    h = hashlib.md5()
+def _file_digest(path: str | Path, algorithm: str) -> str:
+    h = hashlib.new(algorithm)
     with Path(path).open("rb") as fh:
         for chunk in iter(lambda: fh.read(_CHUNK), b""):
             h.update(chunk)
     return h.hexdigest()
 
 
-def dir_md5(path: str | Path) -> str:
-    """DVC's directory hash: md5 of the sorted ``[{"md5", "relpath"}]`` JSON, plus ``.dir``."""
+def file_md5(path: str | Path) -> str:
+    """md5 hex digest of a file's bytes."""
+    return _file_digest(path, "md5")
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 hex digest of a file's bytes."""
+    return _file_digest(path, "sha256")
+
+
+# --------------------------------------------------------------------------------------
+# The hash cache
+# --------------------------------------------------------------------------------------
+
+HASH_CACHE_ENV = "ALIGNFLOW_HASH_CACHE"
+MAX_CACHE_ENTRIES = 100_000
+"""Beyond this, the entries hashed longest ago are dropped (a 7B model is a handful of files)."""
+MIN_CACHED_BYTES = 1 << 20
+"""Smaller files are hashed every time: reading them costs about what a cache lookup does, and
+leaving them out keeps the cache to the weight files it is for."""
+_CACHE_VERSION = 1
+_LOCK_TIMEOUT_S = 30.0
+_RACY_NS = 1_000_000_000  # above any mtime granularity of ext4, xfs, NFS
+
+
+class HashCache:
+    """Per-file md5s keyed on (absolute path, size, mtime_ns, inode), persisted as JSON.
+
+    ``md5(path)`` returns the cached digest when the file's stat key matches, else hashes the
+    file and remembers it; ``save()`` merges the new entries into the file under a file lock
+    (another process may have saved meanwhile), drops entries of files that no longer exist,
+    caps the size, and replaces the file atomically. The cache only ever saves time: a cache
+    file that is unreadable, corrupt or unwritable is warned about and hashing goes on.
+    ``hashed_bytes`` counts the bytes this instance read to hash (a test's proof of a hit).
+    Files under ``min_bytes`` are always hashed, never cached.
+    """
+
+    def __init__(self, path: str | Path | None, min_bytes: int = MIN_CACHED_BYTES):
+        self.path = Path(path) if path is not None else None
+        self.min_bytes = min_bytes
+        self.hashed_bytes = 0
+        self._entries: dict[str, list[Any]] = self._load() if self.path is not None else {}
+        self._new: dict[str, list[Any]] = {}
+
+    @classmethod
+    def default(cls) -> "HashCache":
+        """The project's cache, or a memory-only one under ``ALIGNFLOW_HASH_CACHE=off``."""
+        setting = os.environ.get(HASH_CACHE_ENV, "").strip()
+        if setting.lower() in ("off", "0", "false", "no"):
+            return cls(None)
+        if setting:
+            return cls(Path(setting).expanduser().resolve())
+        from rlhf_core.tracking import project_root
+
+        return cls(project_root() / ".alignflow" / "hash-cache.json")
+
+    def _load(self) -> dict[str, list[Any]]:
+        assert self.path is not None
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            log.warning("hash cache %s is unreadable (%s); ignoring it and hashing from scratch", self.path, exc)
+            return {}
+        entries = data.get("entries") if isinstance(data, dict) and data.get("version") == _CACHE_VERSION else None
+        if not isinstance(entries, dict):
+            log.warning("hash cache %s has an unknown layout; ignoring it and hashing from scratch", self.path)
+            return {}
+        # a malformed entry is dropped rather than trusted: [size, mtime_ns, inode, md5]
+        return {k: v for k, v in entries.items() if isinstance(v, list) and len(v) == 4 and isinstance(v[3], str)}
+
+    def md5(self, path: str | Path) -> str:
+        """md5 hex digest of the file at ``path``, from the cache when its stat key matches."""
+        key = os.path.abspath(path)
+        st = os.stat(key)
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
+        hit = self._new.get(key) or self._entries.get(key)
+        if hit is not None and hit[:3] == stamp:
+            return hit[3]
+        started_ns = time.time_ns()
+        digest = file_md5(key)
+        self.hashed_bytes += st.st_size
+        after = os.stat(key)
+        # No entry for a file written while we read it (its digest may mix old and new bytes),
+        # nor for one modified just before we started: the kernel stamps mtime from a coarse
+        # clock, so a same-size rewrite in that tick would keep the key ("racy git").
+        unchanged = [after.st_size, after.st_mtime_ns, after.st_ino] == stamp
+        if unchanged and started_ns - st.st_mtime_ns > _RACY_NS and st.st_size >= self.min_bytes:
+            self._new[key] = stamp + [digest]
+        return digest
+
+    def save(self) -> None:
+        """Merge this instance's new entries into the cache file (no-op when nothing was hashed)."""
+        if self.path is None or not self._new:
+            return
+        from filelock import FileLock, Timeout
+
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with FileLock(str(self.path) + ".lock", timeout=_LOCK_TIMEOUT_S):
+                merged = self._load()  # another process may have saved since we loaded
+                for key, value in self._new.items():
+                    merged.pop(key, None)  # re-inserted last: eviction drops the least recently hashed
+                    merged[key] = value
+                merged = {k: v for k, v in merged.items() if os.path.exists(k)}
+                merged = dict(list(merged.items())[-MAX_CACHE_ENTRIES:])
+                self._write(merged)
+        except (OSError, Timeout) as exc:
+            log.warning("could not save hash cache %s (%s); md5s are unaffected", self.path, exc)
+            return
+        self._entries, self._new = merged, {}
+
+    def _write(self, entries: dict[str, list[Any]]) -> None:
+        assert self.path is not None
+        tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            tmp.write_text(json.dumps({"version": _CACHE_VERSION, "entries": entries}), encoding="utf-8")
+            os.replace(tmp, self.path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+def dir_md5(path: str | Path, cache: HashCache | bool = True) -> str:
+    """DVC's directory hash: md5 of the sorted ``[{"md5", "relpath"}]`` JSON, plus ``.dir``.
+
+    ``cache``: ``True`` for the project's :class:`HashCache`, ``False`` to read every byte, or
+    a cache to use (the caller saves it).
+    """
+    store = _cache_for(cache)
     root = Path(path)
     entries = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in (".dvc", ".git")]
         for name in filenames:
             full = Path(dirpath) / name
-            entries.append({"md5": file_md5(full), "relpath": full.relative_to(root).as_posix()})
+            entries.append({"md5": store.md5(full), "relpath": full.relative_to(root).as_posix()})
     entries.sort(key=lambda e: e["relpath"])
+    if cache is True:
+        store.save()
     # DVC serialises with json.dumps(..., sort_keys=True) and default separators.
     return hashlib.md5(json.dumps(entries, sort_keys=True).encode("utf-8")).hexdigest() + ".dir"
 
 
-def dvc_md5(path: str | Path) -> str:
-    """The md5 DVC records for ``path`` (file or directory)."""
+def dvc_md5(path: str | Path, cache: HashCache | bool = True) -> str:
+    """The md5 DVC records for ``path`` (file or directory); ``cache`` as in :func:`dir_md5`."""
     path = Path(path)
-    return dir_md5(path) if path.is_dir() else file_md5(path)
+    if path.is_dir():
+        return dir_md5(path, cache)
+    store = _cache_for(cache)
+    digest = store.md5(path)
+    if cache is True:
+        store.save()
+    return digest
+
+
+def _cache_for(cache: HashCache | bool) -> HashCache:
+    if isinstance(cache, HashCache):
+        return cache
+    return HashCache.default() if cache else HashCache(None)
 
 
 def git_commit(cwd: str | Path | None = None) -> str:
@@ -57,3 +219,45 @@ def git_commit(cwd: str | Path | None = None) -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return f"{sha}-dirty" if dirty else sha
+
+
+# --------------------------------------------------------------------------------------
+# The code a run executes
+# --------------------------------------------------------------------------------------
+
+# The folder :func:`core_fingerprint` hashes (a test points it at temporary trees).
+CORE_ROOT = Path(rlhf_core.__file__).resolve().parent
+
+
+def source_hash(root: Path) -> str:
+    """sha256 over every ``*.py`` file under ``root``: each file's relative path and bytes, in path order."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+        data = path.read_bytes()
+        digest.update(f"{path.relative_to(root).as_posix()}\0{len(data)}\0".encode())
+        digest.update(data)
+    return digest.hexdigest()
+
+
+def package_version() -> str:
+    """The installed alignflow version, else ``rlhf_core.__version__``, else ``unknown``."""
+    try:
+        return version("alignflow")
+    except PackageNotFoundError:
+        return str(getattr(rlhf_core, "__version__", "unknown"))
+
+
+def core_fingerprint() -> str:
+    """``"<package version>:<source hash of CORE_ROOT>"``: the training core this process runs.
+
+    A task wrapper's source is only the entry into its stage: the trainer it runs lives in
+    ``rlhf_core``, so an edited trainer (or an upgrade) must not reuse results or checkpoints
+    of the old one. Computed once per process and root: the code a process runs does not
+    change under it.
+    """
+    return _core_fingerprint_of(CORE_ROOT)
+
+
+@functools.cache
+def _core_fingerprint_of(root: Path) -> str:
+    return f"{package_version()}:{source_hash(root)}"

@@ -16,20 +16,25 @@ Every reply is checked (one finite number per sample) and every failure raises
 
 from __future__ import annotations
 
+import datetime
+import email.utils
 import enum
 import hashlib
 import importlib.util
-import json
 import math
 import numbers
+import os
+import random
+import re
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from urllib.parse import urlsplit
 
 import torch
 
-from rlhf_core.redact import redact_secrets
+from rlhf_core.redact import redact_secrets, register_secret, register_url_secrets
 
 
 class RewardError(RuntimeError):
@@ -222,65 +227,201 @@ class FunctionRewardSource:
 # --------------------------------------------------------------------------------------
 
 
+def _retry_after_s(value: str | None) -> float | None:
+    """Seconds a ``Retry-After`` header asks for (delta-seconds or an HTTP date, RFC 9110 §10.2.3); None if absent or unreadable."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return max(0.0, (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
+
+
+def _excerpt(text: str, limit: int = 120) -> str:
+    """A short, redacted, one-line excerpt of a server's reply: redacted first, so truncation
+    cannot leave a recognisable piece of a secret behind."""
+    text = " ".join(redact_secrets(text).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _transport_reason(exc: Exception) -> str:
+    """The cause of a requests error without the URL requests puts in its message (urllib3's
+    ``MaxRetryError`` quotes the path and query): the inner reason, object addresses dropped."""
+    inner = exc.args[0] if exc.args and isinstance(exc.args[0], Exception) else exc
+    reason = getattr(inner, "reason", None) or inner
+    return re.sub(r"<[\w.]+ object at 0x[0-9a-fA-F]+>:\s*", "", str(reason))
+
+
+def _read_token(name: str) -> str:
+    """The bearer token in environment variable ``name``, registered for redaction."""
+    value = os.environ.get(name, "")
+    if not value:
+        raise RewardError(f"reward_token_env: environment variable {name} is not set (or is empty); export the "
+                          f"reward server's token under that name")
+    register_secret(value)
+    return value
+
+
+_STATUS_HINTS = {401: " (check reward_token_env: the server wants a bearer token)",
+                 403: " (the token in reward_token_env was refused)",
+                 413: " (the batch is over the server's size or item limit: serve-rm --max-body-bytes/--max-items)"}
+
+
+class _Retry(Exception):
+    """A transient failure of one attempt: ``last`` for the message, ``wait_s`` if the server named one."""
+
+    def __init__(self, last: str, counts: bool = True, wait_s: float | None = None):
+        super().__init__(last)
+        self.last, self.counts, self.wait_s = last, counts, wait_s
+
+
 class HttpRewardSource:
     """Rewards from ``POST url`` with ``{"prompts", "completions", "labels"}`` → ``{"rewards": [...]}``.
 
-    Timeouts, connection errors and 5xx replies are retried ``retries`` times (so at most
-    ``retries + 1`` attempts), sleeping ``backoff_s * 2**k`` before retry ``k``; a 4xx reply
-    or a malformed 200 is a bug, not a blip, and fails at once. ``timeout_s`` bounds the
-    connect and each read of the reply (requests' semantics), not the whole exchange.
+    One call's failures:
+
+    * timeouts, connection errors and 5xx replies are retried up to ``retries`` times, sleeping
+      ``uniform(0, min(backoff_cap_s, backoff_s * 2**k))`` before retry ``k`` — exponential
+      backoff with full jitter (Brooker, "Exponential Backoff and Jitter", AWS Architecture
+      Blog 2015), so many ranks hitting one server do not retry in lock-step;
+    * 429 is the server asking to slow down, not a failure: it is retried without using up
+      ``retries``, after the reply's ``Retry-After`` (seconds or a date), else after the backoff;
+    * any other 4xx, or a malformed 200, is a bug, not a blip, and fails at once;
+    * ``deadline_s`` bounds the whole call, retries and waits included: a wait that would end
+      past it is not begun, and each attempt's timeout is ``min(timeout_s, time left)``.
+      ``timeout_s`` bounds the connect and each read of the reply (requests' semantics), so a
+      server trickling bytes can overrun the deadline by at most one such read.
+
+    ``token_env`` names an environment variable whose value is sent as ``Authorization: Bearer``;
+    the value is read here, never stored in a config, and registered with
+    :mod:`rlhf_core.redact`. Every error message is redacted (URL credentials and secret query
+    values, the token, anything of theirs echoed back) and quotes a server's body only as a
+    short redacted excerpt of a 5xx or a malformed 200, never a 4xx's.
     """
 
-    def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 1.0):
+    def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 1.0, *,
+                 backoff_cap_s: float = 30.0, deadline_s: float = 300.0, token_env: str = ""):
+        register_url_secrets(url)  # first: the checks below quote the URL
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"HttpRewardSource: url must start with http:// or https://, got {url!r}")
-        if timeout_s <= 0:
-            raise ValueError(f"HttpRewardSource: timeout_s must be > 0, got {timeout_s}")
-        if retries < 0:
-            raise ValueError(f"HttpRewardSource: retries must be >= 0, got {retries}")
-        if backoff_s < 0:
-            raise ValueError(f"HttpRewardSource: backoff_s must be >= 0, got {backoff_s}")
+            raise ValueError(f"HttpRewardSource: url must start with http:// or https://, got {redact_secrets(url)!r}")
+        for field, value, floor in (("timeout_s", timeout_s, "> 0"), ("retries", retries, ">= 0"),
+                                    ("backoff_s", backoff_s, ">= 0"), ("backoff_cap_s", backoff_cap_s, ">= 0"),
+                                    ("deadline_s", deadline_s, "> 0")):
+            if not (value > 0 if floor == "> 0" else value >= 0):
+                raise ValueError(f"HttpRewardSource: {field} must be {floor}, got {value}")
+        if token_env and urlsplit(url).username:
+            raise ValueError(f"HttpRewardSource: {redact_secrets(url)} carries user:pass@ credentials and token_env "
+                             f"{token_env} is set; use one (requests would send only the token)")
         self.url, self.timeout_s, self.retries, self.backoff_s = url, timeout_s, retries, backoff_s
+        self.backoff_cap_s, self.deadline_s, self.token_env = backoff_cap_s, deadline_s, token_env
+        self._token = _read_token(token_env) if token_env else None
         self._session: Any = None  # made on first use: one keep-alive connection across calls
+        # A private generator: jitter must not advance the global RNG that a checkpoint restores.
+        self._rng = random.Random()
 
     @property
     def name(self) -> str:
         return f"http:{redact_secrets(self.url)}"  # names appear in logs and MLflow: no credentials
 
+    def __getstate__(self) -> dict[str, Any]:  # the token never travels in a pickle: re-read from the env
+        return {k: v for k, v in self.__dict__.items() if k not in ("_token", "_session")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _session=None)
+        self._token = _read_token(self.token_env) if self.token_env else None
+
+    def backoff_s_before(self, retry: int) -> float:
+        """Full-jitter wait before retry ``retry`` (0-based): uniform in [0, min(cap, backoff_s * 2**retry)]."""
+        return self._rng.uniform(0.0, min(self.backoff_cap_s, self.backoff_s * 2.0 ** retry))
+
     def __call__(self, prompts: Sequence[str], completions: Sequence[str],
                  labels: Sequence[str | None]) -> list[float]:
-        import requests
-
         where = f"reward server {redact_secrets(self.url)}"
         _check_inputs(where, prompts, completions, labels)
         body = {"prompts": list(prompts), "completions": list(completions), "labels": list(labels)}
-        attempts, last = self.retries + 1, ""
-        for attempt in range(1, attempts + 1):
-            if attempt > 1:
-                time.sleep(self.backoff_s * 2 ** (attempt - 2))
-            if self._session is None:
-                self._session = requests.Session()
+        deadline = time.monotonic() + self.deadline_s
+        attempts = failures = 0
+        while True:
+            attempts += 1
             try:
-                reply = self._session.post(self.url, json=body, timeout=self.timeout_s)
-            except requests.Timeout as exc:
-                last = f"timed out after {self.timeout_s}s ({type(exc).__name__})"
-                continue
-            except requests.ConnectionError as exc:
-                last = f"connection failed: {exc}"
-                continue
-            if reply.status_code >= 500:
-                last = f"HTTP {reply.status_code}: {reply.text[:200]}"
-                continue
-            if reply.status_code != 200:
-                raise RewardError(f"{where}: HTTP {reply.status_code} (not retried): {reply.text[:500]}")
-            try:
-                payload = reply.json()
-            except json.JSONDecodeError:
-                raise RewardError(f"{where}: reply is not JSON: {reply.text[:200]!r}") from None
-            if not isinstance(payload, dict) or "rewards" not in payload:
-                raise RewardError(f"{where}: reply has no 'rewards' field: {str(payload)[:200]}")
-            return validate_rewards(payload["rewards"], len(prompts), where)
-        raise RewardError(f"{where}: failed after {attempts} attempts; last error: {last}")
+                return self._attempt(body, len(prompts), where, max(1e-3, min(self.timeout_s,
+                                                                              deadline - time.monotonic())))
+            except _Retry as retry:
+                last, wait = retry.last, retry.wait_s
+                failures += retry.counts
+                if wait is None:
+                    wait = self.backoff_s_before(failures - 1 if retry.counts else attempts - 1)
+            if failures > self.retries:
+                raise RewardError(redact_secrets(f"{where}: failed after {attempts} attempts; last error: {last}"))
+            if time.monotonic() + wait >= deadline:
+                raise RewardError(redact_secrets(
+                    f"{where}: gave up at the {self.deadline_s:g} s deadline (reward_deadline_s) after {attempts} "
+                    f"attempts; last error: {last}"))
+            time.sleep(wait)
+
+    def _attempt(self, body: dict[str, list], n: int, where: str, timeout: float) -> list[float]:
+        """One POST: the rewards, :class:`_Retry` for a transient failure, :class:`RewardError` otherwise."""
+        import requests
+
+        if self._session is None:
+            self._session = requests.Session()
+        auth = _BearerAuth(self._token) if self._token else None
+        try:
+            reply = self._session.post(self.url, json=body, timeout=timeout, auth=auth)
+        except requests.Timeout as exc:
+            raise _Retry(f"timed out after {timeout:.3g}s ({type(exc).__name__})") from None
+        except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as exc:
+            raise _Retry(f"connection failed: {type(exc).__name__}: {_transport_reason(exc)}") from None
+        except requests.RequestException as exc:
+            raise RewardError(redact_secrets(f"{where}: request failed (not retried): {type(exc).__name__}: "
+                                             f"{_transport_reason(exc)}")) from None
+        code = reply.status_code
+        if code == 429:
+            wait = _retry_after_s(reply.headers.get("Retry-After"))
+            raise _Retry(f"HTTP 429 (rate limited; Retry-After {reply.headers.get('Retry-After', 'absent')!s:.40})",
+                         counts=False, wait_s=wait)
+        if code >= 500:
+            raise _Retry(f"HTTP {code}: {_excerpt(reply.text)}")
+        if code != 200:  # the body is not quoted: a 4xx page may echo the request, credentials and all
+            raise RewardError(redact_secrets(f"{where}: HTTP {code} {reply.reason or ''}".rstrip()[:200]
+                                             + f" (not retried){_STATUS_HINTS.get(code, '')}"))
+        return self._parse(reply, n, where)
+
+    @staticmethod
+    def _parse(reply: Any, n: int, where: str) -> list[float]:
+        try:
+            payload = reply.json()
+        except ValueError:  # json.JSONDecodeError, or requests' own subclass of it
+            raise RewardError(f"{where}: reply is not JSON: {_excerpt(reply.text)!r}") from None
+        if not isinstance(payload, dict) or "rewards" not in payload:
+            raise RewardError(f"{where}: reply has no 'rewards' field: {_excerpt(str(payload))}")
+        try:
+            return validate_rewards(payload["rewards"], n, where)
+        except RewardError as exc:  # a reward value is quoted: the server chose it
+            raise RewardError(redact_secrets(str(exc))) from None
+
+
+class _BearerAuth:
+    """``Authorization: Bearer <token>`` as a requests auth hook: passed as ``auth=``, it also
+    stops requests from applying ``~/.netrc`` or URL credentials over the header, and requests
+    drops it on a redirect to another host."""
+
+    def __init__(self, token: str):
+        self.token = token
+
+    def __call__(self, request: Any) -> Any:
+        request.headers["Authorization"] = f"Bearer {self.token}"
+        return request
+
+    def __repr__(self) -> str:  # never the token, in a traceback's locals or a debugger
+        return "_BearerAuth(***)"
 
 
 # --------------------------------------------------------------------------------------
@@ -290,8 +431,10 @@ class HttpRewardSource:
 
 def build_reward_source(kind: RewardKind | str, *, path: str | Path | None = None, url: str | None = None,
                         device: torch.device | str | None = None, batch_size: int = 64,
-                        timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 1.0) -> RewardSource:
-    """The reward source of ``kind``: ``model`` and ``function`` need ``path``, ``http`` needs ``url``."""
+                        timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 1.0,
+                        backoff_cap_s: float = 30.0, deadline_s: float = 300.0, token_env: str = "") -> RewardSource:
+    """The reward source of ``kind``: ``model`` and ``function`` need ``path``, ``http`` needs ``url``
+    (and takes the retry, deadline and ``token_env`` options of :class:`HttpRewardSource`)."""
     try:
         kind = RewardKind(kind)
     except ValueError:
@@ -299,7 +442,8 @@ def build_reward_source(kind: RewardKind | str, *, path: str | Path | None = Non
     if kind is RewardKind.HTTP:
         if not url:
             raise ValueError("reward kind 'http' needs a url")
-        return HttpRewardSource(url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s)
+        return HttpRewardSource(url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
+                                backoff_cap_s=backoff_cap_s, deadline_s=deadline_s, token_env=token_env)
     if not path:
         raise ValueError(f"reward kind '{kind.value}' needs a path")
     if kind is RewardKind.MODEL:

@@ -371,7 +371,7 @@ class KLEstimator(str, Enum):
 
 
 def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: KLEstimator | str,
-               clamp: float | None = None) -> torch.Tensor:
+               clamp: float | None = None, k3_cap: float | None = None) -> torch.Tensor:
     """Per-token KL estimate (Schulman 2020, "Approximating KL Divergence", k1/k2/k3).
 
     Use it either as a reward penalty (``token_rewards = -beta * kl``, Ziegler et al. 2019,
@@ -386,10 +386,20 @@ def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: KLEstimato
             ``exp(-log_ratio)``, which explodes where the policy gives a token far less
             probability than the reference; clamping bounds k3 by ``e^clamp - 1 - clamp``
             (verl uses 20 on the log-ratio). ``None`` gives the exact estimator.
+        k3_cap: k3 only: if set (> 0), each token's k3 value is clamped to at most ``k3_cap``
+            after it is computed (verl's ``low_var_kl`` and OpenRLHF's k3 cap it at 10). The
+            log-ratio clamp alone still lets one token at ``log pi - log pi_ref = -12`` add
+            ``e^12 - 1 - 12 = 1.6e5`` (``4.9e8`` at -20), which swamps the whole batch's loss.
+            Trade-off: where the cap binds, the value no longer depends on ``logp``, so the
+            penalty's gradient there is zero: the token is no longer pulled back toward the
+            reference (for k3, d k3 / d logp = 1 - pi_ref / pi, Schulman 2020), only the other
+            tokens are. k3 >= 0 everywhere, capped or not. Ignored for k1 and k2.
 
     Returns:
         ``(batch, response_len)``; multiply by the mask before summing.
     """
+    if k3_cap is not None and not k3_cap > 0:
+        raise ValueError(f"k3_cap must be > 0 (or None for no cap), got {k3_cap}")
     estimator = KLEstimator(estimator)
     _check_shapes("logp", logp=logp, logp_ref=logp_ref)
     log_ratio = logp - logp_ref
@@ -400,8 +410,12 @@ def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: KLEstimato
     if estimator is KLEstimator.K2:
         return 0.5 * log_ratio**2
     if estimator is KLEstimator.K3:
-        # r = pi_ref / pi; (r - 1) - log r with log r = -log_ratio
-        return torch.exp(-log_ratio) - 1.0 + log_ratio
+        # r = pi_ref / pi; (r - 1) - log r with log r = -log_ratio. expm1, not exp(.) - 1: near
+        # log_ratio = 0 the subtraction cancels every digit (fp32, |log_ratio| < 1e-3: wrong by
+        # orders of magnitude, and negative); expm1(-x) >= -x holds after rounding, so k3 >= 0.
+        k3 = torch.expm1(-log_ratio) + log_ratio
+        # an upper bound only, so k3 >= 0 still holds
+        return k3 if k3_cap is None else k3.clamp(max=k3_cap)
     raise ValueError(f"unknown KL estimator {estimator!r}")  # pragma: no cover - the enum is closed
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import time
 from contextlib import contextmanager
@@ -54,9 +55,12 @@ class StageResult:
 def _write_json_atomic(obj: Any, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")  # unique per writer
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -114,24 +118,35 @@ def generate(cfg: GenerateConfig, tracking: TrackingConfig | None = None,
 
 def init_model(cfg: ModelConfig, tracking: TrackingConfig | None = None,
                parent_run_id: str | None = None) -> StageResult:
-    """Train the tokenizer on the task corpus and build the tiny model from a config."""
+    """Train the tokenizer on the task corpus and build the tiny model from a config.
+
+    The model is built in a unique temp folder beside ``out_dir`` and renamed into place, the
+    previous model moved aside and removed only after (``checkpoint.replace_dir``): a crash at
+    any point leaves the old model or the new one, never none and never half of one.
+    """
     import tempfile
 
+    from rlhf_core.checkpoint import fsync_tree, replace_dir, storage_guard, sweep_temps, temp_sibling
     from rlhf_core.data.io import read_records
     from rlhf_core.embedded import build_tiny_model, count_parameters, train_tokenizer
 
     texts = [str(r.get("prompt", "")) + str(r.get("completion", "")) for r in read_records(cfg.corpus_file)]
+    out = Path(cfg.out_dir)
+    staging = temp_sibling(out)
     with tempfile.TemporaryDirectory() as tmp:
         tok_dir = train_tokenizer(texts, Path(tmp) / "tokenizer", vocab_size=cfg.vocab_size)
-        staging = Path(tmp) / "model"
-        build_tiny_model(tok_dir, staging, arch=cfg.arch, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
-                         num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                         intermediate_size=cfg.intermediate_size, max_positions=cfg.max_positions, seed=cfg.seed)
-        out = Path(cfg.out_dir)
-        if out.exists():
-            shutil.rmtree(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(staging, out)
+        try:
+            with storage_guard(out, "cannot write the base model to"):
+                out.parent.mkdir(parents=True, exist_ok=True)
+                sweep_temps(out.parent, lambda name: name == out.name)  # left by killed writers
+                build_tiny_model(tok_dir, staging, arch=cfg.arch, hidden_size=cfg.hidden_size,
+                                 num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                                 intermediate_size=cfg.intermediate_size, max_positions=cfg.max_positions,
+                                 seed=cfg.seed)
+                fsync_tree(staging)
+                replace_dir(staging, out)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # only still there if something above failed
     result = StageResult({"model": str(out)}, {"model": dvc_md5(out)},
                          {"model/n_parameters": float(count_parameters(out))})
     with _maybe_run(tracking, "build-model", parent_run_id, lineage_tags({"corpus": cfg.corpus_file}, "init_model")) as run:

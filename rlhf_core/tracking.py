@@ -11,18 +11,32 @@ The default store is sqlite at ``<project>/mlflow.db`` with artifacts in
 directory, which silently splits runs across folders). ``MLFLOW_TRACKING_URI`` overrides.
 Without MLflow (a bare GPU machine) the same calls write JSON files under
 ``<project>/runs/<run_id>/`` so the trainer code measured there is unchanged.
+
+A tracking server that is down when a run opens fails the stage within
+``tracking.connect_patience_s`` (:class:`TrackingUnavailable`), not after MLflow's minutes of
+retries. A stage run again under the same parent run (a Prefect retry) continues its unfinished
+run, tagged ``alignflow.attempt``, instead of opening another. Closing a run never hides the
+stage's own error (:func:`start_run`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import math
 import os
+import re
+import sys
+import threading
+import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Protocol
+from urllib.parse import urlsplit, urlunsplit
 
-from rlhf_core.config import TrackingConfig
+from rlhf_core.config import ConfigError, TrackingConfig
 from rlhf_core.redact import redact_secrets
 
 try:  # optional: rlhf_core runs with torch + transformers alone
@@ -30,6 +44,31 @@ try:  # optional: rlhf_core runs with torch + transformers alone
     from mlflow.tracking import MlflowClient
 except ImportError:  # pragma: no cover - exercised on machines without MLflow
     mlflow = None  # type: ignore[assignment]
+
+log = logging.getLogger(__name__)
+
+ATTEMPT_TAG = "alignflow.attempt"
+"""Which attempt of its task last ran in a run: 1, or 2+ for a retry that continued it."""
+RUN_KEY_TAG = "alignflow.run_key"
+"""Stable key of a stage's run under its parent run (:func:`run_key`): how a retry finds it."""
+
+
+class TrackingUnavailable(ConfigError):
+    """The http(s) tracking server did not answer within ``tracking.connect_patience_s`` when a run opened.
+
+    A :class:`ConfigError`, so permanent for Prefect (``tasks.common.PERMANENT_ERRORS``) and exit
+    status 2 on the command line: a task retried 2 s later meets the same down server and only
+    doubles the wait. What fixes it is the environment or the config the message names (start the
+    server, fix the URI); ``connect_patience_s`` is the one knob for riding out a restart.
+    """
+
+
+class TrackingLost(RuntimeError):
+    """The stage's work finished but MLflow could not record its run as FINISHED.
+
+    Transient for Prefect: the server may be back by the retry, which continues the same run.
+    """
+
 
 
 class Tracker(Protocol):
@@ -71,8 +110,12 @@ def _flatten(params: dict[str, Any], prefix: str = "") -> dict[str, str]:
 class MlflowTracker:
     """A Tracker bound to one MLflow run (explicit run id: safe across Prefect's threads)."""
 
-    def __init__(self, client: Any, run_id: str):
+    def __init__(self, client: Any, run_id: str, logged_steps: dict[str, int] | None = None):
+        # A continued run already holds the points its failed attempt logged; the retry redoes
+        # the steps after its checkpoint, so points at or before a metric's newest logged step
+        # are skipped (one point per step; on a bit-exact resume they are the same values).
         self.client, self.run_id = client, run_id
+        self.logged_steps = dict(logged_steps or {})
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
@@ -83,10 +126,11 @@ class MlflowTracker:
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
-        import time
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+        items = [Metric(k, float(v), now, step) for k, v in metrics.items() if step > self.logged_steps.get(k, -1)]
+        if items:
+            self.client.log_batch(self.run_id, metrics=items)
 
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
@@ -185,6 +229,104 @@ class LocalFileTracker:
         return str(Path(model_dir).resolve())
 
 
+# --------------------------------------------------------------------------------------
+# Reaching the server: a bounded wait at run start
+# --------------------------------------------------------------------------------------
+
+# A gateway in front of a stopped server answers, but with one of these.
+_GATEWAY_DOWN = frozenset({502, 503, 504})
+
+
+def _reason(exc: BaseException) -> str:
+    """The root cause of a failed request in a few words (``[Errno 111] Connection refused``), else
+    the exception's type and the start of its text."""
+    found = re.search(r"\[Errno -?\d+\] [^'\")\]]+", str(exc))
+    return found.group(0).strip() if found else f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
+def wait_for_server(uri: str, patience_s: float) -> None:
+    """Return once the http(s) tracking server at ``uri`` answers; :class:`TrackingUnavailable`
+    after ``patience_s`` seconds of trying (sqlite and file stores need no server: no check).
+
+    Any HTTP answer but a gateway's 502/503/504 counts, a 401 or 404 included: this asks whether a
+    server is there, MLflow's own calls report what it says. Through ``requests``, so proxies and
+    ``NO_PROXY`` apply as they do to MLflow; certificates are not checked and no credentials are
+    sent (only reachability is asked; MLflow's calls verify as configured).
+    """
+    import warnings
+
+    import requests
+
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https"):
+        return
+    # user:password@ and the query dropped: requests would send them along
+    probe = urlunsplit((parts.scheme, parts.netloc.rsplit("@", 1)[-1], parts.path or "/", "", ""))
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # urllib3's InsecureRequestWarning for verify=False
+                reply = requests.get(probe, timeout=max(min(deadline - time.monotonic(), 5.0), 1.0), verify=False,
+                                     stream=True, allow_redirects=False)
+            reply.close()
+            if reply.status_code not in _GATEWAY_DOWN:
+                return
+            problem = f"HTTP {reply.status_code} from a gateway"
+        except requests.RequestException as exc:
+            problem = _reason(exc)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TrackingUnavailable(redact_secrets(
+                f"tracking server {uri} did not answer within {patience_s:g} s ({problem}). Start it, point "
+                "MLFLOW_TRACKING_URI or tracking.tracking_uri at a running server (unset both for the local "
+                "sqlite store), or raise tracking.connect_patience_s to wait longer for it."))
+        time.sleep(min(0.5, left))
+
+
+_bound_lock = threading.Lock()
+_bound_users = 0
+_bound_keys: list[str] = []
+
+
+@contextmanager
+def bounded_http(patience_s: float) -> Iterator[None]:
+    """MLflow's HTTP retries bounded to about ``patience_s`` per call while the block runs.
+
+    Why environment variables: ``MlflowClient`` takes no per-call retry settings, and MLflow reads
+    ``MLFLOW_HTTP_REQUEST_*`` on every request. Why only here, not for the whole process: MLflow's
+    defaults (7 retries, backoff factor 2, 120 s timeout: about 4 minutes per call) are what let a
+    stage ride out a server restart mid-training (tests/e2e/test_mlflow_outage.py); only opening a
+    run, where a down server should fail fast, and marking a failed run FAILED, where the stage's
+    own error is waiting, give up sooner. A variable the user has set is theirs and left alone.
+    Three tries of ``patience_s / 3`` seconds each with 0 and 2 s (plus jitter) between them.
+    Nested and concurrent blocks share one setting, removed when the last one ends.
+    """
+    global _bound_users, _bound_keys
+    bounds = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+              "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",
+              "MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, math.ceil(patience_s / 3)))}
+    with _bound_lock:
+        if _bound_users == 0:
+            _bound_keys = [key for key in bounds if key not in os.environ]
+            os.environ.update({key: bounds[key] for key in _bound_keys})
+        _bound_users += 1
+    try:
+        yield
+    finally:
+        with _bound_lock:
+            _bound_users -= 1
+            if _bound_users == 0:
+                for key in _bound_keys:
+                    os.environ.pop(key, None)
+                _bound_keys = []
+
+
+# --------------------------------------------------------------------------------------
+# Opening, continuing and closing a run
+# --------------------------------------------------------------------------------------
+
+
 def _mlflow_client(cfg: TrackingConfig) -> tuple[Any, str]:
     uri = resolve_tracking_uri(cfg)
     mlflow.set_tracking_uri(uri)
@@ -199,10 +341,101 @@ def _mlflow_client(cfg: TrackingConfig) -> tuple[Any, str]:
     return client, exp_id
 
 
+def run_key(parent_run_id: str, run_name: str) -> str:
+    """The stable key of stage ``run_name`` under ``parent_run_id``: the same on every attempt of its
+    task, different in every flow run. Hashed so it is safe inside an MLflow filter string."""
+    return hashlib.sha256(f"{parent_run_id}\0{run_name}".encode()).hexdigest()[:32]
+
+
+def _prefect_attempt() -> int:
+    """Prefect's attempt number (``task_run.run_count``) of the task this code runs in, else 0.
+
+    Read only where Prefect is already imported: outside a Prefect process no task can be
+    running, and the training core does not pull Prefect in for this. A stage in a child process
+    (``flow.isolation: process``) sees no task context: there the run's own tag counts attempts.
+    """
+    if "prefect" not in sys.modules:
+        return 0
+    try:
+        from prefect.runtime import task_run
+
+        return int(task_run.run_count or 0)
+    except Exception:  # noqa: BLE001 - no task context, or a Prefect without the runtime module
+        return 0
+
+
+def _attempt_of(run: Any) -> int:
+    try:
+        return int(run.data.tags.get(ATTEMPT_TAG, "1"))
+    except ValueError:
+        return 1
+
+
+def _open_run(client: Any, exp_id: str, run_name: str, parent_run_id: str | None,
+              tags: dict[str, str]) -> MlflowTracker:
+    """A new run, or, under a parent, the newest unfinished run of this stage (a retried task) set
+    back to RUNNING, with ``alignflow.attempt`` = Prefect's attempt or one more than the run's last.
+
+    Two runs of one stage name under one parent at the same time would share a run: the flows
+    never do that (each stage and evaluation has its own name, a flow's tasks run in turn).
+    """
+    tags = dict(tags)
+    previous = None
+    if parent_run_id:
+        tags["mlflow.parentRunId"] = parent_run_id
+        tags[RUN_KEY_TAG] = run_key(parent_run_id, run_name)
+        found = client.search_runs([exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{tags[RUN_KEY_TAG]}' "
+                                   "and attributes.status != 'FINISHED'",
+                                   order_by=["attributes.start_time DESC"], max_results=1)
+        previous = found[0] if found else None
+    attempt = max(_prefect_attempt(), _attempt_of(previous) + 1 if previous is not None else 1)
+    tags[ATTEMPT_TAG] = str(attempt)
+    if previous is None:
+        return MlflowTracker(client, client.create_run(exp_id, run_name=run_name, tags=redact_secrets(tags)).info.run_id)
+    run_id = previous.info.run_id
+    logged = {key: max((m.step for m in client.get_metric_history(run_id, key)), default=-1)
+              for key in previous.data.metrics}
+    client.update_run(run_id, status="RUNNING")
+    tracker = MlflowTracker(client, run_id, logged_steps=logged)
+    tracker.set_tags(tags)
+    log.warning("%s: continuing MLflow run %s (attempt %d)", run_name, run_id, attempt)
+    return tracker
+
+
+def _mark_failed(client: Any, run_id: str, uri: str, patience_s: float) -> None:
+    """Mark the run FAILED; if MLflow cannot be reached, warn and let the stage's own error surface."""
+    try:
+        with bounded_http(patience_s):
+            client.set_terminated(run_id, status="FAILED")
+    except Exception as exc:  # noqa: BLE001 - whatever broke, the stage's error is the one to report
+        log.warning(redact_secrets(
+            f"could not mark MLflow run {run_id} FAILED at {uri} ({_reason(exc)}); it stays RUNNING there "
+            "(a retry of the task continues it). The stage's own error follows."))
+
+
+def _mark_finished(client: Any, run_id: str, uri: str, run_name: str) -> None:
+    """Mark the run FINISHED (with MLflow's full retry patience: the stage's work is done); raise
+    :class:`TrackingLost` if that fails."""
+    try:
+        client.set_terminated(run_id, status="FINISHED")
+    except Exception as exc:
+        raise TrackingLost(redact_secrets(
+            f"{run_name}: the stage finished and wrote its outputs, but MLflow at {uri} did not record run "
+            f"{run_id} as FINISHED ({_reason(exc)}). Once the server is back, a Prefect retry "
+            "continues this run; a rerun of the command records a new one.")) from exc
+
+
 @contextmanager
 def start_run(cfg: TrackingConfig, run_name: str, parent_run_id: str | None = None,
               tags: dict[str, str] | None = None) -> Iterator[Tracker]:
-    """Open a run (nested under ``parent_run_id`` if given); marks it FAILED if the body raises."""
+    """Open a run (nested under ``parent_run_id`` if given; a retried stage continues its
+    unfinished run there, see :func:`_open_run`); FINISHED at the end, FAILED if the body raises.
+
+    An http(s) server that does not answer within ``cfg.connect_patience_s`` fails here with
+    :class:`TrackingUnavailable`. If the body raised, a failure to mark the run FAILED is only a
+    warning: the body's exception propagates. If the body succeeded, a failure to mark it FINISHED
+    raises :class:`TrackingLost`.
+    """
     tags = dict(tags or {})
     if mlflow is None:
         tracker: Any = LocalFileTracker(project_root() / "runs", f"{run_name}-{uuid.uuid4().hex[:12]}")
@@ -211,14 +444,14 @@ def start_run(cfg: TrackingConfig, run_name: str, parent_run_id: str | None = No
         tracker.set_tags({"run_name": run_name, **tags})  # (redacted by set_tags)
         yield tracker
         return
-    client, exp_id = _mlflow_client(cfg)
-    if parent_run_id:
-        tags["mlflow.parentRunId"] = parent_run_id
-    run = client.create_run(exp_id, run_name=run_name, tags=redact_secrets(tags))
-    tracker = MlflowTracker(client, run.info.run_id)
+    uri = resolve_tracking_uri(cfg)
+    wait_for_server(uri, cfg.connect_patience_s)
+    with bounded_http(cfg.connect_patience_s):
+        client, exp_id = _mlflow_client(cfg)
+        tracker = _open_run(client, exp_id, run_name, parent_run_id, tags)
     try:
         yield tracker
     except BaseException:
-        client.set_terminated(run.info.run_id, status="FAILED")
+        _mark_failed(client, tracker.run_id, uri, cfg.connect_patience_s)
         raise
-    client.set_terminated(run.info.run_id, status="FINISHED")
+    _mark_finished(client, tracker.run_id, uri, run_name)

@@ -2,26 +2,27 @@
 
 from __future__ import annotations
 
-import functools
-import hashlib
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE, CacheKeyFnPolicy
+from prefect.serializers import JSONSerializer
 
-import rlhf_core
+from rlhf_core.checkpoint import StorageError
 from rlhf_core.config import ConfigError
 from rlhf_core.data.io import DataError
 from rlhf_core.data.validate import ValidationFailed
+from rlhf_core.lineage import core_fingerprint, package_version, source_hash  # noqa: F401  (re-exported)
 from rlhf_core.models import ModelLoadError
+from rlhf_core.redact import redact_secrets
 from rlhf_core.trainers.loop import NonFiniteError
 from tasks.errors import StageRejected
 
 # Bad input fails the same way every time: retrying it only delays the report. A NaN loss
-# too: the retry would resume from the same checkpoint and meet the same NaN.
+# too: the retry would resume from the same checkpoint and meet the same NaN. A full or
+# read-only disk (StorageError) stays full until someone frees it.
 PERMANENT_ERRORS: tuple[type[BaseException], ...] = (ValidationFailed, DataError, ConfigError, ModelLoadError,
-                                                     FileNotFoundError, NonFiniteError)
+                                                     FileNotFoundError, NonFiniteError, StorageError)
 
 
 
@@ -30,35 +31,6 @@ def _project_key(context: Any, parameters: dict[str, Any]) -> str:
     identical inputs must not share cached results (Prefect's result store is global)."""
     del context, parameters
     return str(Path.cwd().resolve())
-
-
-def source_hash(root: Path) -> str:
-    """sha256 over every ``*.py`` file under ``root``: each file's relative path and bytes, in path order."""
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
-        data = path.read_bytes()
-        digest.update(f"{path.relative_to(root).as_posix()}\0{len(data)}\0".encode())
-        digest.update(data)
-    return digest.hexdigest()
-
-
-def package_version() -> str:
-    """The installed alignflow version, else ``rlhf_core.__version__``, else ``unknown``."""
-    try:
-        return version("alignflow")
-    except PackageNotFoundError:
-        return str(getattr(rlhf_core, "__version__", "unknown"))
-
-
-@functools.cache
-def core_fingerprint() -> str:
-    """The package version and the source hash of the ``rlhf_core`` this process imported.
-
-    A task wrapper's source is only the entry into its stage: the trainer it runs lives in
-    ``rlhf_core``, so an edited trainer (or an upgrade) must not reuse results of the old one.
-    Computed once per process: the code a process runs does not change under it.
-    """
-    return f"{package_version()}:{source_hash(Path(rlhf_core.__file__).resolve().parent)}"
 
 
 def _core_key(context: Any, parameters: dict[str, Any]) -> str:
@@ -89,10 +61,27 @@ def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
     return True
 
 
+def encode_failure(obj: Any) -> dict[str, str]:
+    """JSON for what Prefect persists of a failed task, its exception: the type's name and the
+    redacted message, as data (never an object to rebuild). Any other value JSON cannot hold is
+    an error: a task returns paths, md5s, metrics and run ids."""
+    if isinstance(obj, BaseException):
+        return {"error": type(obj).__name__, "message": redact_secrets(str(obj))}
+    raise TypeError(f"a task result must be JSON (dicts of paths, md5s, metrics), got {type(obj).__name__}")
+
+
+# Task results are persisted as plain JSON: no cloudpickle and no object hook, so a cached result
+# these tasks wrote is read back with json.loads alone, importing no class and running no code it
+# names. A return value JSON cannot hold fails the task loudly instead of being pickled. (Prefect
+# reads a record with the serializer the record's own metadata names, so the result store,
+# ~/.prefect/storage or PREFECT_LOCAL_STORAGE_PATH, must still be writable by its user alone.)
+RESULT_SERIALIZER = JSONSerializer(object_encoder="tasks.common.encode_failure", object_decoder=None)
+
 TASK_DEFAULTS: dict[str, Any] = dict(
     retries=1,
     retry_delay_seconds=2,
     retry_condition_fn=retry_transient,
     cache_policy=CACHE_POLICY,
     persist_result=True,
+    result_serializer=RESULT_SERIALIZER,
 )

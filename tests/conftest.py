@@ -18,6 +18,9 @@ import rlhf_core  # noqa: F401  (offline switches)
 # A Prefect home of the test session's own (results, local DB), set before Prefect is
 # imported: cached task results of a user's runs must never leak into tests, or back.
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="alignflow-prefect-")
+# Prefect 3 keeps persisted task results under PREFECT_LOCAL_STORAGE_PATH (~/.prefect/storage),
+# not under PREFECT_HOME: move them into the test session's home too.
+os.environ["PREFECT_LOCAL_STORAGE_PATH"] = os.path.join(os.environ["PREFECT_HOME"], "storage")
 
 REPO = Path(__file__).resolve().parents[1]
 

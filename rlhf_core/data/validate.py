@@ -18,6 +18,10 @@ Checks on values GX has no built-in for (a value's Python type, "finite number",
 structure) are computed into helper columns named ``<field>__<check>`` and validated with
 ``ExpectColumnValuesToBeInSet``, so all failures come out of one GX report. GX's SQL-backed
 custom expectations do not run on pandas, hence helper columns rather than custom classes.
+
+A failure quotes up to three offending rows (:func:`excerpt`): secrets redacted, each value
+clipped to ``VALUE_CHARS`` and each excerpt to ``EXCERPT_CHARS`` characters, since the report is
+logged to MLflow and a bad row may be huge or carry a credential.
 """
 
 from __future__ import annotations
@@ -30,11 +34,16 @@ from typing import Any, Literal
 
 from rlhf_core.config import DataFields
 from rlhf_core.data.io import read_records
+from rlhf_core.redact import redact_secrets
 
 Kind = Literal["sft", "preference", "prompts"]
 KINDS: tuple[str, ...] = ("sft", "preference", "prompts")
 MAX_CHARS = 20000
 N_EXAMPLES = 5
+VALUE_CHARS = 60
+"""Each field value in a failure excerpt is clipped to this many characters ..."""
+EXCERPT_CHARS = 200
+"""... and each whole excerpt (one row's fields) to this many."""
 
 
 @dataclass
@@ -90,6 +99,21 @@ class ValidationFailed(ValueError):
     def __init__(self, report: ValidationReport):
         self.report = report
         super().__init__(report.render())
+
+
+def excerpt(line: int, values: dict[str, Any]) -> str:
+    """``line N: field='value', ...`` for a report: each value redacted, then clipped.
+
+    Excerpts land in ``validation_report.json``, the MLflow run and the error on stderr, and a
+    failing row is as likely as any to carry a credential (a URL with ``?token=``): redaction
+    comes before clipping so a cut can never leave part of a secret behind.
+    """
+    shown = ", ".join(f"{k}={_clip(redact_secrets(str(v), k), VALUE_CHARS)!r}" for k, v in values.items())
+    return _clip(f"line {line}: {shown}", EXCERPT_CHARS)
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _type_name(value: Any) -> str:
@@ -228,8 +252,7 @@ def validate_dataset(path: str | Path, kind: str, fields: DataFields | None = No
         lines = [int(i) for i in info.get("unexpected_index_list") or []]
         lines = sorted(set(lines))
         count = int(info.get("unexpected_count") or len(lines))
-        examples = [f"line {ln}: " + ", ".join(f"{k}={str(df.at[ln, k])[:60]!r}" for k in df.columns
-                                                  if "__" not in k and k in (col.split("+")))
+        examples = [excerpt(ln, {k: df.at[ln, k] for k in df.columns if "__" not in k and k in col.split("+")})
                     for ln in lines[:3]]
         report.failures.append(Failure(res.expectation_config.type, col, msg, count, lines, examples))
     return report

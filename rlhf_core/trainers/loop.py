@@ -7,11 +7,13 @@ accumulation, clipping, the schedule and checkpoint format are written once.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import os
 import random
+import secrets
 import shutil
 import time
 from contextlib import nullcontext
@@ -173,28 +175,89 @@ def accumulate_and_step(
 
 
 def save_hf_dir(model: Any, tokenizer: Any, out_dir: str | Path, extra: dict[str, Any] | None = None) -> Path:
-    """Save model + tokenizer as an HF directory atomically (temp folder, then rename).
+    """Save model + tokenizer as an HF directory atomically and durably (temp folder, fsync, rename).
 
-    A crash mid-save leaves the previous directory intact, never a half-written one.
-    ``extra`` is written as ``alignflow.json`` beside the weights (deterministic content only:
-    no timestamps, so DVC md5s repeat).
+    A crash mid-save leaves the previous directory intact, never a half-written one; the temp
+    folder has a unique name (pid and random suffix), is removed on failure, and those of killed
+    writers are swept before writing. A full or read-only disk raises
+    :class:`rlhf_core.checkpoint.StorageError`. ``extra`` is written as ``alignflow.json`` beside
+    the weights (deterministic content only: no timestamps, so DVC md5s repeat).
     """
+    from rlhf_core.checkpoint import fsync_tree, replace_dir, storage_guard, sweep_temps, temp_sibling
+
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    model.save_pretrained(str(tmp), safe_serialization=True)
-    tokenizer.save_pretrained(str(tmp))
-    if extra is not None:
-        (tmp / "alignflow.json").write_text(json.dumps(extra, indent=2, sort_keys=True) + "\n")
-    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-    if out_dir.exists():
-        out_dir.rename(old)
-    tmp.rename(out_dir)
-    if old.exists():
-        shutil.rmtree(old)
+    tmp = temp_sibling(out_dir)
+    try:
+        with storage_guard(out_dir, "cannot write the trained model to"):
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            sweep_temps(out_dir.parent, lambda name: name == out_dir.name)
+            model.save_pretrained(str(tmp), safe_serialization=True)
+            tokenizer.save_pretrained(str(tmp))
+            if extra is not None:
+                (tmp / "alignflow.json").write_text(json.dumps(extra, indent=2, sort_keys=True) + "\n")
+            fsync_tree(tmp)
+            replace_dir(tmp, out_dir)  # fsyncs the parent after the rename
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # only still there if something above failed
     return out_dir
+
+
+@dataclass
+class StorageNeeds:
+    """What a run will write, for the loop's free-space preflight: its output folder and sizes in bytes."""
+
+    output_dir: Path
+    checkpoint_bytes: int
+    """one checkpoint (weights and fp32 Adam moments), an estimate"""
+    output_bytes: int
+    """the final model (weights), an estimate"""
+
+
+def estimate_state_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """``(checkpoint, output)`` bytes of ``model``: its weights, plus two fp32 Adam moments per trainable
+    parameter in a checkpoint. Tokenizer files and RNG state are left out (small next to a real
+    model's weights), so for a micro model this is well under the real size."""
+    params = list(model.parameters())  # tied weights are listed once
+    # under ZeRO-3 a rank holds a slice of each parameter; ds_numel is the whole one's size
+    numel = [getattr(p, "ds_numel", None) or p.numel() for p in params]
+    weights = sum(n * p.element_size() for n, p in zip(numel, params))
+    moments = sum(2 * 4 * n for n, p in zip(numel, params) if p.requires_grad)
+    return weights + moments, weights
+
+
+def preflight_storage(plan: LoopPlan, checkpointer: Any, body: Any) -> None:
+    """Before training (rank 0): refuse with :class:`StorageError` unless the checkpoint folder and the
+    output's parent are writable (a probe file is created and removed) and have free space for
+    ``(keep + 1)`` checkpoints (the newest is written before the oldest is pruned; fewer when the run
+    saves fewer) and the output, less what this run's folder already holds (a resume replaces it)."""
+    from rlhf_core.checkpoint import StorageError, storage_guard
+
+    needs = body.storage_needs()
+    saves = plan.max_steps // plan.save_every if plan.save_every else 1  # 1: a SIGTERM checkpoint
+    n_ckpt = min(checkpointer.keep + 1, max(saves, 1)) if body.can_resume() else 0
+    held = checkpointer.bytes_held()
+    demands = [(Path(checkpointer.root), max(0, n_ckpt * needs.checkpoint_bytes - held)),
+               (Path(needs.output_dir).parent, needs.output_bytes)]
+    per_device: dict[int, tuple[Path, int]] = {}
+    for folder, need in demands:
+        with storage_guard(folder, f"{plan.name}: cannot write to"):
+            folder.mkdir(parents=True, exist_ok=True)
+            # secrets, not random: the run's seeded random stream must not move
+            probe = folder / f".alignflow-probe-{os.getpid()}-{secrets.token_hex(4)}"
+            try:
+                probe.write_bytes(b"probe")
+            finally:
+                probe.unlink(missing_ok=True)
+        device = folder.stat().st_dev
+        first, total = per_device.get(device, (folder, 0))
+        per_device[device] = (first, total + need)
+    for folder, need in per_device.values():
+        free = shutil.disk_usage(folder).free
+        if free < need:
+            raise StorageError(errno.ENOSPC, f"{plan.name}: {folder} has {free:,} bytes free; this run needs about "
+                                             f"{need:,} ({n_ckpt} checkpoint(s) of ~{needs.checkpoint_bytes:,} bytes "
+                                             f"and an output of ~{needs.output_bytes:,}); free space or set "
+                                             f"checkpoint_dir / output_dir on a larger disk. Refused before training")
 
 
 class EpochSampler:
@@ -298,6 +361,9 @@ class TrainingBody(Protocol):
     def save_final(self) -> None:
         """Write the trained model to its output directory (every rank calls it; rank 0 writes)."""
 
+    def storage_needs(self) -> StorageNeeds:
+        """The output folder and estimated checkpoint and output sizes (the loop's disk preflight)."""
+
 
 @dataclass
 class LoopPlan:
@@ -340,6 +406,8 @@ def run_checkpointed(plan: LoopPlan, checkpointer: Any, body: TrainingBody, *, s
     world = world or World()
     clock, evals = LoopClock(), _Evaluations(body, sink)
     with checkpointer.hold(plan.name) if world.is_main else nullcontext():
+        if world.is_main:  # a full or read-only disk is refused now, not after hours of training
+            preflight_storage(plan, checkpointer, body)
         start = _resume(plan, checkpointer, body, sink, evals)
         if plan.eval_at_start and start == 1:
             evals.run(0, clock)
@@ -540,6 +608,9 @@ class _OfflineBody:
             "optimizer": self.strategy.optimizer_state(), "scheduler": self.scheduler.state_dict(),
             "objects": {key: obj.state_dict() for key, obj in self.state.items()},
             "loop": {"tokens_seen": self.tokens_seen, "last_loss": self.last_loss}}
+
+    def storage_needs(self) -> StorageNeeds:
+        return StorageNeeds(Path(self.cfg.output_dir), *estimate_state_bytes(self.model))
 
     def save_final(self) -> None:
         from rlhf_core.config import config_to_dict

@@ -315,7 +315,8 @@ class RLTrainer:
     def estimate_advantages(self, exp: Experience, scores: torch.Tensor) -> None:
         """Advantages and returns into ``exp``, weighted by truncated IS when ``tis_cap`` is set."""
         cfg, mask = self.cfg, exp.mask
-        kl_tokens = kl_penalty(exp.old_logp, exp.ref_logp, cfg.kl_estimator, clamp=_KL_CLAMP) * mask
+        kl_tokens = kl_penalty(exp.old_logp, exp.ref_logp, cfg.kl_estimator, clamp=_KL_CLAMP,
+                               k3_cap=cfg.kl_k3_cap or None) * mask
         token_rewards = -self.kl_ctl.value * kl_tokens if cfg.kl_in_reward else None
         exp.scores = scores.to(self.device)
         advantages, returns = compute_advantages(self.estimator, scores=exp.scores, mask=mask, group_size=cfg.group_size,
@@ -449,6 +450,13 @@ class RLTrainer:
         self.summary, self.step_metrics = dict(loop_state["summary"]), dict(loop_state["step_metrics"])
         self.rollout_table = list(loop_state["rollout_table"])
 
+    def storage_needs(self) -> Any:
+        """The loop's disk preflight: the policy's size (and a critic of its shape in each checkpoint)."""
+        from rlhf_core.trainers.loop import StorageNeeds, estimate_state_bytes
+
+        checkpoint, output = estimate_state_bytes(self.learner.view())
+        return StorageNeeds(Path(self.cfg.output_dir), checkpoint * (2 if self.estimator.needs_critic else 1), output)
+
     def save_final(self) -> None:
         save_hf_dir(merged_model(self.learner.view()), self.tokenizer, self.cfg.output_dir,
                     extra={"stage": "rl", "config": redact_secrets(config_to_dict(self.cfg)),
@@ -471,7 +479,9 @@ class _PhaseTimes:
 def _build_reward_source(cfg: RLConfig, kind: RewardKind, device: torch.device) -> RewardSource:
     return build_reward_source(kind, path=cfg.reward_model_path if kind is RewardKind.MODEL else cfg.reward_function,
                                url=cfg.reward_url, device=device, batch_size=cfg.batch_size,
-                               timeout_s=cfg.reward_timeout_s, retries=cfg.reward_retries)
+                               timeout_s=cfg.reward_timeout_s, retries=cfg.reward_retries,
+                               backoff_cap_s=cfg.reward_backoff_cap_s, deadline_s=cfg.reward_deadline_s,
+                               token_env=cfg.reward_token_env)
 
 
 def _check_prompt_lengths(cfg: RLConfig, tokenizer: Any, prompts: list[str]) -> None:

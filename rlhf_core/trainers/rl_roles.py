@@ -395,7 +395,8 @@ class PolicyLearner:
                     loss = loss - cfg.entropy_coef * aggregate_loss(entropy, m["mask"], agg, cfg.max_new_tokens)
                 kl_loss = torch.zeros(())
                 if use_kl_loss:  # GRPO, Eq. 3: + beta * KL(pi || pi_ref)
-                    kl_loss = aggregate_loss(kl_penalty(logp, m["ref_logp"], cfg.kl_estimator, clamp=KL_CLAMP),
+                    kl_loss = aggregate_loss(kl_penalty(logp, m["ref_logp"], cfg.kl_estimator, clamp=KL_CLAMP,
+                                                        k3_cap=cfg.kl_k3_cap or None),
                                              m["mask"], agg, cfg.max_new_tokens)
                     loss = loss + kl_coef * kl_loss
                 share = units[i] / total_units
@@ -404,6 +405,9 @@ class PolicyLearner:
                     self.strategy.step()
             extra = (0.0, 0.0)
             if fused_old:  # what the controller logs from pi_old when it computes it itself
+                # train/kl is uncapped (no kl_k3_cap), as the controller's: it measures the drift, including
+                # the tokens the cap stops pulling back, the same whatever the penalty's settings, and the
+                # adaptive KL controller must see it whole
                 seq_kl = (kl_penalty(old_logp, m["ref_logp"], "k3", clamp=KL_CLAMP) * m["mask"]).sum(-1)
                 extra = (float(seq_kl.sum()) / n_seq,
                          float(((m["sampling_logp"] - old_logp).abs() * m["mask"]).sum()) / max(n_tok, 1.0))
@@ -445,8 +449,11 @@ class PolicyLearner:
         self.world.all_reduce_grads(self.critic)
         sums = self.world.all_reduce_sum([share * float(value_loss.detach()), share * float(value_clip_frac)])
         _check_finite(sums[0], "value loss", step)
-        if cfg.max_grad_norm > 0:
-            self.critic_strategy.clip_grad_norm(cfg.max_grad_norm)
+        # The norm is taken even with clipping off (max_grad_norm 0 clips at inf, grads times 1.0): a finite
+        # loss can still give an inf/NaN gradient (e.g. returns near 1e19: squares overflow fp32), and the
+        # check must come before the step so the critic's weights stay as they were.
+        grad_norm = self.critic_strategy.clip_grad_norm(cfg.max_grad_norm)
+        _check_finite(grad_norm, "critic gradient norm", step)
         self.critic_strategy.optimizer.step()
         self.critic_strategy.zero_grad()
         seen["value_loss"].append(sums[0])

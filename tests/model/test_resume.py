@@ -6,6 +6,7 @@ so these run in-process in seconds; tests/e2e/test_kill_resume.py does the same 
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -175,3 +176,73 @@ def test_nan_loss_stops_at_that_step_with_last_checkpoint_intact(micro_model, mi
     load_weights(fresh, ckpt.path)  # loadable, finite
     assert all(torch.isfinite(p).all() for p in fresh.parameters())
     assert not (tmp_path / "out").exists(), "no output model is written for a failed stage"
+
+
+# --------------------------------------------------------------------------------------
+# Durable checkpoints: a manifest verified at resume, stale temp folders swept
+# --------------------------------------------------------------------------------------
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+
+
+def test_truncated_weights_are_skipped_and_the_resume_ends_like_an_uninterrupted_run(micro_model, micro_data, tmp_path,
+                                                                                       monkeypatch, caplog):
+    """The newest checkpoint's model.safetensors cut short (a copy or disk cut off): resume from the one
+    before, with a warning naming the file and the sizes, to the uninterrupted run's final weights.
+    Temp folders a killed run left (checkpoint and output, old and new naming) are swept by the resume."""
+    whole = train_sft(_sft(micro_model, micro_data, tmp_path / "whole"), show_progress=False)
+    cfg = _sft(micro_model, micro_data, tmp_path / "cut")
+    monkeypatch.setenv("ALIGNFLOW_FAULT", "sft:9")
+    with pytest.raises(InjectedFault):
+        train_sft(cfg, show_progress=False)
+    monkeypatch.delenv("ALIGNFLOW_FAULT")
+    weights = tmp_path / "cut" / "ckpt" / "step-0000008" / "model.safetensors"
+    full = weights.stat().st_size
+    weights.write_bytes(weights.read_bytes()[:full // 2])
+    dead = _dead_pid()
+    stale = [tmp_path / "cut" / "ckpt" / f".step-0000012.tmp-{dead}-0badc0de", tmp_path / "cut" / "ckpt" / ".step-0000008.tmp-1",
+             tmp_path / "cut" / f".out.tmp-{dead}-0badc0de", tmp_path / "cut" / f".out.old-{dead}"]
+    for folder in stale:
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"half a model")
+
+    sink = Recorder()
+    with caplog.at_level(logging.WARNING):
+        resumed = train_sft(cfg, sink, show_progress=False)
+    assert sink.series("checkpoint/resumed_from_step") == [4.0]
+    assert (f"skipping torn checkpoint {weights.parent}: model.safetensors is {full // 2} bytes, "
+            f"the manifest says {full}") in caplog.text
+    assert dvc_md5(whole.output_dir / "model.safetensors") == dvc_md5(resumed.output_dir / "model.safetensors")
+    assert not [p for p in stale if p.exists()]
+    assert sorted(p.name for p in (tmp_path / "cut").iterdir()) == ["ckpt", "out"]
+
+
+def test_a_checkpoint_that_differs_from_its_manifest_or_has_none_is_skipped(micro_model, micro_data, tmp_path,
+                                                                          monkeypatch, caplog):
+    """step 8: one byte of its weights flipped (same size); step 6: no manifest.json (torn before its
+    last write, or written by an older version); step 4 is used. Each skip names the path and the cause."""
+    cfg = _sft(micro_model, micro_data, tmp_path, save_every=2, keep_checkpoints=5)
+    monkeypatch.setenv("ALIGNFLOW_FAULT", "sft:9")
+    with pytest.raises(InjectedFault):
+        train_sft(cfg, show_progress=False)
+    ckpt = tmp_path / "ckpt"
+    assert sorted(p.name for p in ckpt.glob("step-*")) == [f"step-{s:07d}" for s in (2, 4, 6, 8)]
+    manifest = json.loads((ckpt / "step-0000008" / "manifest.json").read_text())
+    assert {e["path"] for e in manifest["files"]} >= {"model.safetensors", "trainer_state.pt", "tokenizer.json"}
+    assert manifest["fingerprint"] == run_fingerprint(cfg) and manifest["format"] == 2
+    weights = ckpt / "step-0000008" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    (ckpt / "step-0000006" / "manifest.json").unlink()
+    with caplog.at_level(logging.WARNING):
+        found = Checkpointer(cfg.checkpoint_dir, run_fingerprint(cfg), cfg.keep_checkpoints).latest()
+    assert found is not None and found.step == 4
+    assert f"skipping torn checkpoint {ckpt / 'step-0000008'}: model.safetensors sha256 differs" in caplog.text
+    assert f"skipping torn checkpoint {ckpt / 'step-0000006'}: no manifest.json" in caplog.text

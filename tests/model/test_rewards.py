@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pickle
+import random
 import socket
 import subprocess
 import sys
@@ -122,14 +124,13 @@ def micro_rm(make_micro_rm) -> Path:
     return make_micro_rm(mean=0.25, std=2.0)
 
 
-@pytest.fixture(scope="module")
-def rm_server(micro_rm, tmp_path_factory):
-    """``python -m rlhf_core.reward_server`` on a free port; yields its base URL."""
-    run_dir = tmp_path_factory.mktemp("serve")
-    port_file, log = run_dir / "port", (run_dir / "serve-rm.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "rlhf_core.reward_server", "--model", str(micro_rm),
-                             "--port", "0", "--port-file", str(port_file), "--batch-size", "2", "--device", "cpu"],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+def _start_serve_rm(micro_rm: Path, run_dir: Path, extra: list[str], env: dict[str, str] | None = None):
+    """``python -m rlhf_core.reward_server`` on a free port: ``(process, base URL)`` once it answers /health."""
+    port_file = run_dir / "port"
+    with (run_dir / "serve-rm.log").open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "rlhf_core.reward_server", "--model", str(micro_rm), "--port",
+                                 "0", "--port-file", str(port_file), "--batch-size", "2", "--device", "cpu", *extra],
+                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     try:
         deadline = time.monotonic() + 120
         while not port_file.exists():
@@ -140,11 +141,22 @@ def rm_server(micro_rm, tmp_path_factory):
             time.sleep(0.1)
         url = f"http://127.0.0.1:{int(port_file.read_text())}"
         assert requests.get(f"{url}/health", timeout=10).json() == {"status": "ok", "model": str(micro_rm)}
+    except BaseException:
+        proc.kill()
+        proc.wait(timeout=30)
+        raise
+    return proc, url
+
+
+@pytest.fixture(scope="module")
+def rm_server(micro_rm, tmp_path_factory):
+    """serve-rm without flags on a free port; yields its base URL."""
+    proc, url = _start_serve_rm(micro_rm, tmp_path_factory.mktemp("serve"), [])
+    try:
         yield url
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-        log.close()
 
 
 def test_reward_model_source(micro_rm):
@@ -187,9 +199,83 @@ def test_serve_rm_rejects_bad_requests(rm_server, body, field):
 def test_serve_rm_4xx_is_not_retried(rm_server):
     source = HttpRewardSource(f"{rm_server}/nope", timeout_s=5, retries=3, backoff_s=5.0)
     start = time.monotonic()
-    with pytest.raises(RewardError, match=r"HTTP 404 \(not retried\)"):
+    with pytest.raises(RewardError, match=r"HTTP 404 Not Found \(not retried\)") as err:
         source(PROMPTS, COMPLETIONS, LABELS)
     assert time.monotonic() - start < 5.0  # no backoff sleep happened
+    assert "detail" not in str(err.value)  # FastAPI's 404 body ({"detail": "Not Found"}) is not quoted
+
+
+def test_serve_rm_limits_apply_without_flags(rm_server):
+    """No --max-items given: the default 4096 applies, so 4097 one-character samples get a 413."""
+    body = {"prompts": ["1"] * 4097, "completions": ["2"] * 4097}
+    reply = requests.post(f"{rm_server}/score", json=body, timeout=10)
+    assert reply.status_code == 413
+    assert reply.json()["error"] == ("field 'prompts': 4097 items, over this server's limit of 4096 per request "
+                                     "(--max-items); send smaller batches")
+
+
+TOKEN = "rm-token-5f0c2a9e"  # what the locked server reads from RM_TEST_TOKEN
+
+
+@pytest.fixture(scope="module")
+def locked_server(micro_rm, tmp_path_factory):
+    """serve-rm with --token-env and small limits: 2000 bytes, 4 items per request."""
+    run_dir = tmp_path_factory.mktemp("serve-locked")
+    proc, url = _start_serve_rm(micro_rm, run_dir, ["--token-env", "RM_TEST_TOKEN", "--max-body-bytes", "2000",
+                                                    "--max-items", "4"], {"RM_TEST_TOKEN": TOKEN})
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_serve_rm_requires_its_token(locked_server, micro_rm, monkeypatch):
+    body = {"prompts": PROMPTS, "completions": COMPLETIONS}
+    for headers in ({}, {"Authorization": "Bearer wrong-token"}, {"Authorization": f"Basic {TOKEN}"},
+                    {"Authorization": f"Bearer {TOKEN}x"}):
+        reply = requests.post(f"{locked_server}/score", json=body, headers=headers, timeout=10)
+        assert reply.status_code == 401 and reply.headers["WWW-Authenticate"] == "Bearer", headers
+        assert "Authorization: Bearer <token>" in reply.json()["error"] and TOKEN not in reply.text
+    assert requests.get(f"{locked_server}/health", timeout=10).status_code == 200  # probes need no token
+
+    with pytest.raises(RewardError, match=r"HTTP 401 Unauthorized \(not retried\) \(check reward_token_env"):
+        HttpRewardSource(f"{locked_server}/score", retries=3)(PROMPTS, COMPLETIONS, LABELS)
+    monkeypatch.setenv("MY_RM_TOKEN", TOKEN)
+    here = RewardModelSource(micro_rm, device="cpu", batch_size=2)(PROMPTS, COMPLETIONS, LABELS)
+    remote = build_reward_source("http", url=f"{locked_server}/score", token_env="MY_RM_TOKEN", retries=0)
+    assert remote(PROMPTS, COMPLETIONS, LABELS) == here
+    shipped = pickle.dumps(remote)  # to another process: the token is re-read there from the env, never pickled
+    assert TOKEN.encode() not in shipped and pickle.loads(shipped)(PROMPTS, COMPLETIONS, LABELS) == here
+    monkeypatch.delenv("MY_RM_TOKEN")
+    with pytest.raises(RewardError, match=r"environment variable MY_RM_TOKEN is not set"):
+        HttpRewardSource(f"{locked_server}/score", token_env="MY_RM_TOKEN")
+
+
+def test_serve_rm_rejects_oversized_bodies_and_batches(locked_server):
+    auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    big = json.dumps({"prompts": ["x" * 1000], "completions": ["y" * 1000]}).encode()
+    assert len(big) == 14 + 1000 + 21 + 1000 + 3  # '{"prompts": ["', x..., '"], "completions": ["', y..., '"]}'
+    reply = requests.post(f"{locked_server}/score", data=big, headers=auth, timeout=10)
+    assert reply.status_code == 413
+    assert reply.json()["error"] == "body: 2038 bytes, over this server's limit of 2000 (--max-body-bytes)"
+    # no Content-Length (chunked): counted as it arrives
+    reply = requests.post(f"{locked_server}/score", data=iter([big[:1500], big[1500:]]), headers=auth, timeout=10)
+    assert reply.status_code == 413 and "over this server's limit of 2000 bytes" in reply.json()["error"]
+    five = {"prompts": ["1+1="] * 5, "completions": ["2"] * 5}
+    reply = requests.post(f"{locked_server}/score", json=five, headers=auth, timeout=10)
+    assert reply.status_code == 413 and "'prompts': 5 items, over this server's limit of 4" in reply.json()["error"]
+    four = {"prompts": ["1+1="] * 4, "completions": ["2"] * 4}
+    assert len(requests.post(f"{locked_server}/score", json=four, headers=auth, timeout=10).json()["rewards"]) == 4
+
+
+def test_serve_rm_refuses_to_start_without_its_token_variable(micro_rm):
+    env = {k: v for k, v in os.environ.items() if k != "RM_UNSET_TOKEN"}
+    out = subprocess.run([sys.executable, "-m", "rlhf_core.reward_server", "--model", str(micro_rm),
+                          "--port", "0", "--token-env", "RM_UNSET_TOKEN"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "--token-env RM_UNSET_TOKEN: environment variable RM_UNSET_TOKEN is not set" in out.stderr
 
 
 # --------------------------------------------------------------------------------------
@@ -198,7 +284,7 @@ def test_serve_rm_4xx_is_not_retried(rm_server):
 
 
 class _Stub:
-    """A local HTTP server whose handler is ``respond(call_number) -> (status, body_dict)``."""
+    """A local HTTP server whose handler is ``respond(call_number, n) -> (status, body_dict[, headers])``."""
 
     def __init__(self, respond, delay_s: float = 0.0):
         self.calls = 0
@@ -209,10 +295,12 @@ class _Stub:
                 stub.calls += 1
                 n = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompts"]
                 time.sleep(delay_s)
-                status, body = respond(stub.calls, len(n))
+                status, body, *headers = respond(stub.calls, len(n))
                 data = json.dumps(body).encode()
                 try:
                     self.send_response(status)
+                    for name, value in (headers[0] if headers else {}).items():
+                        self.send_header(name, value)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
@@ -277,6 +365,61 @@ def test_http_503_until_the_end_reports_the_last_error():
             HttpRewardSource(stub.url, timeout_s=5, retries=1, backoff_s=0.01)(PROMPTS, COMPLETIONS, LABELS)
     finally:
         stub.close()
+
+
+def test_http_429_waits_for_retry_after_then_succeeds():
+    """429 + Retry-After: 1 on the first call: the client waits 1 s (not its 0.01 s backoff) and
+    retries, though retries is 0 — a rate limit is not a failure."""
+    stub = _Stub(lambda call, n: (429, {"error": "slow down"}, {"Retry-After": "1"}) if call == 1
+                 else (200, {"rewards": [0.75] * n}))
+    try:
+        start = time.monotonic()
+        assert HttpRewardSource(stub.url, timeout_s=5, retries=0, backoff_s=0.01)(PROMPTS, COMPLETIONS, LABELS) \
+            == [0.75] * 4
+        elapsed = time.monotonic() - start
+        assert stub.calls == 2 and 1.0 <= elapsed < 1.0 + 1.0, elapsed
+    finally:
+        stub.close()
+
+
+def test_http_retry_after_past_the_deadline_fails_at_once():
+    stub = _Stub(lambda call, n: (429, {"error": "come back in an hour"}, {"Retry-After": "3600"}))
+    try:
+        start = time.monotonic()
+        with pytest.raises(RewardError, match=r"gave up at the 5 s deadline \(reward_deadline_s\) after 1 attempts; "
+                                              r"last error: HTTP 429 \(rate limited; Retry-After 3600\)"):
+            HttpRewardSource(stub.url, timeout_s=5, deadline_s=5)(PROMPTS, COMPLETIONS, LABELS)
+        assert time.monotonic() - start < 1.0 and stub.calls == 1
+    finally:
+        stub.close()
+
+
+def test_http_deadline_bounds_a_server_that_always_503s():
+    """retries=1000 would take minutes; the 1.5 s deadline ends the call: no wait is begun that
+    would end past it, so the elapsed time is under the deadline plus one request's round trip."""
+    stub = _Stub(lambda call, n: (503, {"error": "overloaded"}))
+    try:
+        source = HttpRewardSource(stub.url, timeout_s=5, retries=1000, backoff_s=0.05, backoff_cap_s=0.2,
+                                  deadline_s=1.5)
+        start = time.monotonic()
+        with pytest.raises(RewardError, match=r"gave up at the 1\.5 s deadline .*last error: HTTP 503: .*overloaded"):
+            source(PROMPTS, COMPLETIONS, LABELS)
+        elapsed = time.monotonic() - start
+        assert elapsed < 1.5 + 0.5, elapsed  # slack: the last 503's round trip on a loaded machine
+        assert stub.calls >= 5  # it did retry: the mean wait is at most 0.1 s
+    finally:
+        stub.close()
+
+
+def test_backoff_is_full_jitter_under_the_cap():
+    """backoff_s 1, cap 5: retry k waits uniform(0, min(5, 2**k)) — bounds 1, 2, 4, 5, 5. In 300
+    draws the largest is above 0.9 x the bound unless chance is 0.9**300 ~ 2e-14."""
+    source = HttpRewardSource("http://127.0.0.1:9/score", backoff_s=1.0, backoff_cap_s=5.0)
+    state = random.getstate()
+    for k, bound in enumerate([1.0, 2.0, 4.0, 5.0, 5.0]):
+        draws = [source.backoff_s_before(k) for _ in range(300)]
+        assert 0.0 <= min(draws) and max(draws) <= bound and max(draws) > 0.9 * bound, (k, max(draws))
+    assert random.getstate() == state  # the global RNG, restored by checkpoints, is untouched
 
 
 @pytest.mark.parametrize("body,expect", [({"rewards": [1.0, float("nan"), 0.0, 0.0]}, "sample 1: reward nan"),

@@ -174,6 +174,47 @@ def test_config_rejects_inconsistent_rl_settings():
     RLConfig(estimator="gae", group_size=1, kl_in_reward=True, mini_batch_size=16)  # PPO needs no groups
 
 
+def test_config_rejects_a_negative_k3_cap():
+    with pytest.raises(ConfigError, match=r"rl.kl_k3_cap: must be >= 0 \(an upper bound on each token's k3 value; "
+                                          r"0 disables the cap\), got -1.0"):
+        RLConfig(kl_k3_cap=-1.0)
+    assert RLConfig(kl_k3_cap=0.0).kl_k3_cap == 0.0  # no cap
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 1.0])
+def test_critic_gradient_that_overflows_stops_before_the_critic_step(micro_model, micro_data, tmp_path,
+                                                                      max_grad_norm):
+    """PPO (gae) with a reward file that returns 6e18 for every sample (one response token, two rows
+    per mini-batch). The returns are ~6e18, so the value loss, a token mean of 0.5 * (V - R)^2, sums
+    to ~2 x 0.5 x 3.6e37 = 3.6e37 < 3.4e38 (fp32's max): finite, and the loss guard passes. The
+    gradient on the score head is -(R / tokens) x sum_t h_t, entries ~R; the fp32 sum of their
+    squares in the norm overflows (measured on this model: inf from R ~ 2e18, the loss from ~1.8e19;
+    6e18 sits in the middle). The guard raises NonFiniteError naming the critic before its optimizer
+    step, with clipping off (max_grad_norm 0: the norm is still taken) or on; the critic's weights
+    are those it started with and its optimizer never stepped. (Before the guard: with clipping off
+    Adam stepped on the 1e18-sized gradient; with it on, the inf norm scaled the gradient to 0 and
+    the step went ahead silently.)"""
+    from rlhf_core.trainers.loop import NonFiniteError
+    from rlhf_core.trainers.rl_roles import PolicyLearner
+
+    path = tmp_path / "huge_reward.py"
+    path.write_text("def reward(prompts, completions, labels):\n"
+                    "    return [6e18] * len(completions)\n")
+    cfg = _cfg(micro_model, micro_data, tmp_path, f"{path}:reward", estimator="gae", kl_in_reward=True,
+               kl_estimator="k1", max_steps=1, save_every=0, max_grad_norm=max_grad_norm, max_new_tokens=1,
+               mini_batch_size=2)
+    torch.manual_seed(0)  # the critic's fresh score head
+    learner = PolicyLearner(cfg, torch.device("cpu"))
+    critic_before = {k: v.clone() for k, v in learner.critic.state_dict().items()}
+    with pytest.raises(NonFiniteError, match=r"rl: iteration 1: critic gradient norm is inf; stopped before "
+                                             r"the optimizer step"):
+        train_rl(cfg, show_progress=False, learner=learner)
+    critic_after = learner.critic.state_dict()
+    assert critic_after.keys() == critic_before.keys()
+    assert all(torch.equal(critic_after[k], v) for k, v in critic_before.items())
+    assert not learner.critic_opt.state  # Adam never stepped
+
+
 def test_shipped_rl_params_list_every_field():
     """params.yaml's rl section spells out every RLConfig field (the run's whole config is visible to DVC)."""
     import dataclasses

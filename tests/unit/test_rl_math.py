@@ -253,6 +253,67 @@ def test_k3_clamp_bounds_the_estimate():
     assert close(kl_penalty(logp, ref, "k3", clamp=2.0), [[4.389056]])
 
 
+def D(x) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float64)
+
+
+def test_k3_cap_at_extreme_log_ratios():
+    """k3 = e^x - 1 - x with x = log pi_ref - log pi = -log_ratio; log-ratio clamp 20 (KL_CLAMP), cap 10.
+    log_ratio -12: e^12 - 1 - 12 = 162754.791419 - 13 = 162741.791419; capped 10.
+    log_ratio -20: e^20 - 21 = 485165195.409790 - 21 = 485165174.409790; capped 10.
+    log_ratio -30: the log-ratio clamp makes it -20 first: 485165174.409790; capped 10.
+    log_ratio +12 (policy far above the reference): e^-12 - 1 + 12 = 11.000006144; capped 10 too.
+    log_ratio -2.5: e^2.5 - 3.5 = 12.182494 - 3.5 = 8.682494 < 10: the cap does not bind.
+    log_ratio 0: e^0 - 1 - 0 = 0.
+    log_ratio 1e-3: e^-x - 1 + x = x^2/2 - x^3/6 + ... = 5e-7 - 1.667e-10 = 4.998334e-7 (~ x^2 / 2)."""
+    ratios = [-12.0, -20.0, -30.0, 12.0, -2.5, 0.0, 1e-3]
+    logp, ref = D([ratios]), torch.zeros(1, len(ratios), dtype=torch.float64)
+    exact = [162741.791419, 485165174.409790, 485165174.409790, 11.000006144, 8.682494, 0.0, 4.998334e-7]
+    uncapped = kl_penalty(logp, ref, "k3", clamp=20.0)
+    capped = kl_penalty(logp, ref, "k3", clamp=20.0, k3_cap=10.0)
+    assert torch.allclose(uncapped, D([exact]), rtol=1e-6, atol=0.0)
+    assert torch.allclose(capped, D([[10.0, 10.0, 10.0, 10.0, 8.682494, 0.0, 4.998334e-7]]), rtol=1e-6, atol=0.0)
+    # the cap applies to k3 only: k1 and k2 are unchanged
+    assert torch.equal(kl_penalty(logp, ref, "k1", clamp=20.0, k3_cap=10.0), kl_penalty(logp, ref, "k1", clamp=20.0))
+    assert torch.equal(kl_penalty(logp, ref, "k2", clamp=20.0, k3_cap=10.0), kl_penalty(logp, ref, "k2", clamp=20.0))
+    for bad in (0.0, -1.0, math.nan):
+        with pytest.raises(ValueError, match="k3_cap must be > 0"):
+            kl_penalty(logp, ref, "k3", k3_cap=bad)
+
+
+def test_k3_cap_zeroes_the_gradient_only_where_it_binds():
+    """d k3 / d logp = d(e^-l - 1 + l)/dl = 1 - e^-l, l = log_ratio (logp_ref fixed at 0):
+    l = -12: 1 - e^12 = -162753.791419 uncapped, 0 capped (k3 = 162741.79 > 10);
+    l = +12: 1 - e^-12 = 0.999993856 uncapped, 0 capped (k3 = 11.000006 > 10);
+    l = -2: 1 - e^2 = -6.389056 both (k3 = e^2 - 3 = 4.389056 < 10);
+    l = 0.5: 1 - e^-0.5 = 0.393469 both (k3 = 0.106531 < 10)."""
+    grads = {}
+    for cap in (None, 10.0):
+        logp = D([[-12.0, 12.0, -2.0, 0.5]]).requires_grad_(True)
+        kl_penalty(logp, torch.zeros_like(logp), "k3", clamp=20.0, k3_cap=cap).sum().backward()
+        grads[cap] = logp.grad
+    assert torch.allclose(grads[None], D([[-162753.791419, 0.999993856, -6.389056, 0.393469]]), rtol=1e-6)
+    assert torch.equal(grads[10.0][0, :2], D([0.0, 0.0]))
+    assert torch.equal(grads[10.0][0, 2:], grads[None][0, 2:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_k3_is_never_negative(dtype):
+    """k3 = e^x - 1 - x >= 0 for every x (e^x >= 1 + x). In floating point ``exp(x) - 1`` cancels every
+    digit near x = 0 and went below 0 (about -4e-8 in fp32, -4e-3 in bf16, 1e-16 in fp64); ``expm1``
+    keeps it >= 0. Log-ratios from -30 to 30 and +-1e-12 .. 1, with and without the cap; capped <= 10."""
+    small = torch.logspace(-12, 0, 20001, dtype=torch.float64)
+    ratios = torch.cat([torch.linspace(-30, 30, 600001, dtype=torch.float64), small, -small]).to(dtype)
+    zeros = torch.zeros_like(ratios)
+    for cap in (None, 10.0):
+        k3 = kl_penalty(ratios[None], zeros[None], "k3", clamp=20.0, k3_cap=cap)
+        assert bool((k3 >= 0).all()), (cap, float(k3.min()))
+        assert cap is None or bool((k3 <= cap).all())
+    # and accurate where cancellation hurt: x = 1e-4 gives x^2/2 - x^3/6 = 4.99983e-9 (fp32: within 1e-3)
+    if dtype is torch.float32:
+        assert close(kl_penalty(T([[-1e-4]]), T([[0.0]]), "k3") * 1e9, [[4.99983]], atol=5e-3)
+
+
 def test_fixed_kl_controller():
     """update leaves beta at 0.05; state_dict round-trips."""
     ctl = FixedKLController(0.05)

@@ -98,3 +98,25 @@ def test_empty_and_parquet(tmp_path):
     pd.DataFrame(GOOD_PREF + [{"prompt": "x", "chosen": "1", "rejected": "1"}]).to_parquet(pq)
     report = validate_dataset(pq, "preference")
     assert _failures(report)[("chosen", "expect_select_column_values_to_be_unique_within_record")] == [6]
+
+
+def test_failure_excerpts_are_redacted_and_clipped(tmp_path):
+    """A failing row carrying a URL token, URL credentials and a 10,000-character field: the report
+    (what goes to validation_report.json, MLflow and stderr) quotes neither secret and no excerpt
+    is longer than EXCERPT_CHARS."""
+    from rlhf_core.data.validate import EXCERPT_CHARS
+
+    bad = {"prompt": "fetch https://host/x?token=SECRETVALUE123 then https://bob:hunter2pass@db.example/q",
+           "chosen": "y" * 10_000, "rejected": "n"}
+    path = _write(tmp_path, "leaky.jsonl", GOOD_PREF + [bad, bad])  # a duplicate, and chosen too long
+    report = validate_dataset(path, "preference", max_chars=5_000)
+    failures = _failures(report)
+    assert failures[("chosen", "expect_column_value_lengths_to_be_between")] == [6, 7]
+    assert failures[("prompt+chosen+rejected", "expect_compound_columns_to_be_unique")] == [6, 7]
+    dumped = json.dumps(report.to_dict())
+    for text in (dumped, report.render()):
+        assert "SECRETVALUE123" not in text and "hunter2pass" not in text
+        assert "y" * 100 not in text
+    examples = [ex for f in report.failures for ex in f.examples]
+    assert examples and all(len(ex) <= EXCERPT_CHARS for ex in examples)
+    assert any("token=***" in ex and "bob" not in ex for ex in examples)  # still says what was there
