@@ -54,17 +54,23 @@ def _metric_steps(port: int, run_id: str, key: str) -> list[int]:
     return sorted(m["step"] for m in reply.get("metrics", []))
 
 
-def test_server_restart_mid_stage_loses_no_metric(tmp_path, micro_model, micro_data):
+def _sft_project(tmp_path, micro_model, micro_data, sft: dict, tracking: dict) -> tuple:
+    """A project whose sft stage logs to an MLflow server on a free loopback port: (store, project, port, env)."""
     store, project = tmp_path / "store", tmp_path / "project"
     store.mkdir()
     project.mkdir()
     port = free_port()
     (project / "params.yaml").write_text(yaml.safe_dump({
         "sft": {"model_path": str(micro_model), "train_file": str(micro_data["sft"]),
-                "eval_file": str(micro_data["eval"]), "max_steps": 80, "batch_size": 16, "eval_every": 40,
-                "eval_items": 20, "save_every": 20, "num_threads": 1},
-        "tracking": {"experiment": "outage", "log_model": False}}))
-    env = {**cli_env(project), "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}"}
+                "eval_file": str(micro_data["eval"]), "save_every": 20, "num_threads": 1, **sft},
+        "tracking": {"log_model": False, **tracking}}))
+    return store, project, port, {**cli_env(project), "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}"}
+
+
+def test_server_restart_mid_stage_loses_no_metric(tmp_path, micro_model, micro_data):
+    store, project, port, env = _sft_project(
+        tmp_path, micro_model, micro_data, {"max_steps": 80, "batch_size": 16, "eval_every": 40, "eval_items": 20},
+        {"experiment": "outage"})
 
     server = _start_server(store, port)
     stage = subprocess.Popen([sys.executable, "-m", "flows.cli", "sft"], cwd=project, env=env,
@@ -112,18 +118,11 @@ def test_server_gone_when_a_stage_fails_keeps_the_stage_error(tmp_path, micro_mo
     """The server is stopped mid-stage, then the stage fails (SIGTERM: it checkpoints and stops).
     Marking its run FAILED cannot reach MLflow: that is a warning, given up after about the
     2 s patience, and the stage's own error is what the user sees, not MLflow's."""
-    store, project = tmp_path / "store", tmp_path / "project"
-    store.mkdir()
-    project.mkdir()
-    port = free_port()
     # No MLflow call inside the loop (log_every past max_steps, no evals): once the run is open and
     # the first checkpoint is written, the stage touches MLflow again only when it ends.
-    (project / "params.yaml").write_text(yaml.safe_dump({
-        "sft": {"model_path": str(micro_model), "train_file": str(micro_data["sft"]),
-                "eval_file": str(micro_data["eval"]), "max_steps": 100000, "log_every": 100000, "batch_size": 8,
-                "eval_every": 0, "save_every": 20, "num_threads": 1},
-        "tracking": {"experiment": "gone", "log_model": False, "connect_patience_s": 2}}))
-    env = {**cli_env(project), "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}"}
+    store, project, port, env = _sft_project(
+        tmp_path, micro_model, micro_data, {"max_steps": 100000, "log_every": 100000, "batch_size": 8, "eval_every": 0},
+        {"experiment": "gone", "connect_patience_s": 2})
 
     server = _start_server(store, port)
     stage = subprocess.Popen([sys.executable, "-m", "flows.cli", "sft"], cwd=project, env=env,
