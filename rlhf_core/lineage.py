@@ -26,7 +26,6 @@ import hashlib
 import json
 import logging
 import os
-import secrets
 import subprocess
 import time
 from importlib.metadata import PackageNotFoundError, version
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import rlhf_core
+from rlhf_core.atomic_io import write_text_atomic
 
 log = logging.getLogger(__name__)
 _CHUNK = 1 << 20
@@ -162,12 +162,7 @@ class HashCache:
 
     def _write(self, entries: dict[str, list[Any]]) -> None:
         assert self.path is not None
-        tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-        try:
-            tmp.write_text(json.dumps({"version": _CACHE_VERSION, "entries": entries}), encoding="utf-8")
-            os.replace(tmp, self.path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_text_atomic(self.path, json.dumps({"version": _CACHE_VERSION, "entries": entries}))
 
 
 def dir_md5(path: str | Path, cache: HashCache | bool = True) -> str:

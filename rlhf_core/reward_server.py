@@ -35,7 +35,6 @@ import argparse
 import hmac
 import json
 import os
-import secrets
 import socket
 import sys
 import threading
@@ -48,8 +47,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
+from rlhf_core.atomic_io import write_text_atomic
 from rlhf_core.redact import register_secret
-
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_MAX_ITEMS = 4096
@@ -162,13 +161,7 @@ def build_app(scorer: Callable[[list[str], list[str], list[str | None]], list[fl
 
 def _write_port_file(path: Path, port: int) -> None:
     """Write atomically, so a reader polling for the file never sees it half-written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")  # unique per writer
-    try:
-        tmp.write_text(f"{port}\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_text_atomic(path, f"{port}\n")
 
 
 def _parser() -> argparse.ArgumentParser:

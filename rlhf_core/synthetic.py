@@ -32,13 +32,13 @@ Run: ``alignflow generate``.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
+
+from rlhf_core.atomic_io import write_text_atomic
 
 OPS = ("+", "-", "*")
 _ARITH_RE = re.compile(r"^\s*(-?\d+)\s*([+\-*])\s*(-?\d+)\s*=\s*$")
@@ -238,16 +238,7 @@ def sample_problems(n: int, rng: random.Random, space: ProblemSpace, exclude: se
 
 def write_jsonl(rows: Iterable[dict], path: Path) -> Path:
     """Write rows as JSON lines atomically (a half-written file never appears at ``path``)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")  # unique per writer
-    try:
-        with tmp.open("w", encoding="utf-8", newline="\n") as fh:
-            for row in rows:
-                fh.write(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n")
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return write_text_atomic(path, (json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n" for row in rows))
 
 
 def generate_datasets(
