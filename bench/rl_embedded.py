@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import rlhf_core  # noqa: E402,F401  (offline switches)
+from rlhf_core.checkpoint import clear_checkpoints  # noqa: E402
 from rlhf_core.config import RLConfig, load_config, parse_overrides  # noqa: E402
 from rlhf_core.trainers.rl import train_rl  # noqa: E402
 
@@ -65,6 +66,8 @@ def main() -> int:
     overrides.setdefault("output_dir", "/tmp/alignflow-rl-bench/model")
     overrides.setdefault("checkpoint_dir", "/tmp/alignflow-rl-bench/checkpoints")
     cfg = load_config(RLConfig, "rl", args.params, overrides)
+    # a benchmark trains every time: no resuming from, or reusing the finished output of, an earlier run
+    clear_checkpoints(cfg.checkpoint_dir)
     sink = PrintSink()
     started = time.perf_counter()
     result = train_rl(cfg, sink, show_progress=False)

@@ -17,8 +17,15 @@ Each checkpoint carries the run's *fingerprint* (its config, the size and mtime 
 input path, the bytes of every ``file.py:function`` the config names, and the training
 core's code), and a run only resumes from a checkpoint with its own fingerprint and format:
 a changed config, dataset, reward function or trainer starts over instead of silently
-continuing someone else's run. Checkpoints exist to resume an interrupted run;
-:meth:`Checkpointer.clear` removes them once the run has saved its final model.
+continuing someone else's run.
+
+Once the final model is saved the loop writes ``finished.json`` beside the checkpoints: the run's
+fingerprint, the output folder and its DVC md5, and what the loop hands back (evaluation
+metrics and samples, timings, the trainer's result metrics). The stage that ran the loop tracks
+and registers the model, then calls :meth:`Checkpointer.clear`, which removes the checkpoints and
+the record. A retry of a stage that failed in between (the tracking server went away before the
+model was registered) finds the record (:meth:`Checkpointer.finished`) and reuses the output
+instead of training again, as long as the output is still the one recorded.
 
 A full, read-only or forbidden disk (ENOSPC, EDQUOT, EROFS, EACCES) while writing raises
 :class:`StorageError`, a permanent error: retrying cannot help until someone frees space or
@@ -46,20 +53,28 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from rlhf_core.atomic_io import write_text_atomic
 from rlhf_core.config import config_to_dict
-from rlhf_core.lineage import core_fingerprint, file_sha256
+from rlhf_core.lineage import core_fingerprint, dvc_md5, file_sha256
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.pt"
 MANIFEST_FILE = "manifest.json"
+FINISHED_FILE = "finished.json"
 # 2: the loop's evaluation metrics are ``loop.eval_metrics`` for every trainer (one checkpointed loop).
+# 3: optimizer state by parameter name, whole tensors (any strategy and world size); ``rng_ranks``.
 # A checkpoint of another format is skipped (the run starts over) rather than misread.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 # Config fields that decide where or how often state is written, not what is computed.
 _NOT_FINGERPRINTED = frozenset({"resume", "save_every", "keep_checkpoints", "checkpoint_dir", "output_dir",
-                                "eval_every"})
+                                "eval_every",
+                                # how the work is spread, not what is computed: a checkpoint holds whole
+                                # tensors by name, so a run may resume on fewer or more workers (the
+                                # sums then differ in float rounding order only)
+                                "num_workers", "parallel", "offload_optimizer", "num_threads", "placement",
+                                "rollout_workers"})
 
 
 class TrainingInterrupted(RuntimeError):
@@ -165,12 +180,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def load_weights(model: torch.nn.Module, directory: str | Path) -> None:
-    """Load the safetensors weights of an HF directory into ``model`` in place.
-
-    ``save_pretrained`` stores a tied parameter once (e.g. the LM head shares the embedding),
-    so a missing key is accepted only when it shares storage with a loaded one.
-    """
+def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF directory's ``*.safetensors`` files (on the CPU)."""
     from safetensors.torch import load_file
 
     files = sorted(Path(directory).glob("*.safetensors"))
@@ -179,13 +190,15 @@ def load_weights(model: torch.nn.Module, directory: str | Path) -> None:
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         weights.update(load_file(str(f)))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    params = model.state_dict(keep_vars=True)
-    loaded_ptrs = {params[k].data_ptr() for k in weights if k in params}
-    untied = [k for k in missing if params[k].data_ptr() not in loaded_ptrs]
-    if untied or unexpected:
-        raise ValueError(f"{directory}: checkpoint does not match the model (missing {untied[:5]}, "
-                         f"unexpected {list(unexpected)[:5]})")
+    return weights
+
+
+def load_weights(model: torch.nn.Module, directory: str | Path) -> None:
+    """Load the safetensors weights of an HF directory into a plain (unpartitioned) ``model`` in place;
+    a model under a data-parallel strategy loads through ``Strategy.load_weights`` instead."""
+    from rlhf_core.parallel import assign_weights
+
+    assign_weights(model, read_weights(directory), str(directory))
 
 
 # --------------------------------------------------------------------------------------
@@ -383,6 +396,17 @@ class Checkpoint:
     state: dict[str, Any]
 
 
+@dataclass
+class FinishedRun:
+    """A run that saved its final model (``finished.json``): its last step, its output and what the loop
+    handed back (``LoopOutcome``'s fields as JSON), kept until the stage's tracking is done."""
+
+    step: int
+    output_dir: Path
+    output_md5: str
+    outcome: dict[str, Any]
+
+
 def _is_step_name(name: str) -> bool:
     return name.startswith("step-")
 
@@ -460,11 +484,45 @@ class Checkpointer:
             return True
         return False
 
+    def mark_finished(self, step: int, output_dir: str | Path, outcome: dict[str, Any]) -> Path:
+        """Record (durably) that this run saved its final model in ``output_dir`` after ``step`` steps, with
+        the output's DVC md5 and ``outcome`` (JSON: metrics, samples, timings) to hand back on reuse."""
+        path = self.root / FINISHED_FILE
+        record = {"format": FORMAT_VERSION, "fingerprint": self.fingerprint, "step": int(step),
+                  "output_dir": str(output_dir), "output_md5": dvc_md5(output_dir), "outcome": outcome}
+        with storage_guard(path, "cannot record the finished run in"):
+            # default=float: a numpy or 0-d tensor metric; NaN is written as NaN, which json reads back
+            write_text_atomic(path, json.dumps(record, indent=1, sort_keys=True, default=float) + "\n")
+            fsync_path(path)
+            fsync_path(self.root)
+        return path
+
+    def finished(self) -> FinishedRun | None:
+        """This run's ``finished.json`` if its output is still the one recorded; else None (with a warning
+        saying why, unless there is no record): the run trains again."""
+        path = self.root / FINISHED_FILE
+        if not path.is_file():
+            return None
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+            found = FinishedRun(int(record["step"]), Path(record["output_dir"]), str(record["output_md5"]),
+                                dict(record["outcome"]))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring %s: unreadable (%r); training again", path, exc)
+            return None
+        if record.get("format") != FORMAT_VERSION or record.get("fingerprint") != self.fingerprint:
+            log.warning("ignoring %s: written by a run of another format, config, inputs or code; training again",
+                        path)
+            return None
+        if not found.output_dir.exists() or dvc_md5(found.output_dir) != found.output_md5:
+            log.warning("ignoring %s: its output %s is missing or changed since (DVC md5 recorded %s); training "
+                        "again", path, found.output_dir, found.output_md5)
+            return None
+        return found
+
     def clear(self) -> None:
-        """Remove every checkpoint (and leftover temp folder) under ``root``."""
-        for path in self._step_dirs():
-            shutil.rmtree(path, ignore_errors=True)
-        sweep_temps(self.root, _is_step_name, dead_only=False)
+        """Remove every checkpoint, the finished record and leftover temp files under ``root``."""
+        clear_checkpoints(self.root)
 
     @contextmanager
     def hold(self, name: str) -> Iterator[None]:
@@ -493,6 +551,35 @@ class Checkpointer:
 
     def _step_dirs(self) -> list[Path]:
         return sorted(p for p in self.root.glob("step-*") if p.is_dir()) if self.root.exists() else []
+
+
+def clear_checkpoints(root: str | Path) -> None:
+    """Remove the checkpoints, the finished record (``finished.json``) and leftover temps under ``root``:
+    what a stage calls once its model is tracked and registered (no fingerprint needed to delete).
+
+    Under the folder's lock (:meth:`Checkpointer.hold`), taken without waiting: a run of the same stage
+    training there now (another flow) keeps its checkpoints, and clears after itself when its stage ends.
+    """
+    from filelock import FileLock, Timeout
+
+    root = Path(root)
+    if not root.is_dir():
+        return
+    lock = FileLock(str(root / ".lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.warning("not clearing %s: another run is using it", root)
+        return
+    try:
+        for path in root.glob("step-*"):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+        for path in [root / FINISHED_FILE, *root.glob(f"{FINISHED_FILE}.tmp-*")]:  # temps: write_text_atomic's
+            path.unlink(missing_ok=True)
+        sweep_temps(root, _is_step_name, dead_only=False)
+    finally:
+        lock.release()
 
 
 # --------------------------------------------------------------------------------------

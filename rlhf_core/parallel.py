@@ -18,6 +18,17 @@ Strategies (``TrainerConfig.parallel``):
   ``no_sync`` skips the all-reduce on all but the last micro-batch of a step.
 * ``zero2`` / ``zero3``: DeepSpeed ZeRO stage 2 (optimizer state and gradients partitioned)
   or 3 (parameters too; Rajbhandari et al. 2020, "ZeRO"), with optional CPU optimizer offload.
+
+Checkpoints (every strategy, every world size): :meth:`Strategy.optimizer_state` hands back the
+AdamW state *by parameter name* — whole tensors, gathered from ZeRO's partitions with DeepSpeed's
+tensor-fragment API (``safe_get_full_optimizer_state``) — and :meth:`Strategy.load_optimizer_state`
+scatters it back into whatever layout this world uses. One format, so a run checkpointed on two
+ZeRO-2 ranks resumes exactly on two, and continues on one (``tests/model/test_parallel.py``). We
+chose a consolidated format over DeepSpeed's ``save_checkpoint`` (one file per rank, loadable only
+by the same world size without an offline ``ds_to_universal`` conversion) because a nightly job
+that lost a node must be able to finish on the nodes it has; the price is a gather of the
+optimizer state (2 x the fp32 parameters) on rank 0 at each checkpoint. Both calls, and
+:meth:`Strategy.load_weights`, are collectives: every rank makes them.
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ import torch
 log = logging.getLogger(__name__)
 
 PARALLEL_CHOICES = ("ddp", "zero2", "zero3")
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 # --------------------------------------------------------------------------------------
@@ -80,6 +92,16 @@ class World:
         for param in model.parameters():
             if param.grad is not None:
                 dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+
+    def gather_to_main(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` (picklable) in rank order on rank 0, None on the others; ``[obj]`` alone."""
+        if not self.distributed:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] | None = [None] * self.size if self.is_main else None
+        dist.gather_object(obj, out, dst=0)
+        return out
 
     def barrier(self) -> None:
         if self.distributed:
@@ -133,9 +155,52 @@ class Strategy(Protocol):
 
     def gathered(self) -> Any: ...
 
-    def optimizer_state(self) -> dict[str, Any] | None: ...
+    def optimizer_state(self) -> dict[str, Any]: ...
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None: ...
+
+    def load_weights(self, weights: dict[str, torch.Tensor], where: str) -> None: ...
+
+
+# --------------------------------------------------------------------------------------
+# Optimizer state by parameter name: one checkpoint format for every strategy and world size
+# --------------------------------------------------------------------------------------
+#
+# {"lr": float, "step": {name: 0-d tensor}, "exp_avg": {name: tensor}, "exp_avg_sq": {name: tensor}}
+# (torch AdamW's per-parameter state, keyed by ``named_parameters()`` names instead of positions;
+# parameters that have no state yet, before the first step, are absent). Every parameter group
+# of :func:`rlhf_core.trainers.loop.build_optimizer` shares one learning rate.
+
+
+def _named_trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _group_lr(param_groups: Sequence[dict[str, Any]]) -> float:
+    return float(param_groups[0]["lr"]) if param_groups else 0.0
+
+
+def _set_lr(param_groups: Sequence[dict[str, Any]], lr: float) -> None:
+    # The schedule's value for the next step; a fresh optimizer would otherwise take its first
+    # step after resume at the initial learning rate.
+    for group in param_groups:
+        group["lr"] = lr
+
+
+def assign_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], where: str) -> None:
+    """Copy ``weights`` (an HF checkpoint's tensors) into ``model`` in place.
+
+    ``save_pretrained`` stores a tied parameter once (e.g. the LM head shares the embedding), so a
+    missing key is accepted only when it shares storage with a loaded one. ``where`` names the
+    checkpoint in the error.
+    """
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    params = model.state_dict(keep_vars=True)
+    loaded_ptrs = {params[k].data_ptr() for k in weights if k in params}
+    untied = [k for k in missing if params[k].data_ptr() not in loaded_ptrs]
+    if untied or unexpected:
+        raise ValueError(f"{where}: checkpoint does not match the model (missing {untied[:5]}, "
+                         f"unexpected {list(unexpected)[:5]})")
 
 
 class LocalStrategy:
@@ -176,11 +241,29 @@ class LocalStrategy:
         """Every parameter whole on every rank inside the block (already so outside ZeRO-3)."""
         return nullcontext()
 
-    def optimizer_state(self) -> dict[str, Any] | None:
-        return self.optimizer.state_dict()
+    def optimizer_state(self) -> dict[str, Any]:
+        """AdamW's state by parameter name (every DDP rank holds all of it; rank 0's is saved)."""
+        out: dict[str, Any] = {"lr": _group_lr(self.optimizer.param_groups), "step": {},
+                               **{key: {} for key in ADAM_MOMENTS}}
+        for name, param in _named_trainable(self.model).items():
+            state = self.optimizer.state.get(param)
+            if state:
+                for key in ("step", *ADAM_MOMENTS):
+                    out[key][name] = state[key].detach()
+        return out
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state)
+        """The inverse of :meth:`optimizer_state` (moments cast to each parameter's device and dtype,
+        as ``torch.optim.Optimizer.load_state_dict`` does)."""
+        for name, param in _named_trainable(self.model).items():
+            if name in state["step"]:
+                self.optimizer.state[param] = {
+                    "step": state["step"][name].detach().clone().float().cpu(),
+                    **{key: state[key][name].to(param.device, param.dtype, copy=True) for key in ADAM_MOMENTS}}
+        _set_lr(self.optimizer.param_groups, state["lr"])
+
+    def load_weights(self, weights: dict[str, torch.Tensor], where: str) -> None:
+        assign_weights(self.model, weights, where)
 
 
 class DDPStrategy(LocalStrategy):
@@ -269,11 +352,84 @@ class DeepSpeedStrategy:
 
         return deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=0)
 
-    def optimizer_state(self) -> dict[str, Any] | None:
-        return None  # partitioned per rank: mid-run checkpoints under ZeRO keep weights only (see loop)
+    # ---- checkpoints: whole tensors by name, whatever the partitioning ---------------------------
+
+    def _flat_partitions(self) -> list[torch.Tensor]:
+        """The fp32 master partitions this rank's base optimizer steps (its state is keyed by them)."""
+        zero = self.engine.optimizer
+        return list(zero.fp32_partitioned_groups_flat if self.stage == 3 else zero.single_partition_of_fp32_groups)
+
+    def _base_state(self) -> dict[Any, dict[str, Any]]:
+        return self.engine.optimizer.optimizer.state
+
+    def _link_states(self) -> None:
+        """Point each parameter's fragment at the optimizer state (ZeRO-1/2; ZeRO-3 looks it up on access).
+
+        DeepSpeed 0.19 links them once, right after the *first group's* first step, so the fragments
+        of the other groups (our no-decay group) stay empty and ``safe_get_full_optimizer_state``
+        fails for them; relinking once every group has state is what the first step should have done.
+        (A private call: there is no public one.)
+        """
+        zero = self.engine.optimizer
+        if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
+            zero._hp_optimizer_states_linked = False
+            zero._lazy_init_hp_params_optimizer_state()
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """AdamW's state by parameter name, each tensor whole (a collective: every rank calls it; all
+        ranks get the same result, rank 0's is saved)."""
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        base, flats = self._base_state(), self._flat_partitions()
+        out: dict[str, Any] = {"lr": _group_lr(self.engine.optimizer.param_groups), "step": {},
+                               **{key: {} for key in ADAM_MOMENTS}}
+        if not all(flat in base for flat in flats):
+            return out  # before the first step: no state yet (the same on every rank)
+        self._link_states()
+        step = torch.tensor(float(base[flats[0]]["step"]), dtype=torch.float32)
+        for name, param in _named_trainable(self.engine.module).items():
+            out["step"][name] = step
+            for key in ADAM_MOMENTS:
+                out[key][name] = safe_get_full_optimizer_state(param, key).detach().cpu()
+        return out
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        del state
+        """Scatter a by-name state into this world's partitions (any world size wrote it)."""
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        _set_lr(self.engine.optimizer.param_groups, state["lr"])
+        if not state["step"]:
+            return
+        step = float(next(iter(state["step"].values())))
+        base = self._base_state()
+        for flat in self._flat_partitions():
+            # AdamW creates its state at the first step; make it now so the fragments can be filled
+            entry = base.setdefault(flat, {key: torch.zeros_like(flat) for key in ADAM_MOMENTS})
+            entry["step"] = torch.tensor(step, dtype=torch.float32)  # torch AdamW's type for it
+        self._link_states()
+        for name, param in _named_trainable(self.engine.module).items():
+            if name in state["step"]:
+                for key in ADAM_MOMENTS:
+                    safe_set_full_optimizer_state(param, state[key][name].to(torch.float32), key)
+
+    def load_weights(self, weights: dict[str, torch.Tensor], where: str) -> None:
+        """Weights into the module (gathered under ZeRO-3) and into the fp32 master partitions the
+        optimizer steps (which DeepSpeed copied from the module when it started). Every rank reads
+        the same ``weights``."""
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        with self.gathered():
+            if self.stage < 3 or torch.distributed.get_rank() == 0:
+                assign_weights(self.engine.module, weights, where)
+        tied = {p.data_ptr(): n for n, p in self.engine.module.state_dict(keep_vars=True).items()
+                if n in weights} if self.stage < 3 else {}
+        for name, param in _named_trainable(self.engine.module).items():
+            value = weights.get(name)
+            if value is None and self.stage < 3:
+                value = weights.get(tied.get(param.data_ptr(), ""))
+            if value is None:
+                raise ValueError(f"{where}: no weights for {name}")
+            safe_set_full_fp32_param(param, value.to(torch.float32))
 
 
 def build_strategy(kind: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

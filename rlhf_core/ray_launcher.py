@@ -29,7 +29,8 @@ import os
 import socket
 import time
 from dataclasses import replace
-from typing import Any, Callable, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
 
 import ray
 import torch
@@ -42,6 +43,58 @@ log = logging.getLogger(__name__)
 
 # A colocated bundle is shared by up to four roles (policy, reference, rollout, reward model).
 _COLOCATED_SHARE = 0.25
+# How long a rank waits in a collective for a peer that stopped answering (gloo's and NCCL's own
+# default is 30 minutes). A peer that *died* is noticed sooner: Ray reports the dead actor and
+# gather() below tears the group down within seconds. Long enough for a 7B checkpoint gather.
+COLLECTIVE_TIMEOUT_ENV = "ALIGNFLOW_COLLECTIVE_TIMEOUT_S"
+_DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+# NVLink multicast (NCCL's NVLS, torch symmetric memory) off in every actor unless the user sets these:
+# on shared multi-GPU hosts it has taken GPUs out of service, and data parallelism gains little from it.
+_NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# Test hooks (rlhf_core.trainers.loop.inject_fault) reach the actors through their runtime env.
+_FAULT_ENV = ("ALIGNFLOW_FAULT", "ALIGNFLOW_FAULT_RANK", "ALIGNFLOW_FAULT_SIGNAL")
+
+
+class RankFailed(RuntimeError):
+    """An actor of a group died or raised; the group was torn down (a retry starts fresh ones)."""
+
+
+def collective_timeout_s() -> float:
+    value = os.environ.get(COLLECTIVE_TIMEOUT_ENV, "")
+    try:
+        return float(value) if value else _DEFAULT_COLLECTIVE_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"{COLLECTIVE_TIMEOUT_ENV}={value!r} is not a number of seconds") from None
+
+
+def gather(refs: Sequence[Any], what: str, on_wait: Callable[[], None] | None = None,
+           fetch_first: bool = True) -> list[Any]:
+    """``ray.get(refs)``, but the first failure raises at once instead of after every other ref finished.
+
+    Plain ``ray.get`` of a list waits in list order: with rank 1 dead and rank 0 blocked in a
+    collective waiting for it, it would wait out the collective's timeout. ``on_wait`` runs between
+    polls (the metric queue's drain). ``fetch_first=False`` leaves ``refs[0]``'s value in the object
+    store (a rank's weights headed for other actors) and returns the ref itself in its place.
+    """
+    results: dict[int, Any] = {}
+    index = {ref: i for i, ref in enumerate(refs)}
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+        for ref in ready:
+            i = index[ref]
+            if i == 0 and not fetch_first:
+                results[i] = ref
+                continue
+            try:
+                results[i] = ray.get(ref)
+            except ray.exceptions.RayTaskError:
+                raise  # a rank's own error, an instance of its class: a permanent one stays permanent
+            except Exception as exc:  # noqa: BLE001 - the actor died (or Ray lost it): retryable
+                raise RankFailed(f"ray: {what} failed: {type(exc).__name__}: {exc}") from exc
+        if on_wait is not None:
+            on_wait()
+    return [results[i] for i in range(len(refs))]
 
 
 # --------------------------------------------------------------------------------------
@@ -57,7 +110,8 @@ def connect(min_cpus: float = 0.0) -> str:
     """
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS") or None
-        kwargs: dict[str, Any] = {"runtime_env": {"env_vars": dict(OFFLINE_ENV)}, "log_to_driver": True,
+        env = {**OFFLINE_ENV, **{k: os.environ.get(k, v) for k, v in _NO_MULTICAST.items()}}
+        kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "log_to_driver": True,
                                   "logging_level": logging.WARNING}
         if address is None:
             kwargs.update(num_cpus=max(os.cpu_count() or 1, math.ceil(min_cpus)), include_dashboard=False)
@@ -94,8 +148,11 @@ class _Worker:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def join_world(self, addr: str, port: int, rank: int, size: int) -> int:
-        """``torch.distributed.init_process_group``: NCCL when this actor has a GPU, else gloo."""
+    def join_world(self, addr: str, port: int, rank: int, size: int, timeout_s: float) -> int:
+        """``torch.distributed.init_process_group``: NCCL when this actor has a GPU, else gloo; a
+        collective waits at most ``timeout_s`` for its peers."""
+        import datetime
+
         import torch.distributed as dist
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -105,7 +162,8 @@ class _Worker:
                           LOCAL_RANK="0")
         if backend == "nccl":
             torch.cuda.set_device(0)  # Ray exposes this actor's GPU(s) as CUDA_VISIBLE_DEVICES
-        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=size)
+        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
         return os.getpid()
 
     def build(self, factory: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
@@ -153,36 +211,44 @@ class ActorGroup:
     def __init__(self, actor_cls: Any, name: str, pg: PlacementGroup, bundles: Sequence[int], *, num_cpus: float,
                  num_gpus: float, num_threads: int, world: bool):
         self.name = name
+        hooks = {k: os.environ[k] for k in _FAULT_ENV if k in os.environ}
         self.actors = [actor_cls.options(
             num_cpus=num_cpus, num_gpus=num_gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b),
+            **({"runtime_env": {"env_vars": hooks}} if hooks else {}),
         ).remote(os.getcwd(), num_threads) for b in bundles]
         if world and len(self.actors) > 1:
             addr, port = ray.get(self.actors[0].rendezvous.remote())
-            ray.get([a.join_world.remote(addr, port, i, len(self.actors)) for i, a in enumerate(self.actors)])
+            timeout = collective_timeout_s()
+            gather([a.join_world.remote(addr, port, i, len(self.actors), timeout) for i, a in enumerate(self.actors)],
+                   f"{name} joining its world")
 
     def __len__(self) -> int:
         return len(self.actors)
 
     def build(self, factory: Callable[..., Any], *args: Any, per_rank: Callable[[int], dict] | None = None,
               **kwargs: Any) -> None:
-        ray.get([a.build.remote(factory, *args, **kwargs, **(per_rank(i) if per_rank else {}))
-                 for i, a in enumerate(self.actors)])
+        gather([a.build.remote(factory, *args, **kwargs, **(per_rank(i) if per_rank else {}))
+                for i, a in enumerate(self.actors)], f"{self.name} start")
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """``role.method(*args)`` on every actor (same arguments), results in rank order."""
-        return ray.get([a.call.remote(method, *args, **kwargs) for a in self.actors])
+        """``role.method(*args)`` on every actor (same arguments), results in rank order; the first
+        actor to fail fails the call (:func:`gather`)."""
+        return gather([a.call.remote(method, *args, **kwargs) for a in self.actors], f"{self.name}.{method}")
 
     def run_all(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         return [a.run.remote(fn, *args, **kwargs) for a in self.actors]
 
-    def shutdown(self) -> None:
-        try:
-            ray.get([a.leave_world.remote() for a in self.actors], timeout=60)
-        except Exception as exc:  # noqa: BLE001 - best effort: the actors are killed next either way
-            log.warning("ray: %s did not leave cleanly: %s", self.name, exc)
+    def shutdown(self, clean: bool = True) -> None:
+        """Leave the world and stop the actors; after a failure (``clean=False``) kill them at once: a
+        survivor blocked in a collective would not answer ``leave_world`` before its timeout."""
+        if clean:
+            try:
+                ray.get([a.leave_world.remote() for a in self.actors], timeout=60)
+            except Exception as exc:  # noqa: BLE001 - best effort: the actors are killed next either way
+                log.warning("ray: %s did not leave cleanly: %s", self.name, exc)
         for a in self.actors:
-            ray.kill(a)
+            ray.kill(a, no_restart=True)
 
 
 # --------------------------------------------------------------------------------------
@@ -213,11 +279,21 @@ class Launcher:
         self.groups.append(g)
         return g
 
-    def shutdown(self) -> None:
+    def shutdown(self, clean: bool = True) -> None:
         for g in reversed(self.groups):
-            g.shutdown()
+            g.shutdown(clean)
         for pg in self.pgs:
             remove_placement_group(pg)
+
+    @contextmanager
+    def running(self) -> Iterator["Launcher"]:
+        """Shut everything down on the way out: cleanly after success, by killing after a failure."""
+        try:
+            yield self
+        except BaseException:
+            self.shutdown(clean=False)
+            raise
+        self.shutdown(clean=True)
 
 
 # --------------------------------------------------------------------------------------
@@ -251,22 +327,17 @@ def train_data_parallel(train_fn: Callable[..., Any], cfg: Any, sink: Any = None
     from ray.util.queue import Queue
 
     connect(min_cpus=cfg.num_workers)
-    launcher = Launcher(cluster_has_gpus())
     queue = Queue()
     try:
-        pg = launcher.bundles(cfg.num_workers)
-        group = launcher.group(TrainerActor, "trainer", pg, range(cfg.num_workers), share=1.0,
-                               num_threads=cfg.num_threads, world=True)
-        refs = group.run_all(_run_rank, train_fn, cfg, queue, show_progress)
-        pending = list(refs)
-        while pending:
-            _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+        with Launcher(cluster_has_gpus()).running() as launcher:
+            pg = launcher.bundles(cfg.num_workers)
+            group = launcher.group(TrainerActor, "trainer", pg, range(cfg.num_workers), share=1.0,
+                                   num_threads=cfg.num_threads, world=True)
+            refs = group.run_all(_run_rank, train_fn, cfg, queue, show_progress)
+            results = gather(refs, "a training rank", on_wait=lambda: _drain(queue, sink))
             _drain(queue, sink)
-        results = ray.get(refs)
-        _drain(queue, sink)
-        return results[0]
+            return results[0]
     finally:
-        launcher.shutdown()
         queue.shutdown()
 
 
@@ -329,8 +400,7 @@ class RemoteLearner:
             if all(h is not None for h in handles):
                 return PerReplica(handles)
         refs = [a.call.remote("engine_weights", None, dtype) for a in self.group.actors]
-        ray.wait(refs, num_returns=len(refs))
-        return refs[0] if isinstance(engine, RemoteRollout) else ray.get(refs[0])
+        return gather(refs, "policy.engine_weights", fetch_first=not isinstance(engine, RemoteRollout))[0]
 
     def view(self) -> Any:
         """The controller's copy of the policy with rank 0's current weights."""
@@ -343,9 +413,13 @@ class RemoteLearner:
     def state_dict(self) -> dict[str, Any]:
         return self.group.call_all("state_dict")[0]
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """A checkpoint's state on every rank, with the weights just loaded into the controller's view."""
-        self.group.call_all("load_state_dict", state, self.policy.state_dict())
+    def load_state_dict(self, state: dict[str, Any], policy_weights: dict[str, torch.Tensor]) -> None:
+        """A checkpoint's state and weights on every rank (stored once in the object store) and in the
+        controller's view."""
+        from rlhf_core.parallel import assign_weights
+
+        assign_weights(self.policy, policy_weights, "rl checkpoint")
+        self.group.call_all("load_state_dict", state, ray.put(policy_weights))
         self._fresh = True
 
 
@@ -387,13 +461,13 @@ class RemoteRollout:
         chunks = [list(prompts[i:i + size]) for i in range(0, len(prompts), size)]
         refs = [a.call.remote("generate", chunk, replace(params, seed=None if params.seed is None else params.seed + i))
                 for i, (a, chunk) in enumerate(zip(self.group.actors, chunks))]
-        return _concat(ray.get(refs), self.pad_id)
+        return _concat(gather(refs, "rollout"), self.pad_id)
 
     def update_weights(self, weights: Any) -> None:
         """Push weights (a Ray object reference, fetched once per node, a state dict, or one CUDA IPC
         payload per replica) to every replica."""
         if isinstance(weights, PerReplica):
-            ray.get([a.call.remote("update_weights", w) for a, w in zip(self.group.actors, weights)])
+            gather([a.call.remote("update_weights", w) for a, w in zip(self.group.actors, weights)], "weight sync")
             return
         self.group.call_all("update_weights", weights)
 
@@ -405,7 +479,8 @@ class RemoteReward:
         self.group = group
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], labels: Sequence[str | None]) -> list[float]:
-        return ray.get(self.group.actors[0].call.remote("__call__", list(prompts), list(completions), list(labels)))
+        return gather([self.group.actors[0].call.remote("__call__", list(prompts), list(completions), list(labels))],
+                      "reward model")[0]
 
 
 class RolloutReplica:
@@ -489,7 +564,7 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
     connect(min_cpus=workers if colocated else workers + n_refs + replicas + int(reward_model))
     launcher = Launcher(cluster_has_gpus())
     started = time.perf_counter()
-    try:
+    with launcher.running():  # a failed rank tears every group down at once (no wait on its peers)
         if colocated:
             pg = launcher.bundles(workers)
             ranks = list(range(workers))
@@ -523,5 +598,3 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
                                beside_ranks=colocated and replicas == workers and launcher.use_gpus)
         return train_rl(cfg, sink, show_progress, engine=engine, reward_source=reward_source,
                         learner=RemoteLearner(policy, cfg), reference=RemoteReference(reference))
-    finally:
-        launcher.shutdown()

@@ -259,7 +259,14 @@ def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: s
     ``datasets`` maps a dataset name to ``(path, context)``; ``train_fn(cfg, sink=, show_progress=)``
     returns an object with ``output_dir`` and ``metrics`` (and optionally ``eval_samples``).
     ``metrics_file`` receives deterministic metrics only (eval/*, train/loss*), since DVC hashes it.
+
+    The trainer's checkpoints and its finished record are cleared last, once the model is tracked and
+    registered: a stage that fails before that (the tracking server went away) and is retried reuses the
+    saved output instead of training again (:func:`rlhf_core.trainers.loop.run_checkpointed`), and the
+    retry continues the same MLflow run, which registers one model version.
     """
+    from rlhf_core.checkpoint import clear_checkpoints
+    from rlhf_core.trainers.loop import inject_fault
     from rlhf_core.tracking import start_run
 
     gate_datasets(cfg, datasets)
@@ -285,10 +292,12 @@ def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: s
             run.log_dict(result.eval_samples, "eval_samples.json")
         out_md5 = dvc_md5(result.output_dir)
         run.set_tags({"dvc.md5.output_model": out_md5})
+        inject_fault(name, "tracking")  # test hook (ALIGNFLOW_FAULT=<stage>:tracking): saved, not yet registered
         model_uri = run.log_hf_model(result.output_dir, register_as) if register_as else None
         if metrics_file is not None:
             _write_json_atomic({k: round(v, 6) for k, v in result.metrics.items()
                                 if k.startswith(("eval/", "train/loss"))}, metrics_file)
+        clear_checkpoints(cfg.checkpoint_dir)  # only now: a retry before this point reuses the saved output
         return StageResult({"model": str(result.output_dir)}, {"model": out_md5}, result.metrics,
                            run.run_id, model_uri)
 

@@ -17,7 +17,7 @@ import secrets
 import shutil
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
@@ -379,26 +379,38 @@ class LoopPlan:
 
 @dataclass
 class LoopOutcome:
-    """What the loop hands back: the last evaluation, timings and where the run started."""
+    """What the loop hands back: the last evaluation, timings, where the run started and the trainer's result.
+
+    Recorded as JSON in the checkpoint folder's ``finished.json`` with the final model, so a retry after the
+    final save (the stage's tracking failed) gets the same outcome back without training again."""
 
     eval_metrics: dict[str, float]
     eval_samples: list[dict[str, str]]
     train_seconds: float
     total_seconds: float
     resumed_from_step: int = 0
+    result_metrics: dict[str, float] = field(default_factory=dict)
+    """the trainer's own result metrics (``run_checkpointed``'s ``result_metrics``), taken after the final save"""
+    reused: bool = False
+    """True when nothing was trained: this is the recorded outcome of the run that saved the output"""
 
 
 def run_checkpointed(plan: LoopPlan, checkpointer: Any, body: TrainingBody, *, sink: MetricSink,
-                     world: Any = None, show_progress: bool = True) -> LoopOutcome:
+                     world: Any = None, show_progress: bool = True,
+                     result_metrics: Callable[[float], dict[str, float]] | None = None) -> LoopOutcome:
     """Run ``body`` for ``plan.max_steps`` steps with resume, SIGTERM, checkpoints, evals and logging.
 
     Per step: ``body.train_step`` -> log its metrics -> eval every ``plan.eval_every`` steps ->
     checkpoint every ``plan.save_every`` steps (and on SIGTERM, then stop). With ``plan.resume``
     the newest checkpoint of this run's fingerprint is restored first and the loop continues
     after its step, so an interrupted run ends with the weights and metrics of an uninterrupted
-    one. At the end: a final eval, ``body.save_final()``, and only then are the run's checkpoints
-    removed. Every rank of a data-parallel ``world`` runs this; rank 0 alone holds the run's lock,
-    writes checkpoints and logs. Evaluation time is kept out of ``perf/train_seconds``.
+    one. At the end: a final eval, ``body.save_final()``, then ``result_metrics(train_seconds)`` (the
+    trainer's own result metrics, read from its state), and rank 0 records the outcome as finished
+    (:meth:`rlhf_core.checkpoint.Checkpointer.mark_finished`). The checkpoints stay: the stage clears
+    them once it has tracked and registered the model, and a retry before that (``plan.resume``) finds
+    the record and hands back the recorded outcome (``reused``) instead of training again. Every rank
+    of a data-parallel ``world`` runs this; rank 0 alone holds the run's lock, writes checkpoints and
+    logs. Evaluation time is kept out of ``perf/train_seconds``.
     """
     from rlhf_core.checkpoint import TrainingInterrupted, sigterm_checkpoints
     from rlhf_core.parallel import World
@@ -406,6 +418,9 @@ def run_checkpointed(plan: LoopPlan, checkpointer: Any, body: TrainingBody, *, s
     world = world or World()
     clock, evals = LoopClock(), _Evaluations(body, sink)
     with checkpointer.hold(plan.name) if world.is_main else nullcontext():
+        reused = _reuse_finished(plan, checkpointer, world)
+        if reused is not None:
+            return reused
         if world.is_main:  # a full or read-only disk is refused now, not after hours of training
             preflight_storage(plan, checkpointer, body)
         start = _resume(plan, checkpointer, body, sink, evals)
@@ -431,10 +446,35 @@ def run_checkpointed(plan: LoopPlan, checkpointer: Any, body: TrainingBody, *, s
         sink.log_metrics({"perf/train_seconds": train_seconds, "perf/total_seconds": clock.total_seconds()},
                          plan.max_steps)
         body.save_final()
-        if world.is_main:  # only once the final model is in place
-            checkpointer.clear()
+        outcome = LoopOutcome(dict(evals.metrics), evals.samples, train_seconds, clock.total_seconds(), start - 1,
+                              result_metrics(train_seconds) if result_metrics is not None else {})
+        if world.is_main:  # only once the final model is in place; kept until the stage's tracking is done
+            checkpointer.mark_finished(plan.max_steps, body.storage_needs().output_dir, asdict(outcome))
         world.barrier()
-    return LoopOutcome(dict(evals.metrics), evals.samples, train_seconds, clock.total_seconds(), start - 1)
+    return outcome
+
+
+def _reuse_finished(plan: LoopPlan, checkpointer: Any, world: Any) -> LoopOutcome | None:
+    """With ``plan.resume``, the recorded outcome of this run if it already saved its final model and that
+    output is unchanged (its stage failed after the final save, e.g. in tracking); else None: train.
+    Rank 0 reads the record and decides for every rank (the others return an empty outcome)."""
+    if not plan.resume:
+        return None
+    outcome = None
+    found = checkpointer.finished() if world.is_main else None
+    if found is not None:
+        try:
+            outcome = LoopOutcome(**{**found.outcome, "reused": True})
+        except TypeError as exc:  # recorded by a version whose LoopOutcome had other fields
+            log.warning("%s: the finished record in %s does not fit this version (%s); training again",
+                        plan.name, checkpointer.root, exc)
+    if not world.all_reduce_sum([float(outcome is not None)])[0]:
+        return None
+    if outcome is None:  # a rank other than 0: rank 0's outcome is the run's
+        return LoopOutcome({}, [], 0.0, 0.0, reused=True)
+    log.warning("%s: reusing the finished output of this run, %s (saved after step %d; the stage stopped before its "
+                "tracking was done), instead of training again", plan.name, found.output_dir, found.step)
+    return outcome
 
 
 class _Evaluations:
@@ -456,13 +496,17 @@ class _Evaluations:
 def _resume(plan: LoopPlan, checkpointer: Any, body: TrainingBody, sink: MetricSink, evals: _Evaluations) -> int:
     """Restore the newest checkpoint of this run when ``plan.resume``; returns the first step to run."""
     from rlhf_core.checkpoint import set_rng_state
+    from rlhf_core.parallel import current_world
 
     found = checkpointer.latest() if plan.resume and body.can_resume() else None
     if found is None:
         return 1
     body.restore(found)
     evals.metrics.update(found.state["loop"]["eval_metrics"])
-    set_rng_state(found.state["rng"])
+    # each rank its own generators (dropout draws differ per rank); a rank the writing world did not
+    # have (resuming on more workers) takes rank 0's
+    ranks, rank = found.state.get("rng_ranks") or [found.state["rng"]], current_world().rank
+    set_rng_state(ranks[rank] if rank < len(ranks) else ranks[0])
     log.warning("%s: resuming from %s (step %d of %d)", plan.name, found.path, found.step, plan.max_steps)
     sink.log_metrics({"checkpoint/resumed_from_step": float(found.step)}, found.step)
     return found.step + 1
@@ -470,11 +514,15 @@ def _resume(plan: LoopPlan, checkpointer: Any, body: TrainingBody, sink: MetricS
 
 def _save(checkpointer: Any, body: TrainingBody, step: int, evals: _Evaluations) -> Path | None:
     """Write a checkpoint of ``step`` (the body's state plus the loop's own); None where this rank writes none."""
+    from rlhf_core.checkpoint import rng_state
+    from rlhf_core.parallel import current_world
+
+    rngs = current_world().gather_to_main(rng_state())  # before the body's collectives: same order on every rank
     written = body.checkpoint()
     if written is None:
         return None
     model, tokenizer, state = written
-    state = {**state, "loop": {**state.get("loop", {}), "eval_metrics": dict(evals.metrics)}}
+    state = {**state, "loop": {**state.get("loop", {}), "eval_metrics": dict(evals.metrics)}, "rng_ranks": rngs}
     return checkpointer.save(step, model, tokenizer, state)
 
 
@@ -531,9 +579,12 @@ def run_training(
                         lineage=lineage or {}, before_save=before_save)
     plan = LoopPlan(name, cfg.max_steps, cfg.eval_every, cfg.save_every, cfg.resume)
     checkpointer = Checkpointer(cfg.checkpoint_dir, run_fingerprint(cfg), cfg.keep_checkpoints)
-    outcome = run_checkpointed(plan, checkpointer, body, sink=sink, world=world, show_progress=show_progress)
-    metrics = {**outcome.eval_metrics, "train/loss_final": body.last_loss, "perf/train_seconds": outcome.train_seconds,
-               "perf/tokens_per_s": body.tokens_seen / max(outcome.train_seconds, 1e-9), **body.saved_metrics}
+    outcome = run_checkpointed(plan, checkpointer, body, sink=sink, world=world, show_progress=show_progress,
+                               result_metrics=lambda train_seconds: {
+                                   "train/loss_final": body.last_loss,
+                                   "perf/tokens_per_s": body.tokens_seen / max(train_seconds, 1e-9),
+                                   **body.saved_metrics})
+    metrics = {**outcome.eval_metrics, **outcome.result_metrics, "perf/train_seconds": outcome.train_seconds}
     return LoopResult(metrics, outcome.eval_samples, outcome.resumed_from_step)
 
 
@@ -565,16 +616,15 @@ class _OfflineBody:
         model.train()
 
     def can_resume(self) -> bool:
-        # Under ZeRO the optimizer state is partitioned across ranks; mid-run checkpoints would need
-        # DeepSpeed's own sharded format, so a ZeRO run writes only its final model (no resume yet).
-        return self.strategy.optimizer_state() is not None
+        return True
 
     def restore(self, ckpt: Any) -> None:
-        from rlhf_core.checkpoint import load_weights
+        """Weights, optimizer, schedule, sampler and counters (on every rank; any world size wrote them)."""
+        from rlhf_core.checkpoint import read_weights
 
-        load_weights(self.model, ckpt.path)
-        self.strategy.load_optimizer_state(ckpt.state["optimizer"])
+        self.strategy.load_weights(read_weights(ckpt.path), str(ckpt.path))
         self.scheduler.load_state_dict(ckpt.state["scheduler"])
+        self.strategy.load_optimizer_state(ckpt.state["optimizer"])
         for key, obj in self.state.items():
             obj.load_state_dict(ckpt.state["objects"][key])
         self.tokens_seen = int(ckpt.state["loop"]["tokens_seen"])
@@ -602,10 +652,14 @@ class _OfflineBody:
         return self._evaluate()
 
     def checkpoint(self) -> tuple[Any, Any, dict[str, Any]] | None:
-        if not (self.world.is_main and self.can_resume()):
+        """Every rank takes part (ZeRO gathers the optimizer state and, at stage 3, the weights); rank 0
+        gets what to write, the others None."""
+        optimizer = self.strategy.optimizer_state()
+        model = whole_weights(self.strategy, self.model, self.world)
+        if not self.world.is_main:
             return None
-        return self.model, self.tokenizer, {
-            "optimizer": self.strategy.optimizer_state(), "scheduler": self.scheduler.state_dict(),
+        return model, self.tokenizer, {
+            "optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
             "objects": {key: obj.state_dict() for key, obj in self.state.items()},
             "loop": {"tokens_seen": self.tokens_seen, "last_loss": self.last_loss}}
 
@@ -628,11 +682,36 @@ class _OfflineBody:
                     "base_model": str(self.cfg.model_path), **self.lineage})
 
 
-def inject_fault(stage: str, step: int) -> None:
+class _SavedWeights:
+    """A model to ``save_pretrained`` with weights gathered beforehand (ZeRO-3 holds only shards)."""
+
+    def __init__(self, model: Any, weights: dict[str, torch.Tensor]):
+        self.model, self.weights = model, weights
+
+    def save_pretrained(self, path: str, **kwargs: Any) -> None:
+        self.model.save_pretrained(path, state_dict=self.weights, **kwargs)
+
+
+def whole_weights(strategy: Any, model: torch.nn.Module, world: Any) -> Any:
+    """What rank 0 saves as a checkpoint's weights: the model itself where every rank holds it whole,
+    else (ZeRO-3) a CPU copy gathered by every rank (None on the others)."""
+    if getattr(strategy, "stage", 0) < 3:
+        return model
+    with strategy.gathered():
+        weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if world.is_main else None
+    return _SavedWeights(model, weights) if world.is_main else None
+
+
+def inject_fault(stage: str, step: int | str) -> None:
     """Test hook: ``ALIGNFLOW_FAULT=<stage>:<step>[:<marker file>]`` raises after that step.
 
+    ``<step>`` may also be ``tracking``: :func:`rlhf_core.stages._train_stage` fires that one after the
+    model is saved and before it is logged and registered (a tracking server lost at that point).
+
     With a marker file the fault fires once (the file is created when it fires), which is how
-    the tests make a Prefect task fail on its first attempt and succeed on its retry. Unset in
+    the tests make a Prefect task fail on its first attempt and succeed on its retry. With
+    ``ALIGNFLOW_FAULT_RANK=r`` only data-parallel rank ``r`` fires; with ``ALIGNFLOW_FAULT_SIGNAL=KILL``
+    the process SIGKILLs itself instead of raising (a worker dying with no handler run). Unset in
     normal use: the cost is one environment lookup per step.
     """
     spec = os.environ.get("ALIGNFLOW_FAULT")
@@ -641,12 +720,22 @@ def inject_fault(stage: str, step: int) -> None:
     parts = spec.split(":", 2)
     if len(parts) < 2 or parts[0] != stage or parts[1] != str(step):
         return
+    only_rank = os.environ.get("ALIGNFLOW_FAULT_RANK")
+    if only_rank is not None:
+        from rlhf_core.parallel import current_world
+
+        if current_world().rank != int(only_rank):
+            return
     if len(parts) == 3:
         marker = Path(parts[2])
         if marker.exists():
             return
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(f"{stage}:{step}\n")
+    if os.environ.get("ALIGNFLOW_FAULT_SIGNAL") == "KILL":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
     raise InjectedFault(f"{stage}: fault injected after step {step} (ALIGNFLOW_FAULT={spec})")
 
 

@@ -45,7 +45,7 @@ from rlhf_core.rl_math import (AdaptiveKLController, AdvantageEstimator, FixedKL
                                compute_advantages, dynamic_sampling_keep, explained_variance, kl_penalty, masked_mean,
                                masked_whiten, overlong_penalty, truncated_is_weights)
 from rlhf_core.rollout import HFGenerateEngine, RolloutBatch, RolloutEngine, SamplingParams
-from rlhf_core.checkpoint import Checkpoint, Checkpointer, load_weights, run_fingerprint
+from rlhf_core.checkpoint import Checkpoint, Checkpointer, read_weights, run_fingerprint
 from rlhf_core.trainers.loop import (EpochSampler, LoopClock, LoopPlan, MetricSink, NullSink, Timer, run_checkpointed,
                                      save_hf_dir, seed_everything)
 from rlhf_core.trainers.rl_roles import KL_CLAMP as _KL_CLAMP
@@ -140,10 +140,13 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
     trainer = RLTrainer(cfg, sink, engine=engine, reward_source=reward_source, learner=learner, reference=reference)
     plan = LoopPlan("rl", cfg.max_steps, cfg.eval_every, cfg.save_every, cfg.resume, eval_at_start=cfg.eval_at_start)
     checkpointer = Checkpointer(cfg.checkpoint_dir, run_fingerprint(cfg), cfg.keep_checkpoints)
-    outcome = run_checkpointed(plan, checkpointer, trainer, sink=sink, show_progress=show_progress)
+    # the last iteration's metrics and the start-of-run eval: recorded with the output, so a stage retried
+    # after the final save (loop.run_checkpointed reuses it) reports them without training again
+    outcome = run_checkpointed(plan, checkpointer, trainer, sink=sink, show_progress=show_progress,
+                               result_metrics=lambda _: {**trainer.step_metrics, **trainer.summary})
     if engine is None and hasattr(trainer.engine, "close"):
         trainer.engine.close()  # a vLLM engine's worker processes (on an exception, vLLM's own exit hooks do it)
-    metrics = {**trainer.step_metrics, **outcome.eval_metrics, **trainer.summary,
+    metrics = {**outcome.result_metrics, **outcome.eval_metrics,
                "perf/train_seconds": outcome.train_seconds, "perf/total_seconds": outcome.total_seconds}
     return RLResult(Path(cfg.output_dir), metrics, outcome.eval_samples, trainer.rollout_table)
 
@@ -439,8 +442,7 @@ class RLTrainer:
 
     def restore(self, ckpt: Checkpoint) -> None:
         """The learner (policy, optimizers, schedules, critic), sampler, KL controller and update order."""
-        load_weights(self.learner.view(), ckpt.path)  # the policy itself, or the controller's view of rank 0's
-        self.learner.load_state_dict(ckpt.state)
+        self.learner.load_state_dict(ckpt.state, read_weights(ckpt.path))
         for key, obj in self.resumables.items():
             if key not in ckpt.state["objects"]:
                 raise ValueError(f"{ckpt.path}: checkpoint has no {key} state")

@@ -27,7 +27,7 @@ from rlhf_core.models import export_state_dict, has_lora, load_causal_lm, pick_d
 from rlhf_core.parallel import LocalStrategy, World, build_strategy, current_world, disable_dropout, train_mode
 from rlhf_core.rl_math import (AdvantageEstimator, LossAggregation, aggregate_loss, aggregation_units,
                                clipped_policy_loss, clipped_value_loss, entropy_from_logits, kl_penalty, masked_mean)
-from rlhf_core.trainers.loop import autocast_context, build_optimizer, build_scheduler, check_finite
+from rlhf_core.trainers.loop import autocast_context, build_optimizer, build_scheduler, check_finite, inject_fault
 
 # Log-ratios to the reference are clamped before k3's exp (verl's bound): one token the policy
 # has nearly abandoned must not turn the KL term into inf.
@@ -345,6 +345,7 @@ class PolicyLearner:
         ``exp`` then carries ``sampling_logp``, and the diagnostics add ``seq_kl`` (per-sequence k3
         KL(pi_old || pi_ref)) and ``logprob_mismatch`` that the controller would have computed.
         """
+        inject_fault("rl-learner", step)  # test hook: a learner rank dies as iteration ``step`` updates
         cfg, world = self.cfg, self.world
         exp = _to(exp, self.device)
         seen: dict[str, list[float]] = {k: [] for k in SEEN_KEYS}
@@ -527,11 +528,13 @@ class PolicyLearner:
         return self.policy
 
     def load_state_dict(self, state: dict[str, Any], policy_weights: dict[str, torch.Tensor] | None = None) -> None:
-        """Optimizers, schedules and critic of a checkpoint (and the policy's weights when given)."""
+        """Optimizers, schedules and critic of a checkpoint, and the policy's weights when given (every
+        rank calls it: under ZeRO the weights and optimizer state are scattered into this world's
+        partitions, whatever world size wrote them)."""
         if policy_weights is not None:
-            self.policy.load_state_dict(policy_weights)
-        self.strategy.load_optimizer_state(state["optimizer"])
+            self.strategy.load_weights(policy_weights, "rl checkpoint")
         self.scheduler.load_state_dict(state["scheduler"])
+        self.strategy.load_optimizer_state(state["optimizer"])
         if self.critic is not None:
             for key in ("critic", "critic_optimizer", "critic_scheduler"):
                 if key not in state:

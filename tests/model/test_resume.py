@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 
-from rlhf_core.checkpoint import Checkpointer, load_weights, run_fingerprint
+from rlhf_core.checkpoint import FORMAT_VERSION, Checkpointer, clear_checkpoints, load_weights, run_fingerprint
 from rlhf_core.config import DPOConfig, RewardConfig, RLConfig, SFTConfig
 from rlhf_core.lineage import dvc_md5
 from rlhf_core.trainers.dpo import train_dpo
@@ -68,7 +68,8 @@ DETERMINISTIC = ("eval/", "train/loss_final", "rollout/", "train/kl", "train/pol
 def test_interrupted_run_resumes_to_identical_result(stage, micro_model, micro_data, tmp_path, monkeypatch, caplog):
     make_cfg, train, fail_at = TRAINERS[stage]
     whole = train(make_cfg(micro_model, micro_data, tmp_path / "whole"), show_progress=False)
-    assert not list((tmp_path / "whole" / "ckpt").glob("step-*")), "a finished run removes its checkpoints"
+    # kept with the finished record until the stage has tracked the model (it clears them)
+    assert (tmp_path / "whole" / "ckpt" / "finished.json").is_file()
 
     cfg = make_cfg(micro_model, micro_data, tmp_path / "cut")
     monkeypatch.setenv("ALIGNFLOW_FAULT", f"{stage}:{fail_at}")
@@ -88,7 +89,9 @@ def test_interrupted_run_resumes_to_identical_result(stage, micro_model, micro_d
     for key, value in whole.metrics.items():
         if key.startswith(DETERMINISTIC):
             assert resumed.metrics[key] == value, key
+    clear_checkpoints(cfg.checkpoint_dir)  # what the stage does once the model is tracked and registered
     assert not list((tmp_path / "cut" / "ckpt").glob("step-*"))
+    assert not (tmp_path / "cut" / "ckpt" / "finished.json").exists()
 
 
 def test_changed_config_starts_over(micro_model, micro_data, tmp_path, monkeypatch, caplog):
@@ -235,7 +238,7 @@ def test_a_checkpoint_that_differs_from_its_manifest_or_has_none_is_skipped(micr
     assert sorted(p.name for p in ckpt.glob("step-*")) == [f"step-{s:07d}" for s in (2, 4, 6, 8)]
     manifest = json.loads((ckpt / "step-0000008" / "manifest.json").read_text())
     assert {e["path"] for e in manifest["files"]} >= {"model.safetensors", "trainer_state.pt", "tokenizer.json"}
-    assert manifest["fingerprint"] == run_fingerprint(cfg) and manifest["format"] == 2
+    assert manifest["fingerprint"] == run_fingerprint(cfg) and manifest["format"] == FORMAT_VERSION
     weights = ckpt / "step-0000008" / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF
