@@ -52,7 +52,7 @@ _DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 # on shared multi-GPU hosts it has taken GPUs out of service, and data parallelism gains little from it.
 _NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # Test hooks (rlhf_core.trainers.loop.inject_fault) reach the actors through their runtime env.
-_FAULT_ENV = ("ALIGNFLOW_FAULT", "ALIGNFLOW_FAULT_RANK", "ALIGNFLOW_FAULT_SIGNAL")
+_FAULT_ENV = ("ALIGNFLOW_FAULT", "ALIGNFLOW_FAULT_RANK", "ALIGNFLOW_FAULT_SIGNAL", COLLECTIVE_TIMEOUT_ENV)
 
 
 class RankFailed(RuntimeError):

@@ -711,7 +711,8 @@ def inject_fault(stage: str, step: int | str) -> None:
     With a marker file the fault fires once (the file is created when it fires), which is how
     the tests make a Prefect task fail on its first attempt and succeed on its retry. With
     ``ALIGNFLOW_FAULT_RANK=r`` only data-parallel rank ``r`` fires; with ``ALIGNFLOW_FAULT_SIGNAL=KILL``
-    the process SIGKILLs itself instead of raising (a worker dying with no handler run). Unset in
+    the process SIGKILLs itself instead of raising (a worker dying with no handler run), with ``STOP``
+    it SIGSTOPs itself (a worker that hangs). Unset in
     normal use: the cost is one environment lookup per step.
     """
     spec = os.environ.get("ALIGNFLOW_FAULT")
@@ -732,10 +733,11 @@ def inject_fault(stage: str, step: int | str) -> None:
             return
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(f"{stage}:{step}\n")
-    if os.environ.get("ALIGNFLOW_FAULT_SIGNAL") == "KILL":
+    how = os.environ.get("ALIGNFLOW_FAULT_SIGNAL")
+    if how in ("KILL", "STOP"):  # STOP: the process freezes, alive but silent (a hung rank)
         import signal
 
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL if how == "KILL" else signal.SIGSTOP)
     raise InjectedFault(f"{stage}: fault injected after step {step} (ALIGNFLOW_FAULT={spec})")
 
 
