@@ -839,10 +839,28 @@ class TrackingConfig:
     """Seconds a stage waits for an http(s) tracking server to answer when it opens its run, then fails with a
     clear error (without this bound MLflow's own retries block each call about 4 minutes). 20 s keeps the whole
     failure, process start included, within 30 s; raise it to ride out a server restart."""
+    model_storage: str = "copy"
+    """How a registered model is kept: copy (MLflow's transformers flavor: the folder is copied into the artifact
+    store, so models:/<name>@champion loads anywhere and outlives the folder; about 15 GB per 7B version) or
+    reference (a small JSON pointer with the folder's absolute path and DVC md5, no weights copied: only for
+    folders that are DVC-versioned or never overwritten, since the flows rewrite models/ on every run)."""
+    keep_model_versions: int = 0
+    """After each registration keep only this many newest versions of the registered model, plus every version
+    an alias (champion, candidate) points at or whose registration is under way; older ones are deleted with
+    the weights they copied. 0 keeps every version."""
+    registry_settle_s: float = 2.0
+    """On a shared tracking server (http(s) or a database server, which the project's lock cannot guard), seconds a
+    promotion waits, twice, before re-reading the champion alias to catch a concurrent flow's overwrite."""
 
     def __post_init__(self) -> None:
         _check(self.connect_patience_s >= 0, "tracking", "connect_patience_s",
                f"must be >= 0 seconds, got {self.connect_patience_s}")
+        _check(self.model_storage in ("copy", "reference"), "tracking", "model_storage",
+               f"must be copy or reference, got {self.model_storage!r}")
+        _check(self.keep_model_versions >= 0, "tracking", "keep_model_versions",
+               f"must be >= 0 (0 keeps every version), got {self.keep_model_versions}")
+        _check(self.registry_settle_s >= 0, "tracking", "registry_settle_s",
+               f"must be >= 0 seconds, got {self.registry_settle_s}")
 
 
 @dataclass

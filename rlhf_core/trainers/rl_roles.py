@@ -515,9 +515,13 @@ class PolicyLearner:
         torch.cuda.synchronize(self.device)  # the reader copies after this call returns
         return {"cuda_ipc": reduce_tensor(flat), "layout": layout}
 
-    def state_dict(self) -> dict[str, Any]:
-        """Optimizer, schedules and the critic (policy weights are saved beside, as safetensors)."""
-        state = {"optimizer": self.strategy.optimizer_state(), "scheduler": self.scheduler.state_dict()}
+    def state_dict(self) -> dict[str, Any] | None:
+        """Optimizer, schedules and the critic (policy weights are saved beside, as safetensors); every
+        rank calls it (ZeRO gathers), rank 0 answers and the others return None."""
+        optimizer = self.strategy.optimizer_state()
+        if not self.world.is_main:
+            return None
+        state = {"optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
         if self.critic is not None:
             state.update(critic=self.critic.state_dict(), critic_optimizer=self.critic_opt.state_dict(),
                          critic_scheduler=self.critic_sched.state_dict())

@@ -98,3 +98,35 @@ def test_missing_path_is_a_clear_error(project):
 
     with pytest.raises(VersioningError, match="missing path"):
         version_paths(project, ["nope.jsonl"], "x", push=False)
+
+
+def test_a_failed_push_commits_nothing_and_a_retry_pushes_then_commits(project, tmp_path):
+    """The DVC remote's URL names a regular file, so DVC cannot create its folders there (as root
+    too, unlike a chmod): the push fails, HEAD and the index stay as they were, the error names the
+    push step. With the remote fixed, the same call pushes and then commits."""
+    from dvc.repo import Repo
+
+    from tasks.versioning import VersioningError
+
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the remote's folder should be\n")
+    config = project / ".dvc" / "config"
+    good = config.read_text()
+    config.write_text(good.replace(str(tmp_path / "remote"), str(blocker / "remote")))
+    (project / "pairs.jsonl").write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n')
+    head = _git(project, "rev-parse", "HEAD")
+
+    with pytest.raises(VersioningError, match=r"dvc push of \['pairs.jsonl'\] to the DVC remote failed, so "
+                                              r"nothing was committed"):
+        version_paths(project, ["pairs.jsonl"], "cycle 1")
+    assert _git(project, "rev-parse", "HEAD") == head
+    assert _git(project, "diff", "--cached", "--name-only") == ""  # nothing staged either
+    assert not (tmp_path / "remote").exists()
+
+    config.write_text(good)
+    v = version_paths(project, ["pairs.jsonl"], "cycle 1")
+    assert v.committed and v.commit != head
+    assert set(_git(project, "show", "--name-only", "--format=", v.commit).split()) == {"pairs.jsonl.dvc",
+                                                                                         ".gitignore"}
+    with Repo(str(project)) as repo:  # the remote holds exactly what the commit names
+        assert repo.status(cloud=True, targets=[str(project / "pairs.jsonl")]) == {}
