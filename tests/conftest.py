@@ -195,3 +195,18 @@ def prefect_api(tmp_path):
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray instance for one test module (never a cluster a developer's RAY_ADDRESS names)."""
+    import ray
+
+    from rlhf_core.ray_launcher import connect
+
+    saved = os.environ.pop("RAY_ADDRESS", None)
+    connect(min_cpus=8)
+    yield ray
+    ray.shutdown()
+    if saved is not None:
+        os.environ["RAY_ADDRESS"] = saved

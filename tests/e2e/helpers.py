@@ -85,3 +85,26 @@ def stop_group(proc: subprocess.Popen, sig: int = signal.SIGINT, timeout: float 
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+def start_mlflow_server(root: Path, port: int, *, store: str = "mlflow.db", artifacts: str = "artifacts",
+                        workers: int | None = None) -> subprocess.Popen:
+    """A real ``mlflow server`` on 127.0.0.1:``port`` over ``root/store`` (sqlite), up within 120 s."""
+    import requests
+
+    extra = ["--workers", str(workers)] if workers else []
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
+                             "--port", str(port), "--backend-store-uri", f"sqlite:///{root / store}",
+                             "--artifacts-destination", str(root / artifacts), *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).ok:
+                return proc
+        except requests.RequestException:
+            pass
+        assert proc.poll() is None, "mlflow server exited"
+        time.sleep(0.5)
+    stop_group(proc, signal.SIGTERM, timeout=30)
+    raise AssertionError("mlflow server did not come up in 120 s")

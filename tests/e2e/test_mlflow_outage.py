@@ -21,27 +21,14 @@ import pytest
 import requests
 import yaml
 
-from helpers import cli_env, free_port, stop_group
+from helpers import cli_env, free_port, start_mlflow_server, stop_group
 
 # Five `mlflow server` start-ups (about 20 s each on 2 busy cores): run with `make test-slow`.
 pytestmark = pytest.mark.slow
 
 
 def _start_server(root: Path, port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
-                             "--port", str(port), "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-                             "--artifacts-destination", str(root / "artifacts")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).ok:
-                return proc
-        except requests.RequestException:
-            pass
-        assert proc.poll() is None, "mlflow server exited"
-        time.sleep(0.5)
-    raise AssertionError("mlflow server did not come up in 120 s")
+    return start_mlflow_server(root, port)
 
 
 def _stop_server(proc: subprocess.Popen) -> None:

@@ -10,15 +10,11 @@ from __future__ import annotations
 import multiprocessing
 import shutil
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-import requests
 
-from helpers import free_port, stop_group
+from helpers import free_port, start_mlflow_server, stop_group
 from registry_racer import race
 from rlhf_core.config import TrackingConfig
 from rlhf_core.lineage import dvc_md5
@@ -183,24 +179,6 @@ def test_two_processes_on_one_host_promote_the_best_every_round(store, isolated_
     assert (isolated_project / ".alignflow" / "registry.lock").exists()
 
 
-def _mlflow_server(root: Path, port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
-                             "--port", str(port), "--backend-store-uri", f"sqlite:///{root / 'server.db'}",
-                             "--artifacts-destination", str(root / "server-artifacts"), "--workers", "2"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).ok:
-                return proc
-        except requests.RequestException:
-            pass
-        assert proc.poll() is None, "mlflow server exited"
-        time.sleep(0.5)
-    stop_group(proc, signal.SIGTERM, timeout=30)
-    raise AssertionError("mlflow server did not come up in 120 s")
-
-
 @pytest.mark.slow
 def test_two_hosts_on_one_server_promote_the_best_every_round(tmp_path, micro_model):
     """A shared ``mlflow server``: each process has its own project folder, so its own lock (as on two
@@ -208,7 +186,7 @@ def test_two_hosts_on_one_server_promote_the_best_every_round(tmp_path, micro_mo
     from mlflow import MlflowClient
 
     port = free_port()
-    server = _mlflow_server(tmp_path, port)
+    server = start_mlflow_server(tmp_path, port, store="server.db", artifacts="server-artifacts", workers=2)
     try:
         uri = f"http://127.0.0.1:{port}"
         client = MlflowClient(tracking_uri=uri)

@@ -8,7 +8,6 @@ and DeepSpeed ZeRO-2 on DeepSpeed's CPU accelerator, peft adapters.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -19,21 +18,6 @@ from rlhf_core.config import RLConfig, SFTConfig
 from rlhf_core.models import export_state_dict, load_causal_lm, merged_model, prepare_for_training
 from rlhf_core.trainers.loop import save_hf_dir
 from rlhf_core.trainers.sft import train_sft
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    """A local Ray instance for this module (never a cluster a developer's RAY_ADDRESS names)."""
-    import ray
-
-    from rlhf_core.ray_launcher import connect
-
-    saved = os.environ.pop("RAY_ADDRESS", None)
-    connect(min_cpus=8)
-    yield ray
-    ray.shutdown()
-    if saved is not None:
-        os.environ["RAY_ADDRESS"] = saved
 
 
 def _sft(micro_model, micro_data, tmp_path, **kw) -> SFTConfig:

@@ -13,7 +13,6 @@ A fault after a step leaves that run's checkpoints on disk (a failed run keeps t
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -23,20 +22,6 @@ from conftest import Recorder
 from rlhf_core.config import SFTConfig
 from rlhf_core.trainers.loop import InjectedFault
 from rlhf_core.trainers.sft import train_sft
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    from rlhf_core.ray_launcher import connect
-
-    saved = os.environ.pop("RAY_ADDRESS", None)
-    connect(min_cpus=8)
-    yield ray
-    ray.shutdown()
-    if saved is not None:
-        os.environ["RAY_ADDRESS"] = saved
 
 
 def _cfg(micro_model, micro_data, folder, **kw) -> SFTConfig:
