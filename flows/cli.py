@@ -146,14 +146,34 @@ def _section_overrides(pairs: Sequence[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _flow_overrides(pairs: Sequence[str]) -> tuple[dict[str, dict[str, Any]], str | None]:
+    """A flow's ``--set`` overrides as its Prefect parameters: ``(overrides, private_overrides)``.
+
+    Prefect keeps a flow run's parameters in its database and UI, so a value that carries a secret
+    (a URL's ``user:pass@`` or ``?token=``, a field named like ``token``) is shown there redacted
+    (``***``), and its real value goes to a private file whose path is the second parameter
+    (:func:`flows.align.write_private_overrides`). Secret-free overrides stay readable as given."""
+    from flows.align import write_private_overrides
+    from rlhf_core.redact import redact_secrets
+
+    overrides = _section_overrides(pairs)
+    secret = {section: {name: value for name, value in values.items() if redact_secrets(value, name) != value}
+              for section, values in overrides.items()}
+    secret = {section: values for section, values in secret.items() if values}
+    if not secret:
+        return overrides, None
+    return redact_secrets(overrides), write_private_overrides(secret)
+
+
 def cmd_flow(args: argparse.Namespace) -> int:
     if args.name in ("iterative_dpo", "raft"):
         return _cmd_cycles(args)
     from flows.align import align
 
-    summary = align(params_file=args.params, overrides=_section_overrides(args.set), sft_file=args.sft_file,
+    overrides, private = _flow_overrides(args.set)
+    summary = align(params_file=args.params, overrides=overrides, sft_file=args.sft_file,
                     preference_file=args.preference_file, prompts_file=args.prompts_file,
-                    eval_file=args.eval_file, base_model=args.base_model)
+                    eval_file=args.eval_file, base_model=args.base_model, private_overrides=private)
     _write_summary(summary, args.summary)
     uri = summary["tracking_uri"]
     m = summary["metrics"]
@@ -189,8 +209,9 @@ def _write_summary(summary: dict[str, Any], path: str) -> None:
 def _cmd_cycles(args: argparse.Namespace) -> int:
     from flows import cycles
 
-    summary = getattr(cycles, args.name)(params_file=args.params, overrides=_section_overrides(args.set),
-                                         cycles=args.cycles)
+    overrides, private = _flow_overrides(args.set)
+    summary = getattr(cycles, args.name)(params_file=args.params, overrides=overrides, cycles=args.cycles,
+                                         private_overrides=private)
     path = args.summary if args.summary != DEFAULT_SUMMARY else f"metrics/{args.name}_summary.json"
     _write_summary(summary, path)
     print(f"\n=== alignflow: {args.name} flow finished ===")

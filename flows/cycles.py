@@ -247,9 +247,9 @@ def run_cycle(plan: CyclePlan, k: int, policy: str, rm_path: str, pair_pool: Pai
 
 
 def run_cycles(kind: str, params_file: str | None, overrides: dict[str, dict[str, Any]] | None,
-               cycles: int | None) -> dict[str, Any]:
+               cycles: int | None, private_overrides: str | None = None) -> dict[str, Any]:
     """The body both flows share; ``kind`` is ``iterative_dpo`` or ``raft``."""
-    cfg = load_all(params_file, overrides)
+    cfg = load_all(params_file, overrides, private_overrides)
     plan = plan_cycles(kind, cfg, cycles)
     tracking, cyc = cfg["tracking"], plan.cyc
     with one_flow_at_a_time(kind), start_run(tracking, kind, tags=plan.tags) as parent:
@@ -274,13 +274,15 @@ def run_cycles(kind: str, params_file: str | None, overrides: dict[str, dict[str
 
 @flow(name="iterative_dpo", log_prints=True)
 def iterative_dpo(params_file: str | None = "params.yaml", overrides: dict[str, dict[str, Any]] | None = None,
-                  cycles: int | None = None) -> dict[str, Any]:
-    """N cycles of on-policy preference pairs (best vs worst of n) -> DPO; returns per-cycle results."""
-    return run_cycles("iterative_dpo", params_file, overrides, cycles)
+                  cycles: int | None = None, private_overrides: str | None = None) -> dict[str, Any]:
+    """N cycles of on-policy preference pairs (best vs worst of n) -> DPO; returns per-cycle results.
+    ``private_overrides``: a file of overrides that carry secrets (flows.align.write_private_overrides)."""
+    return run_cycles("iterative_dpo", params_file, overrides, cycles, private_overrides)
 
 
 @flow(name="raft", log_prints=True)
 def raft(params_file: str | None = "params.yaml", overrides: dict[str, dict[str, Any]] | None = None,
-         cycles: int | None = None) -> dict[str, Any]:
-    """N cycles of best-of-n sampling -> SFT on the kept samples (RAFT); returns per-cycle results."""
-    return run_cycles("raft", params_file, overrides, cycles)
+         cycles: int | None = None, private_overrides: str | None = None) -> dict[str, Any]:
+    """N cycles of best-of-n sampling -> SFT on the kept samples (RAFT); returns per-cycle results.
+    ``private_overrides``: a file of overrides that carry secrets (flows.align.write_private_overrides)."""
+    return run_cycles("raft", params_file, overrides, cycles, private_overrides)

@@ -226,3 +226,79 @@ def test_failing_rl_stage_leaks_no_token_to_stderr_or_mlflow(isolated_project, m
     stored = json.dumps({"params": run.data.params, "tags": run.data.tags})
     for secret in (QUERY_TOKEN, ENV_TOKEN):
         assert secret not in stored and secret not in printed.out and secret not in printed.err
+
+
+def _prefect_records(flow_run_id: str):
+    """The flow run (parameters included) and everything Prefect's API holds about it, as one text:
+    the flow run, its states, its task runs (their inputs) and their states, and its logs."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
+
+    async def fetch():
+        async with get_client() as client:
+            flow_run = await client.read_flow_run(flow_run_id)
+            texts = [flow_run.model_dump_json()]
+            texts += [s.model_dump_json() for s in await client.read_flow_run_states(flow_run_id)]
+            task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            for task_run in task_runs:
+                texts.append(task_run.model_dump_json())
+                texts += [s.model_dump_json() for s in await client.read_task_run_states(task_run.id)]
+            logs = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+            texts += [log.message for log in logs]
+            return flow_run, "\n".join(texts), [t.name for t in task_runs]
+
+    flow_run, text, names = asyncio.run(fetch())
+    return flow_run, text + "\n" + " ".join(names)
+
+
+def test_set_secrets_stay_out_of_prefect(isolated_project, echo_server, prefect_server):
+    """``alignflow flow align --set rl.reward_url=http://bob:PW@host/5xx?token=TOK``: the URL reaches
+    the rl stage (the server sees the request and its Basic auth), yet Prefect's API holds no
+    secret: the flow-run parameters show the override redacted, plus the path of a private 0600
+    file with the real value (named by its sha256, so a changed value is a changed parameter);
+    task runs, state messages and logs hold none either. Fails where --set values were passed
+    as flow-run parameters verbatim."""
+    import os
+    import stat
+    from pathlib import Path
+
+    from mlflow.tracking import MlflowClient
+
+    from helpers import write_micro_params
+
+    write_micro_params(isolated_project)
+    url = f"http://bob:{USER_PASS}@127.0.0.1:{echo_server.port}/5xx?token={QUERY_TOKEN}"
+    echo_server.authorizations.clear()
+    started = time.time()
+    code = main(["flow", "align", "--set", "flow.stages=[rl]", "--set", "flow.retries=0", "--set", "rl.reward_kind=http",
+                 "--set", f"rl.reward_url={url}", "--set", "rl.reward_retries=0", "--set", "rl.eval_at_start=false"])
+    assert code == 1  # the 500 page fails the rl stage (RewardError)
+    assert echo_server.authorizations == [f"Basic {BASIC}"], "the real URL, credentials included, reached the stage"
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{isolated_project / 'mlflow.db'}")
+    [parent] = [r for r in client.search_runs([client.get_experiment_by_name("alignflow-test").experiment_id])
+                if r.info.run_name == "align"]
+    flow_run, prefect_text = _prefect_records(parent.data.tags["prefect.flow_run_id"])
+    for secret in (QUERY_TOKEN, USER_PASS, BASIC):
+        assert secret not in prefect_text, (secret, prefect_text[:5000])
+    assert "train-rl" in prefect_text and "HTTP 500" in prefect_text  # the task ran and failed on the server
+    params = flow_run.parameters
+    assert params["overrides"]["rl"]["reward_url"] == f"http://***@127.0.0.1:{echo_server.port}/5xx?token=***"
+    assert params["overrides"]["flow"] == {"stages": ["rl"], "retries": 0}  # what holds no secret stays readable
+    private = Path(params["private_overrides"])
+    assert stat.S_IMODE(private.stat().st_mode) == 0o600 and stat.S_IMODE(private.parent.stat().st_mode) == 0o700
+    assert json.loads(private.read_text()) == {"rl": {"reward_url": url}}
+    # the result files Prefect wrote for this flow hold no secret either
+    storage = Path(os.environ["PREFECT_LOCAL_STORAGE_PATH"])
+    for path in (p for p in storage.rglob("*") if p.is_file() and p.stat().st_mtime >= started):
+        assert not any(s in path.read_text(errors="replace") for s in (QUERY_TOKEN, USER_PASS)), path
+
+    # the parameter names the value by its hash: the same value, the same file; another, another
+    from flows.cli import _flow_overrides
+
+    other = url.replace(QUERY_TOKEN, "tok-other-5e6f7a")
+    assert _flow_overrides([f"rl.reward_url={url}"])[1] == str(private)
+    assert _flow_overrides([f"rl.reward_url={other}"])[1] != str(private)
+    assert _flow_overrides(["dpo.max_steps=4"]) == ({"dpo": {"max_steps": 4}}, None)  # no secret, no file
