@@ -90,10 +90,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _require_checkpoint(cfg: Any, section: str) -> None:
-    """``--resume``: there must be a checkpoint of this run (same config and inputs) to continue."""
+    """``--resume``: there must be a checkpoint of this run (same config and inputs) to continue, or its
+    finished output, saved but not yet tracked (the stage stopped before registering it)."""
     from rlhf_core.checkpoint import Checkpointer, run_fingerprint
 
-    if Checkpointer(cfg.checkpoint_dir, run_fingerprint(cfg)).latest() is None:
+    checkpointer = Checkpointer(cfg.checkpoint_dir, run_fingerprint(cfg))
+    if checkpointer.latest() is None and checkpointer.finished() is None:
         raise ConfigError(f"{section}: --resume: no checkpoint of this run (same config and inputs) in "
                           f"{cfg.checkpoint_dir}; run without --resume to start one")
 

@@ -108,3 +108,27 @@ def start_mlflow_server(root: Path, port: int, *, store: str = "mlflow.db", arti
         time.sleep(0.5)
     stop_group(proc, signal.SIGTERM, timeout=30)
     raise AssertionError("mlflow server did not come up in 120 s")
+
+
+def git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def seed_versioned_project(root: Path, remote: Path) -> None:
+    """Make ``root`` (its params.yaml written) a git + DVC project with a local remote, commit it, and run
+    ``generate``, ``init-model``, ``sft`` and ``reward`` there: what an iterative flow starts from."""
+    from dvc.repo import Repo
+
+    git(root, "init", "-q")
+    git(root, "config", "user.name", "Test User")
+    git(root, "config", "user.email", "test@example.com")
+    Repo.init(str(root)).close()
+    (root / ".dvc" / "config").write_text(f"[core]\n    remote = local\n['remote \"local\"']\n    url = {remote}\n")
+    (root / ".gitignore").write_text("/mlflow.db\n/mlartifacts/\n/.alignflow/\n/models/base/\n/models/sft/\n"
+                                     "/models/reward/\n/models/cycles/*/cycle_*/\n/metrics/\n/checkpoints/\n"
+                                     "/data/embedded/\n/.prefect*/\n")
+    git(root, "add", "-A")
+    git(root, "commit", "-q", "-m", "project")
+    for cmd in (["generate"], ["init-model"], ["sft"], ["reward"]):
+        proc = run_cli(cmd, root)
+        assert proc.returncode == 0, proc.stderr[-3000:]

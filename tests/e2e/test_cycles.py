@@ -7,14 +7,10 @@ import subprocess
 
 import pytest
 
-from helpers import run_cli, write_micro_params
+from helpers import git, seed_versioned_project, write_micro_params
 from rlhf_core.lineage import dvc_md5
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
-
-
-def _git(root, *args):
-    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
 
 
 @pytest.fixture()
@@ -23,24 +19,9 @@ def project(isolated_project, tmp_path_factory):
 
     The micro policy is almost always wrong, so rule scores tie and give no pairs (the gate
     then stops the flow, as it should); the reward model separates the samples."""
-    from dvc.repo import Repo
-
     root = isolated_project
     write_micro_params(root)
-    _git(root, "init", "-q")
-    _git(root, "config", "user.name", "Test User")
-    _git(root, "config", "user.email", "test@example.com")
-    Repo.init(str(root)).close()
-    remote = tmp_path_factory.mktemp("dvc-remote")
-    (root / ".dvc" / "config").write_text(f"[core]\n    remote = local\n['remote \"local\"']\n    url = {remote}\n")
-    (root / ".gitignore").write_text("/mlflow.db\n/mlartifacts/\n/.alignflow/\n/models/base/\n/models/sft/\n"
-                                     "/models/reward/\n/models/cycles/*/cycle_*/\n/metrics/\n/checkpoints/\n"
-                                     "/data/embedded/\n/.prefect/\n")
-    _git(root, "add", "-A")
-    _git(root, "commit", "-q", "-m", "project")
-    for cmd in (["generate"], ["init-model"], ["sft"], ["reward"]):
-        proc = run_cli(cmd, root)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    seed_versioned_project(root, tmp_path_factory.mktemp("dvc-remote"))
     return root
 
 
@@ -59,7 +40,7 @@ MICRO = {"cycles": {"cycles": 2, "scorer": "reward_model", "max_prompts": 24, "n
 def test_iterative_dpo_versions_every_cycle_and_tracks_lineage(project, chromium):
     from flows.cycles import iterative_dpo
 
-    head_before = _git(project, "rev-parse", "HEAD")
+    head_before = git(project, "rev-parse", "HEAD")
     summary = iterative_dpo(params_file="params.yaml", overrides=MICRO)
     history = summary["cycles"]
     assert [h["cycle"] for h in history] == [1, 2]
@@ -67,16 +48,16 @@ def test_iterative_dpo_versions_every_cycle_and_tracks_lineage(project, chromium
     # one commit per cycle, named after the flow and cycle, holding only .dvc/.gitignore files
     commits = [h["commit"] for h in history]
     assert len(set(commits)) == 2 and head_before not in commits
-    subjects = _git(project, "log", "--format=%s", f"{head_before}..HEAD").splitlines()
+    subjects = git(project, "log", "--format=%s", f"{head_before}..HEAD").splitlines()
     assert len(subjects) == 2 and "cycle 2/2" in subjects[0] and "cycle 1/2" in subjects[1]
     for c in commits:
-        files = _git(project, "show", "--name-only", "--format=", c).split()
+        files = git(project, "show", "--name-only", "--format=", c).split()
         assert files and all(f.endswith((".dvc", ".gitignore")) for f in files), files
-    assert any(f.endswith("reward.dvc") for f in _git(project, "show", "--name-only", "--format=", commits[1]).split())
+    assert any(f.endswith("reward.dvc") for f in git(project, "show", "--name-only", "--format=", commits[1]).split())
 
     # checking out cycle 1's commit restores its pairs byte for byte (from the DVC remote)
     pairs = project / "data/cycles/iterative_dpo/pairs.jsonl"
-    _git(project, "checkout", "-q", commits[0], "--", "data/cycles/iterative_dpo/pairs.jsonl.dvc")
+    git(project, "checkout", "-q", commits[0], "--", "data/cycles/iterative_dpo/pairs.jsonl.dvc")
     subprocess.run(["rm", "-rf", str(project / ".dvc/cache"), str(pairs)], check=True)
     from dvc.repo import Repo
 
@@ -88,7 +69,7 @@ def test_iterative_dpo_versions_every_cycle_and_tracks_lineage(project, chromium
     pool = [key(json.loads(x)) for x in (project / "data/cycles/iterative_dpo/reward_pairs.jsonl").read_text().splitlines()]
     assert len(pool) == len(set(pool))
     assert {key(json.loads(x)) for x in pairs.read_text().splitlines()} <= set(pool)
-    _git(project, "checkout", "-q", "HEAD", "--", "data/cycles/iterative_dpo/pairs.jsonl.dvc")
+    git(project, "checkout", "-q", "HEAD", "--", "data/cycles/iterative_dpo/pairs.jsonl.dvc")
 
     # MLflow: parent, cycles nested with their index and parent cycle, stages nested in cycles
     client = _client(project)
@@ -141,4 +122,4 @@ def test_raft_flow_trains_on_kept_samples(project):
     (h,) = summary["cycles"]
     assert h["commit"] and (project / "data/cycles/raft/kept.jsonl.dvc").exists()
     assert h["model_md5"] == dvc_md5(project / "models/cycles/raft/cycle_1")
-    assert _git(project, "status", "--porcelain", "--untracked-files=no") == ""
+    assert git(project, "status", "--porcelain", "--untracked-files=no") == ""

@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import cli_env, run_cli, write_micro_params
+from helpers import cli_env, seed_versioned_project, write_micro_params
 from rlhf_core.lineage import dvc_md5
 
 pytestmark = pytest.mark.slow
@@ -192,32 +192,14 @@ class Killer(threading.Thread):
             time.sleep(0.01)
 
 
-def _git(root: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-
-
 def _seed_project(root: Path, remote: Path) -> None:
     """A git + DVC project (local remote) with micro data, an SFT model and a reward model."""
-    from dvc.repo import Repo
-
     params_file = write_micro_params(root)
     params = yaml.safe_load(params_file.read_text())
     for section, values in SOAK_PARAMS.items():
         params[section].update(values)
     params_file.write_text(yaml.safe_dump(params, sort_keys=False))
-    _git(root, "init", "-q")
-    _git(root, "config", "user.name", "Test User")
-    _git(root, "config", "user.email", "test@example.com")
-    Repo.init(str(root)).close()
-    (root / ".dvc" / "config").write_text(f"[core]\n    remote = local\n['remote \"local\"']\n    url = {remote}\n")
-    (root / ".gitignore").write_text("/mlflow.db\n/mlartifacts/\n/.alignflow/\n/models/base/\n/models/sft/\n"
-                                     "/models/reward/\n/models/cycles/*/cycle_*/\n/metrics/\n/checkpoints/\n"
-                                     "/data/embedded/\n/.prefect*/\n")
-    _git(root, "add", "-A")
-    _git(root, "commit", "-q", "-m", "project")
-    for cmd in (["generate"], ["init-model"], ["sft"], ["reward"]):
-        proc = run_cli(cmd, root)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    seed_versioned_project(root, remote)
 
 
 def _start_flow(project: Path, api: str) -> subprocess.Popen:

@@ -134,3 +134,17 @@ def test_the_record_names_its_run_and_output(tmp_path, caplog):
     clear_checkpoints(tmp_path / "ckpt")
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".lock"]
     assert mine.finished() is None
+
+
+def test_resume_flag_accepts_a_finished_record(micro_model, micro_data, tmp_path):
+    """``alignflow sft --resume`` insists on something to continue: a step checkpoint, or (after the stage
+    saved its model and stopped before tracking it) the finished record; with neither it is a config error."""
+    from flows.cli import _require_checkpoint
+    from rlhf_core.config import ConfigError
+
+    cfg = _sft(micro_model, micro_data, tmp_path, save_every=0)
+    with pytest.raises(ConfigError, match="--resume: no checkpoint of this run"):
+        _require_checkpoint(cfg, "sft")
+    train_sft(cfg, show_progress=False)  # no step checkpoints (save_every=0), a finished record
+    assert not list((tmp_path / "ckpt").glob("step-*")) and (tmp_path / "ckpt" / FINISHED_FILE).is_file()
+    _require_checkpoint(cfg, "sft")
