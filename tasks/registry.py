@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import tempfile
 import time
 from contextlib import contextmanager
@@ -121,6 +122,29 @@ def read_champion(client: Any, name: str) -> Champion | None:
     return Champion(str(version), float(tags.get(METRIC_TAG, "nan")))
 
 
+def set_alias(client: Any, name: str, alias: str, version: str, attempts: int = 5) -> None:
+    """``client.set_registered_model_alias``, retried when a concurrent writer wins the server's race.
+
+    MLflow's SQL store sets an alias by looking for its row, then inserting or updating it: two flows
+    setting an alias nobody held yet both insert, and the second gets a UNIQUE-constraint error (HTTP 400)
+    although nothing is wrong with its request (seen under load on a shared server). The row exists by
+    then, so the retry updates it; :func:`hold_title` then settles which model keeps ``champion``.
+    """
+    from mlflow.exceptions import MlflowException
+
+    for attempt in range(attempts):
+        try:
+            client.set_registered_model_alias(name, alias, version)
+            return
+        except MlflowException as exc:
+            if "UNIQUE constraint" not in str(exc) and "already exists" not in str(exc).lower():
+                raise
+            if attempt == attempts - 1:
+                raise
+            log.warning("%s: setting alias %s raced another writer; retrying", name, alias)
+            time.sleep(random.uniform(0.05, 0.3))
+
+
 def _beats(accuracy: float, other: float, higher_is_better: bool) -> bool:
     return accuracy > other if higher_is_better else accuracy < other
 
@@ -141,7 +165,7 @@ def hold_title(client: Any, name: str, ours: Champion, higher_is_better: bool, s
         elif not holder.version or _beats(ours.accuracy, holder.accuracy, higher_is_better):
             log.warning("%s: champion alias moved to v%s (%.4f) after v%s (%.4f) took it; setting it back", name,
                         holder.version or "-", holder.accuracy, ours.version, ours.accuracy)
-            client.set_registered_model_alias(name, CHAMPION, ours.version)
+            set_alias(client, name, CHAMPION, ours.version)
             confirmed = 0
         else:
             return holder
@@ -156,7 +180,7 @@ def promote_if_better(client: Any, name: str, version: str, accuracy: float, hig
     before = read_champion(client, name)
     final = before
     if before is None or _beats(accuracy, before.accuracy, higher_is_better):
-        client.set_registered_model_alias(name, CHAMPION, version)
+        set_alias(client, name, CHAMPION, version)
         final = hold_title(client, name, Champion(version, accuracy), higher_is_better, settle_s)
     promoted = final is not None and final.version == version
     verdict = f"candidate v{version} ({accuracy:.4f}) " + (
@@ -203,7 +227,7 @@ def register_model(model_dir: str, run_id: str, accuracy: float, registered_name
     version, model_uri = _version_of(client, cfg, model_dir, run_id, registered_name, accuracy)
     client.set_model_version_tag(registered_name, version, METRIC_TAG, f"{accuracy:.6f}")
     with registry_lock(uri, f"{registered_name} v{version}"):
-        client.set_registered_model_alias(registered_name, CANDIDATE, version)
+        set_alias(client, registered_name, CANDIDATE, version)
         outcome = promote_if_better(client, registered_name, version, accuracy, higher_is_better,
                                     cfg.registry_settle_s if shared_store(uri) else 0.0)
     client.set_model_version_tag(registered_name, version, "promotion", outcome["verdict"])

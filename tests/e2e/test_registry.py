@@ -186,7 +186,10 @@ def test_two_hosts_on_one_server_promote_the_best_every_round(tmp_path, micro_mo
     from mlflow import MlflowClient
 
     port = free_port()
-    server = start_mlflow_server(tmp_path, port, store="server.db", artifacts="server-artifacts", workers=2)
+    # One server worker: the race under test is the clients' read-compare-set, and two workers writing one
+    # sqlite file under load answer "database is locked" (500), which the clients then retry for minutes
+    # (it hung a slow-tier run once); a production server sits on a database server instead.
+    server = start_mlflow_server(tmp_path, port, store="server.db", artifacts="server-artifacts", workers=1)
     try:
         uri = f"http://127.0.0.1:{port}"
         client = MlflowClient(tracking_uri=uri)
