@@ -234,7 +234,7 @@ def preflight_storage(plan: LoopPlan, checkpointer: Any, body: Any) -> None:
 
     needs = body.storage_needs()
     saves = plan.max_steps // plan.save_every if plan.save_every else 1  # 1: a SIGTERM checkpoint
-    n_ckpt = min(checkpointer.keep + 1, max(saves, 1)) if body.can_resume() else 0
+    n_ckpt = min(checkpointer.keep + 1, max(saves, 1))
     held = checkpointer.bytes_held()
     demands = [(Path(checkpointer.root), max(0, n_ckpt * needs.checkpoint_bytes - held)),
                (Path(needs.output_dir).parent, needs.output_bytes)]
@@ -340,9 +340,6 @@ class LoopClock:
 class TrainingBody(Protocol):
     """A trainer as :func:`run_checkpointed` sees it: a step, an evaluation, its state and its final save."""
 
-    def can_resume(self) -> bool:
-        """Whether this run's checkpoints can be written and read back (not under ZeRO yet)."""
-
     def restore(self, ckpt: Any) -> None:
         """Load a checkpoint (found and fingerprint-checked by the loop): weights, optimizers, objects."""
 
@@ -423,7 +420,7 @@ def run_checkpointed(plan: LoopPlan, checkpointer: Any, body: TrainingBody, *, s
             return reused
         if world.is_main:  # a full or read-only disk is refused now, not after hours of training
             preflight_storage(plan, checkpointer, body)
-        start = _resume(plan, checkpointer, body, sink, evals)
+        start = _resume(plan, checkpointer, body, sink, evals, world)
         if plan.eval_at_start and start == 1:
             evals.run(0, clock)
         bar = tqdm(range(start, plan.max_steps + 1), desc=plan.name, disable=not show_progress, mininterval=2.0)
@@ -436,7 +433,7 @@ def run_checkpointed(plan: LoopPlan, checkpointer: Any, body: TrainingBody, *, s
                 if plan.eval_every and step % plan.eval_every == 0 and step != plan.max_steps:
                     evals.run(step, clock)
                 if (plan.save_every and step % plan.save_every == 0) or stop.requested:
-                    path = _save(checkpointer, body, step, evals)
+                    path = _save(checkpointer, body, step, evals, world)
                     world.barrier()  # no rank runs ahead of a checkpoint it might have to resume from
                 if stop.requested:
                     raise TrainingInterrupted(f"{plan.name}: stopped by SIGTERM after step {step}; resume from {path}")
@@ -493,31 +490,30 @@ class _Evaluations:
         clock.eval_seconds += started.total()
 
 
-def _resume(plan: LoopPlan, checkpointer: Any, body: TrainingBody, sink: MetricSink, evals: _Evaluations) -> int:
+def _resume(plan: LoopPlan, checkpointer: Any, body: TrainingBody, sink: MetricSink, evals: _Evaluations,
+            world: Any) -> int:
     """Restore the newest checkpoint of this run when ``plan.resume``; returns the first step to run."""
     from rlhf_core.checkpoint import set_rng_state
-    from rlhf_core.parallel import current_world
 
-    found = checkpointer.latest() if plan.resume and body.can_resume() else None
+    found = checkpointer.latest() if plan.resume else None
     if found is None:
         return 1
     body.restore(found)
     evals.metrics.update(found.state["loop"]["eval_metrics"])
     # each rank its own generators (dropout draws differ per rank); a rank the writing world did not
     # have (resuming on more workers) takes rank 0's
-    ranks, rank = found.state.get("rng_ranks") or [found.state["rng"]], current_world().rank
+    ranks, rank = found.state.get("rng_ranks") or [found.state["rng"]], world.rank
     set_rng_state(ranks[rank] if rank < len(ranks) else ranks[0])
     log.warning("%s: resuming from %s (step %d of %d)", plan.name, found.path, found.step, plan.max_steps)
     sink.log_metrics({"checkpoint/resumed_from_step": float(found.step)}, found.step)
     return found.step + 1
 
 
-def _save(checkpointer: Any, body: TrainingBody, step: int, evals: _Evaluations) -> Path | None:
+def _save(checkpointer: Any, body: TrainingBody, step: int, evals: _Evaluations, world: Any) -> Path | None:
     """Write a checkpoint of ``step`` (the body's state plus the loop's own); None where this rank writes none."""
     from rlhf_core.checkpoint import rng_state
-    from rlhf_core.parallel import current_world
 
-    rngs = current_world().gather_to_main(rng_state())  # before the body's collectives: same order on every rank
+    rngs = world.gather_to_main(rng_state())  # before the body's collectives: same order on every rank
     written = body.checkpoint()
     if written is None:
         return None
@@ -614,9 +610,6 @@ class _OfflineBody:
         self.tokens_seen, self.last_loss = 0, float("nan")
         self.saved_metrics: dict[str, float] = {}
         model.train()
-
-    def can_resume(self) -> bool:
-        return True
 
     def restore(self, ckpt: Any) -> None:
         """Weights, optimizer, schedule, sampler and counters (on every rank; any world size wrote them)."""

@@ -431,9 +431,6 @@ class RLTrainer:
 
     # ---- checkpoints: the policy as an HF directory, everything else in trainer_state.pt --------
 
-    def can_resume(self) -> bool:
-        return True
-
     def checkpoint(self) -> tuple[Any, Any, dict[str, Any]]:
         return self.learner.view(), self.tokenizer, {
             **self.learner.state_dict(),
