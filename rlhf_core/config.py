@@ -160,6 +160,11 @@ class DataFields:
     """Optional numeric field: how much better chosen is than rejected."""
 
 
+PRECISIONS = ("auto", "fp32", "mixed", "bf16")
+SWITCHES = ("auto", "on", "off")
+LM_HEADS = ("auto", "chunked", "liger", "full")
+
+
 @dataclass
 class TrainerConfig(DataFields):
     """Fields every trainer shares: data, model, optimisation, evaluation, checkpoints."""
@@ -195,7 +200,8 @@ class TrainerConfig(DataFields):
     max_length: int = 64
     """Sequences longer than this (in tokens) are truncated from the right."""
     precision: str = "auto"
-    """auto (bf16 on a bf16-capable GPU, fp32 otherwise), bf16 or fp32."""
+    """auto (mixed on a bf16-capable GPU, fp32 otherwise), fp32, mixed (fp32 master weights held by the optimizer,
+    the bf16 model updated from them once per step) or bf16 (bf16 weights, fp32 AdamW moments; TRL's default)."""
     eval_every: int = 0
     """Steps between evaluations (0: only at the end)."""
     log_every: int = 10
@@ -219,8 +225,23 @@ class TrainerConfig(DataFields):
     """How workers share a step when num_workers > 1: ddp (torch DDP), zero2 or zero3 (DeepSpeed ZeRO)."""
     offload_optimizer: bool = False
     """zero2/zero3 only: keep optimizer state in CPU memory (DeepSpeed's CPU AdamW)."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward instead of storing them (less memory, about 30% more compute)."""
+    gradient_checkpointing: str | bool = "auto"
+    """auto, on or off (true/false read as on/off): recompute activations in backward (less memory, about 30%
+    more compute); auto turns it on only when a micro-batch's estimated memory exceeds the device's, and logs why."""
+    fused_kernels: str | bool = "auto"
+    """auto, on or off (YAML's bare on/off are booleans: read as on/off): liger-kernel's Triton RMSNorm, RoPE and SwiGLU in the decoder; auto uses them on a CUDA
+    device when liger-kernel is installed (the ``gpu`` extra), on fails if they cannot be used."""
+    lm_head: str = "auto"
+    """How log-probs leave the LM head: chunked (no [tokens x vocab] tensor is kept; each chunk is recomputed
+    in backward), liger (its fused linear cross-entropy), full (whole logits: the reference path) or auto
+    (liger where fused kernels are on and every rank holds the whole head, else chunked)."""
+    logit_chunk_tokens: int = 4096
+    """Tokens per LM-head chunk on the chunked path (bounds its float32 [chunk x vocab] logits)."""
+    packing: bool = False
+    """Padding-free micro-batches: sequences concatenated, position ids restarting per sequence."""
+    micro_batch_tokens: int = 0
+    """With packing: token budget of a micro-batch; a step's batch_size x grad_accum examples are split
+    into as many micro-batches as that takes (0: batch_size examples per micro-batch)."""
     lora_rank: int = 0
     """LoRA rank r of adapters on every linear layer (peft); 0 trains all weights. The saved model is merged."""
     lora_alpha: float = 16.0
@@ -249,8 +270,19 @@ class TrainerConfig(DataFields):
         _check(0.0 <= self.min_lr_ratio <= 1.0, s, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         _check(self.weight_decay >= 0, s, "weight_decay", f"must be >= 0, got {self.weight_decay}")
         _check(self.max_grad_norm >= 0, s, "max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
-        _check(self.precision in ("auto", "bf16", "fp32"), s, "precision",
-               f"must be auto, bf16 or fp32, got {self.precision!r}")
+        _check(self.precision in PRECISIONS, s, "precision",
+               f"must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        for name in ("gradient_checkpointing", "fused_kernels"):  # YAML 1.1 reads a bare on/off as a boolean
+            if isinstance(getattr(self, name), bool):
+                setattr(self, name, "on" if getattr(self, name) else "off")
+        for name, allowed in (("gradient_checkpointing", SWITCHES), ("fused_kernels", SWITCHES),
+                              ("lm_head", LM_HEADS)):
+            _check(getattr(self, name) in allowed, s, name,
+                   f"must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        _check(self.logit_chunk_tokens >= 1, s, "logit_chunk_tokens", f"must be >= 1, got {self.logit_chunk_tokens}")
+        _check(self.micro_batch_tokens >= 0, s, "micro_batch_tokens", f"must be >= 0, got {self.micro_batch_tokens}")
+        _check(self.micro_batch_tokens == 0 or self.packing, s, "micro_batch_tokens",
+               "a token budget needs packing: true (padded micro-batches hold batch_size rows)")
 
 
 @dataclass
@@ -258,9 +290,6 @@ class SFTConfig(TrainerConfig):
     """``sft``: supervised fine-tuning on demonstrations, loss on completion tokens only."""
 
     section: ClassVar[str] = "sft"
-
-    packing: bool = False
-    """Padding-free batches: concatenate sequences with per-sequence position ids."""
 
 
 @dataclass
@@ -610,6 +639,8 @@ class RLConfig(TrainerConfig):
         self._check_inputs()
         self._check_reward(kind)
         self._check_rollout()
+        _check(not self.packing, self.section, "packing",
+               "not for rl yet: its update trims each micro-batch's padding columns instead")
         self._check_batches(estimator)
         self._check_update()
         self._check_kl(estimator)
@@ -978,6 +1009,8 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         if value is None:
             return None
+        if isinstance(value, bool) and bool in args:
+            return value
         return _coerce(value, args[0], where)
     if annotation is bool:
         if isinstance(value, bool):

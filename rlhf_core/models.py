@@ -27,7 +27,7 @@ def resolve_precision(precision: str, device: torch.device) -> torch.dtype | Non
     """
     if precision == "fp32":
         return None
-    if precision == "bf16":
+    if precision in ("mixed", "bf16"):
         return torch.bfloat16
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.bfloat16
@@ -71,6 +71,65 @@ def load_causal_lm(path: str | Path, device: torch.device | None = None) -> Any:
 # Memory switches: gradient checkpointing and LoRA (peft)
 # --------------------------------------------------------------------------------------
 
+# Bytes a parameter holds while it trains, by precision regime: weights + gradients + AdamW's two
+# moments (+ the fp32 master copy under ``mixed``).
+_STATE_BYTES = {"fp32": 4 + 4 + 8, "mixed": 2 + 4 + 4 + 8, "bf16": 2 + 2 + 8}
+
+
+def activation_bytes(model_config: Any, tokens: int, *, checkpointing: bool, dtype_bytes: int = 2) -> int:
+    """Estimated activation memory of one training micro-batch of ``tokens`` tokens.
+
+    Per layer and token a decoder stores about ``10 h + 4 i`` values (h hidden, i MLP width: the
+    norms' and projections' inputs, attention output, and the gate, up, activation and product of a
+    SwiGLU MLP) when attention is flash-style (no ``s x s`` scores kept; Korthikanti et al. 2022,
+    "Reducing Activation Recomputation", Sec. 4.1, with their ``5 a s / h`` term dropped). With
+    checkpointing each layer keeps only its input (``h``), plus one layer's full set while it is
+    recomputed.
+    """
+    h = int(getattr(model_config, "hidden_size"))
+    i = int(getattr(model_config, "intermediate_size", 4 * h))
+    layers = int(getattr(model_config, "num_hidden_layers"))
+    full_layer = (10 * h + 4 * i) * tokens * dtype_bytes
+    if checkpointing:
+        return layers * h * tokens * dtype_bytes + full_layer
+    return layers * full_layer
+
+
+def resolve_checkpointing(setting: str, model: Any, tokens: int, precision: str) -> tuple[bool, str]:
+    """``(on, why)`` for ``gradient_checkpointing`` = ``setting`` (auto, on or off).
+
+    ``auto`` is off on a CPU (host memory is not the limit at the sizes a CPU trains) and on a GPU
+    turns on only when the training states (:data:`_STATE_BYTES` per parameter) plus the micro-batch's
+    activations without checkpointing (:func:`activation_bytes`, ``tokens`` the micro-batch's padded
+    size) would exceed 85% of the memory free now: checkpointing costs about a third more compute.
+    """
+    if setting in ("on", "off"):
+        return setting == "on", f"gradient_checkpointing: {setting}"
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return False, "gradient_checkpointing auto: off (not a CUDA device)"
+    free, _total = torch.cuda.mem_get_info(device)
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    states = n_params * _STATE_BYTES.get(precision, _STATE_BYTES["fp32"])
+    resident = sum(p.numel() * p.element_size() for p in model.parameters())  # already allocated: not in ``free``
+    need = states - resident + activation_bytes(model.config, tokens, checkpointing=False)
+    on = need > 0.85 * free
+    return on, (f"gradient_checkpointing auto: {'on' if on else 'off'} (estimated {need / 2**30:.1f} GiB for "
+                f"optimizer state and {tokens} tokens of activations, {free / 2**30:.1f} GiB free)")
+
+
+def training_precision(precision: str, device: torch.device) -> str:
+    """The regime ``precision`` names on ``device``: fp32, mixed or bf16 (``auto`` resolved)."""
+    if precision != "auto":
+        return precision
+    return "mixed" if resolve_precision("auto", device) is not None else "fp32"
+
+
+def enable_checkpointing(model: Any) -> None:
+    """Gradient checkpointing on every decoder layer (non-reentrant: works with frozen inputs, i.e. LoRA,
+    and under DDP without extra flags)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
 
 def prepare_for_training(model: Any, *, gradient_checkpointing: bool = False, lora_rank: int = 0,
                          lora_alpha: float = 16.0, lora_dropout: float = 0.0) -> Any:
@@ -82,8 +141,7 @@ def prepare_for_training(model: Any, *, gradient_checkpointing: bool = False, lo
     engine) already runs with the adapters. Save with :func:`merged_model` to get a plain model.
     """
     if gradient_checkpointing:
-        # non-reentrant: works with frozen inputs (LoRA) and under DDP without extra flags
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     if lora_rank > 0:
         from peft import LoraConfig, get_peft_model
 

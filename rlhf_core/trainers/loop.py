@@ -600,8 +600,8 @@ class _OfflineBody:
         self.next_micro_batch, self.loss_fn, self._evaluate, self.units_fn = next_micro_batch, loss_fn, evaluate, units_fn
         self.step_metrics, self.state, self.lineage, self.before_save = step_metrics, state, lineage, before_save
         self.autocast_dtype = _resolve_autocast(cfg.precision, next(model.parameters()).device)
-        prepare_for_training(model, gradient_checkpointing=cfg.gradient_checkpointing, lora_rank=cfg.lora_rank,
-                             lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout)
+        prepare_for_training(model, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout)
+        self.checkpointing: bool | None = None  # decided at the first step, from its micro-batch (gradient_checkpointing)
         optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
         self.scheduler = build_scheduler(optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
         self.strategy = build_strategy(cfg.parallel, model, optimizer, self.scheduler, world, grad_accum=cfg.grad_accum,
@@ -626,6 +626,8 @@ class _OfflineBody:
     def train_step(self, step: int, clock: LoopClock) -> dict[str, float] | None:
         cfg, world = self.cfg, self.world
         micro = [self.next_micro_batch() for _ in range(cfg.grad_accum)]
+        if self.checkpointing is None:
+            self._decide_checkpointing(micro)
         stats = accumulate_and_step(self.strategy, micro, self.loss_fn, max_grad_norm=cfg.max_grad_norm,
                                     autocast_dtype=self.autocast_dtype, units_fn=self.units_fn, step=step, world=world)
         self.tokens_seen += int(world.all_reduce_sum([sum(int(mb["input_ids"].numel()) for mb in micro)])[0])
@@ -636,6 +638,21 @@ class _OfflineBody:
         extra = self.step_metrics() if self.step_metrics is not None else {}
         return {"train/loss": stats.loss, "train/grad_norm": stats.grad_norm, "train/lr": stats.lr,
                 "perf/tokens_per_s": self.tokens_seen / max(elapsed, 1e-9), "perf/elapsed_s": elapsed, **extra}
+
+    def _decide_checkpointing(self, micro: list[dict[str, torch.Tensor]]) -> None:
+        """Resolve ``gradient_checkpointing`` (auto: from a memory estimate of the largest micro-batch
+        this run can draw: ``micro_batch_tokens``, or its sequences x ``max_length``) and log the choice."""
+        from rlhf_core.models import enable_checkpointing, resolve_checkpointing, training_precision
+
+        cfg = self.cfg
+        sequences = max(_count_sequences(mb) for mb in micro)
+        tokens = cfg.micro_batch_tokens or sequences * cfg.max_length
+        device = next(self.model.parameters()).device
+        self.checkpointing, why = resolve_checkpointing(cfg.gradient_checkpointing, self.model, tokens,
+                                                        training_precision(cfg.precision, device))
+        log.info("%s: %s", self.name, why)
+        if self.checkpointing:
+            enable_checkpointing(self.model)
 
     def progress(self, metrics: dict[str, float]) -> dict[str, str]:
         return {"loss": f"{metrics['train/loss']:.3f}", "lr": f"{metrics['train/lr']:.1e}"}
@@ -673,6 +690,13 @@ class _OfflineBody:
                 save_hf_dir(merged_model(self.model), self.tokenizer, self.cfg.output_dir, extra={
                     "stage": self.name, "config": redact_secrets(config_to_dict(self.cfg)),
                     "base_model": str(self.cfg.model_path), **self.lineage})
+
+
+def _count_sequences(batch: dict[str, torch.Tensor]) -> int:
+    """Sequences in a micro-batch: its rows, or where position ids restart in a packed row."""
+    if "attention_mask" not in batch and "position_ids" in batch:
+        return int((batch["position_ids"] == 0).sum())
+    return int(batch["input_ids"].shape[0])
 
 
 class _SavedWeights:

@@ -16,6 +16,7 @@ summed gradient is the one-worker gradient of the whole mini-batch.
 from __future__ import annotations
 
 import functools
+import logging
 from contextlib import nullcontext
 from typing import Any
 
@@ -23,11 +24,13 @@ import torch
 
 from rlhf_core.config import RLConfig
 from rlhf_core.models import export_state_dict, has_lora, load_causal_lm, pick_device, prepare_for_training, \
-    resolve_precision
+    resolve_checkpointing, resolve_precision, training_precision
 from rlhf_core.parallel import LocalStrategy, World, build_strategy, current_world, disable_dropout, train_mode
 from rlhf_core.rl_math import (AdvantageEstimator, LossAggregation, aggregate_loss, aggregation_units,
                                clipped_policy_loss, clipped_value_loss, entropy_from_logits, kl_penalty, masked_mean)
 from rlhf_core.trainers.loop import autocast_context, build_optimizer, build_scheduler, check_finite, inject_fault
+
+log = logging.getLogger(__name__)
 
 # Log-ratios to the reference are clamped before k3's exp (verl's bound): one token the policy
 # has nearly abandoned must not turn the KL term into inf.
@@ -277,7 +280,13 @@ class PolicyLearner:
         # with the same function that sampled them, or the importance ratios are noise.
         self.policy = load_causal_lm(cfg.model_path, self.device).eval()
         disable_dropout(self.policy)
-        prepare_for_training(self.policy, gradient_checkpointing=cfg.gradient_checkpointing, lora_rank=cfg.lora_rank,
+        # gradient_checkpointing auto: from the update's largest micro-batch (rows x max_length)
+        rows = cfg.micro_batch_size or -(-cfg.mini_batch_size // self.world.size)
+        self.checkpointing, why = resolve_checkpointing(cfg.gradient_checkpointing, self.policy,
+                                                        rows * cfg.max_length,
+                                                        training_precision(cfg.precision, self.device))
+        log.info("rl: %s", why)
+        prepare_for_training(self.policy, gradient_checkpointing=self.checkpointing, lora_rank=cfg.lora_rank,
                              lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout)
         self.optimizer = build_optimizer(self.policy, cfg.lr, cfg.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
@@ -294,7 +303,7 @@ class PolicyLearner:
         # is a collective (buffer broadcast, ZeRO-3 gathers) that all ranks must make; in the update it is
         # also two forwards before one backward. No cache under gradient checkpointing either.
         local = type(self.strategy) is LocalStrategy  # DDPStrategy subclasses it
-        self.share_prompts = local and not cfg.gradient_checkpointing
+        self.share_prompts = local and not self.checkpointing
         self.share_prompts_scoring = local
         self.critic = self.critic_opt = self.critic_sched = self.critic_strategy = None
         if AdvantageEstimator(cfg.estimator).needs_critic:
@@ -302,7 +311,7 @@ class PolicyLearner:
 
             self.critic = load_reward_model(cfg.critic_model_path or cfg.model_path, self.device).eval()
             disable_dropout(self.critic)
-            prepare_for_training(self.critic, gradient_checkpointing=cfg.gradient_checkpointing)
+            prepare_for_training(self.critic, gradient_checkpointing=self.checkpointing)
             self.critic_opt = build_optimizer(self.critic, cfg.critic_lr, cfg.weight_decay)
             self.critic_sched = build_scheduler(self.critic_opt, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
             # The critic is called through its submodules (backbone, then the score head on every
@@ -349,7 +358,7 @@ class PolicyLearner:
         cfg, world = self.cfg, self.world
         exp = _to(exp, self.device)
         seen: dict[str, list[float]] = {k: [] for k in SEEN_KEYS}
-        checkpointing = train_mode(self.policy) if cfg.gradient_checkpointing else nullcontext()
+        checkpointing = train_mode(self.policy) if self.checkpointing else nullcontext()
         with checkpointing:
             for order in orders:
                 for start in range(0, len(order), cfg.mini_batch_size):

@@ -66,8 +66,25 @@ def test_wrong_types_rejected():
         build_config(SFTConfig, "sft", {"max_steps": "many"})
     with pytest.raises(ConfigError, match=r"sft.packing: expected true or false"):
         build_config(SFTConfig, "sft", {"packing": "yes please"})
-    with pytest.raises(ConfigError, match=r"sft.precision: must be auto, bf16 or fp32"):
+    with pytest.raises(ConfigError, match=r"sft.precision: must be one of auto, fp32, mixed, bf16"):
         build_config(SFTConfig, "sft", {"precision": "fp8"})
+
+
+def test_gpu_speed_switches_are_checked():
+    """gradient_checkpointing reads true/false as on/off (older params files); the other switches are closed sets."""
+    assert build_config(SFTConfig, "sft", {"gradient_checkpointing": True}).gradient_checkpointing == "on"
+    assert build_config(SFTConfig, "sft", {"gradient_checkpointing": False}).gradient_checkpointing == "off"
+    assert build_config(SFTConfig, "sft", {}).gradient_checkpointing == "auto"
+    with pytest.raises(ConfigError, match=r"sft.gradient_checkpointing: must be one of auto, on, off, got 'sometimes'"):
+        build_config(SFTConfig, "sft", {"gradient_checkpointing": "sometimes"})
+    with pytest.raises(ConfigError, match=r"sft.lm_head: must be one of auto, chunked, liger, full"):
+        build_config(SFTConfig, "sft", {"lm_head": "fused"})
+    assert build_config(SFTConfig, "sft", {"fused_kernels": yaml.safe_load("off")}).fused_kernels == "off"
+    with pytest.raises(ConfigError, match=r"sft.fused_kernels: must be one of auto, on, off"):
+        build_config(SFTConfig, "sft", {"fused_kernels": "triton"})
+    with pytest.raises(ConfigError, match=r"sft.micro_batch_tokens: a token budget needs packing: true"):
+        build_config(SFTConfig, "sft", {"micro_batch_tokens": 4096})
+    assert build_config(SFTConfig, "sft", {"micro_batch_tokens": 4096, "packing": True}).micro_batch_tokens == 4096
 
 
 def test_broken_yaml_names_line(tmp_path):
