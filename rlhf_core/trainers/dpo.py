@@ -22,6 +22,7 @@ from rlhf_core.data.io import read_records
 from rlhf_core.data.tokenize import TokenizedExample, collate_pairs
 from rlhf_core.data.tokenize import tokenize_preference_records
 from rlhf_core.evaluate import evaluate_exact_match
+from rlhf_core.lm_head import LMHead, prepare_kernels
 from rlhf_core.logprobs import reference_logprobs, response_logprobs
 from rlhf_core.losses import PreferenceLoss, preference_loss
 from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
@@ -39,7 +40,7 @@ class DPOResult:
 
 
 def precompute_reference_logps(reference: Any, pairs: list[tuple[TokenizedExample, TokenizedExample]], pad: int,
-                               batch_size: int, average: bool) -> torch.Tensor:
+                               batch_size: int, average: bool, head: LMHead = LMHead()) -> torch.Tensor:
     """The frozen reference's log-probs of every pair's chosen and rejected response, in one pass.
 
     ``pairs`` are tokenized preference records, collated ``batch_size`` at a time (each chunk stacks
@@ -47,7 +48,7 @@ def precompute_reference_logps(reference: Any, pairs: list[tuple[TokenizedExampl
     Returns ``(n_pairs, 2)``: column 0 chosen, column 1 rejected, rows in ``pairs`` order.
     """
     chunks = [collate_pairs(pairs[i:i + batch_size], pad) for i in range(0, len(pairs), batch_size)]
-    flat = reference_logprobs(reference, chunks, average=average)
+    flat = reference_logprobs(reference, chunks, average=average, head=head)
     sizes = [int(c["n_pairs"]) for c in chunks]
     per_chunk = torch.split(flat, [2 * n for n in sizes])
     return torch.stack([torch.cat([p[:n] for p, n in zip(per_chunk, sizes)]),
@@ -66,6 +67,7 @@ def train_dpo(cfg: DPOConfig, sink: MetricSink | None = None, show_progress: boo
     tokenizer = load_tokenizer(cfg.model_path)
     model = load_causal_lm(cfg.model_path, device)
     reference = load_causal_lm(cfg.ref_model_path or cfg.model_path, device).eval().requires_grad_(False)
+    head = prepare_kernels(cfg, model, reference)  # fused kernels, and how the LM head scores tokens
     pairs = tokenize_preference_records(tokenizer, read_records(cfg.train_file), path=cfg.train_file,
                                         prompt_field=cfg.prompt_field, chosen_field=cfg.chosen_field,
                                         rejected_field=cfg.rejected_field, max_length=cfg.max_length)
@@ -74,7 +76,7 @@ def train_dpo(cfg: DPOConfig, sink: MetricSink | None = None, show_progress: boo
     # ---- reference log-probs: once up front (then the reference is freed), or live -------
     ref_logps: torch.Tensor | None = None
     if cfg.precompute_reference:
-        ref_logps = precompute_reference_logps(reference, pairs, pad, cfg.batch_size, average)  # (pairs, 2)
+        ref_logps = precompute_reference_logps(reference, pairs, pad, cfg.batch_size, average, head)  # (pairs, 2)
         del reference
         reference = None
 
@@ -93,13 +95,13 @@ def train_dpo(cfg: DPOConfig, sink: MetricSink | None = None, show_progress: boo
 
     def loss_fn(policy: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         n = int(batch["n_pairs"])
-        logps = response_logprobs(policy, batch, average=average)
+        logps = response_logprobs(policy, batch, average=average, head=head)
         if "ref_logps" in batch:
             ref = batch["ref_logps"].to(logps.device)
             ref_c, ref_r = ref[:, 0], ref[:, 1]
         else:
             with torch.no_grad():
-                live = response_logprobs(reference, batch, average=average)
+                live = response_logprobs(reference, batch, average=average, head=head)
             ref_c, ref_r = live[:n], live[n:]
         out = preference_loss(kind, logps[:n], logps[n:], ref_c, ref_r, beta=cfg.beta,
                               label_smoothing=cfg.label_smoothing)

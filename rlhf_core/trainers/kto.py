@@ -26,6 +26,7 @@ from rlhf_core.config import KTOConfig
 from rlhf_core.data.io import DataError, Record, read_records, require_str
 from rlhf_core.data.tokenize import TokenizedExample, collate_padded, tokenize_prompt_completion
 from rlhf_core.evaluate import evaluate_exact_match
+from rlhf_core.lm_head import prepare_kernels
 from rlhf_core.logprobs import response_logprobs
 from rlhf_core.losses import kto_loss, kto_reference_point
 from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
@@ -88,6 +89,7 @@ def train_kto(cfg: KTOConfig, sink: MetricSink | None = None, show_progress: boo
     tokenizer = load_tokenizer(cfg.model_path)
     model = load_causal_lm(cfg.model_path, device)
     reference = load_causal_lm(cfg.ref_model_path or cfg.model_path, device).eval().requires_grad_(False)
+    head = prepare_kernels(cfg, model, reference)  # fused kernels, and how the LM head scores tokens
     examples = unpaired_examples(read_records(cfg.train_file), cfg, cfg.train_file)
     pad = tokenizer.pad_token_id
 
@@ -113,9 +115,9 @@ def train_kto(cfg: KTOConfig, sink: MetricSink | None = None, show_progress: boo
     def loss_fn(policy: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         desirable = batch["desirable"]
         n = len(desirable)
-        logps = response_logprobs(policy, batch)  # (2n,): matched then mismatched
+        logps = response_logprobs(policy, batch, head=head)  # (2n,): matched then mismatched
         with torch.no_grad():
-            ref = response_logprobs(reference, batch)
+            ref = response_logprobs(reference, batch, head=head)
         z0 = kto_reference_point(logps[n:].detach(), ref[n:])
         desirable = desirable.to(logps.device)
         losses = kto_loss(logps[:n], ref[:n], desirable, z0, beta=cfg.beta,

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from rlhf_core.config import RLConfig
+from rlhf_core.lm_head import LMHead, _head_bypassed, bypasses_head, head_logprobs, prepare_kernels
 from rlhf_core.models import export_state_dict, has_lora, load_causal_lm, pick_device, prepare_for_training, \
     resolve_checkpointing, resolve_precision, training_precision
 from rlhf_core.parallel import LocalStrategy, World, build_strategy, current_world, disable_dropout, train_mode
@@ -99,9 +100,20 @@ def _shared_prompt_logits(model: Any, exp: dict[str, torch.Tensor], prompt_width
     return torch.cat([last, rest], dim=1)
 
 
+def _response_logits(model: Any, exp: dict[str, torch.Tensor], prompt_width: int, share_prompts: bool) -> torch.Tensor:
+    """``(rows, R, V)`` logits (hidden states ``(rows, R, H)`` with the head bypassed) of the positions that
+    predict the response tokens."""
+    logits = _shared_prompt_logits(model, exp, prompt_width) if share_prompts else None
+    if logits is None:
+        width = exp["input_ids"].shape[1]
+        kwargs = {"logits_to_keep": width - prompt_width + 1} if _keeps_logits(model) else {}
+        logits = model(**_model_inputs(exp), use_cache=False, **kwargs).logits[:, -(width - prompt_width + 1):-1]
+    return logits
+
+
 def token_logprobs(model: Any, exp: dict[str, torch.Tensor], prompt_width: int, temperature: float,
                    with_entropy: bool = False, entropy_grad: bool = False,
-                   share_prompts: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   share_prompts: bool = False, head: LMHead = LMHead()) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(rows, R)`` ``log_softmax(logits / T)`` of each response token, and optionally its entropy.
 
     The logits at position ``t`` predict token ``t + 1``, so the response tokens (columns
@@ -112,14 +124,17 @@ def token_logprobs(model: Any, exp: dict[str, torch.Tensor], prompt_width: int, 
     ``share_prompts`` runs each distinct prompt once (:func:`_shared_prompt_logits`).
 
     ``log_softmax(z)[y] = z_y - logsumexp(z)``: gathering before normalising keeps no ``(rows, R, V)``
-    log-softmax tensor alive for backward.
+    log-softmax tensor alive for backward. With ``head`` chunked or liger (:mod:`rlhf_core.lm_head`) the
+    model returns hidden states and no ``(rows, R, V)`` logits exist at all.
     """
-    width = exp["input_ids"].shape[1]
-    logits = _shared_prompt_logits(model, exp, prompt_width) if share_prompts else None
-    if logits is None:
-        kwargs = {"logits_to_keep": width - prompt_width + 1} if _keeps_logits(model) else {}
-        logits = model(**_model_inputs(exp), use_cache=False, **kwargs).logits[:, -(width - prompt_width + 1):-1]
-    logits = logits.float()
+    if bypasses_head(model, head):
+        with _head_bypassed(model) as lm_head:
+            hidden = _response_logits(model, exp, prompt_width, share_prompts)  # (rows, R, H): hidden states
+        rows, R = exp["response_ids"].shape
+        logp, entropy = head_logprobs(lm_head, hidden.reshape(rows * R, -1), exp["response_ids"].reshape(-1), head,
+                                      temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
+        return logp.view(rows, R), (entropy.view(rows, R) if entropy is not None else None)
+    logits = _response_logits(model, exp, prompt_width, share_prompts).float()
     if temperature != 1.0:
         logits = logits / temperature
     logp = logits.gather(-1, exp["response_ids"].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
@@ -252,13 +267,15 @@ class ReferenceScorer:
         self.cfg, self.device, self.world = cfg, device or pick_device(), world or current_world()
         self.autocast_dtype = resolve_precision(cfg.precision, self.device)
         self.model = load_causal_lm(cfg.ref_model_path or cfg.model_path, self.device).eval().requires_grad_(False)
+        self.head = prepare_kernels(cfg, self.model)
 
     def logprobs(self, exp: dict[str, torch.Tensor], prompt_width: int) -> torch.Tensor:
         """``(my_rows, R)`` reference log-probs of this rank's rows."""
         exp = _to(exp, self.device)
         shard = _sharded(self.world, exp, prompt_width, self.cfg.batch_size, self.model)
         with autocast_context(self.device, self.autocast_dtype):
-            out = _in_chunks(lambda e, p: token_logprobs(self.model, e, p, self.cfg.temperature, share_prompts=True)[0],
+            out = _in_chunks(lambda e, p: token_logprobs(self.model, e, p, self.cfg.temperature, share_prompts=True,
+                                                      head=self.head)[0],
                              exp, prompt_width, shard.rows.to(self.device), shard.n_chunks)
         release_memory()
         return out.cpu()
@@ -280,6 +297,7 @@ class PolicyLearner:
         # with the same function that sampled them, or the importance ratios are noise.
         self.policy = load_causal_lm(cfg.model_path, self.device).eval()
         disable_dropout(self.policy)
+        self.head = prepare_kernels(cfg, self.policy)
         # gradient_checkpointing auto: from the update's largest micro-batch (rows x max_length)
         rows = cfg.micro_batch_size or -(-cfg.mini_batch_size // self.world.size)
         self.checkpointing, why = resolve_checkpointing(cfg.gradient_checkpointing, self.policy,
@@ -329,7 +347,7 @@ class PolicyLearner:
         out = {}
         with autocast_context(self.device, self.autocast_dtype):
             out["old_logp"] = _in_chunks(
-                lambda e, p: token_logprobs(self.strategy.module, e, p, self.cfg.temperature,
+                lambda e, p: token_logprobs(self.strategy.module, e, p, self.cfg.temperature, head=self.head,
                                             share_prompts=self.share_prompts_scoring)[0],
                 exp, prompt_width, rows, shard.n_chunks).cpu()
             if self.critic is not None:
@@ -394,7 +412,7 @@ class PolicyLearner:
                 with autocast_context(self.device, self.autocast_dtype):
                     logp, entropy = token_logprobs(self.strategy.module, m, width, cfg.temperature,
                                                    with_entropy=True, entropy_grad=cfg.entropy_coef != 0,
-                                                   share_prompts=self.share_prompts)
+                                                   share_prompts=self.share_prompts, head=self.head)
                 old_logp = logp.detach() * m["mask"] if fused_old else m["old_logp"]
                 pg_loss, stats = clipped_policy_loss(logp, old_logp, m["advantages"], m["mask"],
                                                      clip_low=cfg.clip_low, clip_high=cfg.clip_high,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -19,8 +19,8 @@ from rlhf_core.config import SFTConfig
 from rlhf_core.data.io import read_records
 from rlhf_core.data.tokenize import TokenizedExample, collate_packed, collate_padded, tokenize_sft_records
 from rlhf_core.evaluate import evaluate_exact_match
-from rlhf_core.logprobs import MODEL_INPUTS
-from rlhf_core.losses import token_nll_sum
+from rlhf_core.lm_head import LMHead, labelled_token_logprobs, prepare_kernels
+from rlhf_core.losses import IGNORE_INDEX
 from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
 from rlhf_core.parallel import current_world
 from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, seed_everything
@@ -35,11 +35,16 @@ class SFTResult:
     eval_samples: list[dict[str, str]] = field(default_factory=list)
 
 
-def _nll_loss_fn(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    device = next(model.parameters()).device
-    inputs = {k: batch[k].to(device) for k in MODEL_INPUTS if k in batch}
-    logits = model(**inputs, use_cache=False).logits
-    return token_nll_sum(logits, batch["labels"].to(device))
+def nll_loss_fn(head: LMHead) -> Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]:
+    """The loop's loss: ``(model, batch) -> (summed next-token NLL of the labelled tokens, their count)``.
+
+    ``NLL = - sum_{t: y_t != -100} log p(y_t | x_{<t})`` (Ouyang et al. 2022, Sec. 3.5), each term from
+    the LM head as ``head`` runs it (:mod:`rlhf_core.lm_head`: chunked or fused, no whole logits).
+    """
+    def loss_fn(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        logp = labelled_token_logprobs(model, batch, head)  # (B, T-1), 0 where unlabelled
+        return -logp.sum(), (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+    return loss_fn
 
 
 def _collate(examples: list[TokenizedExample], cfg: SFTConfig, pad_id: int) -> dict[str, torch.Tensor]:
@@ -47,12 +52,14 @@ def _collate(examples: list[TokenizedExample], cfg: SFTConfig, pad_id: int) -> d
 
 
 @torch.no_grad()
-def eval_loss(model: Any, examples: list[TokenizedExample], cfg: SFTConfig, pad_id: int) -> float:
+def eval_loss(model: Any, examples: list[TokenizedExample], cfg: SFTConfig, pad_id: int,
+              head: LMHead = LMHead()) -> float:
     """Token-mean NLL on held-out examples."""
     model.eval()
     total, count = 0.0, 0
+    loss_fn = nll_loss_fn(head)
     for start in range(0, len(examples), cfg.batch_size):
-        nll, n = _nll_loss_fn(model, _collate(examples[start:start + cfg.batch_size], cfg, pad_id))
+        nll, n = loss_fn(model, _collate(examples[start:start + cfg.batch_size], cfg, pad_id))
         total += float(nll)
         count += int(n)
     model.train()
@@ -67,6 +74,7 @@ def train_sft(cfg: SFTConfig, sink: MetricSink | None = None, show_progress: boo
     # ---- load: model, tokenizer, data -------------------------------------------------
     tokenizer = load_tokenizer(cfg.model_path)
     model = load_causal_lm(cfg.model_path, pick_device())
+    head = prepare_kernels(cfg, model)  # fused kernels, and how the LM head scores tokens
     fields = dict(prompt_field=cfg.prompt_field, completion_field=cfg.completion_field,
                   messages_field=cfg.messages_field, max_length=cfg.max_length)
     train = tokenize_sft_records(tokenizer, read_records(cfg.train_file), path=cfg.train_file, **fields)
@@ -85,10 +93,10 @@ def train_sft(cfg: SFTConfig, sink: MetricSink | None = None, show_progress: boo
     def evaluate() -> tuple[dict[str, float], list[dict[str, str]]]:
         result = evaluate_exact_match(model, tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
                                       label_field=cfg.label_field, max_items=cfg.eval_items)
-        return {**result.metrics("eval"), "eval/loss": eval_loss(model, held_out, cfg, tokenizer.pad_token_id)}, \
+        return {**result.metrics("eval"), "eval/loss": eval_loss(model, held_out, cfg, tokenizer.pad_token_id, head)}, \
             result.samples
 
     # ---- train, then save ---------------------------------------------------------------
-    loop = run_training(cfg, "sft", model, tokenizer, next_micro_batch=next_micro_batch, loss_fn=_nll_loss_fn,
+    loop = run_training(cfg, "sft", model, tokenizer, next_micro_batch=next_micro_batch, loss_fn=nll_loss_fn(head),
                         evaluate=evaluate, sink=sink, state={"sampler": sampler}, show_progress=show_progress)
     return SFTResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples)

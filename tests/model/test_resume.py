@@ -151,7 +151,8 @@ def test_nan_loss_stops_at_that_step_with_last_checkpoint_intact(micro_model, mi
     from rlhf_core.data.tokenize import collate_padded, tokenize_sft_records
     from rlhf_core.models import load_causal_lm, load_tokenizer
     from rlhf_core.trainers.loop import EpochSampler
-    from rlhf_core.trainers.sft import _nll_loss_fn
+    from rlhf_core.lm_head import LMHead
+    from rlhf_core.trainers.sft import nll_loss_fn
 
     cfg = _sft(micro_model, micro_data, tmp_path, max_steps=10)
     tokenizer = load_tokenizer(cfg.model_path)
@@ -164,7 +165,7 @@ def test_nan_loss_stops_at_that_step_with_last_checkpoint_intact(micro_model, mi
 
     def loss_fn(m, batch):
         calls["n"] += 1
-        loss, n = _nll_loss_fn(m, batch)
+        loss, n = nll_loss_fn(LMHead())(m, batch)
         return (loss * float("nan"), n) if calls["n"] == 7 else (loss, n)
 
     with pytest.raises(NonFiniteError, match=r"step 7: loss is nan"):

@@ -1,0 +1,181 @@
+"""The LM-head paths on a GPU: the CPU tests' comparison (``tests/unit/test_lm_head.py``,
+``tests/model/test_lm_head_paths.py``) rerun once in bf16 on the card, plus what each path costs.
+
+Two parts, written to ``$OUT/gpu_lm_head_check.json``:
+
+* ``head``: one LM head of the 1.5B shape (16,384 tokens x 1,536 -> 151,936, bf16 weights and hidden
+  states), per-token log-probs by ``full`` (whole float32 logits), ``chunked`` and ``liger``, against
+  an fp32 reference; upstream gradient non-uniform (random signed per-token weights, as advantages are).
+  Reports max |delta log p|, relative gradient error (hidden, weight), median time of forward +
+  backward over 5 runs, and peak memory.
+* ``model``: a Qwen2-0.5B-shaped random model (32k vocabulary), bf16, 8 rows x 512 tokens with the
+  last 384 labelled: ``labelled_token_logprobs`` under each head kernel, with and without liger's fused
+  RMSNorm/RoPE/SwiGLU, against ``full`` without fused kernels: log-prob deltas, parameter-gradient
+  relative error, time and peak memory.
+
+On a lent GPU (``.devwheels`` carried, liger-kernel in it: ``bench/device_wheels.sh``)::
+
+    source bench/device_setup.sh && python bench/gpu_lm_head_check.py --out $OUT/gpu_lm_head_check.json
+
+``--small`` runs both parts at toy sizes (CPU: the liger rows are skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import torch  # noqa: E402
+
+from rlhf_core.lm_head import (LMHead, apply_fused_kernels, chunked_token_logprobs, labelled_token_logprobs,  # noqa: E402
+                               liger_available, liger_token_logprobs)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def _timed(fn, reps: int) -> tuple[list[float], float]:
+    """Seconds of each of ``reps`` calls after one warm-up, and the peak memory (GB) of a call."""
+    fn()
+    _sync()
+    times = []
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - t)
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if torch.cuda.is_available() else float("nan")
+    return times, peak
+
+
+def head_part(n: int, hidden_size: int, vocab: int, device: torch.device, reps: int) -> dict:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    w32 = (torch.randn(vocab, hidden_size, generator=g) / hidden_size**0.5).to(device)
+    h32 = torch.randn(n, hidden_size, generator=g).to(device)
+    y = torch.randint(0, vocab, (n,), generator=g).to(device)
+    adv = (torch.randn(n, generator=g) * torch.rand(n, generator=g) * 3).to(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def run(path: str, w: torch.Tensor, h: torch.Tensor):
+        w = w.detach().clone().requires_grad_(True)
+        h = h.detach().clone().requires_grad_(True)
+        head = torch.nn.Linear(hidden_size, vocab, bias=False, device=device, dtype=w.dtype)
+        head.weight = torch.nn.Parameter(w)
+        if path == "full":
+            logp = torch.log_softmax((h @ head.weight.T).float(), -1).gather(-1, y[:, None]).squeeze(-1)
+        elif path == "chunked":
+            logp, _ = chunked_token_logprobs(head, h, y, chunk_tokens=4096)
+        else:
+            logp = liger_token_logprobs(head.weight, h, y)
+        (logp * adv).sum().backward()
+        return logp.detach(), h.grad, head.weight.grad
+
+    ref = run("full", w32, h32)  # fp32 reference
+    out = {"tokens": n, "hidden": hidden_size, "vocab": vocab, "dtype": str(dtype), "paths": {}}
+    for path in ("full", "chunked") + (("liger",) if liger_available() else ()):
+        got = run(path, w32.to(dtype), h32.to(dtype))
+        times, peak = _timed(lambda: run(path, w32.to(dtype), h32.to(dtype)), reps)
+        out["paths"][path] = {"max_abs_dlogp_vs_fp32": float((got[0] - ref[0]).abs().max()),
+                              "grad_hidden_rel_err": _rel(got[1], ref[1]), "grad_weight_rel_err": _rel(got[2], ref[2]),
+                              "seconds_median": statistics.median(times), "seconds_min": min(times),
+                              "seconds_max": max(times), "peak_gb": round(peak, 3)}
+    return out
+
+
+def model_part(small: bool, device: torch.device, reps: int) -> dict:
+    from gpu_grpo import build_model, build_tokenizer
+    from rlhf_core.models import load_causal_lm
+
+    work = Path(tempfile.mkdtemp(prefix="lmhead-"))
+    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1) if small else {}
+    model_dir = build_model(build_tokenizer(2000 if small else 32000, work / "tok"), work / "model", **dims)
+    rows, width, labelled = (2, 64, 48) if small else (8, 512, 384)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(1)
+    vocab = 2000 if small else 32000
+    ids = torch.randint(0, vocab - 10, (rows, width), generator=g)
+    labels = ids.clone()
+    labels[:, :width - labelled] = -100
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    weights = torch.randn(rows, width - 1, generator=g).to(device)  # per-token, signed
+    results, reference = {}, None
+    variants = [("full", False), ("chunked", False)]
+    if liger_available():
+        variants += [("liger", False), ("full", True), ("chunked", True), ("liger", True)]
+    for kernel, fused in variants:
+        model = load_causal_lm(model_dir, device).to(dtype)
+        if fused:
+            apply_fused_kernels(model)
+        head = LMHead(kernel, 4096)
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            logp = labelled_token_logprobs(model, batch, head)
+            (logp * weights).sum().backward()
+            return logp.detach()
+
+        logp = step()
+        grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+        if reference is None:
+            reference = (logp, grads)
+        times, peak = _timed(step, reps)
+        scored = labels[:, 1:].to(device) != -100
+        results[f"{kernel}{'+fused' if fused else ''}"] = {
+            "max_abs_dlogp_vs_full": float((logp - reference[0])[scored].abs().max()),
+            "mean_abs_dlogp_vs_full": float((logp - reference[0])[scored].abs().mean()),
+            "grad_rel_err_max_over_params": max(_rel(grads[k], reference[1][k]) for k in grads),
+            "grad_rel_err_median_over_params": statistics.median(_rel(grads[k], reference[1][k]) for k in grads),
+            "seconds_median": statistics.median(times), "seconds_min": min(times), "seconds_max": max(times),
+            "peak_gb": round(peak, 3)}
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"rows": rows, "width": width, "labelled": labelled, "dtype": str(dtype), "results": results}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="gpu_lm_head_check.json")
+    ap.add_argument("--small", action="store_true")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    reps = 2 if args.small else 5
+    import transformers
+
+    out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "transformers": transformers.__version__, "small": args.small,
+           "head": head_part(512 if args.small else 16384, 64 if args.small else 1536,
+                             1000 if args.small else 151936, device, reps),
+           "model": model_part(args.small, device, reps)}
+    try:
+        import liger_kernel  # noqa: F401
+        from importlib.metadata import version
+
+        out["liger_kernel"] = version("liger-kernel")
+    except ImportError:
+        out["liger_kernel"] = None
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""Log-probs of chosen tokens straight from the LM head, without a ``[tokens x vocab]`` logits tensor.
+
+Every trainer but the reward model needs ``log p(y_t | x_{<t})`` of given tokens: SFT's NLL, the
+DPO/KTO sequence sums, RL's per-token ratios. The plain path (``full``) runs the whole LM head,
+keeps float32 logits of every position for backward (16k tokens x 152k vocabulary = 10 GB, twice
+in backward) and then reads one entry per row. Two alternatives, chosen by ``lm_head``:
+
+* ``chunked`` (any device, any strategy): only the labelled positions go through the head, a chunk
+  of ``chunk_tokens`` rows at a time, each chunk under activation checkpointing, so forward keeps
+  no logits at all and backward rebuilds one chunk's logits at a time. Costs one extra head matmul
+  per chunk (the recompute). It calls the head *module*, so DeepSpeed ZeRO-3's hooks gather its
+  weight as for any layer; plain torch, so it is what the CPU tests run.
+* ``liger`` (CUDA, liger-kernel installed, head weight whole on this rank): liger-kernel's fused
+  linear cross-entropy (Triton; ``-loss`` with ``reduction='none'`` is the per-token log-prob).
+  Pinned at 0.8.5 or later: earlier versions scaled every token's gradient by the first token's
+  upstream gradient under ``reduction='none'`` (linkedin/Liger-Kernel PR #1298), which an
+  advantage-weighted loss would have silently broken.
+
+Why not liger everywhere: it needs the head's weight as a tensor (ZeRO-3 holds shards), returns no
+entropy (RL logs it), and does not run on a CPU. The decoder's own fused kernels (RMSNorm, RoPE,
+SwiGLU) are applied by :func:`apply_fused_kernels`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+log = logging.getLogger(__name__)
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+@dataclass(frozen=True)
+class LMHead:
+    """How a trainer turns hidden states into token log-probs (resolved from ``lm_head``)."""
+
+    kernel: str = "chunked"
+    """chunked, liger or full (see the module docstring)."""
+    chunk_tokens: int = 4096
+    """Rows of the head per chunk on the chunked path."""
+
+
+# --------------------------------------------------------------------------------------
+# Pure math: hidden states (N, H) and targets (N,) -> log-probs (N,)
+# --------------------------------------------------------------------------------------
+
+
+def _chunk_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor,
+                    temperature: float, with_entropy: bool, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log softmax(head(h) / T)[y]`` and the entropy of each row of one chunk: ``(n, H), (n,) -> (n,), (n,)``.
+
+    ``log softmax(z)[y] = z_y - logsumexp(z)`` and ``H = logsumexp(z) - sum_v softmax(z)_v z_v``; the
+    entropy carries a gradient only with ``entropy_grad`` (RL logs it; it enters the loss only with a coefficient).
+    """
+    logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    if not with_entropy:
+        return logp, logp.new_zeros(())
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, entropy
+
+
+def chunked_token_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor,
+                           *, temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = True,
+                           chunk_tokens: int = 4096) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``(N,)`` (and entropies ``(N,)``) of ``targets`` under ``head(hidden) / temperature``.
+
+    Args:
+        head: the LM head (``(n, H) -> (n, V)``), called once per chunk (and again per chunk in backward).
+        hidden: ``(N, H)`` final hidden states, one row per scored token.
+        targets: ``(N,)`` token ids.
+
+    Each chunk runs under non-reentrant activation checkpointing when a gradient is needed, so no
+    ``(chunk, V)`` tensor outlives its chunk: memory is one chunk's float32 logits instead of N rows'.
+    """
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(
+        p.requires_grad for p in getattr(head, "parameters", lambda: [])()))
+    logps, entropies = [], []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        h, y = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens]
+        if grad:
+            lp, ent = checkpoint(_chunk_logprobs, head, h, y, temperature, with_entropy, entropy_grad,
+                                 use_reentrant=False)
+        else:
+            lp, ent = _chunk_logprobs(head, h, y, temperature, with_entropy, entropy_grad)
+        logps.append(lp)
+        entropies.append(ent)
+    if not logps:
+        empty = hidden.new_zeros((0,), dtype=torch.float32)
+        return empty, (empty if with_entropy else None)
+    return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)
+
+
+def liger_token_logprobs(weight: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor, *,
+                         temperature: float = 1.0) -> torch.Tensor:
+    """``(N,)`` log-probs of ``targets`` under ``hidden @ weight.T / temperature`` by liger's fused kernel.
+
+    ``weight`` is ``(V, H)``; ``hidden`` ``(N, H)`` is cast to its dtype (the kernel wants one dtype).
+    Dividing the hidden state by T divides the logits by T.
+    """
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    x = hidden.to(weight.dtype)
+    if temperature != 1.0:
+        x = x / temperature
+    loss = LigerFusedLinearCrossEntropyLoss(reduction="none", ignore_index=-100)(weight, x, targets)
+    return -loss.float()
+
+
+# --------------------------------------------------------------------------------------
+# From a model: run the decoder, score the chosen positions
+# --------------------------------------------------------------------------------------
+
+
+def unwrap(model: Any) -> Any:
+    """The model under a DDP or DeepSpeed wrapper (which hold it as ``.module``)."""
+    return getattr(model, "module", model)
+
+
+@contextmanager
+def _head_bypassed(model: Any) -> Iterator[Any]:
+    """Within the block, ``model(...)`` returns the final hidden states as ``.logits``; yields the LM head.
+
+    The head is swapped for ``Identity`` on the unwrapped model and put back after, so a DDP or
+    DeepSpeed wrapper's forward (its gradient hooks, ZeRO's gathers) still runs around the decoder.
+    """
+    base = unwrap(model)
+    head = base.get_output_embeddings()
+    base.set_output_embeddings(torch.nn.Identity())
+    try:
+        yield head
+    finally:
+        base.set_output_embeddings(head)
+
+
+def supports_head_bypass(model: Any) -> bool:
+    """Whether the causal LM's logits are exactly ``lm_head(last_hidden_state)`` (no soft-capping or
+    logit scale after the head, which the bypass would skip), so the chunked/liger paths are exact."""
+    cfg = unwrap(model).config
+    return not any(getattr(cfg, name, None) for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+
+
+def scored_logprobs(model: Any, inputs: dict[str, torch.Tensor], positions: torch.Tensor, targets: torch.Tensor,
+                    head: LMHead, *, temperature: float = 1.0, with_entropy: bool = False,
+                    **forward_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``(N,)`` of ``targets`` predicted at ``positions`` (and entropies), for any ``head.kernel``.
+
+    Args:
+        inputs: ``input_ids`` etc., ``(B, T)``, on the model's device.
+        positions: ``(B, T)`` bool mask of the positions whose next-token prediction is scored.
+        targets: ``(N,)`` the token each scored position predicts (N = ``positions.sum()``), row-major.
+    """
+    if not bypasses_head(model, head):
+        logits = model(**inputs, use_cache=False, **forward_kwargs).logits[positions]  # (N, V)
+        logp, entropy = _chunk_logprobs(torch.nn.Identity(), logits, targets, temperature, with_entropy)
+        return logp, (entropy if with_entropy else None)
+    with _head_bypassed(model) as lm_head:
+        hidden = model(**inputs, use_cache=False, **forward_kwargs).logits[positions]  # (N, H)
+    return head_logprobs(lm_head, hidden, targets, head, temperature=temperature, with_entropy=with_entropy)
+
+
+def bypasses_head(model: Any, head: LMHead) -> bool:
+    """Whether ``head`` scores tokens from hidden states (chunked, liger) on this model, rather than
+    from the model's own logits (``full``, or a model that post-processes its logits)."""
+    return head.kernel != "full" and supports_head_bypass(model)
+
+
+def head_logprobs(lm_head: Any, hidden: torch.Tensor, targets: torch.Tensor, head: LMHead, *, temperature: float = 1.0,
+                  with_entropy: bool = False, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(N,)`` log-probs (and entropies) of ``targets`` from final hidden states ``(N, H)`` through
+    ``lm_head`` by ``head.kernel`` (liger has no entropy: the chunked path gives it when asked)."""
+    if head.kernel == "liger" and not with_entropy:
+        return liger_token_logprobs(lm_head.weight, hidden, targets, temperature=temperature), None
+    return chunked_token_logprobs(lm_head, hidden, targets, temperature=temperature, with_entropy=with_entropy,
+                                  entropy_grad=entropy_grad, chunk_tokens=head.chunk_tokens)
+
+
+def labelled_token_logprobs(model: Any, batch: dict[str, torch.Tensor], head: LMHead) -> torch.Tensor:
+    """``(B, T-1)`` log-prob of each labelled next token (``labels[:, 1:] != -100``), 0 elsewhere.
+
+    Column ``t`` scores ``labels[:, t+1]`` from position ``t`` (Hugging Face's shift by one).
+    """
+    device = next(unwrap(model).parameters()).device
+    inputs = {k: batch[k].to(device) for k in MODEL_INPUTS if k in batch}
+    labels = batch["labels"].to(device)[:, 1:]
+    scored = labels != -100
+    positions = torch.nn.functional.pad(scored, (0, 1))  # (B, T): the last position predicts nothing
+    logp, _ = scored_logprobs(model, inputs, positions, labels[scored], head)
+    return torch.zeros(labels.shape, dtype=logp.dtype, device=device).masked_scatter(scored, logp)
+
+
+# --------------------------------------------------------------------------------------
+# Choosing the kernels
+# --------------------------------------------------------------------------------------
+
+
+def liger_available() -> bool:
+    """liger-kernel importable and a CUDA device present (its kernels are Triton, GPU only)."""
+    return torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
+
+
+def use_fused_kernels(setting: str, device: torch.device) -> bool:
+    """Resolve ``fused_kernels`` (auto, on, off); ``on`` where they cannot run is an error, not a silent no."""
+    if setting == "off":
+        return False
+    usable = device.type == "cuda" and liger_available()
+    if setting == "on" and not usable:
+        raise RuntimeError("fused_kernels: on needs a CUDA device and liger-kernel installed (pip install "
+                           "'alignflow[gpu]'); use auto to fall back to plain torch")
+    return usable
+
+
+def apply_fused_kernels(model: Any) -> None:
+    """liger-kernel's RMSNorm, RoPE and SwiGLU in ``model``'s decoder (its LM head is left alone: the loss
+    functions above decide how logits are made). A model type liger does not know is left as it is."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    _apply_liger_kernel_to_instance(model=unwrap(model), rope=True, rms_norm=True, swiglu=True,
+                                    cross_entropy=False, fused_linear_cross_entropy=False)
+
+
+def resolve_lm_head(setting: str, chunk_tokens: int, *, fused: bool, head_whole: bool) -> LMHead:
+    """Resolve ``lm_head`` (auto, chunked, liger, full): auto is liger where fused kernels are on and this
+    rank holds the whole head (not ZeRO-3), else chunked; liger where it cannot run is an error."""
+    if setting == "auto":
+        setting = "liger" if fused and head_whole else "chunked"
+    if setting == "liger" and not (liger_available() and head_whole):
+        raise RuntimeError("lm_head: liger needs CUDA, liger-kernel, and the whole head on each rank "
+                           "(not parallel: zero3); use chunked")
+    return LMHead(setting, chunk_tokens)
+
+
+def prepare_kernels(cfg: Any, *models: Any) -> LMHead:
+    """Apply ``cfg.fused_kernels`` to each of ``models`` (policy, reference, teacher) and resolve
+    ``cfg.lm_head``; logs both choices."""
+    device = next(models[0].parameters()).device
+    fused = use_fused_kernels(cfg.fused_kernels, device)
+    if fused:
+        for model in models:
+            apply_fused_kernels(model)
+    head_whole = not (getattr(cfg, "num_workers", 1) > 1 and getattr(cfg, "parallel", "ddp") == "zero3")
+    head = resolve_lm_head(cfg.lm_head, cfg.logit_chunk_tokens, fused=fused, head_whole=head_whole)
+    log.info("%s: fused kernels %s, LM head %s", cfg.section, "on (liger-kernel)" if fused else "off", head.kernel)
+    return head

@@ -1,0 +1,141 @@
+"""Tiny model: the chunked LM head gives today's log-probs, losses and gradients (``rlhf_core.lm_head``).
+
+Today's path is the whole logits through ``rlhf_core.losses.sequence_logprobs`` / ``token_nll_sum``
+(or the ``full`` kernel in RL's ``token_logprobs``); the chunked path bypasses the model's head and
+scores only the labelled positions, a few rows at a time. Upstream gradients are non-uniform
+(per-row weights of both signs, as advantages are). Tolerance: 1e-5 absolute on log-probs, 1e-4
+relative on gradients (fp32; only summation order differs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_core.data.io import read_records
+from rlhf_core.data.tokenize import collate_packed, collate_padded, tokenize_sft_records
+from rlhf_core.lm_head import LMHead, labelled_token_logprobs
+from rlhf_core.logprobs import response_logprobs
+from rlhf_core.losses import sequence_logprobs, token_nll_sum
+from rlhf_core.models import load_causal_lm, load_tokenizer, prepare_for_training
+from rlhf_core.trainers.sft import nll_loss_fn
+
+CHUNK = LMHead("chunked", 7)  # a chunk size that splits rows across chunks
+
+
+def _examples(micro_model, micro_data, n=6):
+    tok = load_tokenizer(micro_model)
+    records = read_records(micro_data["sft"])[:n]
+    return tok, tokenize_sft_records(tok, records, path=micro_data["sft"], prompt_field="prompt",
+                                     completion_field="completion", messages_field="messages", max_length=48)
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    return out
+
+
+def _assert_grads_close(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and a
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_sequence_logprobs_and_gradients_match_whole_logits(micro_model, micro_data):
+    torch.manual_seed(0)
+    tok, examples = _examples(micro_model, micro_data)
+    model = load_causal_lm(micro_model, torch.device("cpu"))
+    batch = collate_padded(examples, tok.pad_token_id)
+    weights = torch.randn(len(examples)) * 2  # non-uniform upstream gradient, both signs
+
+    reference = sequence_logprobs(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                                  batch["labels"])
+    (reference * weights).sum().backward()
+    expected = _grads(model)
+    for head in (CHUNK, LMHead("chunked", 4096), LMHead("full")):
+        got = response_logprobs(model, batch, head=head)
+        torch.testing.assert_close(got, reference, atol=1e-5, rtol=0)
+        (got * weights).sum().backward()
+        _assert_grads_close(_grads(model), expected)
+
+
+def test_sft_nll_chunked_equals_token_nll_sum_padded_and_packed(micro_model, micro_data):
+    tok, examples = _examples(micro_model, micro_data)
+    model = load_causal_lm(micro_model, torch.device("cpu"))
+    padded = collate_padded(examples, tok.pad_token_id)
+    nll, n = token_nll_sum(model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits,
+                           padded["labels"])
+    nll.backward()
+    expected = _grads(model)
+    for batch in (padded, collate_packed(examples)):
+        got, count = nll_loss_fn(CHUNK)(model, batch)
+        assert int(count) == int(n)
+        torch.testing.assert_close(got, nll, atol=1e-4, rtol=1e-6)
+        got.backward()
+        _assert_grads_close(_grads(model), expected)
+
+
+def test_per_token_logprobs_sit_on_the_labelled_columns(micro_model, micro_data):
+    tok, examples = _examples(micro_model, micro_data, n=3)
+    model = load_causal_lm(micro_model, torch.device("cpu"))
+    batch = collate_padded(examples, tok.pad_token_id)
+    with torch.no_grad():
+        per_token = labelled_token_logprobs(model, batch, CHUNK)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    scored = labels != -100
+    want = torch.log_softmax(logits, -1).gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
+    torch.testing.assert_close(per_token[scored], want[scored], atol=1e-5, rtol=0)
+    assert torch.all(per_token[~scored] == 0)
+
+
+def test_lora_model_through_the_bypassed_head(micro_model, micro_data):
+    """peft wraps the model: the head bypass reaches the base model's head, LoRA gradients match."""
+    tok, examples = _examples(micro_model, micro_data, n=4)
+    torch.manual_seed(0)
+    model = prepare_for_training(load_causal_lm(micro_model, torch.device("cpu")), lora_rank=4)
+    for name, p in model.named_parameters():  # LoRA B starts at 0: give it values so A gets gradients too
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    batch = collate_padded(examples, tok.pad_token_id)
+    weights = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    ref = sequence_logprobs(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                            batch["labels"])
+    (ref * weights).sum().backward()
+    expected = _grads(model)
+    assert any("lora_A" in n for n in expected)
+    got = response_logprobs(model, batch, head=CHUNK)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    (got * weights).sum().backward()
+    _assert_grads_close(_grads(model), expected)
+    assert model.get_output_embeddings() is not None and not isinstance(model.get_output_embeddings(),
+                                                                        torch.nn.Identity)
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["one-pass", "shared-prompts"])
+def test_rl_token_logprobs_chunked_equal_full(micro_model, micro_data, share):
+    """RL's response-token log-probs and entropies (temperature 0.7), chunked vs full logits, with
+    advantage-weighted gradients, with and without prompts shared across a group."""
+    from rlhf_core.rollout import HFGenerateEngine, SamplingParams
+    from rlhf_core.trainers.rl_roles import token_logprobs
+
+    tok = load_tokenizer(micro_model)
+    model = load_causal_lm(micro_model, torch.device("cpu")).eval()
+    batch = HFGenerateEngine(model, tok).generate(["12+30=", "7*8=", "sort 321="],
+                                                  SamplingParams(n=3, max_new_tokens=6, seed=1))
+    ids, attention = batch.sequences()
+    exp = {"input_ids": ids, "attention_mask": attention, "position_ids": batch.position_ids(),
+           "response_ids": batch.response_ids}
+    p, mask = batch.prompt_ids.shape[1], batch.response_mask.float()
+    adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(3)) * mask
+    results = []
+    for head in (LMHead("full"), CHUNK):
+        logp, entropy = token_logprobs(model, exp, p, 0.7, with_entropy=True, entropy_grad=True,
+                                       share_prompts=share, head=head)
+        ((logp * adv).sum() + 0.1 * (entropy * mask).sum()).backward()
+        results.append((logp.detach() * mask, entropy.detach() * mask, _grads(model)))
+    (lp0, e0, g0), (lp1, e1, g1) = results
+    torch.testing.assert_close(lp1, lp0, atol=1e-5, rtol=0)
+    torch.testing.assert_close(e1, e0, atol=1e-5, rtol=0)
+    _assert_grads_close(g1, g0)

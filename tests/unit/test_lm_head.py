@@ -1,0 +1,109 @@
+"""The chunked LM-head log-prob function against the whole-logits formula (hand-made tensors).
+
+Reference: ``log_softmax(h W^T / T)[y]`` over the full ``(N, V)`` logits, the formula every trainer
+used before (``rlhf_core.losses.sequence_logprobs``). The upstream gradient is non-uniform
+(advantage-weighted: random signs and sizes per token), the case where a kernel that scales every
+token's gradient alike would pass a mean-reduction test and still be wrong.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_core.lm_head import LMHead, chunked_token_logprobs, resolve_lm_head, use_fused_kernels
+from rlhf_core.rl_math import entropy_from_logits
+
+N, H, V = 37, 16, 50
+
+
+def _setup(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    head = torch.nn.Linear(H, V, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, H, generator=g))
+    hidden = torch.randn(N, H, generator=g, requires_grad=True)
+    targets = torch.randint(0, V, (N,), generator=g)
+    weights = torch.randn(N, generator=g) * torch.rand(N, generator=g) * 3  # non-uniform upstream gradient
+    return head, hidden, targets, weights
+
+
+def _reference(head, hidden, targets, temperature):
+    logits = head(hidden).float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1), entropy_from_logits(logits)
+
+
+@pytest.mark.parametrize("chunk", [1, 8, N, 4 * N])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logprobs_and_gradients_equal_the_whole_logits(chunk, temperature):
+    head, hidden, targets, weights = _setup()
+    ref_logp, _ = _reference(head, hidden, targets, temperature)
+    (ref_logp * weights).sum().backward()
+    ref_grads = hidden.grad.clone(), head.weight.grad.clone()
+    hidden.grad = head.weight.grad = None
+
+    logp, entropy = chunked_token_logprobs(head, hidden, targets, temperature=temperature, chunk_tokens=chunk)
+    (logp * weights).sum().backward()
+    assert entropy is None
+    torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(hidden.grad, ref_grads[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(head.weight.grad, ref_grads[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_chunked_entropy_with_and_without_its_gradient(entropy_grad):
+    """Entropy equals the whole-logits entropy; its gradient flows only with ``entropy_grad``."""
+    head, hidden, targets, weights = _setup(1)
+    ref_logp, ref_ent = _reference(head, hidden, targets, 1.0)
+    loss = (ref_logp * weights).sum() + (0.3 * ref_ent.sum() if entropy_grad else 0.0)
+    loss.backward()
+    ref_grad = hidden.grad.clone()
+    hidden.grad = head.weight.grad = None
+
+    logp, entropy = chunked_token_logprobs(head, hidden, targets, with_entropy=True, entropy_grad=entropy_grad,
+                                           chunk_tokens=5)
+    torch.testing.assert_close(entropy, ref_ent, atol=1e-5, rtol=0)
+    assert entropy.requires_grad == entropy_grad
+    loss = (logp * weights).sum() + (0.3 * entropy.sum() if entropy_grad else 0.0)
+    loss.backward()
+    torch.testing.assert_close(hidden.grad, ref_grad, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_keeps_no_logits_for_backward():
+    """With checkpointed chunks, what forward saves for backward is the hidden input, not (N, V) logits."""
+    head, hidden, targets, _ = _setup()
+    saved: list[torch.Size] = []
+
+    def pack(t):
+        saved.append(t.shape)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        chunked_token_logprobs(head, hidden, targets, chunk_tokens=8)
+    assert saved and all(V not in shape for shape in saved)
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _reference(head, hidden, targets, 1.0)
+    assert any(V in shape for shape in saved)  # the whole-logits path does keep them
+
+
+def test_no_grad_and_empty_inputs():
+    head, hidden, targets, _ = _setup()
+    with torch.no_grad():
+        logp, _ = chunked_token_logprobs(head, hidden, targets, chunk_tokens=4)
+    assert not logp.requires_grad
+    empty, ent = chunked_token_logprobs(head, hidden[:0], targets[:0], with_entropy=True)
+    assert empty.shape == (0,) and ent.shape == (0,)
+
+
+def test_kernel_choice_on_a_cpu():
+    """Without CUDA: auto resolves to chunked, an explicit liger or fused_kernels: on is a clear error."""
+    cpu = torch.device("cpu")
+    assert use_fused_kernels("auto", cpu) is False
+    assert resolve_lm_head("auto", 4096, fused=False, head_whole=True) == LMHead("chunked", 4096)
+    assert resolve_lm_head("full", 64, fused=False, head_whole=True) == LMHead("full", 64)
+    with pytest.raises(RuntimeError, match="fused_kernels: on needs a CUDA device"):
+        use_fused_kernels("on", cpu)
+    with pytest.raises(RuntimeError, match="lm_head: liger needs CUDA"):
+        resolve_lm_head("liger", 4096, fused=False, head_whole=True)
+    assert resolve_lm_head("auto", 4096, fused=True, head_whole=False).kernel == "chunked"  # ZeRO-3
