@@ -10,8 +10,8 @@ Two parts, written to ``$OUT/gpu_lm_head_check.json``:
   backward over 5 runs, and peak memory.
 * ``model``: a Qwen2-0.5B-shaped random model (32k vocabulary), bf16, 8 rows x 512 tokens with the
   last 384 labelled: ``labelled_token_logprobs`` under each head kernel, with and without liger's fused
-  RMSNorm/RoPE/SwiGLU, against ``full`` without fused kernels: log-prob deltas, parameter-gradient
-  relative error, time and peak memory.
+  RMSNorm/RoPE/SwiGLU, against ``full`` without fused kernels and against the fp32 model (the size of
+  bf16 rounding itself): log-prob deltas, parameter-gradient relative error, time and peak memory.
 
 On a lent GPU (``.devwheels`` carried, liger-kernel in it: ``bench/device_wheels.sh``)::
 
@@ -117,12 +117,21 @@ def model_part(small: bool, device: torch.device, reps: int) -> dict:
     labels[:, :width - labelled] = -100
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
     weights = torch.randn(rows, width - 1, generator=g).to(device)  # per-token, signed
-    results, reference = {}, None
+    results, reference, exact = {}, None, None
     variants = [("full", False), ("chunked", False)]
     if liger_available():
         variants += [("liger", False), ("full", True), ("chunked", True), ("liger", True)]
-    for kernel, fused in variants:
-        model = load_causal_lm(model_dir, device).to(dtype)
+    for kernel, fused in [("fp32-reference", False)] + variants:
+        model = load_causal_lm(model_dir, device)
+        if kernel == "fp32-reference":  # the fp32 model, whole logits: the yardstick of bf16 rounding
+            model.zero_grad(set_to_none=True)
+            logp = labelled_token_logprobs(model, batch, LMHead("full"))
+            (logp * weights).sum().backward()
+            exact = (logp.detach(), {n: p.grad.float().clone() for n, p in model.named_parameters()
+                                     if p.grad is not None})
+            del model
+            continue
+        model = model.to(dtype)
         if fused:
             apply_fused_kernels(model)
         head = LMHead(kernel, 4096)
@@ -144,6 +153,8 @@ def model_part(small: bool, device: torch.device, reps: int) -> dict:
             "mean_abs_dlogp_vs_full": float((logp - reference[0])[scored].abs().mean()),
             "grad_rel_err_max_over_params": max(_rel(grads[k], reference[1][k]) for k in grads),
             "grad_rel_err_median_over_params": statistics.median(_rel(grads[k], reference[1][k]) for k in grads),
+            "mean_abs_dlogp_vs_fp32": float((logp - exact[0])[scored].abs().mean()),
+            "grad_rel_err_median_vs_fp32": statistics.median(_rel(grads[k], exact[1][k]) for k in grads),
             "seconds_median": statistics.median(times), "seconds_min": min(times), "seconds_max": max(times),
             "peak_gb": round(peak, 3)}
         del model

@@ -48,6 +48,8 @@ SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 # How often (in decode steps) the host asks whether every row has finished: on a GPU each ask waits
 # for the device, so it asks every 16 steps there and every step on the CPU.
 _EOS_CHECK_EVERY = {"cuda": 16}
+# Columns between the cache widths of the decode graphs (see _Decoder.width_buckets).
+_WIDTH_BUCKET = 32
 
 
 def supports(model: Any) -> str | None:
@@ -232,8 +234,8 @@ class _Decoder:
         self.token = torch.zeros(B, dtype=torch.long, device=device)
         self.pos = (row_mask.sum(-1) - 1).clamp(min=0)  # position of the last prompt token; advanced before a step
         self.col = torch.tensor([P - 1], dtype=torch.long, device=device)
-        self.logits: torch.Tensor | None = None
-        self.graph: Any = None
+        self.decode_steps, self.step_index = max_new_tokens, 0
+        self.graphs: list[tuple[int, Any, torch.Tensor]] = []  # (cache width, CUDA graph, its logits buffer)
         self.fused = self._fuse_weights()
 
     def _fuse_weights(self) -> list[dict[str, Any]] | None:
@@ -321,7 +323,7 @@ class _Decoder:
     # ---- decode: one new token per row, fixed shapes -----------------------------------------------
 
     def _fused_layer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     key_mask: torch.Tensor) -> torch.Tensor:
+                     key_mask: torch.Tensor, width: int) -> torch.Tensor:
         """:meth:`_layer` for one decode position ``x (B, 1, hidden)`` with the fused projections."""
         layer, w, s = self.layers[i], self.fused[i], self.shape
         B, G, D = s.rows, s.heads // s.kv_heads, s.head_dim
@@ -332,22 +334,27 @@ class _Decoder:
         v = qkv[:, s.heads + s.kv_heads:]
         self.k[i].index_copy_(2, self.col, k)
         self.v[i].index_copy_(2, self.col, v)
-        o = F.scaled_dot_product_attention(q.reshape(B, s.kv_heads, G, D), self.k[i], self.v[i], attn_mask=key_mask,
-                                           scale=self.scaling)
+        o = F.scaled_dot_product_attention(q.reshape(B, s.kv_heads, G, D), self.k[i][:, :, :width],
+                                           self.v[i][:, :, :width], attn_mask=key_mask, scale=self.scaling)
         x = x + layer.self_attn.o_proj(o.reshape(B, 1, s.heads * D))
         gate, up = F.linear(_rms_norm(x, layer.post_attention_layernorm), w["gate_up"]).chunk(2, dim=-1)
         return x + layer.mlp.down_proj(F.silu(gate) * up)
 
-    def _step(self) -> torch.Tensor:
-        """Reads ``token``, ``pos``, ``col``, ``valid``; writes the cache at ``col``; ``(B, V)`` logits."""
+    def _step(self, width: int | None = None) -> torch.Tensor:
+        """Reads ``token``, ``pos``, ``col``, ``valid``; writes the cache at ``col``; ``(B, V)`` logits.
+
+        Attention reads cache columns ``0 .. width-1`` only (default: all ``W``); any ``width > col``
+        gives the same result, since later columns are masked out.
+        """
         s = self.shape
         B, G = s.rows, s.heads // s.kv_heads
+        width = width or s.width
         cos, sin = self.cos[self.pos][:, None], self.sin[self.pos][:, None]  # (B, 1, D)
-        key_mask = self.valid[:, None, None, :]  # (B, 1, 1, W)
+        key_mask = self.valid[:, None, None, :width]  # (B, 1, 1, width)
         if self.fused is not None:
             x = self.inner.embed_tokens(self.token[:, None])
             for i in range(len(self.layers)):
-                x = self._fused_layer(i, x, cos, sin, key_mask)
+                x = self._fused_layer(i, x, cos, sin, key_mask, width)
             return self._head(x[:, 0])
 
         def write(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -356,8 +363,8 @@ class _Decoder:
 
         def attend(i: int, q: torch.Tensor) -> torch.Tensor:
             # the G query heads of each KV head as G query rows over that head's cache: no K/V copies
-            o = F.scaled_dot_product_attention(q.reshape(B, s.kv_heads, G, s.head_dim), self.k[i], self.v[i],
-                                               attn_mask=key_mask, scale=self.scaling)
+            o = F.scaled_dot_product_attention(q.reshape(B, s.kv_heads, G, s.head_dim), self.k[i][:, :, :width],
+                                               self.v[i][:, :, :width], attn_mask=key_mask, scale=self.scaling)
             return o.reshape(B, 1, s.heads * s.head_dim)
 
         x = self.inner.embed_tokens(self.token[:, None])
@@ -372,15 +379,30 @@ class _Decoder:
         self.valid.index_fill_(1, self.col, True)
 
     def step(self, token: torch.Tensor, graph: bool) -> torch.Tensor:
-        """Feed ``token (B,)``; the next ``(B, V)`` logits (a view of a static buffer when ``graph``)."""
+        """Feed ``token (B,)``; the next ``(B, V)`` logits (a view of a static buffer when ``graph``).
+
+        ``self.step_index`` counts steps on the host (the column is a device tensor a graph reads), so
+        the graph of the narrowest width bucket that covers this step's column is picked without a sync.
+        """
         self._advance(token)
+        self.step_index += 1
         if graph:
-            self.graph.replay()
-            return self.logits
+            needed = self.shape.width - self.decode_steps + self.step_index  # columns 0 .. col (col = P - 1 + steps)
+            width, g, logits = next(entry for entry in self.graphs if entry[0] >= needed)
+            g.replay()
+            return logits
         return self._step()
 
+    def width_buckets(self) -> list[int]:
+        """Cache widths of the captured decode graphs: every :data:`_WIDTH_BUCKET` columns past the prompt,
+        and the whole cache. Attention over the filled prefix only: its cost grows with the step instead of
+        always paying for the whole ``W`` (on an H100 at 512 rows, ~30% of a full-width step)."""
+        W, P = self.shape.width, self.shape.width - self.decode_steps
+        return sorted({min(W, P + b) for b in range(_WIDTH_BUCKET, self.decode_steps + _WIDTH_BUCKET, _WIDTH_BUCKET)})
+
     def capture(self) -> None:
-        """Capture :meth:`_step` into a CUDA graph (after warm-up runs on a side stream, as torch requires).
+        """Capture :meth:`_step` into one CUDA graph per width bucket (after warm-up runs on a side stream,
+        as torch requires), sharing one memory pool: they replay one at a time, in capture order.
 
         Warm-up and capture write cache column ``P`` and advance nothing: the buffers are restored, and
         the first real step rewrites that column.
@@ -390,17 +412,22 @@ class _Decoder:
         self.col += 1
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        widths = self.width_buckets()
         with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._step()
+            for width in widths:
+                for _ in range(2):
+                    self._step(width)
         torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self._step()
+        pool = torch.cuda.graph_pool_handle()
+        self.graphs = []
+        for width in widths:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._step(width)
+            self.graphs.append((width, graph, logits))
         for buf, value in zip((self.token, self.pos, self.col, self.valid), saved):
             buf.copy_(value)
 
     def release(self) -> None:
-        self.graph = self.fused = None
+        self.graphs, self.fused = [], None
         self.k = self.v = []
-        self.logits = None
