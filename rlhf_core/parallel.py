@@ -82,6 +82,16 @@ class World:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t.cpu().tolist()
 
+    def all_reduce_max(self, values: Sequence[float]) -> list[float]:
+        """Element-wise maximum of ``values`` over ranks (e.g. the micro-batch count every rank must run)."""
+        if not self.distributed:
+            return [float(v) for v in values]
+        import torch.distributed as dist
+
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.cpu().tolist()
+
     def all_reduce_grads(self, model: torch.nn.Module) -> None:
         """Sum every gradient of ``model`` over ranks (for a model called through its submodules,
         which DDP's forward hook would not see)."""
@@ -322,7 +332,11 @@ class DeepSpeedStrategy:
         self.grad_scale = float(world.size * grad_accum)  # the engine averages over ranks and divides by gas
 
     def accumulating(self, last: bool) -> Any:
-        del last  # the engine counts micro-steps itself
+        # The caller says where the step ends: with a token budget (micro_batch_tokens) a step's
+        # micro-batch count varies, so the engine's own count (micro_steps % gradient_accumulation_steps)
+        # would put the boundary in the wrong place. Its loss division by gradient_accumulation_steps
+        # stays a constant (grad_accum), which grad_scale undoes, so the count never enters the gradient.
+        self.engine.set_gradient_accumulation_boundary(last)
         return nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -23,7 +23,7 @@ from rlhf_core.logprobs import MODEL_INPUTS
 from rlhf_core.losses import token_nll_sum
 from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
 from rlhf_core.parallel import current_world
-from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, seed_everything
+from rlhf_core.trainers.loop import EpochSampler, MetricSink, MicroBatches, NullSink, run_training, seed_everything
 
 
 @dataclass
@@ -75,12 +75,10 @@ def train_sft(cfg: SFTConfig, sink: MetricSink | None = None, show_progress: boo
     held_out = tokenize_sft_records(tokenizer, eval_records, path=cfg.eval_file,
                                     **{**fields, "completion_field": cfg.label_field})
 
-    # ---- batches: a deterministic reshuffle every epoch ---------------------------------
+    # ---- batches: a deterministic reshuffle every epoch; padded, or packed (token budget) --
     sampler = EpochSampler(len(train), cfg.batch_size, cfg.seed, current_world())
-
-    def next_micro_batch() -> dict[str, torch.Tensor]:
-        idx = sampler.next()
-        return _collate([train[i] for i in idx], cfg, tokenizer.pad_token_id)
+    batches = MicroBatches(draw=sampler.next, tokens=lambda i: len(train[i]),
+                           collate=lambda idx: _collate([train[i] for i in idx], cfg, tokenizer.pad_token_id))
 
     def evaluate() -> tuple[dict[str, float], list[dict[str, str]]]:
         result = evaluate_exact_match(model, tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
@@ -89,6 +87,6 @@ def train_sft(cfg: SFTConfig, sink: MetricSink | None = None, show_progress: boo
             result.samples
 
     # ---- train, then save ---------------------------------------------------------------
-    loop = run_training(cfg, "sft", model, tokenizer, next_micro_batch=next_micro_batch, loss_fn=_nll_loss_fn,
+    loop = run_training(cfg, "sft", model, tokenizer, batches=batches, loss_fn=_nll_loss_fn,
                         evaluate=evaluate, sink=sink, state={"sampler": sampler}, show_progress=show_progress)
     return SFTResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples)
