@@ -11,6 +11,10 @@ examples (each rank takes the rows ``rank::N`` of every micro-batch; :class:`Epo
 does the slicing), each rank's summed loss is divided by the unit count of the *whole* step,
 all-reduced across ranks, and the gradient is summed. So 2 workers take the step 1 worker
 would, up to float summation order (tested to 1e-4 relative in ``tests/model/test_parallel.py``).
+With a token budget (``micro_batch_tokens``) each rank regroups its own rows of the step, so the
+ranks' micro-batch counts may differ: they agree on the largest (:meth:`World.all_reduce_max`) and
+a rank with fewer runs empty micro-batches (``rlhf_core.trainers.loop.EmptyMicroBatch``), because
+every backward of DDP's last micro-batch and of every ZeRO micro-batch is a collective.
 
 Strategies (``TrainerConfig.parallel``):
 
