@@ -1,9 +1,11 @@
 """The single place every trainer gets response log-probs from a model.
 
 A batch holds ``input_ids``, ``attention_mask`` (or ``position_ids`` when packed) and
-``labels`` with ``-100`` outside the response; the result is each row's summed (or
-per-token mean) log-probability of its labelled tokens. How the LM head is run (chunked,
-liger's fused kernel, or whole logits) is the trainer's :class:`rlhf_core.lm_head.LMHead`.
+``labels`` with ``-100`` outside the response; the result is each sequence's summed (or
+per-token mean) log-probability of its labelled tokens: one per row of a padded batch, one per
+packed sequence of a padding-free one (:func:`sequence_sums`), in the order they were collated.
+How the LM head is run (chunked, liger's fused kernel, or whole logits) is the trainer's
+:class:`rlhf_core.lm_head.LMHead`.
 """
 
 from __future__ import annotations
@@ -13,21 +15,40 @@ from typing import Any
 import torch
 
 from rlhf_core.lm_head import MODEL_INPUTS, LMHead, labelled_token_logprobs
-from rlhf_core.losses import IGNORE_INDEX
+from rlhf_core.losses import IGNORE_INDEX, segment_sums
 
-__all__ = ["MODEL_INPUTS", "response_logprobs", "reference_logprobs"]
+__all__ = ["MODEL_INPUTS", "response_logprobs", "reference_logprobs", "is_packed", "sequence_sums",
+           "response_token_counts"]
 
 
 def response_logprobs(model: Any, batch: dict[str, torch.Tensor], *, average: bool = False,
                       head: LMHead = LMHead()) -> torch.Tensor:
-    """``(batch,)`` log pi(response | prompt) under ``model`` (sum over tokens, or mean if ``average``).
+    """``(sequences,)`` log pi(response | prompt) under ``model`` (sum over tokens, or mean if ``average``).
 
     ``log pi(y | x) = sum_{t: y_t != -100} log p(y_t | x, y_{<t})`` (Rafailov et al. 2023, Eq. 7).
     """
-    logps = labelled_token_logprobs(model, batch, head).sum(-1)  # (B,)
+    logps = sequence_sums(labelled_token_logprobs(model, batch, head), batch)
     if average:
-        logps = logps / (batch["labels"][:, 1:] != IGNORE_INDEX).sum(-1).clamp(min=1).to(logps.device)
+        logps = logps / response_token_counts(batch).to(logps.device).clamp(min=1)
     return logps
+
+
+def is_packed(batch: dict[str, torch.Tensor]) -> bool:
+    """A padding-free batch (``collate_packed``): positions and no attention mask, so transformers
+    builds a block-diagonal causal mask from where the positions restart."""
+    return "attention_mask" not in batch and "position_ids" in batch
+
+
+def sequence_sums(values: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``(sequences,)`` sums of next-token ``values`` ``(rows, T-1)``: per row, or per packed sequence."""
+    if not is_packed(batch):
+        return values.sum(-1)
+    return segment_sums(values, batch["position_ids"].to(values.device))
+
+
+def response_token_counts(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``(sequences,)`` labelled next-token targets of each sequence (long)."""
+    return sequence_sums((batch["labels"][:, 1:] != IGNORE_INDEX).long(), batch)
 
 
 @torch.no_grad()

@@ -76,11 +76,90 @@ def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     Returns:
         ``(batch,)`` summed log-probs (0 for a sequence with no labelled token).
     """
+    return token_logprobs(logits, labels).sum(-1)
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each labelled next token, 0 where no loss is taken.
+
+    Args:
+        logits: ``(rows, seq_len, vocab)``, unshifted.
+        labels: ``(rows, seq_len)``, unshifted, ``-100`` where ignored.
+
+    Returns:
+        ``(rows, seq_len-1)``: entry ``t`` is ``log p(labels[t+1] | tokens[:t+1])``.
+    """
     logits, labels = shift_for_next_token(logits, labels)
     mask = labels != IGNORE_INDEX
     safe = labels.masked_fill(~mask, 0)
     logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, safe.unsqueeze(-1)).squeeze(-1)
-    return (logp * mask).sum(-1)
+    return logp * mask
+
+
+# --------------------------------------------------------------------------------------
+# Packed rows: several sequences in one row, position ids restarting at 0 for each
+# --------------------------------------------------------------------------------------
+
+
+def segment_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Which sequence each token belongs to, numbered row-major across the batch.
+
+    A sequence starts wherever ``position_ids`` is 0 (``rlhf_core.data.tokenize.collate_packed``
+    restarts them per sequence; a padded row is one sequence). Every row must start one.
+
+    Args:
+        position_ids: ``(rows, seq_len)``.
+
+    Returns:
+        ``(rows, seq_len)`` long, ``0 .. n_sequences-1``; e.g. positions ``[[0, 1, 2, 0, 1]]``
+        give ``[[0, 0, 0, 1, 1]]``.
+    """
+    return (position_ids == 0).flatten().long().cumsum(0).view_as(position_ids) - 1
+
+
+def segment_sums(values: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Per-sequence sums of next-token values (log-probs, mask counts) of possibly packed rows.
+
+    ``values[r, t]`` belongs to the token it predicts, ``t + 1``, so it is summed into that
+    token's sequence: ``S_k = sum_{(r, t): seg[r, t+1] = k} values[r, t]``. The value that
+    predicts a sequence's first token from the previous sequence's last falls into the new
+    sequence: callers mask it (``collate_packed`` ignores each sequence's first label). On a
+    padded batch (one sequence per row) this is ``values.sum(-1)``.
+
+    Args:
+        values: ``(rows, seq_len-1)``, e.g. :func:`token_logprobs`.
+        position_ids: ``(rows, seq_len)``.
+
+    Returns:
+        ``(n_sequences,)`` in row-major order of the sequences' starts; differentiable in ``values``.
+    """
+    seg = segment_ids(position_ids)
+    n = int(seg[-1, -1]) + 1
+    out = torch.zeros(n, dtype=values.dtype, device=values.device)
+    return out.index_add(0, seg[:, 1:].reshape(-1), values.reshape(-1))
+
+
+def segment_last_index(position_ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Flat index (into ``rows * seq_len``) of each sequence's last kept token.
+
+    The reward head reads its score there: transformers' sequence-classification models pool
+    the rightmost token that is not ``pad_token_id`` (``keep = input_ids != pad``), and a packed
+    row needs the same rule per sequence. A sequence with no kept token falls back to its first
+    token (where transformers' ``argmax`` of an all-zero row lands).
+
+    Args:
+        position_ids: ``(rows, seq_len)``.
+        keep: ``(rows, seq_len)`` bool.
+
+    Returns:
+        ``(n_sequences,)`` long.
+    """
+    seg = segment_ids(position_ids).flatten()
+    n = int(seg[-1]) + 1
+    idx = torch.arange(seg.numel(), device=seg.device)
+    first = torch.full((n,), seg.numel(), device=seg.device).scatter_reduce(0, seg, idx, "amin")
+    last = torch.full((n,), -1, device=seg.device).scatter_reduce(0, seg, torch.where(keep.flatten(), idx, -1), "amax")
+    return torch.where(last >= 0, last, first)
 
 
 # --------------------------------------------------------------------------------------
@@ -213,7 +292,8 @@ def kto_loss(
     Args:
         policy_logps, ref_logps: ``(batch,)`` summed response log-probs.
         desirable: ``(batch,)`` bool, True for desirable examples.
-        kl_reference: scalar ``z0``; see :func:`kto_reference_point`. Treated as a constant.
+        kl_reference: ``z0``, scalar or ``(batch,)`` (each example its draw's); see
+            :func:`kto_reference_point`. Treated as a constant.
         beta: inverse temperature.
         desirable_weight, undesirable_weight: ``lambda_D``, ``lambda_U``.
 

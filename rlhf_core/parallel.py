@@ -11,6 +11,10 @@ examples (each rank takes the rows ``rank::N`` of every micro-batch; :class:`Epo
 does the slicing), each rank's summed loss is divided by the unit count of the *whole* step,
 all-reduced across ranks, and the gradient is summed. So 2 workers take the step 1 worker
 would, up to float summation order (tested to 1e-4 relative in ``tests/model/test_parallel.py``).
+With a token budget (``micro_batch_tokens``) each rank regroups its own rows of the step, so the
+ranks' micro-batch counts may differ: they agree on the largest (:meth:`World.all_reduce_max`) and
+a rank with fewer runs empty micro-batches (``rlhf_core.trainers.loop.EmptyMicroBatch``), because
+every backward of DDP's last micro-batch and of every ZeRO micro-batch is a collective.
 
 Strategies (``TrainerConfig.parallel``):
 
@@ -80,6 +84,16 @@ class World:
 
         t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_collective_device())
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.cpu().tolist()
+
+    def all_reduce_max(self, values: Sequence[float]) -> list[float]:
+        """Element-wise maximum of ``values`` over ranks (e.g. the micro-batch count every rank must run)."""
+        if not self.distributed:
+            return [float(v) for v in values]
+        import torch.distributed as dist
+
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.cpu().tolist()
 
     def all_reduce_grads(self, model: torch.nn.Module) -> None:
@@ -322,7 +336,11 @@ class DeepSpeedStrategy:
         self.grad_scale = float(world.size * grad_accum)  # the engine averages over ranks and divides by gas
 
     def accumulating(self, last: bool) -> Any:
-        del last  # the engine counts micro-steps itself
+        # The caller says where the step ends: with a token budget (micro_batch_tokens) a step's
+        # micro-batch count varies, so the engine's own count (micro_steps % gradient_accumulation_steps)
+        # would put the boundary in the wrong place. Its loss division by gradient_accumulation_steps
+        # stays a constant (grad_accum), which grad_scale undoes, so the count never enters the gradient.
+        self.engine.set_gradient_accumulation_boundary(last)
         return nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:

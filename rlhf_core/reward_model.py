@@ -1,4 +1,5 @@
-"""Reward models: a causal-LM backbone with a scalar head read at the last non-pad token.
+"""Reward models: a causal-LM backbone with a scalar head read at the last non-pad token (of each row, or of
+each sequence of a packed row).
 
 Built on ``AutoModelForSequenceClassification(num_labels=1)`` — transformers' own scalar head
 for Llama/Qwen2-style models, which already reads the logit at each row's last non-pad
@@ -16,6 +17,8 @@ from typing import Any, Sequence
 import torch
 
 from rlhf_core.data.tokenize import collate_padded, tokenize_prompt_completion
+from rlhf_core.logprobs import is_packed
+from rlhf_core.losses import segment_last_index
 from rlhf_core.models import ModelLoadError, pick_device
 
 MEAN_KEY, STD_KEY = "alignflow_reward_mean", "alignflow_reward_std"
@@ -35,10 +38,38 @@ def load_reward_model(path: str | Path, device: torch.device | None = None) -> A
 
 
 def pair_rewards(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``(2B,)`` raw rewards of a :func:`rlhf_core.data.tokenize.collate_pairs` batch."""
+    """``(2B,)`` raw rewards of a :func:`rlhf_core.data.tokenize.collate_pairs` batch, padded or packed.
+
+    ``model`` may be wrapped (DDP, a DeepSpeed engine): it is always called through the wrapper,
+    so data-parallel gradient reduction sees the forward.
+    """
     device = next(model.parameters()).device
-    return model(input_ids=batch["input_ids"].to(device),
-                 attention_mask=batch["attention_mask"].to(device)).logits.squeeze(-1).float()
+    if not is_packed(batch):
+        return model(input_ids=batch["input_ids"].to(device),
+                     attention_mask=batch["attention_mask"].to(device)).logits.squeeze(-1).float()
+    return packed_rewards(model, batch["input_ids"].to(device), batch["position_ids"].to(device))
+
+
+def packed_rewards(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """``(sequences,)`` scores of packed rows ``(rows, T)``, each read at its sequence's last non-pad token.
+
+    The HF forward pools one score per row (its rightmost non-pad token), so it cannot serve a row
+    holding several sequences. The ``score`` head's output at every position is taken from the
+    same forward with a hook instead, and pooled per sequence with transformers' rule
+    (:func:`rlhf_core.losses.segment_last_index`). ``use_cache=False`` matters: with a cache
+    transformers ignores ``position_ids`` when building the mask and the sequences would see
+    each other.
+    """
+    head = getattr(model, "module", model).score  # under DDP / DeepSpeed, the wrapped HF model's head
+    captured: list[torch.Tensor] = []
+    hook = head.register_forward_hook(lambda _module, _inputs, output: captured.append(output))
+    try:
+        model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+    finally:
+        hook.remove()
+    scores = captured[-1].squeeze(-1).float().reshape(-1)  # (rows * T,)
+    pad = getattr(model, "module", model).config.get_text_config().pad_token_id
+    return scores[segment_last_index(position_ids, input_ids != pad)]
 
 
 def set_normalisation(model: Any, mean: float, std: float) -> None:

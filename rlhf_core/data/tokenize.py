@@ -196,8 +196,10 @@ def collate_packed(examples: Sequence[TokenizedExample]) -> dict[str, torch.Tens
     }
 
 
-def collate_pairs(pairs: Sequence[tuple[TokenizedExample, TokenizedExample]], pad_id: int) -> dict[str, torch.Tensor]:
-    """One padded batch of ``2B`` rows: the B chosen sequences, then the B rejected ones."""
-    batch = collate_padded([c for c, _ in pairs] + [r for _, r in pairs], pad_id)
+def collate_pairs(pairs: Sequence[tuple[TokenizedExample, TokenizedExample]], pad_id: int, *,
+                  packed: bool = False) -> dict[str, torch.Tensor]:
+    """``2B`` sequences: the B chosen ones, then the B rejected ones; padded rows, or one packed row."""
+    sequences = [c for c, _ in pairs] + [r for _, r in pairs]
+    batch = collate_packed(sequences) if packed else collate_padded(sequences, pad_id)
     batch["n_pairs"] = torch.tensor(len(pairs))
     return batch

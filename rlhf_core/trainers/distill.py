@@ -23,13 +23,13 @@ import torch
 
 from rlhf_core.config import DistillConfig
 from rlhf_core.data.io import read_records
-from rlhf_core.data.tokenize import collate_padded, tokenize_sft_records
+from rlhf_core.data.tokenize import collate_packed, collate_padded, tokenize_sft_records
 from rlhf_core.evaluate import evaluate_exact_match
 from rlhf_core.logprobs import MODEL_INPUTS
 from rlhf_core.losses import IGNORE_INDEX, distillation_loss
 from rlhf_core.models import ModelLoadError, load_causal_lm, load_tokenizer, pick_device
 from rlhf_core.parallel import current_world
-from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, seed_everything
+from rlhf_core.trainers.loop import EpochSampler, MetricSink, MicroBatches, NullSink, run_training, seed_everything
 
 
 @dataclass
@@ -65,10 +65,15 @@ def train_distill(cfg: DistillConfig, sink: MetricSink | None = None, show_progr
     train = tokenize_sft_records(tokenizer, read_records(cfg.train_file), path=cfg.train_file,
                                  prompt_field=cfg.prompt_field, completion_field=cfg.completion_field,
                                  messages_field=cfg.messages_field, max_length=cfg.max_length)
+
+    # ---- batches: padded, or packed (token budget); teacher and student read the same rows --
     sampler = EpochSampler(len(train), cfg.batch_size, cfg.seed, current_world())
 
-    def next_micro_batch() -> dict[str, torch.Tensor]:
-        return collate_padded([train[i] for i in sampler.next()], tokenizer.pad_token_id)
+    def collate(idx: list[int]) -> dict[str, torch.Tensor]:
+        examples = [train[i] for i in idx]
+        return collate_packed(examples) if cfg.packing else collate_padded(examples, tokenizer.pad_token_id)
+
+    batches = MicroBatches(draw=sampler.next, collate=collate, tokens=lambda i: len(train[i]))
 
     # ---- loss: KL(teacher || student) per labelled token, mixed with NLL ----------------
     def loss_fn(student: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +93,7 @@ def train_distill(cfg: DistillConfig, sink: MetricSink | None = None, show_progr
         return result.metrics("eval"), result.samples
 
     # ---- train, then save ---------------------------------------------------------------
-    loop = run_training(cfg, "distill", model, tokenizer, next_micro_batch=next_micro_batch, loss_fn=loss_fn,
+    loop = run_training(cfg, "distill", model, tokenizer, batches=batches, loss_fn=loss_fn,
                         evaluate=evaluate, sink=sink, state={"sampler": sampler},
                         lineage={"teacher": str(cfg.teacher_path)}, show_progress=show_progress)
     return DistillResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples)

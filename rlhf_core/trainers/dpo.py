@@ -23,11 +23,11 @@ from rlhf_core.data.tokenize import TokenizedExample, collate_pairs
 from rlhf_core.data.tokenize import tokenize_preference_records
 from rlhf_core.evaluate import evaluate_exact_match
 from rlhf_core.lm_head import LMHead, prepare_kernels
-from rlhf_core.logprobs import reference_logprobs, response_logprobs
+from rlhf_core.logprobs import reference_logprobs, response_logprobs, response_token_counts
 from rlhf_core.losses import PreferenceLoss, preference_loss
 from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
 from rlhf_core.parallel import current_world
-from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, seed_everything
+from rlhf_core.trainers.loop import EpochSampler, MetricSink, MicroBatches, NullSink, run_training, seed_everything
 
 
 @dataclass
@@ -40,14 +40,16 @@ class DPOResult:
 
 
 def precompute_reference_logps(reference: Any, pairs: list[tuple[TokenizedExample, TokenizedExample]], pad: int,
-                               batch_size: int, average: bool, head: LMHead = LMHead()) -> torch.Tensor:
+                               batch_size: int, average: bool, packed: bool = False,
+                               head: LMHead = LMHead()) -> torch.Tensor:
     """The frozen reference's log-probs of every pair's chosen and rejected response, in one pass.
 
-    ``pairs`` are tokenized preference records, collated ``batch_size`` at a time (each chunk stacks
-    its chosen rows above its rejected rows); ``average`` takes per-token means instead of sums.
+    ``pairs`` are tokenized preference records, collated ``batch_size`` at a time (each chunk holds
+    its chosen sequences before its rejected ones; padded rows, or one ``packed`` row); ``average``
+    takes per-token means instead of sums.
     Returns ``(n_pairs, 2)``: column 0 chosen, column 1 rejected, rows in ``pairs`` order.
     """
-    chunks = [collate_pairs(pairs[i:i + batch_size], pad) for i in range(0, len(pairs), batch_size)]
+    chunks = [collate_pairs(pairs[i:i + batch_size], pad, packed=packed) for i in range(0, len(pairs), batch_size)]
     flat = reference_logprobs(reference, chunks, average=average, head=head)
     sizes = [int(c["n_pairs"]) for c in chunks]
     per_chunk = torch.split(flat, [2 * n for n in sizes])
@@ -76,19 +78,19 @@ def train_dpo(cfg: DPOConfig, sink: MetricSink | None = None, show_progress: boo
     # ---- reference log-probs: once up front (then the reference is freed), or live -------
     ref_logps: torch.Tensor | None = None
     if cfg.precompute_reference:
-        ref_logps = precompute_reference_logps(reference, pairs, pad, cfg.batch_size, average, head)  # (pairs, 2)
-        del reference
-        reference = None
+        ref_logps = precompute_reference_logps(reference, pairs, pad, cfg.batch_size, average, cfg.packing, head)
+        reference = None  # (pairs, 2) kept; the model is freed
 
-    # ---- batches --------------------------------------------------------------------------
+    # ---- batches: a pair is one example (chosen and rejected share a micro-batch) ------------
     sampler = EpochSampler(len(pairs), cfg.batch_size, cfg.seed, current_world())
 
-    def next_micro_batch() -> dict[str, torch.Tensor]:
-        idx = sampler.next()
-        batch = collate_pairs([pairs[i] for i in idx], pad)
+    def collate(idx: list[int]) -> dict[str, torch.Tensor]:
+        batch = collate_pairs([pairs[i] for i in idx], pad, packed=cfg.packing)
         if ref_logps is not None:
             batch["ref_logps"] = ref_logps[idx]  # (B, 2)
         return batch
+
+    batches = MicroBatches(draw=sampler.next, collate=collate, tokens=lambda i: len(pairs[i][0]) + len(pairs[i][1]))
 
     # ---- loss: pairwise on policy vs reference log-ratios ----------------------------------
     seen: dict[str, list[float]] = {"acc": [], "margin": [], "chosen": [], "rejected": []}
@@ -107,13 +109,14 @@ def train_dpo(cfg: DPOConfig, sink: MetricSink | None = None, show_progress: boo
                               label_smoothing=cfg.label_smoothing)
         loss_sum = out.losses.sum()
         if cfg.nll_weight > 0:  # RPO-style per-token NLL on the chosen response (Pang et al. 2024)
-            n_tok = (batch["labels"][:n, 1:] != -100).sum(-1).clamp(min=1).to(logps.device)
+            n_tok = response_token_counts(batch)[:n].clamp(min=1).to(logps.device)
             chosen_mean = logps[:n] if average else logps[:n] / n_tok
             loss_sum = loss_sum - cfg.nll_weight * chosen_mean.sum()
-        seen["acc"].append(float((out.chosen_rewards > out.rejected_rewards).float().mean()))
-        seen["margin"].append(float((out.chosen_rewards - out.rejected_rewards).mean()))
-        seen["chosen"].append(float(out.chosen_rewards.mean()))
-        seen["rejected"].append(float(out.rejected_rewards.mean()))
+        # per pair, so the logged means do not depend on how pairs were grouped into micro-batches
+        seen["acc"].extend((out.chosen_rewards > out.rejected_rewards).float().tolist())
+        seen["margin"].extend((out.chosen_rewards - out.rejected_rewards).tolist())
+        seen["chosen"].extend(out.chosen_rewards.tolist())
+        seen["rejected"].extend(out.rejected_rewards.tolist())
         return loss_sum, torch.tensor(n)
 
     def step_metrics() -> dict[str, float]:
@@ -129,7 +132,7 @@ def train_dpo(cfg: DPOConfig, sink: MetricSink | None = None, show_progress: boo
         return result.metrics("eval"), result.samples
 
     # ---- train, then save -----------------------------------------------------------------
-    loop = run_training(cfg, "dpo", model, tokenizer, next_micro_batch=next_micro_batch, loss_fn=loss_fn,
+    loop = run_training(cfg, "dpo", model, tokenizer, batches=batches, loss_fn=loss_fn,
                         evaluate=evaluate, sink=sink, state={"sampler": sampler}, units_fn=lambda b: int(b["n_pairs"]),
                         step_metrics=step_metrics, show_progress=show_progress)
     return DPOResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples)

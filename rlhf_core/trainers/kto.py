@@ -3,13 +3,15 @@
 KTO needs only a thumbs-up or thumbs-down per (prompt, completion), not a pair. Reads top to
 bottom: load policy + frozen reference -> unpaired examples (a KTO file, or preference pairs
 split into a desirable and an undesirable example each) -> shared train loop with the KTO
-loss, whose reference point ``z0`` is re-estimated on every micro-batch from mismatched
-(prompt, completion) pairs -> save. The loss math lives in ``rlhf_core.losses``; log-probs
+loss, whose reference point ``z0`` is re-estimated on every draw of ``batch_size`` examples from
+mismatched (prompt, completion) pairs -> save. The loss math lives in ``rlhf_core.losses``; log-probs
 come from ``rlhf_core.logprobs``; optimiser, schedule, accumulation, eval and checkpoints
 from ``rlhf_core.trainers.loop``.
 
 Reference log-probs are computed live rather than once up front (as DPO can): the mismatched
-pairs behind ``z0`` depend on which examples share a micro-batch, so they cannot be cached.
+pairs behind ``z0`` depend on which examples share a draw, so they cannot be cached. ``z0`` is
+computed per draw before the draw's examples are grouped into micro-batches, so padded, packed
+and token-budget micro-batches train on the same values.
 
 Run: ``alignflow kto`` (config: ``params.yaml`` section ``kto``).
 """
@@ -18,20 +20,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from rlhf_core.config import KTOConfig
 from rlhf_core.data.io import DataError, Record, read_records, require_str
-from rlhf_core.data.tokenize import TokenizedExample, collate_padded, tokenize_prompt_completion
+from rlhf_core.data.tokenize import TokenizedExample, collate_packed, collate_padded, tokenize_prompt_completion
 from rlhf_core.evaluate import evaluate_exact_match
-from rlhf_core.lm_head import prepare_kernels
+from rlhf_core.lm_head import LMHead, prepare_kernels
 from rlhf_core.logprobs import response_logprobs
 from rlhf_core.losses import kto_loss, kto_reference_point
 from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
 from rlhf_core.parallel import current_world
-from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, seed_everything
+from rlhf_core.trainers.loop import (EpochSampler, MetricSink, MicroBatches, NullSink, group_by_tokens, run_training,
+                                    seed_everything)
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,23 @@ def unpaired_examples(records: Sequence[Record], cfg: KTOConfig, path: str | Pat
     return out
 
 
+@torch.no_grad()
+def draw_reference_point(policy: Any, reference: Any, mismatched: list[TokenizedExample],
+                         collate: Callable[[list[TokenizedExample]], dict[str, torch.Tensor]], budget: int,
+                         head: LMHead = LMHead()) -> float:
+    """KTO's ``z0`` for one draw (Sec. 4.1) from its ``mismatched`` sequences (prompt x_i, completion y'_i
+    of another example), in forwards of at most ``budget`` tokens (0: one forward).
+
+    Per draw rather than per micro-batch, so a token budget that regroups the draw's examples leaves it
+    unchanged; ``z0`` takes no gradient, so these sequences never enter a backward pass.
+    """
+    lengths = [len(s) for s in mismatched]
+    groups = [collate([mismatched[k] for k in g]) for g in group_by_tokens(lengths, budget or sum(lengths))]
+    policy_logps = torch.cat([response_logprobs(policy, b, head=head) for b in groups])
+    ref_logps = torch.cat([response_logprobs(reference, b, head=head) for b in groups])
+    return float(kto_reference_point(policy_logps, ref_logps))
+
+
 def train_kto(cfg: KTOConfig, sink: MetricSink | None = None, show_progress: bool = True) -> KTOResult:
     """Optimise ``cfg.model_path`` with KTO and save an HF directory at ``cfg.output_dir``."""
     sink = sink or NullSink()
@@ -98,37 +118,43 @@ def train_kto(cfg: KTOConfig, sink: MetricSink | None = None, show_progress: boo
 
     matched = [tokenize(e.prompt, e.completion) for e in examples]
 
-    # ---- batches: the examples, and the same prompts with the next example's completion --
+    # ---- batches: each draw's reference point z0, then its examples in micro-batches ------
     sampler = EpochSampler(len(examples), cfg.batch_size, cfg.seed, current_world())
 
-    def next_micro_batch() -> dict[str, Any]:
+    def collate_sequences(sequences: list[TokenizedExample]) -> dict[str, torch.Tensor]:
+        return collate_packed(sequences) if cfg.packing else collate_padded(sequences, pad)
+
+    def draw() -> list[tuple[int, float]]:  # this rank's examples of one draw, each with the draw's z0
         idx = sampler.next()
-        shifted = idx[1:] + idx[:1]  # KTO Sec. 4.1: y'_i is the completion of another example
-        mismatched = [tokenize(examples[i].prompt, examples[j].completion) for i, j in zip(idx, shifted)]
-        batch = collate_padded([matched[i] for i in idx] + mismatched, pad)
-        batch["desirable"] = torch.tensor([examples[i].desirable for i in idx])
+        partners = idx[1:] + idx[:1]  # KTO Sec. 4.1: y'_i is the completion of another example
+        mismatched = [tokenize(examples[i].prompt, examples[j].completion) for i, j in zip(idx, partners)]
+        z0 = draw_reference_point(model, reference, mismatched, collate_sequences, cfg.micro_batch_tokens, head)
+        return [(i, z0) for i in idx]
+
+    def collate(drawn: list[tuple[int, float]]) -> dict[str, Any]:
+        batch = collate_sequences([matched[i] for i, _ in drawn])
+        batch["desirable"] = torch.tensor([examples[i].desirable for i, _ in drawn])
+        batch["z0"] = torch.tensor([z0 for _, z0 in drawn])
         return batch
+
+    batches = MicroBatches(draw=draw, collate=collate, tokens=lambda e: len(matched[e[0]]))
 
     # ---- loss: KTO value on the policy/reference log-ratio ------------------------------
     seen: dict[str, list[float]] = {"z0": [], "good": [], "bad": []}
 
     def loss_fn(policy: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        desirable = batch["desirable"]
-        n = len(desirable)
-        logps = response_logprobs(policy, batch, head=head)  # (2n,): matched then mismatched
+        logps = response_logprobs(policy, batch, head=head)  # (n,)
         with torch.no_grad():
             ref = response_logprobs(reference, batch, head=head)
-        z0 = kto_reference_point(logps[n:].detach(), ref[n:])
-        desirable = desirable.to(logps.device)
-        losses = kto_loss(logps[:n], ref[:n], desirable, z0, beta=cfg.beta,
+        desirable, z0 = batch["desirable"].to(logps.device), batch["z0"].to(logps.device)
+        losses = kto_loss(logps, ref, desirable, z0, beta=cfg.beta,
                           desirable_weight=cfg.desirable_weight, undesirable_weight=cfg.undesirable_weight)
-        rewards = cfg.beta * (logps[:n] - ref[:n]).detach()
-        seen["z0"].append(float(z0))
-        if desirable.any():
-            seen["good"].append(float(rewards[desirable].mean()))
-        if (~desirable).any():
-            seen["bad"].append(float(rewards[~desirable].mean()))
-        return losses.sum(), torch.tensor(n)
+        rewards = cfg.beta * (logps - ref).detach()
+        # per example, so the logged means do not depend on how examples were grouped
+        seen["z0"].extend(batch["z0"].tolist())
+        seen["good"].extend(rewards[desirable].tolist())
+        seen["bad"].extend(rewards[~desirable].tolist())
+        return losses.sum(), torch.tensor(len(desirable))
 
     def step_metrics() -> dict[str, float]:
         names = {"z0": "train/kl_reference_point", "good": "train/reward_desirable",
@@ -144,7 +170,7 @@ def train_kto(cfg: KTOConfig, sink: MetricSink | None = None, show_progress: boo
         return result.metrics("eval"), result.samples
 
     # ---- train, then save -------------------------------------------------------------
-    loop = run_training(cfg, "kto", model, tokenizer, next_micro_batch=next_micro_batch, loss_fn=loss_fn,
+    loop = run_training(cfg, "kto", model, tokenizer, batches=batches, loss_fn=loss_fn,
                         evaluate=evaluate, sink=sink, state={"sampler": sampler}, units_fn=lambda b: len(b["desirable"]),
                         step_metrics=step_metrics, show_progress=show_progress)
     return KTOResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples)

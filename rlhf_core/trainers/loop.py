@@ -1,8 +1,10 @@
 """Loop pieces every trainer shares: seeding, optimizer, schedule, accumulation, checkpoints.
 
-A trainer (SFT now; DPO, KTO, reward model and RL later) supplies a function that maps a
-micro-batch to ``(loss_sum, n_units)`` and gets the rest from here, so gradient
-accumulation, clipping, the schedule and checkpoint format are written once.
+A trainer (SFT, DPO, KTO, reward model, distillation; RL has its own body) supplies its data as
+:class:`MicroBatches` (draw examples, count their tokens, collate a group) and a function that maps
+a micro-batch to ``(loss_sum, n_units)``, and gets the rest from here, so micro-batching (a token
+budget with packing), gradient accumulation, clipping, the schedule and checkpoint format are
+written once.
 """
 
 from __future__ import annotations
@@ -290,6 +292,67 @@ class EpochSampler:
         self.order = [int(i) for i in state["order"].tolist()]
 
 
+@dataclass
+class MicroBatches:
+    """How an offline trainer's data becomes a step's micro-batches (the loop draws, groups and collates).
+
+    A step draws ``grad_accum`` times, so its examples are the same with or without packing. Without
+    a token budget each draw is one micro-batch; with one (``micro_batch_tokens``) the step's examples
+    are regrouped by :func:`group_by_tokens`. An example is whatever ``collate`` takes: a dataset
+    index, or an index with its partner (a DPO pair travels as one example, so it is never split).
+    """
+
+    draw: Callable[[], list[Any]]
+    """this rank's examples of the next ``batch_size`` draw (``EpochSampler.next``, or items made from it)"""
+    collate: Callable[[list[Any]], dict[str, torch.Tensor]]
+    """a micro-batch (padded or packed, as the config says) of some examples"""
+    tokens: Callable[[Any], int]
+    """an example's token count once collated packed (both sequences of a pair)"""
+
+
+def group_by_tokens(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Positions of ``lengths`` grouped into bins of at most ``budget`` tokens, first-fit decreasing.
+
+    Longest first (ties: the earlier position), each into the first bin it fits, else a new one;
+    an item longer than ``budget`` gets a bin of its own. FFD uses at most 11/9 OPT + 6/9 bins
+    (Dosa 2007). Deterministic, a function of ``lengths`` alone, so a resumed run regroups its steps
+    exactly. Each bin lists its positions in increasing order; bins come in the order they opened.
+    """
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        k = next((b for b, free in enumerate(room) if lengths[i] <= free), None)
+        if k is None:
+            bins.append([])
+            room.append(budget)
+            k = len(bins) - 1
+        bins[k].append(i)
+        room[k] -= lengths[i]
+    return [sorted(b) for b in bins]
+
+
+@dataclass
+class EmptyMicroBatch:
+    """A micro-batch that adds nothing to a step: run so this rank joins a backward the others run.
+
+    DDP reduces gradients in the last backward of a step and ZeRO in every backward, so all ranks
+    must run as many micro-batches; a rank whose examples fit in fewer runs these (a one-token
+    forward whose loss is multiplied by 0) until it has the count every rank agreed on.
+    """
+
+    input_ids: torch.Tensor
+    """``(1, 1)``: one token of one of this rank's real micro-batches"""
+
+
+def real_tokens(batch: Any) -> int:
+    """Non-padding tokens of a micro-batch (``perf/tokens_per_s`` means the same padded or packed)."""
+    if isinstance(batch, EmptyMicroBatch):
+        return 0
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    return int(batch["input_ids"].numel())
+
+
 class Timer:
     """Wall-clock seconds since construction or the last ``lap``."""
 
@@ -542,7 +605,7 @@ def run_training(
     model: torch.nn.Module,
     tokenizer: Any,
     *,
-    next_micro_batch: Callable[[], Any],
+    batches: MicroBatches,
     loss_fn: Callable[[torch.nn.Module, Any], tuple[torch.Tensor, torch.Tensor]],
     evaluate: Callable[[], tuple[dict[str, float], list[dict[str, str]]]],
     sink: MetricSink,
@@ -555,8 +618,9 @@ def run_training(
 ) -> LoopResult:
     """Optimise ``model`` for ``cfg.max_steps`` steps, then save it to ``cfg.output_dir``.
 
-    Per step: batch -> accumulate -> step -> log, inside :func:`run_checkpointed` (eval,
-    checkpoints, resume, SIGTERM). ``cfg`` is a :class:`rlhf_core.config.TrainerConfig`.
+    Per step: micro-batches (:class:`MicroBatches`) -> accumulate -> step -> log, inside
+    :func:`run_checkpointed` (eval, checkpoints, resume, SIGTERM). ``cfg`` is a
+    :class:`rlhf_core.config.TrainerConfig`.
     ``evaluate()`` returns held-out metrics and sample answers; it runs every ``cfg.eval_every``
     steps and once at the end. ``step_metrics()`` (optional) returns trainer-specific metrics
     gathered by ``loss_fn`` since the last call. A checkpoint holds the weights, optimizer,
@@ -570,7 +634,7 @@ def run_training(
     world = current_world()
     if not world.is_main:  # every rank runs the loop; rank 0 logs, checkpoints and saves
         sink, show_progress = NullSink(), False
-    body = _OfflineBody(cfg, name, model, tokenizer, world, next_micro_batch=next_micro_batch, loss_fn=loss_fn,
+    body = _OfflineBody(cfg, name, model, tokenizer, world, batches=batches, loss_fn=loss_fn,
                         evaluate=evaluate, units_fn=units_fn, step_metrics=step_metrics, state=dict(state or {}),
                         lineage=lineage or {}, before_save=before_save)
     plan = LoopPlan(name, cfg.max_steps, cfg.eval_every, cfg.save_every, cfg.resume)
@@ -588,7 +652,7 @@ class _OfflineBody:
     """A supervised trainer's step: ``grad_accum`` micro-batches, one optimizer step (a :class:`TrainingBody`)."""
 
     def __init__(self, cfg: Any, name: str, model: torch.nn.Module, tokenizer: Any, world: Any, *,
-                 next_micro_batch: Callable[[], Any], loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+                 batches: MicroBatches, loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]],
                  evaluate: Callable[[], tuple[dict[str, float], list[dict[str, str]]]],
                  units_fn: Callable[[Any], int], step_metrics: Callable[[], dict[str, float]] | None,
                  state: dict[str, Resumable], lineage: dict[str, str],
@@ -597,7 +661,7 @@ class _OfflineBody:
         from rlhf_core.parallel import build_strategy
 
         self.cfg, self.name, self.model, self.tokenizer, self.world = cfg, name, model, tokenizer, world
-        self.next_micro_batch, self.loss_fn, self._evaluate, self.units_fn = next_micro_batch, loss_fn, evaluate, units_fn
+        self.batches, self.loss_fn, self._evaluate, self.units_fn = batches, loss_fn, evaluate, units_fn
         self.step_metrics, self.state, self.lineage, self.before_save = step_metrics, state, lineage, before_save
         self.autocast_dtype = _resolve_autocast(cfg.precision, next(model.parameters()).device)
         prepare_for_training(model, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout)
@@ -625,19 +689,47 @@ class _OfflineBody:
 
     def train_step(self, step: int, clock: LoopClock) -> dict[str, float] | None:
         cfg, world = self.cfg, self.world
-        micro = [self.next_micro_batch() for _ in range(cfg.grad_accum)]
+        micro = self._micro_batches()
         if self.checkpointing is None:
-            self._decide_checkpointing(micro)
-        stats = accumulate_and_step(self.strategy, micro, self.loss_fn, max_grad_norm=cfg.max_grad_norm,
-                                    autocast_dtype=self.autocast_dtype, units_fn=self.units_fn, step=step, world=world)
-        self.tokens_seen += int(world.all_reduce_sum([sum(int(mb["input_ids"].numel()) for mb in micro)])[0])
+            self._decide_checkpointing([mb for mb in micro if not isinstance(mb, EmptyMicroBatch)])
+        stats = accumulate_and_step(self.strategy, micro, self._loss, max_grad_norm=cfg.max_grad_norm,
+                                    autocast_dtype=self.autocast_dtype, units_fn=self._units, step=step, world=world)
+        empty = sum(isinstance(mb, EmptyMicroBatch) for mb in micro)
+        tokens, real, empty = world.all_reduce_sum([sum(real_tokens(mb) for mb in micro), len(micro) - empty, empty])
+        self.tokens_seen += int(tokens)
         self.last_loss = stats.loss
         if step % cfg.log_every != 0 and step != cfg.max_steps:
             return None
         elapsed = clock.train_seconds()
         extra = self.step_metrics() if self.step_metrics is not None else {}
+        if cfg.micro_batch_tokens:  # how the budget split this step, over all ranks (empty: rank agreement's cost)
+            extra = {**extra, "perf/micro_batches": real, "perf/empty_micro_batches": empty}
         return {"train/loss": stats.loss, "train/grad_norm": stats.grad_norm, "train/lr": stats.lr,
                 "perf/tokens_per_s": self.tokens_seen / max(elapsed, 1e-9), "perf/elapsed_s": elapsed, **extra}
+
+    def _micro_batches(self) -> list[Any]:
+        """This rank's micro-batches of one step: ``grad_accum`` draws of ``batch_size`` examples, each a
+        micro-batch, or (``micro_batch_tokens``) regrouped into as many as the budget takes, padded with
+        :class:`EmptyMicroBatch` to the largest count of any rank."""
+        cfg, batches = self.cfg, self.batches
+        draws = [batches.draw() for _ in range(cfg.grad_accum)]
+        if not cfg.micro_batch_tokens:
+            return [batches.collate(d) for d in draws]  # grad_accum on every rank: nothing to agree on
+        examples = [e for d in draws for e in d]
+        groups = group_by_tokens([batches.tokens(e) for e in examples], cfg.micro_batch_tokens)
+        micro: list[Any] = [batches.collate([examples[i] for i in g]) for g in groups]
+        count = int(self.world.all_reduce_max([len(micro)])[0])
+        return micro + [EmptyMicroBatch(micro[0]["input_ids"][:1, :1])] * (count - len(micro))
+
+    def _loss(self, model: Any, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(batch, EmptyMicroBatch):
+            return self.loss_fn(model, batch)
+        # every parameter is in the graph (DDP expects each one's gradient), each gradient is 0
+        logits = model(input_ids=batch.input_ids.to(next(model.parameters()).device), use_cache=False).logits
+        return logits.float().sum() * 0.0, torch.tensor(0)
+
+    def _units(self, batch: Any) -> int:
+        return 0 if isinstance(batch, EmptyMicroBatch) else self.units_fn(batch)
 
     def _decide_checkpointing(self, micro: list[dict[str, torch.Tensor]]) -> None:
         """Resolve ``gradient_checkpointing`` (auto: from a memory estimate of the largest micro-batch

@@ -23,7 +23,7 @@ from rlhf_core.losses import bradley_terry_loss, log_exp_loss
 from rlhf_core.models import load_tokenizer, pick_device
 from rlhf_core.reward_model import load_reward_model, pair_rewards, set_normalisation
 from rlhf_core.parallel import current_world
-from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, seed_everything
+from rlhf_core.trainers.loop import EpochSampler, MetricSink, MicroBatches, NullSink, run_training, seed_everything
 
 Pair = tuple[TokenizedExample, TokenizedExample]
 
@@ -78,14 +78,15 @@ def train_reward_model(cfg: RewardConfig, sink: MetricSink | None = None, show_p
     margins = _margins(train_recs, cfg)
     pad = tokenizer.pad_token_id
 
-    # ---- batches --------------------------------------------------------------------------
+    # ---- batches: a pair is one example (chosen and rejected share a micro-batch) ------------
     sampler = EpochSampler(len(train), cfg.batch_size, cfg.seed, current_world())
 
-    def next_micro_batch() -> dict[str, torch.Tensor]:
-        idx = sampler.next()
-        batch = collate_pairs([train[i] for i in idx], pad)
+    def collate(idx: list[int]) -> dict[str, torch.Tensor]:
+        batch = collate_pairs([train[i] for i in idx], pad, packed=cfg.packing)
         batch["margin"] = margins[idx]
         return batch
+
+    batches = MicroBatches(draw=sampler.next, collate=collate, tokens=lambda i: len(train[i][0]) + len(train[i][1]))
 
     # ---- loss: Bradley-Terry on the pair's scalar rewards ---------------------------------
     seen: list[float] = []
@@ -97,7 +98,7 @@ def train_reward_model(cfg: RewardConfig, sink: MetricSink | None = None, show_p
             losses = log_exp_loss(r[:n], r[n:])
         else:
             losses = bradley_terry_loss(r[:n], r[n:], batch["margin"].to(r.device) if cfg.use_margin else None)
-        seen.append(float((r[:n] > r[n:]).float().mean()))
+        seen.extend((r[:n] > r[n:]).float().tolist())  # per pair: independent of the grouping
         return losses.sum(), torch.tensor(n)
 
     def step_metrics() -> dict[str, float]:
@@ -117,7 +118,7 @@ def train_reward_model(cfg: RewardConfig, sink: MetricSink | None = None, show_p
         set_normalisation(model, float(all_r.mean()), float(all_r.std()))
         return {"reward/mean": float(all_r.mean()), "reward/std": float(all_r.std())}
 
-    loop = run_training(cfg, "reward", model, tokenizer, next_micro_batch=next_micro_batch, loss_fn=loss_fn,
+    loop = run_training(cfg, "reward", model, tokenizer, batches=batches, loss_fn=loss_fn,
                         evaluate=evaluate, sink=sink, state={"sampler": sampler}, units_fn=lambda b: int(b["n_pairs"]),
                         step_metrics=step_metrics, before_save=store_normalisation, show_progress=show_progress)
     return RewardResult(Path(cfg.output_dir), loop.metrics)

@@ -23,7 +23,7 @@ from rlhf_core.lm_head import LMHead, labelled_token_logprobs, prepare_kernels
 from rlhf_core.losses import IGNORE_INDEX
 from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
 from rlhf_core.parallel import current_world
-from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, seed_everything
+from rlhf_core.trainers.loop import EpochSampler, MetricSink, MicroBatches, NullSink, run_training, seed_everything
 
 
 @dataclass
@@ -83,12 +83,10 @@ def train_sft(cfg: SFTConfig, sink: MetricSink | None = None, show_progress: boo
     held_out = tokenize_sft_records(tokenizer, eval_records, path=cfg.eval_file,
                                     **{**fields, "completion_field": cfg.label_field})
 
-    # ---- batches: a deterministic reshuffle every epoch ---------------------------------
+    # ---- batches: a deterministic reshuffle every epoch; padded, or packed (token budget) --
     sampler = EpochSampler(len(train), cfg.batch_size, cfg.seed, current_world())
-
-    def next_micro_batch() -> dict[str, torch.Tensor]:
-        idx = sampler.next()
-        return _collate([train[i] for i in idx], cfg, tokenizer.pad_token_id)
+    batches = MicroBatches(draw=sampler.next, tokens=lambda i: len(train[i]),
+                           collate=lambda idx: _collate([train[i] for i in idx], cfg, tokenizer.pad_token_id))
 
     def evaluate() -> tuple[dict[str, float], list[dict[str, str]]]:
         result = evaluate_exact_match(model, tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
@@ -97,6 +95,6 @@ def train_sft(cfg: SFTConfig, sink: MetricSink | None = None, show_progress: boo
             result.samples
 
     # ---- train, then save ---------------------------------------------------------------
-    loop = run_training(cfg, "sft", model, tokenizer, next_micro_batch=next_micro_batch, loss_fn=nll_loss_fn(head),
+    loop = run_training(cfg, "sft", model, tokenizer, batches=batches, loss_fn=nll_loss_fn(head),
                         evaluate=evaluate, sink=sink, state={"sampler": sampler}, show_progress=show_progress)
     return SFTResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples)

@@ -55,6 +55,43 @@ def test_two_workers_take_the_step_one_worker_takes(ray_local, micro_model, micr
     assert json.loads((b.output_dir / "alignflow.json").read_text())["config"]["num_workers"] == 2
 
 
+# ZeRO-2 in the slow tier, as above: it checks that the loop, not DeepSpeed's own micro-step count, puts
+# the accumulation boundary where a step of a varying number of micro-batches ends.
+@pytest.mark.parametrize("parallel", ["ddp", pytest.param("zero2", marks=pytest.mark.slow)])
+def test_token_budget_with_uneven_micro_batch_counts_takes_one_process_step(ray_local, micro_model, micro_data,
+                                                                           tmp_path, parallel):
+    """DPO, packed, 8 pairs x 2 draws a step, a 40-token budget (about one pair a micro-batch): each rank
+    groups its own pairs, so the ranks' micro-batch counts differ and the shorter one runs empty
+    micro-batches (perf/empty_micro_batches > 0 at some step). The per-step loss and gradient norm stay
+    within 1e-4 (relative) of one process's, and so do the final weights (1e-3 relative, 1e-5 absolute)."""
+    from rlhf_core.config import DPOConfig
+    from rlhf_core.ray_launcher import train_data_parallel
+    from rlhf_core.trainers.dpo import train_dpo
+
+    def cfg(root, **kw):
+        return DPOConfig(model_path=str(micro_model), train_file=str(micro_data["preferences"]),
+                         eval_file=str(micro_data["eval"]), output_dir=str(root / "dpo"),
+                         checkpoint_dir=str(root / "ckpt"), max_steps=4, batch_size=8, grad_accum=2, lr=3e-3,
+                         warmup_steps=1, eval_items=2, num_threads=1, precision="fp32", log_every=1, save_every=0,
+                         beta=0.5, packing=True, micro_batch_tokens=40, **kw)
+
+    one, two = Recorder(), Recorder()
+    a = train_dpo(cfg(tmp_path / "one"), one, show_progress=False)
+    b = train_data_parallel(train_dpo, cfg(tmp_path / "two", num_workers=2, parallel=parallel), two,
+                            show_progress=False)
+    print(f"{parallel}: micro-batches per step, 1 process {one.series('perf/micro_batches')}; 2 workers "
+          f"{two.series('perf/micro_batches')} + empty {two.series('perf/empty_micro_batches')}; losses "
+          f"{one.series('train/loss')} vs {two.series('train/loss')}")
+    assert max(two.series("perf/empty_micro_batches")) > 0
+    assert one.series("perf/empty_micro_batches") == [0.0] * 4
+    for key in ("train/loss", "train/grad_norm"):
+        la, lb = one.series(key), two.series(key)
+        assert len(la) == len(lb) == 4 and la == pytest.approx(lb, rel=1e-4), (key, la, lb)
+    wa, wb = load_file(str(a.output_dir / "model.safetensors")), load_file(str(b.output_dir / "model.safetensors"))
+    for k in wa:
+        assert torch.allclose(wa[k], wb[k], rtol=1e-3, atol=1e-5), k
+
+
 def _rl(micro_model, micro_data, tmp_path, reward_function, **kw) -> RLConfig:
     values = dict(model_path=str(micro_model), prompts_file=str(micro_data["prompts"]),
                   eval_file=str(micro_data["eval"]), output_dir=str(tmp_path / "rl"),

@@ -58,6 +58,8 @@ def _rl(micro_model, micro_data, root, **kw) -> RLConfig:
 TRAINERS = {
     "sft": (_sft, train_sft, 9),       # fails after step 9; checkpoints at 4 and 8 -> resumes at 8
     "dpo": (_dpo, train_dpo, 9),
+    # packed micro-batches under a token budget: a step's grouping is a function of its examples
+    "dpo-budget": (lambda *a, **kw: _dpo(*a, packing=True, micro_batch_tokens=40, grad_accum=2, **kw), train_dpo, 9),
     "reward": (_reward, train_reward_model, 10),
     "rl": (_rl, train_rl, 4),           # checkpoints at 2 and 4 -> resumes at iteration 4
 }
@@ -67,6 +69,7 @@ DETERMINISTIC = ("eval/", "train/loss_final", "rollout/", "train/kl", "train/pol
 @pytest.mark.parametrize("stage", list(TRAINERS))
 def test_interrupted_run_resumes_to_identical_result(stage, micro_model, micro_data, tmp_path, monkeypatch, caplog):
     make_cfg, train, fail_at = TRAINERS[stage]
+    stage = stage.split("-")[0]  # the loop's name for it (the fault hook matches it)
     whole = train(make_cfg(micro_model, micro_data, tmp_path / "whole"), show_progress=False)
     # kept with the finished record until the stage has tracked the model (it clears them)
     assert (tmp_path / "whole" / "ckpt" / "finished.json").is_file()
@@ -150,8 +153,8 @@ def test_nan_loss_stops_at_that_step_with_last_checkpoint_intact(micro_model, mi
     from rlhf_core.data.io import read_records
     from rlhf_core.data.tokenize import collate_padded, tokenize_sft_records
     from rlhf_core.models import load_causal_lm, load_tokenizer
-    from rlhf_core.trainers.loop import EpochSampler
     from rlhf_core.lm_head import LMHead
+    from rlhf_core.trainers.loop import EpochSampler, MicroBatches
     from rlhf_core.trainers.sft import nll_loss_fn
 
     cfg = _sft(micro_model, micro_data, tmp_path, max_steps=10)
@@ -170,8 +173,9 @@ def test_nan_loss_stops_at_that_step_with_last_checkpoint_intact(micro_model, mi
 
     with pytest.raises(NonFiniteError, match=r"step 7: loss is nan"):
         run_training(cfg, "sft", model, tokenizer, sink=Recorder(), show_progress=False, state={"sampler": sampler},
-                     next_micro_batch=lambda: collate_padded([train[i] for i in sampler.next()],
-                                                             tokenizer.pad_token_id),
+                     batches=MicroBatches(draw=sampler.next, tokens=lambda i: len(train[i]),
+                                          collate=lambda idx: collate_padded([train[i] for i in idx],
+                                                                             tokenizer.pad_token_id)),
                      loss_fn=loss_fn, evaluate=lambda: ({}, []))
     ckpt = Checkpointer(cfg.checkpoint_dir, run_fingerprint(cfg)).latest()
     assert ckpt is not None and ckpt.step == 4
