@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--engines", default="hf_generate,static_eager,static_cuda_graphs",
+                    help="comma-separated; add static_cuda_graphs_one_width for the width-bucket A/B")
     ap.add_argument("--small", action="store_true", help="micro model (a CPU smoke test)")
     ap.add_argument("--out", default="bench/out/gpu_engine.json")
     args = ap.parse_args()
@@ -61,28 +63,48 @@ def main() -> None:
 
     engines = {"hf_generate": HFGenerateEngine(model, tok, batch_size=rows),
                "static_eager": StaticCacheEngine(model, tok, batch_size=rows, cuda_graphs=False),
-               "static_cuda_graphs": StaticCacheEngine(model, tok, batch_size=rows, cuda_graphs=True)}
+               "static_cuda_graphs": StaticCacheEngine(model, tok, batch_size=rows, cuda_graphs=True),
+               # the same engine with one graph over the whole cache width (before width buckets)
+               "static_cuda_graphs_one_width": StaticCacheEngine(model, tok, batch_size=rows, cuda_graphs=True)}
+    engines = {k: v for k, v in engines.items() if k in args.engines.split(",") or k == "static_cuda_graphs"}
     report: dict = {"gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "rows": rows, "new_tokens": args.new_tokens, "engines": {}}
+    import rlhf_core.rollout_static as static
+
+    bucket = static._WIDTH_BUCKET
+    times_of: dict[str, list[float]] = {k: [] for k in engines}
+    lengths_of: dict[str, list[float]] = {k: [] for k in engines}
     for name, engine in engines.items():
+        static._WIDTH_BUCKET = 10**9 if name.endswith("one_width") else bucket
         engine.generate(prompts[:8], SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=0))  # warm-up
-        times, lengths = [], []
-        for rep in range(args.reps):
+    for rep in range(args.reps):  # engines interleaved, order reversed every other rep (ABBA)
+        for name in (list(engines) if rep % 2 == 0 else list(engines)[::-1]):
+            static._WIDTH_BUCKET = 10**9 if name.endswith("one_width") else bucket
             sync()
             t = time.perf_counter()
-            batch = engine.generate(prompts, SamplingParams(n=args.group, temperature=1.0,
-                                                            max_new_tokens=args.new_tokens, seed=rep))
+            batch = engines[name].generate(prompts, SamplingParams(n=args.group, temperature=1.0,
+                                                                   max_new_tokens=args.new_tokens, seed=rep))
             sync()
-            times.append(time.perf_counter() - t)
-            lengths.append(float(batch.response_lengths().float().mean()))
+            times_of[name].append(time.perf_counter() - t)
+            lengths_of[name].append(float(batch.response_lengths().float().mean()))
+            steps_of = batch.response_ids.shape[1]
+    static._WIDTH_BUCKET = bucket
+    for name in engines:
+        times, lengths, steps = times_of[name], lengths_of[name], steps_of
         med = statistics.median(times)
-        steps = batch.response_ids.shape[1]
         report["engines"][name] = {"seconds": [round(x, 3) for x in times], "median_s": round(med, 3),
                                    "ms_per_decode_step": round(1000 * med / steps, 3),
                                    "generated_tokens_per_s": round(rows * statistics.median(lengths) / med, 1),
                                    "mean_response_len": statistics.median(lengths)}
         print(json.dumps({name: report["engines"][name]}), flush=True)
 
+    if "static_cuda_graphs_one_width" in engines:
+        one, buckets = (report["engines"][k]["median_s"] for k in ("static_cuda_graphs_one_width", "static_cuda_graphs"))
+        report["speedup_width_buckets_over_one_width"] = round(one / buckets, 3)
+    if "hf_generate" not in engines:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        return
     # greedy agreement with HF generate, and the log-prob contract in bf16
     greedy = SamplingParams(n=1, temperature=0, max_new_tokens=64)
     a = engines["hf_generate"].generate(prompts, greedy)
