@@ -26,6 +26,7 @@ from rlhf_core.logprobs import reference_logprobs, response_logprobs
 from rlhf_core.losses import PreferenceLoss, preference_loss
 from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
 from rlhf_core.parallel import current_world
+from rlhf_core.precision import Precision
 from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, seed_everything
 
 
@@ -61,11 +62,13 @@ def train_dpo(cfg: DPOConfig, sink: MetricSink | None = None, show_progress: boo
     kind = PreferenceLoss(cfg.loss)
     average = kind is PreferenceLoss.IPO and cfg.ipo_average_logps
     device = pick_device()
+    precision = Precision.resolve(cfg.precision, device)
 
-    # ---- load: policy, frozen reference, pairs ------------------------------------------
+    # ---- load: policy, frozen reference (in the policy's compute dtype), pairs -----------
     tokenizer = load_tokenizer(cfg.model_path)
-    model = load_causal_lm(cfg.model_path, device)
-    reference = load_causal_lm(cfg.ref_model_path or cfg.model_path, device).eval().requires_grad_(False)
+    model = load_causal_lm(cfg.model_path, device, precision.load_dtype)
+    reference = load_causal_lm(cfg.ref_model_path or cfg.model_path, device,
+                               precision.weight_dtype).eval().requires_grad_(False)
     pairs = tokenize_preference_records(tokenizer, read_records(cfg.train_file), path=cfg.train_file,
                                         prompt_field=cfg.prompt_field, chosen_field=cfg.chosen_field,
                                         rejected_field=cfg.rejected_field, max_length=cfg.max_length)

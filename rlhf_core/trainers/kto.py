@@ -30,6 +30,7 @@ from rlhf_core.logprobs import response_logprobs
 from rlhf_core.losses import kto_loss, kto_reference_point
 from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
 from rlhf_core.parallel import current_world
+from rlhf_core.precision import Precision
 from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, seed_everything
 
 
@@ -83,11 +84,13 @@ def train_kto(cfg: KTOConfig, sink: MetricSink | None = None, show_progress: boo
     sink = sink or NullSink()
     seed_everything(cfg.seed, cfg.num_threads)
     device = pick_device()
+    precision = Precision.resolve(cfg.precision, device)
 
-    # ---- load: policy, frozen reference, unpaired examples ----------------------------
+    # ---- load: policy, frozen reference (in the policy's compute dtype), unpaired examples -
     tokenizer = load_tokenizer(cfg.model_path)
-    model = load_causal_lm(cfg.model_path, device)
-    reference = load_causal_lm(cfg.ref_model_path or cfg.model_path, device).eval().requires_grad_(False)
+    model = load_causal_lm(cfg.model_path, device, precision.load_dtype)
+    reference = load_causal_lm(cfg.ref_model_path or cfg.model_path, device,
+                               precision.weight_dtype).eval().requires_grad_(False)
     examples = unpaired_examples(read_records(cfg.train_file), cfg, cfg.train_file)
     pad = tokenizer.pad_token_id
 

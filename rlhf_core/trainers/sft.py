@@ -23,6 +23,7 @@ from rlhf_core.logprobs import MODEL_INPUTS
 from rlhf_core.losses import token_nll_sum
 from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
 from rlhf_core.parallel import current_world
+from rlhf_core.precision import Precision
 from rlhf_core.trainers.loop import EpochSampler, MetricSink, NullSink, run_training, seed_everything
 
 
@@ -66,7 +67,8 @@ def train_sft(cfg: SFTConfig, sink: MetricSink | None = None, show_progress: boo
 
     # ---- load: model, tokenizer, data -------------------------------------------------
     tokenizer = load_tokenizer(cfg.model_path)
-    model = load_causal_lm(cfg.model_path, pick_device())
+    device = pick_device()
+    model = load_causal_lm(cfg.model_path, device, Precision.resolve(cfg.precision, device).load_dtype)
     fields = dict(prompt_field=cfg.prompt_field, completion_field=cfg.completion_field,
                   messages_field=cfg.messages_field, max_length=cfg.max_length)
     train = tokenize_sft_records(tokenizer, read_records(cfg.train_file), path=cfg.train_file, **fields)
