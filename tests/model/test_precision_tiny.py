@@ -115,11 +115,15 @@ def _ddp(micro_model, micro_data, folder, **kw) -> SFTConfig:
     return SFTConfig(**{**base, **kw})
 
 
-def test_ddp_mixed_two_ranks_resume_exactly(ray_local, micro_model, micro_data, tmp_path, monkeypatch):
-    """Two DDP ranks under mixed (bf16 gradients accumulated under no_sync and all-reduced by DDP, cast into
-    the fp32 masters at the step): the loss falls and tracks one process's (fp32 accumulation by hooks)
-    within 1e-3 relative (measured 7e-5); a run stopped after step 2 and resumed writes a step-4 checkpoint equal bit
-    for bit (bf16 weights, fp32 masters and moments) to an uninterrupted run's."""
+# ZeRO-2 on DeepSpeed's CPU accelerator takes about 40 s here: in the default tier, the only one to run
+# DeepSpeed's bf16 mode (the fp32 ZeRO cases of test_parallel*.py are in the slow tier).
+@pytest.mark.parametrize("parallel", ["ddp", "zero2"])
+def test_two_ranks_under_mixed_resume_exactly(ray_local, micro_model, micro_data, tmp_path, monkeypatch, parallel):
+    """Two ranks under mixed: DDP (bf16 gradients accumulated under no_sync and all-reduced by DDP, cast into
+    the fp32 masters at the step) or ZeRO-2 (DeepSpeed's bf16 mode, fp32 gradient accumulation). The
+    loss falls and tracks one process's (fp32 accumulation by hooks) within 1e-3 relative (measured
+    7e-5 for DDP); a run stopped after step 2 and resumed writes a step-4 checkpoint equal bit for bit
+    (bf16 weights, fp32 masters and moments) to an uninterrupted run's. The final model is the fp32 masters."""
     from rlhf_core.ray_launcher import train_data_parallel
 
     def run(cfg, sink=None):
@@ -131,14 +135,15 @@ def test_ddp_mixed_two_ranks_resume_exactly(ray_local, micro_model, micro_data, 
             run(cfg)
         monkeypatch.delenv("ALIGNFLOW_FAULT")
 
-    a, b = (_ddp(micro_model, micro_data, tmp_path / name) for name in ("a", "b"))
+    a, b = (_ddp(micro_model, micro_data, tmp_path / name, parallel=parallel) for name in ("a", "b"))
     two, one = Recorder(), Recorder()
-    run(a, two)
+    finished = run(a, two)
+    assert {v.dtype for v in load_file(str(finished.output_dir / "model.safetensors")).values()} == {torch.float32}
     train_sft(_ddp(micro_model, micro_data, tmp_path / "one", num_workers=1), one, show_progress=False)
     run_until(b, 2)
     run_until(b, 4)  # resumes at 2, writes its own step 4, stops
     lt, lo = two.series("train/loss"), one.series("train/loss")
-    print(f"ddp mixed: 2 ranks {lt}; 1 process {lo}")
+    print(f"{parallel} mixed: 2 ranks {lt}; 1 process {lo}")
     assert lt[-1] < lt[0] and max(abs(x - y) / abs(y) for x, y in zip(lt, lo)) <= 1e-3
 
     def state(folder):
