@@ -19,6 +19,10 @@ Strategies (``TrainerConfig.parallel``):
 * ``zero2`` / ``zero3``: DeepSpeed ZeRO stage 2 (optimizer state and gradients partitioned)
   or 3 (parameters too; Rajbhandari et al. 2020, "ZeRO"), with optional CPU optimizer offload.
 
+Precision (``TrainerConfig.precision``, :mod:`rlhf_core.precision`): under Local and DDP the
+optimizer carries the regime (:class:`rlhf_core.precision.MasterWeightAdamW` for mixed and bf16);
+under ZeRO mixed and bf16 are DeepSpeed's bf16 mode (:class:`DeepSpeedStrategy`).
+
 Checkpoints (every strategy, every world size): :meth:`Strategy.optimizer_state` hands back the
 AdamW state *by parameter name* — whole tensors, gathered from ZeRO's partitions with DeepSpeed's
 tensor-fragment API (``safe_get_full_optimizer_state``) — and :meth:`Strategy.load_optimizer_state`
@@ -27,7 +31,8 @@ ZeRO-2 ranks resumes exactly on two, and continues on one (``tests/model/test_pa
 chose a consolidated format over DeepSpeed's ``save_checkpoint`` (one file per rank, loadable only
 by the same world size without an offline ``ds_to_universal`` conversion) because a nightly job
 that lost a node must be able to finish on the nodes it has; the price is a gather of the
-optimizer state (2 x the fp32 parameters) on rank 0 at each checkpoint. Both calls, and
+optimizer state (2 x the fp32 parameters, 3 x with the fp32 masters of bf16 mode) on rank 0 at
+each checkpoint. Both calls, and
 :meth:`Strategy.load_weights`, are collectives: every rank makes them.
 """
 

@@ -19,11 +19,14 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
+
+if TYPE_CHECKING:
+    from rlhf_core.precision import Precision
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +55,7 @@ def seed_everything(seed: int, num_threads: int | None = None) -> None:
         torch.set_num_threads(num_threads)
 
 
-def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, precision: Any = None, *,
+def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, precision: Precision | None = None, *,
                     parallel: str = "ddp", distributed: bool = False) -> torch.optim.Optimizer:
     """AdamW (Loshchilov & Hutter 2019) with no decay on biases, norms and embeddings' 1-D params.
 
@@ -789,5 +792,3 @@ def inject_fault(stage: str, step: int | str) -> None:
 
 class InjectedFault(RuntimeError):
     """Raised by :func:`inject_fault`; Prefect treats it as transient and retries."""
-
-

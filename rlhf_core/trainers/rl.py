@@ -451,9 +451,8 @@ class RLTrainer:
 
     def storage_needs(self) -> Any:
         """The loop's disk preflight: the policy's size (and a critic of its shape in each checkpoint)."""
-        from rlhf_core.trainers.loop import StorageNeeds, estimate_state_bytes
-
         from rlhf_core.precision import Precision
+        from rlhf_core.trainers.loop import StorageNeeds, estimate_state_bytes
 
         masters = Precision.resolve(self.cfg.precision, self.device).keeps_masters(self.cfg.parallel)
         checkpoint, output = estimate_state_bytes(self.learner.view(), masters=masters)

@@ -253,7 +253,8 @@ class ReferenceScorer:
         self.cfg, self.device, self.world = cfg, device or pick_device(), world or current_world()
         # frozen: held in the trained policy's compute dtype (bf16 under mixed and bf16), no masters
         dtype = Precision.resolve(cfg.precision, self.device).weight_dtype
-        self.model = load_causal_lm(cfg.ref_model_path or cfg.model_path, self.device, dtype).eval().requires_grad_(False)
+        self.model = load_causal_lm(cfg.ref_model_path or cfg.model_path, self.device, dtype)
+        self.model.eval().requires_grad_(False)
 
     def logprobs(self, exp: dict[str, torch.Tensor], prompt_width: int) -> torch.Tensor:
         """``(my_rows, R)`` reference log-probs of this rank's rows."""
