@@ -122,16 +122,15 @@ def model_part(small: bool, device: torch.device, reps: int) -> dict:
     if liger_available():
         variants += [("liger", False), ("full", True), ("chunked", True), ("liger", True)]
     for kernel, fused in [("fp32-reference", False)] + variants:
-        model = load_causal_lm(model_dir, device)
         if kernel == "fp32-reference":  # the fp32 model, whole logits: the yardstick of bf16 rounding
-            model.zero_grad(set_to_none=True)
-            logp = labelled_token_logprobs(model, batch, LMHead("full"))
+            fp32 = load_causal_lm(model_dir, device)
+            logp = labelled_token_logprobs(fp32, batch, LMHead("full"))
             (logp * weights).sum().backward()
-            exact = (logp.detach(), {n: p.grad.float().clone() for n, p in model.named_parameters()
+            exact = (logp.detach(), {n: p.grad.float().clone() for n, p in fp32.named_parameters()
                                      if p.grad is not None})
-            del model
+            del fp32
             continue
-        model = model.to(dtype)
+        model = load_causal_lm(model_dir, device).to(dtype)
         if fused:
             apply_fused_kernels(model)
         head = LMHead(kernel, 4096)
@@ -157,7 +156,7 @@ def model_part(small: bool, device: torch.device, reps: int) -> dict:
             "grad_rel_err_median_vs_fp32": statistics.median(_rel(grads[k], exact[1][k]) for k in grads),
             "seconds_median": statistics.median(times), "seconds_min": min(times), "seconds_max": max(times),
             "peak_gb": round(peak, 3)}
-        del model
+        model = None  # freed before the next variant loads
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return {"rows": rows, "width": width, "labelled": labelled, "dtype": str(dtype), "results": results}

@@ -20,10 +20,12 @@ def pick_device() -> torch.device:
 
 
 def resolve_precision(precision: str, device: torch.device) -> torch.dtype | None:
-    """Autocast dtype for ``precision`` on ``device`` (``None`` = full fp32).
+    """Compute dtype of ``precision`` on ``device``: the dtype the trained model's weights are in while
+    it trains and samples (bf16 under mixed and bf16), ``None`` for fp32.
 
     ``auto`` picks bf16 only on a GPU that supports it: CPUs without AMX run bf16 slower
-    than fp32, and the tiny default model gains nothing from it.
+    than fp32, and the tiny default model gains nothing from it. The regimes themselves (where
+    masters, gradients and moments live) are :class:`rlhf_core.precision.Precision`.
     """
     if precision == "fp32":
         return None
@@ -50,10 +52,12 @@ def load_tokenizer(path: str | Path, padding_side: str = "right") -> Any:
     return ensure_chat_template(tok)
 
 
-def load_causal_lm(path: str | Path, device: torch.device | None = None) -> Any:
-    """An ``AutoModelForCausalLM`` from a local directory, in fp32 on ``device``.
+def load_causal_lm(path: str | Path, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> Any:
+    """An ``AutoModelForCausalLM`` from a local directory, its parameters in ``dtype`` on ``device``.
 
-    Weights stay fp32 (master weights); mixed precision is applied by autocast in trainers.
+    Trainers pick ``dtype`` from their precision regime (:class:`rlhf_core.precision.Precision`):
+    ``load_dtype`` for the trained model, ``weight_dtype`` for frozen ones. transformers keeps
+    buffers (RoPE's ``inv_freq``) in fp32 whatever ``dtype`` is.
     """
     from transformers import AutoModelForCausalLM
 
@@ -61,7 +65,7 @@ def load_causal_lm(path: str | Path, device: torch.device | None = None) -> Any:
     if not (path / "config.json").exists():
         raise ModelLoadError(f"{path}: not a Hugging Face model directory (no config.json)")
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{path}: cannot load as a causal LM: {exc}") from None
     return model.to(device or pick_device())

@@ -23,6 +23,10 @@ Strategies (``TrainerConfig.parallel``):
 * ``zero2`` / ``zero3``: DeepSpeed ZeRO stage 2 (optimizer state and gradients partitioned)
   or 3 (parameters too; Rajbhandari et al. 2020, "ZeRO"), with optional CPU optimizer offload.
 
+Precision (``TrainerConfig.precision``, :mod:`rlhf_core.precision`): under Local and DDP the
+optimizer carries the regime (:class:`rlhf_core.precision.MasterWeightAdamW` for mixed and bf16);
+under ZeRO mixed and bf16 are DeepSpeed's bf16 mode (:class:`DeepSpeedStrategy`).
+
 Checkpoints (every strategy, every world size): :meth:`Strategy.optimizer_state` hands back the
 AdamW state *by parameter name* — whole tensors, gathered from ZeRO's partitions with DeepSpeed's
 tensor-fragment API (``safe_get_full_optimizer_state``) — and :meth:`Strategy.load_optimizer_state`
@@ -31,7 +35,8 @@ ZeRO-2 ranks resumes exactly on two, and continues on one (``tests/model/test_pa
 chose a consolidated format over DeepSpeed's ``save_checkpoint`` (one file per rank, loadable only
 by the same world size without an offline ``ds_to_universal`` conversion) because a nightly job
 that lost a node must be able to finish on the nodes it has; the price is a gather of the
-optimizer state (2 x the fp32 parameters) on rank 0 at each checkpoint. Both calls, and
+optimizer state (2 x the fp32 parameters, 3 x with the fp32 masters of bf16 mode) on rank 0 at
+each checkpoint. Both calls, and
 :meth:`Strategy.load_weights`, are collectives: every rank makes them.
 """
 
@@ -44,6 +49,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Protocol, Sequence
 
 import torch
+
+from rlhf_core.precision import MasterWeightAdamW, Precision, cast_parameters, state_key
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +182,8 @@ class Strategy(Protocol):
 
     def load_weights(self, weights: dict[str, torch.Tensor], where: str) -> None: ...
 
+    def masters_into_model(self) -> None: ...
+
 
 # --------------------------------------------------------------------------------------
 # Optimizer state by parameter name: one checkpoint format for every strategy and world size
@@ -182,8 +191,11 @@ class Strategy(Protocol):
 #
 # {"lr": float, "step": {name: 0-d tensor}, "exp_avg": {name: tensor}, "exp_avg_sq": {name: tensor}}
 # (torch AdamW's per-parameter state, keyed by ``named_parameters()`` names instead of positions;
-# parameters that have no state yet, before the first step, are absent). Every parameter group
-# of :func:`rlhf_core.trainers.loop.build_optimizer` shares one learning rate.
+# parameters that have no state yet, before the first step, are absent), plus "master": {name: fp32
+# tensor} where fp32 master weights persist (rlhf_core.precision: mixed precision, or bf16 under ZeRO):
+# the checkpoint's safetensors hold the bf16 working weights, the masters are the trained weights,
+# and a resume that restored only the bf16 copy would not continue the run exactly. Every parameter
+# group of :func:`rlhf_core.trainers.loop.build_optimizer` shares one learning rate.
 
 
 def _named_trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -234,6 +246,8 @@ class LocalStrategy:
         loss.backward()
 
     def clip_grad_norm(self, max_norm: float) -> float:
+        if isinstance(self.optimizer, MasterWeightAdamW):  # its gradients may sit on the fp32 masters
+            return self.optimizer.clip_grad_norm_(max_norm)
         params = [p for p in self.model.parameters() if p.grad is not None]
         if not params:
             return 0.0
@@ -259,29 +273,56 @@ class LocalStrategy:
         """AdamW's state by parameter name (every DDP rank holds all of it; rank 0's is saved)."""
         out: dict[str, Any] = {"lr": _group_lr(self.optimizer.param_groups), "step": {},
                                **{key: {} for key in ADAM_MOMENTS}}
+        masters = isinstance(self.optimizer, MasterWeightAdamW) and self.optimizer.precision is Precision.MIXED
+        if masters:
+            out["master"] = {}
         for name, param in _named_trainable(self.model).items():
-            state = self.optimizer.state.get(param)
+            state = self.optimizer.state.get(state_key(self.optimizer, param))
             if state:
                 for key in ("step", *ADAM_MOMENTS):
                     out[key][name] = state[key].detach()
+            if masters:
+                out["master"][name] = self.optimizer.masters[param].detach()
         return out
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        """The inverse of :meth:`optimizer_state` (moments cast to each parameter's device and dtype,
-        as ``torch.optim.Optimizer.load_state_dict`` does)."""
+        """The inverse of :meth:`optimizer_state` (moments cast to the device and dtype of the tensor the
+        optimizer steps, as ``torch.optim.Optimizer.load_state_dict`` does; masters, where saved, into
+        the optimizer and the model)."""
+        fused = bool(self.optimizer.defaults.get("fused") or self.optimizer.defaults.get("capturable"))
         for name, param in _named_trainable(self.model).items():
             if name in state["step"]:
-                self.optimizer.state[param] = {
-                    "step": state["step"][name].detach().clone().float().cpu(),
-                    **{key: state[key][name].to(param.device, param.dtype, copy=True) for key in ADAM_MOMENTS}}
+                key = state_key(self.optimizer, param)
+                step = state["step"][name].detach().clone().float()  # fused kernels want it on the device
+                self.optimizer.state[key] = {
+                    "step": step.to(key.device) if fused else step.cpu(),
+                    **{k: state[k][name].to(key.device, key.dtype, copy=True) for k in ADAM_MOMENTS}}
+        if "master" in state and isinstance(self.optimizer, MasterWeightAdamW):
+            params = _named_trainable(self.model)
+            self.optimizer.set_masters({params[n]: v for n, v in state["master"].items() if n in params})
         _set_lr(self.optimizer.param_groups, state["lr"])
 
     def load_weights(self, weights: dict[str, torch.Tensor], where: str) -> None:
+        """``weights`` into the model, and into the fp32 masters where the optimizer holds them (exactly
+        when ``weights`` are fp32; a checkpoint's bf16 weights are followed by its saved masters)."""
         assign_weights(self.model, weights, where)
+        if isinstance(self.optimizer, MasterWeightAdamW):
+            self.optimizer.set_masters({p: weights.get(n, p) for n, p in _named_trainable(self.model).items()})
+
+    def masters_into_model(self) -> None:
+        """End of training: the model holds the fp32 masters (mixed precision), so it is saved in full
+        precision; a no-op without masters."""
+        if isinstance(self.optimizer, MasterWeightAdamW):
+            self.optimizer.masters_into_model(self.model)
 
 
 class DDPStrategy(LocalStrategy):
-    """torch DDP: gradients averaged across ranks in buckets during the last micro-batch's backward."""
+    """torch DDP: gradients averaged across ranks in buckets during the last micro-batch's backward.
+
+    Under mixed precision the bf16 gradients accumulate in ``.grad`` across micro-batches (``no_sync``)
+    and are reduced in bf16; the optimizer casts them into its fp32 masters at the step. (Its fp32
+    accumulation hooks are off here: they would move each micro-batch's gradient out of ``.grad``
+    before DDP reduced it, and the all-reduce would see only the last micro-batch.)"""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None, world: World):
@@ -297,15 +338,22 @@ class DDPStrategy(LocalStrategy):
 
 
 class DeepSpeedStrategy:
-    """DeepSpeed ZeRO stage 2 or 3; the engine owns the optimizer step, clipping and the schedule."""
+    """DeepSpeed ZeRO stage 2 or 3; the engine owns the optimizer step, clipping and the schedule.
+
+    ``precision`` mixed or bf16 is DeepSpeed's bf16 mode: the engine casts the model's parameters to
+    bf16 (buffers stay fp32) and its ZeRO optimizer steps partitioned fp32 masters, writing the bf16
+    weights after each step; mixed also accumulates gradients in fp32 (``data_types.grad_accum_dtype``),
+    bf16 in bf16. The masters start as the model's fp32 weights when it arrives in fp32 (DeepSpeed
+    would take them from the bf16 cast).
+    """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None, world: World, *, stage: int,
                  grad_accum: int, max_grad_norm: float, offload_optimizer: bool,
-                 autocast_dtype: torch.dtype | None = None):
+                 precision: Precision = Precision.FP32):
         import deepspeed
 
-        self.stage, self.model = stage, model
+        self.stage, self.model, self.bf16 = stage, model, precision is not Precision.FP32
         config = {
             "train_micro_batch_size_per_gpu": 1,  # our batches are dicts of any size; only the ratio matters
             "gradient_accumulation_steps": grad_accum,
@@ -317,10 +365,13 @@ class DeepSpeedStrategy:
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
-        if autocast_dtype is not None:
-            # fp32 master weights, bf16 compute: the engine disables an outer torch.autocast unless
-            # its own torch_autocast section is on (then it also reduces those layers' grads in bf16)
-            config["torch_autocast"] = {"enabled": True, "dtype": str(autocast_dtype).removeprefix("torch.")}
+        initial: dict[str, torch.Tensor] = {}
+        if self.bf16:
+            config["bf16"] = {"enabled": True}
+            if precision is Precision.MIXED:
+                config["data_types"] = {"grad_accum_dtype": "fp32"}
+            initial = {n: p.detach().to("cpu", copy=True) for n, p in _named_trainable(model).items()
+                       if p.dtype == torch.float32}
         if offload_optimizer:
             config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
             # Offload needs DeepSpeed's own CPU Adam; same hyper-parameters as build_optimizer.
@@ -334,6 +385,8 @@ class DeepSpeedStrategy:
             model_parameters=[p for p in model.parameters() if p.requires_grad] if optimizer is None else None)
         self.module = self.engine
         self.grad_scale = float(world.size * grad_accum)  # the engine averages over ranks and divides by gas
+        if initial:
+            self._set_masters(initial, "the model's fp32 weights")
 
     def accumulating(self, last: bool) -> Any:
         # The caller says where the step ends: with a token budget (micro_batch_tokens) a step's
@@ -398,14 +451,22 @@ class DeepSpeedStrategy:
         it; the others get the learning rate and step only, not a CPU copy of everything)."""
         from deepspeed.utils import safe_get_full_optimizer_state
 
+        from deepspeed.utils import safe_get_full_fp32_param
+
         base, flats = self._base_state(), self._flat_partitions()
         out: dict[str, Any] = {"lr": _group_lr(self.engine.optimizer.param_groups), "step": {},
                                **{key: {} for key in ADAM_MOMENTS}}
+        keep = torch.distributed.get_rank() == 0
+        if self.bf16:  # the fp32 masters are the trained weights; the module holds their bf16 cast
+            out["master"] = {}
+            for name, param in _named_trainable(self.engine.module).items():
+                whole = safe_get_full_fp32_param(param)  # a collective, like the moments' gather
+                if keep:
+                    out["master"][name] = whole.detach().cpu()
         if not all(flat in base for flat in flats):
             return out  # before the first step: no state yet (the same on every rank)
         self._link_states()
         step = torch.tensor(float(base[flats[0]]["step"]), dtype=torch.float32)
-        keep = torch.distributed.get_rank() == 0
         for name, param in _named_trainable(self.engine.module).items():
             out["step"][name] = step
             for key in ADAM_MOMENTS:
@@ -419,6 +480,8 @@ class DeepSpeedStrategy:
         from deepspeed.utils import safe_set_full_optimizer_state
 
         _set_lr(self.engine.optimizer.param_groups, state["lr"])
+        if "master" in state and self.bf16:
+            self._set_masters(state["master"], "the checkpoint's master weights")
         if not state["step"]:
             return
         step = float(next(iter(state["step"].values())))
@@ -437,11 +500,16 @@ class DeepSpeedStrategy:
         """Weights into the module (gathered under ZeRO-3) and into the fp32 master partitions the
         optimizer steps (which DeepSpeed copied from the module when it started). Every rank reads
         the same ``weights``."""
-        from deepspeed.utils import safe_set_full_fp32_param
-
         with self.gathered():
             if self.stage < 3 or torch.distributed.get_rank() == 0:
                 assign_weights(self.engine.module, weights, where)
+        self._set_masters(weights, where)
+
+    def _set_masters(self, weights: dict[str, torch.Tensor], where: str) -> None:
+        """``weights`` (whole tensors by name, the same on every rank) into the fp32 partitions the
+        optimizer steps; a tied parameter saved once is found under its other name (ZeRO-1/2)."""
+        from deepspeed.utils import safe_set_full_fp32_param
+
         tied = {p.data_ptr(): n for n, p in self.engine.module.state_dict(keep_vars=True).items()
                 if n in weights} if self.stage < 3 else {}
         for name, param in _named_trainable(self.engine.module).items():
@@ -452,12 +520,33 @@ class DeepSpeedStrategy:
                 raise ValueError(f"{where}: no weights for {name}")
             safe_set_full_fp32_param(param, value.to(torch.float32))
 
+    def masters_into_model(self) -> None:
+        """End of training (bf16 mode, ZeRO-1/2): the module's parameters become fp32 holding the gathered
+        masters, so the final save is full precision (a collective). Under ZeRO-3 the module's
+        parameters are partitions whose dtype the gather for saving fixes: the bf16 weights are saved."""
+        if not self.bf16:
+            return
+        if self.stage == 3:
+            log.info("zero3 with bf16: the final model is saved as the bf16 working weights, not the fp32 masters")
+            return
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        params = _named_trainable(self.engine.module)
+        whole = {name: safe_get_full_fp32_param(param) for name, param in params.items()}
+        cast_parameters(self.engine.module, torch.float32)
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(whole[name])
+
 
 def build_strategy(kind: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    scheduler: torch.optim.lr_scheduler.LRScheduler | None, world: World | None = None, *,
                    grad_accum: int = 1, max_grad_norm: float = 1.0, offload_optimizer: bool = False,
-                   autocast_dtype: torch.dtype | None = None) -> Strategy:
+                   precision: Precision = Precision.FP32) -> Strategy:
     """The strategy ``kind`` (``ddp``, ``zero2``, ``zero3``) for ``world``; a single rank is always local.
+
+    ``precision`` matters to DeepSpeed only (its bf16 mode); under Local and DDP the optimizer
+    (:func:`rlhf_core.trainers.loop.build_optimizer`) carries the regime.
 
     ``zero2``/``zero3`` need DeepSpeed; on a CPU-only world (gloo) they run on DeepSpeed's CPU
     accelerator, which is how the tests exercise the same code the GPUs run.
@@ -468,7 +557,7 @@ def build_strategy(kind: str, model: torch.nn.Module, optimizer: torch.optim.Opt
     if kind.startswith("zero"):
         return DeepSpeedStrategy(model, optimizer, scheduler, world, stage=int(kind[-1]), grad_accum=grad_accum,
                                  max_grad_norm=max_grad_norm, offload_optimizer=offload_optimizer,
-                                 autocast_dtype=autocast_dtype)
+                                 precision=precision)
     if not world.distributed:
         return LocalStrategy(model, optimizer, scheduler)
     return DDPStrategy(model, optimizer, scheduler, world)

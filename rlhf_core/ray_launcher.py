@@ -410,6 +410,11 @@ class RemoteLearner:
             self._fresh = True
         return self.policy
 
+    def masters_into_model(self) -> None:
+        """Every rank's policy takes its fp32 masters (mixed precision); the next :meth:`view` fetches them."""
+        self.group.call_all("masters_into_model")
+        self._fresh = False
+
     def state_dict(self) -> dict[str, Any]:
         return self.group.call_all("state_dict")[0]
 
@@ -496,9 +501,8 @@ class RolloutReplica:
 
         device = pick_device()
         self.dtype = resolve_precision(cfg.precision, device)
-        policy = load_causal_lm(cfg.model_path, device).eval().requires_grad_(False)
-        if self.dtype is not None:
-            policy = policy.to(self.dtype)
+        # loaded in the compute dtype directly: parameters bf16, buffers (RoPE's inv_freq) fp32, as the learner's
+        policy = load_causal_lm(cfg.model_path, device, self.dtype or torch.float32).eval().requires_grad_(False)
         self.engine = build_rollout_engine(cfg, policy, load_tokenizer(cfg.model_path), self.dtype)
 
     def generate(self, prompts: Sequence[str], params: Any) -> Any:

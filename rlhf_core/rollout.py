@@ -254,10 +254,11 @@ class HFGenerateEngine:
         if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
             raise ValueError(f"{type(self).__name__}: tokenizer needs an eos and a pad token (use models.load_tokenizer)")
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
-        # With the trainer's mixed precision (bf16 on a GPU) sampling runs on a bf16 copy of the
-        # policy, refreshed by update_weights: the decode loop then does no fp32 -> bf16 casts
-        # (measured on an H100: fp32 master weights 12.2 s per GRPO rollout, bf16 autocast 8.7 s;
-        # bench/gpu_grpo.py). None: sample with the model itself, in its own dtype.
+        # Sampling runs in ``autocast_dtype``: a policy already in it (the trainer's mixed and bf16
+        # regimes hold a bf16 model) is sampled directly; an fp32 one through a bf16 copy refreshed
+        # by update_weights, so the decode loop does no fp32 -> bf16 casts (measured on an H100: fp32
+        # weights 12.2 s per GRPO rollout, bf16 autocast 8.7 s; bench/gpu_grpo.py). None: sample
+        # with the model itself, in its own dtype.
         self.autocast_dtype = autocast_dtype
         self.sampler = None
         if autocast_dtype is not None and next(model.parameters()).dtype != autocast_dtype:

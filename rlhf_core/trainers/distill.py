@@ -29,6 +29,7 @@ from rlhf_core.logprobs import MODEL_INPUTS
 from rlhf_core.losses import IGNORE_INDEX, distillation_loss
 from rlhf_core.models import ModelLoadError, load_causal_lm, load_tokenizer, pick_device
 from rlhf_core.parallel import current_world
+from rlhf_core.precision import Precision
 from rlhf_core.trainers.loop import EpochSampler, MetricSink, MicroBatches, NullSink, run_training, seed_everything
 
 
@@ -53,12 +54,13 @@ def train_distill(cfg: DistillConfig, sink: MetricSink | None = None, show_progr
     sink = sink or NullSink()
     seed_everything(cfg.seed, cfg.num_threads)
     device = pick_device()
+    precision = Precision.resolve(cfg.precision, device)
 
-    # ---- load: student, frozen teacher, sequences ---------------------------------------
+    # ---- load: student, frozen teacher (in the student's compute dtype), sequences -------
     tokenizer = load_tokenizer(cfg.model_path)
     check_same_vocabulary(cfg.model_path, tokenizer, cfg.teacher_path, load_tokenizer(cfg.teacher_path))
-    model = load_causal_lm(cfg.model_path, device)
-    teacher = load_causal_lm(cfg.teacher_path, device).eval().requires_grad_(False)
+    model = load_causal_lm(cfg.model_path, device, precision.load_dtype)
+    teacher = load_causal_lm(cfg.teacher_path, device, precision.weight_dtype).eval().requires_grad_(False)
     if teacher.config.vocab_size != model.config.vocab_size:
         raise ModelLoadError(f"{cfg.teacher_path}: vocab_size {teacher.config.vocab_size} != student's "
                              f"{model.config.vocab_size} ({cfg.model_path})")

@@ -25,9 +25,10 @@ from rlhf_core.evaluate import evaluate_exact_match
 from rlhf_core.lm_head import LMHead, prepare_kernels
 from rlhf_core.logprobs import reference_logprobs, response_logprobs, response_token_counts
 from rlhf_core.losses import PreferenceLoss, preference_loss
-from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
+from rlhf_core.models import load_tokenizer, pick_device
 from rlhf_core.parallel import current_world
-from rlhf_core.trainers.loop import EpochSampler, MetricSink, MicroBatches, NullSink, run_training, seed_everything
+from rlhf_core.trainers.loop import (EpochSampler, MetricSink, MicroBatches, NullSink, load_policy_and_reference,
+                                    run_training, seed_everything)
 
 
 @dataclass
@@ -65,10 +66,9 @@ def train_dpo(cfg: DPOConfig, sink: MetricSink | None = None, show_progress: boo
     average = kind is PreferenceLoss.IPO and cfg.ipo_average_logps
     device = pick_device()
 
-    # ---- load: policy, frozen reference, pairs ------------------------------------------
+    # ---- load: policy, frozen reference (in the policy's compute dtype), pairs -----------
     tokenizer = load_tokenizer(cfg.model_path)
-    model = load_causal_lm(cfg.model_path, device)
-    reference = load_causal_lm(cfg.ref_model_path or cfg.model_path, device).eval().requires_grad_(False)
+    model, reference = load_policy_and_reference(cfg, device)  # the reference in the policy's compute dtype
     head = prepare_kernels(cfg, model, reference)  # fused kernels, and how the LM head scores tokens
     pairs = tokenize_preference_records(tokenizer, read_records(cfg.train_file), path=cfg.train_file,
                                         prompt_field=cfg.prompt_field, chosen_field=cfg.chosen_field,

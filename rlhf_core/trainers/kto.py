@@ -31,10 +31,10 @@ from rlhf_core.evaluate import evaluate_exact_match
 from rlhf_core.lm_head import LMHead, prepare_kernels
 from rlhf_core.logprobs import response_logprobs
 from rlhf_core.losses import kto_loss, kto_reference_point
-from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
+from rlhf_core.models import load_tokenizer, pick_device
 from rlhf_core.parallel import current_world
-from rlhf_core.trainers.loop import (EpochSampler, MetricSink, MicroBatches, NullSink, group_by_tokens, run_training,
-                                    seed_everything)
+from rlhf_core.trainers.loop import (EpochSampler, MetricSink, MicroBatches, NullSink, group_by_tokens,
+                                    load_policy_and_reference, run_training, seed_everything)
 
 
 @dataclass(frozen=True)
@@ -105,10 +105,9 @@ def train_kto(cfg: KTOConfig, sink: MetricSink | None = None, show_progress: boo
     seed_everything(cfg.seed, cfg.num_threads)
     device = pick_device()
 
-    # ---- load: policy, frozen reference, unpaired examples ----------------------------
+    # ---- load: policy, frozen reference (in the policy's compute dtype), unpaired examples -
     tokenizer = load_tokenizer(cfg.model_path)
-    model = load_causal_lm(cfg.model_path, device)
-    reference = load_causal_lm(cfg.ref_model_path or cfg.model_path, device).eval().requires_grad_(False)
+    model, reference = load_policy_and_reference(cfg, device)  # the reference in the policy's compute dtype
     head = prepare_kernels(cfg, model, reference)  # fused kernels, and how the LM head scores tokens
     examples = unpaired_examples(read_records(cfg.train_file), cfg, cfg.train_file)
     pad = tokenizer.pad_token_id

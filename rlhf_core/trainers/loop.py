@@ -21,11 +21,14 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
+
+if TYPE_CHECKING:
+    from rlhf_core.precision import Precision
 
 log = logging.getLogger(__name__)
 
@@ -54,15 +57,32 @@ def seed_everything(seed: int, num_threads: int | None = None) -> None:
         torch.set_num_threads(num_threads)
 
 
-def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """AdamW (Loshchilov & Hutter 2019) with no decay on biases, norms and embeddings' 1-D params."""
+def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, precision: Precision | None = None, *,
+                    parallel: str = "ddp", distributed: bool = False) -> torch.optim.Optimizer:
+    """AdamW (Loshchilov & Hutter 2019) with no decay on biases, norms and embeddings' 1-D params.
+
+    ``precision`` (a :class:`rlhf_core.precision.Precision`; None: fp32) ``mixed`` or ``bf16`` with
+    ``parallel`` ddp: a :class:`rlhf_core.precision.MasterWeightAdamW` whose masters are taken from the
+    model's weights as they are now, after which the model's parameters are cast to bf16 (so build
+    it on the model as loaded, fp32 under mixed). Its fp32 gradient-accumulation hooks are on only
+    when ``distributed`` is False: DDP (or a hand all-reduce) must see the gradients in ``.grad``.
+    Under ZeRO (``parallel`` zero2/zero3) the plain AdamW: DeepSpeed's bf16 mode casts the model and
+    keeps the masters (:class:`rlhf_core.parallel.DeepSpeedStrategy`).
+    """
+    from rlhf_core.precision import MasterWeightAdamW, Precision, cast_parameters
+
     decay, no_decay = [], []
     for _name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    precision = precision or Precision.FP32
+    if precision is Precision.FP32 or parallel.startswith("zero"):
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    optimizer = MasterWeightAdamW(groups, precision, lr=lr, betas=(0.9, 0.95), eps=1e-8, grad_hooks=not distributed)
+    cast_parameters(model, precision.weight_dtype)
+    return optimizer
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
@@ -73,6 +93,18 @@ def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, total_s
     return get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps, min_lr_rate=min_lr_ratio
     )
+
+
+def load_policy_and_reference(cfg: Any, device: torch.device) -> tuple[Any, Any]:
+    """The policy a preference trainer trains (``cfg.model_path``, in its precision's load dtype) and the
+    frozen reference (``cfg.ref_model_path`` or the policy's start, in the compute dtype, no gradients)."""
+    from rlhf_core.models import load_causal_lm
+    from rlhf_core.precision import Precision
+
+    precision = Precision.resolve(cfg.precision, device)
+    policy = load_causal_lm(cfg.model_path, device, precision.load_dtype)
+    reference = load_causal_lm(cfg.ref_model_path or cfg.model_path, device, precision.weight_dtype)
+    return policy, reference.eval().requires_grad_(False)
 
 
 def autocast_context(device: torch.device, dtype: torch.dtype | None):
@@ -115,7 +147,7 @@ def accumulate_and_step(
     loss_fn: Callable[[torch.nn.Module, Any], tuple[torch.Tensor, torch.Tensor]],
     *,
     max_grad_norm: float,
-    autocast_dtype: torch.dtype | None,
+    autocast_dtype: torch.dtype | None = None,
     units_fn: Callable[[Any], int] = count_label_tokens,
     step: int | None = None,
     world: Any = None,
@@ -127,7 +159,8 @@ def accumulate_and_step(
     pairs, ...); ``units_fn`` counts a micro-batch's units without a forward pass. Each
     micro-batch's sum is divided by the units of the whole step on every rank before backward,
     so the gradient equals that of one batch holding every micro-batch of every rank, whatever
-    their sizes.
+    their sizes. ``autocast_dtype`` wraps each forward in autocast; the trainers pass None: their
+    precision regime (:mod:`rlhf_core.precision`) already holds the model in its compute dtype.
 
     A NaN/inf loss or gradient norm (on any rank) raises :class:`NonFiniteError` (naming
     ``step``) before the optimizer touches the weights, so the model and the last checkpoint
@@ -215,16 +248,21 @@ class StorageNeeds:
     """the final model (weights), an estimate"""
 
 
-def estimate_state_bytes(model: torch.nn.Module) -> tuple[int, int]:
+def estimate_state_bytes(model: torch.nn.Module, masters: bool = False) -> tuple[int, int]:
     """``(checkpoint, output)`` bytes of ``model``: its weights, plus two fp32 Adam moments per trainable
-    parameter in a checkpoint. Tokenizer files and RNG state are left out (small next to a real
-    model's weights), so for a micro model this is well under the real size."""
+    parameter in a checkpoint, and with ``masters`` (mixed precision) an fp32 master per trainable
+    parameter in a checkpoint and fp32 trained weights in the output (the model holds bf16 now).
+    Tokenizer files and RNG state are left out (small next to a real model's weights), so for a
+    micro model this is well under the real size."""
     params = list(model.parameters())  # tied weights are listed once
     # under ZeRO-3 a rank holds a slice of each parameter; ds_numel is the whole one's size
     numel = [getattr(p, "ds_numel", None) or p.numel() for p in params]
     weights = sum(n * p.element_size() for n, p in zip(numel, params))
     moments = sum(2 * 4 * n for n, p in zip(numel, params) if p.requires_grad)
-    return weights + moments, weights
+    if not masters:
+        return weights + moments, weights
+    trained = sum(n for n, p in zip(numel, params) if p.requires_grad)
+    return weights + moments + 4 * trained, weights + 2 * trained
 
 
 def preflight_storage(plan: LoopPlan, checkpointer: Any, body: Any) -> None:
@@ -659,18 +697,21 @@ class _OfflineBody:
                  before_save: Callable[[], dict[str, float]] | None):
         from rlhf_core.models import prepare_for_training
         from rlhf_core.parallel import build_strategy
+        from rlhf_core.precision import Precision
 
         self.cfg, self.name, self.model, self.tokenizer, self.world = cfg, name, model, tokenizer, world
         self.batches, self.loss_fn, self._evaluate, self.units_fn = batches, loss_fn, evaluate, units_fn
         self.step_metrics, self.state, self.lineage, self.before_save = step_metrics, state, lineage, before_save
-        self.autocast_dtype = _resolve_autocast(cfg.precision, next(model.parameters()).device)
+        self.precision = Precision.resolve(cfg.precision, next(model.parameters()).device)
         prepare_for_training(model, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout)
         self.checkpointing: bool | None = None  # decided at the first step, from its micro-batch (gradient_checkpointing)
-        optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
+        # under mixed/bf16 this casts the model to bf16 (after taking the fp32 masters from it)
+        optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, self.precision, parallel=cfg.parallel,
+                                    distributed=world.distributed)
         self.scheduler = build_scheduler(optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
         self.strategy = build_strategy(cfg.parallel, model, optimizer, self.scheduler, world, grad_accum=cfg.grad_accum,
                                        max_grad_norm=cfg.max_grad_norm, offload_optimizer=cfg.offload_optimizer,
-                                       autocast_dtype=self.autocast_dtype)
+                                       precision=self.precision)
         self.tokens_seen, self.last_loss = 0, float("nan")
         self.saved_metrics: dict[str, float] = {}
         model.train()
@@ -693,7 +734,7 @@ class _OfflineBody:
         if self.checkpointing is None:
             self._decide_checkpointing([mb for mb in micro if not isinstance(mb, EmptyMicroBatch)])
         stats = accumulate_and_step(self.strategy, micro, self._loss, max_grad_norm=cfg.max_grad_norm,
-                                    autocast_dtype=self.autocast_dtype, units_fn=self._units, step=step, world=world)
+                                    units_fn=self._units, step=step, world=world)
         empty = sum(isinstance(mb, EmptyMicroBatch) for mb in micro)
         tokens, real, empty = world.all_reduce_sum([sum(real_tokens(mb) for mb in micro), len(micro) - empty, empty])
         self.tokens_seen += int(tokens)
@@ -766,7 +807,8 @@ class _OfflineBody:
             "loop": {"tokens_seen": self.tokens_seen, "last_loss": self.last_loss}}
 
     def storage_needs(self) -> StorageNeeds:
-        return StorageNeeds(Path(self.cfg.output_dir), *estimate_state_bytes(self.model))
+        return StorageNeeds(Path(self.cfg.output_dir), *estimate_state_bytes(
+            self.model, masters=self.precision.keeps_masters(self.cfg.parallel)))
 
     def save_final(self) -> None:
         from rlhf_core.config import config_to_dict
@@ -776,7 +818,9 @@ class _OfflineBody:
         if self.before_save is not None:
             self.saved_metrics = self.before_save()
         # Only deterministic content next to the weights, so DVC md5s repeat across runs. LoRA
-        # adapters are merged, so the output is a plain HF model directory.
+        # adapters are merged, so the output is a plain HF model directory. Under mixed precision the
+        # fp32 masters are the trained weights: they are what is saved (training is over).
+        self.strategy.masters_into_model()
         with self.strategy.gathered():
             if self.world.is_main:
                 save_hf_dir(merged_model(self.model), self.tokenizer, self.cfg.output_dir, extra={
@@ -852,9 +896,3 @@ def inject_fault(stage: str, step: int | str) -> None:
 
 class InjectedFault(RuntimeError):
     """Raised by :func:`inject_fault`; Prefect treats it as transient and retries."""
-
-
-def _resolve_autocast(precision: str, device: torch.device) -> torch.dtype | None:
-    from rlhf_core.models import resolve_precision
-
-    return resolve_precision(precision, device)

@@ -23,6 +23,7 @@ from rlhf_core.losses import bradley_terry_loss, log_exp_loss
 from rlhf_core.models import load_tokenizer, pick_device
 from rlhf_core.reward_model import load_reward_model, pair_rewards, set_normalisation
 from rlhf_core.parallel import current_world
+from rlhf_core.precision import Precision
 from rlhf_core.trainers.loop import EpochSampler, MetricSink, MicroBatches, NullSink, run_training, seed_everything
 
 Pair = tuple[TokenizedExample, TokenizedExample]
@@ -64,7 +65,8 @@ def train_reward_model(cfg: RewardConfig, sink: MetricSink | None = None, show_p
 
     # ---- load: backbone + scalar head, pairs, held-out split ------------------------------
     tokenizer = load_tokenizer(cfg.model_path)
-    model = load_reward_model(cfg.model_path, pick_device())
+    device = pick_device()
+    model = load_reward_model(cfg.model_path, device, Precision.resolve(cfg.precision, device).load_dtype)
     fields = dict(prompt_field=cfg.prompt_field, chosen_field=cfg.chosen_field, rejected_field=cfg.rejected_field,
                   max_length=cfg.max_length)
     records = read_records(cfg.train_file)

@@ -451,12 +451,16 @@ class RLTrainer:
 
     def storage_needs(self) -> Any:
         """The loop's disk preflight: the policy's size (and a critic of its shape in each checkpoint)."""
+        from rlhf_core.precision import Precision
         from rlhf_core.trainers.loop import StorageNeeds, estimate_state_bytes
 
-        checkpoint, output = estimate_state_bytes(self.learner.view())
+        masters = Precision.resolve(self.cfg.precision, self.device).keeps_masters(self.cfg.parallel)
+        checkpoint, output = estimate_state_bytes(self.learner.view(), masters=masters)
         return StorageNeeds(Path(self.cfg.output_dir), checkpoint * (2 if self.estimator.needs_critic else 1), output)
 
     def save_final(self) -> None:
+        # under mixed precision the fp32 masters are the trained weights: they are what is saved
+        self.learner.masters_into_model()
         save_hf_dir(merged_model(self.learner.view()), self.tokenizer, self.cfg.output_dir,
                     extra={"stage": "rl", "config": redact_secrets(config_to_dict(self.cfg)),
                            "base_model": str(self.cfg.model_path)})

@@ -25,11 +25,12 @@ import torch
 from rlhf_core.config import RLConfig
 from rlhf_core.lm_head import LMHead, _head_bypassed, bypasses_head, head_logprobs, prepare_kernels
 from rlhf_core.models import export_state_dict, has_lora, load_causal_lm, pick_device, prepare_for_training, \
-    resolve_checkpointing, resolve_precision, training_precision
+    resolve_checkpointing
 from rlhf_core.parallel import LocalStrategy, World, build_strategy, current_world, disable_dropout, train_mode
+from rlhf_core.precision import Precision
 from rlhf_core.rl_math import (AdvantageEstimator, LossAggregation, aggregate_loss, aggregation_units,
                                clipped_policy_loss, clipped_value_loss, entropy_from_logits, kl_penalty, masked_mean)
-from rlhf_core.trainers.loop import autocast_context, build_optimizer, build_scheduler, check_finite, inject_fault
+from rlhf_core.trainers.loop import build_optimizer, build_scheduler, check_finite, inject_fault
 
 log = logging.getLogger(__name__)
 
@@ -265,18 +266,19 @@ class ReferenceScorer:
 
     def __init__(self, cfg: RLConfig, device: torch.device | None = None, world: World | None = None):
         self.cfg, self.device, self.world = cfg, device or pick_device(), world or current_world()
-        self.autocast_dtype = resolve_precision(cfg.precision, self.device)
-        self.model = load_causal_lm(cfg.ref_model_path or cfg.model_path, self.device).eval().requires_grad_(False)
+        # frozen: held in the trained policy's compute dtype (bf16 under mixed and bf16), no masters
+        dtype = Precision.resolve(cfg.precision, self.device).weight_dtype
+        self.model = load_causal_lm(cfg.ref_model_path or cfg.model_path, self.device, dtype)
+        self.model.eval().requires_grad_(False)
         self.head = prepare_kernels(cfg, self.model)
 
     def logprobs(self, exp: dict[str, torch.Tensor], prompt_width: int) -> torch.Tensor:
         """``(my_rows, R)`` reference log-probs of this rank's rows."""
         exp = _to(exp, self.device)
         shard = _sharded(self.world, exp, prompt_width, self.cfg.batch_size, self.model)
-        with autocast_context(self.device, self.autocast_dtype):
-            out = _in_chunks(lambda e, p: token_logprobs(self.model, e, p, self.cfg.temperature, share_prompts=True,
-                                                      head=self.head)[0],
-                             exp, prompt_width, shard.rows.to(self.device), shard.n_chunks)
+        out = _in_chunks(lambda e, p: token_logprobs(self.model, e, p, self.cfg.temperature, share_prompts=True,
+                                                  head=self.head)[0],
+                         exp, prompt_width, shard.rows.to(self.device), shard.n_chunks)
         release_memory()
         return out.cpu()
 
@@ -291,22 +293,24 @@ class PolicyLearner:
 
     def __init__(self, cfg: RLConfig, device: torch.device | None = None, world: World | None = None):
         self.cfg, self.device, self.world = cfg, device or pick_device(), world or current_world()
-        self.autocast_dtype = resolve_precision(cfg.precision, self.device)
+        self.precision = Precision.resolve(cfg.precision, self.device)
         self.aggregation = LossAggregation(cfg.loss_aggregation)
         # Dropout stays off (and eval mode, gradients still flow): the update must score tokens
         # with the same function that sampled them, or the importance ratios are noise.
-        self.policy = load_causal_lm(cfg.model_path, self.device).eval()
+        self.policy = load_causal_lm(cfg.model_path, self.device, self.precision.load_dtype).eval()
         disable_dropout(self.policy)
         self.head = prepare_kernels(cfg, self.policy)
         # gradient_checkpointing auto: from the update's largest micro-batch (rows x max_length)
         rows = cfg.micro_batch_size or -(-cfg.mini_batch_size // self.world.size)
         self.checkpointing, why = resolve_checkpointing(cfg.gradient_checkpointing, self.policy,
                                                         rows * cfg.max_length,
-                                                        training_precision(cfg.precision, self.device))
+                                                        self.precision.value)
         log.info("rl: %s", why)
         prepare_for_training(self.policy, gradient_checkpointing=self.checkpointing, lora_rank=cfg.lora_rank,
                              lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout)
-        self.optimizer = build_optimizer(self.policy, cfg.lr, cfg.weight_decay)
+        # under mixed/bf16 this casts the policy to bf16 (after taking the fp32 masters from it)
+        self.optimizer = build_optimizer(self.policy, cfg.lr, cfg.weight_decay, self.precision, parallel=cfg.parallel,
+                                         distributed=self.world.distributed)
         self.scheduler = build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
         # Micro-batches per mini-batch on each rank (the same count on every rank and mini-batch: DeepSpeed
         # counts accumulation steps itself).
@@ -315,7 +319,7 @@ class PolicyLearner:
         # The schedule is stepped here once per iteration (end_iteration), not by DeepSpeed per optimizer step.
         self.strategy = build_strategy(cfg.parallel, self.policy, self.optimizer, None, self.world,
                                        grad_accum=self.micro_batches, max_grad_norm=cfg.max_grad_norm,
-                                       offload_optimizer=cfg.offload_optimizer, autocast_dtype=self.autocast_dtype)
+                                       offload_optimizer=cfg.offload_optimizer, precision=self.precision)
         # Prompts shared across a group (token_logprobs) only on a plain model: whether a chunk has repeated
         # prompts, hence one forward call or two, depends on its rows, and under DDP or DeepSpeed every call
         # is a collective (buffer broadcast, ZeRO-3 gathers) that all ranks must make; in the update it is
@@ -327,10 +331,13 @@ class PolicyLearner:
         if AdvantageEstimator(cfg.estimator).needs_critic:
             from rlhf_core.reward_model import load_reward_model
 
-            self.critic = load_reward_model(cfg.critic_model_path or cfg.model_path, self.device).eval()
+            self.critic = load_reward_model(cfg.critic_model_path or cfg.model_path, self.device,
+                                            self.precision.load_dtype).eval()
             disable_dropout(self.critic)
             prepare_for_training(self.critic, gradient_checkpointing=self.checkpointing)
-            self.critic_opt = build_optimizer(self.critic, cfg.critic_lr, cfg.weight_decay)
+            # the critic's gradients are summed by hand after backward (below): no fp32 hooks when distributed
+            self.critic_opt = build_optimizer(self.critic, cfg.critic_lr, cfg.weight_decay, self.precision,
+                                              distributed=self.world.distributed)
             self.critic_sched = build_scheduler(self.critic_opt, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
             # The critic is called through its submodules (backbone, then the score head on every
             # position), which DDP's forward hook would miss: it stays a plain replica on each rank
@@ -345,14 +352,13 @@ class PolicyLearner:
         shard = _sharded(self.world, exp, prompt_width, self.cfg.batch_size, self.policy)
         rows = shard.rows.to(self.device)
         out = {}
-        with autocast_context(self.device, self.autocast_dtype):
-            out["old_logp"] = _in_chunks(
-                lambda e, p: token_logprobs(self.strategy.module, e, p, self.cfg.temperature, head=self.head,
-                                            share_prompts=self.share_prompts_scoring)[0],
-                exp, prompt_width, rows, shard.n_chunks).cpu()
-            if self.critic is not None:
-                out["old_values"] = _in_chunks(lambda e, p: token_values(self.critic, e, p), exp, prompt_width, rows,
-                                               shard.n_chunks).cpu()
+        out["old_logp"] = _in_chunks(
+            lambda e, p: token_logprobs(self.strategy.module, e, p, self.cfg.temperature, head=self.head,
+                                        share_prompts=self.share_prompts_scoring)[0],
+            exp, prompt_width, rows, shard.n_chunks).cpu()
+        if self.critic is not None:
+            out["old_values"] = _in_chunks(lambda e, p: token_values(self.critic, e, p), exp, prompt_width, rows,
+                                           shard.n_chunks).cpu()
         release_memory()
         return out
 
@@ -409,10 +415,9 @@ class PolicyLearner:
         acc = torch.zeros(8, dtype=torch.float64)  # loss, pg, kl_loss, clip_frac, approx_kl, entropy, seq_kl, mismatch
         for i, (m, width) in enumerate(micro):
             with self.strategy.accumulating(last=i == len(micro) - 1):
-                with autocast_context(self.device, self.autocast_dtype):
-                    logp, entropy = token_logprobs(self.strategy.module, m, width, cfg.temperature,
-                                                   with_entropy=True, entropy_grad=cfg.entropy_coef != 0,
-                                                   share_prompts=self.share_prompts, head=self.head)
+                logp, entropy = token_logprobs(self.strategy.module, m, width, cfg.temperature,
+                                               with_entropy=True, entropy_grad=cfg.entropy_coef != 0,
+                                               share_prompts=self.share_prompts, head=self.head)
                 old_logp = logp.detach() * m["mask"] if fused_old else m["old_logp"]
                 pg_loss, stats = clipped_policy_loss(logp, old_logp, m["advantages"], m["mask"],
                                                      clip_low=cfg.clip_low, clip_high=cfg.clip_high,
@@ -467,8 +472,7 @@ class PolicyLearner:
     def _critic_step(self, mb: dict[str, torch.Tensor], prompt_width: int, step: int,
                      seen: dict[str, list[float]]) -> None:
         cfg = self.cfg
-        with autocast_context(self.device, self.autocast_dtype):
-            values = token_values(self.critic_strategy.module, mb, prompt_width)
+        values = token_values(self.critic_strategy.module, mb, prompt_width)
         value_loss, value_clip_frac = clipped_value_loss(values, mb["old_values"], mb["returns"], mb["mask"],
                                                          clip_eps=cfg.value_clip or None)
         units = float(mb["mask"].sum())  # the value loss is a token mean
@@ -541,6 +545,11 @@ class PolicyLearner:
                 flat[offset:offset + n].copy_(state[name].reshape(-1))
         torch.cuda.synchronize(self.device)  # the reader copies after this call returns
         return {"cuda_ipc": reduce_tensor(flat), "layout": layout}
+
+    def masters_into_model(self) -> None:
+        """End of training: the policy holds its fp32 master weights (mixed precision) for the final save;
+        every rank calls it (ZeRO gathers)."""
+        self.strategy.masters_into_model()
 
     def state_dict(self) -> dict[str, Any] | None:
         """Optimizer, schedules and the critic (policy weights are saved beside, as safetensors); every

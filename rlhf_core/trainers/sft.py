@@ -23,6 +23,7 @@ from rlhf_core.lm_head import LMHead, labelled_token_logprobs, prepare_kernels
 from rlhf_core.losses import IGNORE_INDEX
 from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
 from rlhf_core.parallel import current_world
+from rlhf_core.precision import Precision
 from rlhf_core.trainers.loop import EpochSampler, MetricSink, MicroBatches, NullSink, run_training, seed_everything
 
 
@@ -73,7 +74,8 @@ def train_sft(cfg: SFTConfig, sink: MetricSink | None = None, show_progress: boo
 
     # ---- load: model, tokenizer, data -------------------------------------------------
     tokenizer = load_tokenizer(cfg.model_path)
-    model = load_causal_lm(cfg.model_path, pick_device())
+    device = pick_device()
+    model = load_causal_lm(cfg.model_path, device, Precision.resolve(cfg.precision, device).load_dtype)
     head = prepare_kernels(cfg, model)  # fused kernels, and how the LM head scores tokens
     fields = dict(prompt_field=cfg.prompt_field, completion_field=cfg.completion_field,
                   messages_field=cfg.messages_field, max_length=cfg.max_length)
