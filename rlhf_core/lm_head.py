@@ -114,8 +114,18 @@ def liger_token_logprobs(weight: torch.Tensor, hidden: torch.Tensor, targets: to
     x = hidden.to(weight.dtype)
     if temperature != 1.0:
         x = x / temperature
+    # The kernel takes the count of scored tokens as an int, which Triton specialises on (divisible by 16
+    # or not): a new count class recompiles, ~1-2 s each, seen as step-time spikes on an H100. Padding to
+    # a multiple of 16 with extra rows (zero hidden state, token 0) keeps one compiled variant; their
+    # losses are dropped, so their upstream gradient is 0 and (per-token gradients, liger >= 0.8.5) so is
+    # their contribution to the weight's gradient.
+    n = x.shape[0]
+    pad = -n % 16
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+        targets = torch.cat([targets, targets.new_zeros(pad)])
     loss = LigerFusedLinearCrossEntropyLoss(reduction="none", ignore_index=-100)(weight, x, targets)
-    return -loss.float()
+    return -loss[:n].float()
 
 
 # --------------------------------------------------------------------------------------

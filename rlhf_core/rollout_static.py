@@ -32,7 +32,6 @@ sampled token, before top-k / top-p filtering.
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -48,8 +47,11 @@ SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 # How often (in decode steps) the host asks whether every row has finished: on a GPU each ask waits
 # for the device, so it asks every 16 steps there and every step on the CPU.
 _EOS_CHECK_EVERY = {"cuda": 16}
-# Columns between the cache widths of the decode graphs (see _Decoder.width_buckets).
-_WIDTH_BUCKET = 32
+# Columns between the cache widths of the decode graphs (see _Decoder.width_buckets); 0: one graph over
+# the whole cache. Measured on an H100 (bench/results/gpu_engine_h100_width_ab.json, 512 x 256): eight
+# 32-column graphs 1.67 s against one graph 1.35 s: graphs are captured per generate call, and the
+# extra captures cost more than the narrower attention saves. Kept for graphs kept across calls.
+_WIDTH_BUCKET = 0
 
 
 def supports(model: Any) -> str | None:
@@ -164,6 +166,23 @@ class StaticCacheEngine(HFGenerateEngine):
         return ids, mask, response, response_mask, logprobs.masked_fill(response_mask == 0, 0.0)
 
 
+def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding (Su et al. 2021, Eq. 34) as the Llama family's ``apply_rotary_pos_emb``:
+    ``x cos + rotate_half(x) sin`` on ``(B, heads, T, D)`` with ``cos``/``sin`` ``(B, T, D)``.
+
+    Ours rather than the model module's: liger-kernel (``fused_kernels``) replaces that module function
+    with a Triton kernel that needs q and k of one shape, and the decode step rotates Q and K heads in one
+    call and K alone in another (an empty-tensor call).
+    """
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
 def _rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
     """The Llama-family RMSNorm (statistics in float32, scaled in the input dtype) as one fused op."""
     return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
@@ -216,7 +235,7 @@ class _Decoder:
         self.n = n
         self.shape = _Shapes(B, P + max_new_tokens, heads, kv_heads, head_dim)
         self.scaling = getattr(attn, "scaling", head_dim ** -0.5)
-        self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        self.rope = _rotate
         dtype = next(model.parameters()).dtype
         device = ids.device
         W = self.shape.width
@@ -398,6 +417,8 @@ class _Decoder:
         and the whole cache. Attention over the filled prefix only: its cost grows with the step instead of
         always paying for the whole ``W`` (on an H100 at 512 rows, ~30% of a full-width step)."""
         W, P = self.shape.width, self.shape.width - self.decode_steps
+        if not _WIDTH_BUCKET:
+            return [W]
         return sorted({min(W, P + b) for b in range(_WIDTH_BUCKET, self.decode_steps + _WIDTH_BUCKET, _WIDTH_BUCKET)})
 
     def capture(self) -> None:

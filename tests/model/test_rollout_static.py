@@ -134,17 +134,19 @@ def test_rl_config_picks_it_and_falls_back_for_models_it_cannot_run(micro_model,
         StaticCacheEngine(gpt2, tok)
 
 
-def test_decode_over_the_filled_prefix_equals_the_whole_cache(micro_model):
+def test_decode_over_the_filled_prefix_equals_the_whole_cache(micro_model, monkeypatch):
     """A decode step that attends over cache columns 0 .. width-1 (what each width-bucketed CUDA graph
     runs) gives the whole-cache step's logits for any width past the current column; the buckets cover
     every step and end at the full width."""
     from rlhf_core.data.tokenize import encode_prompt
     from rlhf_core.rollout import _left_pad
-    from rlhf_core.rollout_static import _WIDTH_BUCKET, _Decoder
+    import rlhf_core.rollout_static as static
+    from rlhf_core.rollout_static import _Decoder
 
+    bucket = 32
     model, tok = _eos_biased(micro_model)
     ids, mask = _left_pad([encode_prompt(tok, p) for p in PROMPTS], tok.pad_token_id)
-    R = 3 * _WIDTH_BUCKET + 5
+    R = 3 * bucket + 5
     with torch.no_grad():
         decoder = _Decoder(model, ids, mask, max_new_tokens=R, n=2)
         logits = decoder.prefill()
@@ -158,6 +160,8 @@ def test_decode_over_the_filled_prefix_equals_the_whole_cache(micro_model):
             for width in (col + 1, col + 7, decoder.shape.width):
                 torch.testing.assert_close(decoder._step(width), full, atol=1e-5, rtol=0)
             logits = full
+    assert decoder.width_buckets() == [P + R]  # the default: one graph over the whole cache
+    monkeypatch.setattr(static, "_WIDTH_BUCKET", bucket)
     buckets = decoder.width_buckets()
-    assert buckets[-1] == P + R and buckets[0] == P + _WIDTH_BUCKET
-    assert all(b - a <= _WIDTH_BUCKET for a, b in zip(buckets, buckets[1:]))
+    assert buckets[-1] == P + R and buckets[0] == P + bucket
+    assert all(b - a <= bucket for a, b in zip(buckets, buckets[1:]))
