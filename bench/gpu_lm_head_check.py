@@ -173,7 +173,8 @@ def main() -> None:
 
     out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "transformers": transformers.__version__, "small": args.small,
-           "head": head_part(509 if args.small else 16381,  # not a multiple of 16: liger_token_logprobs pads 64 if args.small else 1536,
+           # a token count not divisible by 16: liger_token_logprobs pads it
+           "head": head_part(509 if args.small else 16381, 64 if args.small else 1536,
                              1000 if args.small else 151936, device, reps),
            "model": model_part(args.small, device, reps)}
     try:
