@@ -1,7 +1,7 @@
 """The LM-head paths on a GPU: the CPU tests' comparison (``tests/unit/test_lm_head.py``,
 ``tests/model/test_lm_head_paths.py``) rerun once in bf16 on the card, plus what each path costs.
 
-Two parts, written to ``$OUT/gpu_lm_head_check.json``:
+Three parts, written to ``$OUT/gpu_lm_head_check.json``:
 
 * ``head``: one LM head of the 1.5B shape (16,381 tokens x 1,536 -> 151,936, bf16 weights and hidden
   states), per-token log-probs by ``full`` (whole float32 logits), ``chunked`` and ``liger``, against
@@ -17,7 +17,11 @@ On a lent GPU (``.devwheels`` carried, liger-kernel in it: ``bench/device_wheels
 
     source bench/device_setup.sh && python bench/gpu_lm_head_check.py --out $OUT/gpu_lm_head_check.json
 
-``--small`` runs both parts at toy sizes (CPU: the liger rows are skipped).
+* ``packed``: 32 sequences of 128-511 tokens as one padding-free row through flex attention (what
+  ``packing: true`` loads on a GPU) against padded rows through SDPA, each against fp32 padded rows:
+  per-sequence log-prob sums and gradients, time and memory.
+
+``--small`` runs every part at toy sizes (CPU: the liger rows are skipped).
 """
 
 from __future__ import annotations
@@ -162,6 +166,57 @@ def model_part(small: bool, device: torch.device, reps: int) -> dict:
     return {"rows": rows, "width": width, "labelled": labelled, "dtype": str(dtype), "results": results}
 
 
+def packed_part(small: bool, device: torch.device, reps: int) -> dict:
+    """Padding-free rows through flex attention (what ``packing: true`` loads on a GPU) against padded rows
+    through SDPA: per-sequence log-prob sums and parameter gradients, bf16, signed per-sequence weights."""
+    from gpu_grpo import build_model, build_tokenizer
+    from rlhf_core.data.tokenize import TokenizedExample, collate_packed, collate_padded
+    from rlhf_core.logprobs import sequence_sums
+    from rlhf_core.models import load_causal_lm
+
+    work = Path(tempfile.mkdtemp(prefix="packed-"))
+    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1) if small else {}
+    vocab = 2000 if small else 32000
+    model_dir = build_model(build_tokenizer(vocab, work / "tok"), work / "model", **dims)
+    g = torch.Generator().manual_seed(2)
+    rows = 4 if small else 32
+    lengths = torch.randint(16 if small else 128, 64 if small else 512, (rows,), generator=g).tolist()
+    examples = []
+    for n in lengths:
+        ids = torch.randint(0, vocab - 10, (n,), generator=g).tolist()
+        examples.append(TokenizedExample(input_ids=ids, labels=[-100] * (n // 4) + ids[n // 4:]))
+    weights = (torch.randn(rows, generator=g) * 2).to(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out: dict = {"rows": rows, "tokens": sum(lengths), "padded_tokens": rows * max(lengths), "dtype": str(dtype)}
+    results = {}
+    for name, packed, model_dtype in (("fp32-padded", False, torch.float32), ("padded-sdpa", False, dtype),
+                                      ("packed", True, dtype)):
+        model = load_causal_lm(model_dir, device, packed=packed).to(model_dtype)
+        batch = collate_packed(examples) if packed else collate_padded(examples, 0)
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            sums = sequence_sums(labelled_token_logprobs(model, batch, LMHead("chunked", 4096)), batch)
+            (sums * weights).sum().backward()
+            return sums.detach().float()
+
+        sums = step()
+        grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+        if name == "fp32-padded":
+            exact = (sums, grads)
+            continue
+        times, peak = _timed(step, reps)
+        results[name] = {"attention": model.config._attn_implementation,
+                         "max_abs_dsum_vs_fp32": float((sums - exact[0]).abs().max()),
+                         "grad_rel_err_median_vs_fp32": statistics.median(_rel(grads[k], exact[1][k]) for k in grads),
+                         "seconds_median": statistics.median(times), "seconds_min": min(times),
+                         "seconds_max": max(times), "peak_gb": round(peak, 3)}
+        model = None  # freed before the next variant loads
+    out["results"] = results
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_lm_head_check.json")
@@ -176,7 +231,8 @@ def main() -> None:
            # a token count not divisible by 16: liger_token_logprobs pads it
            "head": head_part(509 if args.small else 16381, 64 if args.small else 1536,
                              1000 if args.small else 151936, device, reps),
-           "model": model_part(args.small, device, reps)}
+           "model": model_part(args.small, device, reps),
+           "packed": packed_part(args.small, device, reps)}
     try:
         import liger_kernel  # noqa: F401
         from importlib.metadata import version

@@ -53,7 +53,8 @@ class LMHead:
 
 
 def _chunk_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor,
-                    temperature: float, with_entropy: bool, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                    temperature: float, with_entropy: bool,
+                    entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``log softmax(head(h) / T)[y]`` and the entropy of each row of one chunk: ``(n, H), (n,) -> (n,), (n,)``.
 
     ``log softmax(z)[y] = z_y - logsumexp(z)`` and ``H = logsumexp(z) - sum_v softmax(z)_v z_v``; the

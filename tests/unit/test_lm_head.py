@@ -107,3 +107,14 @@ def test_kernel_choice_on_a_cpu():
     with pytest.raises(RuntimeError, match="lm_head: liger needs CUDA"):
         resolve_lm_head("liger", 4096, fused=False, head_whole=True)
     assert resolve_lm_head("auto", 4096, fused=True, head_whole=False).kernel == "chunked"  # ZeRO-3
+
+
+def test_packed_rows_use_flex_attention_on_a_gpu_only():
+    """Flex attention (block-sparse document mask) for packed rows on CUDA; SDPA elsewhere, since torch has
+    no flex backward on a CPU (a packed row then runs SDPA with a dense block-diagonal mask)."""
+    from rlhf_core.models import attention_implementation
+
+    assert attention_implementation(True, torch.device("cpu")) == "sdpa"
+    assert attention_implementation(False, torch.device("cpu")) == "sdpa"
+    assert attention_implementation(True, torch.device("cuda")) == "flex_attention"
+    assert attention_implementation(False, torch.device("cuda")) == "sdpa"
