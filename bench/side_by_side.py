@@ -579,9 +579,13 @@ def trl_side(task: dict) -> dict:
         trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok)
     elif name == "sft":
         ds = Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"]} for r in records])
-        settings["padding_free"] = bool(row["best"])
+        # TRL 1.16 refuses padding_free without packing (max_length would not be enforced): packing with
+        # best-fit decreasing is its padding-free path. Rows here exceed or nearly fill max_length, so a
+        # block holds one truncated example and a step the same real tokens as ours.
+        pack = dict(packing=True, packing_strategy="bfd", padding_free=True) if row["best"] else {}
+        settings["padding_free"] = pack or False
         cfg = trl.SFTConfig(**common, per_device_train_batch_size=b["batch"] // world, max_length=b["max_length"],
-                            padding_free=bool(row["best"]))
+                            **pack)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
         trainer = trl.SFTTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok)
     elif name == "dpo":
@@ -943,13 +947,15 @@ def environment() -> dict:
     import torch
     import transformers
 
+    from importlib.metadata import PackageNotFoundError, version
+
     versions = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
                 "cuda": torch.version.cuda}
-    for mod in ("trl", "accelerate", "deepspeed", "ray", "liger_kernel", "datasets"):
-        try:
-            versions[mod] = getattr(__import__(mod), "__version__", "installed")
-        except Exception:  # noqa: BLE001 - absent, or fails to import here
-            versions[mod] = "not installed"
+    for dist in ("trl", "accelerate", "deepspeed", "ray", "liger-kernel", "datasets", "tokenizers"):
+        try:  # metadata, not an import: the parent keeps off CUDA and DeepSpeed's accelerator probe
+            versions[dist] = version(dist)
+        except PackageNotFoundError:
+            versions[dist] = "not installed"
     return {"versions": versions, "cpus": os.cpu_count(), "parent_threads": _threads(),
             "nvidia_smi": _smi_names(), "multicast_env": NO_MULTICAST}
 
