@@ -35,25 +35,37 @@ Rows (``--rows``, comma-separated; default: all five on a GPU variant):
   loads fp32 (``model_init_kwargs`` dtype defaults to float32): that is our ``trl-mixed`` row.
 * ``trl-mixed``: an fp32 model under ``bf16=True`` autocast (compare with ours-mixed).
 * ``trl-best``: trl-default plus ``use_liger_kernel=True`` (liger-kernel from ``bench/device_wheels.sh``),
-  ``padding_free=True`` on SFT (TRL 1.16's DPO falls back to padding, its RewardConfig has no such
-  option), ``cache_implementation="static"`` for GRPO's HF generate. Compared with ours-best (the faster of
+  padding-free SFT (``padding_free=True`` through ``packing=True, packing_strategy="bfd"``: TRL 1.16 refuses
+  padding_free alone, and at these lengths a block holds one truncated example; its DPO falls back to
+  padding, its RewardConfig has no such option), ``cache_implementation="static"`` for GRPO's HF generate. Compared with ours-best (the faster of
   our rows).
 * TRL's ``gradient_checkpointing`` follows ours' logged choice for the same benchmark and regime once
   ours ran in this call (``--trl-grad-ckpt match``, like with like), else TRL's default (on); every row
   records its own setting and where it came from.
 
-On a lent GPU (carried Ray, DeepSpeed, TRL and liger-kernel: ``bash bench/device_wheels.sh`` here once,
-carry ``.devwheels``)::
+On a lent GPU: once here, ``bash bench/device_wheels.sh`` (Ray, DeepSpeed, TRL 1.16, liger-kernel 0.8.5 into
+``.devwheels``); every call carries ``.devwheels`` and starts with ``source bench/device_setup.sh``. A
+10-minute call holds one benchmark of a variant (or a subset of rows); each call rebuilds the model::
 
-    source bench/device_setup.sh && python bench/side_by_side.py --variant gpu --rounds 2 \\
-        --bench sft,dpo,rm --out $OUT/side_by_side_h100.json
-    source bench/device_setup.sh && python bench/side_by_side.py --variant gpu-1.5b --rounds 2 \\
+    # nvidia-h100-x1: 0.5B, one benchmark per call, all five rows, 2 ABBA rounds (10 children)
+    source bench/device_setup.sh && python bench/side_by_side.py --variant gpu --rounds 2 \
+        --bench sft --out $OUT/side_by_side_0p5b_sft.json
+    # ... --bench dpo / --bench rm the same; GRPO in two calls of rows:
+    source bench/device_setup.sh && python bench/side_by_side.py --variant gpu --rounds 2 --bench grpo \
+        --rows ours-bf16,trl-default,trl-best --out $OUT/side_by_side_0p5b_grpo_a.json
+    source bench/device_setup.sh && python bench/side_by_side.py --variant gpu --rounds 2 --bench grpo \
+        --rows ours-mixed,trl-mixed --out $OUT/side_by_side_0p5b_grpo_b.json
+    # nvidia-h100-x1: 1.5B (151,936 vocab), likewise one benchmark per call
+    source bench/device_setup.sh && python bench/side_by_side.py --variant gpu-1.5b --rounds 2 \
         --bench sft --out $OUT/side_by_side_1p5b_sft.json
-    source bench/device_setup.sh && python bench/side_by_side.py --variant gpu-7b \\
-        --bench grpo --rows ours-bf16,trl-default --out $OUT/side_by_side_7b_grpo.json   # nvidia-h100-x4
+    # nvidia-h100-x4: 7B, one AB round of one pair per call
+    source bench/device_setup.sh && python bench/side_by_side.py --variant gpu-7b \
+        --bench grpo --rows ours-bf16,trl-default --out $OUT/side_by_side_7b_grpo.json
+    source bench/device_setup.sh && python bench/side_by_side.py --variant gpu-7b \
+        --bench dpo --rows ours-bf16,trl-default --out $OUT/side_by_side_7b_dpo.json
 
-Split a variant over several 10-minute calls with ``--bench`` and ``--rows``; ``--resummarize FILE``
-recomputes a result file's summaries.
+Ratios are only quoted between rows of one call (one machine). The result file is rewritten after every
+child, so a call cut off at its limit keeps what ran; ``--resummarize FILE`` recomputes its summaries.
 
 Settings shared by both sides (the ``settings`` line has every value):
 
@@ -86,7 +98,9 @@ per group.
 
 ``--small`` runs every code path on a micro model on the CPU (a smoke test), the new variants too
 (the real vocabulary, the sharded save and load); for gpu-7b ours runs 2 Ray ranks under ZeRO-3 on gloo
-and TRL one process (the accelerate command and DeepSpeed file are written and recorded, not launched).
+and TRL one process on the same sharded directory (the accelerate command and DeepSpeed file are written
+and recorded, not launched: on a CPU, HF's Trainer under DeepSpeed with ``use_cpu`` stops at zero.Init
+with a world size of 1, and without ``use_cpu`` refuses bf16).
 """
 
 from __future__ import annotations
@@ -654,6 +668,10 @@ def child_main(kind: str, task: dict) -> None:
     flush = _peak_writer(os.environ.get("BENCH_PEAK_DIR"))
     fn = {"alignflow": ours, "trl": trl_side, "ceiling": measure_ceiling, "build": build_model}[kind]
     result = fn(task if kind in ("alignflow", "trl") else task["inputs"])
+    if kind in ("alignflow", "trl"):
+        import torch
+
+        result["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     flush()
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({"result": result}), flush=True)
@@ -773,8 +791,10 @@ def row_summary(name: str, row_runs: list[dict], warmup: int, ceiling: dict, fac
     if not timed:
         return {"error": f"no timed steps (every child ran <= {warmup} warm-up steps)"}
     med = _median(timed)
+    need = 3 if s["gpus"] > 1 else 5  # the issue's minimum: 5 timed steps a side (7B: 3)
     entry = {"median_step_s": round(med, 4), "range_step_s": [round(min(timed), 4), round(max(timed), 4)],
              "round_medians_s": [round(_median(r["step_s"][warmup:]), 4) for r in ok], "timed_steps": len(timed),
+             "enough_timed_steps": len(timed) >= need, "device": ok[0].get("device"),
              "runs_ok": len(ok), "runs_failed": len(row_runs) - len(ok),
              "peak_memory_gb": round(max(r["peak_memory_gb"] for r in ok), 2),
              "settings": ok[0].get("settings"), "launch": ok[0].get("launch"), "threads": ok[0].get("threads")}
@@ -1062,7 +1082,7 @@ def main() -> None:
                "summary": {"pairs": {n: r["summary"]["pairs"] for n, r in results.items()},
                            "targets": targets(args.variant, results)},
                "wall_s": round(time.perf_counter() - started, 1)}
-        out.parent.mkdir(parents=True, exist_ok=True)  # after each benchmark: a cut-off run keeps its part
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(doc, indent=2) + "\n")
         return doc
 
@@ -1087,7 +1107,7 @@ def main() -> None:
                                   "peak_memory_gb": round(res["peak_memory_gb"], 2),
                                   "gradient_checkpointing": (res.get("gradient_checkpointing") or
                                                              task.get("trl_grad_ckpt"))})}), flush=True)
-        write(results, final=False)
+            write(results, final=False)  # after every child: a call cut off at its limit keeps what ran
         print(json.dumps({"bench": name, "summary": results[name]["summary"]}), flush=True)
     ceilings["end"] = run_child("ceiling", {"inputs": inputs}, args.child_timeout)
     doc = write(results, final=True)
