@@ -224,7 +224,7 @@ def build_inputs(variant: str, work: Path, small: bool) -> dict:
     s = SETTINGS[variant]
     inputs: dict = {"variant": variant, "small": small, "dir": str(work), "gpus": s["gpus"]}
     if variant == "cpu":
-        return {**inputs, "model": str(REPO / s["model"])}
+        return {**inputs, "model": str(REPO / s["model"])}  # main() applies --model
     sys.path.insert(0, str(REPO / "bench"))
     from gpu_grpo import build_tokenizer
 
@@ -620,6 +620,11 @@ def trl_side(task: dict) -> dict:
         trainer = trl.RewardTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok)
     trainer.add_callback(Timer())
     trainer.train()
+    if name == "sft" and row["best"] and "seq_lengths" in trainer.train_dataset.column_names:
+        blocks = trainer.train_dataset["seq_lengths"]  # bfd packing: the examples' lengths in each block
+        settings["packing_check"] = {"blocks": len(blocks),
+                                     "examples_per_block": round(sum(map(len, blocks)) / len(blocks), 4),
+                                     "tokens_per_block": round(sum(map(sum, blocks)) / len(blocks), 2)}
     out = {"step_s": times, "peak_memory_gb": _peak_memory_gb(), "trl": trl.__version__, "settings": settings,
            "launch": f"accelerate launch --num_processes {world}, DeepSpeed ZeRO-3" if world > 1 else "one process",
            "threads": _threads(), "rank": rank}
@@ -819,6 +824,9 @@ def row_summary(name: str, row_runs: list[dict], warmup: int, ceiling: dict, fac
         entry["floor_s"], entry["fraction_of_floor"] = fl["step_s"], round(fl["step_s"] / med, 4)
     else:
         tokens = facts["tokens_per_row"][name] * b["batch"]
+        check = (entry["settings"] or {}).get("packing_check")
+        if check:  # TRL's packed blocks: the real tokens a step of b["batch"] blocks holds
+            tokens = check["tokens_per_block"] * b["batch"]
         factor = 8 if name == "dpo" else 6
         n = facts["rm_flop_params"] if name == "rm" else facts["flop_params"]
         entry.update(real_tokens_per_step=round(tokens), tokens_per_s=round(tokens / med, 1),
@@ -1016,6 +1024,9 @@ def main() -> None:
                     help="TRL's gradient checkpointing: match ours' logged choice (default), or force it")
     ap.add_argument("--child-timeout", type=float, default=1500, help="seconds before a child is killed")
     ap.add_argument("--out", default="bench/results/side_by_side_cpu.json")
+    ap.add_argument("--model", default="", help="cpu variant: the model directory (default models/sft, a dvc output)")
+    ap.add_argument("--work", default="", help="folder for tokenizer, data and model (default: a new temporary one); "
+                                               "a model an earlier call built there for the same variant is reused")
     ap.add_argument("--small", action="store_true", help="the variant's code paths on a micro model (smoke test)")
     ap.add_argument("--resummarize", metavar="FILE", help="recompute the summaries of a result file from its runs")
     ap.add_argument("--child", choices=["alignflow", "trl", "ceiling", "build"], help=argparse.SUPPRESS)
@@ -1046,14 +1057,25 @@ def main() -> None:
             ap.error(f"unknown bench {b!r}; benches: {', '.join(BENCHES)}")
 
     started = time.perf_counter()
-    work = Path(tempfile.mkdtemp(prefix=f"bench-{args.variant}-"))
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix=f"bench-{args.variant}-"))
+    work.mkdir(parents=True, exist_ok=True)
     inputs = build_inputs(args.variant, work, args.small)
+    if args.model:
+        if args.variant != "cpu":
+            ap.error("--model is for the cpu variant; the GPU variants build their own")
+        inputs["model"] = str(Path(args.model).resolve())
     header: dict = {"variant": args.variant, "settings": settings_record(args.variant, rows, args),
                     "environment": environment()}
     if args.variant != "cpu":
-        built = run_child("build", {"inputs": inputs}, args.child_timeout)
-        if "error" in built:
-            sys.exit(f"model build failed: {built['error']}")
+        record, key = work / "model_build.json", {"variant": args.variant, "small": args.small}
+        built = json.loads(record.read_text()) if record.exists() else {}
+        if built.get("key") == key and (Path(built.get("model", "/nonexistent")) / "config.json").exists():
+            built["reused"] = True  # the same seed and shape: the same weights, not built again
+        else:
+            built = run_child("build", {"inputs": inputs}, args.child_timeout)
+            if "error" in built:
+                sys.exit(f"model build failed: {built['error']}")
+            record.write_text(json.dumps({**built, "key": key}) + "\n")
         inputs["model"] = built["model"]
         header["model_build"] = built
     if s["gpus"] > 1:
