@@ -10,7 +10,8 @@ matching regimes.
 Variants (model shapes; random weights built on the device, no download):
 
 * ``cpu``: the embedded default (``models/sft``, ``data/embedded``), fp32, torch threads fixed. Rows
-  ``ours-fp32,trl-fp32``. After ``make bench-cpu`` (it installs the ``bench`` extra, i.e. TRL)::
+  ``ours-fp32,trl-fp32``. After ``make bench-cpu`` (it installs the ``bench`` extra, i.e. TRL; in a worktree
+  without the dvc outputs, ``--cpu-root`` names a checkout that has them)::
 
       .venv/bin/python bench/side_by_side.py --variant cpu --out bench/results/side_by_side_cpu.json
 
@@ -224,7 +225,7 @@ def build_inputs(variant: str, work: Path, small: bool) -> dict:
     s = SETTINGS[variant]
     inputs: dict = {"variant": variant, "small": small, "dir": str(work), "gpus": s["gpus"]}
     if variant == "cpu":
-        return {**inputs, "model": str(REPO / s["model"])}  # main() applies --model
+        return {**inputs, "root": str(REPO), "model": str(REPO / s["model"])}
     sys.path.insert(0, str(REPO / "bench"))
     from gpu_grpo import build_tokenizer
 
@@ -298,7 +299,7 @@ def _paths(inputs: dict, name: str) -> tuple[str, str]:
     s = SETTINGS[inputs["variant"]]
     key = "prompts" if name == "grpo" else "data"
     if inputs["variant"] == "cpu":
-        return inputs["model"], str(REPO / s[name][key])
+        return inputs["model"], str(Path(inputs["root"]) / s[name][key])
     return inputs["model"], str(Path(inputs["dir"]) / s[name][key])
 
 
@@ -1024,7 +1025,8 @@ def main() -> None:
                     help="TRL's gradient checkpointing: match ours' logged choice (default), or force it")
     ap.add_argument("--child-timeout", type=float, default=1500, help="seconds before a child is killed")
     ap.add_argument("--out", default="bench/results/side_by_side_cpu.json")
-    ap.add_argument("--model", default="", help="cpu variant: the model directory (default models/sft, a dvc output)")
+    ap.add_argument("--cpu-root", default="", help="cpu variant: the checkout whose models/sft and data/embedded "
+                                                   "(dvc outputs) it reads (default: this one)")
     ap.add_argument("--work", default="", help="folder for tokenizer, data and model (default: a new temporary one); "
                                                "a model an earlier call built there for the same variant is reused")
     ap.add_argument("--small", action="store_true", help="the variant's code paths on a micro model (smoke test)")
@@ -1060,10 +1062,11 @@ def main() -> None:
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix=f"bench-{args.variant}-"))
     work.mkdir(parents=True, exist_ok=True)
     inputs = build_inputs(args.variant, work, args.small)
-    if args.model:
+    if args.cpu_root:
         if args.variant != "cpu":
-            ap.error("--model is for the cpu variant; the GPU variants build their own")
-        inputs["model"] = str(Path(args.model).resolve())
+            ap.error("--cpu-root is for the cpu variant; the GPU variants build their own model and data")
+        root = Path(args.cpu_root).resolve()
+        inputs.update(root=str(root), model=str(root / s["model"]))
     header: dict = {"variant": args.variant, "settings": settings_record(args.variant, rows, args),
                     "environment": environment()}
     if args.variant != "cpu":
