@@ -712,9 +712,11 @@ def run_child(kind: str, task: dict, timeout_s: float) -> dict:
     cmd = launcher + [__file__, "--child", kind, "--task", json.dumps(task)]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "BENCH_PEAK_DIR": str(peak_dir), **NO_MULTICAST}
     smi = None
+    smi_log = peak_dir / "nvidia-smi.csv"  # a file, not a pipe: a full pipe would stall the sampler
     if kind in ("alignflow", "trl") and _has_nvidia_smi():
-        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits",
-                                "-lms", "200"], stdout=subprocess.PIPE, text=True)
+        with smi_log.open("w") as fh:
+            smi = subprocess.Popen(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits",
+                                    "-lms", "200"], stdout=fh, text=True)
     started = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=timeout_s)
@@ -725,10 +727,13 @@ def run_child(kind: str, task: dict, timeout_s: float) -> dict:
     used: dict[str, float] = {}
     if smi is not None:
         smi.terminate()
-        for line in smi.communicate()[0].splitlines():
-            if "," in line:
-                idx, mib = line.split(",")
-                used[idx.strip()] = max(used.get(idx.strip(), 0.0), float(mib) / 1024)
+        smi.wait()
+        for line in smi_log.read_text().splitlines():
+            try:
+                idx, mib = (x.strip() for x in line.split(","))
+                used[idx] = max(used.get(idx, 0.0), float(mib) / 1024)
+            except ValueError:  # a line cut short when the sampler was stopped
+                continue
     lines = [ln for ln in stdout.splitlines() if ln.startswith("{\"result\"")]
     if rc != 0 or not lines:
         return {"error": f"exit {rc}: {stderr[-4000:]}", "wall_s": round(wall, 1)}
@@ -853,7 +858,7 @@ def floor(variant: str, name: str, ceiling: dict, facts: dict, response_len: flo
     bytes_per = 2 if variant != "cpu" else 4
     # every rank holds the whole weights while it generates (ZeRO-3 gathers them): bytes x gpus over gpus x BW
     kv = facts["kv_bytes_per_token"] * rows * (P + R / 2)  # mean cache length over the decode
-    decode = max((facts["params"] * bytes_per * gpus + kv) / BW, 2 * N * rows / F)
+    decode = max((N * bytes_per * gpus + kv) / BW, 2 * N * rows / F)  # N: the matrices a decode step reads
     prefill = 2 * N * prompts * P / F  # each prompt once per group (its KV cache shared by the group's samples)
     tokens = prompts * P + rows * R  # training passes: prompts once per group, completions as generated
     gen, ref, upd = prefill + R * decode, 2 * N * tokens / F, 6 * N * tokens / F
