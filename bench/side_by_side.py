@@ -1,55 +1,124 @@
-"""alignflow and TRL side by side: GRPO step, SFT / DPO / reward-model training, on one model and data.
+"""alignflow and TRL 1.16 side by side: GRPO step, SFT / DPO / reward-model training, on one model and data.
 
-Both frameworks get the same model, data, batch shape and settings (printed first, in the
-``settings`` line); they run alternately in fresh processes (ours, TRL, ours, TRL, ...) so load
-drifts hit both, and the summary prints each side's figures and the ratio.
+Both frameworks get the same model, data, batch shape and optimizer settings (the ``settings`` line
+prints every value, and the differences that remain). Every row -- one side in one setting -- runs in
+its own fresh child process; rows run in ABBA order (round 1 over the row list, round 2 reversed, ...)
+so load drift hits all of them; the summary gives each row's median and range of per-step times over
+all its timed steps plus the per-round medians (never the best round), and the ratios ours / TRL for
+matching regimes.
 
-Variants:
+Variants (model shapes; random weights built on the device, no download):
 
-* ``--variant cpu``: the embedded default (``models/sft``, ``data/embedded``), fp32, torch threads fixed.
-  Run from the repository root after ``make bench-cpu`` (it installs the ``bench`` extra, i.e. TRL)::
+* ``cpu``: the embedded default (``models/sft``, ``data/embedded``), fp32, torch threads fixed. Rows
+  ``ours-fp32,trl-fp32``. After ``make bench-cpu`` (it installs the ``bench`` extra, i.e. TRL; in a worktree
+  without the dvc outputs, ``--cpu-root`` names a checkout that has them)::
 
       .venv/bin/python bench/side_by_side.py --variant cpu --out bench/results/side_by_side_cpu.json
 
-* ``--variant gpu``: a Qwen2-0.5B-shaped model with random weights and a 32k byte-level BPE built here
-  (no download), bf16 on both sides. GRPO: 64 prompts x 8 samples x 256 new tokens; SFT: batch 32,
-  prompt 64 + completion 192 random words, max_length 512; DPO / RM: 32 pairs, prompt 64 words,
-  responses 128 words each. On a lent GPU (carried TRL from ``../shared/device/pack.sh``)::
+* ``gpu``: Qwen2-0.5B shape (24 layers, hidden 896, 14 heads, 2 KV heads), a 32k byte-level BPE built
+  here. GRPO 64 prompts x 8 x 256 new tokens; SFT 32 x 512 tokens; DPO / RM 32 pairs x 512.
+* ``gpu-1.5b``: Qwen2.5-1.5B shape (28 layers, hidden 1536, MLP 8960, 12 heads, 2 KV heads) with the real
+  Qwen vocabulary size, 151,936 (the 32k tokenizer's ids are a subset: the LM head and softmax cost what
+  Qwen2.5's do). GRPO 64 x 8 x 256; SFT 16 x 1024; DPO / RM 16 pairs x 1024.
+* ``gpu-7b``: Qwen2-7B shape (28 layers, hidden 3584, MLP 18944, 28 heads, 4 KV heads, untied head,
+  vocab 151,936) on four GPUs, saved as a sharded safetensors directory both sides load. Ours: the Ray
+  launcher, ``num_workers=4, parallel=zero3`` (GRPO: colocated placement, 4 policy ranks and 4 rollout
+  replicas, like ``bench/gpu_grpo.py --placement``); TRL: ``accelerate launch --num_processes 4`` with a
+  DeepSpeed ZeRO-3 config this script writes. GRPO 32 x 8 x 256; SFT 32 x 512; DPO / RM 16 pairs x 512.
+  One AB round by default (model loads dominate a 10-minute call).
 
-      PYTHONPATH=/tmp/site:. python bench/side_by_side.py --variant gpu --out $OUT/side_by_side_h100.json
+Rows (``--rows``, comma-separated; default: all five on a GPU variant):
+
+* ``ours-mixed`` / ``ours-bf16``: ``precision: mixed`` / ``bf16`` with our best settings
+  (``fused_kernels: auto, lm_head: auto, packing: true`` (not for GRPO: rl refuses packing),
+  ``gradient_checkpointing: auto``; its logged choice is captured per row).
+* ``trl-default``: a bf16 model, ``bf16=True`` (compare with ours-bf16). NB TRL 1.16 given a model *path*
+  loads fp32 (``model_init_kwargs`` dtype defaults to float32): that is our ``trl-mixed`` row.
+* ``trl-mixed``: an fp32 model under ``bf16=True`` autocast (compare with ours-mixed).
+* ``trl-best``: trl-default plus ``use_liger_kernel=True`` (liger-kernel from ``bench/device_wheels.sh``),
+  padding-free SFT (``padding_free=True`` through ``packing=True, packing_strategy="bfd"``: TRL 1.16 refuses
+  padding_free alone, and at these lengths a block holds one truncated example; its DPO falls back to
+  padding, its RewardConfig has no such option), ``cache_implementation="static"`` for GRPO's HF generate. Compared with ours-best (the faster of
+  our rows).
+* TRL's ``gradient_checkpointing`` follows ours' logged choice for the same benchmark and regime once
+  ours ran in this call (``--trl-grad-ckpt match``, like with like), else TRL's default (on); every row
+  records its own setting and where it came from.
+
+On a lent GPU: once here, ``bash bench/device_wheels.sh`` (Ray, DeepSpeed, TRL 1.16, liger-kernel 0.8.5 into
+``.devwheels``); every call carries ``.devwheels`` and starts with ``source bench/device_setup.sh``. A
+10-minute call holds one benchmark of a variant (or a subset of rows); each call rebuilds the model::
+
+    # nvidia-h100-x1: 0.5B, one benchmark per call, all five rows, 2 ABBA rounds (10 children)
+    source bench/device_setup.sh && python bench/side_by_side.py --variant gpu --rounds 2 \
+        --bench sft --out $OUT/side_by_side_0p5b_sft.json
+    # ... --bench dpo / --bench rm the same; GRPO in two calls of rows:
+    source bench/device_setup.sh && python bench/side_by_side.py --variant gpu --rounds 2 --bench grpo \
+        --rows ours-bf16,trl-default,trl-best --out $OUT/side_by_side_0p5b_grpo_a.json
+    source bench/device_setup.sh && python bench/side_by_side.py --variant gpu --rounds 2 --bench grpo \
+        --rows ours-mixed,trl-mixed --out $OUT/side_by_side_0p5b_grpo_b.json
+    # nvidia-h100-x1: 1.5B (151,936 vocab), likewise one benchmark per call
+    source bench/device_setup.sh && python bench/side_by_side.py --variant gpu-1.5b --rounds 2 \
+        --bench sft --out $OUT/side_by_side_1p5b_sft.json
+    # nvidia-h100-x4: 7B, one AB round of one pair per call
+    source bench/device_setup.sh && python bench/side_by_side.py --variant gpu-7b \
+        --bench grpo --rows ours-bf16,trl-default --out $OUT/side_by_side_7b_grpo.json
+    source bench/device_setup.sh && python bench/side_by_side.py --variant gpu-7b \
+        --bench dpo --rows ours-bf16,trl-default --out $OUT/side_by_side_7b_dpo.json
+
+Ratios are only quoted between rows of one call (one machine). The result file is rewritten after every
+child, so a call cut off at its limit keeps what ran; ``--resummarize FILE`` recomputes its summaries.
 
 Settings shared by both sides (the ``settings`` line has every value):
 
-* GRPO: KL coefficient beta > 0 on both (both compute reference log-probs; TRL 1.16 defaults to 0);
-  one policy update per generated batch (ours: ``mini_batch_size`` = every row, one PPO epoch, so
-  pi_old is the update's own detached log-prob, exactly TRL's ``num_iterations = 1``; TRL:
-  ``steps_per_generation`` = gradient accumulation); the same micro-batch rows and gradient
-  checkpointing; generation engines named in the output (ours: our static-cache engine, CUDA graphs
-  on a GPU; TRL: HF ``generate``, vLLM off). Reward: completion length / 1000 on both.
-* SFT / DPO / RM: the same rows per step, max_length, gradient checkpointing (GPU), learning-rate
-  schedule shape irrelevant (timed steps only). DPO: both compute the reference per step (ours:
-  ``precompute_reference: false``; TRL's default), sigmoid loss, no NLL term.
-* Precision: ours trains fp32 master weights under bf16 autocast (what the pipeline runs); TRL trains
-  the bf16 model it is given (the anchor's setup). Both compute matmuls in bf16.
+* Optimizer: AdamW, betas (0.9, 0.95), eps 1e-8, weight decay 0.01 on matrices only (biases and norms
+  undecayed on both sides), clip 1.0; learning-rate schedule irrelevant (timed steps only). Left
+  different: TRL's default ``adamw_torch_fused`` kernel vs our ``torch.optim.AdamW`` (foreach); under
+  ZeRO-3 DeepSpeed wraps either as a client optimizer.
+* GRPO: KL coefficient beta > 0 on both (both compute reference log-probs); one policy update per
+  generated batch (ours: ``mini_batch_size`` = every row, one PPO epoch; TRL: ``steps_per_generation`` =
+  gradient accumulation, ``num_iterations = 1``); the same micro-batch rows. Ours generates with our
+  static-cache engine (CUDA graphs on a GPU), TRL with HF ``generate`` (vLLM off). Reward: completion
+  length / 1000 on both.
+* DPO: both compute the reference per step (ours ``precompute_reference: false``, TRL
+  ``precompute_ref_log_probs=False``), sigmoid loss, no NLL term.
 
-Timing: per-step wall time; the summary is the median of the timed steps (the first ``--warmup`` are
-dropped) over all rounds. Tokens/s counts real (non-padding) tokens. Peak memory: the process's
-``torch.cuda.max_memory_allocated`` on a GPU, ``ru_maxrss`` on the CPU. Floors: ``6 N T`` FLOPs of the
-update over the measured matmul peak; for generation, per decode step the larger of (weights + KV
-cache bytes) / measured copy bandwidth and ``2 N B`` FLOPs / peak.
+Hygiene: ``--rounds`` ABBA rounds (default 2; 1 for gpu-7b), the first ``--warmup`` steps of every child
+dropped; ONE matmul ceiling per call, the max of 3 measurements at the start and 3 at the end (all
+stored), used by every row; torch thread counts, device names and versions recorded. Every child (and
+Ray actor, and accelerate rank) runs with NVLink multicast off: NCCL_NVLS_ENABLE=0
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
+
+Figures: tokens/s count real (non-padding) tokens; fraction of the ``6 N T`` ceiling (DPO ``8 N T``:
+the reference forward too) with N the parameters that do a matmul per token (the LM head, not the input
+embedding; RM: no LM head) over the ceiling x GPUs. Peak memory: ``torch.cuda.max_memory_allocated``,
+summed over the processes sharing a GPU (colocated Ray roles) and the max over GPUs; nvidia-smi's
+``memory.used`` (every process, the allocator's cache too) is sampled beside it. GRPO floor: prefill of
+each prompt once per group + per decode step max(weights + KV bytes / bandwidth, 2 N B / peak) over the
+measured mean response + 2 N T (reference) + 6 N T (update) over the real tokens, prompts counted once
+per group.
+
+``--small`` runs every code path on a micro model on the CPU (a smoke test), the new variants too
+(the real vocabulary, the sharded save and load); for gpu-7b ours runs 2 Ray ranks under ZeRO-3 on gloo
+and TRL one process on the same sharded directory (the accelerate command and DeepSpeed file are written
+and recorded, not launched: on a CPU, HF's Trainer under DeepSpeed with ``use_cpu`` stops at zero.Init
+with a world size of 1, and without ``use_cpu`` refuses bf16).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
+import re
 import resource
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -57,30 +126,264 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 BENCHES = ("grpo", "sft", "dpo", "rm")
+# NVLink multicast off in every process (rlhf_core.ray_launcher sets the same for Ray actors)
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+QWEN_VOCAB = 151_936
+
+# --------------------------------------------------------------------------------------
+# Variants: model shape, data shape, batch and steps of every benchmark
+# --------------------------------------------------------------------------------------
+
+QWEN2_0_5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2)
+QWEN25_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                   num_key_value_heads=2)
+QWEN2_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                num_key_value_heads=4)
+SMALL_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=1)
 
 SETTINGS = {
-    "cpu": dict(model="models/sft", threads=1, seed=0,
+    "cpu": dict(model="models/sft", threads=1, seed=0, gpus=1, rounds=2,
                 grpo=dict(prompts="data/embedded/prompts.jsonl", prompts_per_step=32, group_size=8,
-                          max_new_tokens=12, temperature=1.0, beta=0.1, lr=3e-4, micro_rows=32, steps=5,
-                          grad_ckpt=False),
-                sft=dict(data="data/embedded/sft.jsonl", batch=64, max_length=64, lr=3e-4, steps=12, grad_ckpt=False),
+                          max_new_tokens=12, temperature=1.0, beta=0.1, lr=3e-4, micro_rows=32, steps=5),
+                sft=dict(data="data/embedded/sft.jsonl", batch=64, max_length=64, lr=3e-4, steps=12),
                 dpo=dict(data="data/embedded/preferences.jsonl", batch=32, max_length=64, lr=3e-5, steps=12,
-                         beta=0.1, grad_ckpt=False),
-                rm=dict(data="data/embedded/preferences.jsonl", batch=32, max_length=64, lr=1e-4, steps=12,
-                        grad_ckpt=False)),
-    "gpu": dict(model="qwen2-0.5b-shaped", threads=8, seed=0,
+                         beta=0.1),
+                rm=dict(data="data/embedded/preferences.jsonl", batch=32, max_length=64, lr=1e-4, steps=12)),
+    "gpu": dict(model="Qwen2-0.5B shape, 32k vocab", shape=QWEN2_0_5B, vocab=0, tie=True, shard="",
+                threads=8, seed=0, gpus=1, rounds=2, words=dict(prompt=64, completion=192, response=128),
                 grpo=dict(prompts="prompts.jsonl", prompts_per_step=64, group_size=8, max_new_tokens=256,
-                          temperature=1.0, beta=0.04, lr=1e-6, micro_rows=128, steps=4, grad_ckpt=True),
-                sft=dict(data="sft.jsonl", batch=32, max_length=512, lr=1e-5, steps=12, grad_ckpt=True),
-                dpo=dict(data="pairs.jsonl", batch=32, max_length=512, lr=1e-6, steps=12, beta=0.1, grad_ckpt=True),
-                rm=dict(data="pairs.jsonl", batch=32, max_length=512, lr=1e-6, steps=12, grad_ckpt=True)),
+                          temperature=1.0, beta=0.04, lr=1e-6, micro_rows=128, steps=4),
+                sft=dict(data="sft.jsonl", batch=32, max_length=512, lr=1e-5, steps=8),
+                dpo=dict(data="pairs.jsonl", batch=32, max_length=512, lr=1e-6, steps=8, beta=0.1),
+                rm=dict(data="pairs.jsonl", batch=32, max_length=512, lr=1e-6, steps=8)),
+    "gpu-1.5b": dict(model="Qwen2.5-1.5B shape, vocab 151,936", shape=QWEN25_1_5B, vocab=QWEN_VOCAB, tie=True,
+                     shard="", threads=8, seed=0, gpus=1, rounds=2,
+                     words=dict(prompt=128, completion=384, response=256),
+                     grpo=dict(prompts="prompts.jsonl", prompts_per_step=64, group_size=8, max_new_tokens=256,
+                               temperature=1.0, beta=0.04, lr=1e-6, micro_rows=32, steps=4),
+                     sft=dict(data="sft.jsonl", batch=16, max_length=1024, lr=1e-5, steps=8),
+                     dpo=dict(data="pairs.jsonl", batch=16, max_length=1024, lr=1e-6, steps=8, beta=0.1),
+                     rm=dict(data="pairs.jsonl", batch=16, max_length=1024, lr=1e-6, steps=8)),
+    "gpu-7b": dict(model="Qwen2-7B shape, vocab 151,936, sharded safetensors", shape=QWEN2_7B, vocab=QWEN_VOCAB,
+                   tie=False, shard="2GB", threads=8, seed=0, gpus=4, rounds=1,
+                   words=dict(prompt=64, completion=192, response=128),
+                   grpo=dict(prompts="prompts.jsonl", prompts_per_step=32, group_size=8, max_new_tokens=256,
+                             temperature=1.0, beta=0.04, lr=1e-6, micro_rows=16, steps=4),
+                   sft=dict(data="sft.jsonl", batch=32, max_length=512, lr=1e-5, steps=4),
+                   dpo=dict(data="pairs.jsonl", batch=16, max_length=512, lr=1e-6, steps=4, beta=0.1),
+                   rm=dict(data="pairs.jsonl", batch=16, max_length=512, lr=1e-6, steps=4)),
 }
 
 
-def _cuda() -> bool:
+def make_small(variant: str) -> None:
+    """``--small``: the variant's code paths on a micro model and short runs (a CPU smoke test).
+    The vocabulary stays the variant's (151,936 on 1.5b/7b: ids beyond the tokenizer's are exercised)."""
+    s = SETTINGS[variant]
+    s.update(threads=1, shape=SMALL_SHAPE, shard="4MB" if s.get("shard") else "",
+             words=dict(prompt=16, completion=48, response=32))
+    if s["gpus"] > 1:
+        s["gpus"] = 2  # two Ray ranks under ZeRO-3 on gloo
+    s["grpo"].update(prompts_per_step=4, group_size=4, max_new_tokens=16, micro_rows=4, steps=3)
+    for name in ("sft", "dpo", "rm"):
+        s[name].update(batch=4, max_length=128, steps=3)
+
+
+# Rows: one side in one setting. ``regime`` pairs ours with TRL.
+ROWS = {
+    "ours-mixed": dict(side="alignflow", precision="mixed", regime="mixed"),
+    "ours-bf16": dict(side="alignflow", precision="bf16", regime="bf16"),
+    "ours-fp32": dict(side="alignflow", precision="fp32", regime="fp32"),
+    "trl-default": dict(side="trl", model_dtype="bfloat16", bf16=True, best=False, regime="bf16"),
+    "trl-mixed": dict(side="trl", model_dtype="float32", bf16=True, best=False, regime="mixed"),
+    "trl-best": dict(side="trl", model_dtype="bfloat16", bf16=True, best=True, regime="bf16"),
+    "trl-fp32": dict(side="trl", model_dtype="float32", bf16=False, best=False, regime="fp32"),
+}
+DEFAULT_ROWS = {"cpu": "ours-fp32,trl-fp32"}
+GPU_ROWS = "ours-mixed,ours-bf16,trl-default,trl-mixed,trl-best"
+# (ours, TRL) pairs compared; ours-best is the faster of ours-mixed and ours-bf16
+PAIRS = (("ours-mixed", "trl-mixed"), ("ours-bf16", "trl-default"), ("ours-best", "trl-best"),
+         ("ours-fp32", "trl-fp32"))
+# Our "best" settings, passed through the config on every ours row
+OURS_BEST = dict(fused_kernels="auto", lm_head="auto", packing=True, gradient_checkpointing="auto")
+OPTIMIZER = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01, max_grad_norm=1.0)
+
+
+def schedule(rows: list[str], rounds: int) -> list[tuple[int, str]]:
+    """ABBA: (round, row) in run order, the row list reversed on every second round."""
+    return [(r, row) for r in range(rounds) for row in (rows if r % 2 == 0 else rows[::-1])]
+
+
+# --------------------------------------------------------------------------------------
+# Inputs: tokenizer, data (parent, CPU), model (a child, on the device), DeepSpeed file
+# --------------------------------------------------------------------------------------
+
+
+def build_inputs(variant: str, work: Path, small: bool) -> dict:
+    """Tokenizer and the four data files here; the model in a child process (the parent keeps off CUDA)."""
+    s = SETTINGS[variant]
+    inputs: dict = {"variant": variant, "small": small, "dir": str(work), "gpus": s["gpus"]}
+    if variant == "cpu":
+        return {**inputs, "root": str(REPO), "model": str(REPO / s["model"])}
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_grpo import build_tokenizer
+
+    inputs["tokenizer"] = str(build_tokenizer(32000, work / "tok"))
+    rng = random.Random(0)
+    words = open(os.__file__).read().split()
+    w = s["words"]
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(n))
+
+    rows = max(s[n]["batch"] * (s[n]["steps"] + 2) for n in ("sft", "dpo", "rm"))
+    with (work / "prompts.jsonl").open("w") as fh:
+        for i in range(max(64 * 8, s["grpo"]["prompts_per_step"] * (s["grpo"]["steps"] + 2))):
+            fh.write(json.dumps({"prompt": f"Question {i}: compute {i}*{i + 3} and explain", "label": "x"}) + "\n")
+    with (work / "sft.jsonl").open("w") as fh:
+        for _ in range(rows):
+            fh.write(json.dumps({"prompt": text(w["prompt"]), "completion": text(w["completion"])}) + "\n")
+    with (work / "pairs.jsonl").open("w") as fh:
+        for _ in range(rows):
+            fh.write(json.dumps({"prompt": text(w["prompt"]), "chosen": text(w["response"]),
+                                 "rejected": text(w["response"])}) + "\n")
+    if s["gpus"] > 1:
+        inputs["deepspeed_config"] = write_deepspeed_config(work / "ds_zero3.json")
+    return inputs
+
+
+def build_model(inputs: dict) -> dict:
+    """Child ``build``: the variant's Qwen2-shaped model with random weights, initialised on the device in
+    bf16 (no fp32 copy on the host), saved as safetensors -- sharded where the variant says."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    s = SETTINGS[inputs["variant"]]
+    tok = AutoTokenizer.from_pretrained(inputs["tokenizer"])
+    cfg = Qwen2Config(vocab_size=s["vocab"] or len(tok), **s["shape"], tie_word_embeddings=s["tie"],
+                      max_position_embeddings=4096, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      bos_token_id=tok.eos_token_id)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(s["seed"])
+    started = time.perf_counter()
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    built = time.perf_counter()
+    out = Path(inputs["dir"]) / "model"
+    model.save_pretrained(str(out), safe_serialization=True, **({"max_shard_size": s["shard"]} if s["shard"] else {}))
+    tok.save_pretrained(str(out))
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    return {"model": str(out), "device": str(next(model.parameters()).device), "build_s": round(built - started, 2),
+            "save_s": round(time.perf_counter() - built, 2), "shards": len(shards),
+            "index": (out / "model.safetensors.index.json").exists(), "params": sum(p.numel() for p in model.parameters())}
+
+
+def write_deepspeed_config(path: Path) -> str:
+    """TRL's ZeRO-3 file: ``auto`` values filled by the HF Trainer from the TrainingArguments (batch,
+    accumulation, clipping, bf16); no optimizer section, so the Trainer's AdamW (betas, eps, decay as set)
+    is DeepSpeed's client optimizer, as ours is."""
+    cfg = {"zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
+                                 "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                 "stage3_param_persistence_threshold": "auto",
+                                 "stage3_gather_16bit_weights_on_model_save": False},
+           "bf16": {"enabled": "auto"}, "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+           "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+           "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    path.write_text(json.dumps(cfg, indent=2) + "\n")
+    return str(path)
+
+
+def _paths(inputs: dict, name: str) -> tuple[str, str]:
+    """(model dir, data file) of a benchmark."""
+    s = SETTINGS[inputs["variant"]]
+    key = "prompts" if name == "grpo" else "data"
+    if inputs["variant"] == "cpu":
+        return inputs["model"], str(Path(inputs["root"]) / s[name][key])
+    return inputs["model"], str(Path(inputs["dir"]) / s[name][key])
+
+
+def _reward_file(work: Path) -> str:
+    path = work / "length_reward.py"
+    path.write_text("def reward(prompts, completions, labels):\n    return [len(c) / 1000 for c in completions]\n")
+    return f"{path}:reward"
+
+
+# --------------------------------------------------------------------------------------
+# In every child, rank and Ray actor: log capture, thread counts, peak memory
+# --------------------------------------------------------------------------------------
+
+
+def _child_logging() -> None:
+    """rlhf_core's INFO lines (``gradient_checkpointing auto: on/off ...``) to stderr, where the parent reads them."""
+    import logging
+
+    logger = logging.getLogger("rlhf_core")
+    if not any(getattr(h, "_bench", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler._bench = True  # type: ignore[attr-defined]
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
+def _peak_writer(peak_dir: str | None):
+    """Write this process's peak device memory to ``peak_dir/<pid>.json`` every half second (Ray actors are
+    killed at the end: the last write stands); returns a function that writes once more now."""
+    if not peak_dir:
+        return lambda: None
+    path = Path(peak_dir) / f"{os.getpid()}.json"
+    lock = threading.Lock()  # the thread and a final flush share the temporary file
+
+    def write() -> None:
+        with lock:
+            _write_peak(path)
+
+    def loop() -> None:
+        while True:
+            try:
+                write()
+            except Exception:  # noqa: BLE001 - best effort; a torn-down CUDA context at exit
+                pass
+            time.sleep(0.5)
+
+    threading.Thread(target=loop, daemon=True).start()
+    return write
+
+
+def _write_peak(path: Path) -> None:
     import torch
 
-    return torch.cuda.is_available()
+    peaks: dict[str, float] = {}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i in range(torch.cuda.device_count()):  # a rank's own GPU: the one its allocator used
+            peak = torch.cuda.memory_stats(i).get("allocated_bytes.all.peak", 0)
+            if peak:
+                peaks[str(torch.cuda.get_device_properties(i).uuid)] = peak / 2**30
+    else:
+        peaks[f"host:{os.getpid()}"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"pid": os.getpid(), "peak_gb": peaks}))
+    tmp.replace(path)
+
+
+def _read_peaks(peak_dir: Path) -> dict[str, float]:
+    """Peak GB per device: processes sharing a GPU (colocated roles) summed."""
+    by_device: dict[str, float] = {}
+    for f in peak_dir.glob("*.json"):
+        try:
+            for dev, gb in json.loads(f.read_text())["peak_gb"].items():
+                by_device[dev] = by_device.get(dev, 0.0) + gb
+        except (OSError, ValueError, KeyError):
+            continue
+    return by_device
+
+
+def _threads() -> dict:
+    import torch
+
+    return {"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads(),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
 
 
 def _peak_memory_gb() -> float:
@@ -98,76 +401,31 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-# --------------------------------------------------------------------------------------
-# The GPU variant's model and data (built once by the parent, read by every child)
-# --------------------------------------------------------------------------------------
+def _in_actor(factory: str, peak_dir: str, *args, **kwargs):
+    """A Ray actor's role, built by ``rlhf_core.ray_launcher.<factory>`` after the log capture and the peak
+    writer start (looked up by name in the actor, where the launcher is not patched)."""
+    from rlhf_core import ray_launcher
+
+    _child_logging()
+    _peak_writer(peak_dir)
+    return getattr(ray_launcher, factory)(*args, **kwargs)
 
 
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+def _rank_main(train: str, peak_dir: str, cfg, sink=None, show_progress: bool = False):
+    """One data-parallel rank of an offline trainer (``module:function``), with log capture and peak writer."""
+    import importlib
 
-
-def make_small() -> None:
-    """``--small``: the GPU variant's code paths on a micro model and short runs (a CPU smoke test)."""
-    g = SETTINGS["gpu"]
-    g["threads"] = 1
-    g["grpo"].update(prompts_per_step=4, group_size=4, max_new_tokens=16, micro_rows=8, steps=2)
-    for name in ("sft", "dpo", "rm"):
-        g[name].update(batch=4, steps=3)
-
-
-def build_gpu_inputs(work: Path, small: bool) -> dict[str, str]:
-    """Tokenizer + Qwen2-0.5B-shaped random model (causal LM) + the four data files."""
-    sys.path.insert(0, str(REPO / "bench"))
-    from gpu_grpo import build_model, build_tokenizer
-
-    model_dir = build_model(build_tokenizer(32000, work / "tok"), work / "model", **(SMALL if small else {}))
-    rng = random.Random(0)
-    words = open(os.__file__).read().split()
-
-    def text(n: int) -> str:
-        return " ".join(rng.choice(words) for _ in range(n))
-
-    with (work / "prompts.jsonl").open("w") as fh:
-        for i in range(64 * 8):
-            fh.write(json.dumps({"prompt": f"Question {i}: compute {i}*{i + 3} and explain", "label": "x"}) + "\n")
-    with (work / "sft.jsonl").open("w") as fh:
-        for _ in range(32 * 14):
-            fh.write(json.dumps({"prompt": text(64), "completion": text(192)}) + "\n")
-    with (work / "pairs.jsonl").open("w") as fh:
-        for _ in range(32 * 14):
-            fh.write(json.dumps({"prompt": text(64), "chosen": text(128), "rejected": text(128)}) + "\n")
-    return {"model": str(model_dir), "dir": str(work)}
-
-
-def _paths(variant: str, inputs: dict[str, str], name: str) -> tuple[str, str]:
-    """(model dir, data file) of a benchmark."""
-    s = SETTINGS[variant]
-    key = "prompts" if name == "grpo" else "data"
-    if variant == "cpu":
-        return str(REPO / s["model"]), str(REPO / s[name][key])
-    return inputs["model"], str(Path(inputs["dir"]) / s[name][key])
-
-
-def _reward_file(work: Path) -> str:
-    path = work / "length_reward.py"
-    path.write_text("def reward(prompts, completions, labels):\n    return [len(c) / 1000 for c in completions]\n")
-    return f"{path}:reward"
-
-
-def _real_tokens(tokenizer_dir: str, rows: list[dict], fields: list[list[str]], max_length: int) -> float:
-    """Mean non-padding tokens per row: each inner list of fields is one sequence (concatenated)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    total = 0
-    for r in rows:
-        for seq in fields:
-            total += min(len(tok("".join(r[f] for f in seq), add_special_tokens=False)["input_ids"]) + 1, max_length)
-    return total / len(rows)
+    _child_logging()
+    flush = _peak_writer(peak_dir)
+    module, fn = train.split(":")
+    try:
+        return getattr(importlib.import_module(module), fn)(cfg, sink=sink, show_progress=show_progress)
+    finally:
+        flush()
 
 
 # --------------------------------------------------------------------------------------
-# Children: one framework, one benchmark, per-step times
+# Children: one side, one setting, one benchmark -> per-step times
 # --------------------------------------------------------------------------------------
 
 
@@ -179,19 +437,29 @@ class _Sink:
         self.rows.append((step, dict(metrics)))
 
 
-def ours(variant: str, name: str, inputs: dict[str, str]) -> dict:
+TRAINERS = {"sft": "rlhf_core.trainers.sft:train_sft", "dpo": "rlhf_core.trainers.dpo:train_dpo",
+            "rm": "rlhf_core.trainers.reward:train_reward_model"}
+
+
+def ours(task: dict) -> dict:
     import torch
 
     from rlhf_core.config import DPOConfig, RLConfig, RewardConfig, SFTConfig
 
-    s = SETTINGS[variant]
+    inputs, name, row = task["inputs"], task["bench"], ROWS[task["row"]]
+    s = SETTINGS[inputs["variant"]]
     b = s[name]
+    gpus = inputs["gpus"]
     torch.manual_seed(s["seed"])
-    model, data = _paths(variant, inputs, name)
+    model, data = _paths(inputs, name)
     work = Path(tempfile.mkdtemp(prefix=f"bench-ours-{name}-"))
     common = dict(output_dir=str(work / "out"), checkpoint_dir=str(work / "ckpt"), save_every=0,
-                  precision="fp32" if variant == "cpu" else "auto", num_threads=s["threads"], seed=s["seed"])
+                  precision=row["precision"], num_threads=s["threads"], seed=s["seed"],
+                  weight_decay=OPTIMIZER["weight_decay"], max_grad_norm=OPTIMIZER["max_grad_norm"],
+                  num_workers=gpus, parallel="zero3" if gpus > 1 else "ddp",
+                  **{**OURS_BEST, "packing": OURS_BEST["packing"] and name != "grpo"})
     sink = _Sink()
+    peak_dir = os.environ.get("BENCH_PEAK_DIR", "")
     if name == "grpo":
         from rlhf_core.trainers.rl import train_rl
 
@@ -202,37 +470,52 @@ def ours(variant: str, name: str, inputs: dict[str, str]) -> dict:
                        kl_coef=b["beta"], lr=b["lr"], mini_batch_size=rows, micro_batch_size=b["micro_rows"],
                        ppo_epochs=1, batch_size=rows, max_length=b["max_new_tokens"] + 64, warmup_steps=0,
                        eval_items=1, eval_at_start=False, log_rollouts_every=0, rollout_engine="static",
-                       gradient_checkpointing=b["grad_ckpt"], **common)
+                       placement="colocated" if gpus > 1 else "none", rollout_workers=gpus, **common)
         _sync()
-        train_rl(cfg, sink, show_progress=False)
+        if gpus > 1:
+            from rlhf_core import ray_launcher
+
+            for factory in ("_learner", "_reference", "RolloutReplica"):
+                setattr(ray_launcher, factory, functools.partial(_in_actor, factory, peak_dir))
+            ray_launcher.train_rl_on_ray(cfg, sink, show_progress=False)
+        else:
+            train_rl(cfg, sink, show_progress=False)
         steps = [m for _, m in sink.rows if "perf/step_s" in m]
         return {"step_s": [m["perf/step_s"] for m in steps],
                 "phase_s": {k: [m[k] for m in steps] for k in ("perf/rollout_s", "perf/reward_s", "perf/logprob_s",
                                                              "perf/update_s", "perf/weight_sync_s")},
                 "response_len": [m["rollout/response_length"] for m in steps], "peak_memory_gb": _peak_memory_gb(),
-                "engine": "alignflow StaticCacheEngine" + (" + CUDA graphs" if _cuda() else "")}
-    held_out = _paths(variant, inputs, "grpo")[1]  # prompt + label rows: the end-of-run eval (not timed) reads 1
+                "engine": "alignflow StaticCacheEngine" + (" + CUDA graphs" if torch.cuda.is_available() else ""),
+                "launch": "Ray, colocated, zero3" if gpus > 1 else "one process",
+                "settings": {k: getattr(cfg, k) for k in ("precision", "gradient_checkpointing", "fused_kernels",
+                                                          "lm_head", "packing", "num_workers", "parallel",
+                                                          "micro_batch_size", "mini_batch_size", "kl_coef")},
+                "threads": _threads()}
+    held_out = _paths(inputs, "grpo")[1]  # prompt + label rows: the end-of-run eval (not timed) reads 1
     shared = dict(model_path=model, train_file=data, eval_file=held_out, max_steps=b["steps"], batch_size=b["batch"],
-                  max_length=b["max_length"], lr=b["lr"], warmup_steps=0, log_every=1, eval_items=1,
-                  gradient_checkpointing=b["grad_ckpt"], **common)
+                  max_length=b["max_length"], lr=b["lr"], warmup_steps=0, log_every=1, eval_items=1, **common)
     if name == "sft":
-        from rlhf_core.trainers.sft import train_sft as train
-
         cfg = SFTConfig(**shared)
     elif name == "dpo":
-        from rlhf_core.trainers.dpo import train_dpo as train
-
         cfg = DPOConfig(**shared, beta=b["beta"], precompute_reference=False, nll_weight=0.0)
     else:
-        from rlhf_core.trainers.reward import train_reward_model as train
-
         cfg = RewardConfig(**{**shared, "eval_file": data})  # pairs as the held-out file: no split of the train rows
-    train(cfg, sink, show_progress=False)
+    if gpus > 1:
+        from rlhf_core.ray_launcher import train_data_parallel
+
+        train_data_parallel(functools.partial(_rank_main, TRAINERS[name], peak_dir), cfg, sink, show_progress=False)
+    else:
+        _rank_main(TRAINERS[name], "", cfg, sink)
     elapsed = [m["perf/elapsed_s"] for _, m in sink.rows if "perf/elapsed_s" in m]
-    return {"step_s": [b2 - a for a, b2 in zip([0.0] + elapsed, elapsed)], "peak_memory_gb": _peak_memory_gb()}
+    return {"step_s": [b2 - a for a, b2 in zip([0.0] + elapsed, elapsed)], "peak_memory_gb": _peak_memory_gb(),
+            "launch": f"Ray, {gpus} ranks, zero3" if gpus > 1 else "one process",
+            "settings": {k: getattr(cfg, k) for k in ("precision", "gradient_checkpointing", "fused_kernels", "lm_head",
+                                                      "packing", "micro_batch_tokens", "num_workers", "parallel",
+                                                      "batch_size", "max_length", "weight_decay")},
+            "threads": _threads()}
 
 
-def trl_side(variant: str, name: str, inputs: dict[str, str]) -> dict:
+def trl_side(task: dict) -> dict:
     import torch
     import trl
     from datasets import Dataset
@@ -240,284 +523,640 @@ def trl_side(variant: str, name: str, inputs: dict[str, str]) -> dict:
 
     from rlhf_core.data.io import read_records
 
-    s = SETTINGS[variant]
+    inputs, name, row = task["inputs"], task["bench"], ROWS[task["row"]]
+    s = SETTINGS[inputs["variant"]]
     b = s[name]
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # accelerate launch sets it on every rank
+    rank = int(os.environ.get("RANK", "0"))
     torch.manual_seed(s["seed"])
     torch.set_num_threads(s["threads"])
-    model_dir, data = _paths(variant, inputs, name)
-    gpu = _cuda()
-    dtype = torch.bfloat16 if gpu else torch.float32
+    model_dir, data = _paths(inputs, name)
+    gpu = torch.cuda.is_available()
+    dtype = getattr(torch, row["model_dtype"])
+    liger = bool(row["best"]) and gpu
+    if liger:
+        import liger_kernel  # noqa: F401  (trl-best without it would not be TRL's best: fail, not fall back)
     tok = AutoTokenizer.from_pretrained(model_dir)
     work = tempfile.mkdtemp(prefix=f"bench-trl-{name}-")
     times: list[float] = []
     lengths: list[float] = []
 
     class Timer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
+        """Step end to step end (the first from the start of training), like ours' elapsed-time differences:
+        the Trainer fetches and collates a step's batches before ``on_step_begin``, so that would leave them out."""
+
+        def on_train_begin(self, args, state, control, **kw):
             _sync()
             self.t = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
             _sync()
-            times.append(time.perf_counter() - self.t)
+            now = time.perf_counter()
+            times.append(now - self.t)
+            self.t = now
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "completions/mean_length" in logs:
                 lengths.append(float(logs["completions/mean_length"]))
 
+    grad_ckpt = bool(task["trl_grad_ckpt"]["on"])
     common = dict(output_dir=work, learning_rate=b["lr"], lr_scheduler_type="constant", warmup_steps=0,
-                  max_steps=b["steps"], use_cpu=not gpu, bf16=gpu, logging_steps=1, report_to="none",
-                  save_strategy="no", gradient_checkpointing=b["grad_ckpt"], seed=s["seed"], dataloader_num_workers=0)
+                  max_steps=b["steps"], use_cpu=not gpu, bf16=row["bf16"], logging_steps=1, report_to="none",
+                  save_strategy="no", gradient_checkpointing=grad_ckpt, seed=s["seed"], dataloader_num_workers=0,
+                  adam_beta1=OPTIMIZER["betas"][0], adam_beta2=OPTIMIZER["betas"][1], adam_epsilon=OPTIMIZER["eps"],
+                  weight_decay=OPTIMIZER["weight_decay"], max_grad_norm=OPTIMIZER["max_grad_norm"],
+                  use_liger_kernel=liger)
+    if world > 1:
+        common["deepspeed"] = inputs["deepspeed_config"]  # also given to accelerate launch; ZeRO-3 init at load
+    settings = {"model_dtype": row["model_dtype"], "bf16": row["bf16"], "use_liger_kernel": liger,
+                "gradient_checkpointing": grad_ckpt, "gradient_checkpointing_source": task["trl_grad_ckpt"]["source"],
+                "optimizer": f"HF default optim, betas {OPTIMIZER['betas']}, eps {OPTIMIZER['eps']}, "
+                             f"weight decay {OPTIMIZER['weight_decay']}", "world_size": world}
+    if row["best"] and not gpu:
+        settings["use_liger_kernel_note"] = "off: no CUDA (CPU smoke)"
     records = read_records(data)
+    # The config first, then the models: under ZeRO-3 from_pretrained then partitions at load (zero.Init).
     if name == "grpo":
         rows = b["prompts_per_step"] * b["group_size"]
-        accum = rows // b["micro_rows"]
+        accum = rows // (b["micro_rows"] * world)
         ds = Dataset.from_list([{"prompt": r["prompt"]} for r in records])
 
         def reward(completions, **kw):
             return [len(c) / 1000 for c in completions]
 
+        extra = {"cache_implementation": "static"} if row["best"] else {}
+        settings.update(extra, per_device_train_batch_size=b["micro_rows"], steps_per_generation=accum)
         cfg = trl.GRPOConfig(**common, per_device_train_batch_size=b["micro_rows"], gradient_accumulation_steps=accum,
                              steps_per_generation=accum, num_iterations=1, num_generations=b["group_size"],
                              max_completion_length=b["max_new_tokens"], temperature=b["temperature"], beta=b["beta"],
-                             use_vllm=False)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+                             use_vllm=False, **extra)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
         trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok)
     elif name == "sft":
         ds = Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"]} for r in records])
-        cfg = trl.SFTConfig(**common, per_device_train_batch_size=b["batch"], max_length=b["max_length"])
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        # TRL 1.16 refuses padding_free without packing (max_length would not be enforced): packing with
+        # best-fit decreasing is its padding-free path. Rows here exceed or nearly fill max_length, so a
+        # block holds one truncated example and a step the same real tokens as ours.
+        pack = dict(packing=True, packing_strategy="bfd", padding_free=True) if row["best"] else {}
+        settings["padding_free"] = pack or False
+        cfg = trl.SFTConfig(**common, per_device_train_batch_size=b["batch"] // world, max_length=b["max_length"],
+                            **pack)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
         trainer = trl.SFTTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok)
     elif name == "dpo":
         ds = Dataset.from_list([{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in records])
-        cfg = trl.DPOConfig(**common, per_device_train_batch_size=b["batch"], max_length=b["max_length"],
-                            beta=b["beta"])
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        settings["padding_free"] = "not available in TRL 1.16's DPOTrainer (it falls back to padding)"
+        cfg = trl.DPOConfig(**common, per_device_train_batch_size=b["batch"] // world, max_length=b["max_length"],
+                            beta=b["beta"], precompute_ref_log_probs=False)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
         trainer = trl.DPOTrainer(model=model, ref_model=ref, args=cfg, train_dataset=ds, processing_class=tok)
     else:
         ds = Dataset.from_list([{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in records])
-        cfg = trl.RewardConfig(**common, per_device_train_batch_size=b["batch"], max_length=b["max_length"])
-        model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=dtype, num_labels=1)
+        settings["padding_free"] = "no such option in TRL 1.16's RewardConfig"
+        cfg = trl.RewardConfig(**common, per_device_train_batch_size=b["batch"] // world, max_length=b["max_length"])
+        model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=dtype, num_labels=1,
+                                                                   attn_implementation="sdpa")
         model.config.pad_token_id = tok.pad_token_id
         trainer = trl.RewardTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok)
     trainer.add_callback(Timer())
     trainer.train()
-    out = {"step_s": times, "peak_memory_gb": _peak_memory_gb(), "trl": trl.__version__}
+    if name == "sft" and row["best"] and "seq_lengths" in trainer.train_dataset.column_names:
+        blocks = trainer.train_dataset["seq_lengths"]  # bfd packing: the examples' lengths in each block
+        settings["packing_check"] = {"blocks": len(blocks),
+                                     "examples_per_block": round(sum(map(len, blocks)) / len(blocks), 4),
+                                     "tokens_per_block": round(sum(map(sum, blocks)) / len(blocks), 2)}
+    out = {"step_s": times, "peak_memory_gb": _peak_memory_gb(), "trl": trl.__version__, "settings": settings,
+           "launch": f"accelerate launch --num_processes {world}, DeepSpeed ZeRO-3" if world > 1 else "one process",
+           "threads": _threads(), "rank": rank}
     if name == "grpo":
-        out.update(response_len=lengths, engine="TRL HF generate (use_vllm=False)")
+        out.update(response_len=lengths, engine="TRL HF generate (use_vllm=False"
+                   + (", static cache)" if row["best"] else ")"))
     return out
 
 
-# --------------------------------------------------------------------------------------
-# Parent: ceilings, alternating children, summary with ratios and floors
-# --------------------------------------------------------------------------------------
-
-
-def ceilings(variant: str, threads: int) -> dict[str, float]:
-    """Measured matmul peak (bf16 on a GPU, fp32 on the CPU at the benchmark's thread count) and copy bandwidth."""
+def measure_ceiling(inputs: dict, reps: int = 3) -> dict:
+    """Child ``ceiling``: ``reps`` measurements of the matmul peak (bf16 8192^3 on a GPU, fp32 1024^3 on the
+    CPU at the benchmark's thread count) and of device copy bandwidth; the parent keeps them all."""
     import torch
 
-    if variant == "gpu" and _cuda():
-        dev, dtype, n = torch.device("cuda"), torch.bfloat16, 8192
+    s = SETTINGS[inputs["variant"]]
+    if torch.cuda.is_available() and inputs["variant"] != "cpu":
+        dev, dtype, n, device = torch.device("cuda"), torch.bfloat16, 8192, torch.cuda.get_device_name(0)
     else:
-        torch.set_num_threads(threads)
-        dev, dtype, n = torch.device("cpu"), torch.float32, 1024
+        torch.set_num_threads(s["threads"])
+        dev, dtype, n, device = torch.device("cpu"), torch.float32, 1024, "cpu"
     a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
     for _ in range(3):
         a @ b
-    _sync()
-    t = time.perf_counter()
-    reps = 10
-    for _ in range(reps):
-        a @ b
-    _sync()
-    flops = 2 * n**3 / ((time.perf_counter() - t) / reps)
+    flops, bws = [], []
     x = torch.empty(2**28, dtype=torch.uint8, device=dev)
     y = torch.empty_like(x)
     y.copy_(x)
-    _sync()
-    t = time.perf_counter()
-    for _ in range(5):
-        y.copy_(x)
-    _sync()
-    bw = 2 * x.numel() / ((time.perf_counter() - t) / 5)
-    return {"matmul_flops": flops, "copy_bytes_per_s": bw}
+    for _ in range(reps):
+        _sync()
+        t = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        _sync()
+        flops.append(2 * n**3 / ((time.perf_counter() - t) / 10))
+        t = time.perf_counter()
+        for _ in range(5):
+            y.copy_(x)
+        _sync()
+        bws.append(2 * x.numel() / ((time.perf_counter() - t) / 5))
+    return {"matmul_flops": flops, "copy_bytes_per_s": bws, "device": device, "matmul": f"{dtype} {n}^3",
+            "threads": _threads()}
 
 
-def _child(variant: str, side: str, name: str, inputs: dict[str, str]) -> dict:
-    cmd = [sys.executable, __file__, "--variant", variant, "--child", side, "--bench", name,
-           "--inputs", json.dumps(inputs)] + (["--small"] if inputs.get("small") else [])
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{\"result\"")]
-    if proc.returncode != 0 or not lines:
-        return {"error": f"exit {proc.returncode}: {proc.stderr[-3000:]}"}
-    return json.loads(lines[-1])["result"]
+def child_main(kind: str, task: dict) -> None:
+    _child_logging()
+    flush = _peak_writer(os.environ.get("BENCH_PEAK_DIR"))
+    fn = {"alignflow": ours, "trl": trl_side, "ceiling": measure_ceiling, "build": build_model}[kind]
+    result = fn(task if kind in ("alignflow", "trl") else task["inputs"])
+    if kind in ("alignflow", "trl"):
+        import torch
+
+        result["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    flush()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps({"result": result}), flush=True)
+
+
+# --------------------------------------------------------------------------------------
+# Parent: children in fresh processes, nvidia-smi beside them
+# --------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def trl_launch_command(inputs: dict) -> list[str]:
+    """The TRL side's launcher on several GPUs: accelerate with the script's ZeRO-3 file."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(inputs["gpus"]),
+            "--num_machines", "1", "--use_deepspeed", "--deepspeed_config_file", inputs["deepspeed_config"],
+            "--zero3_init_flag", "true", "--main_process_port", str(_free_port())]
+
+
+def run_child(kind: str, task: dict, timeout_s: float) -> dict:
+    """One fresh child process; its result line, the gradient-checkpointing lines it logged, peak memory
+    of every process it started (per GPU) and nvidia-smi's peak per GPU."""
+    inputs = task["inputs"]
+    peak_dir = Path(tempfile.mkdtemp(prefix="bench-peaks-"))
+    launcher = [sys.executable]
+    if kind == "trl" and inputs["gpus"] > 1 and not inputs["small"]:
+        launcher = trl_launch_command(inputs)
+    cmd = launcher + [__file__, "--child", kind, "--task", json.dumps(task)]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "BENCH_PEAK_DIR": str(peak_dir), **NO_MULTICAST}
+    smi = None
+    smi_log = peak_dir / "nvidia-smi.csv"  # a file, not a pipe: a full pipe would stall the sampler
+    if kind in ("alignflow", "trl") and _has_nvidia_smi():
+        with smi_log.open("w") as fh:
+            smi = subprocess.Popen(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits",
+                                    "-lms", "200"], stdout=fh, text=True)
+    started = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=timeout_s)
+        stdout, stderr, rc = proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        stdout, stderr, rc = _text(exc.stdout), _text(exc.stderr) + f"\n[bench] timed out after {timeout_s} s", -9
+    wall = time.perf_counter() - started
+    used: dict[str, float] = {}
+    if smi is not None:
+        smi.terminate()
+        smi.wait()
+        for line in smi_log.read_text().splitlines():
+            try:
+                idx, mib = (x.strip() for x in line.split(","))
+                used[idx] = max(used.get(idx, 0.0), float(mib) / 1024)
+            except ValueError:  # a line cut short when the sampler was stopped
+                continue
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{\"result\"")]
+    if rc != 0 or not lines:
+        return {"error": f"exit {rc}: {stderr[-4000:]}", "wall_s": round(wall, 1)}
+    result = json.loads(lines[-1])["result"]
+    result["wall_s"] = round(wall, 1)
+    if kind in ("alignflow", "trl"):
+        by_device = _read_peaks(peak_dir)
+        gpus = {k: v for k, v in by_device.items() if not k.startswith("host:")}
+        by_device = gpus or by_device  # a Ray driver's host memory is no GPU's
+        result["peak_memory_gb_by_device"] = {k: round(v, 3) for k, v in by_device.items()}
+        result["peak_memory_gb"] = max([result["peak_memory_gb"], *by_device.values()])
+        if used:
+            result["nvidia_smi_peak_used_gb_by_gpu"] = {k: round(v, 2) for k, v in sorted(used.items())}
+        found = re.findall(r"gradient_checkpointing(?: auto)?: (on|off)[^\n]*", stdout + "\n" + stderr)
+        logged = re.search(r"gradient_checkpointing(?: auto)?: (?:on|off)[^\n]*", stdout + "\n" + stderr)
+        if kind == "alignflow":
+            result["gradient_checkpointing"] = ({"on": found[0] == "on", "log": logged.group(0), "ranks_logged": len(found)}
+                                                if found else {"on": None, "log": "no gradient_checkpointing line logged"})
+    return result
+
+
+def _text(x) -> str:
+    return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+
+
+@functools.cache
+def _has_nvidia_smi() -> bool:
+    try:
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def trl_checkpointing(row: str, decided: dict[str, bool], mode: str) -> dict:
+    """TRL's gradient_checkpointing for ``row``: ours' logged choice in the same regime (else any ours
+    row's) once known (``match``), else TRL's default (on); or forced on/off."""
+    if mode in ("on", "off"):
+        return {"on": mode == "on", "source": f"--trl-grad-ckpt {mode}"}
+    regime = ROWS[row]["regime"]
+    same = [r for r in decided if ROWS[r]["regime"] == regime]
+    if same:
+        return {"on": decided[same[0]], "source": f"matches {same[0]}'s logged choice"}
+    if decided:
+        first = next(iter(decided))
+        return {"on": decided[first], "source": f"matches {first}'s logged choice (no ours row of this regime yet)"}
+    return {"on": True, "source": "TRL default (no ours row had run yet)"}
+
+
+# --------------------------------------------------------------------------------------
+# Summary: medians and ranges, fractions of 6NT, floors, ratios, targets
+# --------------------------------------------------------------------------------------
 
 
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def summarize(variant: str, name: str, runs: dict[str, list[dict]], warmup: int, inputs: dict[str, str],
-              peak: dict[str, float], n_params: int, model_info: dict) -> dict:
+def row_summary(name: str, row_runs: list[dict], warmup: int, ceiling: dict, facts: dict, variant: str) -> dict:
     s = SETTINGS[variant]
     b = s[name]
-    out: dict = {}
-    for side, results in runs.items():
-        ok = [r for r in results if "error" not in r]
-        if not ok:
-            out[side] = {"error": results[-1]["error"][-1500:] if results else "not run"}
-            continue
-        timed = [t for r in ok for t in r["step_s"][warmup:]]
-        med = _median(timed)
-        entry = {"median_step_s": round(med, 4), "timed_steps": len(timed),
-                 "peak_memory_gb": round(max(r["peak_memory_gb"] for r in ok), 2)}
-        if name == "grpo":
-            rows = b["prompts_per_step"] * b["group_size"]
-            resp = _median([x for r in ok for x in r.get("response_len", [])[warmup:]] or
-                           [x for r in ok for x in r.get("response_len", [])])
-            entry.update(engine=ok[0]["engine"], samples_per_s=round(rows / med, 1), median_response_len=resp,
-                         generated_tokens_per_s=round(rows * resp / med, 1))
-            if "phase_s" in ok[0]:
-                entry["phase_s"] = {k.split("/")[1]: round(_median([x for r in ok for x in r["phase_s"][k][warmup:]]), 4)
-                                    for k in ok[0]["phase_s"]}
-        else:
-            tokens = model_info["tokens_per_row"][name] * b["batch"]
-            n = n_params - model_info["lm_head_params"] if name == "rm" else n_params
-            entry.update(tokens_per_step=round(tokens), tokens_per_s=round(tokens / med, 1),
-                         fraction_of_peak_6NT=round(6 * n * tokens / med / peak["matmul_flops"], 4))
-        out[side] = entry
-    if all("median_step_s" in out.get(k, {}) for k in ("alignflow", "trl")):
-        out["speedup_alignflow_over_trl"] = round(out["trl"]["median_step_s"] / out["alignflow"]["median_step_s"], 2)
-    resp = out.get("alignflow", {}).get("median_response_len") if name == "grpo" else None
-    out["floor"] = floor(variant, name, peak, n_params, model_info, resp)
-    if "median_step_s" in out.get("alignflow", {}):
-        out["alignflow"]["fraction_of_floor"] = round(out["floor"]["step_s"] / out["alignflow"]["median_step_s"], 4)
+    ok = [r for r in row_runs if "error" not in r and r.get("step_s")]
+    if not ok:
+        errs = [r.get("error", "no steps") for r in row_runs]
+        return {"error": (errs[-1] if errs else "not run")[-1500:]}
+    timed = [t for r in ok for t in r["step_s"][warmup:]]
+    if not timed:
+        return {"error": f"no timed steps (every child ran <= {warmup} warm-up steps)"}
+    med = _median(timed)
+    need = 3 if s["gpus"] > 1 else 5  # the issue's minimum: 5 timed steps a side (7B: 3)
+    entry = {"median_step_s": round(med, 4), "range_step_s": [round(min(timed), 4), round(max(timed), 4)],
+             "round_medians_s": [round(_median(r["step_s"][warmup:]), 4) for r in ok], "timed_steps": len(timed),
+             "enough_timed_steps": len(timed) >= need, "device": ok[0].get("device"),
+             "runs_ok": len(ok), "runs_failed": len(row_runs) - len(ok),
+             "peak_memory_gb": round(max(r["peak_memory_gb"] for r in ok), 2),
+             "settings": ok[0].get("settings"), "launch": ok[0].get("launch"), "threads": ok[0].get("threads")}
+    smi = [v for r in ok for v in r.get("nvidia_smi_peak_used_gb_by_gpu", {}).values()]
+    if smi:
+        entry["nvidia_smi_peak_used_gb"] = round(max(smi), 2)
+    ckpt = [r.get("gradient_checkpointing") or {"on": r.get("settings", {}).get("gradient_checkpointing"),
+                                                 "source": r.get("settings", {}).get("gradient_checkpointing_source")}
+            for r in ok]
+    entry["gradient_checkpointing"] = ckpt[0] if all(c.get("on") == ckpt[0].get("on") for c in ckpt) else ckpt
+    F = ceiling["matmul_flops"] * s["gpus"]
+    if name == "grpo":
+        rows = b["prompts_per_step"] * b["group_size"]
+        resp = _median([x for r in ok for x in r.get("response_len", [])[warmup:]] or
+                       [x for r in ok for x in r.get("response_len", [])])
+        entry.update(engine=ok[0].get("engine"), samples_per_s=round(rows / med, 1), median_response_len=resp,
+                     generated_tokens_per_s=round(rows * resp / med, 1))
+        if "phase_s" in ok[0]:
+            entry["phase_s"] = {k.split("/")[1]: round(_median([x for r in ok for x in r["phase_s"][k][warmup:]]), 4)
+                                for k in ok[0]["phase_s"]}
+        fl = floor(variant, name, ceiling, facts, resp)
+        entry["floor_s"], entry["fraction_of_floor"] = fl["step_s"], round(fl["step_s"] / med, 4)
+    else:
+        tokens = facts["tokens_per_row"][name] * b["batch"]
+        check = (entry["settings"] or {}).get("packing_check")
+        if check:  # TRL's packed blocks: the real tokens a step of b["batch"] blocks holds
+            tokens = check["tokens_per_block"] * b["batch"]
+        factor = 8 if name == "dpo" else 6
+        n = facts["rm_flop_params"] if name == "rm" else facts["flop_params"]
+        entry.update(real_tokens_per_step=round(tokens), tokens_per_s=round(tokens / med, 1),
+                     **{f"fraction_of_{factor}NT": round(factor * n * tokens / med / F, 4)})
+    return entry
+
+
+def floor(variant: str, name: str, ceiling: dict, facts: dict, response_len: float | None = None) -> dict:
+    """The physical floor of one step: FLOPs over the measured matmul peak, bytes over the copy bandwidth
+    (summed over the variant's GPUs)."""
+    s = SETTINGS[variant]
+    b = s[name]
+    gpus = s["gpus"]
+    F, BW = ceiling["matmul_flops"] * gpus, ceiling["copy_bytes_per_s"] * gpus
+    N = facts["flop_params"]
+    if name != "grpo":
+        tokens = facts["tokens_per_row"][name] * b["batch"]
+        factor = 8 if name == "dpo" else 6  # DPO: + the reference's forward (2 N T)
+        n = facts["rm_flop_params"] if name == "rm" else N  # RM: a scalar head, no LM head
+        return {"step_s": round(factor * n * tokens / F, 4), "rule": f"{factor} N T / peak"}
+    rows, prompts = b["prompts_per_step"] * b["group_size"], b["prompts_per_step"]
+    P, R = facts["mean_prompt_tokens"], response_len or b["max_new_tokens"]
+    bytes_per = 2 if variant != "cpu" else 4
+    # every rank holds the whole weights while it generates (ZeRO-3 gathers them): bytes x gpus over gpus x BW
+    kv = facts["kv_bytes_per_token"] * rows * (P + R / 2)  # mean cache length over the decode
+    decode = max((N * bytes_per * gpus + kv) / BW, 2 * N * rows / F)  # N: the matrices a decode step reads
+    prefill = 2 * N * prompts * P / F  # each prompt once per group (its KV cache shared by the group's samples)
+    tokens = prompts * P + rows * R  # training passes: prompts once per group, completions as generated
+    gen, ref, upd = prefill + R * decode, 2 * N * tokens / F, 6 * N * tokens / F
+    return {"step_s": round(gen + ref + upd, 4), "generation_s": round(gen, 4), "reference_s": round(ref, 4),
+            "update_s": round(upd, 4),
+            "rule": "2 N prompts P / peak + R x max(bytes/BW, 2 N B / peak) + 2 N T / peak + 6 N T / peak, "
+                    "T = prompts P + rows R (prompts once per group), R the measured mean response"}
+
+
+def bench_summary(variant: str, name: str, runs: dict[str, list[dict]], warmup: int, ceiling: dict,
+                  facts: dict) -> dict:
+    out: dict = {"rows": {row: row_summary(name, rr, warmup, ceiling, facts, variant) for row, rr in runs.items()}}
+    rows = out["rows"]
+    ours_ok = [r for r in ("ours-mixed", "ours-bf16") if "median_step_s" in rows.get(r, {})]
+    if ours_ok:
+        best = min(ours_ok, key=lambda r: rows[r]["median_step_s"])
+        rows["ours-best"] = {**rows[best], "is": best}
+    pairs = {}
+    for a, t in PAIRS:
+        if "median_step_s" in rows.get(a, {}) and "median_step_s" in rows.get(t, {}):
+            ca = (rows[a]["gradient_checkpointing"] or {}) if isinstance(rows[a]["gradient_checkpointing"], dict) else {}
+            ct = (rows[t]["gradient_checkpointing"] or {}) if isinstance(rows[t]["gradient_checkpointing"], dict) else {}
+            pairs[f"{a} / {t}"] = {
+                "speedup_ours_over_trl": round(rows[t]["median_step_s"] / rows[a]["median_step_s"], 3),
+                "peak_memory_ratio_ours_over_trl": round(rows[a]["peak_memory_gb"] / max(rows[t]["peak_memory_gb"], 1e-9), 3),
+                "gradient_checkpointing": {"ours": ca.get("on"), "trl": ct.get("on")},
+                "like_with_like_checkpointing": ca.get("on") is not None and ca.get("on") == ct.get("on")}
+    out["pairs"] = pairs
+    if name == "grpo":
+        resp = rows.get("ours-best", {}).get("median_response_len")
+        out["floor"] = floor(variant, name, ceiling, facts, resp)
+    else:
+        out["floor"] = floor(variant, name, ceiling, facts)
     return out
 
 
-def floor(variant: str, name: str, peak: dict[str, float], n_params: int, info: dict,
-          response_len: float | None = None) -> dict:
-    """The physical floor of one step: FLOPs over the measured matmul peak, bytes over the copy bandwidth."""
-    b = SETTINGS[variant][name]
-    F, BW = peak["matmul_flops"], peak["copy_bytes_per_s"]
-    if name != "grpo":
-        tokens = info["tokens_per_row"][name] * b["batch"]
-        factor = 8 if name == "dpo" else 6  # DPO: + the reference's forward (2 N T)
-        n = n_params - info["lm_head_params"] if name == "rm" else n_params  # RM: a scalar head, no LM head
-        return {"step_s": round(factor * n * tokens / F, 4), "rule": f"{factor} N T / peak"}
-    rows = b["prompts_per_step"] * b["group_size"]
-    R, P = b["max_new_tokens"], info["prompt_tokens"]
-    bytes_per = 2 if variant == "gpu" else 4
-    kv = info["kv_bytes_per_token"] * rows * (P + R / 2)  # mean cache length over the decode
-    decode = max((n_params * bytes_per + kv) / BW, 2 * n_params * rows / F)
-    # training passes need only the real tokens: mean prompt + measured mean response
-    tokens = rows * (info.get("mean_prompt_tokens", P) + (response_len or R))
-    gen, ref, upd = R * decode, 2 * n_params * tokens / F, 6 * n_params * tokens / F
-    return {"step_s": round(gen + ref + upd, 4), "generation_s": round(gen, 4), "reference_s": round(ref, 4),
-            "update_s": round(upd, 4), "rule": "R x max(bytes/BW, 2NB/peak) + 2NT/peak + 6NT/peak"}
+def _target(what: str, bench: str, value, threshold: float, higher: bool, using: str) -> dict:
+    met = None if value is None else (value >= threshold if higher else value <= threshold)
+    return {"target": what, "bench": bench, "value": value, "threshold": threshold,
+            "status": "not measured" if met is None else ("met" if met else "not met"), "using": using}
 
 
-def model_facts(variant: str, inputs: dict[str, str]) -> tuple[int, dict]:
+def targets(variant: str, results: dict) -> list[dict]:
+    """The issue's targets, each met / not met / not measured (ours: ours-best, the faster of our rows)."""
+    out: list[dict] = []
+
+    def row(bench: str, name: str) -> dict:
+        return results.get(bench, {}).get("summary", {}).get("rows", {}).get(name, {})
+
+    fractions = {"gpu": {"sft": 0.40, "dpo": 0.35, "rm": 0.35}, "gpu-1.5b": {"sft": 0.50, "dpo": 0.45, "rm": 0.45}}
+    for bench, thr in fractions.get(variant, {}).items():
+        key = "fraction_of_8NT" if bench == "dpo" else "fraction_of_6NT"
+        out.append(_target(f"{bench} fraction of {key[12:]} >= {thr:.0%}", bench, row(bench, "ours-best").get(key),
+                           thr, True, f"ours-best ({row(bench, 'ours-best').get('is')})"))
+    if variant == "gpu":
+        for bench in ("sft", "dpo", "rm"):
+            for trl_row, thr in (("trl-best", 1.3), ("trl-default", 2.0)):
+                a, t = row(bench, "ours-best"), row(bench, trl_row)
+                v = round(t["median_step_s"] / a["median_step_s"], 3) if "median_step_s" in a and "median_step_s" in t else None
+                out.append(_target(f"{bench} >= {thr}x {trl_row}", bench, v, thr, True, f"ours-best / {trl_row}"))
+        out.append(_target("grpo step <= 2.0 s", "grpo", row("grpo", "ours-best").get("median_step_s"), 2.0, False,
+                           "ours-best median"))
+    if variant == "gpu-7b":
+        for bench, thr, what in (("grpo", 3.0, "grpo >= 3x TRL (step time)"), ("dpo", 1.5, "dpo tokens/s >= 1.5x TRL")):
+            a = row(bench, "ours-best")
+            trl_rows = [(r, row(bench, r)) for r in ("trl-default", "trl-mixed", "trl-best") if "median_step_s" in row(bench, r)]
+            if "median_step_s" in a and trl_rows:
+                fastest, t = min(trl_rows, key=lambda x: x[1]["median_step_s"])
+                out.append(_target(what, bench, round(t["median_step_s"] / a["median_step_s"], 3), thr, True,
+                                   f"ours-best / {fastest} (the fastest TRL row)"))
+            else:
+                out.append(_target(what, bench, None, thr, True, "ours-best / fastest TRL row"))
+    for bench, res in results.items():
+        for pair, p in res.get("summary", {}).get("pairs", {}).items():
+            if pair.startswith("ours-fp32"):
+                continue
+            out.append(_target(f"{bench} peak memory <= 1.25x TRL's ({pair})", bench,
+                               p["peak_memory_ratio_ours_over_trl"], 1.25, False, pair))
+    return out
+
+
+def model_facts(inputs: dict) -> dict:
+    """Parameter counts (on the meta device: no weights), KV bytes per token, real tokens per row."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from rlhf_core.data.io import read_records
 
-    model_dir, _ = _paths(variant, inputs, "sft")
-    cfg = AutoConfig.from_pretrained(model_dir)
-    n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * (2 if variant == "gpu" else 4)
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    variant = inputs["variant"]
     s = SETTINGS[variant]
+    model_dir, _ = _paths(inputs, "sft")
+    cfg = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    embed = cfg.vocab_size * cfg.hidden_size
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    non_embedding = n_params - embed * (1 if tied else 2)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * (2 if variant != "cpu" else 4)
+    tok = AutoTokenizer.from_pretrained(model_dir)
     per_row = {}
     for name, fields in (("sft", [["prompt", "completion"]]), ("dpo", [["prompt", "chosen"], ["prompt", "rejected"]]),
                          ("rm", [["prompt", "chosen"], ["prompt", "rejected"]])):
-        rows = read_records(_paths(variant, inputs, name)[1])[:256]
-        per_row[name] = _real_tokens(model_dir, rows, fields, s[name]["max_length"])
-    prompts = read_records(_paths(variant, inputs, "grpo")[1])
+        rows = read_records(_paths(inputs, name)[1])[:256]
+        total = 0
+        for r in rows:
+            for seq in fields:  # + 1: the end-of-sequence token; truncated at max_length
+                total += min(len(tok("".join(r[f] for f in seq), add_special_tokens=False)["input_ids"]) + 1,
+                             s[name]["max_length"])
+        per_row[name] = total / len(rows)
+    prompts = read_records(_paths(inputs, "grpo")[1])
     lengths = [len(tok(r["prompt"], add_special_tokens=False)["input_ids"]) for r in prompts]
-    return n_params, {"tokens_per_row": per_row, "kv_bytes_per_token": kv_bytes, "prompt_tokens": max(lengths),
-                      "mean_prompt_tokens": sum(lengths) / len(lengths),
-                      "lm_head_params": cfg.vocab_size * cfg.hidden_size}
+    return {"params": n_params, "flop_params": non_embedding + embed, "rm_flop_params": non_embedding,
+            "tied_embeddings": tied, "vocab_size": cfg.vocab_size, "tokenizer_size": len(tok),
+            "tokens_per_row": per_row, "kv_bytes_per_token": kv_bytes, "prompt_tokens": max(lengths),
+            "mean_prompt_tokens": sum(lengths) / len(lengths)}
+
+
+def environment() -> dict:
+    import torch
+    import transformers
+
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
+                "cuda": torch.version.cuda}
+    for dist in ("trl", "accelerate", "deepspeed", "ray", "liger-kernel", "datasets", "tokenizers"):
+        try:  # metadata, not an import: the parent keeps off CUDA and DeepSpeed's accelerator probe
+            versions[dist] = version(dist)
+        except PackageNotFoundError:
+            versions[dist] = "not installed"
+    return {"versions": versions, "cpus": os.cpu_count(), "parent_threads": _threads(),
+            "nvidia_smi": _smi_names(), "multicast_env": NO_MULTICAST}
+
+
+def _smi_names() -> list[str]:
+    if not _has_nvidia_smi():
+        return []
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout
+    return [ln.strip() for ln in out.splitlines() if ln.strip()]
+
+
+def settings_record(variant: str, rows: list[str], args: argparse.Namespace) -> dict:
+    s = SETTINGS[variant]
+    return {"variant": variant, "small": args.small, **{k: v for k, v in s.items() if k not in BENCHES},
+            "benches": {b: s[b] for b in BENCHES}, "rows": {r: ROWS[r] for r in rows}, "ours_best_settings": OURS_BEST,
+            "optimizer": {**OPTIMIZER, "ours": "torch.optim.AdamW (foreach), no decay on 1-D params",
+                          "trl": "HF Trainer default optim (adamw_torch_fused), no decay on biases and norms"},
+            "rounds": args.rounds, "order": "ABBA: the row list, reversed on even rounds", "warmup_steps": args.warmup,
+            "trl_grad_ckpt": args.trl_grad_ckpt,
+            "differences": ["optimizer kernel: TRL fused AdamW, ours foreach AdamW",
+                            "learning-rate schedule: ours cosine (warmup 0), TRL constant (timing only)",
+                            "GRPO loss aggregation: ours token_mean with clip_high 0.28, TRL 1.16 defaults",
+                            "under DeepSpeed bf16 (gpu-7b) trl-mixed's fp32 model is cast to bf16 with fp32 "
+                            "master partitions: the same regime as trl-default",
+                            "ours' precision bf16/mixed, fused_kernels and lm_head are passed as set; "
+                            "how far each is in effect is the trainers' business (recorded per row)"]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--variant", choices=["cpu", "gpu"], default="cpu")
-    ap.add_argument("--only", default=",".join(BENCHES), help="comma-separated subset of " + ",".join(BENCHES))
-    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds of (alignflow, TRL)")
-    ap.add_argument("--warmup", type=int, default=1, help="steps per process left out of the median")
-    ap.add_argument("--sides", default="alignflow,trl")
+    ap.add_argument("--variant", choices=list(SETTINGS), default="cpu")
+    ap.add_argument("--bench", default=",".join(BENCHES), help="comma-separated subset of " + ",".join(BENCHES))
+    ap.add_argument("--rows", default="", help="comma-separated rows (" + ",".join(ROWS) + "); default by variant")
+    ap.add_argument("--rounds", type=int, default=0, help="ABBA rounds (default: 2; 1 for gpu-7b)")
+    ap.add_argument("--warmup", type=int, default=1, help="steps per child process left out of the figures")
+    ap.add_argument("--trl-grad-ckpt", choices=["match", "on", "off"], default="match",
+                    help="TRL's gradient checkpointing: match ours' logged choice (default), or force it")
+    ap.add_argument("--child-timeout", type=float, default=1500, help="seconds before a child is killed")
     ap.add_argument("--out", default="bench/results/side_by_side_cpu.json")
-    ap.add_argument("--small", action="store_true", help="GPU variant's code on a micro model (smoke test)")
+    ap.add_argument("--cpu-root", default="", help="cpu variant: the checkout whose models/sft and data/embedded "
+                                                   "(dvc outputs) it reads (default: this one)")
+    ap.add_argument("--work", default="", help="folder for tokenizer, data and model (default: a new temporary one); "
+                                               "a model an earlier call built there for the same variant is reused")
+    ap.add_argument("--small", action="store_true", help="the variant's code paths on a micro model (smoke test)")
     ap.add_argument("--resummarize", metavar="FILE", help="recompute the summaries of a result file from its runs")
-    ap.add_argument("--child", choices=["alignflow", "trl"], help=argparse.SUPPRESS)
-    ap.add_argument("--bench", choices=BENCHES, help=argparse.SUPPRESS)
-    ap.add_argument("--inputs", default="{}", help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=["alignflow", "trl", "ceiling", "build"], help=argparse.SUPPRESS)
+    ap.add_argument("--task", default="{}", help=argparse.SUPPRESS)
     args = ap.parse_args()
     import rlhf_core  # noqa: F401  (offline switches)
 
-    if args.small:
-        make_small()
-    if args.resummarize:  # recompute summaries (ratios, floors) of a result file from its recorded runs
-        data = json.loads(Path(args.resummarize).read_text())
-        peak = {"matmul_flops": data["measured_peak"]["matmul_tflops"] * 1e12,
-                "copy_bytes_per_s": data["measured_peak"]["copy_tb_per_s"] * 1e12}
-        for name, res in data["results"].items():
-            res["summary"] = summarize(data["variant"], name, res["runs"], args.warmup, {}, peak,
-                                       data["model_params"], data["model_info"])
-            print(json.dumps({"bench": name, "summary": res["summary"]}))
-        Path(args.resummarize).write_text(json.dumps(data, indent=2) + "\n")
-        return
     if args.child:
-        result = (ours if args.child == "alignflow" else trl_side)(args.variant, args.bench, json.loads(args.inputs))
-        print(json.dumps({"result": result}), flush=True)
+        task = json.loads(args.task)
+        if task.get("inputs", {}).get("small"):
+            make_small(task["inputs"]["variant"])
+        child_main(args.child, task)
         return
+    if args.small:
+        make_small(args.variant)
+    if args.resummarize:
+        resummarize(Path(args.resummarize), args.warmup)
+        return
+    s = SETTINGS[args.variant]
+    args.rounds = args.rounds or s["rounds"]
+    rows = (args.rows or DEFAULT_ROWS.get(args.variant, GPU_ROWS)).split(",")
+    benches = args.bench.split(",")
+    for r in rows:
+        if r not in ROWS:
+            ap.error(f"unknown row {r!r}; rows: {', '.join(ROWS)}")
+    for b in benches:
+        if b not in BENCHES:
+            ap.error(f"unknown bench {b!r}; benches: {', '.join(BENCHES)}")
 
-    import torch
-    import transformers
-
-    inputs = {}
-    if args.variant == "gpu":
-        inputs = {**build_gpu_inputs(Path(tempfile.mkdtemp(prefix="bench-gpu-")), args.small), "small": args.small}
-    peak = ceilings(args.variant, SETTINGS[args.variant]["threads"])
-    n_params, info = model_facts(args.variant, inputs)
-    try:
-        import trl
-
-        trl_version = trl.__version__
-    except ImportError:
-        trl_version = "not installed"
-    header = {"variant": args.variant, "settings": SETTINGS[args.variant], "torch": torch.__version__,
-              "transformers": transformers.__version__, "trl": trl_version, "cpus": os.cpu_count(),
-              "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-              "measured_peak": {"matmul_tflops": round(peak["matmul_flops"] / 1e12, 3),
-                                "copy_tb_per_s": round(peak["copy_bytes_per_s"] / 1e12, 3)},
-              "model_params": n_params, "model_info": info,
-              "precision": "bf16 autocast over fp32 masters (alignflow), bf16 weights (TRL)" if args.variant == "gpu"
-              else "fp32 both"}
+    started = time.perf_counter()
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix=f"bench-{args.variant}-"))
+    work.mkdir(parents=True, exist_ok=True)
+    inputs = build_inputs(args.variant, work, args.small)
+    if args.cpu_root:
+        if args.variant != "cpu":
+            ap.error("--cpu-root is for the cpu variant; the GPU variants build their own model and data")
+        root = Path(args.cpu_root).resolve()
+        inputs.update(root=str(root), model=str(root / s["model"]))
+    header: dict = {"variant": args.variant, "settings": settings_record(args.variant, rows, args),
+                    "environment": environment()}
+    if args.variant != "cpu":
+        record, key = work / "model_build.json", {"variant": args.variant, "small": args.small}
+        built = json.loads(record.read_text()) if record.exists() else {}
+        if built.get("key") == key and (Path(built.get("model", "/nonexistent")) / "config.json").exists():
+            built["reused"] = True  # the same seed and shape: the same weights, not built again
+        else:
+            built = run_child("build", {"inputs": inputs}, args.child_timeout)
+            if "error" in built:
+                sys.exit(f"model build failed: {built['error']}")
+            record.write_text(json.dumps({**built, "key": key}) + "\n")
+        inputs["model"] = built["model"]
+        header["model_build"] = built
+    if s["gpus"] > 1:
+        header["trl_launch"] = {"command": " ".join(trl_launch_command(inputs)[1:]) + " bench/side_by_side.py ...",
+                                "deepspeed_config": json.loads(Path(inputs["deepspeed_config"]).read_text()),
+                                "launched": not args.small}
+    header["model"] = model_facts(inputs)
+    ceilings = {"start": run_child("ceiling", {"inputs": inputs}, args.child_timeout)}
+    header["ceilings"] = ceilings
     print(json.dumps({"settings": header}), flush=True)
+    out = Path(args.out)
+
+    def ceiling_now() -> dict:
+        ms = [m for c in ceilings.values() if "error" not in c for m in c["matmul_flops"]]
+        bw = [m for c in ceilings.values() if "error" not in c for m in c["copy_bytes_per_s"]]
+        return {"matmul_flops": max(ms), "copy_bytes_per_s": max(bw), "measurements": len(ms),
+                "when": sorted(k for k, c in ceilings.items() if "error" not in c)}
+
+    def write(results: dict, final: bool) -> dict:
+        ceiling = ceiling_now()
+        for name, res in results.items():
+            res["summary"] = bench_summary(args.variant, name, res["runs"], args.warmup, ceiling, header["model"])
+        doc = {**header, "ceiling": {**ceiling, "matmul_tflops": round(ceiling["matmul_flops"] / 1e12, 2),
+                                     "copy_tb_per_s": round(ceiling["copy_bytes_per_s"] / 1e12, 3)},
+               "final": final, "results": results,
+               "summary": {"pairs": {n: r["summary"]["pairs"] for n, r in results.items()},
+                           "targets": targets(args.variant, results)},
+               "wall_s": round(time.perf_counter() - started, 1)}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=2) + "\n")
+        return doc
+
     results: dict = {}
-    sides = args.sides.split(",")
-    for name in args.only.split(","):
-        runs: dict[str, list[dict]] = {side: [] for side in sides}
-        for r in range(args.rounds):
-            for side in sides:
-                started = time.perf_counter()
-                res = _child(args.variant, side, name, inputs)
-                runs[side].append(res)
-                print(json.dumps({"bench": name, "round": r, "side": side, "wall_s": round(time.perf_counter() - started, 1),
-                                  **({"error": res["error"][-800:]} if "error" in res else
-                                     {"step_s": [round(x, 4) for x in res["step_s"]],
-                                      "peak_memory_gb": round(res["peak_memory_gb"], 2)})}), flush=True)
-        results[name] = {"summary": summarize(args.variant, name, runs, args.warmup, inputs, peak, n_params, info),
-                         "runs": runs}
+    for name in benches:
+        runs: dict[str, list[dict]] = {row: [] for row in rows}
+        decided: dict[str, bool] = {}  # ours rows' logged gradient-checkpointing choice on this benchmark
+        results[name] = {"runs": runs}
+        for rnd, row in schedule(rows, args.rounds):
+            side = ROWS[row]["side"]
+            task = {"inputs": inputs, "bench": name, "row": row}
+            if side == "trl":
+                task["trl_grad_ckpt"] = trl_checkpointing(row, decided, args.trl_grad_ckpt)
+            res = run_child(side, task, args.child_timeout)
+            res["round"] = rnd
+            runs[row].append(res)
+            if side == "alignflow" and (res.get("gradient_checkpointing") or {}).get("on") is not None:
+                decided.setdefault(row, res["gradient_checkpointing"]["on"])
+            print(json.dumps({"bench": name, "round": rnd, "row": row, "wall_s": res.get("wall_s"),
+                              **({"error": res["error"][-800:]} if "error" in res else
+                                 {"step_s": [round(x, 4) for x in res["step_s"]],
+                                  "peak_memory_gb": round(res["peak_memory_gb"], 2),
+                                  "gradient_checkpointing": (res.get("gradient_checkpointing") or
+                                                             task.get("trl_grad_ckpt"))})}), flush=True)
+            write(results, final=False)  # after every child: a call cut off at its limit keeps what ran
         print(json.dumps({"bench": name, "summary": results[name]["summary"]}), flush=True)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # after each benchmark: a cut-off run keeps its part
-        Path(args.out).write_text(json.dumps({**header, "results": results}, indent=2) + "\n")
+    ceilings["end"] = run_child("ceiling", {"inputs": inputs}, args.child_timeout)
+    doc = write(results, final=True)
+    print(json.dumps({"ceiling": doc["ceiling"], "summary": doc["summary"]}), flush=True)
+
+
+def resummarize(path: Path, warmup: int) -> None:
+    """Recompute every summary of a result file from its recorded runs, ceilings and model facts."""
+    data = json.loads(path.read_text())
+    if data["settings"].get("small"):
+        make_small(data["variant"])
+    c = data["ceiling"]
+    ceiling = {"matmul_flops": c["matmul_flops"], "copy_bytes_per_s": c["copy_bytes_per_s"]}
+    for name, res in data["results"].items():
+        res["summary"] = bench_summary(data["variant"], name, res["runs"], warmup, ceiling, data["model"])
+        print(json.dumps({"bench": name, "summary": res["summary"]}))
+    data["summary"] = {"pairs": {n: r["summary"]["pairs"] for n, r in data["results"].items()},
+                       "targets": targets(data["variant"], data["results"])}
+    path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 if __name__ == "__main__":
