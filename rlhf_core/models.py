@@ -52,23 +52,8 @@ def load_tokenizer(path: str | Path, padding_side: str = "right") -> Any:
     return ensure_chat_template(tok)
 
 
-def attention_implementation(packed: bool, device: torch.device | None) -> str:
-    """transformers' attention for a trainer's batches: ``flex_attention`` for padding-free (packed) rows on a
-    GPU, whose block mask skips the blocks between sequences; ``sdpa`` otherwise.
-
-    SDPA runs a packed row with a dense block-diagonal mask, i.e. attention over the whole packed length
-    (measured on 2 CPU cores, embedded SFT: 10.5k tokens/s padded, 4.6k packed in one row, 7.0k packed
-    in 1,024-token micro-batches). Flex attention has no backward on a CPU (torch 2.13), so there packing
-    stays on SDPA, correct but slower than padding: it is for GPUs.
-    """
-    device = device or pick_device()
-    return "flex_attention" if packed and device.type == "cuda" else "sdpa"
-
-
-def load_causal_lm(path: str | Path, device: torch.device | None = None, dtype: torch.dtype = torch.float32,
-                   packed: bool = False) -> Any:
-    """An ``AutoModelForCausalLM`` from a local directory, its parameters in ``dtype`` on ``device``, attention
-    for padded or ``packed`` batches (:func:`attention_implementation`).
+def load_causal_lm(path: str | Path, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> Any:
+    """An ``AutoModelForCausalLM`` from a local directory, its parameters in ``dtype`` on ``device``.
 
     Trainers pick ``dtype`` from their precision regime (:class:`rlhf_core.precision.Precision`):
     ``load_dtype`` for the trained model, ``weight_dtype`` for frozen ones. transformers keeps
@@ -80,8 +65,11 @@ def load_causal_lm(path: str | Path, device: torch.device | None = None, dtype: 
     if not (path / "config.json").exists():
         raise ModelLoadError(f"{path}: not a Hugging Face model directory (no config.json)")
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
-                                                     attn_implementation=attention_implementation(packed, device))
+        # SDPA for padded and packed rows alike: a packed row gets a dense block-diagonal mask (correct;
+        # packing pays only with variable-length flash attention, not installed here). Flex attention was
+        # tried for packed rows: no backward on a CPU, slower than padded SDPA on an H200 once compiled,
+        # and a compile per packed length (bench/results/gpu_lm_head_check_h200.json, BENCHMARKS.md).
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{path}: cannot load as a causal LM: {exc}") from None
     return model.to(device or pick_device())

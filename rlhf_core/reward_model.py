@@ -19,13 +19,12 @@ import torch
 from rlhf_core.data.tokenize import collate_padded, tokenize_prompt_completion
 from rlhf_core.logprobs import is_packed
 from rlhf_core.losses import segment_last_index
-from rlhf_core.models import ModelLoadError, attention_implementation, pick_device
+from rlhf_core.models import ModelLoadError, pick_device
 
 MEAN_KEY, STD_KEY = "alignflow_reward_mean", "alignflow_reward_std"
 
 
-def load_reward_model(path: str | Path, device: torch.device | None = None, dtype: torch.dtype = torch.float32,
-                      packed: bool = False) -> Any:
+def load_reward_model(path: str | Path, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> Any:
     """A scalar-head model from an HF directory (a trained reward model, or an LM to start one from),
     its parameters in ``dtype`` (see :func:`rlhf_core.models.load_causal_lm`)."""
     from transformers import AutoModelForSequenceClassification
@@ -33,8 +32,7 @@ def load_reward_model(path: str | Path, device: torch.device | None = None, dtyp
     path = Path(path)
     if not (path / "config.json").exists():
         raise ModelLoadError(f"{path}: not a Hugging Face model directory (no config.json)")
-    model = AutoModelForSequenceClassification.from_pretrained(
-        str(path), num_labels=1, dtype=dtype, attn_implementation=attention_implementation(packed, device))
+    model = AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1, dtype=dtype)
     if model.config.pad_token_id is None:
         raise ModelLoadError(f"{path}: config has no pad_token_id; the reward head needs it to find the last token")
     return model.to(device or pick_device())

@@ -102,8 +102,8 @@ def load_policy_and_reference(cfg: Any, device: torch.device) -> tuple[Any, Any]
     from rlhf_core.precision import Precision
 
     precision = Precision.resolve(cfg.precision, device)
-    policy = load_causal_lm(cfg.model_path, device, precision.load_dtype, packed=cfg.packing)
-    reference = load_causal_lm(cfg.ref_model_path or cfg.model_path, device, precision.weight_dtype, packed=cfg.packing)
+    policy = load_causal_lm(cfg.model_path, device, precision.load_dtype)
+    reference = load_causal_lm(cfg.ref_model_path or cfg.model_path, device, precision.weight_dtype)
     return policy, reference.eval().requires_grad_(False)
 
 

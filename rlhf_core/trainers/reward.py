@@ -66,8 +66,7 @@ def train_reward_model(cfg: RewardConfig, sink: MetricSink | None = None, show_p
     # ---- load: backbone + scalar head, pairs, held-out split ------------------------------
     tokenizer = load_tokenizer(cfg.model_path)
     device = pick_device()
-    model = load_reward_model(cfg.model_path, device, Precision.resolve(cfg.precision, device).load_dtype,
-                              packed=cfg.packing)
+    model = load_reward_model(cfg.model_path, device, Precision.resolve(cfg.precision, device).load_dtype)
     fields = dict(prompt_field=cfg.prompt_field, chosen_field=cfg.chosen_field, rejected_field=cfg.rejected_field,
                   max_length=cfg.max_length)
     records = read_records(cfg.train_file)

@@ -53,7 +53,8 @@ def test_sequence_logprobs_and_gradients_match_whole_logits(micro_model, micro_d
                                   batch["labels"])
     (reference * weights).sum().backward()
     expected = _grads(model)
-    for head in (CHUNK, LMHead("chunked", 4096), LMHead("full")):
+    # auto: whole logits of the scored positions, and past its size limit (0 bytes) the chunked fallback
+    for head in (CHUNK, LMHead("chunked", 4096), LMHead("full"), LMHead("auto"), LMHead("auto", 7, whole_bytes=0)):
         got = response_logprobs(model, batch, head=head)
         torch.testing.assert_close(got, reference, atol=1e-5, rtol=0)
         (got * weights).sum().backward()

@@ -100,21 +100,12 @@ def test_kernel_choice_on_a_cpu():
     """Without CUDA: auto resolves to chunked, an explicit liger or fused_kernels: on is a clear error."""
     cpu = torch.device("cpu")
     assert use_fused_kernels("auto", cpu) is False
-    assert resolve_lm_head("auto", 4096, fused=False, head_whole=True) == LMHead("chunked", 4096)
-    assert resolve_lm_head("full", 64, fused=False, head_whole=True) == LMHead("full", 64)
+    assert resolve_lm_head("auto", 4096, fused=False, head_whole=True) == LMHead("auto", 4096, "chunked")
+    assert resolve_lm_head("full", 64, fused=False, head_whole=True).kernel == "full"
     with pytest.raises(RuntimeError, match="fused_kernels: on needs a CUDA device"):
         use_fused_kernels("on", cpu)
     with pytest.raises(RuntimeError, match="lm_head: liger needs CUDA"):
         resolve_lm_head("liger", 4096, fused=False, head_whole=True)
-    assert resolve_lm_head("auto", 4096, fused=True, head_whole=False).kernel == "chunked"  # ZeRO-3
+    assert resolve_lm_head("auto", 4096, fused=True, head_whole=False).fallback == "chunked"  # ZeRO-3
+    assert resolve_lm_head("auto", 4096, fused=True, head_whole=True).fallback == "liger"
 
-
-def test_packed_rows_use_flex_attention_on_a_gpu_only():
-    """Flex attention (block-sparse document mask) for packed rows on CUDA; SDPA elsewhere, since torch has
-    no flex backward on a CPU (a packed row then runs SDPA with a dense block-diagonal mask)."""
-    from rlhf_core.models import attention_implementation
-
-    assert attention_implementation(True, torch.device("cpu")) == "sdpa"
-    assert attention_implementation(False, torch.device("cpu")) == "sdpa"
-    assert attention_implementation(True, torch.device("cuda")) == "flex_attention"
-    assert attention_implementation(False, torch.device("cuda")) == "sdpa"
