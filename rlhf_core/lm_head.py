@@ -272,6 +272,12 @@ def prepare_kernels(cfg: Any, *models: Any) -> LMHead:
     """Apply ``cfg.fused_kernels`` to each of ``models`` (policy, reference, teacher) and resolve
     ``cfg.lm_head``; logs both choices."""
     device = next(models[0].parameters()).device
+    if device.type == "cuda":
+        # cuDNN's SDPA backend builds an execution plan for each new sequence length (padded batches vary
+        # in width): on an H200 training steps alternated 0.14 / 0.30 s with it, while the same step at
+        # one fixed shape took 0.13 s (bench/results/gpu_sft_profile_h200_*.json). PyTorch's flash
+        # backend serves every length without a plan.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     fused = use_fused_kernels(cfg.fused_kernels, device)
     if fused:
         for model in models:
