@@ -271,6 +271,18 @@ def resolve_lm_head(setting: str, chunk_tokens: int, *, fused: bool, head_whole:
 def prepare_kernels(cfg: Any, *models: Any) -> LMHead:
     """Apply ``cfg.fused_kernels`` to each of ``models`` (policy, reference, teacher) and resolve
     ``cfg.lm_head``; logs both choices."""
+    fused = prepare_decoder_kernels(cfg, *models)
+    head_whole = not (getattr(cfg, "num_workers", 1) > 1 and getattr(cfg, "parallel", "ddp") == "zero3")
+    head = resolve_lm_head(cfg.lm_head, cfg.logit_chunk_tokens, fused=fused, head_whole=head_whole)
+    log.info("%s: fused kernels %s, LM head %s%s", cfg.section, "on (liger-kernel)" if fused else "off", head.kernel,
+             f" (whole logits up to {head.whole_bytes / 2**30:.0f} GiB, else {head.fallback})"
+             if head.kernel == "auto" else "")
+    return head
+
+
+def prepare_decoder_kernels(cfg: Any, *models: Any) -> bool:
+    """The decoder half of :func:`prepare_kernels` (a reward model has no LM head): attention backend on a
+    GPU, and ``cfg.fused_kernels`` applied to each of ``models``; returns whether fused kernels are on."""
     device = next(models[0].parameters()).device
     if device.type == "cuda":
         # cuDNN's SDPA backend builds an execution plan for each new sequence length (padded batches vary
@@ -282,9 +294,4 @@ def prepare_kernels(cfg: Any, *models: Any) -> LMHead:
     if fused:
         for model in models:
             apply_fused_kernels(model)
-    head_whole = not (getattr(cfg, "num_workers", 1) > 1 and getattr(cfg, "parallel", "ddp") == "zero3")
-    head = resolve_lm_head(cfg.lm_head, cfg.logit_chunk_tokens, fused=fused, head_whole=head_whole)
-    log.info("%s: fused kernels %s, LM head %s%s", cfg.section, "on (liger-kernel)" if fused else "off", head.kernel,
-             f" (whole logits up to {head.whole_bytes / 2**30:.0f} GiB, else {head.fallback})"
-             if head.kernel == "auto" else "")
-    return head
+    return fused

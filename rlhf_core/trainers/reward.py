@@ -21,6 +21,7 @@ from rlhf_core.data.io import Record, read_records
 from rlhf_core.data.tokenize import TokenizedExample, collate_pairs, tokenize_preference_records
 from rlhf_core.losses import bradley_terry_loss, log_exp_loss
 from rlhf_core.models import load_tokenizer, pick_device
+from rlhf_core.lm_head import prepare_decoder_kernels
 from rlhf_core.reward_model import load_reward_model, pair_rewards, set_normalisation
 from rlhf_core.parallel import current_world
 from rlhf_core.precision import Precision
@@ -67,6 +68,7 @@ def train_reward_model(cfg: RewardConfig, sink: MetricSink | None = None, show_p
     tokenizer = load_tokenizer(cfg.model_path)
     device = pick_device()
     model = load_reward_model(cfg.model_path, device, Precision.resolve(cfg.precision, device).load_dtype)
+    prepare_decoder_kernels(cfg, model)  # fused RMSNorm/RoPE/SwiGLU and the attention backend on a GPU
     fields = dict(prompt_field=cfg.prompt_field, chosen_field=cfg.chosen_field, rejected_field=cfg.rejected_field,
                   max_length=cfg.max_length)
     records = read_records(cfg.train_file)
