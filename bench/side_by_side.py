@@ -207,6 +207,7 @@ DEFAULT_ROWS = {"cpu": "ours-fp32,trl-fp32"}
 GPU_ROWS = "ours-mixed,ours-bf16,trl-default,trl-mixed,trl-best"
 # (ours, TRL) pairs compared; ours-best is the faster of ours-mixed and ours-bf16
 PAIRS = (("ours-mixed", "trl-mixed"), ("ours-bf16", "trl-default"), ("ours-best", "trl-best"),
+         ("ours-mixed-padded", "trl-mixed"), ("ours-bf16-padded", "trl-default"), ("ours-best", "trl-default"),
          ("ours-fp32", "trl-fp32"))
 # Our "best" settings, passed through the config on every ours row
 OURS_BEST = dict(fused_kernels="auto", lm_head="auto", packing=True, gradient_checkpointing="auto")
