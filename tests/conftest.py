@@ -112,6 +112,17 @@ def chromium() -> str:
     return found
 
 
+def stop_after(step: str, train, cfg, monkeypatch) -> None:
+    """Run ``train(cfg)`` until the fault hook fires after ``step`` (``ALIGNFLOW_FAULT``, e.g. ``"sft:9"``),
+    as a killed run would stop, leaving its checkpoints; the hook is unset again afterwards."""
+    from rlhf_core.trainers.loop import InjectedFault
+
+    monkeypatch.setenv("ALIGNFLOW_FAULT", step)
+    with pytest.raises(InjectedFault):
+        train(cfg, show_progress=False)
+    monkeypatch.delenv("ALIGNFLOW_FAULT")
+
+
 class Recorder:
     """A real MetricSink for tiny-model tests: keeps every metric row and rollout table, as MLflow would."""
 

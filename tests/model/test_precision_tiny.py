@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import Recorder
+from conftest import Recorder, stop_after
 from rlhf_core.config import DPOConfig, SFTConfig
 from rlhf_core.lineage import dvc_md5
 from rlhf_core.trainers.dpo import train_dpo
@@ -79,10 +79,7 @@ def test_mixed_run_resumes_bit_identical(micro_model, micro_data, tmp_path, monk
     restored from the bf16 weights alone, the run would continue from rounded weights."""
     whole = train_sft(_sft(micro_model, micro_data, tmp_path / "whole"), show_progress=False)
     cfg = _sft(micro_model, micro_data, tmp_path / "cut")
-    monkeypatch.setenv("ALIGNFLOW_FAULT", "sft:9")
-    with pytest.raises(InjectedFault):
-        train_sft(cfg, show_progress=False)
-    monkeypatch.delenv("ALIGNFLOW_FAULT")
+    stop_after("sft:9", train_sft, cfg, monkeypatch)
     sink = Recorder()
     resumed = train_sft(cfg, sink, show_progress=False)
     assert sink.series("checkpoint/resumed_from_step") == [8.0]

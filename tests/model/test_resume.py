@@ -20,7 +20,7 @@ from rlhf_core.trainers.loop import InjectedFault, NonFiniteError, run_training
 from rlhf_core.trainers.reward import train_reward_model
 from rlhf_core.trainers.rl import train_rl
 from rlhf_core.trainers.sft import train_sft
-from conftest import Recorder
+from conftest import Recorder, stop_after
 
 
 def _sft(micro_model, micro_data, root, **kw) -> SFTConfig:
@@ -113,10 +113,7 @@ def test_changed_config_starts_over(micro_model, micro_data, tmp_path, monkeypat
 def test_torn_checkpoint_is_skipped(micro_model, micro_data, tmp_path, monkeypatch, caplog):
     """The newest checkpoint's state file cut short: the previous one is used, with a warning."""
     cfg = _sft(micro_model, micro_data, tmp_path)
-    monkeypatch.setenv("ALIGNFLOW_FAULT", "sft:9")
-    with pytest.raises(InjectedFault):
-        train_sft(cfg, show_progress=False)
-    monkeypatch.delenv("ALIGNFLOW_FAULT")
+    stop_after("sft:9", train_sft, cfg, monkeypatch)
     newest = tmp_path / "ckpt" / "step-0000008" / "trainer_state.pt"
     newest.write_bytes(newest.read_bytes()[:100])
     sink = Recorder()
@@ -206,10 +203,7 @@ def test_truncated_weights_are_skipped_and_the_resume_ends_like_an_uninterrupted
     Temp folders a killed run left (checkpoint and output, old and new naming) are swept by the resume."""
     whole = train_sft(_sft(micro_model, micro_data, tmp_path / "whole"), show_progress=False)
     cfg = _sft(micro_model, micro_data, tmp_path / "cut")
-    monkeypatch.setenv("ALIGNFLOW_FAULT", "sft:9")
-    with pytest.raises(InjectedFault):
-        train_sft(cfg, show_progress=False)
-    monkeypatch.delenv("ALIGNFLOW_FAULT")
+    stop_after("sft:9", train_sft, cfg, monkeypatch)
     weights = tmp_path / "cut" / "ckpt" / "step-0000008" / "model.safetensors"
     full = weights.stat().st_size
     weights.write_bytes(weights.read_bytes()[:full // 2])
