@@ -30,7 +30,7 @@ Variants (model shapes; random weights built on the device, no download):
 Rows (``--rows``, comma-separated; default: all five on a GPU variant):
 
 * ``ours-mixed`` / ``ours-bf16``: ``precision: mixed`` / ``bf16`` with our best settings
-  (``fused_kernels: auto, lm_head: auto, packing: true`` (not for GRPO: rl refuses packing),
+  (``fused_kernels: auto, lm_head: auto``, padded batches; ``ours-*-packed``: ``packing: true``, not for GRPO),
   ``gradient_checkpointing: auto``; its logged choice is captured per row).
 * ``trl-default``: a bf16 model, ``bf16=True`` (compare with ours-bf16). NB TRL 1.16 given a model *path*
   loads fp32 (``model_init_kwargs`` dtype defaults to float32): that is our ``trl-mixed`` row.
@@ -195,9 +195,13 @@ ROWS = {
     "ours-mixed": dict(side="alignflow", precision="mixed", regime="mixed"),
     "ours-bf16": dict(side="alignflow", precision="bf16", regime="bf16"),
     "ours-fp32": dict(side="alignflow", precision="fp32", regime="fp32"),
-    # the same without packing: padded rows on SDPA (packing loads flex attention on a GPU)
+    # padded rows (what ours-mixed / ours-bf16 now run; the names of the 2026-11-27 result files)
     "ours-mixed-padded": dict(side="alignflow", precision="mixed", regime="mixed", packing=False),
     "ours-bf16-padded": dict(side="alignflow", precision="bf16", regime="bf16", packing=False),
+    # padding-free rows: SDPA with a dense block-diagonal mask per packed row (slower than padding until
+    # variable-length flash attention is available; BENCHMARKS.md)
+    "ours-mixed-packed": dict(side="alignflow", precision="mixed", regime="mixed", packing=True),
+    "ours-bf16-packed": dict(side="alignflow", precision="bf16", regime="bf16", packing=True),
     "trl-default": dict(side="trl", model_dtype="bfloat16", bf16=True, best=False, regime="bf16"),
     "trl-mixed": dict(side="trl", model_dtype="float32", bf16=True, best=False, regime="mixed"),
     "trl-best": dict(side="trl", model_dtype="bfloat16", bf16=True, best=True, regime="bf16"),
@@ -208,9 +212,10 @@ GPU_ROWS = "ours-mixed,ours-bf16,trl-default,trl-mixed,trl-best"
 # (ours, TRL) pairs compared; ours-best is the faster of ours-mixed and ours-bf16
 PAIRS = (("ours-mixed", "trl-mixed"), ("ours-bf16", "trl-default"), ("ours-best", "trl-best"),
          ("ours-mixed-padded", "trl-mixed"), ("ours-bf16-padded", "trl-default"), ("ours-best", "trl-default"),
+         ("ours-mixed-packed", "trl-mixed"), ("ours-bf16-packed", "trl-default"),
          ("ours-fp32", "trl-fp32"))
 # Our "best" settings, passed through the config on every ours row
-OURS_BEST = dict(fused_kernels="auto", lm_head="auto", packing=True, gradient_checkpointing="auto")
+OURS_BEST = dict(fused_kernels="auto", lm_head="auto", packing=False, gradient_checkpointing="auto")
 OPTIMIZER = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01, max_grad_norm=1.0)
 
 
@@ -461,7 +466,7 @@ def ours(task: dict) -> dict:
                   precision=row["precision"], num_threads=s["threads"], seed=s["seed"],
                   weight_decay=OPTIMIZER["weight_decay"], max_grad_norm=OPTIMIZER["max_grad_norm"],
                   num_workers=gpus, parallel="zero3" if gpus > 1 else "ddp",
-                  **{**OURS_BEST, "packing": OURS_BEST["packing"] and name != "grpo" and row.get("packing", True)})
+                  **{**OURS_BEST, "packing": row.get("packing", OURS_BEST["packing"]) and name != "grpo"})
     sink = _Sink()
     peak_dir = os.environ.get("BENCH_PEAK_DIR", "")
     if name == "grpo":
@@ -876,7 +881,8 @@ def bench_summary(variant: str, name: str, runs: dict[str, list[dict]], warmup: 
                   facts: dict) -> dict:
     out: dict = {"rows": {row: row_summary(name, rr, warmup, ceiling, facts, variant) for row, rr in runs.items()}}
     rows = out["rows"]
-    ours_ok = [r for r in ("ours-mixed", "ours-bf16", "ours-mixed-padded", "ours-bf16-padded")
+    ours_ok = [r for r in ("ours-mixed", "ours-bf16", "ours-mixed-padded", "ours-bf16-padded", "ours-mixed-packed",
+                           "ours-bf16-packed")
                if "median_step_s" in rows.get(r, {})]
     if ours_ok:
         best = min(ours_ok, key=lambda r: rows[r]["median_step_s"])
