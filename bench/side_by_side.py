@@ -542,7 +542,9 @@ def trl_side(task: dict) -> dict:
     model_dir, data = _paths(inputs, name)
     gpu = torch.cuda.is_available()
     dtype = getattr(torch, row["model_dtype"])
-    liger = bool(row["best"]) and gpu
+    # TRL 1.16's liger path patches the causal-LM forward: on the reward model's sequence-classification
+    # head it fails ("no attribute 'lm_head'", side_by_side_h200_0p5b_rm.json), so its best RM is its default
+    liger = bool(row["best"]) and gpu and name != "rm"
     if liger:
         import liger_kernel  # noqa: F401  (trl-best without it would not be TRL's best: fail, not fall back)
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -583,6 +585,8 @@ def trl_side(task: dict) -> dict:
                              f"weight decay {OPTIMIZER['weight_decay']}", "world_size": world}
     if row["best"] and not gpu:
         settings["use_liger_kernel_note"] = "off: no CUDA (CPU smoke)"
+    elif row["best"] and name == "rm":
+        settings["use_liger_kernel_note"] = "off: TRL 1.16's liger forward needs an LM head (the RM has none)"
     records = read_records(data)
     # The config first, then the models: under ZeRO-3 from_pretrained then partitions at load (zero.Init).
     if name == "grpo":
@@ -1124,7 +1128,7 @@ def main() -> None:
                            "targets": targets(args.variant, results)},
                "wall_s": round(time.perf_counter() - started, 1)}
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(doc, indent=2) + "\n")
+        out.write_text(json.dumps(portable(doc), indent=2) + "\n")
         return doc
 
     results: dict = {}
@@ -1155,6 +1159,24 @@ def main() -> None:
     print(json.dumps({"ceiling": doc["ceiling"], "summary": doc["summary"]}), flush=True)
 
 
+_SITE_PACKAGES = re.compile(r"(?:/[^/\s\"']+)+/(?:site|dist)-packages")
+
+
+def portable(obj: object) -> object:
+    """``obj`` with this machine's paths in its strings made generic (``<repo>``, ``<site-packages>``,
+    ``<tmp>``), so a committed result file (its tracebacks, the model directory) names no local folder."""
+    if isinstance(obj, dict):
+        return {k: portable(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [portable(v) for v in obj]
+    if not isinstance(obj, str):
+        return obj
+    text = obj.replace(str(REPO), "<repo>")
+    text = _SITE_PACKAGES.sub("<site-packages>", text)
+    # /tmp/site: where bench/device_setup.sh installs the carried wheels on a lent GPU
+    return text.replace("/tmp/site/", "<site-packages>/").replace(tempfile.gettempdir() + "/", "<tmp>/")
+
+
 def resummarize(path: Path, warmup: int) -> None:
     """Recompute every summary of a result file from its recorded runs, ceilings and model facts."""
     data = json.loads(path.read_text())
@@ -1167,7 +1189,7 @@ def resummarize(path: Path, warmup: int) -> None:
         print(json.dumps({"bench": name, "summary": res["summary"]}))
     data["summary"] = {"pairs": {n: r["summary"]["pairs"] for n, r in data["results"].items()},
                        "targets": targets(data["variant"], data["results"])}
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    path.write_text(json.dumps(portable(data), indent=2) + "\n")
 
 
 if __name__ == "__main__":
