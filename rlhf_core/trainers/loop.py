@@ -107,12 +107,6 @@ def load_policy_and_reference(cfg: Any, device: torch.device) -> tuple[Any, Any]
     return policy, reference.eval().requires_grad_(False)
 
 
-def autocast_context(device: torch.device, dtype: torch.dtype | None):
-    """bf16 autocast when a dtype is given, else a no-op context."""
-    if dtype is None:
-        return nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
 
 @dataclass
 class StepStats:
@@ -147,7 +141,6 @@ def accumulate_and_step(
     loss_fn: Callable[[torch.nn.Module, Any], tuple[torch.Tensor, torch.Tensor]],
     *,
     max_grad_norm: float,
-    autocast_dtype: torch.dtype | None = None,
     units_fn: Callable[[Any], int] = count_label_tokens,
     step: int | None = None,
     world: Any = None,
@@ -159,8 +152,8 @@ def accumulate_and_step(
     pairs, ...); ``units_fn`` counts a micro-batch's units without a forward pass. Each
     micro-batch's sum is divided by the units of the whole step on every rank before backward,
     so the gradient equals that of one batch holding every micro-batch of every rank, whatever
-    their sizes. ``autocast_dtype`` wraps each forward in autocast; the trainers pass None: their
-    precision regime (:mod:`rlhf_core.precision`) already holds the model in its compute dtype.
+    their sizes. No autocast: the precision regime (:mod:`rlhf_core.precision`) holds the model in its
+    compute dtype.
 
     A NaN/inf loss or gradient norm (on any rank) raises :class:`NonFiniteError` (naming
     ``step``) before the optimizer touches the weights, so the model and the last checkpoint
@@ -169,14 +162,12 @@ def accumulate_and_step(
     from rlhf_core.parallel import World
 
     world = world or World()
-    device = next(strategy.unwrap().parameters()).device
     total = world.all_reduce_sum([sum(units_fn(mb) for mb in micro_batches)])[0]
     loss_total, units_total, bad_micro = 0.0, 0, -1
     where = f"step {step}" if step is not None else "this step"
     for i, mb in enumerate(micro_batches):
         with strategy.accumulating(last=i == len(micro_batches) - 1):
-            with autocast_context(device, autocast_dtype):
-                loss_sum, n = loss_fn(strategy.module, mb)
+            loss_sum, n = loss_fn(strategy.module, mb)
             value = float(loss_sum.detach())
             if not math.isfinite(value) and bad_micro < 0:
                 bad_micro = i

@@ -83,8 +83,7 @@ def test_grad_accumulation_matches_big_batch(micro_model, micro_data, tmp_path):
             return orig_step(*a, **k)
 
         opt.step = step_and_capture
-        accumulate_and_step(LocalStrategy(model, opt, sched), micro, loss_fn, max_grad_norm=0.0,
-                            autocast_dtype=None)
+        accumulate_and_step(LocalStrategy(model, opt, sched), micro, loss_fn, max_grad_norm=0.0)
         grads.append(captured)
     for name in grads[0]:
         assert torch.allclose(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-4), name
