@@ -59,9 +59,14 @@ def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
 
 
 def tokenize_prompt_completion(tokenizer: Any, prompt: str, completion: str, max_length: int) -> TokenizedExample:
-    """``prompt + completion + eos`` with the loss on completion and eos only."""
+    """``prompt + completion + eos`` with the loss on completion and eos only.
+
+    A completion rendered by a chat template that already holds the eos token (its end of turn)
+    gets no second one."""
     p_ids = encode_prompt(tokenizer, prompt)
-    c_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    c_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+    if tokenizer.eos_token_id not in c_ids:
+        c_ids = c_ids + [tokenizer.eos_token_id]
     ids = (p_ids + c_ids)[:max_length]
     labels = ([IGNORE_INDEX] * len(p_ids) + c_ids)[:max_length]
     return TokenizedExample(ids, labels)
