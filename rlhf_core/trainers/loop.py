@@ -163,20 +163,23 @@ def accumulate_and_step(
 
     world = world or World()
     total = world.all_reduce_sum([sum(units_fn(mb) for mb in micro_batches)])[0]
-    loss_total, units_total, bad_micro = 0.0, 0, -1
+    sums: list[torch.Tensor] = []
+    counts: list[Any] = []
     where = f"step {step}" if step is not None else "this step"
     for i, mb in enumerate(micro_batches):
         with strategy.accumulating(last=i == len(micro_batches) - 1):
             loss_sum, n = loss_fn(strategy.module, mb)
-            value = float(loss_sum.detach())
-            if not math.isfinite(value) and bad_micro < 0:
-                bad_micro = i
+            # Kept on the device: reading each micro-batch's loss here would stall the GPU between its
+            # forward and backward; all are read in one transfer after the last backward.
+            sums.append(loss_sum.detach().float().reshape(()))
             strategy.backward(loss_sum * (strategy.grad_scale / max(total, 1)))
             if hasattr(strategy, "last_grad_norm"):  # DeepSpeed steps inside its own accumulation count
                 strategy.step()
-        loss_total += value
-        units_total += int(n)
-    loss_total, units_total, bad = world.all_reduce_sum([loss_total, units_total, float(bad_micro >= 0)])
+        counts.append(n)
+    values = torch.stack(sums).tolist() if sums else []
+    units_total = sum(int(n) for n in counts)
+    bad_micro = next((i for i, v in enumerate(values) if not math.isfinite(v)), -1)
+    loss_total, units_total, bad = world.all_reduce_sum([sum(values, 0.0), units_total, float(bad_micro >= 0)])
     if bad:
         strategy.zero_grad()
         raise NonFiniteError(f"{where}: loss is {loss_total} (micro-batch {bad_micro} on this rank, or another "
