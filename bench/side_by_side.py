@@ -113,6 +113,7 @@ import os
 import random
 import re
 import resource
+import shutil
 import socket
 import statistics
 import subprocess
@@ -724,6 +725,12 @@ def run_child(kind: str, task: dict, timeout_s: float) -> dict:
         launcher = trl_launch_command(inputs)
     cmd = launcher + [__file__, "--child", kind, "--task", json.dumps(task)]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "BENCH_PEAK_DIR": str(peak_dir), **NO_MULTICAST}
+    scratch = None
+    if kind in ("alignflow", "trl"):
+        # A training child's outputs and checkpoints go to its own temporary folder, removed when it ends: left
+        # behind, a 1.5B run's (6 GB model, 21 GB mixed-precision checkpoint) filled the disk by the fifth row.
+        scratch = Path(tempfile.mkdtemp(prefix="bench-child-"))
+        env["TMPDIR"] = str(scratch)
     smi = None
     smi_log = peak_dir / "nvidia-smi.csv"  # a file, not a pipe: a full pipe would stall the sampler
     if kind in ("alignflow", "trl") and _has_nvidia_smi():
@@ -737,6 +744,8 @@ def run_child(kind: str, task: dict, timeout_s: float) -> dict:
     except subprocess.TimeoutExpired as exc:
         stdout, stderr, rc = _text(exc.stdout), _text(exc.stderr) + f"\n[bench] timed out after {timeout_s} s", -9
     wall = time.perf_counter() - started
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
     used: dict[str, float] = {}
     if smi is not None:
         smi.terminate()
