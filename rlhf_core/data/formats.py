@@ -33,9 +33,10 @@ Errors are :class:`DataError` naming file, line and field.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence, Union
+from typing import Any
 
 from rlhf_core.data.io import DataError, Record
 
@@ -43,7 +44,7 @@ ROLES = ("system", "user", "assistant", "tool")
 """Roles a message may have (the OpenAI / Hugging Face chat convention)."""
 
 Messages = list[dict[str, Any]]
-Text = Union[str, Messages]
+Text = str | Messages
 """A field's value: standard text, or a conversation."""
 
 
@@ -80,7 +81,8 @@ def _text(rec: Record, field: str, path: str | Path) -> Text:
     if is_conversational(value):
         return check_messages(value, rec.where(path), rec.line, field)
     if not isinstance(value, str):
-        raise DataError(rec.where(path), rec.line, f"expected a string or a list of messages, got {type(value).__name__}", field)
+        raise DataError(rec.where(path), rec.line,
+                        f"expected a string or a list of messages, got {type(value).__name__}", field)
     if not value.strip():
         raise DataError(rec.where(path), rec.line, "empty string", field)
     return value

@@ -18,9 +18,10 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 
 class DataError(ValueError):
@@ -166,7 +167,7 @@ def _iter_file(path: Path, sniff_json: bool = False) -> Iterator[Record]:
         return _iter_json_array(path)
     if suffix in (".parquet", ".pq"):
         return _iter_parquet(path)
-    raise DataError(path, 0, f"unsupported dataset format {suffix!r} (use .jsonl, .json, .parquet or a datasets folder)")
+    raise DataError(path, 0, f"unsupported dataset format {suffix!r} (use .jsonl, .json, .parquet or a folder)")
 
 
 SHARD_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet")

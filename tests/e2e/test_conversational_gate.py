@@ -63,7 +63,8 @@ def test_validate_refuses_each_malformed_conversational_record(tmp_path, name):
     proc = run_cli(["validate", "--kind", kind, str(path), "--report", str(tmp_path / "r.json"), *extra], tmp_path)
     assert proc.returncode == 1, proc.stderr
     for line, field in bad:
-        assert re.search(rf"^{re.escape(str(path))}:{line}: field '{field}': ", proc.stderr, flags=re.MULTILINE), proc.stderr
+        where = rf"^{re.escape(str(path))}:{line}: field '{field}': "
+        assert re.search(where, proc.stderr, flags=re.MULTILINE), proc.stderr
     assert f"{path}:1:" not in proc.stderr  # the good first record is not blamed
     assert "Traceback" not in proc.stderr and not (tmp_path / "r.json").exists()
     good = _write(tmp_path, f"{name}-good", rows[:1])

@@ -38,10 +38,8 @@ def test_parquet_shards_of_the_train_split_in_order(tmp_path):
     folder = _parquet_folder(tmp_path / "ds")
     records = read_records(folder)
     assert [r.data for r in records] == PAIRS[:5]  # the test split is not read
-    assert [(r.source, r.line) for r in records] == [
-        (str(folder / "data" / "train-00000-of-00002.parquet"), 1), (str(folder / "data" / "train-00000-of-00002.parquet"), 2),
-        (str(folder / "data" / "train-00000-of-00002.parquet"), 3), (str(folder / "data" / "train-00001-of-00002.parquet"), 1),
-        (str(folder / "data" / "train-00001-of-00002.parquet"), 2)]
+    first, second = (str(folder / "data" / f"train-0000{i}-of-00002.parquet") for i in (0, 1))
+    assert [(r.source, r.line) for r in records] == [(first, 1), (first, 2), (first, 3), (second, 1), (second, 2)]
 
 
 def test_card_configs_choose_the_files(tmp_path):

@@ -262,3 +262,26 @@ def test_a_hub_folder_failure_names_the_shard_and_its_line(tmp_path):
     assert failure.lines == [3] and failure.locations == [f"{shard}:3"]
     assert f"{shard}:3: field 'chosen': 'chosen' equals 'rejected'" in report.render()
     assert failure.examples[0].startswith(f"{shard}:3: ")
+
+
+def test_where_each_input_gets_its_kind():
+    """dvc.yaml, the stages' gate and the align flow ask only for kinds the gate has; KTO's train file
+    is gated as unpaired data; the flow checks the preference file as unpaired only when KTO is the
+    only stage that reads it (the default stages keep the pair check, and its report)."""
+    from pathlib import Path
+
+    import yaml
+
+    from flows.align import dataset_kinds, load_all
+    from rlhf_core.data.validate import KINDS
+    from rlhf_core.stages import _GATE_KINDS
+
+    repo = Path(__file__).resolve().parents[2]
+    stages = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]
+    dvc_kinds = {item["kind"] for name in ("validate", "validate_rejection")
+                 for item in stages[name]["foreach"].values()}
+    assert dvc_kinds | set(_GATE_KINDS.values()) <= set(KINDS)
+    assert _GATE_KINDS["kto_train"] == "unpaired"
+    assert dataset_kinds(load_all(None, None))["preferences"] == "preference"
+    assert dataset_kinds(load_all(None, {"flow": {"stages": ["kto"]}}))["preferences"] == "unpaired"
+    assert dataset_kinds(load_all(None, {"flow": {"stages": ["reward", "kto"]}}))["preferences"] == "preference"
