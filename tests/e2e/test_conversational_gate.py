@@ -3,7 +3,8 @@ turn, chosen and rejected with different prompts in the implicit form, a message
 ``content`` — is refused by ``alignflow validate`` with file, line and field, and nothing trains.
 
 The validate command runs as a user runs it (a fresh process); the training commands run in
-process, as in test_bad_inputs, and stop at the Great Expectations gate before any model is read.
+process, as in test_bad_inputs, and stop at the Great Expectations gate before any model is read;
+a KTO-only align flow stops at its validate task.
 """
 
 from __future__ import annotations
@@ -98,3 +99,32 @@ def test_a_training_stage_given_such_a_file_does_not_train(project, capsys, stag
     assert "Traceback" not in err
     assert not (project / "models" / stage).exists()
     assert not list((project / "checkpoints").glob(f"{stage}/step-*"))
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_a_kto_flow_given_such_a_file_stops_at_the_gate(isolated_project):
+    """``flow align`` with KTO as the only aligner checks the preference file as unpaired data (TRL's
+    `label` mapped by kto.desirable_field): a malformed conversational record stops the flow at its
+    validate task, before any model is built."""
+    from helpers import write_micro_params
+    from mlflow.tracking import MlflowClient
+
+    from flows.align import align
+    from rlhf_core.data.validate import ValidationFailed
+
+    write_micro_params(isolated_project)
+    _, _, rows, bad = FILES["unpaired"]
+    path = _write(isolated_project, "kto", rows)
+    with pytest.raises(ValidationFailed) as caught:
+        align(params_file="params.yaml", preference_file=str(path),
+              overrides={"flow": {"stages": ["kto"]}, "kto": {"desirable_field": "label"}})
+    text = caught.value.report.render()
+    assert caught.value.report.kind == "unpaired"
+    for line, field in bad:
+        assert f"{path}:{line}: field '{field}'" in text, text
+    assert not (isolated_project / "models").exists()
+    client = MlflowClient(tracking_uri=f"sqlite:///{isolated_project / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("alignflow-test").experiment_id])
+    status = {(r.info.run_name, r.info.status) for r in runs}
+    assert ("validate-preferences", "FAILED") in status and ("align", "FAILED") in status
+    assert not {name for name, _ in status} & {"build-model", "sft", "kto"}
