@@ -53,6 +53,17 @@ from tasks.registry import register_model
 from tasks.training import distill_teacher, train_dpo, train_kto, train_raft, train_reward, train_rl, train_sft
 
 DATASET_KINDS = {"sft": "sft", "preferences": "preference", "prompts": "prompts", "eval": "prompts"}
+PAIR_STAGES = ("reward", "dpo")
+"""Stages that read the preference file as pairs; KTO alone also takes unpaired examples."""
+
+
+def dataset_kinds(cfg: dict[str, Any]) -> dict[str, str]:
+    """The gate's kind per dataset: the preference file is checked as ``unpaired`` (KTO's examples,
+    or pairs) when KTO is the only stage of ``flow.stages`` that reads it, as pairs otherwise."""
+    stages = cfg["flow"].stages
+    if "kto" in stages and not any(s in stages for s in PAIR_STAGES):
+        return {**DATASET_KINDS, "preferences": "unpaired"}
+    return dict(DATASET_KINDS)
 
 
 def write_private_overrides(values: dict[str, dict[str, Any]]) -> str:
@@ -268,10 +279,11 @@ def resolve_datasets(cfg: dict[str, Any], given: dict[str, str | None], parent_r
 def validate_datasets(cfg: dict[str, Any], files: dict[str, str], parent_run_id: str) -> dict[str, str]:
     """The gate: every dataset validated before anything trains; returns their DVC md5s."""
     md5 = {name: dvc_md5(path) for name, path in files.items()}
+    kinds = dataset_kinds(cfg)
     for name, path in files.items():
-        report = validate_data(path=str(path), md5=md5[name], kind=DATASET_KINDS[name], name=name,
+        report = validate_data(path=str(path), md5=md5[name], kind=kinds[name], name=name,
                                fields=data_fields(cfg), tracking=config_to_dict(cfg["tracking"]),
-                               parent_run_id=parent_run_id)
+                               parent_run_id=parent_run_id, desirable_field=cfg["kto"].desirable_field)
         get_run_logger().info("validated %s: %s rows", path, int(report["metrics"]["data/n_rows"]))
     return md5
 

@@ -83,8 +83,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from rlhf_core import stages
 
     overrides = parse_overrides(args.set)
+    # KTO's boolean field lives in its own config, not DataFields; the unpaired kind reads it.
+    desirable_field = overrides.pop("desirable_field", None)
     fields = load_config(DataFields, "sft", None, overrides) if overrides else DataFields()
-    result = stages.validate(args.file, args.kind, fields, report_file=args.report)
+    result = stages.validate(args.file, args.kind, fields, report_file=args.report,
+                             desirable_field=None if desirable_field is None else str(desirable_field))
     print(f"{args.file}: valid {args.kind} dataset ({int(result.metrics['data/n_rows'])} rows)")
     return 0
 
@@ -242,11 +245,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_init_model)
 
     p = sub.add_parser("validate", help="validate a dataset with Great Expectations (exit 1 if invalid)")
-    p.add_argument("--kind", required=True, choices=KINDS)
-    p.add_argument("file")
+    p.add_argument("--kind", required=True, choices=KINDS,
+                   help="sft (SFT, RAFT, distill), preference (DPO, reward), prompts (RL, rejection, evaluation), "
+                        "unpaired (KTO); each in TRL's standard or conversational form")
+    p.add_argument("file", help="a .jsonl, .json or .parquet file, a saved datasets folder, or a folder in the "
+                                "Hub's dataset layout")
     p.add_argument("--report", default=None, help="write the JSON report here (only when valid)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="rename fields, e.g. --set prompt_field=question")
+                   help="rename fields, e.g. --set prompt_field=question (unpaired: --set desirable_field=label)")
     p.add_argument("--params", default="params.yaml", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_validate)
 

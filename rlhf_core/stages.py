@@ -156,25 +156,28 @@ def init_model(cfg: ModelConfig, tracking: TrackingConfig | None = None,
 
 def validate(path: str | Path, kind: str, fields: DataFields | None = None,
              report_file: str | Path | None = None, tracking: TrackingConfig | None = None,
-             parent_run_id: str | None = None, name: str | None = None) -> StageResult:
+             parent_run_id: str | None = None, name: str | None = None,
+             desirable_field: str | None = None) -> StageResult:
     """Run the Great Expectations gate; raise ``ValidationFailed`` (writing no file) on failure.
 
     On success, and only then, the report is written to ``report_file`` if given (DVC's
     validation stages depend on it, so SFT cannot run on an unvalidated file). Under a flow
     the report is logged to a nested run either way, so the UI shows what failed.
+    ``desirable_field`` names the unpaired (KTO) kind's boolean field.
     """
     from rlhf_core.data.validate import ValidationFailed, validate_dataset
 
     with _maybe_run(tracking, f"validate-{name or kind}", parent_run_id,
                     lineage_tags({"dataset": path}, "validate")) as run:
-        report = validate_dataset(path, kind, fields)
+        report = validate_dataset(path, kind, fields, desirable_field=desirable_field)
         if run is not None:
             run.log_dict(report.to_dict(), "validation_report.json")
             run.log_metrics({"data/n_rows": float(report.n_rows),
                              "data/failed_expectations": float(len(report.failures))}, 0)
+            run.set_tags({"alignflow.data.form": report.form})
         if not report.success:
             raise ValidationFailed(report)
-    _remember_pass(path, kind, fields or DataFields(), report.n_rows)
+    _remember_pass(path, kind, fields or DataFields(), report.n_rows, desirable_field)
     outputs: dict[str, str] = {"dataset": str(path)}
     if report_file is not None:
         outputs["report"] = str(_write_json_atomic(report.to_dict(), report_file))
@@ -186,13 +189,12 @@ def validate(path: str | Path, kind: str, fields: DataFields | None = None,
 # --------------------------------------------------------------------------------------
 
 
-# The Great Expectations suite each named stage input must pass (kto_train has its own unpaired
-# format, checked row by row by its reader).
+# The Great Expectations suite each named stage input must pass.
 _GATE_KINDS = {"sft_train": "sft", "distill_train": "sft", "kept_samples": "sft", "preferences": "preference",
-               "eval_preferences": "preference", "prompts": "prompts", "eval": "prompts"}
+               "eval_preferences": "preference", "kto_train": "unpaired", "prompts": "prompts", "eval": "prompts"}
 
 
-def _gate_key(path: str | Path, kind: str, fields: DataFields) -> str:
+def _gate_key(path: str | Path, kind: str, fields: DataFields, desirable_field: str | None = None) -> str:
     """What a passed validation depends on: the file's content, the kind, the field names and the
     validator's own code (a changed suite must not trust old passes)."""
     import hashlib
@@ -200,20 +202,24 @@ def _gate_key(path: str | Path, kind: str, fields: DataFields) -> str:
     from rlhf_core.data import validate as validator
 
     names = {f: getattr(fields, f) for f in DataFields.__dataclass_fields__}
+    if kind == "unpaired":  # only this kind reads it; other kinds keep their keys
+        names["desirable_field"] = desirable_field or getattr(fields, "desirable_field", validator.DESIRABLE_FIELD)
     code = hashlib.sha256(Path(validator.__file__).read_bytes()).hexdigest()
     blob = json.dumps({"md5": dvc_md5(path), "kind": kind, "fields": names, "max_chars": validator.MAX_CHARS,
                        "validator": code}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _gate_record(path: str | Path, kind: str, fields: DataFields) -> Path:
+def _gate_record(path: str | Path, kind: str, fields: DataFields, desirable_field: str | None = None) -> Path:
     from rlhf_core.tracking import project_root
 
-    return project_root() / ".alignflow" / "validated" / f"{_gate_key(path, kind, fields)}.json"
+    return project_root() / ".alignflow" / "validated" / f"{_gate_key(path, kind, fields, desirable_field)}.json"
 
 
-def _remember_pass(path: str | Path, kind: str, fields: DataFields, n_rows: int) -> None:
-    _write_json_atomic({"path": str(path), "kind": kind, "n_rows": n_rows}, _gate_record(path, kind, fields))
+def _remember_pass(path: str | Path, kind: str, fields: DataFields, n_rows: int,
+                   desirable_field: str | None = None) -> None:
+    _write_json_atomic({"path": str(path), "kind": kind, "n_rows": n_rows},
+                       _gate_record(path, kind, fields, desirable_field))
 
 
 def gate_datasets(fields: DataFields, datasets: dict[str, tuple[str, str]]) -> None:

@@ -21,11 +21,12 @@ def generate_data(params: dict[str, Any], tracking: dict[str, Any], parent_run_i
 @task(name="validate-data", task_run_name="validate-{name}",
       **{**TASK_DEFAULTS, "retries": 0, "cache_policy": VALIDATION_CACHE_POLICY})
 def validate_data(path: str, md5: str, kind: str, name: str, fields: dict[str, Any], tracking: dict[str, Any],
-                  parent_run_id: str | None = None) -> dict[str, Any]:
-    """Great Expectations gate on one dataset; raises on failure (``md5`` is recorded in the task inputs)."""
+                  parent_run_id: str | None = None, desirable_field: str | None = None) -> dict[str, Any]:
+    """Great Expectations gate on one dataset; raises on failure (``md5`` is recorded in the task inputs).
+    ``desirable_field``: the unpaired (KTO) kind's boolean field."""
     del md5
     return stages.validate(path, kind, DataFields(**fields), tracking=build_config(TrackingConfig, "tracking", tracking),
-                           parent_run_id=parent_run_id, name=name).to_dict()
+                           parent_run_id=parent_run_id, name=name, desirable_field=desirable_field).to_dict()
 
 
 @task(name="sample-best-of-n", **TASK_DEFAULTS)

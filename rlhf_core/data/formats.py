@@ -33,9 +33,10 @@ Errors are :class:`DataError` naming file, line and field.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence, Union
+from typing import Any
 
 from rlhf_core.data.io import DataError, Record
 
@@ -43,7 +44,7 @@ ROLES = ("system", "user", "assistant", "tool")
 """Roles a message may have (the OpenAI / Hugging Face chat convention)."""
 
 Messages = list[dict[str, Any]]
-Text = Union[str, Messages]
+Text = str | Messages
 """A field's value: standard text, or a conversation."""
 
 
@@ -75,21 +76,22 @@ def check_messages(value: Any, path: str | Path, line: int, field: str) -> Messa
 def _text(rec: Record, field: str, path: str | Path) -> Text:
     """A field that is either a non-blank string or a well-formed message list."""
     if field not in rec.data or rec.data[field] is None:
-        raise DataError(path, rec.line, "missing", field)
+        raise DataError(rec.where(path), rec.line, "missing", field)
     value = rec.data[field]
     if is_conversational(value):
-        return check_messages(value, path, rec.line, field)
+        return check_messages(value, rec.where(path), rec.line, field)
     if not isinstance(value, str):
-        raise DataError(path, rec.line, f"expected a string or a list of messages, got {type(value).__name__}", field)
+        raise DataError(rec.where(path), rec.line,
+                        f"expected a string or a list of messages, got {type(value).__name__}", field)
     if not value.strip():
-        raise DataError(path, rec.line, "empty string", field)
+        raise DataError(rec.where(path), rec.line, "empty string", field)
     return value
 
 
 def _prompt(rec: Record, field: str, path: str | Path) -> Text:
     value = _text(rec, field, path)
     if is_conversational(value) and value[-1]["role"] == "assistant":
-        raise DataError(path, rec.line, "a prompt conversation must not end with an assistant turn", field)
+        raise DataError(rec.where(path), rec.line, "a prompt conversation must not end with an assistant turn", field)
     return value
 
 
@@ -98,9 +100,9 @@ def _answer(rec: Record, field: str, prompt: Text, path: str | Path) -> Text:
     value = _text(rec, field, path)
     if is_conversational(value) != is_conversational(prompt):
         form = "a list of messages" if is_conversational(prompt) else "a string"
-        raise DataError(path, rec.line, f"must be {form}, as the prompt is", field)
+        raise DataError(rec.where(path), rec.line, f"must be {form}, as the prompt is", field)
     if is_conversational(value) and (len(value) != 1 or value[0]["role"] != "assistant"):
-        raise DataError(path, rec.line, "expected exactly one assistant message", field)
+        raise DataError(rec.where(path), rec.line, "expected exactly one assistant message", field)
     return value
 
 
@@ -204,7 +206,7 @@ def _margin(rec: Record, field: str, path: str | Path) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise DataError(path, rec.line, f"must be a number, got {type(value).__name__}", field)
+        raise DataError(rec.where(path), rec.line, f"must be a number, got {type(value).__name__}", field)
     return float(value)
 
 
@@ -220,9 +222,9 @@ def read_pair_examples(records: Sequence[Record], path: str | Path, *, prompt_fi
             rejected = _answer(rec, rejected_field, prompt, path)
         else:
             prompt, chosen, rejected = implicit_prompt(_text(rec, chosen_field, path), _text(rec, rejected_field, path),
-                                                       path, rec.line, (chosen_field, rejected_field))
+                                                       rec.where(path), rec.line, (chosen_field, rejected_field))
         if chosen == rejected:
-            raise DataError(path, rec.line, f"'{chosen_field}' equals '{rejected_field}'", rejected_field)
+            raise DataError(rec.where(path), rec.line, f"'{chosen_field}' equals '{rejected_field}'", rejected_field)
         out.append(PairExample(prompt, chosen, rejected, _margin(rec, margin_field, path), rec.line))
     return out
 
@@ -243,10 +245,10 @@ def read_unpaired_examples(records: Sequence[Record], path: str | Path, *, promp
         prompt = _prompt(rec, prompt_field, path)
         completion = _answer(rec, completion_field, prompt, path)
         if desirable_field not in rec.data:
-            raise DataError(path, rec.line, f"missing (or give {chosen_field}/{rejected_field} pairs)", desirable_field)
+            raise DataError(rec.where(path), rec.line, f"missing (or give {chosen_field}/{rejected_field} pairs)", desirable_field)
         flag = rec.data[desirable_field]
         if not isinstance(flag, bool):
-            raise DataError(path, rec.line, f"must be true or false, got {flag!r}", desirable_field)
+            raise DataError(rec.where(path), rec.line, f"must be true or false, got {flag!r}", desirable_field)
         out.append(UnpairedExample(prompt, completion, flag, rec.line))
     return out
 

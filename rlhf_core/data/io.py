@@ -1,16 +1,27 @@
-"""Read user datasets (JSONL, JSON, parquet, a saved ``datasets`` folder) with provenance.
+"""Read user datasets (JSONL, JSON, parquet, a folder) with provenance.
 
 Every record carries the 1-based line (JSONL) or row (parquet, datasets) it came from in
 ``Record.line``, so every later error — a broken JSON line, a missing field, a failed
 expectation — can name the file, the line and the field.
+
+A folder is either a ``datasets`` folder written by ``save_to_disk`` (read with
+``datasets.load_from_disk``) or a folder in the Hugging Face Hub's dataset layout: a dataset
+card (``README.md``) and parquet / JSON Lines shards, e.g. ``data/train-00000-of-00002.parquet``
+or ``train.jsonl``. The train split's shards are found the way ``datasets.load_dataset(folder)``
+finds them (the card's ``configs:`` and the split naming patterns), then read here, shard by
+shard, so an error names the shard and its line (``Record.source``). Loading scripts are
+refused: they run arbitrary code, and ``datasets`` 4 dropped them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import tempfile
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 
 class DataError(ValueError):
@@ -25,10 +36,16 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class Record:
-    """One example and where it came from."""
+    """One example and where it came from: ``line`` in ``source``, the shard of a Hub-layout
+    folder (``None``: the file or ``datasets`` folder the caller opened)."""
 
     data: Mapping[str, Any]
     line: int
+    source: str | None = None
+
+    def where(self, path: str | Path) -> str:
+        """The file to name in an error about this record: its shard, else ``path``."""
+        return self.source or str(path)
 
     def __getitem__(self, key: str) -> Any:
         return self.data[key]
@@ -93,21 +110,78 @@ def _iter_datasets_dir(path: Path) -> Iterator[Record]:
         yield Record(obj, i)
 
 
-def iter_records(path: str | Path) -> Iterator[Record]:
-    """Yield records of a dataset file or folder, by suffix: .jsonl, .json, .parquet, folder."""
+def is_saved_dataset(path: Path) -> bool:
+    """Whether ``path`` is a folder ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` wrote."""
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+def hub_train_files(path: str | Path) -> list[Path]:
+    """The train split's data files of a folder in the Hub's dataset layout, as
+    ``datasets.load_dataset(path)`` resolves them (README ``configs:``, split name patterns)."""
+    import datasets
+
     path = Path(path)
-    if not path.exists():
-        raise DataError(path, 0, "file not found")
-    if path.is_dir():
-        return _iter_datasets_dir(path)
+    scripts = sorted(p.relative_to(path).as_posix() for p in path.rglob("*.py"))
+    if scripts:
+        raise DataError(path, 0, f"holds a dataset loading script ({', '.join(scripts)}): scripts run code and are "
+                                 "not supported; keep only the data files (parquet or JSON Lines) and the README.md")
+    # A card without a YAML block is fine here; huggingface_hub warns about it on stderr.
+    logging.getLogger("huggingface_hub.repocard").setLevel(logging.ERROR)
+    # The builder only resolves file patterns, but it takes a lock in its cache folder: use a throwaway one.
+    with tempfile.TemporaryDirectory(prefix="alignflow-hub-") as cache:
+        try:
+            builder = datasets.load_dataset_builder(str(path), cache_dir=cache)
+        except (ValueError, FileNotFoundError, RuntimeError) as exc:
+            reason = " ".join(str(exc).split())
+            hint = "; mark one config of the README `default: true`" if "config" in reason.lower() else ""
+            raise DataError(path, 0, f"not a readable dataset folder ({reason}){hint}") from None
+    data_files = builder.config.data_files or {}
+    if not data_files.get("train"):
+        splits = sorted(str(s) for s in data_files)
+        raise DataError(path, 0, f"no 'train' split in this dataset folder (has {splits or 'no data files'})")
+    root = path.resolve()
+    # Name shards under the folder the user gave (the builder returns absolute paths).
+    return [path / Path(f).relative_to(root) if Path(f).is_relative_to(root) else Path(f)
+            for f in data_files["train"]]
+
+
+def _iter_hub_dir(path: Path) -> Iterator[Record]:
+    for shard in hub_train_files(path):
+        suffix = shard.suffix.lower()
+        if suffix not in SHARD_SUFFIXES:
+            raise DataError(shard, 0, f"unsupported shard format {suffix!r} (use parquet or JSON Lines shards)")
+        for rec in _iter_file(shard, sniff_json=True):
+            yield Record(rec.data, rec.line, str(shard))
+
+
+def _iter_file(path: Path, sniff_json: bool = False) -> Iterator[Record]:
     suffix = path.suffix.lower()
+    if suffix == ".json" and sniff_json:
+        # The Hub's json loader reads .json shards as JSON Lines or as one array: tell them apart.
+        with path.open("rb") as fh:
+            head = fh.read(4096).lstrip()
+        return _iter_json_array(path) if head.startswith(b"[") else _iter_jsonl(path)
     if suffix in (".jsonl", ".ndjson"):
         return _iter_jsonl(path)
     if suffix == ".json":
         return _iter_json_array(path)
     if suffix in (".parquet", ".pq"):
         return _iter_parquet(path)
-    raise DataError(path, 0, f"unsupported dataset format {suffix!r} (use .jsonl, .json, .parquet or a datasets folder)")
+    raise DataError(path, 0, f"unsupported dataset format {suffix!r} (use .jsonl, .json, .parquet or a folder)")
+
+
+SHARD_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet")
+
+
+def iter_records(path: str | Path) -> Iterator[Record]:
+    """Yield records of a dataset file or folder, by suffix: .jsonl, .json, .parquet; a folder saved by
+    ``datasets`` or in the Hub's dataset layout."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(path, 0, "file not found")
+    if path.is_dir():
+        return _iter_datasets_dir(path) if is_saved_dataset(path) else _iter_hub_dir(path)
+    return _iter_file(path)
 
 
 def read_records(path: str | Path, limit: int | None = None) -> list[Record]:
@@ -123,10 +197,10 @@ def read_records(path: str | Path, limit: int | None = None) -> list[Record]:
 def require_str(rec: Record, field: str, path: str | Path) -> str:
     """A non-empty string field of a record, or a DataError naming file, line and field."""
     if field not in rec.data:
-        raise DataError(path, rec.line, "missing", field)
+        raise DataError(rec.where(path), rec.line, "missing", field)
     value = rec.data[field]
     if not isinstance(value, str):
-        raise DataError(path, rec.line, f"expected a string, got {type(value).__name__}", field)
+        raise DataError(rec.where(path), rec.line, f"expected a string, got {type(value).__name__}", field)
     if not value.strip():
-        raise DataError(path, rec.line, "empty string", field)
+        raise DataError(rec.where(path), rec.line, "empty string", field)
     return value

@@ -1,18 +1,33 @@
 """The Great Expectations gate: every dataset is validated before a stage consumes it.
 
 ``validate_dataset(path, kind)`` reads the file (a broken line fails here, naming file and
-line), builds a pandas frame whose index is the source line, runs a GX expectation suite
-for the dataset kind, and returns a report. ``ValidationFailed`` carries the report: which
-expectation failed, on which field, with example rows as ``file:line``.
+line), detects the file's form, builds a pandas frame with one row per record, runs a GX
+expectation suite for the kind and form, and returns a report. ``ValidationFailed`` carries
+the report: which expectation failed, on which field, with example rows as ``file:line``.
 
-Suites (one per kind; field names follow the stage config, so renamed fields work):
+Kinds (one per stage input; field names follow the stage config, so renamed fields work), each
+in TRL's *standard* form (fields hold text) or *conversational* form (fields hold lists of
+``{role, content}`` messages), as :mod:`rlhf_core.data.formats` reads them:
 
-* ``sft``: prompt and completion present, strings, non-blank, within length bounds, the
-  pair unique — or, for chat data, a well-formed ``messages`` list with an assistant turn;
-* ``preference``: prompt, chosen, rejected present, strings, non-blank, bounded; chosen
-  differs from rejected; no duplicate triple; optional ``margin`` a finite number;
-* ``prompts``: prompt present, string, non-blank, bounded, unique; label present and a
-  string or finite number.
+* ``sft`` (SFT, RAFT, distillation): prompt and completion; or a ``messages`` chat with an
+  assistant turn;
+* ``preference`` (DPO, reward model): prompt, chosen, rejected; or chosen and rejected alone
+  (implicit prompt: their common prefix, which must exist; conversational: every message but
+  the last, identical in both); chosen differs from rejected; optional ``margin`` a finite number;
+* ``prompts`` (RL, rejection sampling, evaluation): prompt, and a label that is a string or a
+  finite number;
+* ``unpaired`` (KTO): prompt, completion and a boolean ``desirable_field`` (TRL's ``label``);
+  or preference pairs in any ``preference`` form, which KTO splits in two.
+
+Text fields are present, non-blank and within ``max_chars``; message lists are non-empty, each
+message an object with a string ``content`` and a role in ``formats.ROLES``; a prompt
+conversation does not end with an assistant turn, an answer is exactly one assistant message;
+no duplicate examples.
+
+The form is the file's, not the row's: the first record that shows one (a string or a list in
+the deciding field; a prompt field or none for preference pairs) sets it, and every row is held
+to it, so a row in another form fails the type checks, naming its line and the line that set
+the form. The standard-form suites are the expectations this gate always had.
 
 Checks on values GX has no built-in for (a value's Python type, "finite number", a chat's
 structure) are computed into helper columns named ``<field>__<check>`` and validated with
@@ -26,18 +41,23 @@ logged to MLflow and a bad row may be huge or carry a credential.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from rlhf_core.config import DataFields
-from rlhf_core.data.io import read_records
+from rlhf_core.data.formats import ROLES, implicit_prompt
+from rlhf_core.data.io import DataError, Record, read_records
 from rlhf_core.redact import redact_secrets
 
-Kind = Literal["sft", "preference", "prompts"]
-KINDS: tuple[str, ...] = ("sft", "preference", "prompts")
+Kind = Literal["sft", "preference", "prompts", "unpaired"]
+KINDS: tuple[str, ...] = ("sft", "preference", "prompts", "unpaired")
+DESIRABLE_FIELD = "desirable"
+"""The unpaired kind's boolean field unless the caller names another (``KTOConfig.desirable_field``)."""
 MAX_CHARS = 20000
 N_EXAMPLES = 5
 VALUE_CHARS = 60
@@ -56,11 +76,14 @@ class Failure:
     unexpected_count: int
     lines: list[int]
     examples: list[str]
+    locations: list[str] = field(default_factory=list)
+    """``file:line`` of each offending row (the shard's file for a Hub-layout folder)."""
 
     def render(self, path: str) -> str:
-        where = ", ".join(f"{path}:{ln}" for ln in self.lines[:N_EXAMPLES])
+        locations = self.locations or [f"{path}:{ln}" for ln in self.lines]
+        where = ", ".join(locations[:N_EXAMPLES])
         more = f" (+{self.unexpected_count - N_EXAMPLES} more)" if self.unexpected_count > N_EXAMPLES else ""
-        head = f"{path}:{self.lines[0]}: field '{self.field}': {self.message}" if self.lines else \
+        head = f"{locations[0]}: field '{self.field}': {self.message}" if locations else \
             f"{path}: field '{self.field}': {self.message}"
         lines = [head, f"    expectation {self.expectation} failed on {self.unexpected_count} row(s): {where}{more}"]
         lines += [f"    e.g. {ex}" for ex in self.examples[:3]]
@@ -76,16 +99,20 @@ class ValidationReport:
     n_rows: int
     n_expectations: int
     failures: list[Failure] = field(default_factory=list)
+    form: str = "standard"
+    """The file's form (:attr:`Form.name`); shown by :meth:`render`, not in :meth:`to_dict`, whose
+    fields DVC's validate stage outputs keep."""
 
     @property
     def success(self) -> bool:
         return not self.failures
 
     def render(self) -> str:
+        what = f"{self.kind} dataset, {self.form} form"
         if self.success:
-            return f"{self.path}: valid {self.kind} dataset ({self.n_rows} rows, {self.n_expectations} expectations passed)"
+            return f"{self.path}: valid {what} ({self.n_rows} rows, {self.n_expectations} expectations passed)"
         body = "\n".join(f.render(self.path) for f in self.failures)
-        return f"{self.path}: INVALID {self.kind} dataset ({len(self.failures)} of {self.n_expectations} expectations failed)\n{body}"
+        return f"{self.path}: INVALID {what} ({len(self.failures)} of {self.n_expectations} expectations failed)\n{body}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "kind": self.kind, "n_rows": self.n_rows, "success": self.success,
@@ -101,19 +128,103 @@ class ValidationFailed(ValueError):
         super().__init__(report.render())
 
 
-def excerpt(line: int, values: dict[str, Any]) -> str:
-    """``line N: field='value', ...`` for a report: each value redacted, then clipped.
+def excerpt(line: int | str, values: dict[str, Any]) -> str:
+    """``line N: field='value', ...`` for a report (``line`` a number, or a ``file:line`` location): each
+    value redacted, then clipped.
 
     Excerpts land in ``validation_report.json``, the MLflow run and the error on stderr, and a
     failing row is as likely as any to carry a credential (a URL with ``?token=``): redaction
     comes before clipping so a cut can never leave part of a secret behind.
     """
     shown = ", ".join(f"{k}={_clip(redact_secrets(str(v), k), VALUE_CHARS)!r}" for k, v in values.items())
-    return _clip(f"line {line}: {shown}", EXCERPT_CHARS)
+    where = f"line {line}" if isinstance(line, int) else line
+    return _clip(f"{where}: {shown}", EXCERPT_CHARS)
 
 
 def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+# --------------------------------------------------------------------------------------
+# Forms
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Form:
+    """How one file holds its examples, and the record that showed it."""
+
+    conversational: bool = False
+    """Fields hold lists of messages (TRL's conversational form), not text."""
+    messages: bool = False
+    """SFT's ``messages`` chat (one field holding the whole conversation)."""
+    implicit: bool = False
+    """Preference pairs without a prompt field: the prompt is what chosen and rejected share."""
+    pairs: bool = False
+    """An unpaired (KTO) file holding preference pairs instead."""
+    origin: str = ""
+    """``line N`` (``file:N`` in a folder) of the record that set the form; empty if none did."""
+
+    @property
+    def name(self) -> str:
+        if self.messages:
+            return "conversational (messages)"
+        name = "conversational" if self.conversational else "standard"
+        name += ", implicit prompt" if self.implicit else ""
+        return name + (", preference pairs" if self.pairs else "")
+
+    @property
+    def note(self) -> str:
+        """Appended to a type failure: which form the row breaks, and where that form came from."""
+        return f" (the file's {self.name} form, set by {self.origin})" if self.origin else ""
+
+
+def _record_form(data: Any, kind: str, fields: DataFields) -> Form | None:
+    """The form one record shows, or ``None`` when its deciding field is neither text nor a list.
+
+    The rules are the readers' (:mod:`rlhf_core.data.formats`): a ``messages`` field makes an SFT
+    chat; an unpaired record with both chosen and rejected is a pair; a pair without a prompt
+    field has an implicit prompt; the prompt (chosen, when implicit) decides text or messages."""
+    if kind == "sft" and fields.messages_field in data:
+        return Form(conversational=True, messages=True)
+    pairs = kind == "preference" or (kind == "unpaired" and fields.chosen_field in data
+                                     and fields.rejected_field in data)
+    implicit = pairs and fields.prompt_field not in data
+    value = data.get(fields.chosen_field if implicit else fields.prompt_field)
+    if not isinstance(value, (str, list)):
+        return None
+    return Form(conversational=isinstance(value, list), implicit=implicit, pairs=pairs and kind == "unpaired")
+
+
+def detect_form(records: Sequence[Record], kind: str, fields: DataFields) -> Form:
+    """The form of the first record that shows one (standard when none does)."""
+    for rec in records:
+        form = _record_form(rec.data, kind, fields)
+        if form is not None:
+            origin = f"line {rec.line}" if rec.source is None else f"{rec.source}:{rec.line}"
+            return Form(form.conversational, form.messages, form.implicit, form.pairs, origin)
+    return Form()
+
+
+def _columns(kind: str, form: Form, f: DataFields) -> list[tuple[str, str]]:
+    """``(field, role)`` of each text or messages field: role ``text`` (standard form) or, for a
+    message list, ``prompt`` / ``answer`` / ``chat`` / ``implicit`` (what its turns must be)."""
+    if form.messages:
+        return [(f.messages_field, "chat")]
+    if kind == "prompts":
+        names, roles = [f.prompt_field], ["prompt"]
+    elif kind == "sft" or (kind == "unpaired" and not form.pairs):
+        names, roles = [f.prompt_field, f.completion_field], ["prompt", "answer"]
+    elif form.implicit:
+        names, roles = [f.chosen_field, f.rejected_field], ["implicit", "implicit"]
+    else:
+        names, roles = [f.prompt_field, f.chosen_field, f.rejected_field], ["prompt", "answer", "answer"]
+    return list(zip(names, roles if form.conversational else ["text"] * len(names)))
+
+
+# --------------------------------------------------------------------------------------
+# Helper columns: one value per row and check
+# --------------------------------------------------------------------------------------
 
 
 def _type_name(value: Any) -> str:
@@ -126,111 +237,178 @@ def _is_finite_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _chat_ok(value: Any) -> bool:
-    if not isinstance(value, list) or not value:
+def _well_formed(value: Any) -> bool:
+    """A non-empty list of objects, each with a string ``content`` (roles are checked apart)."""
+    return bool(value) and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in value)
+
+
+def _turns_ok(value: list, role: str) -> bool:
+    """What the turns of a message list must be, by the field's role."""
+    last = value[-1]["role"] if value else None
+    if role == "prompt":
+        return last != "assistant"
+    if role == "answer":
+        return len(value) == 1 and last == "assistant"
+    if role == "implicit":
+        return len(value) >= 2 and last == "assistant"
+    return any(m["role"] == "assistant" for m in value)  # chat: something to train on
+
+
+def _message_cells(col: str, role: str, value: Any) -> dict[str, Any]:
+    """The frame cells of one message-list field. A check that cannot apply (not a list; roles
+    unknown) passes, so each bad value is reported once, by the check that names its fault."""
+    is_list = isinstance(value, list)
+    dicts = is_list and all(isinstance(m, dict) for m in value)
+    roles_ok = not dicts or all(m.get("role") in ROLES for m in value)
+    return {
+        col: None if value is None else json.dumps(value, sort_keys=True, ensure_ascii=False, default=str),
+        f"{col}__type": _type_name(value),
+        f"{col}__messages": not is_list or _well_formed(value),
+        f"{col}__roles": roles_ok,
+        f"{col}__turns": not (dicts and roles_ok and value) or _turns_ok(value, role),
+        f"{col}__chars": sum(len(m["content"]) for m in value if isinstance(m.get("content"), str)) if dicts else 0,
+    }
+
+
+def _text_cells(col: str, value: Any) -> dict[str, Any]:
+    return {col: value if isinstance(value, str) else (None if value is None else str(value)),
+            f"{col}__type": _type_name(value),
+            f"{col}__nonblank": not isinstance(value, str) or bool(value.strip())}
+
+
+def _has_implicit_prompt(data: Any, f: DataFields, conversational: bool) -> bool:
+    """Whether chosen and rejected share the prompt the reader would cut (True where it cannot
+    tell: a field missing, of the wrong type or malformed is reported by its own checks)."""
+    chosen, rejected = data.get(f.chosen_field), data.get(f.rejected_field)
+    if conversational:
+        if not (isinstance(chosen, list) and isinstance(rejected, list)):
+            return True
+        return not (_well_formed(chosen) and _well_formed(rejected)) or chosen[:-1] == rejected[:-1]
+    if not (isinstance(chosen, str) and isinstance(rejected, str) and chosen.strip() and rejected.strip()):
+        return True
+    try:  # the reader's own rule: the common prefix, cut back to a whitespace
+        implicit_prompt(chosen, rejected, "", 0, (f.chosen_field, f.rejected_field))
+    except DataError:
         return False
-    ok = all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-             for m in value)
-    return ok and any(m.get("role") == "assistant" for m in value)
+    return True
+
+
+def _row(data: Any, kind: str, form: Form, f: DataFields, desirable_field: str) -> dict[str, Any]:
+    """One frame row: the fields' values (text, or messages as JSON) and every helper column."""
+    row: dict[str, Any] = {}
+    for col, role in _columns(kind, form, f):
+        value = data.get(col)
+        row.update(_text_cells(col, value) if role == "text" else _message_cells(col, role, value))
+    if kind == "preference" or form.pairs:
+        margin = data.get(f.margin_field)
+        row[f"{f.margin_field}__finite"] = margin is None or _is_finite_number(margin)
+    if form.implicit:
+        row[f"{f.prompt_field}__absent"] = f.prompt_field not in data
+        row[f"{f.rejected_field}__same_prompt"] = _has_implicit_prompt(data, f, form.conversational)
+    if kind == "prompts":
+        label = data.get(f.label_field)
+        row[f.label_field] = None if label is None else str(label)
+        row[f"{f.label_field}__type_ok"] = isinstance(label, str) and bool(label.strip()) or _is_finite_number(label)
+    if kind == "unpaired" and not form.pairs:
+        flag = data.get(desirable_field)
+        row[desirable_field] = None if flag is None else str(flag)
+        row[f"{desirable_field}__bool"] = flag is None or isinstance(flag, bool)
+    return row
 
 
 # --------------------------------------------------------------------------------------
 # Suites
 # --------------------------------------------------------------------------------------
 
+TURNS = {"prompt": "a prompt conversation must not end with an assistant turn",
+         "answer": "must be exactly one assistant message",
+         "chat": "needs an assistant turn to train on",
+         "implicit": "must be the prompt's messages, then one assistant answer last (implicit prompt)"}
+"""What a message list's ``__turns`` check asks, by the field's role."""
 
-def _text_field_expectations(gx: Any, col: str, max_chars: int) -> list[tuple[Any, str, str]]:
+
+def _text_field_expectations(gx: Any, col: str, max_chars: int, note: str = "") -> list[tuple[Any, str, str]]:
     E = gx.expectations
     return [
         (E.ExpectColumnValuesToNotBeNull(column=col), col, "missing"),
         # "missing" is reported once, by the not-null expectation, not again as a wrong type.
         (E.ExpectColumnValuesToBeInSet(column=f"{col}__type", value_set=["str", "missing"]), col,
-         "must be a string"),
+         "must be a string" + note),
         (E.ExpectColumnValuesToBeInSet(column=f"{col}__nonblank", value_set=[True]), col, "empty or blank string"),
         (E.ExpectColumnValueLengthsToBeBetween(column=col, min_value=1, max_value=max_chars), col,
          f"length outside [1, {max_chars}] characters"),
     ]
 
 
-def _frame_and_suite(records: list, kind: str, fields: DataFields, max_chars: int, gx: Any):
-    import pandas as pd
-
+def _message_field_expectations(gx: Any, col: str, role: str, max_chars: int,
+                                 note: str) -> list[tuple[Any, str, str]]:
     E = gx.expectations
-    rows: list[dict[str, Any]] = []
-    chat = kind == "sft" and any(fields.messages_field in r.data for r in records)
-    if kind == "sft" and chat:
-        text_cols, key_cols = [], [fields.messages_field]
-    elif kind == "sft":
-        text_cols, key_cols = [fields.prompt_field, fields.completion_field], [fields.prompt_field, fields.completion_field]
-    elif kind == "preference":
-        text_cols = [fields.prompt_field, fields.chosen_field, fields.rejected_field]
-        key_cols = list(text_cols)
-    else:
-        text_cols, key_cols = [fields.prompt_field], [fields.prompt_field]
 
-    for r in records:
-        row: dict[str, Any] = {}
-        for col in text_cols:
-            value = r.data.get(col)
-            row[col] = value if isinstance(value, str) else (None if value is None else str(value))
-            row[f"{col}__type"] = _type_name(value)
-            row[f"{col}__nonblank"] = not isinstance(value, str) or bool(value.strip())
-        if chat:
-            value = r.data.get(fields.messages_field)
-            row[fields.messages_field] = repr(value) if value is not None else None
-            row[f"{fields.messages_field}__wellformed"] = _chat_ok(value)
-        if kind == "preference":
-            margin = r.data.get(fields.margin_field)
-            row[f"{fields.margin_field}__finite"] = margin is None or _is_finite_number(margin)
-        if kind == "prompts":
-            label = r.data.get(fields.label_field)
-            row[fields.label_field] = None if label is None else str(label)
-            row[f"{fields.label_field}__type_ok"] = isinstance(label, str) and bool(label.strip()) or \
-                _is_finite_number(label)
-        rows.append(row)
-    df = pd.DataFrame(rows, index=[r.line for r in records])
+    def check(name: str, message: str) -> tuple[Any, str, str]:
+        return E.ExpectColumnValuesToBeInSet(column=f"{col}__{name}", value_set=[True]), col, message
 
+    return [
+        (E.ExpectColumnValuesToNotBeNull(column=col), col, "missing"),
+        (E.ExpectColumnValuesToBeInSet(column=f"{col}__type", value_set=["list", "missing"]), col,
+         "must be a list of {role, content} messages" + note),
+        check("messages", "must be a non-empty list of messages, each an object with a string 'content'"),
+        check("roles", f"every message needs a role, one of {', '.join(ROLES)}"),
+        check("turns", TURNS[role]),
+        (E.ExpectColumnValuesToBeBetween(column=f"{col}__chars", min_value=0, max_value=max_chars), col,
+         f"messages' content longer than {max_chars} characters in total"),
+    ]
+
+
+def _suite(kind: str, form: Form, f: DataFields, desirable_field: str, max_chars: int,
+           gx: Any) -> list[tuple[Any, str, str]]:
+    """``(expectation, field, message)`` of every check of this kind and form, in report order.
+
+    The standard forms' suites are the ones this gate always had (DVC tracks their reports)."""
+    E = gx.expectations
+    cols = _columns(kind, form, f)
     suite: list[tuple[Any, str, str]] = []
-    for col in text_cols:
-        suite += _text_field_expectations(gx, col, max_chars)
-    if chat:
-        suite.append((E.ExpectColumnValuesToBeInSet(column=f"{fields.messages_field}__wellformed", value_set=[True]),
-                      fields.messages_field, "must be a non-empty list of {role, content} with an assistant turn"))
-    if kind == "preference":
+    for col, role in cols:
+        suite += _text_field_expectations(gx, col, max_chars, form.note) if role == "text" else \
+            _message_field_expectations(gx, col, role, max_chars, form.note)
+    if form.implicit:
+        suite.append((E.ExpectColumnValuesToBeInSet(column=f"{f.prompt_field}__absent", value_set=[True]),
+                      f.prompt_field, (f"present, but {form.origin or 'the first row'} has none: give every row a "
+                                       "prompt field or none (implicit prompt)")))
+        what = "share no prompt prefix ending at whitespace" if not form.conversational else \
+            "have different prompts (every message but the last must be identical)"
+        suite.append((E.ExpectColumnValuesToBeInSet(column=f"{f.rejected_field}__same_prompt", value_set=[True]),
+                      f.rejected_field, f"implicit prompt: '{f.chosen_field}' and '{f.rejected_field}' {what}"))
+    if kind == "preference" or form.pairs:
         suite.append((E.ExpectSelectColumnValuesToBeUniqueWithinRecord(
-            column_list=[fields.chosen_field, fields.rejected_field]), fields.chosen_field,
-            f"'{fields.chosen_field}' equals '{fields.rejected_field}'"))
-        suite.append((E.ExpectColumnValuesToBeInSet(column=f"{fields.margin_field}__finite", value_set=[True]),
-                      fields.margin_field, "must be a finite number when present"))
+            column_list=[f.chosen_field, f.rejected_field]), f.chosen_field,
+            f"'{f.chosen_field}' equals '{f.rejected_field}'"))
+        suite.append((E.ExpectColumnValuesToBeInSet(column=f"{f.margin_field}__finite", value_set=[True]),
+                      f.margin_field, "must be a finite number when present"))
     if kind == "prompts":
-        suite.append((E.ExpectColumnValuesToNotBeNull(column=fields.label_field), fields.label_field, "missing"))
-        suite.append((E.ExpectColumnValuesToBeInSet(column=f"{fields.label_field}__type_ok", value_set=[True]),
-                      fields.label_field, "must be a non-blank string or a finite number"))
-    if len(key_cols) == 1:
-        suite.append((E.ExpectColumnValuesToBeUnique(column=key_cols[0]), key_cols[0], "duplicate rows"))
+        suite.append((E.ExpectColumnValuesToNotBeNull(column=f.label_field), f.label_field, "missing"))
+        suite.append((E.ExpectColumnValuesToBeInSet(column=f"{f.label_field}__type_ok", value_set=[True]),
+                      f.label_field, "must be a non-blank string or a finite number"))
+    if kind == "unpaired" and not form.pairs:
+        # TRL's KTO files call this field `label`, which is our prompts' answer field: say how to map it.
+        hint = "" if desirable_field == "label" else " (a TRL file calls it 'label': set desirable_field=label)"
+        suite.append((E.ExpectColumnValuesToNotBeNull(column=desirable_field), desirable_field, "missing" + hint))
+        suite.append((E.ExpectColumnValuesToBeInSet(column=f"{desirable_field}__bool", value_set=[True]),
+                      desirable_field, "must be true or false"))
+    keys = [col for col, _ in cols]
+    if len(keys) == 1:
+        suite.append((E.ExpectColumnValuesToBeUnique(column=keys[0]), keys[0], "duplicate rows"))
     else:
-        suite.append((E.ExpectCompoundColumnsToBeUnique(column_list=key_cols), "+".join(key_cols), "duplicate rows"))
-    return df, suite
+        suite.append((E.ExpectCompoundColumnsToBeUnique(column_list=keys), "+".join(keys), "duplicate rows"))
+    return suite
 
 
-def validate_dataset(path: str | Path, kind: str, fields: DataFields | None = None,
-                     max_chars: int = MAX_CHARS) -> ValidationReport:
-    """Validate ``path`` as a ``kind`` dataset with Great Expectations; never writes anything."""
-    import great_expectations as gx
+# --------------------------------------------------------------------------------------
+# Running a suite
+# --------------------------------------------------------------------------------------
 
-    # GX sets this module's logger to INFO itself; its temp-folder notice is noise on stderr.
-    logging.getLogger("great_expectations.data_context.types.base").setLevel(logging.WARNING)
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    fields = fields or DataFields()
-    records = read_records(path)  # raises DataError naming file:line for unreadable lines
-    report = ValidationReport(str(path), kind, len(records), 0)
-    if not records:
-        report.failures.append(Failure("table_not_empty", "*", "dataset has no rows", 0, [], []))
-        report.n_expectations = 1
-        return report
-    df, suite_items = _frame_and_suite(records, kind, fields, max_chars, gx)
 
+def _run_suite(df: Any, suite_items: list[tuple[Any, str, str]], kind: str, gx: Any) -> list[Any]:
+    """GX results of ``suite_items`` on ``df``, in the suite's order."""
     context = gx.get_context(mode="ephemeral")
     # GX's per-metric progress bars would bury the report on stderr.
     from great_expectations.data_context.types.base import ProgressBarsConfig
@@ -242,20 +420,54 @@ def validate_dataset(path: str | Path, kind: str, fields: DataFields | None = No
     suite = gx.ExpectationSuite(name=f"alignflow-{kind}")
     for expectation, _, _ in suite_items:
         suite.add_expectation(expectation)
-    result = batch.validate(suite, result_format={"result_format": "COMPLETE"})
-    report.n_expectations = len(suite_items)
+    return _ordered(batch.validate(suite, result_format={"result_format": "COMPLETE"}), suite)
 
-    for res, (_exp, col, msg) in zip(_ordered(result, suite), suite_items):
-        if res.success:
-            continue
-        info = res.result or {}
-        lines = [int(i) for i in info.get("unexpected_index_list") or []]
-        lines = sorted(set(lines))
-        count = int(info.get("unexpected_count") or len(lines))
-        examples = [excerpt(ln, {k: df.at[ln, k] for k in df.columns if "__" not in k and k in col.split("+")})
-                    for ln in lines[:3]]
-        report.failures.append(Failure(res.expectation_config.type, col, msg, count, lines, examples))
+
+def validate_dataset(path: str | Path, kind: str, fields: DataFields | None = None,
+                     max_chars: int = MAX_CHARS, *, desirable_field: str | None = None) -> ValidationReport:
+    """Validate ``path`` as a ``kind`` dataset with Great Expectations; never writes anything.
+
+    ``desirable_field`` (the unpaired kind's boolean) defaults to ``fields.desirable_field`` when
+    ``fields`` is a KTO config, else ``"desirable"``."""
+    import great_expectations as gx
+    import pandas as pd
+
+    # GX sets this module's logger to INFO itself; its temp-folder notice is noise on stderr.
+    logging.getLogger("great_expectations.data_context.types.base").setLevel(logging.WARNING)
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    fields = fields or DataFields()
+    desirable_field = desirable_field or getattr(fields, "desirable_field", DESIRABLE_FIELD)
+    records = read_records(path)  # raises DataError naming file:line for unreadable lines
+    report = ValidationReport(str(path), kind, len(records), 0)
+    if not records:
+        report.failures.append(Failure("table_not_empty", "*", "dataset has no rows", 0, [], []))
+        report.n_expectations = 1
+        return report
+    form = detect_form(records, kind, fields)
+    report.form = form.name
+    # The frame's index is the record's position: a folder's shards each count lines from 1.
+    df = pd.DataFrame([_row(r.data, kind, form, fields, desirable_field) for r in records],
+                      index=range(1, len(records) + 1))
+    suite_items = _suite(kind, form, fields, desirable_field, max_chars, gx)
+    report.n_expectations = len(suite_items)
+    for res, (_exp, col, msg) in zip(_run_suite(df, suite_items, kind, gx), suite_items):
+        if not res.success:
+            report.failures.append(_failure(res, col, msg, df, records, path))
     return report
+
+
+def _failure(res: Any, col: str, msg: str, df: Any, records: Sequence[Record], path: str | Path) -> Failure:
+    """A failed GX result as a :class:`Failure` naming each offending row's file and line."""
+    info = res.result or {}
+    rows = sorted({int(i) for i in info.get("unexpected_index_list") or []})
+    count = int(info.get("unexpected_count") or len(rows))
+    recs = [records[i - 1] for i in rows]
+    locations = [f"{r.where(path)}:{r.line}" for r in recs]
+    shown = [k for k in df.columns if "__" not in k and k in col.split("+")]
+    examples = [excerpt(r.line if r.source is None else loc, {k: df.at[i, k] for k in shown})
+                for i, r, loc in list(zip(rows, recs, locations))[:3]]
+    return Failure(res.expectation_config.type, col, msg, count, [r.line for r in recs], examples, locations)
 
 
 def _ordered(result: Any, suite: Any) -> list[Any]:
@@ -268,9 +480,10 @@ def _ordered(result: Any, suite: Any) -> list[Any]:
     return [by_key[key(e.configuration)] for e in suite.expectations]
 
 
-def check_dataset(path: str | Path, kind: str, fields: DataFields | None = None) -> ValidationReport:
+def check_dataset(path: str | Path, kind: str, fields: DataFields | None = None, *,
+                  desirable_field: str | None = None) -> ValidationReport:
     """Validate and raise ``ValidationFailed`` unless the dataset passes."""
-    report = validate_dataset(path, kind, fields)
+    report = validate_dataset(path, kind, fields, desirable_field=desirable_field)
     if not report.success:
         raise ValidationFailed(report)
     return report

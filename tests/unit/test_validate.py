@@ -120,3 +120,168 @@ def test_failure_excerpts_are_redacted_and_clipped(tmp_path):
     examples = [ex for f in report.failures for ex in f.examples]
     assert examples and all(len(ex) <= EXCERPT_CHARS for ex in examples)
     assert any("token=***" in ex and "bob" not in ex for ex in examples)  # still says what was there
+
+
+# --------------------------------------------------------------------------------------
+# TRL's forms: standard and conversational, per kind
+# --------------------------------------------------------------------------------------
+
+
+def U(text):
+    return {"role": "user", "content": text}
+
+
+def A(text):
+    return {"role": "assistant", "content": text}
+
+
+GOOD_FORMS = {
+    "sft-standard": ("sft", [{"prompt": "1+1=", "completion": "2"}], "standard"),
+    "sft-conversational": ("sft", [{"prompt": [U("1+1=")], "completion": [A("2")]}], "conversational"),
+    "sft-messages": ("sft", [{"messages": [U("1+1="), A("2"), U("and 1+2?"), A("3")]}],
+                     "conversational (messages)"),
+    "preference-standard": ("preference", [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}], "standard"),
+    "preference-standard-implicit": ("preference", [{"chosen": "1+1= 2", "rejected": "1+1= 3"}],
+                                     "standard, implicit prompt"),
+    "preference-conversational": ("preference", [{"prompt": [U("1+1=")], "chosen": [A("2")], "rejected": [A("3")]}],
+                                  "conversational"),
+    "preference-conversational-implicit": ("preference", [{"chosen": [U("1+1="), A("2")],
+                                                           "rejected": [U("1+1="), A("3")]}],
+                                           "conversational, implicit prompt"),
+    "prompts-standard": ("prompts", [{"prompt": "1+1=", "label": "2"}], "standard"),
+    "prompts-conversational": ("prompts", [{"prompt": [U("1+1=")], "label": "2"}], "conversational"),
+    "unpaired-standard": ("unpaired", [{"prompt": "1+1=", "completion": "2", "desirable": True}], "standard"),
+    "unpaired-conversational": ("unpaired", [{"prompt": [U("1+1=")], "completion": [A("3")], "desirable": False}],
+                                "conversational"),
+    "unpaired-pairs": ("unpaired", [{"chosen": [U("1+1="), A("2")], "rejected": [U("1+1="), A("3")]}],
+                       "conversational, implicit prompt, preference pairs"),
+}
+
+
+@pytest.mark.parametrize("name", list(GOOD_FORMS))
+def test_each_form_of_each_kind_passes(tmp_path, name):
+    kind, rows, form = GOOD_FORMS[name]
+    report = validate_dataset(_write(tmp_path, f"{name}.jsonl", rows), kind)
+    assert report.success, report.render()
+    assert report.form == form and f"{form} form" in report.render()
+
+
+def test_standard_suites_are_unchanged(micro_data):
+    """DVC tracks the embedded data's validation reports: the standard forms keep their suites, so
+    those reports (and every stage depending on them) do not move. KTO's default file (preference
+    pairs) passes the unpaired kind."""
+    counts = {kind: validate_dataset(micro_data[name], kind).n_expectations
+              for name, kind in (("sft", "sft"), ("preferences", "preference"), ("prompts", "prompts"))}
+    assert counts == {"sft": 9, "preference": 15, "prompts": 7}
+    report = validate_dataset(micro_data["preferences"], "unpaired")
+    assert report.success and report.form == "standard, preference pairs"
+    assert set(report.to_dict()) == {"path", "kind", "n_rows", "success", "n_expectations", "failures"}
+
+
+def test_malformed_conversational_records_name_line_and_field(tmp_path):
+    """The issue's four malformed records (plus a wrong content type), each caught by the check
+    that names its fault, on its own line."""
+    rows = [{"chosen": [U("q1"), A("a")], "rejected": [U("q1"), A("b")]},
+            {"chosen": [{"role": "bot", "content": "q2"}, A("a")], "rejected": [U("q2"), A("b")]},  # 2 wrong role
+            {"chosen": [U("q3"), U("a")], "rejected": [U("q3"), A("b")]},  # 3 no assistant turn
+            {"chosen": [U("q4"), A("a")], "rejected": [U("q4?"), A("b")]},  # 4 different prompts
+            {"chosen": [U("q5"), A("a")], "rejected": [U("q5"), {"role": "assistant"}]},  # 5 no content
+            {"chosen": [U("q6"), A("a")], "rejected": [U("q6"), {"role": "assistant", "content": ["b"]}]}]
+    path = _write(tmp_path, "pairs.jsonl", rows)
+    report = validate_dataset(path, "preference")
+    found = {(f.field, f.message.split(" (")[0]): f.lines for f in report.failures}
+    assert found == {
+        ("chosen", "every message needs a role, one of system, user, assistant, tool"): [2],
+        ("chosen", "must be the prompt's messages, then one assistant answer last"): [3],
+        ("rejected", "implicit prompt: 'chosen' and 'rejected' have different prompts"): [2, 4],
+        ("rejected", "must be a non-empty list of messages, each an object with a string 'content'"): [5, 6],
+    }, report.render()
+    text = report.render()
+    for line, field in ((2, "chosen"), (3, "chosen"), (4, "rejected"), (5, "rejected")):
+        assert f"{path}:{line}" in text and f"field '{field}'" in text
+
+    sft = _write(tmp_path, "sft.jsonl", [{"prompt": [U("q1")], "completion": [A("a")]},
+                                         {"prompt": [{"role": "human", "content": "q2"}], "completion": [A("a")]},
+                                         {"prompt": [U("q3")], "completion": [U("a")]},
+                                         {"prompt": [{"role": "user"}], "completion": [A("a")]},
+                                         {"prompt": [U("q5"), A("x")], "completion": [A("a")]}])
+    found = {(f.field, f.message): f.lines for f in validate_dataset(sft, "sft").failures}
+    assert found == {("prompt", "every message needs a role, one of system, user, assistant, tool"): [2],
+                     ("completion", "must be exactly one assistant message"): [3],
+                     ("prompt", "must be a non-empty list of messages, each an object with a string 'content'"): [4],
+                     ("prompt", "a prompt conversation must not end with an assistant turn"): [5]}
+
+
+def test_a_file_mixing_forms_names_the_rows_and_the_line_that_set_the_form(tmp_path):
+    rows = [{"prompt": "1+1=", "completion": "2"}, {"prompt": "1+2=", "completion": "3"},
+            {"prompt": [U("1+3=")], "completion": [A("4")]}]
+    with pytest.raises(ValidationFailed, match=r"mixed\.jsonl:3: field 'prompt': must be a string \(the file's "
+                                               r"standard form, set by line 1\)"):
+        check_dataset(_write(tmp_path, "mixed.jsonl", rows), "sft")
+    pairs = [{"chosen": "a b", "rejected": "a c"}, {"prompt": "p", "chosen": "b", "rejected": "c"}]
+    with pytest.raises(ValidationFailed, match=r"mixed2\.jsonl:2: field 'prompt': present, but line 1 has none"):
+        check_dataset(_write(tmp_path, "mixed2.jsonl", pairs), "preference")
+    chats = [{"messages": [U("q"), A("a")]}, {"prompt": "q2", "completion": "a2"}]
+    with pytest.raises(ValidationFailed, match=r"mixed3\.jsonl:2: field 'messages': missing"):
+        check_dataset(_write(tmp_path, "mixed3.jsonl", chats), "sft")
+
+
+def test_unpaired_desirable_field_maps_trls_label(tmp_path):
+    """TRL's KTO files name the boolean `label`: the default name misses it and says how to map it;
+    `desirable_field=label` (or a KTO config saying so) reads it."""
+    from rlhf_core.config import KTOConfig
+
+    path = _write(tmp_path, "kto.jsonl", [{"prompt": "1+1=", "completion": "2", "label": True},
+                                          {"prompt": "1+1=", "completion": "3", "label": False}])
+    with pytest.raises(ValidationFailed, match=r"kto\.jsonl:1: field 'desirable': missing \(a TRL file calls it "
+                                               r"'label': set desirable_field=label\)"):
+        check_dataset(path, "unpaired")
+    assert validate_dataset(path, "unpaired", desirable_field="label").success
+    assert validate_dataset(path, "unpaired", KTOConfig(desirable_field="label")).success
+    bad = _write(tmp_path, "kto2.jsonl", [{"prompt": "1+1=", "completion": "2", "label": "true"}])
+    with pytest.raises(ValidationFailed, match=r"kto2\.jsonl:1: field 'label': must be true or false"):
+        check_dataset(bad, "unpaired", desirable_field="label")
+
+
+def test_duplicate_conversations_are_caught(tmp_path):
+    row = {"prompt": [U("1+1=")], "completion": [A("2")]}
+    report = validate_dataset(_write(tmp_path, "dup.jsonl", [row, {**row, "completion": [A("3")]}, row]), "sft")
+    assert _failures(report) == {("prompt+completion", "expect_compound_columns_to_be_unique"): [1, 3]}
+
+
+def test_a_hub_folder_failure_names_the_shard_and_its_line(tmp_path):
+    folder = tmp_path / "ds"
+    (folder / "data").mkdir(parents=True)
+    (folder / "README.md").write_text("---\nlicense: mit\n---\n# pairs\n")
+    _write(folder / "data", "train-00000-of-00002.jsonl", GOOD_PREF[:3])
+    _write(folder / "data", "train-00001-of-00002.jsonl", GOOD_PREF[3:] + [{"prompt": "x", "chosen": "1",
+                                                                             "rejected": "1"}])
+    report = validate_dataset(folder, "preference")
+    (failure,) = report.failures
+    shard = folder / "data" / "train-00001-of-00002.jsonl"
+    assert failure.lines == [3] and failure.locations == [f"{shard}:3"]
+    assert f"{shard}:3: field 'chosen': 'chosen' equals 'rejected'" in report.render()
+    assert failure.examples[0].startswith(f"{shard}:3: ")
+
+
+def test_where_each_input_gets_its_kind():
+    """dvc.yaml, the stages' gate and the align flow ask only for kinds the gate has; KTO's train file
+    is gated as unpaired data; the flow checks the preference file as unpaired only when KTO is the
+    only stage that reads it (the default stages keep the pair check, and its report)."""
+    from pathlib import Path
+
+    import yaml
+
+    from flows.align import dataset_kinds, load_all
+    from rlhf_core.data.validate import KINDS
+    from rlhf_core.stages import _GATE_KINDS
+
+    repo = Path(__file__).resolve().parents[2]
+    stages = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]
+    dvc_kinds = {item["kind"] for name in ("validate", "validate_rejection")
+                 for item in stages[name]["foreach"].values()}
+    assert dvc_kinds | set(_GATE_KINDS.values()) <= set(KINDS)
+    assert _GATE_KINDS["kto_train"] == "unpaired"
+    assert dataset_kinds(load_all(None, None))["preferences"] == "preference"
+    assert dataset_kinds(load_all(None, {"flow": {"stages": ["kto"]}}))["preferences"] == "unpaired"
+    assert dataset_kinds(load_all(None, {"flow": {"stages": ["reward", "kto"]}}))["preferences"] == "preference"
