@@ -86,16 +86,18 @@ def read_prompts(cfg: RLConfig, tokenizer: Any) -> tuple[list[str], list[str | N
 
 def rendered_rollout_rows(tokenizer: Any, batch: RolloutBatch, rewards: torch.Tensor,
                           n: int = SAMPLE_ROWS) -> list[dict[str, Any]]:
-    """The first ``n`` samples as the policy saw and wrote them: the rendered prompt, the sampled
-    completion (special tokens kept, so the end-of-turn token shows) and its reward; the loss-carrying
-    span is the response up to and including its eos (:func:`rlhf_core.data.sequences.rendered_row`)."""
+    """The first ``n`` samples as the policy saw and wrote them: ``text`` (rendered prompt and sampled response,
+    special tokens kept, so the template's markers and the end-of-turn eos show), ``loss_spans`` (the response:
+    the tokens the policy loss covers, up to and including eos), ``prompt`` (rendered), ``completion`` (as the
+    reward source got it, special tokens skipped) and ``reward``; secrets redacted."""
     rows = []
     for i in range(min(n, len(batch))):
         prompt = batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist()
         response = batch.response_ids[i][batch.response_mask[i].bool()].tolist()
         seq = TokenizedExample(prompt + response, [IGNORE_INDEX] * len(prompt) + response)
-        rows.append({**rendered_row(tokenizer, seq), "prompt": tokenizer.decode(prompt, skip_special_tokens=False),
-                     "completion": batch.completions[i], "reward": float(rewards[i])})
+        rows.append(redact_secrets({**rendered_row(tokenizer, seq),
+                                    "prompt": tokenizer.decode(prompt, skip_special_tokens=False),
+                                    "completion": batch.completions[i], "reward": float(rewards[i])}))
     return rows
 
 
