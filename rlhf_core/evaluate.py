@@ -1,7 +1,10 @@
 """Greedy exact-match evaluation: the one accuracy every stage reports (``eval/accuracy``).
 
 A model answers each held-out prompt greedily; the answer is correct when its first line
-equals the label exactly. The standard error ``sqrt(p (1 - p) / n)`` is reported with it,
+equals the label exactly. A conversational prompt is rendered with the model's chat template
+and generation prompt (:func:`rlhf_core.data.formats.prompt_text`); generation stops at eos (the
+end of the assistant's turn) and the answer is decoded without special tokens, so no template
+marker reaches the comparison. The standard error ``sqrt(p (1 - p) / n)`` is reported with it,
 since "alignment raised accuracy" means by more than two of those.
 """
 
@@ -15,7 +18,8 @@ from typing import Any, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from rlhf_core.data.io import read_records, require_str
+from rlhf_core.data.formats import Text, is_conversational, prompt_text, read_prompt_examples
+from rlhf_core.data.io import DataError, read_records
 from rlhf_core.data.tokenize import encode_prompt
 from rlhf_core.synthetic import is_correct, parse_prompt
 
@@ -77,26 +81,32 @@ def greedy_answers(model: Any, tokenizer: Any, prompts: Sequence[str], *, max_ne
     return outputs
 
 
+def _question(prompt: Text) -> str:
+    """The question a prompt asks: the text, or a conversation's last user message."""
+    if not is_conversational(prompt):
+        return prompt
+    return next((m["content"] for m in reversed(prompt) if m["role"] == "user"), "")
+
+
 def evaluate_exact_match(model: Any, tokenizer: Any, eval_file: str | Path, *, prompt_field: str = "prompt",
                          label_field: str = "label", max_items: int = 1000, max_new_tokens: int = 12,
                          batch_size: int = 256, n_samples: int = 8, show_progress: bool = False) -> EvalResult:
     """Greedy exact-match accuracy of ``model`` on the first ``max_items`` items of ``eval_file``."""
-    records = read_records(eval_file, limit=max_items)
-    prompts = [require_str(r, prompt_field, eval_file) for r in records]
-    labels = [str(r.get(label_field, "")) for r in records]
-    missing = [r.line for r in records if label_field not in r.data]
+    examples = read_prompt_examples(read_records(eval_file, limit=max_items), eval_file, prompt_field=prompt_field,
+                                    label_field=label_field)
+    missing = [e.line for e in examples if e.label is None]
     if missing:
-        from rlhf_core.data.io import DataError
-
         raise DataError(eval_file, missing[0], "missing (needed for exact-match evaluation)", label_field)
+    prompts = [prompt_text(tokenizer, e.prompt) for e in examples]
+    labels = [str(e.label) for e in examples]
     answers = greedy_answers(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
                              show_progress=show_progress)
     correct = [is_correct(a, y) for a, y in zip(answers, labels)]
     acc, se = accuracy_with_stderr(correct)
     # Per-skill accuracy for the embedded task (user prompts that parse as neither are skipped).
     groups: dict[str, list[bool]] = {}
-    for prompt, ok in zip(prompts, correct):
-        problem = parse_prompt(prompt)
+    for example, ok in zip(examples, correct):
+        problem = parse_prompt(_question(example.prompt))
         if problem is not None:
             groups.setdefault(problem.skill, []).append(ok)
     by_skill = {skill: accuracy_with_stderr(oks)[0] for skill, oks in groups.items()}

@@ -17,7 +17,8 @@ import torch
 from tqdm.auto import tqdm
 
 from rlhf_core.config import RejectionConfig
-from rlhf_core.data.io import DataError, read_records, require_str
+from rlhf_core.data.formats import PromptExample, Text, is_conversational, prompt_text, read_prompt_examples
+from rlhf_core.data.io import DataError, read_records
 from rlhf_core.data.tokenize import encode_prompt
 from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
 from rlhf_core.synthetic import normalize_completion, rule_reward, write_jsonl
@@ -59,58 +60,85 @@ def sample_completions(model: Any, tokenizer: Any, prompts: Sequence[str], *, n:
     return out
 
 
-def rejection_sample(cfg: RejectionConfig, show_progress: bool = True) -> RejectionResult:
-    """Sample, score, keep the best; write ``cfg.output_file`` and ``cfg.pairs_file`` atomically."""
-    if not torch.cuda.is_available():
-        torch.set_num_threads(cfg.num_threads)
-    records = read_records(cfg.prompts_file, limit=cfg.max_prompts or None)
-    prompts = [require_str(r, cfg.prompt_field, cfg.prompts_file) for r in records]
-    device = pick_device()
-    policy = load_causal_lm(cfg.policy_path, device)
-    tokenizer = load_tokenizer(cfg.policy_path)
-    candidates = sample_completions(policy, tokenizer, prompts, n=cfg.n_samples, temperature=cfg.temperature,
-                                    top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
-                                    seed=cfg.seed, show_progress=show_progress)
-    del policy
-    flat_prompts = [p for p, cands in zip(prompts, candidates) for _ in cands]
-    flat = [normalize_completion(c) for cands in candidates for c in cands]
+def _answer(prompt: Text, text: str) -> Text:
+    """A kept completion in its prompt's form: for a conversation, one assistant message (so RAFT's SFT
+    and DPO render it with the chat template)."""
+    return [{"role": "assistant", "content": text}] if is_conversational(prompt) else text
 
-    # ---- score: the reward model, or the rule against each prompt's label ------------------
-    if cfg.scorer == "rule":
-        missing = [r.line for r in records if cfg.label_field not in r.data]
-        if missing:
-            raise DataError(cfg.prompts_file, missing[0], "missing (needed by scorer=rule)", cfg.label_field)
-        labels = [str(r[cfg.label_field]) for r in records for _ in range(cfg.n_samples)]
-        scores = rule_reward(flat_prompts, flat, labels)
-    else:
-        from rlhf_core.reward_model import load_reward_model, score
 
-        rm = load_reward_model(cfg.reward_model_path, device)
-        scores = score(rm, load_tokenizer(cfg.reward_model_path), flat_prompts, flat, batch_size=cfg.batch_size * 4)
-
-    # ---- keep: best per prompt; best vs worst where they differ -----------------------------
-    best_rows, pair_rows = [], []
+def _score(cfg: RejectionConfig, examples: list[PromptExample], prompts: list[str], flat: list[str],
+           device: torch.device) -> list[float]:
+    """Each candidate's score (``cfg.n_samples`` per prompt, in order): the rule against the prompt's label
+    (given the ``prompts`` the policy read), or the reward model's, reading each prompt as its own tokenizer
+    renders it."""
     k = cfg.n_samples
-    for i, prompt in enumerate(prompts):
+    if cfg.scorer == "rule":
+        labels = [str(e.label) for e in examples for _ in range(k)]
+        return rule_reward([p for p in prompts for _ in range(k)], flat, labels)
+    from rlhf_core.reward_model import load_reward_model, score
+
+    rm = load_reward_model(cfg.reward_model_path, device)
+    rm_tokenizer = load_tokenizer(cfg.reward_model_path)
+    rm_prompts = [prompt_text(rm_tokenizer, e.prompt) for e in examples for _ in range(k)]
+    return score(rm, rm_tokenizer, rm_prompts, flat, batch_size=cfg.batch_size * 4)
+
+
+def _keep(cfg: RejectionConfig, examples: list[PromptExample], scores: list[float],
+          flat: list[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[tuple[int, str]]]:
+    """Rows of the best candidate per prompt, rows of best vs worst where they differ, and which
+    prompt (index) kept which answer."""
+    best_rows, pair_rows, kept = [], [], []
+    k = cfg.n_samples
+    for i, example in enumerate(examples):
         cand = [(scores[i * k + j], j, flat[i * k + j]) for j in range(k) if flat[i * k + j]]
         if not cand:
             continue
         best = max(cand, key=lambda t: (t[0], -t[1]))  # ties: the earliest sample
         worst = min(cand, key=lambda t: (t[0], t[1]))
-        best_rows.append({cfg.prompt_field: prompt, cfg.completion_field: best[2], "score": round(best[0], 6)})
+        prompt = example.prompt
+        kept.append((i, best[2]))
+        best_rows.append({cfg.prompt_field: prompt, cfg.completion_field: _answer(prompt, best[2]),
+                          "score": round(best[0], 6)})
         if best[0] > worst[0] and best[2] != worst[2]:
-            pair_rows.append({cfg.prompt_field: prompt, cfg.chosen_field: best[2], cfg.rejected_field: worst[2],
+            pair_rows.append({cfg.prompt_field: prompt, cfg.chosen_field: _answer(prompt, best[2]),
+                              cfg.rejected_field: _answer(prompt, worst[2]),
                               cfg.margin_field: round(best[0] - worst[0], 6)})
+    return best_rows, pair_rows, kept
+
+
+def rejection_sample(cfg: RejectionConfig, show_progress: bool = True) -> RejectionResult:
+    """Sample, score, keep the best; write ``cfg.output_file`` and ``cfg.pairs_file`` atomically.
+
+    A conversational prompt is sampled as the policy's chat template renders it, and its kept answers
+    are written as assistant messages (conversational prompt-completion and preference records)."""
+    if not torch.cuda.is_available():
+        torch.set_num_threads(cfg.num_threads)
+    examples = read_prompt_examples(read_records(cfg.prompts_file, limit=cfg.max_prompts or None), cfg.prompts_file,
+                                    prompt_field=cfg.prompt_field, label_field=cfg.label_field)
+    missing = [e.line for e in examples if e.label is None]
+    if cfg.scorer == "rule" and missing:
+        raise DataError(cfg.prompts_file, missing[0], "missing (needed by scorer=rule)", cfg.label_field)
+    device = pick_device()
+    policy = load_causal_lm(cfg.policy_path, device)
+    tokenizer = load_tokenizer(cfg.policy_path)
+    prompts = [prompt_text(tokenizer, e.prompt) for e in examples]
+    candidates = sample_completions(policy, tokenizer, prompts, n=cfg.n_samples, temperature=cfg.temperature,
+                                    top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
+                                    seed=cfg.seed, show_progress=show_progress)
+    del policy
+    flat = [normalize_completion(c) for cands in candidates for c in cands]
+    scores = _score(cfg, examples, prompts, flat, device)
+    best_rows, pair_rows, kept = _keep(cfg, examples, scores, flat)
     out = write_jsonl(best_rows, Path(cfg.output_file))
     pairs = write_jsonl(pair_rows, Path(cfg.pairs_file))
-    metrics = {"rejection/n_prompts": float(len(prompts)), "rejection/n_kept": float(len(best_rows)),
+    metrics = {"rejection/n_prompts": float(len(examples)), "rejection/n_kept": float(len(best_rows)),
                "rejection/n_pairs": float(len(pair_rows)),
                "rejection/score_mean": sum(scores) / max(len(scores), 1),
                "rejection/best_score_mean": sum(r["score"] for r in best_rows) / max(len(best_rows), 1)}
-    if cfg.label_field and all(cfg.label_field in r.data for r in records):
-        by_prompt = {p: str(r[cfg.label_field]) for p, r in zip(prompts, records)}
-        kept_ok = [normalize_completion(r[cfg.completion_field]) == by_prompt[r[cfg.prompt_field]] for r in best_rows]
+    if cfg.label_field and not missing:
+        labels = [str(e.label) for e in examples]
+        kept_ok = [normalize_completion(text) == labels[i] for i, text in kept]
         metrics["rejection/kept_accuracy"] = sum(kept_ok) / max(len(kept_ok), 1)
         metrics["rejection/sample_accuracy"] = sum(
-            c == lab for c, lab in zip(flat, [by_prompt[p] for p in flat_prompts])) / max(len(flat), 1)
+            c == labels[j // cfg.n_samples] for j, c in enumerate(flat)) / max(len(flat), 1)
     return RejectionResult(out, pairs, metrics)

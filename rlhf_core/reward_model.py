@@ -82,7 +82,15 @@ def set_normalisation(model: Any, mean: float, std: float) -> None:
 @torch.no_grad()
 def score(model: Any, tokenizer: Any, prompts: Sequence[str], completions: Sequence[str], *,
           batch_size: int = 64, max_length: int = 256, normalise: bool = True) -> list[float]:
-    """Rewards of ``prompt + completion`` pairs (normalised with the stored statistics)."""
+    """Rewards of ``prompt + completion`` pairs (normalised with the stored statistics).
+
+    ``prompts`` are the text the policy read, already rendered (a conversation with the chat template and
+    its generation prompt, :func:`rlhf_core.data.formats.prompt_text`), and ``completions`` the decoded
+    answers without special tokens: the eos appended here closes the turn as in training, where a
+    conversational answer ends at its end-of-turn eos (:func:`rlhf_core.data.formats.completion_text`). So
+    the score is read at the token training read it at, provided the reward model renders chats as the
+    policy does (a reward model trained from the SFT model shares its template).
+    """
     model.eval()
     device = next(model.parameters()).device
     mean = getattr(model.config, MEAN_KEY, 0.0) if normalise else 0.0

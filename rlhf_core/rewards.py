@@ -12,6 +12,12 @@ one with :class:`RewardKind` and :func:`build_reward_source`:
 
 Every reply is checked (one finite number per sample) and every failure raises
 :class:`RewardError` saying which source, which sample and why.
+
+What a source receives, per sample: ``prompts`` the text the policy read, rendered (a
+conversational prompt with the policy's chat template and generation prompt, so its role
+markers are in the string; a standard prompt as written), ``completions`` the decoded answer
+with special tokens (the end-of-turn eos included) skipped, and ``labels`` the prompt record's
+label or ``None``.
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ class RewardError(RuntimeError):
 
 @runtime_checkable
 class RewardSource(Protocol):
-    """One reward per ``(prompt, completion, label)``; ``labels`` entries may be ``None``."""
+    """One reward per ``(prompt, completion, label)``: the rendered prompt text, the decoded answer (no
+    special tokens), the label or ``None`` (see the module docstring)."""
 
     @property
     def name(self) -> str:

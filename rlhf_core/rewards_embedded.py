@@ -2,7 +2,9 @@
 
 Name it in a config as ``rlhf_core/rewards_embedded.py:reward`` (reward kind ``function``);
 a reward file of your own follows the same signature. Loaded by file path, so it imports
-only what a standalone file can.
+only what a standalone file can. ``prompts`` arrive as the policy read them: a conversational
+prompt rendered with its chat template (role markers and all), a standard one as written;
+``completions`` are the decoded answers without special tokens.
 """
 
 from __future__ import annotations

@@ -37,6 +37,10 @@ from rlhf_core.config import (
 )
 from rlhf_core.lineage import dvc_md5, git_commit
 
+RENDERED_EXAMPLES = "samples/rendered_examples.json"
+"""A training stage's first sequences as its model saw them (chat template and all), with the spans that
+carry loss: the artifact a reviewer opens to check the rendering (:mod:`rlhf_core.data.sequences`)."""
+
 
 @dataclass
 class StageResult:
@@ -263,7 +267,8 @@ def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: s
     """Run a trainer inside one (nested) MLflow run: params, lineage tags, inputs, metrics, model.
 
     ``datasets`` maps a dataset name to ``(path, context)``; ``train_fn(cfg, sink=, show_progress=)``
-    returns an object with ``output_dir`` and ``metrics`` (and optionally ``eval_samples``).
+    returns an object with ``output_dir`` and ``metrics`` (and optionally ``eval_samples`` and
+    ``rendered_examples``, logged as ``eval_samples.json`` and :data:`RENDERED_EXAMPLES`).
     ``metrics_file`` receives deterministic metrics only (eval/*, train/loss*), since DVC hashes it.
 
     The trainer's checkpoints and its finished record are cleared last, once the model is tracked and
@@ -296,6 +301,8 @@ def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: s
             plt.close(figure)
         if getattr(result, "eval_samples", None):
             run.log_dict(result.eval_samples, "eval_samples.json")
+        if getattr(result, "rendered_examples", None):  # what the model saw: template, loss-carrying spans
+            run.log_dict(result.rendered_examples, RENDERED_EXAMPLES)
         out_md5 = dvc_md5(result.output_dir)
         run.set_tags({"dvc.md5.output_model": out_md5})
         inject_fault(name, "tracking")  # test hook (ALIGNFLOW_FAULT=<stage>:tracking): saved, not yet registered

@@ -274,7 +274,8 @@ def prompt_text(tokenizer: Any, prompt: Text) -> str:
 def completion_text(tokenizer: Any, prompt: Text, completion: Text) -> str:
     """The answer as the model writes it after :func:`prompt_text`: standard text as it is; for a
     conversation, the rendered chat of prompt + answer minus the rendered prompt (so the template's
-    end-of-turn markers are part of the answer and carry loss)."""
+    end-of-turn markers are part of the answer and carry loss), ending at the eos token where the
+    turn holds one."""
     if not is_conversational(prompt):
         return completion
     head = prompt_text(tokenizer, prompt)
@@ -282,4 +283,10 @@ def completion_text(tokenizer: Any, prompt: Text, completion: Text) -> str:
     if not full.startswith(head):
         raise ValueError("chat template is not prefix-stable: the rendered prompt with its generation prompt is "
                          "not a prefix of the rendered conversation")
-    return full[len(head):]
+    answer = full[len(head):]
+    # Generation stops at eos, so what a template puts after it (ChatML's and the plain template's
+    # newline) is never written by the model; a reward model trained on it would read its score at a
+    # token that rollouts never reach.
+    eos = getattr(tokenizer, "eos_token", None)
+    end = answer.rfind(eos) if eos else -1
+    return answer[:end + len(eos)] if end >= 0 else answer

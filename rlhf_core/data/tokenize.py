@@ -1,24 +1,25 @@
-"""Turn records into token ids with loss masks, and batch them (padded or padding-free).
+"""Turn strings into token ids with loss masks, and batch them (padded or padding-free).
 
 Two input shapes, both with the loss on the response only:
 
-* ``prompt`` / ``completion``: prompt and completion are tokenized separately and joined
-  (so the prompt's ids equal what generation later sees) and the eos token closes the
-  completion; labels are ``-100`` on the prompt.
+* a prompt and its completion (strings, already rendered for the tokenizer by
+  :mod:`rlhf_core.data.formats` where they were a conversation): tokenized separately and
+  joined (so the prompt's ids equal what generation later sees), the eos token closing the
+  completion unless the rendered answer already ends its turn with it; labels are ``-100``
+  on the prompt.
 * ``messages`` (chat): rendered with the tokenizer's own chat template, or
   ``PLAIN_CHAT_TEMPLATE`` when it has none; labels are ``-100`` everywhere except the
   assistant turns (found by rendering each prefix, so any prefix-stable template works).
+
+Records become these strings in :mod:`rlhf_core.data.sequences` (one reader per stage kind).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-
-from rlhf_core.data.io import DataError, Record, require_str
 
 IGNORE_INDEX = -100
 
@@ -101,64 +102,6 @@ def tokenize_messages(tokenizer: Any, messages: Sequence[dict], max_length: int)
         for tok, (start, _end) in zip(ids, enc["offset_mapping"])
     ]
     return TokenizedExample(ids[:max_length], labels[:max_length])
-
-
-def _validate_messages(rec: Record, field: str, path: str | Path) -> list[dict]:
-    msgs = rec.data[field]
-    if not isinstance(msgs, list) or not msgs:
-        raise DataError(path, rec.line, "expected a non-empty list of {role, content}", field)
-    for j, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise DataError(path, rec.line, f"message {j} must be an object with string 'role' and 'content'", field)
-    if not any(m["role"] == "assistant" for m in msgs):
-        raise DataError(path, rec.line, "no assistant turn to train on", field)
-    return msgs
-
-
-def tokenize_sft_records(
-    tokenizer: Any,
-    records: Sequence[Record],
-    *,
-    path: str | Path,
-    prompt_field: str,
-    completion_field: str,
-    messages_field: str,
-    max_length: int,
-) -> list[TokenizedExample]:
-    """Tokenize SFT records (chat when ``messages_field`` is present, else prompt/completion)."""
-    out: list[TokenizedExample] = []
-    for rec in records:
-        if messages_field in rec.data:
-            ex = tokenize_messages(tokenizer, _validate_messages(rec, messages_field, path), max_length)
-        else:
-            prompt = require_str(rec, prompt_field, path)
-            completion = require_str(rec, completion_field, path)
-            ex = tokenize_prompt_completion(tokenizer, prompt, completion, max_length)
-        if all(t == IGNORE_INDEX for t in ex.labels):
-            raise DataError(path, rec.line, f"no response tokens left after truncation to max_length={max_length}")
-        out.append(ex)
-    return out
-
-
-def tokenize_preference_records(
-    tokenizer: Any,
-    records: Sequence[Record],
-    *,
-    path: str | Path,
-    prompt_field: str,
-    chosen_field: str,
-    rejected_field: str,
-    max_length: int,
-) -> list[tuple[TokenizedExample, TokenizedExample]]:
-    """(chosen, rejected) sequences of each preference record, loss masks on the responses."""
-    pairs = []
-    for rec in records:
-        prompt = require_str(rec, prompt_field, path)
-        chosen = require_str(rec, chosen_field, path)
-        rejected = require_str(rec, rejected_field, path)
-        pairs.append((tokenize_prompt_completion(tokenizer, prompt, chosen, max_length),
-                      tokenize_prompt_completion(tokenizer, prompt, rejected, max_length)))
-    return pairs
 
 
 # --------------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ import torch
 
 from rlhf_core.config import DistillConfig
 from rlhf_core.data.io import read_records
-from rlhf_core.data.tokenize import collate_packed, collate_padded, tokenize_sft_records
+from rlhf_core.data.sequences import rendered_rows, tokenize_sft_records
+from rlhf_core.data.tokenize import collate_packed, collate_padded
 from rlhf_core.evaluate import evaluate_exact_match
 from rlhf_core.logprobs import MODEL_INPUTS
 from rlhf_core.losses import IGNORE_INDEX, distillation_loss
@@ -40,6 +41,8 @@ class DistillResult:
     output_dir: Path
     metrics: dict[str, float] = field(default_factory=dict)
     eval_samples: list[dict[str, str]] = field(default_factory=list)
+    rendered_examples: list[dict[str, Any]] = field(default_factory=list)
+    """The first training sequences as the model saw them (:func:`rlhf_core.data.sequences.rendered_rows`)."""
 
 
 def check_same_vocabulary(student_path: str | Path, student_tok: Any, teacher_path: str | Path, teacher_tok: Any) -> None:
@@ -98,4 +101,4 @@ def train_distill(cfg: DistillConfig, sink: MetricSink | None = None, show_progr
     loop = run_training(cfg, "distill", model, tokenizer, batches=batches, loss_fn=loss_fn,
                         evaluate=evaluate, sink=sink, state={"sampler": sampler},
                         lineage={"teacher": str(cfg.teacher_path)}, show_progress=show_progress)
-    return DistillResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples)
+    return DistillResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples, rendered_rows(tokenizer, train))

@@ -19,8 +19,8 @@ import torch
 
 from rlhf_core.config import DPOConfig
 from rlhf_core.data.io import read_records
+from rlhf_core.data.sequences import rendered_pair_rows, tokenize_preference_records
 from rlhf_core.data.tokenize import TokenizedExample, collate_pairs
-from rlhf_core.data.tokenize import tokenize_preference_records
 from rlhf_core.evaluate import evaluate_exact_match
 from rlhf_core.lm_head import LMHead, prepare_kernels
 from rlhf_core.logprobs import reference_logprobs, response_logprobs, response_token_counts
@@ -38,6 +38,8 @@ class DPOResult:
     output_dir: Path
     metrics: dict[str, float] = field(default_factory=dict)
     eval_samples: list[dict[str, str]] = field(default_factory=list)
+    rendered_examples: list[dict[str, Any]] = field(default_factory=list)
+    """The first pairs as the model saw them (:func:`rlhf_core.data.sequences.rendered_pair_rows`)."""
 
 
 def precompute_reference_logps(reference: Any, pairs: list[tuple[TokenizedExample, TokenizedExample]], pad: int,
@@ -72,7 +74,8 @@ def train_dpo(cfg: DPOConfig, sink: MetricSink | None = None, show_progress: boo
     head = prepare_kernels(cfg, model, reference)  # fused kernels, and how the LM head scores tokens
     pairs = tokenize_preference_records(tokenizer, read_records(cfg.train_file), path=cfg.train_file,
                                         prompt_field=cfg.prompt_field, chosen_field=cfg.chosen_field,
-                                        rejected_field=cfg.rejected_field, max_length=cfg.max_length)
+                                        rejected_field=cfg.rejected_field, max_length=cfg.max_length,
+                                        margin_field=cfg.margin_field)
     pad = tokenizer.pad_token_id
 
     # ---- reference log-probs: once up front (then the reference is freed), or live -------
@@ -135,4 +138,4 @@ def train_dpo(cfg: DPOConfig, sink: MetricSink | None = None, show_progress: boo
     loop = run_training(cfg, "dpo", model, tokenizer, batches=batches, loss_fn=loss_fn,
                         evaluate=evaluate, sink=sink, state={"sampler": sampler}, units_fn=lambda b: int(b["n_pairs"]),
                         step_metrics=step_metrics, show_progress=show_progress)
-    return DPOResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples)
+    return DPOResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples, rendered_pair_rows(tokenizer, pairs))

@@ -25,7 +25,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from rlhf_core.config import KTOConfig
-from rlhf_core.data.io import DataError, Record, read_records, require_str
+from rlhf_core.data.formats import UnpairedExample, completion_text, prompt_text, read_unpaired_examples
+from rlhf_core.data.io import DataError, Record, read_records
+from rlhf_core.data.sequences import SAMPLE_ROWS, rendered_row
 from rlhf_core.data.tokenize import TokenizedExample, collate_packed, collate_padded, tokenize_prompt_completion
 from rlhf_core.evaluate import evaluate_exact_match
 from rlhf_core.lm_head import LMHead, prepare_kernels
@@ -37,15 +39,6 @@ from rlhf_core.trainers.loop import (EpochSampler, MetricSink, MicroBatches, Nul
                                     load_policy_and_reference, run_training, seed_everything)
 
 
-@dataclass(frozen=True)
-class UnpairedExample:
-    """One KTO example: a prompt, a completion and whether it is desirable."""
-
-    prompt: str
-    completion: str
-    desirable: bool
-
-
 @dataclass
 class KTOResult:
     """The trained policy's directory and its final metrics."""
@@ -53,30 +46,17 @@ class KTOResult:
     output_dir: Path
     metrics: dict[str, float] = field(default_factory=dict)
     eval_samples: list[dict[str, str]] = field(default_factory=list)
+    rendered_examples: list[dict[str, Any]] = field(default_factory=list)
+    """The first examples as the model saw them, each with its flag (:func:`rlhf_core.data.sequences.rendered_row`)."""
 
 
 def unpaired_examples(records: Sequence[Record], cfg: KTOConfig, path: str | Path) -> list[UnpairedExample]:
-    """KTO examples from ``records``: unpaired rows as they are; a preference pair gives two.
-
-    A row with ``cfg.chosen_field`` and ``cfg.rejected_field`` is a pair (TRL's
-    ``unpair_preference_dataset`` does the same split); any other row needs
-    ``cfg.completion_field`` and a boolean ``cfg.desirable_field``.
-    """
-    out: list[UnpairedExample] = []
-    for rec in records:
-        prompt = require_str(rec, cfg.prompt_field, path)
-        if cfg.chosen_field in rec.data and cfg.rejected_field in rec.data:
-            out.append(UnpairedExample(prompt, require_str(rec, cfg.chosen_field, path), True))
-            out.append(UnpairedExample(prompt, require_str(rec, cfg.rejected_field, path), False))
-            continue
-        completion = require_str(rec, cfg.completion_field, path)
-        if cfg.desirable_field not in rec.data:
-            raise DataError(path, rec.line, f"missing (or give {cfg.chosen_field}/{cfg.rejected_field} pairs)",
-                            cfg.desirable_field)
-        flag = rec.data[cfg.desirable_field]
-        if not isinstance(flag, bool):
-            raise DataError(path, rec.line, f"must be true or false, got {flag!r}", cfg.desirable_field)
-        out.append(UnpairedExample(prompt, completion, flag))
+    """KTO examples from ``records`` (:func:`rlhf_core.data.formats.read_unpaired_examples` with ``cfg``'s
+    field names): unpaired rows as they are; a preference pair gives two (TRL's
+    ``unpair_preference_dataset`` does the same split); standard or conversational."""
+    out = read_unpaired_examples(records, path, prompt_field=cfg.prompt_field, completion_field=cfg.completion_field,
+                                 desirable_field=cfg.desirable_field, chosen_field=cfg.chosen_field,
+                                 rejected_field=cfg.rejected_field)
     if not out:
         raise DataError(path, 0, "no examples")
     return out
@@ -112,10 +92,14 @@ def train_kto(cfg: KTOConfig, sink: MetricSink | None = None, show_progress: boo
     examples = unpaired_examples(read_records(cfg.train_file), cfg, cfg.train_file)
     pad = tokenizer.pad_token_id
 
-    def tokenize(prompt: str, completion: str) -> TokenizedExample:
-        return tokenize_prompt_completion(tokenizer, prompt, completion, cfg.max_length)
+    # rendered once: a mismatched pair joins one example's prompt with another's answer (as the model reads them)
+    prompts = [prompt_text(tokenizer, e.prompt) for e in examples]
+    answers = [completion_text(tokenizer, e.prompt, e.completion) for e in examples]
 
-    matched = [tokenize(e.prompt, e.completion) for e in examples]
+    def tokenize(i: int, j: int) -> TokenizedExample:  # prompt of example i, answer of example j
+        return tokenize_prompt_completion(tokenizer, prompts[i], answers[j], cfg.max_length)
+
+    matched = [tokenize(i, i) for i in range(len(examples))]
 
     # ---- batches: each draw's reference point z0, then its examples in micro-batches ------
     sampler = EpochSampler(len(examples), cfg.batch_size, cfg.seed, current_world())
@@ -126,7 +110,7 @@ def train_kto(cfg: KTOConfig, sink: MetricSink | None = None, show_progress: boo
     def draw() -> list[tuple[int, float]]:  # this rank's examples of one draw, each with the draw's z0
         idx = sampler.next()
         partners = idx[1:] + idx[:1]  # KTO Sec. 4.1: y'_i is the completion of another example
-        mismatched = [tokenize(examples[i].prompt, examples[j].completion) for i, j in zip(idx, partners)]
+        mismatched = [tokenize(i, j) for i, j in zip(idx, partners)]
         z0 = draw_reference_point(model, reference, mismatched, collate_sequences, cfg.micro_batch_tokens, head)
         return [(i, z0) for i in idx]
 
@@ -172,4 +156,6 @@ def train_kto(cfg: KTOConfig, sink: MetricSink | None = None, show_progress: boo
     loop = run_training(cfg, "kto", model, tokenizer, batches=batches, loss_fn=loss_fn,
                         evaluate=evaluate, sink=sink, state={"sampler": sampler}, units_fn=lambda b: len(b["desirable"]),
                         step_metrics=step_metrics, show_progress=show_progress)
-    return KTOResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples)
+    rendered = [{**rendered_row(tokenizer, matched[i]), "desirable": examples[i].desirable}
+                for i in range(min(SAMPLE_ROWS, len(examples)))]
+    return KTOResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples, rendered)

@@ -17,8 +17,10 @@ from typing import Any
 import torch
 
 from rlhf_core.config import RewardConfig
-from rlhf_core.data.io import Record, read_records
-from rlhf_core.data.tokenize import TokenizedExample, collate_pairs, tokenize_preference_records
+from rlhf_core.data.formats import PairExample, read_pair_examples
+from rlhf_core.data.io import read_records
+from rlhf_core.data.sequences import rendered_pair_rows, tokenize_pair_examples
+from rlhf_core.data.tokenize import TokenizedExample, collate_pairs
 from rlhf_core.losses import bradley_terry_loss, log_exp_loss
 from rlhf_core.models import load_tokenizer, pick_device
 from rlhf_core.lm_head import prepare_decoder_kernels
@@ -36,11 +38,20 @@ class RewardResult:
 
     output_dir: Path
     metrics: dict[str, float] = field(default_factory=dict)
+    rendered_examples: list[dict[str, Any]] = field(default_factory=list)
+    """The first pairs as the model saw them, with the token each score is read at
+    (:func:`rlhf_core.data.sequences.rendered_pair_rows`)."""
 
 
-def _margins(records: list[Record], cfg: RewardConfig) -> torch.Tensor:
-    values = [float(r.get(cfg.margin_field, 0.0) or 0.0) if cfg.use_margin else 0.0 for r in records]
-    return torch.tensor(values)
+def _margins(examples: list[PairExample], cfg: RewardConfig) -> torch.Tensor:
+    return torch.tensor([(e.margin or 0.0) if cfg.use_margin else 0.0 for e in examples])
+
+
+def read_pairs(cfg: RewardConfig, path: str, limit: int | None = None) -> list[PairExample]:
+    """The preference pairs of ``path`` (explicit or implicit prompt, standard or conversational)."""
+    return read_pair_examples(read_records(path, limit=limit), path, prompt_field=cfg.prompt_field,
+                              chosen_field=cfg.chosen_field, rejected_field=cfg.rejected_field,
+                              margin_field=cfg.margin_field)
 
 
 @torch.no_grad()
@@ -69,17 +80,15 @@ def train_reward_model(cfg: RewardConfig, sink: MetricSink | None = None, show_p
     device = pick_device()
     model = load_reward_model(cfg.model_path, device, Precision.resolve(cfg.precision, device).load_dtype)
     prepare_decoder_kernels(cfg, model)  # fused RMSNorm/RoPE/SwiGLU and the attention backend on a GPU
-    fields = dict(prompt_field=cfg.prompt_field, chosen_field=cfg.chosen_field, rejected_field=cfg.rejected_field,
-                  max_length=cfg.max_length)
-    records = read_records(cfg.train_file)
+    examples = read_pairs(cfg, cfg.train_file)
     if cfg.eval_file:
-        train_recs, eval_recs, eval_path = records, read_records(cfg.eval_file, limit=cfg.eval_items), cfg.eval_file
+        train_pairs, eval_pairs = examples, read_pairs(cfg, cfg.eval_file, limit=cfg.eval_items)
     else:
-        n_eval = max(1, int(len(records) * cfg.eval_fraction))
-        train_recs, eval_recs, eval_path = records[:-n_eval], records[-n_eval:], cfg.train_file
-    train = tokenize_preference_records(tokenizer, train_recs, path=cfg.train_file, **fields)
-    held_out = tokenize_preference_records(tokenizer, eval_recs, path=eval_path, **fields)
-    margins = _margins(train_recs, cfg)
+        n_eval = max(1, int(len(examples) * cfg.eval_fraction))
+        train_pairs, eval_pairs = examples[:-n_eval], examples[-n_eval:]
+    train = tokenize_pair_examples(tokenizer, train_pairs, cfg.max_length)
+    held_out = tokenize_pair_examples(tokenizer, eval_pairs, cfg.max_length)
+    margins = _margins(train_pairs, cfg)
     pad = tokenizer.pad_token_id
 
     # ---- batches: a pair is one example (chosen and rejected share a micro-batch) ------------
@@ -125,4 +134,4 @@ def train_reward_model(cfg: RewardConfig, sink: MetricSink | None = None, show_p
     loop = run_training(cfg, "reward", model, tokenizer, batches=batches, loss_fn=loss_fn,
                         evaluate=evaluate, sink=sink, state={"sampler": sampler}, units_fn=lambda b: int(b["n_pairs"]),
                         step_metrics=step_metrics, before_save=store_normalisation, show_progress=show_progress)
-    return RewardResult(Path(cfg.output_dir), loop.metrics)
+    return RewardResult(Path(cfg.output_dir), loop.metrics, rendered_pair_rows(tokenizer, train, scored=True))

@@ -35,8 +35,10 @@ from typing import Any, Sequence
 import torch
 
 from rlhf_core.config import ConfigError, RLConfig, config_to_dict
-from rlhf_core.data.io import DataError, read_records, require_str
-from rlhf_core.data.tokenize import encode_prompt
+from rlhf_core.data.formats import prompt_text, read_prompt_examples
+from rlhf_core.data.io import DataError, read_records
+from rlhf_core.data.sequences import SAMPLE_ROWS, rendered_row
+from rlhf_core.data.tokenize import IGNORE_INDEX, TokenizedExample, encode_prompt
 from rlhf_core.evaluate import evaluate_exact_match
 from rlhf_core.models import load_tokenizer, merged_model, pick_device, resolve_precision
 from rlhf_core.redact import redact_secrets
@@ -66,16 +68,37 @@ class RLResult:
     metrics: dict[str, float] = field(default_factory=dict)
     eval_samples: list[dict[str, str]] = field(default_factory=list)
     rollout_table: list[dict[str, Any]] = field(default_factory=list)
+    rendered_examples: list[dict[str, Any]] = field(default_factory=list)
+    """The first iteration's first samples as the policy saw and wrote them (:func:`rendered_rollout_rows`)."""
 
 
-def read_prompts(cfg: RLConfig) -> tuple[list[str], list[str | None]]:
-    """Prompts and labels (``None`` where a record has none) of ``cfg.prompts_file``."""
+def read_prompts(cfg: RLConfig, tokenizer: Any) -> tuple[list[str], list[str | None]]:
+    """Prompts of ``cfg.prompts_file`` as the policy reads them (a conversation rendered with its chat
+    template and generation prompt, :func:`rlhf_core.data.formats.prompt_text`; standard text as it is)
+    and their labels (``None`` where a record has none)."""
     records = read_records(cfg.prompts_file)
     if not records:
         raise DataError(cfg.prompts_file, 0, "no prompts")
-    prompts = [require_str(r, cfg.prompt_field, cfg.prompts_file) for r in records]
-    labels = [None if r.get(cfg.label_field) is None else str(r.get(cfg.label_field)) for r in records]
-    return prompts, labels
+    examples = read_prompt_examples(records, cfg.prompts_file, prompt_field=cfg.prompt_field,
+                                    label_field=cfg.label_field)
+    return [prompt_text(tokenizer, e.prompt) for e in examples], [e.label for e in examples]
+
+
+def rendered_rollout_rows(tokenizer: Any, batch: RolloutBatch, rewards: torch.Tensor,
+                          n: int = SAMPLE_ROWS) -> list[dict[str, Any]]:
+    """The first ``n`` samples as the policy saw and wrote them: ``text`` (rendered prompt and sampled response,
+    special tokens kept, so the template's markers and the end-of-turn eos show), ``loss_spans`` (the response:
+    the tokens the policy loss covers, up to and including eos), ``prompt`` (rendered), ``completion`` (as the
+    reward source got it, special tokens skipped) and ``reward``; secrets redacted."""
+    rows = []
+    for i in range(min(n, len(batch))):
+        prompt = batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist()
+        response = batch.response_ids[i][batch.response_mask[i].bool()].tolist()
+        seq = TokenizedExample(prompt + response, [IGNORE_INDEX] * len(prompt) + response)
+        rows.append(redact_secrets({**rendered_row(tokenizer, seq),
+                                    "prompt": tokenizer.decode(prompt, skip_special_tokens=False),
+                                    "completion": batch.completions[i], "reward": float(rewards[i])}))
+    return rows
 
 
 # --------------------------------------------------------------------------------------
@@ -148,7 +171,8 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
         trainer.engine.close()  # a vLLM engine's worker processes (on an exception, vLLM's own exit hooks do it)
     metrics = {**outcome.result_metrics, **outcome.eval_metrics,
                "perf/train_seconds": outcome.train_seconds, "perf/total_seconds": outcome.total_seconds}
-    return RLResult(Path(cfg.output_dir), metrics, outcome.eval_samples, trainer.rollout_table)
+    return RLResult(Path(cfg.output_dir), metrics, outcome.eval_samples, trainer.rollout_table,
+                    trainer.rendered_examples)
 
 
 @dataclass
@@ -199,7 +223,7 @@ class RLTrainer:
         self.engine = engine or build_rollout_engine(cfg, self.learner.policy, self.tokenizer, autocast_dtype)
         # A LoRA policy's engine needs merged weights; the HF engine that holds the policy needs nothing.
         self.engine_weights = getattr(self.learner, "engine_weights", None)
-        self.prompts, self.labels = read_prompts(cfg)
+        self.prompts, self.labels = read_prompts(cfg, self.tokenizer)
         _check_prompt_lengths(cfg, self.tokenizer, self.prompts)
         self.sampler = EpochSampler(len(self.prompts), cfg.prompts_per_step, cfg.seed)
         # the KL controller; the learner owns the optimisers (its schedule advances once per iteration)
@@ -211,6 +235,7 @@ class RLTrainer:
         self.summary: dict[str, float] = {}
         self.step_metrics: dict[str, float] = {}
         self.rollout_table: list[dict[str, Any]] = []
+        self.rendered_examples: list[dict[str, Any]] = []
 
     # ---- one iteration: the algorithm ----------------------------------------------------------
 
@@ -219,6 +244,8 @@ class RLTrainer:
         del clock
         step_timer, perf = Timer(), _PhaseTimes()
         sampled = self.generate(step, perf)
+        if not self.rendered_examples:  # the first iteration's samples, for a reviewer (RLResult)
+            self.rendered_examples = rendered_rollout_rows(self.tokenizer, sampled.batch, sampled.rewards)
         scores = self.shape_rewards(sampled)
         exp = perf.time("perf/logprob_s", self.score_logprobs, sampled.batch)
         self.estimate_advantages(exp, scores)
@@ -435,7 +462,8 @@ class RLTrainer:
         return self.learner.view(), self.tokenizer, {
             **self.learner.state_dict(),
             "objects": {key: obj.state_dict() for key, obj in self.resumables.items()},
-            "loop": {"summary": self.summary, "step_metrics": self.step_metrics, "rollout_table": self.rollout_table}}
+            "loop": {"summary": self.summary, "step_metrics": self.step_metrics, "rollout_table": self.rollout_table,
+                     "rendered_examples": self.rendered_examples}}
 
     def restore(self, ckpt: Checkpoint) -> None:
         """The learner (policy, optimizers, schedules, critic), sampler, KL controller and update order."""
@@ -448,6 +476,7 @@ class RLTrainer:
         loop_state = ckpt.state["loop"]
         self.summary, self.step_metrics = dict(loop_state["summary"]), dict(loop_state["step_metrics"])
         self.rollout_table = list(loop_state["rollout_table"])
+        self.rendered_examples = list(loop_state.get("rendered_examples", []))  # absent from older checkpoints
 
     def storage_needs(self) -> Any:
         """The loop's disk preflight: the policy's size (and a critic of its shape in each checkpoint)."""

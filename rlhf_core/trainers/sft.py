@@ -17,7 +17,8 @@ import torch
 
 from rlhf_core.config import SFTConfig
 from rlhf_core.data.io import read_records
-from rlhf_core.data.tokenize import TokenizedExample, collate_packed, collate_padded, tokenize_sft_records
+from rlhf_core.data.sequences import rendered_rows, tokenize_labelled_prompts, tokenize_sft_records
+from rlhf_core.data.tokenize import TokenizedExample, collate_packed, collate_padded
 from rlhf_core.evaluate import evaluate_exact_match
 from rlhf_core.lm_head import LMHead, labelled_token_logprobs, prepare_kernels
 from rlhf_core.losses import IGNORE_INDEX
@@ -34,6 +35,8 @@ class SFTResult:
     output_dir: Path
     metrics: dict[str, float] = field(default_factory=dict)
     eval_samples: list[dict[str, str]] = field(default_factory=list)
+    rendered_examples: list[dict[str, Any]] = field(default_factory=list)
+    """The first training sequences as the model saw them (:func:`rlhf_core.data.sequences.rendered_rows`)."""
 
 
 def nll_loss_fn(head: LMHead) -> Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]:
@@ -80,10 +83,10 @@ def train_sft(cfg: SFTConfig, sink: MetricSink | None = None, show_progress: boo
     fields = dict(prompt_field=cfg.prompt_field, completion_field=cfg.completion_field,
                   messages_field=cfg.messages_field, max_length=cfg.max_length)
     train = tokenize_sft_records(tokenizer, read_records(cfg.train_file), path=cfg.train_file, **fields)
-    eval_records = read_records(cfg.eval_file, limit=cfg.eval_items)
     # Eval loss: the label is the reference completion of a held-out prompt.
-    held_out = tokenize_sft_records(tokenizer, eval_records, path=cfg.eval_file,
-                                    **{**fields, "completion_field": cfg.label_field})
+    held_out = tokenize_labelled_prompts(tokenizer, read_records(cfg.eval_file, limit=cfg.eval_items),
+                                         path=cfg.eval_file, prompt_field=cfg.prompt_field,
+                                         label_field=cfg.label_field, max_length=cfg.max_length)
 
     # ---- batches: a deterministic reshuffle every epoch; padded, or packed (token budget) --
     sampler = EpochSampler(len(train), cfg.batch_size, cfg.seed, current_world())
@@ -99,4 +102,4 @@ def train_sft(cfg: SFTConfig, sink: MetricSink | None = None, show_progress: boo
     # ---- train, then save ---------------------------------------------------------------
     loop = run_training(cfg, "sft", model, tokenizer, batches=batches, loss_fn=nll_loss_fn(head),
                         evaluate=evaluate, sink=sink, state={"sampler": sampler}, show_progress=show_progress)
-    return SFTResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples)
+    return SFTResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples, rendered_rows(tokenizer, train))

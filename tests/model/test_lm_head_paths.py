@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from rlhf_core.data.io import read_records
-from rlhf_core.data.tokenize import collate_packed, collate_padded, tokenize_sft_records
+from rlhf_core.data.sequences import tokenize_sft_records
+from rlhf_core.data.tokenize import collate_packed, collate_padded
 from rlhf_core.lm_head import LMHead, labelled_token_logprobs
 from rlhf_core.logprobs import response_logprobs
 from rlhf_core.losses import sequence_logprobs, token_nll_sum

@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 from conftest import Recorder
 from rlhf_core.config import DistillConfig, DPOConfig, KTOConfig, RewardConfig
 from rlhf_core.data.io import read_records
-from rlhf_core.data.tokenize import collate_packed, collate_padded, collate_pairs, tokenize_preference_records
+from rlhf_core.data.sequences import tokenize_preference_records
+from rlhf_core.data.tokenize import collate_packed, collate_padded, collate_pairs
 from rlhf_core.logprobs import MODEL_INPUTS, response_logprobs
 from rlhf_core.losses import distillation_loss
 from rlhf_core.models import load_causal_lm, load_tokenizer

@@ -148,7 +148,8 @@ def test_nan_loss_stops_at_that_step_with_last_checkpoint_intact(micro_model, mi
     """The loss turns NaN at step 7: the stage stops there naming the step and the quantity; the
     step-4 checkpoint is intact and the weights were not touched by the bad step."""
     from rlhf_core.data.io import read_records
-    from rlhf_core.data.tokenize import collate_padded, tokenize_sft_records
+    from rlhf_core.data.sequences import tokenize_sft_records
+    from rlhf_core.data.tokenize import collate_padded
     from rlhf_core.models import load_causal_lm, load_tokenizer
     from rlhf_core.lm_head import LMHead
     from rlhf_core.trainers.loop import EpochSampler, MicroBatches

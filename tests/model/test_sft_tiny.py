@@ -55,7 +55,8 @@ def test_sft_is_deterministic(micro_model, micro_data, tmp_path):
 def test_grad_accumulation_matches_big_batch(micro_model, micro_data, tmp_path):
     """2 micro-batches of 16 accumulate to the gradient of one batch of 32 (token-weighted)."""
     from rlhf_core.data.io import read_records
-    from rlhf_core.data.tokenize import collate_padded, tokenize_sft_records
+    from rlhf_core.data.sequences import tokenize_sft_records
+    from rlhf_core.data.tokenize import collate_padded
     from rlhf_core.losses import token_nll_sum
     from rlhf_core.parallel import LocalStrategy
     from rlhf_core.trainers.loop import accumulate_and_step

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rlhf_core.data.io import Record
+from rlhf_core.data.sequences import tokenize_sft_records
 from rlhf_core.data.tokenize import (
     IGNORE_INDEX,
     PLAIN_CHAT_TEMPLATE,
@@ -13,7 +14,6 @@ from rlhf_core.data.tokenize import (
     collate_padded,
     tokenize_messages,
     tokenize_prompt_completion,
-    tokenize_sft_records,
 )
 from rlhf_core.losses import token_nll_sum
 from rlhf_core.models import load_causal_lm, load_tokenizer
