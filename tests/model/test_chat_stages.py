@@ -97,32 +97,44 @@ def _assistant(text: str) -> dict:
 
 
 def conversational_data(micro_data: dict[str, Path], folder: Path) -> dict[str, Path]:
-    """The embedded task's rows in every conversational format; alternate rows switch form (``messages``
-    / prompt-completion, explicit / implicit prompt), so a stage's first rows show both."""
+    """The embedded task's rows in every conversational format, a file per form (the gate takes one form
+    per file): ``messages`` chats (the first with two assistant turns) and prompt-completion rows for SFT /
+    distillation, explicit- and implicit-prompt pairs, unpaired rows, prompts."""
     sft = _rows(micro_data["sft"])[:24]
     prefs = _rows(micro_data["preferences"])[:24]
-    sft_rows = []
-    for i, r in enumerate(sft):
-        if i == 0:  # two assistant turns: both carry loss, the user turn between them does not
-            nxt = sft[-1]
-            sft_rows.append({"messages": [SYSTEM, _user(r["prompt"]), _assistant(r["completion"]),
-                                          _user(nxt["prompt"]), _assistant(nxt["completion"])]})
-        elif i % 2 == 0:
-            sft_rows.append({"messages": [_user(r["prompt"]), _assistant(r["completion"])]})
-        else:
-            sft_rows.append({"prompt": [SYSTEM, _user(r["prompt"])], "completion": [_assistant(r["completion"])]})
-    pair_rows = [{"prompt": [_user(r["prompt"])], "chosen": [_assistant(r["chosen"])],
-                  "rejected": [_assistant(r["rejected"])]} if i % 2 == 0 else
-                 {"chosen": [_user(r["prompt"]), _assistant(r["chosen"])],
-                  "rejected": [_user(r["prompt"]), _assistant(r["rejected"])]} for i, r in enumerate(prefs)]
+    first, nxt = sft[0], sft[-1]  # two assistant turns: both carry loss, the user turn between them does not
+    chats = [{"messages": [SYSTEM, _user(first["prompt"]), _assistant(first["completion"]),
+                           _user(nxt["prompt"]), _assistant(nxt["completion"])]}]
+    chats += [{"messages": [_user(r["prompt"]), _assistant(r["completion"])]} for r in sft[1:]]
+    completions = [{"prompt": [SYSTEM, _user(r["prompt"])], "completion": [_assistant(r["completion"])]} for r in sft]
+    explicit = [{"prompt": [_user(r["prompt"])], "chosen": [_assistant(r["chosen"])],
+                 "rejected": [_assistant(r["rejected"])]} for r in prefs]
+    implicit = [{"chosen": [_user(r["prompt"]), _assistant(r["chosen"])],
+                 "rejected": [_user(r["prompt"]), _assistant(r["rejected"])]} for r in prefs]
     kto_rows = [{"prompt": [_user(r["prompt"])], "completion": [_assistant(r[key])], "desirable": key == "chosen"}
                 for r in prefs for key in ("chosen", "rejected")]
     prompt_rows = [{"prompt": [SYSTEM, _user(r["prompt"])], "label": r["label"]}
                    for r in _rows(micro_data["prompts"])[:8]]
     eval_rows = [{"prompt": [_user(r["prompt"])], "label": r["label"]} for r in _rows(micro_data["eval"])[:4]]
-    return {"sft": _write(folder / "sft.jsonl", sft_rows), "preferences": _write(folder / "prefs.jsonl", pair_rows),
+    return {"sft": _write(folder / "sft.jsonl", chats), "sft_pc": _write(folder / "sft_pc.jsonl", completions),
+            "preferences": _write(folder / "prefs.jsonl", explicit),
+            "preferences_implicit": _write(folder / "prefs_implicit.jsonl", implicit),
             "kto": _write(folder / "kto.jsonl", kto_rows), "prompts": _write(folder / "prompts.jsonl", prompt_rows),
             "eval": _write(folder / "eval.jsonl", eval_rows)}
+
+
+GATE_KINDS = {"sft": "sft", "sft_pc": "sft", "preferences": "preference", "preferences_implicit": "preference",
+              "kto": "unpaired", "prompts": "prompts", "eval": "prompts"}
+"""The Great Expectations kind each file passes before a stage may read it."""
+
+
+def check_gate(files: dict[str, Path]) -> None:
+    """Every file the pipeline reads passes the data gate (the flows refuse to train on anything else)."""
+    from rlhf_core.data.validate import validate_dataset
+
+    for name, path in files.items():
+        report = validate_dataset(path, GATE_KINDS[name])
+        assert report.success and "conversational" in report.render(), report.render()
 
 
 # --------------------------------------------------------------------------------------
@@ -148,7 +160,7 @@ def check_row(row: dict, tpl: Template, answers: list[str], prompt_texts: list[s
 
 
 def check_sft_rows(rows: list[dict], tpl: Template, data: Path) -> None:
-    """The first rows of an SFT-format file: a two-turn ``messages`` chat, then alternating forms."""
+    """The first rows of an SFT-format file (``messages`` chats, the first with two turns; or prompt-completion)."""
     records = _rows(data)
     assert len(rows) == 4
     for row, rec in zip(rows, records):
@@ -196,9 +208,9 @@ def run_offline_stages(base: Path, data: dict[str, Path], out: Path, tpl: Templa
                                          eval_fraction=0.25), show_progress=False)
     check_pair_rows(rm.rendered_examples, tpl, data["preferences"], scored=True)
 
-    dpo = train_dpo(DPOConfig(**_common(sft.output_dir, out, "dpo"), train_file=str(data["preferences"]),
+    dpo = train_dpo(DPOConfig(**_common(sft.output_dir, out, "dpo"), train_file=str(data["preferences_implicit"]),
                               eval_file=str(data["eval"]), eval_items=4), show_progress=False)
-    check_pair_rows(dpo.rendered_examples, tpl, data["preferences"])
+    check_pair_rows(dpo.rendered_examples, tpl, data["preferences_implicit"])
     check_eval_samples(dpo.eval_samples, tpl)
 
     kto = train_kto(KTOConfig(**_common(sft.output_dir, out, "kto"), train_file=str(data["kto"]),
@@ -208,9 +220,9 @@ def run_offline_stages(base: Path, data: dict[str, Path], out: Path, tpl: Templa
         assert row["desirable"] == rec["desirable"]
 
     distill = train_distill(DistillConfig(**_common(sft.output_dir, out, "distill"), teacher_path=str(dpo.output_dir),
-                                          train_file=str(data["sft"]), eval_file=str(data["eval"]), eval_items=4),
+                                          train_file=str(data["sft_pc"]), eval_file=str(data["eval"]), eval_items=4),
                             show_progress=False)
-    check_sft_rows(distill.rendered_examples, tpl, data["sft"])
+    check_sft_rows(distill.rendered_examples, tpl, data["sft_pc"])
     return {"sft": sft.output_dir, "rm": rm.output_dir, "dpo": dpo.output_dir}
 
 
@@ -247,6 +259,7 @@ def run_rejection_and_raft(models: dict[str, Path], data: dict[str, Path], out: 
         output_file=str(out / "best.jsonl"), pairs_file=str(out / "pairs.jsonl"), num_threads=1), show_progress=False)
     kept = _rows(rejection.output_file)
     assert kept, "no sample kept"
+    check_gate({"sft_pc": Path(rejection.output_file), "preferences": Path(rejection.pairs_file)})
     for rec in kept:
         assert rec["prompt"][-1]["role"] == "user" and rec["completion"][0]["role"] == "assistant", rec
     for rec in _rows(rejection.pairs_file):
@@ -267,6 +280,7 @@ def test_conversational_data_through_every_stage(kind, request, micro_data, tmp_
     assert tok.eos_token == tpl.end_of_turn
     assert (tok.chat_template == PLAIN_CHAT_TEMPLATE) == (kind == "plain")
     data = conversational_data(micro_data, tmp_path)
+    check_gate(data)
     models = run_offline_stages(base, data, tmp_path, tpl)
     run_grpo_and_evaluate(models, data, tmp_path, tpl)
     run_rejection_and_raft(models, data, tmp_path, tpl)
