@@ -126,7 +126,11 @@ def init_model(cfg: ModelConfig, tracking: TrackingConfig | None = None,
     from rlhf_core.data.io import read_records
     from rlhf_core.embedded import build_tiny_model, count_parameters, train_tokenizer
 
-    texts = [str(r.get("prompt", "")) + str(r.get("completion", "")) for r in read_records(cfg.corpus_file)]
+    from rlhf_core.data.formats import plain_text
+
+    # A conversational file's words, not the reprs of its message lists.
+    texts = [plain_text(r.get("prompt")) + plain_text(r.get("completion")) + plain_text(r.get("messages"))
+             for r in read_records(cfg.corpus_file)]
     out = Path(cfg.out_dir)
     staging = temp_sibling(out)
     with tempfile.TemporaryDirectory() as tmp:

@@ -53,6 +53,13 @@ def is_conversational(value: Any) -> bool:
     return isinstance(value, list)
 
 
+def plain_text(value: Any) -> str:
+    """A field's words without structure (a tokenizer corpus): text as is, a conversation's contents joined."""
+    if is_conversational(value):
+        return "".join(m["content"] for m in value if isinstance(m, dict) and isinstance(m.get("content"), str))
+    return "" if value is None else str(value)
+
+
 # --------------------------------------------------------------------------------------
 # Field checks (each a DataError naming file, line and field)
 # --------------------------------------------------------------------------------------

@@ -207,3 +207,13 @@ def test_gate_passes_only_rows_the_reader_accepts(tmp_path, name):
     assert refused_by_gate >= refused_by_reader  # nothing the gate passes fails in the reader
     for failure in report.failures:  # every failure names file, line and field
         assert failure.field and all(loc == f"{path}:{ln}" for loc, ln in zip(failure.locations, failure.lines))
+
+
+def test_plain_text_joins_a_conversations_contents_and_keeps_text():
+    """The tokenizer corpus of ``init-model``: a conversation contributes its words, never a list's repr."""
+    from rlhf_core.data.formats import plain_text
+
+    chat = [{"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}]
+    assert plain_text(chat) == "2+2=4"
+    assert plain_text("2+2=") == "2+2="
+    assert plain_text(None) == ""
