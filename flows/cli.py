@@ -1,4 +1,4 @@
-"""The ``alignflow`` command line: one subcommand per stage, ``validate``, and ``flow align``.
+"""The ``alignflow`` command line: one subcommand per stage, ``validate``, ``flow align`` and ``init``.
 
 Stage commands (``generate``, ``init-model``, ``sft``, ``reward``, ``dpo``, ``kto``,
 ``rejection``, ``raft``, ``distill``, ``rl``, ``evaluate``) run a stage directly,
@@ -8,6 +8,9 @@ section.field=value`` for ``flow align``).
 
 Exit codes: 0 success; 1 invalid data (the Great Expectations report is printed); 2 a bad
 config, command line or model directory.
+
+``init PATH`` scaffolds a project of your own (flows/scaffold.py); every other command runs
+in a project folder, reading its ``params.yaml``.
 """
 
 from __future__ import annotations
@@ -127,6 +130,20 @@ cmd_distill = _tracked_stage("distill", DistillConfig, "distill")
 cmd_rejection = _tracked_stage("rejection", RejectionConfig, "rejection")
 cmd_raft = _tracked_stage("raft", RaftConfig, "raft")
 cmd_rl = _tracked_stage("rl", RLConfig, "rl")
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    from flows.scaffold import init_project
+
+    made = init_project(args.path, force=args.force)
+    print(f"alignflow project in {made.root}: {', '.join(made.written)}")
+    print(f"DVC remote (default): {made.dvc_remote} (git-ignored; `dvc remote modify local url ...` moves it)")
+    if made.initial_commit:
+        print(f"git repository made; scaffold committed as {made.initial_commit[:10]}")
+    else:
+        print("inside an existing git repository: commit the scaffold (git add, git commit) before iterative flows")
+    print(f"next:\n  cd {args.path}\n  alignflow flow align\n  alignflow flow iterative_dpo")
+    return 0
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
@@ -279,6 +296,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("reproduce", help="rerun a run (MLflow run id) or commit (git rev) with no cache; compare; stored "
                                      "params that change code, outputs, URLs or tracking need --trust (reproduce --help)")
     sub.add_parser("nightly", help="serve align / iterative_dpo as cron deployments (default 02:00 UTC; nightly --help)")
+
+    p = sub.add_parser("init", help="scaffold a project of your own: params.yaml, dvc.yaml, prefect.yaml, data/, "
+                                    "git + DVC with a local remote (refuses to overwrite existing files)")
+    p.add_argument("path", help="the project folder (made if missing)")
+    p.add_argument("--force", action="store_true", help="overwrite the scaffold's files where they exist")
+    p.set_defaults(func=cmd_init)
 
     p = sub.add_parser("evaluate", help="greedy exact-match accuracy of a model")
     _common(p, "evaluate")
