@@ -215,9 +215,17 @@ def cmd_flow(args: argparse.Namespace) -> int:
         print(f"policy registry: {p['stage']} model: {p['verdict']}")
     print(f"registered:      {summary['registered_model']}  ({summary['model_uri']})")
     print(f"parent run:      {summary['parent_run_id']}")
-    print(f"MLflow UI:       .venv/bin/mlflow ui --backend-store-uri {uri}")
+    print(f"MLflow UI:       {_installed_command('mlflow')} ui --backend-store-uri {uri}")
     print(f"summary:         {args.summary}")
     return 0
+
+
+def _installed_command(name: str) -> str:
+    """A console script of this environment as the user can type it: relative where the environment
+    lies in the working directory (the checkout's ``.venv/bin/mlflow``), else its absolute path (a
+    project of the user's own, alignflow installed elsewhere)."""
+    path = Path(sys.executable).parent / name
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
 
 def _write_summary(summary: dict[str, Any], path: str) -> None:
