@@ -158,7 +158,7 @@ def check_dvc_repro(project: Path, env: dict[str, str], python: Path) -> None:
     _run([str(python), "-m", "dvc", "repro", "sft"], project, env)
     lock = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
     assert {"generate", "init_model", "sft"} <= set(lock)
-    assert [o["path"] for o in lock["sft"]["outs"]] == ["models/sft"]
+    assert "models/sft" in [o["path"] for o in lock["sft"]["outs"]]
 
 
 def check_prefect_deploy(project: Path, env: dict[str, str], python: Path, api: str) -> None:
