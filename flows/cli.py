@@ -1,4 +1,4 @@
-"""The ``alignflow`` command line: one subcommand per stage, ``validate``, and ``flow align``.
+"""The ``alignflow`` command line: one subcommand per stage, ``validate``, ``flow align`` and ``init``.
 
 Stage commands (``generate``, ``init-model``, ``sft``, ``reward``, ``dpo``, ``kto``,
 ``rejection``, ``raft``, ``distill``, ``rl``, ``evaluate``) run a stage directly,
@@ -8,6 +8,9 @@ section.field=value`` for ``flow align``).
 
 Exit codes: 0 success; 1 invalid data (the Great Expectations report is printed); 2 a bad
 config, command line or model directory.
+
+``init PATH`` scaffolds a project of your own (flows/scaffold.py); every other command runs
+in a project folder, reading its ``params.yaml``.
 """
 
 from __future__ import annotations
@@ -132,6 +135,20 @@ cmd_raft = _tracked_stage("raft", RaftConfig, "raft")
 cmd_rl = _tracked_stage("rl", RLConfig, "rl")
 
 
+def cmd_init(args: argparse.Namespace) -> int:
+    from flows.scaffold import init_project
+
+    made = init_project(args.path, force=args.force)
+    print(f"alignflow project in {made.root}: {', '.join(made.written)}")
+    print(f"DVC remote (default): {made.dvc_remote} (git-ignored; `dvc remote modify local url ...` moves it)")
+    if made.initial_commit:
+        print(f"git repository made; scaffold committed as {made.initial_commit[:10]}")
+    else:
+        print("inside an existing git repository: commit the scaffold (git add, git commit) before iterative flows")
+    print(f"next:\n  cd {args.path}\n  alignflow flow align\n  alignflow flow iterative_dpo")
+    return 0
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from rlhf_core import stages
 
@@ -201,9 +218,17 @@ def cmd_flow(args: argparse.Namespace) -> int:
         print(f"policy registry: {p['stage']} model: {p['verdict']}")
     print(f"registered:      {summary['registered_model']}  ({summary['model_uri']})")
     print(f"parent run:      {summary['parent_run_id']}")
-    print(f"MLflow UI:       .venv/bin/mlflow ui --backend-store-uri {uri}")
+    print(f"MLflow UI:       {_installed_command('mlflow')} ui --backend-store-uri {uri}")
     print(f"summary:         {args.summary}")
     return 0
+
+
+def _installed_command(name: str) -> str:
+    """A console script of this environment as the user can type it: relative where the environment
+    lies in the working directory (the checkout's ``.venv/bin/mlflow``), else its absolute path (a
+    project of the user's own, alignflow installed elsewhere)."""
+    path = Path(sys.executable).parent / name
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
 
 def _write_summary(summary: dict[str, Any], path: str) -> None:
@@ -285,6 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("reproduce", help="rerun a run (MLflow run id) or commit (git rev) with no cache; compare; stored "
                                      "params that change code, outputs, URLs or tracking need --trust (reproduce --help)")
     sub.add_parser("nightly", help="serve align / iterative_dpo as cron deployments (default 02:00 UTC; nightly --help)")
+
+    p = sub.add_parser("init", help="scaffold a project of your own: params.yaml, dvc.yaml, prefect.yaml, data/, "
+                                    "git + DVC with a local remote (refuses to overwrite existing files)")
+    p.add_argument("path", help="the project folder (made if missing)")
+    p.add_argument("--force", action="store_true", help="overwrite the scaffold's files where they exist")
+    p.set_defaults(func=cmd_init)
 
     p = sub.add_parser("evaluate", help="greedy exact-match accuracy of a model")
     _common(p, "evaluate")

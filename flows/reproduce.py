@@ -13,7 +13,9 @@ a worktree, fetches its DVC data from the remote where present, runs ``dvc repro
 
 Prints each difference; exits 0 when everything is identical, 1 otherwise. A run whose
 ``git.commit`` ends in ``-dirty`` had uncommitted code: it is rerun from the commit, with a
-warning that the code may differ.
+warning that the code may differ. A run whose ``alignflow.version`` tag is not the installed
+alignflow's version is rerun with the installed one (a project made by ``alignflow init`` holds
+no alignflow code in its commits), with a warning too.
 
 Nothing read from the tracking store is trusted: anyone who can write to a shared MLflow
 server can edit ``reproduce.json`` or the ``git.commit`` tag. So the commit must be a hex sha
@@ -76,9 +78,13 @@ def remove_worktree(worktree: Path) -> None:
 
 
 def _env_for(worktree: Path, tracking_uri: str | None) -> dict[str, str]:
-    """The worktree's own code first on the path (not the installed checkout), same MLflow store."""
+    """The rerun's environment: same MLflow store; in a commit of alignflow's own checkout, that
+    commit's code first on the path. A project of the user's own (``alignflow init``) holds no
+    alignflow source: it reruns with the installed alignflow, and its own folders (a ``tasks/``
+    or ``flows/`` of theirs) must not shadow alignflow's packages, so nothing is prepended."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = f"{worktree}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    if (worktree / "rlhf_core" / "__init__.py").is_file():
+        env["PYTHONPATH"] = f"{worktree}{os.pathsep}{env.get('PYTHONPATH', '')}"
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["ALIGNFLOW_HOME"] = str(worktree)
     if tracking_uri:
@@ -215,7 +221,7 @@ def commit_config(worktree: Path) -> dict[str, dict[str, Any]]:
     by the commit's own config code (a field added since then is not a difference)."""
     script = ("import json; from rlhf_core.config import SECTIONS, config_to_dict, load_config; "
               "print(json.dumps({s: config_to_dict(load_config(c, s, 'params.yaml')) for s, c in SECTIONS.items()}))")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=worktree, env=_env_for(worktree, None),
+    proc = subprocess.run([sys.executable, "-P", "-c", script], cwd=worktree, env=_env_for(worktree, None),
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"reproduce: cannot read the commit's params.yaml:\n{proc.stderr[-2000:]}")
@@ -242,6 +248,18 @@ def stored_commit(run_id: str, tags: dict[str, str]) -> tuple[str, list[str]]:
     return resolve_commit(sha, f"run {run_id}'s git.commit"), warnings
 
 
+def version_warning(run_id: str, tags: dict[str, str]) -> list[str]:
+    """A warning when the run's ``alignflow.version`` tag is not the installed alignflow's version:
+    the rerun trains with the installed one (a project's commit holds no alignflow code)."""
+    from rlhf_core.lineage import package_version
+
+    recorded, installed = tags.get("alignflow.version"), package_version()
+    if recorded is None or recorded == installed:
+        return []
+    return [(f"run {run_id} ran with alignflow {recorded}; the installed alignflow is {installed}: "
+             "the rerun uses the installed one, so results may differ")]
+
+
 def load_recorded(path: Path) -> tuple[str, dict[str, dict[str, Any]], dict[str, Any]]:
     """``(flow, params, inputs)`` of a ``reproduce.json``, its shape checked."""
     try:
@@ -263,7 +281,9 @@ def load_recorded(path: Path) -> tuple[str, dict[str, dict[str, Any]], dict[str,
 def flow_command(flow: str, inputs: dict[str, Any], workdir: Path) -> list[str]:
     """The ``alignflow flow`` command line of the rerun; input files as absolute paths (so none
     can read as an option)."""
-    cmd = [sys.executable, "-m", "flows.cli", "flow", flow, "--params", "reproduce_params.yaml",
+    # -P: the worktree (the working directory) is not put on sys.path; alignflow's code comes from
+    # PYTHONPATH (its own checkout, _env_for) or the installed package.
+    cmd = [sys.executable, "-P", "-m", "flows.cli", "flow", flow, "--params", "reproduce_params.yaml",
            "--summary", str(workdir / "summary.json")]
     for name, flag in (("sft_file", "--sft-file"), ("preference_file", "--preference-file"),
                        ("prompts_file", "--prompts-file"), ("eval_file", "--eval-file"),
@@ -305,6 +325,7 @@ def reproduce_run(run_id: str, tracking_uri: str, workdir: Path, trust: bool = F
     client = MlflowClient(tracking_uri=tracking_uri)
     run = client.get_run(run_id)
     commit, warnings = stored_commit(run_id, run.data.tags)
+    warnings += version_warning(run_id, run.data.tags)
     flow, params, inputs = load_recorded(Path(client.download_artifacts(run_id, "reproduce.json", str(workdir))))
 
     worktree = workdir / "worktree"
@@ -379,7 +400,7 @@ def reproduce_rev(rev: str, workdir: Path) -> dict[str, Any]:
     add_worktree(worktree, commit)
     try:
         env = _env_for(worktree, None)
-        dvc = [sys.executable, "-m", "dvc"]
+        dvc = [sys.executable, "-P", "-m", "dvc"]
         subprocess.run([*dvc, "pull", "--quiet"], cwd=worktree, env=env, capture_output=True)  # best effort
         proc = subprocess.run([*dvc, "repro", "--force", "--no-run-cache"], cwd=worktree, env=env,
                               capture_output=True, text=True)

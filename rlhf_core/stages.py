@@ -35,7 +35,7 @@ from rlhf_core.config import (
     TrackingConfig,
     config_to_dict,
 )
-from rlhf_core.lineage import dvc_md5, git_commit
+from rlhf_core.lineage import dvc_md5, git_commit, package_version
 
 RENDERED_EXAMPLES = "samples/rendered_examples.json"
 """A training stage's first sequences as its model saw them (chat template and all), with the spans that
@@ -74,8 +74,11 @@ def _maybe_run(tracking: TrackingConfig | None, name: str, parent_run_id: str | 
 
 
 def lineage_tags(inputs: dict[str, str | Path], stage: str) -> dict[str, str]:
-    """``git.commit``, ``alignflow.stage`` and ``dvc.md5.<name>`` for each existing input."""
-    tags = {"git.commit": git_commit(), "alignflow.stage": stage}
+    """``git.commit``, ``alignflow.stage``, ``alignflow.version`` and ``dvc.md5.<name>`` for each existing input.
+
+    The version is the installed alignflow's: a project made by ``alignflow init`` has no
+    alignflow source in its commit, so the commit alone does not say which trainer ran."""
+    tags = {"git.commit": git_commit(), "alignflow.stage": stage, "alignflow.version": package_version()}
     for name, path in inputs.items():
         if Path(path).exists():
             tags[f"dvc.md5.{name}"] = dvc_md5(path)

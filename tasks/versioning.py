@@ -56,8 +56,9 @@ def _git(root: Path, *args: str) -> str:
     return proc.stdout.strip()
 
 
-def _identity(root: Path) -> list[str]:
-    """A committer identity only where the repository has none (fresh CI clones)."""
+def commit_identity(root: Path) -> list[str]:
+    """``-c user.name=… -c user.email=…`` only where the repository has no committer identity (fresh CI
+    clones, a new machine); empty otherwise."""
     has_name = subprocess.run(["git", "config", "user.name"], cwd=root, capture_output=True).returncode == 0
     has_mail = subprocess.run(["git", "config", "user.email"], cwd=root, capture_output=True).returncode == 0
     return [] if has_name and has_mail else list(_FALLBACK_IDENTITY)
@@ -117,7 +118,7 @@ def version_paths(root: str | Path, paths: Sequence[str | Path], message: str, *
             changed = subprocess.run(["git", "diff", "--cached", "--quiet", "--", *touched], cwd=root).returncode != 0
             if changed:
                 # `git commit -- paths` commits those paths only, whatever else is staged.
-                _git(root, *_identity(root), "commit", "-q", "-m", message, "--", *touched)
+                _git(root, *commit_identity(root), "commit", "-q", "-m", message, "--", *touched)
         return Versioned(_git(root, "rev-parse", "HEAD"), {p: dvc_md5(root / p) for p in rel}, changed)
     finally:
         lock.release()

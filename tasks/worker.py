@@ -71,7 +71,9 @@ def run_in_child(stage: str, params: dict[str, Any], tracking: dict[str, Any],
         request, result = Path(tmp) / "request.json", Path(tmp) / "result.json"
         request.write_text(json.dumps({"stage": stage, "params": params, "tracking": tracking,
                                        "parent_run_id": parent_run_id}))
-        proc = subprocess.Popen([sys.executable, "-m", "tasks.worker", str(request), str(result)],
+        # -P: the project folder (cwd) is not put on sys.path, so a `tasks/` folder of the user's
+        # own cannot shadow alignflow's tasks package; the code comes from where this process's did.
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "tasks.worker", str(request), str(result)],
                                 cwd=os.getcwd(), env=dict(os.environ))
         pid_path = pid_file(stage)
         pid_path.parent.mkdir(parents=True, exist_ok=True)

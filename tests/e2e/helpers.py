@@ -115,20 +115,20 @@ def git(root: Path, *args: str) -> str:
 
 
 def seed_versioned_project(root: Path, remote: Path) -> None:
-    """Make ``root`` (its params.yaml written) a git + DVC project with a local remote, commit it, and run
-    ``generate``, ``init-model``, ``sft`` and ``reward`` there: what an iterative flow starts from."""
-    from dvc.repo import Repo
-
-    git(root, "init", "-q")
+    """Make ``root`` (its params.yaml written) a project as ``alignflow init`` makes one (git + DVC),
+    its DVC remote moved to ``remote``, its params committed, and run ``generate``, ``init-model``,
+    ``sft`` and ``reward`` there: what an iterative flow starts from."""
+    params = (root / "params.yaml").read_text()
+    (root / "params.yaml").unlink()  # init refuses to overwrite a file: it writes the template's
+    proc = run_cli(["init", "."], root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (root / "params.yaml").write_text(params)
     git(root, "config", "user.name", "Test User")
     git(root, "config", "user.email", "test@example.com")
-    Repo.init(str(root)).close()
-    (root / ".dvc" / "config").write_text(f"[core]\n    remote = local\n['remote \"local\"']\n    url = {remote}\n")
-    (root / ".gitignore").write_text("/mlflow.db\n/mlartifacts/\n/.alignflow/\n/models/base/\n/models/sft/\n"
-                                     "/models/reward/\n/models/cycles/*/cycle_*/\n/metrics/\n/checkpoints/\n"
-                                     "/data/embedded/\n/.prefect*/\n")
-    git(root, "add", "-A")
-    git(root, "commit", "-q", "-m", "project")
+    proc = subprocess.run([sys.executable, "-m", "dvc", "remote", "modify", "local", "url", str(remote)], cwd=root,
+                          env=cli_env(root), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    git(root, "commit", "-q", "-am", "project")
     for cmd in (["generate"], ["init-model"], ["sft"], ["reward"]):
         proc = run_cli(cmd, root)
         assert proc.returncode == 0, proc.stderr[-3000:]

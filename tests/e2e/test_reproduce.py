@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.reproduce import enforce, review_config
+from flows.reproduce import enforce, review_config, version_warning
 from helpers import cli_env
 from test_dvc import _fresh_copy
 
@@ -191,3 +191,13 @@ def test_review_refuses_code_urls_tracking_and_escaping_outputs(tmp_path):
         assert len(r.escapes) == 1, escaping
         with pytest.raises(SystemExit, match="refused even with --trust"):
             enforce(r, trust=True, worktree=worktree)
+
+
+def test_a_run_of_another_alignflow_version_is_rerun_with_a_warning():
+    """A project's commits hold no alignflow code: the run's alignflow.version tag says which ran."""
+    from rlhf_core.lineage import package_version
+
+    assert version_warning("r1", {"alignflow.version": package_version()}) == []
+    assert version_warning("r1", {}) == []  # a run from before the tag existed
+    (warning,) = version_warning("r1", {"alignflow.version": "0.0.1"})
+    assert "alignflow 0.0.1" in warning and f"installed alignflow is {package_version()}" in warning

@@ -1,0 +1,95 @@
+"""``alignflow init PATH`` for real: the scaffold's files, git and DVC, refusal to overwrite.
+
+The real CLI in a fresh process, real ``git`` and DVC; a few seconds. The slow acceptance
+test (test_init_project_slow.py) then runs flows in such a project with alignflow installed
+from a built wheel.
+"""
+
+from __future__ import annotations
+
+import configparser
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from helpers import cli_env, git
+from rlhf_core.config import SECTIONS, load_config
+
+
+def _init(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    env = cli_env(cwd)
+    env.pop("ALIGNFLOW_HOME")  # a user's shell: the project is wherever they run from
+    return subprocess.run([sys.executable, "-m", "flows.cli", "init", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_init_scaffolds_a_git_and_dvc_project(tmp_path):
+    proc = _init(tmp_path, "demo-project")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    root = tmp_path / "demo-project"
+    for rel in ("params.yaml", "dvc.yaml", "prefect.yaml", ".gitignore", "README.md", "data", ".dvc/config"):
+        assert (root / rel).exists(), rel
+
+    # params: every section loads through the typed configs; the DVC pipeline names only sections that exist
+    for section, cls in SECTIONS.items():
+        assert isinstance(load_config(cls, section, root / "params.yaml"), cls)
+    stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
+    assert {"generate", "validate", "init_model", "sft", "dpo", "rl"} <= set(stages)
+    assert "rlhf_core/" not in (root / "dvc.yaml").read_text().split("stages:", 1)[1]
+
+    # git: a repository of its own whose first commit is the scaffold, nothing left uncommitted
+    assert Path(git(root, "rev-parse", "--show-toplevel")).resolve() == root.resolve()
+    assert git(root, "log", "--format=%s") == "alignflow init: project scaffold"
+    committed = set(git(root, "ls-files").split())
+    assert {"params.yaml", "dvc.yaml", "prefect.yaml", ".gitignore", "README.md", "data/.gitkeep",
+            ".dvc/config", ".dvcignore"} <= committed
+    assert git(root, "status", "--porcelain") == ""
+    assert git(root, "check-ignore", "mlflow.db", ".dvc-remote/x", "models/sft/x", ".alignflow/x").count("\n") == 3
+
+    # DVC: the default remote is .dvc-remote/ in the project, stored relative to .dvc/ (the project can move)
+    config = configparser.ConfigParser()
+    config.read(root / ".dvc" / "config")
+    assert config["core"]["remote"] == "local"
+    assert config["'remote \"local\"'"]["url"] == "../.dvc-remote"
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        assert Path(repo.cloud.get_remote().path).resolve() == (root / ".dvc-remote").resolve()
+    assert str(root / ".dvc-remote") in proc.stdout and "alignflow flow align" in proc.stdout
+
+    readme = (root / "README.md").read_text()
+    assert "alignflow flow align" in readme and "alignflow flow iterative_dpo" in readme
+
+
+def test_init_refuses_to_overwrite_and_names_the_files(tmp_path):
+    root = tmp_path / "mine"
+    root.mkdir()
+    (root / "params.yaml").write_text("sft: {max_steps: 3}\n")
+    (root / "README.md").write_text("my notes\n")
+    proc = _init(tmp_path, "mine")
+    assert proc.returncode == 2
+    assert "params.yaml" in proc.stderr and "README.md" in proc.stderr and "--force" in proc.stderr
+    assert "nothing was written" in proc.stderr
+    assert sorted(p.name for p in root.iterdir()) == ["README.md", "params.yaml"]  # no git, no DVC, no files
+    assert (root / "params.yaml").read_text() == "sft: {max_steps: 3}\n"
+
+    forced = _init(tmp_path, "mine", "--force")
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    assert "generate:" in (root / "params.yaml").read_text() and (root / ".dvc").is_dir()
+
+
+def test_init_inside_an_existing_repository_makes_no_repository_and_no_commit(tmp_path):
+    git(tmp_path, "init", "-q")
+    proc = _init(tmp_path, "sub/project")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    root = tmp_path / "sub" / "project"
+    assert not (root / ".git").exists()
+    assert subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, check=False).returncode != 0
+    assert "commit the scaffold" in proc.stdout
+    assert (root / ".dvc" / "config").exists()  # a DVC subdir project of the outer repository
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        assert Path(repo.root_dir).resolve() == root.resolve()
