@@ -41,9 +41,10 @@ from rlhf_core.config import (
     config_to_dict,
     read_params,
 )
+from rlhf_core.data.validate import prompts_kind
 from rlhf_core.lineage import dvc_md5
 from rlhf_core.redact import redact_secrets
-from rlhf_core.rewards import resolve_reward_file
+from rlhf_core.rewards import RewardKind, resolve_reward_file
 from rlhf_core.stages import lineage_tags
 from rlhf_core.tracking import Tracker, resolve_tracking_uri, start_run
 from tasks.data import generate_data, sample_best_of_n, validate_data
@@ -59,11 +60,19 @@ PAIR_STAGES = ("reward", "dpo")
 
 def dataset_kinds(cfg: dict[str, Any]) -> dict[str, str]:
     """The gate's kind per dataset: the preference file is checked as ``unpaired`` (KTO's examples,
-    or pairs) when KTO is the only stage of ``flow.stages`` that reads it, as pairs otherwise."""
+    or pairs) when KTO is the only stage of ``flow.stages`` that reads it, as pairs otherwise; the
+    prompts file as ``prompt-only`` (labels optional) when it feeds RL or rejection sampling and
+    neither reads labels (a reward model), as ``prompts`` otherwise."""
     stages = cfg["flow"].stages
+    kinds = dict(DATASET_KINDS)
     if "kto" in stages and not any(s in stages for s in PAIR_STAGES):
-        return {**DATASET_KINDS, "preferences": "unpaired"}
-    return dict(DATASET_KINDS)
+        kinds["preferences"] = "unpaired"
+    readers = {"rl": RewardKind(cfg["rl"].reward_kind).reads_labels,
+               "rejection": cfg["rejection"].scorer == "rule"}
+    used = [needs for stage, needs in readers.items() if stage in stages]
+    if used:  # no stage reading the prompts: keep the label-required kind
+        kinds["prompts"] = prompts_kind(any(used))
+    return kinds
 
 
 def write_private_overrides(values: dict[str, dict[str, Any]]) -> str:

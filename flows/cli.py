@@ -271,8 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="validate a dataset with Great Expectations (exit 1 if invalid)")
     p.add_argument("--kind", required=True, choices=KINDS,
-                   help="sft (SFT, RAFT, distill), preference (DPO, reward), prompts (RL, rejection, evaluation), "
-                        "unpaired (KTO); each in TRL's standard or conversational form")
+                   help="sft (SFT, RAFT, distill), preference (DPO, reward), prompts (evaluation; RL, rejection "
+                        "scored against the label), prompt-only (RL, rejection with a reward model: label "
+                        "optional), unpaired (KTO); each in TRL's standard or conversational form")
     p.add_argument("file", help="a .jsonl, .json or .parquet file, a saved datasets folder, or a folder in the "
                                 "Hub's dataset layout")
     p.add_argument("--report", default=None, help="write the JSON report here (only when valid)")

@@ -26,6 +26,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from rlhf_core.config import ConfigError, CyclesConfig, config_to_dict
+from rlhf_core.data.validate import prompts_kind
 from rlhf_core.lineage import dvc_md5
 from rlhf_core.redact import redact_secrets
 from rlhf_core.stages import lineage_tags
@@ -126,8 +127,10 @@ def log_and_validate_inputs(plan: CyclePlan, parent: Tracker) -> dict[str, str]:
                        "train": config_to_dict(cfg["dpo"] if kind == "iterative_dpo" else cfg["raft"])})
     prompts_file, eval_file = plan.prompts_file, plan.eval_file
     md5 = {"prompts": dvc_md5(prompts_file), "eval": dvc_md5(eval_file)}
+    # The sampled prompts need labels only for the rule scorer; the eval set always (exact match).
+    kinds = {"prompts": prompts_kind(plan.cyc.scorer == "rule"), "eval": "prompts"}
     for name, path in (("prompts", prompts_file), ("eval", eval_file)):
-        validate_data(path=path, md5=md5[name], kind="prompts", name=name, fields=plan.fields,
+        validate_data(path=path, md5=md5[name], kind=kinds[name], name=name, fields=plan.fields,
                       tracking=plan.tracking_d, parent_run_id=parent.run_id)
     parent.set_tags(lineage_tags({"prompts": prompts_file, "eval": eval_file, "start_model": plan.cyc.start_model},
                                  kind))

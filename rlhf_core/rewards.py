@@ -74,6 +74,16 @@ class RewardKind(str, enum.Enum):
         """Whether the source holds model weights in this process (and wants a device)."""
         return self is RewardKind.MODEL
 
+    @property
+    def reads_labels(self) -> bool:
+        """Whether the prompt file's labels must be there, so its gate is ``prompts``, not ``prompt-only``.
+
+        A function gets each label and is usually a verifier (the embedded rule compares against it).
+        A model never sees labels. A server gets ``label or None`` by protocol (the labels field may be
+        absent, an item null) and ``alignflow serve-rm`` is a reward model, so a server that wants labels
+        must already refuse ``None`` itself: requiring them here would only bar prompt-only files."""
+        return self is RewardKind.FUNCTION
+
 
 def _check_inputs(where: str, prompts: Sequence[str], completions: Sequence[str],
                   labels: Sequence[str | None]) -> None:

@@ -200,7 +200,8 @@ def validate(path: str | Path, kind: str, fields: DataFields | None = None,
 # --------------------------------------------------------------------------------------
 
 
-# The Great Expectations suite each named stage input must pass.
+# The Great Expectations suite each named stage input must pass (a stage may override one: RL's prompts
+# are ``prompt-only`` when its reward never reads labels, see :func:`rl`).
 _GATE_KINDS = {"sft_train": "sft", "distill_train": "sft", "kept_samples": "sft", "preferences": "preference",
                "eval_preferences": "preference", "kto_train": "unpaired", "prompts": "prompts", "eval": "prompts"}
 
@@ -233,17 +234,18 @@ def _remember_pass(path: str | Path, kind: str, fields: DataFields, n_rows: int,
                        _gate_record(path, kind, fields, desirable_field))
 
 
-def gate_datasets(fields: DataFields, datasets: dict[str, tuple[str, str]]) -> None:
+def gate_datasets(fields: DataFields, datasets: dict[str, tuple[str, str]],
+                  kinds: dict[str, str] | None = None) -> None:
     """Validate a training stage's datasets before anything is loaded or opened: the command-line
     stages get the same gate as the flows, so bad rows never reach a model (``ValidationFailed``).
 
     A file that already passed — same content, kind, fields and validator code, recorded under
     ``.alignflow/validated/`` by :func:`validate` or an earlier gate — is not validated again (in
-    a flow or ``dvc repro`` the validate step just did it)."""
+    a flow or ``dvc repro`` the validate step just did it). ``kinds`` overrides :data:`_GATE_KINDS` by name."""
     from rlhf_core.data.validate import ValidationFailed, validate_dataset
 
     for name, (path, _) in datasets.items():
-        kind = _GATE_KINDS.get(name)
+        kind = (kinds or {}).get(name) or _GATE_KINDS.get(name)
         if kind is None or not path or _gate_record(path, kind, fields).exists():
             continue
         report = validate_dataset(path, kind, fields)
@@ -270,7 +272,7 @@ def _launcher(train_fn: Any, cfg: Any) -> Any:
 def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: str | None, *,
                  train_fn: Any, datasets: dict[str, tuple[str, str]], metrics_file: str | Path | None,
                  register_as: str | None = None, show_progress: bool = True,
-                 extra_inputs: dict[str, str] | None = None) -> StageResult:
+                 extra_inputs: dict[str, str] | None = None, gate_kinds: dict[str, str] | None = None) -> StageResult:
     """Run a trainer inside one (nested) MLflow run: params, lineage tags, inputs, metrics, model.
 
     ``datasets`` maps a dataset name to ``(path, context)``; ``train_fn(cfg, sink=, show_progress=)``
@@ -287,7 +289,7 @@ def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: s
     from rlhf_core.trainers.loop import inject_fault
     from rlhf_core.tracking import start_run
 
-    gate_datasets(cfg, datasets)
+    gate_datasets(cfg, datasets, gate_kinds)
     inputs = {"model": cfg.model_path, **{k: path for k, (path, _) in datasets.items()}}
     if getattr(cfg, "ref_model_path", ""):
         inputs["reference"] = cfg.ref_model_path
@@ -393,8 +395,10 @@ def rl(cfg: RLConfig, tracking: TrackingConfig, parent_run_id: str | None = None
     """Online RL (PPO, REINFORCE++, RLOO, GRPO, Dr.GRPO) from the policy's own samples, tracked with lineage.
 
     The reward model (reward_kind model) and a critic start other than the policy are lineage inputs;
-    a reward function file is recorded by path in the params.
+    a reward function file is recorded by path in the params. The prompts need labels only for a reward
+    that reads them (:attr:`RewardKind.reads_labels`); the eval file always does (exact match).
     """
+    from rlhf_core.data.validate import prompts_kind
     from rlhf_core.rewards import RewardKind
     from rlhf_core.trainers.rl import train_rl
 
@@ -406,7 +410,8 @@ def rl(cfg: RLConfig, tracking: TrackingConfig, parent_run_id: str | None = None
     return _train_stage("rl", cfg, tracking, parent_run_id, train_fn=train_rl,
                         datasets={"prompts": (cfg.prompts_file, "training"),
                                   "eval": (cfg.eval_file, "evaluation")},
-                        metrics_file=metrics_file, show_progress=show_progress, extra_inputs=extra)
+                        metrics_file=metrics_file, show_progress=show_progress, extra_inputs=extra,
+                        gate_kinds={"prompts": prompts_kind(RewardKind(cfg.reward_kind).reads_labels)})
 
 
 # --------------------------------------------------------------------------------------

@@ -14,8 +14,11 @@ in TRL's *standard* form (fields hold text) or *conversational* form (fields hol
 * ``preference`` (DPO, reward model): prompt, chosen, rejected; or chosen and rejected alone
   (implicit prompt: their common prefix, which must exist; conversational: every message but
   the last, identical in both); chosen differs from rejected; optional ``margin`` a finite number;
-* ``prompts`` (RL, rejection sampling, evaluation): prompt, and a label that is a string or a
-  finite number;
+* ``prompts`` (evaluation; RL and rejection sampling scored against the label): prompt, and a
+  label that is a non-blank string or a finite number;
+* ``prompt-only`` (TRL's prompt-only form, for RL and rejection sampling scored by a reward
+  model): prompt, and a label only where given, then held to the ``prompts`` rule
+  (:func:`prompts_kind` picks between the two);
 * ``unpaired`` (KTO): prompt, completion and a boolean ``desirable_field`` (TRL's ``label``);
   or preference pairs in any ``preference`` form, which KTO splits in two.
 
@@ -54,11 +57,19 @@ from rlhf_core.data.formats import ROLES, implicit_prompt
 from rlhf_core.data.io import DataError, Record, read_records
 from rlhf_core.redact import redact_secrets
 
-Kind = Literal["sft", "preference", "prompts", "unpaired"]
-KINDS: tuple[str, ...] = ("sft", "preference", "prompts", "unpaired")
+Kind = Literal["sft", "preference", "prompts", "prompt-only", "unpaired"]
+KINDS: tuple[str, ...] = ("sft", "preference", "prompts", "prompt-only", "unpaired")
+PROMPT_KINDS = ("prompts", "prompt-only")
+"""Kinds of prompt files: the same fields and checks, but ``prompt-only`` lets a row go without a label."""
 DESIRABLE_FIELD = "desirable"
 """The unpaired kind's boolean field unless the caller names another (``KTOConfig.desirable_field``)."""
 MAX_CHARS = 20000
+
+
+def prompts_kind(needs_labels: bool) -> str:
+    """The gate's kind for a prompt file: ``prompts`` when its consumer reads the labels (a reward
+    function, the rule scorer, exact-match evaluation), ``prompt-only`` when it never does."""
+    return "prompts" if needs_labels else "prompt-only"
 N_EXAMPLES = 5
 VALUE_CHARS = 60
 """Each field value in a failure excerpt is clipped to this many characters ..."""
@@ -211,7 +222,7 @@ def _columns(kind: str, form: Form, f: DataFields) -> list[tuple[str, str]]:
     message list, ``prompt`` / ``answer`` / ``chat`` / ``implicit`` (what its turns must be)."""
     if form.messages:
         return [(f.messages_field, "chat")]
-    if kind == "prompts":
+    if kind in PROMPT_KINDS:
         names, roles = [f.prompt_field], ["prompt"]
     elif kind == "sft" or (kind == "unpaired" and not form.pairs):
         names, roles = [f.prompt_field, f.completion_field], ["prompt", "answer"]
@@ -305,10 +316,12 @@ def _row(data: Any, kind: str, form: Form, f: DataFields, desirable_field: str) 
     if form.implicit:
         row[f"{f.prompt_field}__absent"] = f.prompt_field not in data
         row[f"{f.rejected_field}__same_prompt"] = _has_implicit_prompt(data, f, form.conversational)
-    if kind == "prompts":
+    if kind in PROMPT_KINDS:
         label = data.get(f.label_field)
         row[f.label_field] = None if label is None else str(label)
-        row[f"{f.label_field}__type_ok"] = isinstance(label, str) and bool(label.strip()) or _is_finite_number(label)
+        # prompt-only: an absent label passes here; a present one is held to the prompts kind's rule.
+        row[f"{f.label_field}__type_ok"] = (label is None and kind == "prompt-only") or \
+            isinstance(label, str) and bool(label.strip()) or _is_finite_number(label)
     if kind == "unpaired" and not form.pairs:
         flag = data.get(desirable_field)
         row[desirable_field] = None if flag is None else str(flag)
@@ -388,6 +401,9 @@ def _suite(kind: str, form: Form, f: DataFields, desirable_field: str, max_chars
         suite.append((E.ExpectColumnValuesToNotBeNull(column=f.label_field), f.label_field, "missing"))
         suite.append((E.ExpectColumnValuesToBeInSet(column=f"{f.label_field}__type_ok", value_set=[True]),
                       f.label_field, "must be a non-blank string or a finite number"))
+    if kind == "prompt-only":
+        suite.append((E.ExpectColumnValuesToBeInSet(column=f"{f.label_field}__type_ok", value_set=[True]),
+                      f.label_field, "must be a non-blank string or a finite number when present"))
     if kind == "unpaired" and not form.pairs:
         # TRL's KTO files call this field `label`, which is our prompts' answer field: say how to map it.
         hint = "" if desirable_field == "label" else " (a TRL file calls it 'label': set desirable_field=label)"

@@ -47,3 +47,14 @@ def test_bad_override_is_exit_2(tmp_path):
     proc = run_cli(["sft", "--set", "lr=-1"], tmp_path)
     assert proc.returncode == 2
     assert "sft.lr: must be > 0" in proc.stderr
+
+
+def test_prompt_only_kind(tmp_path):
+    """TRL's prompt-only file: valid as ``prompt-only`` (labels optional), not as ``prompts``."""
+    bare = tmp_path / "prompts.jsonl"
+    bare.write_text(json.dumps({"prompt": "1+1="}) + "\n" + json.dumps({"prompt": "1+2=", "label": "3"}) + "\n")
+    proc = run_cli(["validate", "--kind", "prompt-only", str(bare), "--report", str(tmp_path / "r.json")], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["kind"] == "prompt-only"
+    proc = run_cli(["validate", "--kind", "prompts", str(bare)], tmp_path)
+    assert proc.returncode == 1 and f"{bare}:1: field 'label': missing" in proc.stderr

@@ -160,6 +160,33 @@ def test_ppo_with_a_reward_model(micro_model, micro_data, micro_rm, tmp_path):
     assert all(math.isfinite(v) for v in sink.series("train/value_loss"))
 
 
+def test_rl_stage_gate_takes_label_less_prompts_only_with_a_reward_model(isolated_project, micro_model, micro_data,
+                                                                        micro_rm):
+    """A TRL prompt-only file (conversational, no labels) passes the stage's gate and trains with a reward
+    model, which never reads labels; with the embedded reward function, which compares against them, the
+    gate refuses it (naming line and field) before anything is trained."""
+    import json
+
+    from rlhf_core import stages
+    from rlhf_core.config import TrackingConfig
+    from rlhf_core.data.validate import ValidationFailed
+
+    rows = [json.loads(line) for line in Path(micro_data["prompts"]).read_text().splitlines()][:16]
+    bare = isolated_project / "prompt_only.jsonl"
+    bare.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": r["prompt"]}]}) + "\n" for r in rows))
+    tracking = TrackingConfig(experiment="prompt-only", log_model=False)
+    cfg = _cfg(micro_model, micro_data, isolated_project, "unused.py:reward", prompts_file=str(bare),
+               reward_kind="model", reward_model_path=str(micro_rm))
+    result = stages.rl(cfg, tracking, show_progress=False)
+    assert (Path(result.outputs["model"]) / "model.safetensors").exists()
+    assert math.isfinite(result.metrics["eval/reward_model_score"])
+
+    rule = _cfg(micro_model, micro_data, isolated_project / "rule", RLConfig.reward_function, prompts_file=str(bare))
+    with pytest.raises(ValidationFailed, match=r"prompt_only.jsonl:1: field 'label': missing"):
+        stages.rl(rule, tracking, show_progress=False)
+    assert not (isolated_project / "rule").exists()
+
+
 def test_config_rejects_inconsistent_rl_settings():
     with pytest.raises(ConfigError, match=r"rl.kl_in_reward: grpo scores whole sequences"):
         RLConfig(estimator="grpo", kl_in_reward=True)

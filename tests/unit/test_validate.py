@@ -75,6 +75,25 @@ def test_sft_and_prompt_kinds(tmp_path):
     assert _failures(report)[("label", "expect_column_values_to_not_be_null")] == [2]  # 5 (a number) is fine
 
 
+def test_prompt_only_kind_lets_the_label_go_but_holds_a_present_one(tmp_path):
+    """TRL's prompt-only file (no label) passes ``prompt-only`` in both forms and fails ``prompts``
+    naming the line and field; a blank label fails both kinds."""
+    bare = _write(tmp_path, "bare.jsonl", [{"prompt": "1+1="}, {"prompt": "1+2=", "label": 3}])
+    chat = _write(tmp_path, "chat.jsonl", [{"prompt": [{"role": "user", "content": "1+1="}]}])
+    assert validate_dataset(bare, "prompt-only").success
+    assert validate_dataset(chat, "prompt-only").success
+    with pytest.raises(ValidationFailed, match=r"bare.jsonl:1: field 'label': missing"):
+        check_dataset(bare, "prompts")
+    blank = _write(tmp_path, "blank.jsonl", [{"prompt": "1+1="}, {"prompt": "1+2=", "label": " "}])
+    for kind in ("prompt-only", "prompts"):
+        report = validate_dataset(blank, kind)
+        # prompts: line 1's missing label is also reported (as missing, and not a valid value).
+        assert _failures(report)[("label", "expect_column_values_to_be_in_set")] == \
+            ([2] if kind == "prompt-only" else [1, 2]), kind
+        assert "field 'label': must be a non-blank string or a finite number" in report.render()
+        assert "blank.jsonl:2" in report.render()
+
+
 def test_renamed_fields(tmp_path):
     path = _write(tmp_path, "qa.jsonl", [{"question": "1+1=", "answer": "2"}])
     fields = DataFields(prompt_field="question", completion_field="answer")
@@ -285,3 +304,12 @@ def test_where_each_input_gets_its_kind():
     assert dataset_kinds(load_all(None, None))["preferences"] == "preference"
     assert dataset_kinds(load_all(None, {"flow": {"stages": ["kto"]}}))["preferences"] == "unpaired"
     assert dataset_kinds(load_all(None, {"flow": {"stages": ["reward", "kto"]}}))["preferences"] == "preference"
+    # The prompts file: labels optional only when every stage that reads it scores with a reward model.
+    assert dataset_kinds(load_all(None, None))["prompts"] == "prompts"  # the default RL's reward function
+    assert dataset_kinds(load_all(None, None))["eval"] == "prompts"
+    model_rl = {"rl": {"reward_kind": "model"}}
+    assert dataset_kinds(load_all(None, {"flow": {"stages": ["rl", "rejection"]}, **model_rl}))["prompts"] == \
+        "prompt-only"
+    rule = {"rejection": {"scorer": "rule"}, **model_rl}
+    assert dataset_kinds(load_all(None, {"flow": {"stages": ["rl", "rejection"]}, **rule}))["prompts"] == "prompts"
+    assert dataset_kinds(load_all(None, {"flow": {"stages": ["dpo"]}, **model_rl}))["prompts"] == "prompts"
