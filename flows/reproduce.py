@@ -77,6 +77,28 @@ def remove_worktree(worktree: Path) -> None:
     _git("worktree", "remove", "--force", "--", str(worktree))
 
 
+def share_dvc_storage(worktree: Path, project: Path, env: dict[str, str]) -> None:
+    """Point the worktree's DVC at the project's cache and, by absolute path, at its remotes.
+
+    A git worktree holds no ``.dvc/cache`` (untracked), and a remote given relative to ``.dvc/``
+    (the scaffold's ``../.dvc-remote``) resolves inside the worktree, where nothing was pushed:
+    without this, data a user ``dvc add``-ed could not be pulled into the rerun. Written to the
+    worktree's ``.dvc/config.local``, which git ignores; the commit's files are untouched.
+    """
+    dvc = [sys.executable, "-P", "-m", "dvc"]
+
+    def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([*dvc, *args], cwd=cwd, env=env, capture_output=True, text=True)
+
+    run("cache", "dir", "--local", str((project / ".dvc" / "cache").resolve()), cwd=worktree)
+    from dvc.config import Config  # DVC's own reading: relative paths resolved against the project's `.dvc/`
+
+    for name, remote in Config(dvc_dir=str(project / ".dvc"))["remote"].items():
+        url = str(remote.get("url", ""))
+        if url and "://" not in url and Path(url).is_absolute():  # paths, not URLs, are the ones to pin
+            run("remote", "modify", "--local", name, "url", url, cwd=worktree)
+
+
 def _env_for(worktree: Path, tracking_uri: str | None) -> dict[str, str]:
     """The rerun's environment: same MLflow store; in a commit of alignflow's own checkout, that
     commit's code first on the path. A project of the user's own (``alignflow init``) holds no
@@ -401,6 +423,7 @@ def reproduce_rev(rev: str, workdir: Path) -> dict[str, Any]:
     try:
         env = _env_for(worktree, None)
         dvc = [sys.executable, "-P", "-m", "dvc"]
+        share_dvc_storage(worktree, Path.cwd(), env)
         subprocess.run([*dvc, "pull", "--quiet"], cwd=worktree, env=env, capture_output=True)  # best effort
         proc = subprocess.run([*dvc, "repro", "--force", "--no-run-cache"], cwd=worktree, env=env,
                               capture_output=True, text=True)

@@ -93,3 +93,36 @@ def test_init_inside_an_existing_repository_makes_no_repository_and_no_commit(tm
 
     with Repo(str(root)) as repo:
         assert Path(repo.root_dir).resolve() == root.resolve()
+
+
+def test_a_reproduce_worktree_pulls_data_the_project_pushed(tmp_path, monkeypatch):
+    """``alignflow reproduce GIT_REV`` reruns a commit in a git worktree: a file the user ``dvc add``-ed and
+    pushed to the scaffold's remote (``../.dvc-remote``, relative to ``.dvc/``) must reach it, though the
+    worktree has no cache of its own and that relative path points inside the worktree."""
+    import shutil
+
+    from flows.reproduce import add_worktree, remove_worktree, share_dvc_storage
+
+    assert _init(tmp_path, "demo-project").returncode == 0
+    root = tmp_path / "demo-project"
+    env = cli_env(root)
+    dvc = [sys.executable, "-m", "dvc"]
+    (root / "data" / "mine.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+    for cmd in (["add", "data/mine.jsonl"], ["push"]):
+        assert subprocess.run([*dvc, *cmd], cwd=root, env=env, capture_output=True).returncode == 0, cmd
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "my data")
+    shutil.rmtree(root / ".dvc" / "cache")  # only the remote holds the data now
+    monkeypatch.chdir(root)  # reproduce runs from the project folder, as the CLI does
+    worktree = tmp_path / "rerun"
+    add_worktree(worktree, git(root, "rev-parse", "HEAD"))
+    try:
+        share_dvc_storage(worktree, root, env)
+        # reproduce's pull is best effort: outputs of stages this project never ran (no dvc.lock) fail it
+        proc = subprocess.run([*dvc, "pull"], cwd=worktree, env=env, capture_output=True, text=True)
+        assert (worktree / "data" / "mine.jsonl").exists(), proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert (worktree / "data" / "mine.jsonl").read_text() == (root / "data" / "mine.jsonl").read_text()
+        assert "../.dvc-remote" in (worktree / ".dvc" / "config").read_text()  # the commit's file is untouched
+        assert (root / ".dvc" / "cache").is_dir()  # pulled into the project's cache, shared with the worktree
+    finally:
+        remove_worktree(worktree)
