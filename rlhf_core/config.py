@@ -575,12 +575,23 @@ class RLConfig(TrainerConfig):
     """Peak learning rate of the critic's AdamW (estimator gae only)."""
     warmup_steps: int = 0
     """Linear warmup, in iterations (the schedule advances once per iteration; its first iteration runs at lr 0)."""
+    policy_objective: str = "ppo_clip"
+    """Policy-gradient surrogate (rl_math.PolicyObjective): ppo_clip (PPO's min over token ratios clipped to
+    [1 - clip_low, 1 + clip_high]), gspo (GSPO-token, Zheng et al. 2025: one length-normalised ratio per
+    response, clipped to [1 - gspo_clip_low, 1 + gspo_clip_high]) or cispo (MiniMax-M1: REINFORCE weighted by
+    the detached token ratio capped at 1 + clip_high, no lower bound, no token's gradient dropped)."""
     clip_low: float = 0.2
-    """PPO clip epsilon below 1 (ratio >= 1 - clip_low), in [0, 1)."""
+    """PPO clip epsilon below 1 (ratio >= 1 - clip_low), in [0, 1); ppo_clip only (cispo has no lower bound)."""
     clip_high: float = 0.28
-    """PPO clip epsilon above 1 (ratio <= 1 + clip_high); above clip_low is DAPO's clip-higher."""
+    """PPO clip epsilon above 1 (ratio <= 1 + clip_high); above clip_low is DAPO's clip-higher. cispo caps its
+    importance weight at 1 + clip_high (a token ratio too, so the same scale)."""
+    gspo_clip_low: float = 0.0003
+    """gspo: clip epsilon below 1 of the sequence ratio, in [0, 1); the paper's 3e-4. Own fields, not clip_low:
+    a geometric mean over the response moves ~1000x less than a token ratio, and 0.2 would never bind."""
+    gspo_clip_high: float = 0.0004
+    """gspo: clip epsilon above 1 of the sequence ratio, >= 0; the paper's 4e-4."""
     dual_clip: float = 0.0
-    """Dual-clip bound c > 1 on the loss of negative-advantage tokens (Ye et al. 2020); 0 = off."""
+    """Dual-clip bound c > 1 on the loss of negative-advantage tokens (Ye et al. 2020); 0 = off. Not with cispo."""
     value_clip: float = 0.2
     """Clip range of the critic's value update around its rollout-time values; 0 = plain squared error."""
     vf_coef: float = 1.0
@@ -650,7 +661,7 @@ class RLConfig(TrainerConfig):
         """Check the enum-valued fields; return the (AdvantageEstimator, RewardKind) they name."""
         # Local imports: rewards and rl_math import torch, and ``import rlhf_core.config`` stays torch-free.
         from rlhf_core.rewards import RewardKind
-        from rlhf_core.rl_math import AdvantageEstimator, KLEstimator, LossAggregation
+        from rlhf_core.rl_math import AdvantageEstimator, KLEstimator, LossAggregation, PolicyObjective
 
         s = self.section
 
@@ -662,6 +673,7 @@ class RLConfig(TrainerConfig):
         one_of("reward_kind", RewardKind)
         one_of("kl_estimator", KLEstimator)
         one_of("loss_aggregation", LossAggregation)
+        one_of("policy_objective", PolicyObjective)
         return AdvantageEstimator(self.estimator), RewardKind(self.reward_kind)
 
     def _check_inputs(self) -> None:
@@ -739,6 +751,8 @@ class RLConfig(TrainerConfig):
 
     def _check_update(self) -> None:
         """Sampling, PPO clipping, critic and return parameters of the update."""
+        from rlhf_core.rl_math import PolicyObjective  # valid: _check_choices ran first
+
         s = self.section
         _check(self.temperature > 0, s, "temperature", f"must be > 0 (rollouts are sampled), got {self.temperature}")
         _check(0 < self.top_p <= 1, s, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -746,6 +760,11 @@ class RLConfig(TrainerConfig):
         _check(0.0 <= self.clip_low < 1.0, s, "clip_low", f"must be in [0, 1), got {self.clip_low}")
         _check(self.clip_high >= 0, s, "clip_high", f"must be >= 0, got {self.clip_high}")
         _check(self.dual_clip == 0 or self.dual_clip > 1, s, "dual_clip", f"must be 0 (off) or > 1, got {self.dual_clip}")
+        _check(0.0 <= self.gspo_clip_low < 1.0, s, "gspo_clip_low", f"must be in [0, 1), got {self.gspo_clip_low}")
+        _check(self.gspo_clip_high >= 0, s, "gspo_clip_high", f"must be >= 0, got {self.gspo_clip_high}")
+        _check(self.dual_clip == 0 or PolicyObjective(self.policy_objective).supports_dual_clip, s, "dual_clip",
+               f"must be 0 with policy_objective {self.policy_objective}: its clipped weight has no unclipped branch "
+               "to bound")
         _check(self.value_clip >= 0, s, "value_clip", f"must be >= 0 (0 = off), got {self.value_clip}")
         _check(self.vf_coef > 0, s, "vf_coef", f"must be > 0, got {self.vf_coef}")
         for name in ("gamma", "lam"):

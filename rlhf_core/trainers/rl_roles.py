@@ -28,8 +28,9 @@ from rlhf_core.models import export_state_dict, has_lora, load_causal_lm, pick_d
     resolve_checkpointing
 from rlhf_core.parallel import LocalStrategy, World, build_strategy, current_world, disable_dropout, train_mode
 from rlhf_core.precision import Precision
-from rlhf_core.rl_math import (AdvantageEstimator, LossAggregation, aggregate_loss, aggregation_units,
-                               clipped_policy_loss, clipped_value_loss, entropy_from_logits, kl_penalty, masked_mean)
+from rlhf_core.rl_math import (AdvantageEstimator, LossAggregation, PolicyObjective, aggregate_loss,
+                               aggregation_units, clipped_value_loss, entropy_from_logits, kl_penalty, masked_mean,
+                               policy_loss)
 from rlhf_core.trainers.loop import build_optimizer, build_scheduler, check_finite, inject_fault
 
 log = logging.getLogger(__name__)
@@ -295,6 +296,12 @@ class PolicyLearner:
         self.cfg, self.device, self.world = cfg, device or pick_device(), world or current_world()
         self.precision = Precision.resolve(cfg.precision, self.device)
         self.aggregation = LossAggregation(cfg.loss_aggregation)
+        self.objective = PolicyObjective(cfg.policy_objective)
+        # Each objective's own bounds: GSPO's sequence ratio has its own (paper-scale) pair; CISPO caps its
+        # weight at 1 + clip_high with no lower bound (MiniMax-M1 Sec. 3.1).
+        self.clip = {PolicyObjective.PPO_CLIP: (cfg.clip_low, cfg.clip_high),
+                     PolicyObjective.GSPO: (cfg.gspo_clip_low, cfg.gspo_clip_high),
+                     PolicyObjective.CISPO: (None, cfg.clip_high)}[self.objective]
         # Dropout stays off (and eval mode, gradients still flow): the update must score tokens
         # with the same function that sampled them, or the importance ratios are noise.
         self.policy = load_causal_lm(cfg.model_path, self.device, self.precision.load_dtype).eval()
@@ -419,10 +426,10 @@ class PolicyLearner:
                                                with_entropy=True, entropy_grad=cfg.entropy_coef != 0,
                                                share_prompts=self.share_prompts, head=self.head)
                 old_logp = logp.detach() * m["mask"] if fused_old else m["old_logp"]
-                pg_loss, stats = clipped_policy_loss(logp, old_logp, m["advantages"], m["mask"],
-                                                     clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                                     dual_clip=cfg.dual_clip or None, aggregation=agg,
-                                                     max_len=cfg.max_new_tokens)
+                pg_loss, stats = policy_loss(self.objective, logp, old_logp, m["advantages"], m["mask"],
+                                             clip_low=self.clip[0], clip_high=self.clip[1],
+                                             dual_clip=cfg.dual_clip or None, aggregation=agg,
+                                             max_len=cfg.max_new_tokens)
                 loss = pg_loss
                 if cfg.entropy_coef:
                     loss = loss - cfg.entropy_coef * aggregate_loss(entropy, m["mask"], agg, cfg.max_new_tokens)

@@ -88,6 +88,30 @@ def test_every_estimator_updates_the_policy(estimator, micro_model, micro_data, 
         assert not sink.series("train/value_loss")
 
 
+def test_gspo_and_cispo_update_the_policy_and_clip_their_own_way(micro_model, micro_data, tmp_path, length_reward):
+    """Each policy objective from the same start, two PPO epochs over two mini-batches per iteration (so pi
+    leaves pi_old within an iteration and the ratios leave 1). gspo and cispo change the weights, and
+    differently from ppo_clip; each one's clip binds on the first iteration: gspo's [1 - 3e-4, 1 + 4e-4]
+    band on the sequence ratio clips far more tokens than ppo_clip's token band (the GSPO paper observes
+    two orders of magnitude on its runs), cispo truncates some weights above 1.28."""
+    start = load_file(str(micro_model / "model.safetensors"))
+    runs = {}
+    for objective in ("ppo_clip", "gspo", "cispo"):
+        sink = Recorder()
+        cfg = _cfg(micro_model, micro_data, tmp_path / objective, length_reward, policy_objective=objective,
+                   ppo_epochs=2, save_every=0)
+        result = train_rl(cfg, sink, show_progress=False)
+        runs[objective] = sink, load_file(str(result.output_dir / "model.safetensors"))
+    for objective in ("gspo", "cispo"):
+        sink, weights = runs[objective]
+        assert _changed(start, weights) and _changed(runs["ppo_clip"][1], weights), objective
+        for name in ("train/policy_loss", "train/clip_frac", "train/approx_kl", "train/kl"):
+            assert len(sink.series(name)) == 2 and all(math.isfinite(v) for v in sink.series(name)), name
+        assert sink.series("train/approx_kl")[0] > 0 and sink.series("train/kl")[1] > 0
+        assert sink.series("train/clip_frac")[0] > 0, objective
+    assert runs["gspo"][0].series("train/clip_frac")[0] > 2 * runs["ppo_clip"][0].series("train/clip_frac")[0]
+
+
 def test_rule_reward_and_sampling_logprobs_match_the_recomputed_ones(micro_model, micro_data, tmp_path):
     """The embedded rule reward file (0 or 1 per sample) drives a GRPO step; the engine's sampling
     log-probs equal the trainer's recomputed old log-probs (same weights, same logits / T)."""

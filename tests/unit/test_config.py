@@ -108,3 +108,21 @@ def test_scale_out_fields_are_checked():
         RLConfig(num_workers=2)
     with pytest.raises(ConfigError, match=r"rl.placement: must be none, colocated or disaggregated"):
         RLConfig(placement="spread")
+
+
+def test_rl_policy_objective_and_its_clip_fields():
+    """policy_objective is one of the enum's values; GSPO's bounds are checked like PPO's; dual clip, which
+    bounds PPO's unclipped branch, is refused for cispo (its clipped weight has no such branch)."""
+    from rlhf_core.config import RLConfig
+
+    assert RLConfig().policy_objective == "ppo_clip"
+    assert (RLConfig().gspo_clip_low, RLConfig().gspo_clip_high) == (3e-4, 4e-4)
+    assert RLConfig(policy_objective="gspo", dual_clip=3.0).policy_objective == "gspo"
+    with pytest.raises(ConfigError, match=r"rl.policy_objective: must be one of \['ppo_clip', 'gspo', 'cispo'\]"):
+        RLConfig(policy_objective="grpo")
+    with pytest.raises(ConfigError, match=r"rl.gspo_clip_low: must be in \[0, 1\), got 1.0"):
+        RLConfig(policy_objective="gspo", gspo_clip_low=1.0)
+    with pytest.raises(ConfigError, match=r"rl.gspo_clip_high: must be >= 0"):
+        RLConfig(gspo_clip_high=-1e-4)
+    with pytest.raises(ConfigError, match=r"rl.dual_clip: must be 0 with policy_objective cispo"):
+        RLConfig(policy_objective="cispo", dual_clip=3.0)

@@ -13,7 +13,9 @@ from rlhf_core.rl_math import (
     FixedKLController,
     KLEstimator,
     LossAggregation,
+    PolicyObjective,
     aggregate_loss,
+    cispo_policy_loss,
     clipped_policy_loss,
     clipped_value_loss,
     compute_advantages,
@@ -24,10 +26,12 @@ from rlhf_core.rl_math import (
     explained_variance,
     gae,
     grpo_advantages,
+    gspo_policy_loss,
     kl_penalty,
     masked_mean,
     masked_whiten,
     overlong_penalty,
+    policy_loss,
     reinforce_plus_plus,
     rloo_advantages,
     token_level_rewards,
@@ -181,6 +185,135 @@ def test_policy_loss_argument_errors():
         clipped_policy_loss(x, x, x, x, dual_clip=1.0)
     with pytest.raises(ValueError, match="shape"):
         clipped_policy_loss(x, torch.zeros(1, 3), x, x)
+
+
+def test_gspo_sequence_ratio_and_clipping():
+    """GSPO's paper bounds: s in [1 - 3e-4, 1 + 4e-4] = [0.9997, 1.0004]; old log-probs 0, so log r = logp.
+    Row 0: valid log ratios [0.1, -0.3] (the padding entry's 5.0 is left out of the mean): mean -0.1,
+      s_0 = e^-0.1 = 0.904837; A = -1: l = max(-A s, -A clip(s)) = max(0.904837, 0.9997) = 0.9997 on both
+      tokens: clipped, zero gradient.
+    Row 1: log ratios [0.001, 0.003, 0.002], mean 0.002, s_1 = e^0.002 = 1.002002; A = -1:
+      l = max(1.002002, 1.0004) = 1.002002 on all three tokens: not clipped.
+    seq_mean_token_mean = (0.9997 + 1.002002) / 2 = 1.000851; token_mean = (2 x 0.9997 + 3 x 1.002002) / 5
+    = 1.001081. clip_frac = 2/5 tokens; ratio_mean = (2 x 0.904837 + 3 x 1.002002) / 5 = 0.963136.
+    approx_kl is per token: k3(x) = e^x - 1 - x = [0.005171, 0.040818] and [5.0e-7, 4.5e-6, 2.0e-6],
+    sum 0.045996 / 5 = 0.009199.
+    Gradient (seq_mean_token_mean): row 0 clipped -> 0; row 1: d(-A s_1t)/d logp_1t = -A s_1 = 1.002002,
+    times 1/3 (row mean) x 1/2 (two rows) = 0.167000 on each of its tokens; padding 0."""
+    logprobs = T([[0.1, -0.3, 5.0], [0.001, 0.003, 0.002]]).requires_grad_()
+    old = torch.zeros(2, 3)
+    adv = T([[-1.0, -1.0, 7.0], [-1.0, -1.0, -1.0]])
+    mask = T([[1, 1, 0], [1, 1, 1]])
+    loss, stats = gspo_policy_loss(logprobs, old, adv, mask, clip_low=3e-4, clip_high=4e-4,
+                                   aggregation="seq_mean_token_mean")
+    assert close(loss, 1.000851)
+    assert close(stats.clip_frac, 0.4) and close(stats.dual_clip_frac, 0.0)
+    assert close(stats.ratio_mean, 0.963136)
+    assert close(stats.approx_kl, 0.009199)
+    loss.backward()
+    assert close(logprobs.grad, [[0.0, 0.0, 0.0], [0.167000, 0.167000, 0.167000]])
+    tok, _ = gspo_policy_loss(logprobs.detach(), old, adv, mask, clip_low=3e-4, clip_high=4e-4,
+                              aggregation="token_mean")
+    assert close(tok, 1.001081)
+    # PPO's 0.2 bound on the same sequence ratios never binds: why gspo has its own, ~1000x smaller, pair
+    _, wide = gspo_policy_loss(logprobs.detach(), old, adv, mask, clip_low=0.2, clip_high=0.28)
+    assert close(wide.clip_frac, 0.0)
+
+
+def test_gspo_token_gradient_equals_the_sequence_level_objective():
+    """GSPO-token with one advantage per row and seq_mean_token_mean is GSPO (Eq. 5): the reference below
+    computes s_i = exp(masked mean_t (logp - old)) with its full gradient and
+    loss = -(1/G) sum_i min(s_i A_i, clip(s_i, 0.95, 1.05) A_i); d/d logp_it = -(1/G) s_i A_i / |y_i| on
+    unclipped rows, which is what sg[s_i] * pi/sg[pi] gives token by token. Ragged mask, garbage padding,
+    log ratios of +-0.1 so that some rows clip and some do not."""
+    torch.manual_seed(0)
+    old = torch.randn(6, 5) * 0.5 - 1
+    logprobs = (old + torch.randn(6, 5) * 0.1).requires_grad_()
+    mask = (torch.arange(5) < torch.tensor([5, 3, 1, 4, 2, 5]).unsqueeze(1)).float()
+    adv_seq = torch.randn(6)
+    adv = adv_seq.unsqueeze(1) * mask + (1 - mask) * 99.0  # padding garbage
+    loss, stats = gspo_policy_loss(logprobs, old, adv, mask, clip_low=0.05, clip_high=0.05,
+                                   aggregation="seq_mean_token_mean")
+    (grad,) = torch.autograd.grad(loss, logprobs)
+
+    ref_logp = logprobs.detach().clone().requires_grad_()
+    s = torch.exp(((ref_logp - old) * mask).sum(-1) / mask.sum(-1))
+    ref = -torch.minimum(s * adv_seq, s.clamp(0.95, 1.05) * adv_seq).mean()
+    (ref_grad,) = torch.autograd.grad(ref, ref_logp)
+    assert 0 < float(stats.clip_frac) < 1  # both branches are exercised
+    assert torch.allclose(loss, ref, atol=1e-6)
+    assert torch.allclose(grad, ref_grad, atol=1e-6)
+    assert float(grad[mask == 0].abs().max()) == 0.0
+
+
+def test_cispo_clips_the_weight_but_keeps_every_tokens_gradient():
+    """CISPO, weight w = sg(clip(r, -, 1 + 0.28)) (no lower bound), loss -w A per token (gradient -w A dlogp).
+    Row 0, r = [1.25, 1.5, 0.5], A = [+1, +1, -1]: w = [1.25, 1.28, 0.5]; values [-1.25, -1.28, +0.5].
+    Row 1: one valid token r = 1, A = +1: w = 1, value -1; its padding (logp 30, A 50) is ignored.
+    token_mean = (-1.25 - 1.28 + 0.5 - 1) / 4 = -0.7575; clip_frac = 1/4 (the r = 1.5 token).
+    Gradient -w A / 4: [-0.3125, -0.32, +0.125] and [-0.25, 0]. PPO (0.2 / 0.28) gives 0 at r = 1.5
+    (A > 0, upper bound) and at r = 0.5 (A < 0, lower bound 0.8): CISPO drops no token.
+    With clip_low 0.2 the r = 0.5 weight becomes 0.8: gradient +0.2 there, clip_frac 2/4.
+    Same gradient as MiniMax-M1's objective written literally, -sg(w) A log pi."""
+    logprobs = torch.log(T([[1.25, 1.5, 0.5], [1.0, 1.0, 1.0]]))
+    logprobs[1, 1:] = 30.0
+    logprobs.requires_grad_()
+    old = torch.zeros(2, 3)
+    adv = T([[1.0, 1.0, -1.0], [1.0, 50.0, 50.0]])
+    mask = T([[1, 1, 1], [1, 0, 0]])
+    loss, stats = cispo_policy_loss(logprobs, old, adv, mask, clip_high=0.28)
+    assert close(loss, -0.7575)
+    assert close(stats.clip_frac, 0.25) and close(stats.dual_clip_frac, 0.0)
+    assert close(stats.ratio_mean, (1.25 + 1.5 + 0.5 + 1.0) / 4)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    assert close(grad, [[-0.3125, -0.32, 0.125], [-0.25, 0.0, 0.0]])
+    literal = aggregate_loss(-T([[1.25, 1.28, 0.5], [1.0, 0.0, 0.0]]) * adv * logprobs, mask, "token_mean")
+    assert close(torch.autograd.grad(literal, logprobs)[0], grad)
+    ppo, _ = clipped_policy_loss(logprobs, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    assert close(torch.autograd.grad(ppo, logprobs)[0], [[-0.3125, 0.0, 0.0], [-0.25, 0.0, 0.0]])
+    low, low_stats = cispo_policy_loss(logprobs, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    assert close(torch.autograd.grad(low, logprobs)[0], [[-0.3125, -0.32, 0.2], [-0.25, 0.0, 0.0]])
+    assert close(low_stats.clip_frac, 0.5)
+
+
+def test_policy_loss_dispatch():
+    """ppo_clip is clipped_policy_loss itself (same loss bits, same gradient); gspo and cispo reach their
+    functions; settings an objective cannot honour are refused."""
+    torch.manual_seed(1)
+    old = torch.randn(3, 4) - 1
+    logprobs = (old + 0.3 * torch.randn(3, 4)).requires_grad_()
+    adv, mask = torch.randn(3, 4), T([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])
+    kw = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, aggregation="seq_mean_token_mean")
+    a, sa = policy_loss("ppo_clip", logprobs, old, adv, mask, **kw)
+    b, sb = clipped_policy_loss(logprobs, old, adv, mask, **kw)
+    assert torch.equal(a, b) and torch.equal(sa.clip_frac, sb.clip_frac) and torch.equal(sa.approx_kl, sb.approx_kl)
+    assert torch.equal(torch.autograd.grad(a, logprobs)[0], torch.autograd.grad(b, logprobs)[0])
+    g, _ = policy_loss(PolicyObjective.GSPO, logprobs, old, adv, mask, **kw)
+    assert torch.equal(g, gspo_policy_loss(logprobs, old, adv, mask, **kw)[0])
+    c, _ = policy_loss("cispo", logprobs, old, adv, mask, clip_low=None, clip_high=0.28)
+    assert torch.equal(c, cispo_policy_loss(logprobs, old, adv, mask, clip_high=0.28)[0])
+    with pytest.raises(ValueError, match="cispo has none"):
+        policy_loss("cispo", logprobs, old, adv, mask, clip_low=None, clip_high=0.28, dual_clip=3.0)
+    with pytest.raises(ValueError, match="gspo needs clip_low"):
+        policy_loss("gspo", logprobs, old, adv, mask, clip_low=None, clip_high=4e-4)
+    with pytest.raises(ValueError, match="gspo_token"):
+        policy_loss("gspo_token", logprobs, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    with pytest.raises(ValueError, match="clip_low"):
+        gspo_policy_loss(logprobs, old, adv, mask, clip_low=1.0)
+
+
+def test_every_objective_is_neutral_on_policy_with_zero_advantage_and_ignores_padding():
+    """pi = pi_old (ratio 1, s_i = 1, weight 1) and A = 0 on valid tokens: loss 0 and zero gradient for every
+    objective, whatever the padding holds (log-prob 40, A 1e6): a masked entry reaches no output."""
+    logprobs = T([[-1.0, -2.0, 40.0]]).requires_grad_()
+    old = T([[-1.0, -2.0, -3.0]])
+    adv, mask = T([[0.0, 0.0, 1e6]]), T([[1, 1, 0]])
+    for objective in PolicyObjective:
+        low = None if objective is PolicyObjective.CISPO else 0.2
+        loss, stats = policy_loss(objective, logprobs, old, adv, mask, clip_low=low, clip_high=0.28)
+        (grad,) = torch.autograd.grad(loss, logprobs)
+        assert float(loss.detach()) == 0.0 and float(grad.abs().max()) == 0.0, objective
+        assert close(stats.ratio_mean, 1.0) and close(stats.approx_kl, 0.0) and close(stats.clip_frac, 0.0)
 
 
 # --------------------------------------------------------------------------------------
