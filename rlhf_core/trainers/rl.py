@@ -357,7 +357,7 @@ class RLTrainer:
         return Experience(tensors, prompt_width, mask, sampling_logp, old_logp * mask, ref_logp * mask, old_values,
                           fused_old, teacher_logp)
 
-    # ---- 5: advantages (KL to the reference folded into token rewards when kl_in_reward) --------
+    # ---- 5: advantages (KL to the reference folded into token rewards when kl_in_reward; distill: the teacher's)
 
     def estimate_advantages(self, exp: Experience, scores: torch.Tensor) -> None:
         """Advantages and returns into ``exp``, weighted by truncated IS when ``tis_cap`` is set."""
