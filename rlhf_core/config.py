@@ -499,6 +499,13 @@ class RLConfig(TrainerConfig):
     """Critic backbone (estimator gae only), loaded with a scalar head via load_reward_model; empty
     means model_path (the policy's backbone, fresh zero-mean head). Name the reward model
     directory to start from it instead, as OpenRLHF does."""
+    teacher_model_path: str = ""
+    """Frozen teacher of on-policy distillation (estimator distill, required there, unused otherwise): it scores
+    the policy's sampled tokens and each token's reward is -(log pi - log pi_teacher). Same tokenizer as the
+    policy (checked at load); loaded like the reference (policy's compute dtype, no gradients)."""
+    distill_reward_coef: float = 0.0
+    """estimator distill: weight of the sequence reward (reward_kind's) added to every token's advantage;
+    0 = pure distillation (the reward is still computed and logged)."""
     train_file: str = ""
     """Unused by rl (prompts come from prompts_file); must stay empty."""
     prompts_file: str = "data/embedded/prompts.jsonl"
@@ -508,7 +515,8 @@ class RLConfig(TrainerConfig):
     checkpoint_dir: str = "checkpoints/rl"
     """Where periodic checkpoints (policy, critic, optimizers, KL controller, RNG) go."""
     estimator: str = "grpo"
-    """Advantage estimator: gae (PPO, trains a critic), reinforce++, reinforce++-baseline, rloo, grpo or dr-grpo."""
+    """Advantage estimator: gae (PPO, trains a critic), reinforce++, reinforce++-baseline, rloo, grpo, dr-grpo, or
+    distill (on-policy distillation from teacher_model_path: per-token reverse-KL rewards, discount 0)."""
     reward_kind: str = "function"
     """Where rewards come from: function (a .py file), model (a reward model directory) or http."""
     reward_function: str = "rlhf_core/rewards_embedded.py:reward"
@@ -656,6 +664,7 @@ class RLConfig(TrainerConfig):
         self._check_update()
         self._check_kl(estimator)
         self._check_dapo()
+        self._check_distill(estimator)
 
     def _check_choices(self) -> tuple[AdvantageEstimator, RewardKind]:
         """Check the enum-valued fields; return the (AdvantageEstimator, RewardKind) they name."""
@@ -772,14 +781,11 @@ class RLConfig(TrainerConfig):
 
     def _check_kl(self, estimator: AdvantageEstimator) -> None:
         """KL penalty: coefficient, where it applies for ``estimator``, adaptive controller."""
-        from rlhf_core.rl_math import AdvantageEstimator
-
         s = self.section
         _check(self.kl_coef >= 0, s, "kl_coef", f"must be >= 0, got {self.kl_coef}")
         _check(self.kl_k3_cap >= 0, s, "kl_k3_cap",
                f"must be >= 0 (an upper bound on each token's k3 value; 0 disables the cap), got {self.kl_k3_cap}")
-        _check(not self.kl_in_reward or estimator in (AdvantageEstimator.GAE, AdvantageEstimator.REINFORCE_PP,
-                                                      AdvantageEstimator.REINFORCE_PP_BASELINE), s, "kl_in_reward",
+        _check(not self.kl_in_reward or estimator.takes_token_rewards, s, "kl_in_reward",
                f"{estimator.value} scores whole sequences and takes no token rewards; set kl_in_reward false "
                "(KL as a loss term)")
         if self.adaptive_kl:
@@ -800,6 +806,24 @@ class RLConfig(TrainerConfig):
                    f"need 0 < overlong_cache_len <= overlong_max_len <= max_new_tokens ({self.max_new_tokens}), "
                    f"got {self.overlong_cache_len} and {self.overlong_max_len}")
         _check(self.log_rollouts_every >= 0, s, "log_rollouts_every", f"must be >= 0, got {self.log_rollouts_every}")
+
+    def _check_distill(self, estimator: AdvantageEstimator) -> None:
+        """On-policy distillation (estimator distill) needs its teacher; the teacher's fields need distill."""
+        s = self.section
+        if not estimator.needs_teacher:
+            _check(not self.teacher_model_path, s, "teacher_model_path",
+                   f"is only used by estimator distill (on-policy distillation), got estimator {estimator.value}")
+            _check(self.distill_reward_coef == 0, s, "distill_reward_coef",
+                   f"is only used by estimator distill, got estimator {estimator.value}")
+            return
+        _check(bool(self.teacher_model_path), s, "teacher_model_path",
+               "must name the teacher's model directory for estimator distill")
+        _check(self.distill_reward_coef >= 0, s, "distill_reward_coef", f"must be >= 0, got {self.distill_reward_coef}")
+        _check(not self.dynamic_sampling, s, "dynamic_sampling",
+               "drops groups whose sequence rewards tie, but distill learns from the teacher on every token; "
+               "set it false")
+        _check(self.placement == "none", s, "placement",
+               "estimator distill runs in one process for now (no teacher actors under Ray); set placement none")
 
 
 @dataclass

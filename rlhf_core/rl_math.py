@@ -705,11 +705,24 @@ class AdvantageEstimator(str, Enum):
     RLOO = "rloo"
     GRPO = "grpo"
     DR_GRPO = "dr-grpo"
+    DISTILL = "distill"
 
     @property
     def needs_critic(self) -> bool:
         """Only GAE bootstraps from a learned value function."""
         return self is AdvantageEstimator.GAE
+
+    @property
+    def needs_teacher(self) -> bool:
+        """On-policy distillation: a frozen teacher scores the policy's sampled tokens."""
+        return self is AdvantageEstimator.DISTILL
+
+    @property
+    def takes_token_rewards(self) -> bool:
+        """Estimators built on per-token rewards (a KL term folded in, the teacher's reverse KL);
+        rloo, grpo and dr-grpo score whole sequences only."""
+        return self in (AdvantageEstimator.GAE, AdvantageEstimator.REINFORCE_PP,
+                        AdvantageEstimator.REINFORCE_PP_BASELINE, AdvantageEstimator.DISTILL)
 
     @property
     def needs_groups(self) -> bool:
@@ -907,6 +920,63 @@ def dr_grpo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     return (g - g.mean(-1, keepdim=True)).reshape(-1)
 
 
+@torch.no_grad()
+def reverse_kl_token_rewards(student_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor,
+                             clamp: float | None = None) -> torch.Tensor:
+    """On-policy distillation's per-token reward: the negative reverse KL, one sample per token.
+
+    ``r_t = -(log pi_student(y_t | y_<t) - log pi_teacher(y_t | y_<t))`` on the token ``y_t`` the
+    student sampled: a one-sample (k1, Schulman 2020) estimate of ``-KL(pi_student || pi_teacher)`` at
+    step ``t`` (Agarwal et al. 2024, "On-Policy Distillation of Language Models" (GKD), arXiv:2306.13649,
+    Sec. 3 with the reverse KL; Lu / Thinking Machines 2025, "On-Policy Distillation"). Positive where the
+    teacher likes the token more than the student does. Detached (a reward, not a loss): the gradient
+    reaches the student through the policy-gradient loss only.
+
+    Args:
+        student_logp: ``(batch, response_len)`` the student's log-probs of its sampled tokens (pi_old).
+        teacher_logp: ``(batch, response_len)`` the teacher's log-probs of the same tokens.
+        mask: ``(batch, response_len)``.
+        clamp: if set, the log-ratio is clamped to ``[-clamp, clamp]`` first (one token the teacher all
+            but rules out must not swamp the batch's advantages).
+
+    Returns:
+        ``(batch, response_len)``, 0 at masked entries.
+    """
+    _check_shapes("mask", mask=mask, student_logp=student_logp, teacher_logp=teacher_logp)
+    log_ratio = student_logp - teacher_logp
+    if clamp is not None:
+        log_ratio = log_ratio.clamp(-clamp, clamp)
+    return -log_ratio * mask.to(log_ratio.dtype)
+
+
+@torch.no_grad()
+def distill_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, scores: torch.Tensor,
+                       score_coef: float = 0.0) -> torch.Tensor:
+    """On-policy distillation's advantages: each token's own reward, plus optionally the sequence's score.
+
+    ``A_t = r_t + score_coef * score_b`` on valid tokens. The dense term uses discount 0: token ``t``
+    is credited with its own reverse-KL reward only, not the later ones (Thinking Machines 2025, "On-Policy
+    Distillation": a zero discount trains each step for its next token and worked as well as longer
+    horizons). The sequence score, a reward at the end of the response, enters as its undiscounted return,
+    the same on every token (REINFORCE, Williams 1992); no baseline is subtracted from either term: the
+    teacher's reward already compares the token with the teacher (Agarwal et al. 2024, Sec. 3.2 mixes
+    GKD with an RL reward the same way).
+
+    Args:
+        token_rewards: ``(batch, response_len)``, :func:`reverse_kl_token_rewards` (plus any other
+            per-token term, e.g. ``-beta * KL`` to a reference).
+        mask: ``(batch, response_len)``.
+        scores: ``(batch,)`` sequence rewards.
+        score_coef: weight of the sequence reward; 0 is pure distillation.
+
+    Returns:
+        ``(batch, response_len)``, 0 at masked entries.
+    """
+    _check_shapes("mask", mask=mask, token_rewards=token_rewards)
+    m = mask.to(token_rewards.dtype)
+    return (token_rewards + score_coef * scores.to(token_rewards.dtype).unsqueeze(1)) * m
+
+
 def compute_advantages(
     estimator: AdvantageEstimator | str,
     *,
@@ -918,6 +988,7 @@ def compute_advantages(
     gamma: float = 1.0,
     lam: float = 1.0,
     eps: float = 1e-6,
+    distill_reward_coef: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The one place an :class:`AdvantageEstimator` is dispatched.
 
@@ -929,6 +1000,8 @@ def compute_advantages(
     * ``rloo`` / ``grpo`` / ``dr-grpo``: :func:`rloo_advantages`, :func:`grpo_advantages`,
       :func:`dr_grpo_advantages`, one number per sequence broadcast over its valid tokens.
       These take no ``token_rewards``: put a KL term in the loss instead (GRPO, Eq. 3).
+    * ``distill``: :func:`distill_advantages` of ``token_rewards`` (required: the teacher's
+      :func:`reverse_kl_token_rewards`, discount 0) plus ``distill_reward_coef`` x the score.
 
     Args:
         estimator: which estimator (enum or string value).
@@ -936,15 +1009,15 @@ def compute_advantages(
         mask: ``(batch, response_len)``.
         group_size: samples per prompt; rows ``[i*group_size:(i+1)*group_size]`` are prompt ``i``.
         values: ``(batch, response_len)`` critic values; required for ``gae``.
-        token_rewards: ``(batch, response_len)`` per-token reward terms such as
-            ``-beta * kl_penalty(...)``; ``gae`` and the ``reinforce++`` variants only.
-        gamma, lam: discount and GAE ``lambda`` (``lam`` is used by ``gae`` only).
+        token_rewards: ``(batch, response_len)`` per-token reward terms such as ``-beta * kl_penalty(...)``.
+        gamma, lam: discount and GAE ``lambda`` (``lam`` is used by ``gae`` only; ``distill`` ignores both).
         eps: GRPO's std epsilon.
+        distill_reward_coef: ``distill`` only: weight of the sequence score in each token's advantage.
 
     Returns:
         ``(advantages, returns)``: advantages ``(batch, response_len)``, 0 at masked entries;
         returns are the critic targets for ``gae``, the un-whitened discounted returns for the
-        ``reinforce++`` variants (for logging), ``None`` for the sequence-level estimators.
+        ``reinforce++`` variants (for logging), ``None`` for the sequence-level estimators and ``distill``.
     """
     estimator = AdvantageEstimator(estimator)
     if mask.dim() != 2:
@@ -955,8 +1028,7 @@ def compute_advantages(
     if estimator.needs_groups:
         # validate the grouping before anything else so every group estimator fails alike
         _grouped(scores, group_size, estimator.value)
-    if token_rewards is not None and estimator in (AdvantageEstimator.RLOO, AdvantageEstimator.GRPO,
-                                                   AdvantageEstimator.DR_GRPO):
+    if token_rewards is not None and not estimator.takes_token_rewards:
         raise ValueError(f"{estimator.value} works on sequence scores only and takes no token_rewards; "
                          "add the KL term to the loss instead")
 
@@ -970,6 +1042,11 @@ def compute_advantages(
     if estimator is AdvantageEstimator.REINFORCE_PP_BASELINE:
         centred = dr_grpo_advantages(scores, group_size)
         return reinforce_plus_plus(token_level_rewards(centred, mask, token_rewards), mask, gamma)
+    if estimator is AdvantageEstimator.DISTILL:
+        if token_rewards is None:
+            raise ValueError("distill needs token_rewards (batch, response_len): the teacher's "
+                             "reverse_kl_token_rewards of the sampled tokens")
+        return distill_advantages(token_rewards, mask, scores, distill_reward_coef), None
 
     if estimator is AdvantageEstimator.RLOO:
         per_sequence = rloo_advantages(scores, group_size)

@@ -407,6 +407,8 @@ def rl(cfg: RLConfig, tracking: TrackingConfig, parent_run_id: str | None = None
         extra["reward_model"] = cfg.reward_model_path
     if cfg.critic_model_path:
         extra["critic"] = cfg.critic_model_path
+    if cfg.teacher_model_path:
+        extra["teacher"] = cfg.teacher_model_path
     return _train_stage("rl", cfg, tracking, parent_run_id, train_fn=train_rl,
                         datasets={"prompts": (cfg.prompts_file, "training"),
                                   "eval": (cfg.eval_file, "evaluation")},

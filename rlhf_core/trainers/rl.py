@@ -1,4 +1,5 @@
-"""Online RL from sampled rollouts: PPO (GAE + critic), REINFORCE++, RLOO, GRPO and Dr.GRPO, with DAPO's options.
+"""Online RL from sampled rollouts: PPO (GAE + critic), REINFORCE++, RLOO, GRPO and Dr.GRPO, with DAPO's options,
+and on-policy distillation from a teacher (``estimator: distill``).
 
 Reads top to bottom like cleanrl's ``ppo.py``: :meth:`RLTrainer.train_step` is one iteration (one
 ``step``) as named phases over a batch, each a short method below it:
@@ -7,9 +8,11 @@ Reads top to bottom like cleanrl's ``ppo.py``: :meth:`RLTrainer.train_step` is o
    each scored by a ``RewardSource`` (rule file, reward model or HTTP), label passed through;
 2. DAPO dynamic sampling (in ``generate``): drop groups whose samples all scored the same and top up
    from more prompts; ``shape_rewards``: the overlong penalty;
-3. ``score_logprobs``: old (the policy, no grad), reference, and values (the critic, ``gae`` only);
+3. ``score_logprobs``: old (the policy, no grad), reference, values (the critic, ``gae`` only) and the
+   teacher's (``distill`` only);
 4. ``estimate_advantages``: :func:`rlhf_core.rl_math.compute_advantages`, the KL folded into token
-   rewards when ``kl_in_reward`` (PPO, REINFORCE++), else added to the loss (GRPO);
+   rewards when ``kl_in_reward`` (PPO, REINFORCE++), else added to the loss (GRPO); for ``distill`` each
+   token's reward is the teacher's :func:`rlhf_core.rl_math.reverse_kl_token_rewards`;
 5. ``update``: ``ppo_epochs`` passes of mini-batches: clipped policy loss (+ KL, - entropy bonus), and
    the critic's clipped value loss with its own optimizer;
 6. ``sync_weights``: the rollout engine samples from the new weights;
@@ -45,7 +48,7 @@ from rlhf_core.redact import redact_secrets
 from rlhf_core.rewards import RewardKind, RewardSource, build_reward_source
 from rlhf_core.rl_math import (AdaptiveKLController, AdvantageEstimator, FixedKLController, KLController,
                                compute_advantages, dynamic_sampling_keep, explained_variance, kl_penalty, masked_mean,
-                               masked_whiten, overlong_penalty, truncated_is_weights)
+                               masked_whiten, overlong_penalty, reverse_kl_token_rewards, truncated_is_weights)
 from rlhf_core.rollout import HFGenerateEngine, RolloutBatch, RolloutEngine, SamplingParams
 from rlhf_core.checkpoint import Checkpoint, Checkpointer, read_weights, run_fingerprint
 from rlhf_core.trainers.loop import (EpochSampler, LoopClock, LoopPlan, MetricSink, NullSink, Timer, run_checkpointed,
@@ -147,12 +150,13 @@ def _mean(values: list[float]) -> float:
 
 def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool = True, *,
              engine: RolloutEngine | None = None, reward_source: RewardSource | None = None,
-             learner: Any = None, reference: Any = None) -> RLResult:
+             learner: Any = None, reference: Any = None, teacher: Any = None) -> RLResult:
     """Optimise ``cfg.model_path`` online against a reward and save an HF directory at ``cfg.output_dir``.
 
     ``engine`` and ``reward_source`` default to the engine ``cfg.rollout_engine`` names on the
     policy and the source ``cfg.reward_kind`` names; ``learner`` and ``reference`` default to an
-    in-process :class:`PolicyLearner` and :class:`ReferenceScorer` (:mod:`rlhf_core.trainers.rl_roles`).
+    in-process :class:`PolicyLearner` and :class:`ReferenceScorer` (:mod:`rlhf_core.trainers.rl_roles`);
+    ``teacher`` (``estimator: distill`` only) to a :class:`ReferenceScorer` of ``cfg.teacher_model_path``.
     The Ray launcher passes proxies of actor groups with the same methods (``alignflow rl --set
     placement=colocated``). With ``cfg.resume`` an interrupted run of the same config and inputs
     continues from its newest checkpoint in ``cfg.checkpoint_dir``
@@ -160,7 +164,8 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
     """
     sink = sink or NullSink()
     seed_everything(cfg.seed, cfg.num_threads)
-    trainer = RLTrainer(cfg, sink, engine=engine, reward_source=reward_source, learner=learner, reference=reference)
+    trainer = RLTrainer(cfg, sink, engine=engine, reward_source=reward_source, learner=learner, reference=reference,
+                        teacher=teacher)
     plan = LoopPlan("rl", cfg.max_steps, cfg.eval_every, cfg.save_every, cfg.resume, eval_at_start=cfg.eval_at_start)
     checkpointer = Checkpointer(cfg.checkpoint_dir, run_fingerprint(cfg), cfg.keep_checkpoints)
     # the last iteration's metrics and the start-of-run eval: recorded with the output, so a stage retried
@@ -199,6 +204,7 @@ class Experience:
     ref_logp: torch.Tensor  # masked
     old_values: torch.Tensor | None  # the critic's (gae only)
     fused_old: bool  # pi_old is the update's own detached log-prob (one update per batch)
+    teacher_logp: torch.Tensor | None = None  # the teacher's, masked (distill only)
     scores: torch.Tensor | None = None  # (rows,) shaped rewards
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
@@ -209,14 +215,20 @@ class RLTrainer:
     """One RL iteration as named phases, and the run's state (a :class:`rlhf_core.trainers.loop.TrainingBody`)."""
 
     def __init__(self, cfg: RLConfig, sink: MetricSink, *, engine: RolloutEngine | None = None,
-                 reward_source: RewardSource | None = None, learner: Any = None, reference: Any = None):
+                 reward_source: RewardSource | None = None, learner: Any = None, reference: Any = None,
+                 teacher: Any = None):
         self.cfg, self.sink = cfg, sink
         self.device = pick_device()
         autocast_dtype = resolve_precision(cfg.precision, self.device)
         self.estimator = AdvantageEstimator(cfg.estimator)
         self.tokenizer = load_tokenizer(cfg.model_path)
+        if self.estimator.needs_teacher:  # before any model loads: a mismatched teacher fails in seconds
+            _check_teacher_tokenizer(cfg, self.tokenizer)
         self.learner = learner or PolicyLearner(cfg, self.device)
         self.reference = reference or ReferenceScorer(cfg, self.device)
+        # on-policy distillation's teacher: the reference's machinery (frozen, compute dtype, same placement)
+        self.teacher = (teacher or ReferenceScorer(cfg, self.device, model_path=cfg.teacher_model_path)
+                        if self.estimator.needs_teacher else None)
         self.kind = RewardKind(cfg.reward_kind)
         self.reward_source = reward_source or _build_reward_source(cfg, self.kind, self.device)
         # in-process the policy is the trained model; under Ray a view refreshed from rank 0 on demand
@@ -318,7 +330,8 @@ class RLTrainer:
     # ---- 4: old / reference log-probs and values (no grad) -------------------------------------
 
     def score_logprobs(self, batch: RolloutBatch) -> Experience:
-        """pi_old (unless fused into the update), the reference's log-probs and the critic's values."""
+        """pi_old (unless fused into the update), the reference's log-probs, the critic's values and the teacher's
+        log-probs."""
         cfg, device = self.cfg, self.device
         ids, attention = batch.sequences()
         prompt_width = batch.prompt_ids.shape[1]
@@ -329,18 +342,22 @@ class RLTrainer:
         sampling_logp = batch.sampling_logprobs.to(device)
         has_critic = self.estimator.needs_critic
         # One update per batch: pi_old is the update's own detached log-prob (PolicyLearner.update),
-        # so the no-grad policy forward is skipped.
+        # so the no-grad policy forward is skipped; not where the advantages themselves need pi_old.
         fused_old = (cfg.recompute_old_logprobs and cfg.ppo_epochs == 1 and cfg.mini_batch_size >= len(batch)
-                     and not has_critic and not cfg.kl_in_reward and cfg.tis_cap == 0)
+                     and not has_critic and not cfg.kl_in_reward and cfg.tis_cap == 0
+                     and not self.estimator.needs_teacher)
         recompute = cfg.recompute_old_logprobs and not fused_old
         scored = self.learner.score(tensors, prompt_width) if recompute or has_critic else {}
         old_logp = scored["old_logp"].to(device) if recompute else sampling_logp
         ref_logp = self.reference.logprobs(tensors, prompt_width).to(device)
         old_values = scored["old_values"].to(device) if has_critic else None
+        teacher_logp = None
+        if self.teacher is not None:
+            teacher_logp = self.teacher.logprobs(tensors, prompt_width).to(device) * mask
         return Experience(tensors, prompt_width, mask, sampling_logp, old_logp * mask, ref_logp * mask, old_values,
-                          fused_old)
+                          fused_old, teacher_logp)
 
-    # ---- 5: advantages (KL to the reference folded into token rewards when kl_in_reward) --------
+    # ---- 5: advantages (KL to the reference folded into token rewards when kl_in_reward; distill: the teacher's)
 
     def estimate_advantages(self, exp: Experience, scores: torch.Tensor) -> None:
         """Advantages and returns into ``exp``, weighted by truncated IS when ``tis_cap`` is set."""
@@ -348,10 +365,14 @@ class RLTrainer:
         kl_tokens = kl_penalty(exp.old_logp, exp.ref_logp, cfg.kl_estimator, clamp=_KL_CLAMP,
                                k3_cap=cfg.kl_k3_cap or None) * mask
         token_rewards = -self.kl_ctl.value * kl_tokens if cfg.kl_in_reward else None
+        if exp.teacher_logp is not None:  # on-policy distillation: r_t = -(log pi_old - log pi_teacher)(y_t)
+            distill = reverse_kl_token_rewards(exp.old_logp, exp.teacher_logp, mask, clamp=_KL_CLAMP)
+            token_rewards = distill if token_rewards is None else token_rewards + distill
         exp.scores = scores.to(self.device)
         advantages, returns = compute_advantages(self.estimator, scores=exp.scores, mask=mask, group_size=cfg.group_size,
                                                  values=exp.old_values, token_rewards=token_rewards,
-                                                 gamma=cfg.gamma, lam=cfg.lam)
+                                                 gamma=cfg.gamma, lam=cfg.lam,
+                                                 distill_reward_coef=cfg.distill_reward_coef)
         if self.estimator is AdvantageEstimator.GAE:
             advantages = masked_whiten(advantages, mask)  # PPO's batch-level normalisation
         if cfg.tis_cap > 0:  # engine/trainer mismatch: weight each token by min(pi_old / pi_engine, C)
@@ -414,6 +435,8 @@ class RLTrainer:
         }
         if seen["kl_loss"]:
             metrics["train/kl_loss"] = _mean(seen["kl_loss"])
+        if exp.teacher_logp is not None:  # mean per response token of the k1 estimate of KL(pi_old || pi_teacher)
+            metrics["rollout/teacher_reverse_kl"] = float(masked_mean(exp.old_logp - exp.teacher_logp, mask))
         if exp.old_values is not None:
             metrics.update({"train/value_loss": _mean(seen["value_loss"]),
                             "train/value_clip_frac": _mean(seen["value_clip_frac"]),
@@ -514,6 +537,17 @@ def _build_reward_source(cfg: RLConfig, kind: RewardKind, device: torch.device) 
                                timeout_s=cfg.reward_timeout_s, retries=cfg.reward_retries,
                                backoff_cap_s=cfg.reward_backoff_cap_s, deadline_s=cfg.reward_deadline_s,
                                token_env=cfg.reward_token_env)
+
+
+def _check_teacher_tokenizer(cfg: RLConfig, tokenizer: Any) -> None:
+    """The teacher scores the policy's token ids, so both must read them as the same tokens: one vocabulary."""
+    ours, theirs = tokenizer.get_vocab(), load_tokenizer(cfg.teacher_model_path).get_vocab()
+    if ours != theirs:
+        differ = sorted(set(ours.items()) ^ set(theirs.items()))[:3]
+        raise ConfigError(f"rl.teacher_model_path: the teacher's tokenizer ({cfg.teacher_model_path}, {len(theirs)} "
+                          f"tokens) differs from the policy's ({cfg.model_path}, {len(ours)} tokens), e.g. "
+                          f"{differ}; on-policy distillation scores the policy's token ids under the teacher, so "
+                          "both must share one tokenizer")
 
 
 def _check_prompt_lengths(cfg: RLConfig, tokenizer: Any, prompts: list[str]) -> None:

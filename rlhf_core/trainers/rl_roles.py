@@ -263,18 +263,20 @@ def _sharded(world: World, exp: dict[str, torch.Tensor], prompt_width: int, batc
 
 
 class ReferenceScorer:
-    """The frozen reference policy of the KL term; scores rows ``rank::N`` of an experience."""
+    """A frozen model's log-probs of rows ``rank::N`` of an experience: the reference policy of the KL term
+    or, given ``model_path`` (``cfg.teacher_model_path``), the teacher of on-policy distillation."""
 
-    def __init__(self, cfg: RLConfig, device: torch.device | None = None, world: World | None = None):
+    def __init__(self, cfg: RLConfig, device: torch.device | None = None, world: World | None = None,
+                 model_path: str | None = None):
         self.cfg, self.device, self.world = cfg, device or pick_device(), world or current_world()
         # frozen: held in the trained policy's compute dtype (bf16 under mixed and bf16), no masters
         dtype = Precision.resolve(cfg.precision, self.device).weight_dtype
-        self.model = load_causal_lm(cfg.ref_model_path or cfg.model_path, self.device, dtype)
+        self.model = load_causal_lm(model_path or cfg.ref_model_path or cfg.model_path, self.device, dtype)
         self.model.eval().requires_grad_(False)
         self.head = prepare_kernels(cfg, self.model)
 
     def logprobs(self, exp: dict[str, torch.Tensor], prompt_width: int) -> torch.Tensor:
-        """``(my_rows, R)`` reference log-probs of this rank's rows."""
+        """``(my_rows, R)`` log-probs of this rank's rows (``log_softmax(logits / T)``, as the policy's)."""
         exp = _to(exp, self.device)
         shard = _sharded(self.world, exp, prompt_width, self.cfg.batch_size, self.model)
         out = _in_chunks(lambda e, p: token_logprobs(self.model, e, p, self.cfg.temperature, share_prompts=True,

@@ -421,3 +421,84 @@ def test_prompts_shared_across_a_group_give_the_same_logprobs_and_gradients(micr
     for name in g0:
         torch.testing.assert_close(g1[name], g0[name], atol=1e-5, rtol=1e-4)
     assert any(g.abs().sum() > 0 for g in g0.values())
+
+
+# --------------------------------------------------------------------------------------
+# On-policy distillation (estimator distill): a frozen teacher scores the policy's samples
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sft_teacher(micro_model, micro_data, tmp_path_factory) -> Path:
+    """The micro model after a few SFT steps: peaked where the untrained student is near uniform."""
+    from rlhf_core.config import SFTConfig
+    from rlhf_core.trainers.sft import train_sft
+
+    root = tmp_path_factory.mktemp("sft_teacher")
+    cfg = SFTConfig(model_path=str(micro_model), train_file=str(micro_data["sft"]), eval_file=str(micro_data["eval"]),
+                    output_dir=str(root / "sft"), checkpoint_dir=str(root / "ckpt"), max_steps=30, batch_size=16,
+                    lr=3e-3, warmup_steps=1, eval_every=0, eval_items=8, save_every=0, num_threads=1)
+    return train_sft(cfg, show_progress=False).output_dir
+
+
+def test_on_policy_distillation_lowers_the_reverse_kl_to_the_teacher(micro_model, sft_teacher, micro_data,
+                                                                     tmp_path, length_reward):
+    """Student: the untrained micro model; teacher: the same model after 30 SFT steps (same tokenizer).
+    Each token's advantage is -(log pi - log pi_teacher) of the sampled token (no KL to the reference,
+    no sequence reward), so the policy moves and rollout/teacher_reverse_kl (mean per token) falls
+    over 30 iterations (about a second)."""
+    sink = Recorder()
+    cfg = _cfg(micro_model, micro_data, tmp_path, length_reward, estimator="distill",
+               teacher_model_path=str(sft_teacher), kl_coef=0.0, max_steps=30, save_every=0,
+               log_rollouts_every=0)
+    result = train_rl(cfg, sink, show_progress=False)
+
+    assert _changed(load_file(str(micro_model / "model.safetensors")),
+                    load_file(str(result.output_dir / "model.safetensors")))
+    kl = sink.series("rollout/teacher_reverse_kl")
+    assert sink.steps("rollout/teacher_reverse_kl") == list(range(1, 31))
+    assert all(math.isfinite(v) for v in kl), kl
+    # 16 rows of <= 6 tokens per step make one step's estimate noisy: compare the first and last 5 steps
+    # (measured: 0.397 -> 0.194 nats per token)
+    assert sum(kl[-5:]) / 5 < 0.7 * sum(kl[:5]) / 5, kl
+    assert sink.series("train/adv_std")[0] > 0
+    assert all(math.isfinite(v) for v in sink.series("rollout/reward_mean"))  # the reward is still logged
+
+
+def test_on_policy_distillation_mixed_with_the_sequence_reward_and_a_kl_in_reward(micro_model, sft_teacher,
+                                                                                  micro_data, tmp_path, length_reward):
+    """distill_reward_coef 1 and -beta * k1 to the reference folded into the token rewards: both add to the
+    teacher's per-token reward; two iterations run with finite metrics and move the policy."""
+    sink = Recorder()
+    cfg = _cfg(micro_model, micro_data, tmp_path, length_reward, estimator="distill",
+               teacher_model_path=str(sft_teacher), distill_reward_coef=1.0, kl_in_reward=True, kl_estimator="k1",
+               save_every=0, log_rollouts_every=0)
+    result = train_rl(cfg, sink, show_progress=False)
+    assert _changed(load_file(str(micro_model / "model.safetensors")),
+                    load_file(str(result.output_dir / "model.safetensors")))
+    for name in ("rollout/teacher_reverse_kl", "rollout/reward_mean", "train/adv_mean", "train/kl"):
+        assert len(sink.series(name)) == 2 and all(math.isfinite(v) for v in sink.series(name)), name
+    # the distillation term alone averages minus the reverse KL (-0.37 per token at step 1); the length
+    # reward (len / 10, on every token) lifts the mean advantage above zero (measured: 0.20)
+    assert sink.series("train/adv_mean")[0] > 0, sink.series("train/adv_mean")
+
+
+def test_on_policy_distillation_refuses_a_teacher_with_another_tokenizer(micro_model, micro_data, tmp_path,
+                                                                         length_reward):
+    """A teacher whose tokenizer has one extra token: a ConfigError naming teacher_model_path, before any
+    model is loaded or iteration runs (nothing logged, no output directory)."""
+    import shutil
+
+    from rlhf_core.models import load_tokenizer
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(micro_model, teacher)
+    tok = load_tokenizer(teacher)
+    tok.add_tokens(["<extra-token>"])
+    tok.save_pretrained(teacher)
+    sink = Recorder()
+    cfg = _cfg(micro_model, micro_data, tmp_path, length_reward, estimator="distill", teacher_model_path=str(teacher))
+    with pytest.raises(ConfigError, match=r"rl.teacher_model_path: the teacher.s tokenizer .* differs from the "
+                                          r"policy's .* share one tokenizer"):
+        train_rl(cfg, sink, show_progress=False)
+    assert not sink.rows and not Path(cfg.output_dir).exists()

@@ -126,3 +126,25 @@ def test_rl_policy_objective_and_its_clip_fields():
         RLConfig(gspo_clip_high=-1e-4)
     with pytest.raises(ConfigError, match=r"rl.dual_clip: must be 0 with policy_objective cispo"):
         RLConfig(policy_objective="cispo", dual_clip=3.0)
+
+
+def test_on_policy_distillation_fields_are_checked():
+    """estimator distill needs teacher_model_path; the teacher's fields need distill; distill refuses
+    dynamic sampling (a reward tie says nothing of the teacher's signal) and Ray placement (no teacher actors)."""
+    from rlhf_core.config import ConfigError, RLConfig
+
+    cfg = RLConfig(estimator="distill", teacher_model_path="models/teacher", distill_reward_coef=0.5,
+                   kl_in_reward=True, kl_estimator="k1")
+    assert cfg.teacher_model_path == "models/teacher" and cfg.distill_reward_coef == 0.5
+    with pytest.raises(ConfigError, match=r"rl.teacher_model_path: must name the teacher's model directory"):
+        RLConfig(estimator="distill")
+    with pytest.raises(ConfigError, match=r"rl.teacher_model_path: is only used by estimator distill"):
+        RLConfig(teacher_model_path="models/teacher")
+    with pytest.raises(ConfigError, match=r"rl.distill_reward_coef: is only used by estimator distill"):
+        RLConfig(distill_reward_coef=1.0)
+    with pytest.raises(ConfigError, match=r"rl.distill_reward_coef: must be >= 0"):
+        RLConfig(estimator="distill", teacher_model_path="t", distill_reward_coef=-1.0)
+    with pytest.raises(ConfigError, match=r"rl.dynamic_sampling: drops groups"):
+        RLConfig(estimator="distill", teacher_model_path="t", dynamic_sampling=True)
+    with pytest.raises(ConfigError, match=r"rl.placement: estimator distill runs in one process"):
+        RLConfig(estimator="distill", teacher_model_path="t", placement="colocated")

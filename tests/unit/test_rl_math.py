@@ -20,6 +20,7 @@ from rlhf_core.rl_math import (
     clipped_value_loss,
     compute_advantages,
     discounted_returns,
+    distill_advantages,
     dr_grpo_advantages,
     dynamic_sampling_keep,
     entropy_from_logits,
@@ -33,6 +34,7 @@ from rlhf_core.rl_math import (
     overlong_penalty,
     policy_loss,
     reinforce_plus_plus,
+    reverse_kl_token_rewards,
     rloo_advantages,
     token_level_rewards,
 )
@@ -629,6 +631,50 @@ def test_compute_advantages_errors():
         compute_advantages("reinforce++", scores=torch.zeros(4), mask=mask)
     with pytest.raises(ValueError):
         compute_advantages("ppo", scores=torch.zeros(5), mask=mask)
+
+
+# --------------------------------------------------------------------------------------
+# On-policy distillation
+# --------------------------------------------------------------------------------------
+
+
+def test_distill_estimator_properties():
+    """Only distill needs a teacher; it takes token rewards like gae and the reinforce++ variants."""
+    assert [e.value for e in AdvantageEstimator if e.needs_teacher] == ["distill"]
+    assert {e.value for e in AdvantageEstimator if e.takes_token_rewards} == {
+        "gae", "reinforce++", "reinforce++-baseline", "distill"}
+    assert not AdvantageEstimator.DISTILL.needs_critic and not AdvantageEstimator.DISTILL.needs_groups
+
+
+def test_reverse_kl_token_rewards():
+    """student [-1.0, -0.5, -2.0, (9.0 pad)], teacher [-0.5, -1.5, -2.0, (3.0 pad)]:
+    log-ratio s - t = [-0.5, 1.0, 0.0] -> r = -(s - t) = [0.5, -1.0, 0.0], 0 on the pad.
+    clamp 0.75: the log-ratio 1.0 becomes 0.75 -> r = [0.5, -0.75, 0.0, 0.0]."""
+    s, t, mask = T([[-1.0, -0.5, -2.0, 9.0]]), T([[-0.5, -1.5, -2.0, 3.0]]), T([[1, 1, 1, 0]])
+    assert close(reverse_kl_token_rewards(s, t, mask), [[0.5, -1.0, 0.0, 0.0]])
+    assert close(reverse_kl_token_rewards(s, t, mask, clamp=0.75), [[0.5, -0.75, 0.0, 0.0]])
+    # a teacher identical to the student gives no signal anywhere
+    assert close(reverse_kl_token_rewards(s, s, mask), [[0.0, 0.0, 0.0, 0.0]])
+    with pytest.raises(ValueError, match="teacher_logp"):
+        reverse_kl_token_rewards(s, t[:, :3], mask)
+
+
+def test_distill_advantages_discount_zero_plus_score():
+    """Rows r = [[0.5, -1.0, 0.0, 0], [2.0, 0, 0, 0]] with masks [1, 1, 1, 0] and [1, 0, 0, 0], scores [2, -1].
+    Discount 0: each token keeps its own reward (no reward-to-go: token 0 of row 0 stays 0.5, not -0.5).
+    coef 0.5 adds 0.5 * score to every valid token: row 0 + 1.0 -> [1.5, 0.0, 1.0, 0]; row 1 - 0.5 -> [1.5, 0, 0, 0].
+    compute_advantages("distill") is the same, with no returns; coef 0 is the rewards alone."""
+    r, mask = T([[0.5, -1.0, 0.0, 0.0], [2.0, 0.0, 0.0, 0.0]]), T([[1, 1, 1, 0], [1, 0, 0, 0]])
+    scores = T([2.0, -1.0])
+    expected = [[1.5, 0.0, 1.0, 0.0], [1.5, 0.0, 0.0, 0.0]]
+    assert close(distill_advantages(r, mask, scores, 0.5), expected)
+    adv, ret = compute_advantages("distill", scores=scores, mask=mask, token_rewards=r, distill_reward_coef=0.5,
+                                  gamma=1.0)
+    assert close(adv, expected) and ret is None
+    adv0, _ = compute_advantages("distill", scores=scores, mask=mask, token_rewards=r)
+    assert close(adv0, r)
+    with pytest.raises(ValueError, match="distill needs token_rewards"):
+        compute_advantages("distill", scores=scores, mask=mask)
 
 
 # --------------------------------------------------------------------------------------
