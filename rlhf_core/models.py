@@ -19,23 +19,6 @@ def pick_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def resolve_precision(precision: str, device: torch.device) -> torch.dtype | None:
-    """Compute dtype of ``precision`` on ``device``: the dtype the trained model's weights are in while
-    it trains and samples (bf16 under mixed and bf16), ``None`` for fp32.
-
-    ``auto`` picks bf16 only on a GPU that supports it: CPUs without AMX run bf16 slower
-    than fp32, and the tiny default model gains nothing from it. The regimes themselves (where
-    masters, gradients and moments live) are :class:`rlhf_core.precision.Precision`.
-    """
-    if precision == "fp32":
-        return None
-    if precision in ("mixed", "bf16"):
-        return torch.bfloat16
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return None
-
-
 def load_tokenizer(path: str | Path, padding_side: str = "right") -> Any:
     """Tokenizer of a model directory, with a pad token and a chat template guaranteed."""
     from transformers import AutoTokenizer
@@ -124,13 +107,6 @@ def resolve_checkpointing(setting: str, model: Any, tokens: int, precision: str)
     on = need > 0.85 * free
     return on, (f"gradient_checkpointing auto: {'on' if on else 'off'} (estimated {need / 2**30:.1f} GiB for "
                 f"optimizer state and {tokens} tokens of activations, {free / 2**30:.1f} GiB free)")
-
-
-def training_precision(precision: str, device: torch.device) -> str:
-    """The regime ``precision`` names on ``device``: fp32, mixed or bf16 (``auto`` resolved)."""
-    if precision != "auto":
-        return precision
-    return "mixed" if resolve_precision("auto", device) is not None else "fp32"
 
 
 def enable_checkpointing(model: Any) -> None:

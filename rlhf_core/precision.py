@@ -52,10 +52,20 @@ class Precision(enum.Enum):
 
     @classmethod
     def resolve(cls, setting: str, device: torch.device) -> Precision:
-        """The regime ``setting`` (auto, fp32, mixed, bf16) names on ``device``."""
-        from rlhf_core.models import training_precision
+        """The regime ``setting`` (auto, fp32, mixed, bf16) names on ``device``.
 
-        return cls(training_precision(setting, device))
+        ``auto`` is ``mixed`` only on a GPU with bf16: CPUs without AMX run bf16 slower than fp32, and
+        the tiny default model gains nothing from it. The one place a setting is resolved.
+        """
+        if setting != "auto":
+            return cls(setting)
+        return cls.MIXED if device.type == "cuda" and torch.cuda.is_bf16_supported() else cls.FP32
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype the trained model computes in while it trains and samples (what a rollout engine
+        samples in), ``None`` for fp32: nothing to cast."""
+        return None if self is Precision.FP32 else torch.bfloat16
 
     @property
     def weight_dtype(self) -> torch.dtype:

@@ -391,9 +391,11 @@ class RemoteLearner:
     def engine_weights(self, engine: Any = None) -> Any:
         """Rank 0's weights as a Ray object (every rank takes part: ZeRO-3 gathers them), in the
         engine's compute dtype when it samples in one."""
-        from rlhf_core.models import pick_device, resolve_precision
+        from rlhf_core.models import pick_device
+        from rlhf_core.precision import Precision
 
-        dtype = resolve_precision(self.cfg.precision, pick_device()) if isinstance(engine, RemoteRollout) else None
+        dtype = Precision.resolve(self.cfg.precision, pick_device()).compute_dtype \
+            if isinstance(engine, RemoteRollout) else None
         if isinstance(engine, RemoteRollout) and engine.beside_ranks:
             # replica i shares rank i's GPU: CUDA IPC handles, one per rank (None where it cannot work)
             handles = self.group.call_all("share_weights", dtype)
@@ -496,11 +498,12 @@ class RolloutReplica:
     """
 
     def __init__(self, cfg: Any):
-        from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device, resolve_precision
+        from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
+        from rlhf_core.precision import Precision
         from rlhf_core.trainers.rl import build_rollout_engine
 
         device = pick_device()
-        self.dtype = resolve_precision(cfg.precision, device)
+        self.dtype = Precision.resolve(cfg.precision, device).compute_dtype
         # loaded in the compute dtype directly: parameters bf16, buffers (RoPE's inv_freq) fp32, as the learner's
         policy = load_causal_lm(cfg.model_path, device, self.dtype or torch.float32).eval().requires_grad_(False)
         self.engine = build_rollout_engine(cfg, policy, load_tokenizer(cfg.model_path), self.dtype)

@@ -21,14 +21,13 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-if TYPE_CHECKING:
-    from rlhf_core.precision import Precision
+from rlhf_core.precision import Precision
 
 log = logging.getLogger(__name__)
 
@@ -769,14 +768,14 @@ class _OfflineBody:
     def _decide_checkpointing(self, micro: list[dict[str, torch.Tensor]]) -> None:
         """Resolve ``gradient_checkpointing`` (auto: from a memory estimate of the largest micro-batch
         this run can draw: ``micro_batch_tokens``, or its sequences x ``max_length``) and log the choice."""
-        from rlhf_core.models import enable_checkpointing, resolve_checkpointing, training_precision
+        from rlhf_core.models import enable_checkpointing, resolve_checkpointing
 
         cfg = self.cfg
         sequences = max(_count_sequences(mb) for mb in micro)
         tokens = cfg.micro_batch_tokens or sequences * cfg.max_length
         device = next(self.model.parameters()).device
         self.checkpointing, why = resolve_checkpointing(cfg.gradient_checkpointing, self.model, tokens,
-                                                        training_precision(cfg.precision, device))
+                                                        Precision.resolve(cfg.precision, device).value)
         log.info("%s: %s", self.name, why)
         if self.checkpointing:
             enable_checkpointing(self.model)

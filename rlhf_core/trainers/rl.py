@@ -43,7 +43,8 @@ from rlhf_core.data.io import DataError, read_records
 from rlhf_core.data.sequences import SAMPLE_ROWS, rendered_row
 from rlhf_core.data.tokenize import IGNORE_INDEX, TokenizedExample, encode_prompt
 from rlhf_core.evaluate import evaluate_exact_match
-from rlhf_core.models import load_tokenizer, merged_model, pick_device, resolve_precision
+from rlhf_core.models import load_tokenizer, merged_model, pick_device
+from rlhf_core.precision import Precision
 from rlhf_core.redact import redact_secrets
 from rlhf_core.rewards import RewardKind, RewardSource, build_reward_source
 from rlhf_core.rl_math import (AdaptiveKLController, AdvantageEstimator, FixedKLController, KLController,
@@ -219,7 +220,7 @@ class RLTrainer:
                  teacher: Any = None):
         self.cfg, self.sink = cfg, sink
         self.device = pick_device()
-        autocast_dtype = resolve_precision(cfg.precision, self.device)
+        autocast_dtype = Precision.resolve(cfg.precision, self.device).compute_dtype
         self.estimator = AdvantageEstimator(cfg.estimator)
         self.tokenizer = load_tokenizer(cfg.model_path)
         if self.estimator.needs_teacher:  # before any model loads: a mismatched teacher fails in seconds
