@@ -9,6 +9,8 @@ section.field=value`` for ``flow align``).
 Exit codes: 0 success; 1 invalid data (the Great Expectations report is printed); 2 a bad
 config, command line or model directory.
 
+``diff A B`` compares two runs or model versions (flows/diff.py).
+
 ``init PATH`` scaffolds a project of your own (flows/scaffold.py); every other command runs
 in a project folder, reading its ``params.yaml``.
 """
@@ -310,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "bearer token; body and batch size capped (serve-rm --help)")
     sub.add_parser("reproduce", help="rerun a run (MLflow run id) or commit (git rev) with no cache; compare; stored "
                                      "params that change code, outputs, URLs or tracking need --trust (reproduce --help)")
+    sub.add_parser("diff", help="compare two runs or model versions (run ids, models:/NAME/3, NAME@champion): "
+                                "code, data md5s, params, metrics with errors; differences first (diff --help)")
     sub.add_parser("nightly", help="serve align / iterative_dpo as cron deployments (default 02:00 UTC; nightly --help)")
 
     p = sub.add_parser("init", help="scaffold a project of your own: params.yaml, dvc.yaml, prefect.yaml, data/, "
@@ -336,7 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Commands implemented by a module's own ``main(argv)``; listed in build_parser for --help only.
-PASSTHROUGH = {"serve-rm": "rlhf_core.reward_server", "nightly": "flows.nightly", "reproduce": "flows.reproduce"}
+PASSTHROUGH = {"serve-rm": "rlhf_core.reward_server", "nightly": "flows.nightly", "reproduce": "flows.reproduce",
+               "diff": "flows.diff"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

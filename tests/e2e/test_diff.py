@@ -1,0 +1,154 @@
+"""``alignflow diff``: the real CLI on a real MLflow sqlite store.
+
+The runs are made with the MLflow client the way the cycle flows log them (a flow parent run
+with the config as params; nested cycle runs with ``git.commit``, ``dvc.md5.*`` tags and
+``cycle/accuracy`` with ``cycle/accuracy_stderr``); what is tested is diff itself, so no
+training runs. A registered model gets two versions (one from each cycle run) and ``champion``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from flows.cli import main as alignflow
+from flows.diff import compare, split_stderr
+from helpers import run_cli
+
+COMMON_PARAMS = {"cycles.n_samples": "4", "train.learning_rate": "1e-05"}
+
+
+def _cycle_run(client, exp_id: str, *, commit: str, beta: str, eval_md5: str, policy_md5: str,
+               accuracy: float, stderr: float) -> str:
+    """A parent flow run (params, eval md5) with one nested cycle run (tags, metrics); the cycle run's id."""
+    parent = client.create_run(exp_id, run_name="iterative_dpo",
+                               tags={"git.commit": commit, "dvc.md5.eval": eval_md5})
+    for key, value in {**COMMON_PARAMS, "train.beta": beta}.items():
+        client.log_param(parent.info.run_id, key, value)
+    cycle = client.create_run(exp_id, run_name="cycle-1", tags={
+        "mlflow.parentRunId": parent.info.run_id, "git.commit": commit, "alignflow.version": "0.1.0",
+        "alignflow.cycle": "1", "dvc.md5.policy": policy_md5})
+    client.log_metric(cycle.info.run_id, "cycle/accuracy", accuracy, step=1)
+    client.log_metric(cycle.info.run_id, "cycle/accuracy_stderr", stderr, step=1)
+    client.log_metric(cycle.info.run_id, "cycle/kept_fraction", 0.25, step=1)
+    for run in (cycle, parent):
+        client.set_terminated(run.info.run_id)
+    return cycle.info.run_id
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """Two nights' cycle runs and a registered model ``policy`` (v1 from night 1, v2 = champion from night 2)."""
+    from mlflow.tracking import MlflowClient
+
+    project = tmp_path_factory.mktemp("diff")
+    uri = f"sqlite:///{project / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    exp_id = client.create_experiment("alignflow-test", artifact_location=(project / "mlartifacts").as_uri())
+    night1 = _cycle_run(client, exp_id, commit="a" * 40, beta="0.1", eval_md5="e" * 32, policy_md5="1" * 32,
+                        accuracy=0.40, stderr=0.05)
+    night2 = _cycle_run(client, exp_id, commit="b" * 40, beta="0.2", eval_md5="e" * 32, policy_md5="2" * 32,
+                        accuracy=0.55, stderr=0.04)
+    client.create_registered_model("policy")
+    for run_id in (night1, night2):
+        client.create_model_version("policy", f"runs:/{run_id}/model", run_id=run_id)
+    client.set_registered_model_alias("policy", "champion", "2")
+    return {"project": project, "night1": night1, "night2": night2, "uri": uri}
+
+
+def _diff(store, capsys, *args: str) -> tuple[int, str, str]:
+    """``alignflow diff ARGS`` in this process (the CLI's own ``main``): the exit status, stdout, stderr.
+    The first test runs it as a separate process; these skip the ~3 s of imports each."""
+    code = alignflow(["diff", *args, "--tracking-uri", store["uri"]])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _lines_of(out: str, title: str) -> list[str]:
+    """The rows of one block (``changed (4):`` up to the blank line)."""
+    block = out.split(f"\n{title} (", 1)[1].split("\n\n", 1)[0]
+    return block.splitlines()[2:]
+
+
+def test_two_cycle_runs_changed_rows_first(store):
+    proc = run_cli(["diff", store["night1"], store["night2"]], store["project"])
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    changed = _lines_of(out, "changed")
+    keys = [line.split()[1] for line in changed]
+    # Sections in order code, data, params, metrics; the unchanged eval md5 and n_samples are not shown.
+    assert keys == ["git.commit", "dvc.md5.policy", "train.beta", "cycle/accuracy"], out
+    assert "0.4 ± 0.05" in changed[-1] and "0.55 ± 0.04" in changed[-1], out
+    expected = math.sqrt(0.05 ** 2 + 0.04 ** 2)  # 0.064
+    assert f"+0.15 ± {expected:.2g} (unpaired)" in changed[-1], out
+    assert out.index("changed (") < out.index("unchanged rows not shown")
+    assert "dvc.md5.eval" not in out and "parent run(s)" in out
+    assert "the paired one" in out and "upper bound" in out  # the footnote: the error printed is not the paired one
+
+
+
+def test_all_lists_unchanged_rows_too(store, capsys):
+    shown_all = _diff(store, capsys, "--all", store["night1"], store["night2"])[1]
+    unchanged = [line.split()[1] for line in _lines_of(shown_all + "\n\n", "unchanged")]
+    assert {"dvc.md5.eval", "cycles.n_samples", "cycle/kept_fraction"} <= set(unchanged)
+
+
+def test_model_versions_and_alias(store, capsys):
+    code, out, err = _diff(store, capsys, "models:/policy/1", "policy@champion", "--exit-code")
+    assert code == 1, err  # --exit-code: they differ
+    assert f"A: run {store['night1']}" in out and "model version policy/1" in out
+    assert f"B: run {store['night2']}" in out and "model version policy/2" in out
+    code, out, err = _diff(store, capsys, "models:/policy@champion", "models:/policy/2", "--exit-code")
+    assert code == 0 and "no differences" in out, out + err
+
+
+def test_json_output(store, capsys):
+    code, out, err = _diff(store, capsys, "--json", store["night1"], "policy@champion")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["different"] and report["delta_stderr_kind"] == "unpaired"
+    assert report["b"]["model_version"] == "policy/2"
+    acc = next(r for r in report["rows"] if r["key"] == "cycle/accuracy")
+    assert acc["status"] == "changed" and acc["a_stderr"] == 0.05 and acc["b_stderr"] == 0.04
+    assert acc["delta"] == pytest.approx(0.15)
+
+
+def test_unknown_run_id_exits_2_naming_it(store):
+    unknown = "0123456789abcdef0123456789abcdef"
+    proc = run_cli(["diff", store["night1"], unknown], store["project"])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"no run '{unknown}' in the tracking store" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+@pytest.mark.parametrize("ref, named", [
+    ("not-a-run-id", "no run 'not-a-run-id'"),
+    ("models:/policy/9", "no version 9 of registered model 'policy'"),
+    ("policy@nightly", "no alias 'nightly' of registered model 'policy'"),
+    ("models:/nosuch/1", "registered model 'nosuch'"),
+])
+def test_unknown_version_or_alias_exits_2_naming_it(store, capsys, ref, named):
+    code, out, err = _diff(store, capsys, ref, store["night2"])
+    assert code == 2 and named in err and out == "", err
+
+
+def test_missing_store_is_an_error_not_a_new_store(tmp_path, capsys):
+    code, _, err = _diff({"uri": f"sqlite:///{tmp_path / 'none.db'}"}, capsys, "x", "y")
+    assert code == 2 and "no MLflow store" in err, err
+    assert not (tmp_path / "none.db").exists()
+
+
+def test_compare_pairs_each_metric_with_its_stderr():
+    """Pure comparison: ``eval/accuracy_stderr_sft`` (the align flow's naming) is ``eval/accuracy_sft``'s error;
+    a stderr with no metric of its own name stays a row."""
+    metrics = {"eval/accuracy_sft": 0.5, "eval/accuracy_stderr_sft": 0.05, "orphan_stderr": 0.1}
+    values, errors = split_stderr(metrics)
+    assert values == {"eval/accuracy_sft": 0.5, "orphan_stderr": 0.1}
+    assert errors == {"eval/accuracy_sft": 0.05}
+    a = {"params": {"lr": "1"}, "tags": {"git.commit": "x"}, "metrics": metrics}
+    b = {"params": {"lr": "1", "beta": "2"}, "tags": {"git.commit": "x"}, "metrics": {"eval/accuracy_sft": 0.5}}
+    rows = {(r.section, r.key): r.status for r in compare(a, b)}
+    assert rows == {("params", "beta"): "only_b", ("metrics", "orphan_stderr"): "only_a",
+                    ("code", "git.commit"): "same", ("params", "lr"): "same", ("metrics", "eval/accuracy_sft"): "same"}
