@@ -96,13 +96,13 @@ class Row:
 def split_stderr(metrics: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
     """``(values, stderrs)``: a metric whose name minus its first ``_stderr`` is another logged metric
     is that metric's standard error, not a row of its own."""
-    stderrs = {}
+    stderrs, error_keys = {}, set()
     for key, value in metrics.items():
         base = key.replace("_stderr", "", 1)
         if base != key and base in metrics:
             stderrs[base] = value
-    values = {k: v for k, v in metrics.items() if not (k.replace("_stderr", "", 1) in stderrs and "_stderr" in k)}
-    return values, stderrs
+            error_keys.add(key)
+    return {k: v for k, v in metrics.items() if k not in error_keys}, stderrs
 
 
 def sections_of(params: dict[str, str], tags: dict[str, str]) -> dict[str, dict[str, str]]:
