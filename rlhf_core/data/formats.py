@@ -217,23 +217,26 @@ def _margin(rec: Record, field: str, path: str | Path) -> float | None:
     return float(value)
 
 
+def _pair(rec: Record, path: str | Path, prompt_field: str, chosen_field: str,
+          rejected_field: str) -> tuple[Text, Text, Text]:
+    """``(prompt, chosen, rejected)`` of one preference record, its prompt explicit or implicit."""
+    if prompt_field in rec.data:
+        prompt = _prompt(rec, prompt_field, path)
+        chosen, rejected = _answer(rec, chosen_field, prompt, path), _answer(rec, rejected_field, prompt, path)
+    else:
+        prompt, chosen, rejected = implicit_prompt(_text(rec, chosen_field, path), _text(rec, rejected_field, path),
+                                                   rec.where(path), rec.line, (chosen_field, rejected_field))
+    if chosen == rejected:
+        raise DataError(rec.where(path), rec.line, f"'{chosen_field}' equals '{rejected_field}'", rejected_field)
+    return prompt, chosen, rejected
+
+
 def read_pair_examples(records: Sequence[Record], path: str | Path, *, prompt_field: str = "prompt",
                        chosen_field: str = "chosen", rejected_field: str = "rejected",
                        margin_field: str = "margin") -> list[PairExample]:
     """Preference records with an explicit prompt field, or without one (implicit prompt)."""
-    out = []
-    for rec in records:
-        if prompt_field in rec.data:
-            prompt = _prompt(rec, prompt_field, path)
-            chosen = _answer(rec, chosen_field, prompt, path)
-            rejected = _answer(rec, rejected_field, prompt, path)
-        else:
-            prompt, chosen, rejected = implicit_prompt(_text(rec, chosen_field, path), _text(rec, rejected_field, path),
-                                                       rec.where(path), rec.line, (chosen_field, rejected_field))
-        if chosen == rejected:
-            raise DataError(rec.where(path), rec.line, f"'{chosen_field}' equals '{rejected_field}'", rejected_field)
-        out.append(PairExample(prompt, chosen, rejected, _margin(rec, margin_field, path), rec.line))
-    return out
+    return [PairExample(*_pair(rec, path, prompt_field, chosen_field, rejected_field),
+                        _margin(rec, margin_field, path), rec.line) for rec in records]
 
 
 def read_unpaired_examples(records: Sequence[Record], path: str | Path, *, prompt_field: str = "prompt",
@@ -244,10 +247,8 @@ def read_unpaired_examples(records: Sequence[Record], path: str | Path, *, promp
     out: list[UnpairedExample] = []
     for rec in records:
         if chosen_field in rec.data and rejected_field in rec.data:
-            pair = read_pair_examples([rec], path, prompt_field=prompt_field, chosen_field=chosen_field,
-                                      rejected_field=rejected_field, margin_field="\0")[0]
-            out += [UnpairedExample(pair.prompt, pair.chosen, True, rec.line),
-                    UnpairedExample(pair.prompt, pair.rejected, False, rec.line)]
+            prompt, chosen, rejected = _pair(rec, path, prompt_field, chosen_field, rejected_field)
+            out += [UnpairedExample(prompt, chosen, True, rec.line), UnpairedExample(prompt, rejected, False, rec.line)]
             continue
         prompt = _prompt(rec, prompt_field, path)
         completion = _answer(rec, completion_field, prompt, path)
