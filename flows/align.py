@@ -200,6 +200,14 @@ def run_alignment_stages(cfg: dict[str, Any], files: dict[str, str], md5: dict[s
     common = dict(tracking=tracking_d, parent_run_id=parent_run_id)
     data = {**fields, "eval_file": files["eval"]}
     done: dict[str, dict[str, Any]] = {}
+
+    def guarded() -> dict[str, Any]:
+        """The stage's guards: the flow's own reward model (once trained) scores the held-out answers."""
+        guards = config_to_dict(cfg["guards"])
+        if "reward" in done:
+            guards["reward_model_path"] = done["reward"]["outputs"]["model"]
+        return {**common, "guards": guards}
+
     for stage in cfg["flow"].stages:
         if stage == "reward":
             done[stage] = _run(train_reward, cache, **common,
@@ -208,7 +216,7 @@ def run_alignment_stages(cfg: dict[str, Any], files: dict[str, str], md5: dict[s
                                input_md5={"model": sft_md5, "train": md5["preferences"]})
         elif stage in ("dpo", "kto"):
             task_fn = train_dpo if stage == "dpo" else train_kto
-            done[stage] = _run(task_fn, cache, **common,
+            done[stage] = _run(task_fn, cache, **guarded(),
                                params={**config_to_dict(cfg[stage]), **data, "model_path": sft_model,
                                        "train_file": files["preferences"]},
                                input_md5={"model": sft_md5, "train": md5["preferences"], "eval": md5["eval"]})
@@ -234,13 +242,13 @@ def run_alignment_stages(cfg: dict[str, Any], files: dict[str, str], md5: dict[s
             done[stage] = result
         elif stage == "raft":
             kept = done["rejection"]
-            done[stage] = _run(train_raft, cache, **common,
+            done[stage] = _run(train_raft, cache, **guarded(),
                                params={**config_to_dict(cfg["raft"]), **data, "model_path": sft_model,
                                        "train_file": kept["outputs"]["kept"]},
                                input_md5={"model": sft_md5, "train": kept["md5"]["kept"], "eval": md5["eval"]})
         elif stage == "distill":
             teacher = done["dpo"]["outputs"]["model"] if "dpo" in done else cfg["distill"].teacher_path
-            done[stage] = _run(distill_teacher, cache, **common,
+            done[stage] = _run(distill_teacher, cache, **guarded(),
                                params={**config_to_dict(cfg["distill"]), **data, "model_path": sft_model,
                                        "teacher_path": teacher, "train_file": files["sft"]},
                                input_md5={"model": sft_md5, "teacher": dvc_md5(teacher), "train": md5["sft"],
@@ -255,7 +263,7 @@ def run_alignment_stages(cfg: dict[str, Any], files: dict[str, str], md5: dict[s
                 input_md5["reward_model"] = dvc_md5(rm_path)
             elif rl.reward_kind == "function":
                 input_md5["reward_function"] = dvc_md5(resolve_reward_file(rl.reward_function.rsplit(":", 1)[0]))
-            done[stage] = _run(train_rl, cache, **common, params=params, input_md5=input_md5)
+            done[stage] = _run(train_rl, cache, **guarded(), params=params, input_md5=input_md5)
     return done
 
 

@@ -38,6 +38,7 @@ from rlhf_core.config import (
     KTOConfig,
     RaftConfig,
     GenerateConfig,
+    GuardsConfig,
     RejectionConfig,
     RewardConfig,
     RLConfig,
@@ -114,17 +115,45 @@ def _tracked_stage(stage: str, cls: type, section: str):
     def run(args: argparse.Namespace) -> int:
         from rlhf_core import stages
 
-        cfg = _stage_cfg(args, cls, section)
+        overrides = parse_overrides(args.set)
+        guard_overrides = {k.split(".", 1)[1]: overrides.pop(k) for k in list(overrides) if k.startswith("guards.")}
+        cfg = load_config(cls, section, args.params, overrides)
         if getattr(args, "resume", None) is not None:
             cfg = dataclasses.replace(cfg, resume=args.resume)
             if args.resume:
                 _require_checkpoint(cfg, section)
         tracking = load_config(TrackingConfig, "tracking", args.params)
-        result = getattr(stages, stage)(cfg, tracking, stages.env_parent_run_id(), metrics_file=args.metrics_file)
-        _print(result.to_dict())
+        extra: dict[str, Any] = {}
+        if stage in GUARDED_STAGES:
+            extra["guards"] = load_config(GuardsConfig, "guards", args.params, guard_overrides)
+        elif guard_overrides:
+            raise ConfigError(f"{section}: guards.* overrides apply to policy stages only ({', '.join(GUARDED_STAGES)})")
+        result = getattr(stages, stage)(cfg, tracking, stages.env_parent_run_id(), metrics_file=args.metrics_file,
+                                        **extra)
+        out = result.to_dict()
+        if getattr(args, "register", None):
+            out["registry"] = _register(args.register, result, tracking, extra["guards"])
+        _print(out)
         return 0
 
     return run
+
+
+GUARDED_STAGES = ("dpo", "kto", "raft", "distill", "rl")
+"""Stage commands that check their model against its parent (``guards`` section) and take ``--register``."""
+
+
+def _register(name: str, result: Any, tracking: TrackingConfig, guards: GuardsConfig) -> dict[str, Any]:
+    """Register a policy stage's model as ``candidate`` of ``name``; ``champion`` only through the gate."""
+    from tasks.registry import register_model
+
+    if not tracking.log_model:
+        raise ConfigError("--register: tracking.log_model is false, so no model is registered")
+    outcome = register_model.fn(model_dir=result.outputs["model"], run_id=result.run_id,
+                                accuracy=result.metrics["eval/accuracy"], registered_name=name,
+                                tracking=dataclasses.asdict(tracking), guards=dataclasses.asdict(guards))
+    print(f"registry: {name}: {outcome['verdict']}", file=sys.stderr)
+    return outcome
 
 
 cmd_sft = _tracked_stage("sft", SFTConfig, "sft")
@@ -298,6 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         _common(p, name)
         p.add_argument("--metrics-file", default=None, help="write final metrics JSON here (for DVC)")
+        if name in GUARDED_STAGES:
+            p.add_argument("--register", default=None, metavar="NAME",
+                           help="register the model as candidate of NAME (e.g. alignflow-policy), and champion only "
+                                "when the promotion gate passes (guards section; --set guards.FIELD=VALUE)")
         if name != "rejection":  # the trainers checkpoint; rejection sampling does not
             group = p.add_mutually_exclusive_group()
             group.add_argument("--resume", dest="resume", action="store_const", const=True, default=None,

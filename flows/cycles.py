@@ -181,9 +181,14 @@ def version_cycle(plan: CyclePlan, k: int, sampled: dict[str, Any], to_version: 
 
 
 def train_next_policy(plan: CyclePlan, k: int, policy: str, policy_md5: str, sampled: dict[str, Any],
-                      md5: dict[str, str], common: dict[str, Any]) -> dict[str, Any]:
-    """DPO on the pairs with the current policy as reference, or SFT on the kept samples (RAFT)."""
+                      md5: dict[str, str], common: dict[str, Any], rm_path: str = "") -> dict[str, Any]:
+    """DPO on the pairs with the current policy as reference, or SFT on the kept samples (RAFT); the new
+    policy's guards are checked against ``policy``, held-out answers scored by the cycle's reward model."""
     kind, cfg = plan.kind, plan.cfg
+    guards = config_to_dict(cfg["guards"])
+    if plan.cyc.scorer == "reward_model" and rm_path:
+        guards["reward_model_path"] = rm_path
+    common = {**common, "guards": guards}
     out_dir = str(plan.models_dir / f"cycle_{k}")
     checkpoint_dir = str(Path("checkpoints") / kind / f"cycle_{k}")
     if kind == "iterative_dpo":
@@ -244,7 +249,7 @@ def run_cycle(plan: CyclePlan, k: int, policy: str, rm_path: str, pair_pool: Pai
             rm_path, reward_files = retrain_reward_model(plan, sampled, pair_pool, common)
             to_version += reward_files
         versioned = version_cycle(plan, k, sampled, to_version, cycle_run)
-        trained = train_next_policy(plan, k, policy, policy_md5, sampled, md5, common)
+        trained = train_next_policy(plan, k, policy, policy_md5, sampled, md5, common, rm_path)
         entry = register_and_record(plan, k, policy, sampled, trained, versioned, cycle_run, parent)
     return entry, rm_path
 

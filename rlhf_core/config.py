@@ -1018,6 +1018,61 @@ class CyclesConfig:
         _check(self.max_prompts >= 0, s, "max_prompts", f"must be >= 0, got {self.max_prompts}")
 
 
+@dataclass
+class GuardsConfig:
+    """``guards``: checks on every policy stage's model against the model it was trained from, and the registry's
+    promotion gate (rlhf_core/guards.py; README "Guards and the promotion gate")."""
+
+    enabled: bool = True
+    """Compute the guards after every policy stage (rl, dpo, kto, raft, distill, each cycle) and log them to its
+    run as guard/* metrics and guard.* tags; both models answer the stage's held-out eval items."""
+    gate: bool = True
+    """The registry moves champion only when the gate passes (eval gain and no guard fired); false: the guards
+    are logged and shown in the model card, and champion moves on the accuracy comparison alone."""
+    gate_metric: str = "auto"
+    """What must improve to promote: accuracy (paired exact match on labelled eval items), reward (the held-out
+    reward score of the greedy answers: for eval data without labels, with the KL guard), or auto (accuracy
+    when every eval item has a label, else reward)."""
+    min_improvement_se: float = 2.0
+    """Promote only when the gate metric rose by more than this many paired standard errors over the parent."""
+    hacking_reward_se: float = 2.0
+    """Reward hacking: the held-out reward score rose by more than this many paired standard errors ..."""
+    hacking_eval_se: float = 2.0
+    """... while eval accuracy did not rise by more than this many paired standard errors (flat or down)."""
+    top_fraction: float = 0.1
+    """Reward hacking, disagreement: the child's answers with the top reward scores (this fraction of items) ..."""
+    top_agreement_se: float = 2.0
+    """... are correct less often than all its answers by more than this many standard errors."""
+    max_kl: float = 5.0
+    """KL guard: mean over eval items of the summed per-token KL(child || reference) along the child's greedy
+    answer, in nats; fires above this."""
+    max_length_change: float = 0.5
+    """Length guard: fires when the mean greedy answer length (tokens) changed by more than this fraction."""
+    min_entropy_ratio: float = 0.1
+    """Entropy collapse: fires when the child's mean next-token entropy along its answers falls below this
+    fraction of the parent's along its own."""
+    skill_regression_se: float = 2.0
+    """Per-skill (slice) regression: fires when a slice's paired accuracy change is below -this many SEs ..."""
+    skill_min_drop: float = 0.05
+    """... and below -this much (absolute accuracy)."""
+    slice_field: str = "skill"
+    """Eval-record field naming an item's slice; items without it are sliced by the embedded task's skill
+    (sort, arithmetic) when their prompt parses as one, else not sliced."""
+    reward_model_path: str = "models/reward"
+    """Reward model that scores held-out answers for stages without a reward of their own (dpo, kto, raft,
+    distill, cycles); rl scores with its own reward. Empty or missing folder: no reward guards for them."""
+
+    def __post_init__(self) -> None:
+        s = "guards"
+        _check(self.gate_metric in ("auto", "accuracy", "reward"), s, "gate_metric",
+               f"must be auto, accuracy or reward, got {self.gate_metric!r}")
+        _check(0.0 < self.top_fraction <= 1.0, s, "top_fraction", f"must be in (0, 1], got {self.top_fraction}")
+        for name in ("max_kl", "max_length_change", "skill_min_drop"):
+            _check(getattr(self, name) >= 0, s, name, f"must be >= 0, got {getattr(self, name)}")
+        _check(0.0 <= self.min_entropy_ratio <= 1.0, s, "min_entropy_ratio",
+               f"must be in [0, 1], got {self.min_entropy_ratio}")
+
+
 SECTIONS: dict[str, type] = {
     "generate": GenerateConfig,
     "model": ModelConfig,
@@ -1033,6 +1088,7 @@ SECTIONS: dict[str, type] = {
     "evaluate": EvalConfig,
     "tracking": TrackingConfig,
     "flow": FlowConfig,
+    "guards": GuardsConfig,
 }
 
 T = TypeVar("T")
@@ -1167,6 +1223,6 @@ def field_docs(cls: type) -> dict[str, str]:
 
 __all__ = [
     "ConfigError", "GenerateConfig", "ModelConfig", "DataFields", "SFTConfig", "EvalConfig",
-    "TrackingConfig", "FlowConfig", "TrainerConfig", "DPOConfig", "RewardConfig", "RejectionConfig", "RLConfig", "SECTIONS", "build_config", "load_config", "read_params",
+    "TrackingConfig", "FlowConfig", "GuardsConfig", "TrainerConfig", "DPOConfig", "RewardConfig", "RejectionConfig", "RLConfig", "SECTIONS", "build_config", "load_config", "read_params",
     "parse_overrides", "config_to_dict", "field_docs",
 ]

@@ -25,6 +25,7 @@ from rlhf_core.config import (
     DPOConfig,
     EvalConfig,
     GenerateConfig,
+    GuardsConfig,
     KTOConfig,
     ModelConfig,
     RaftConfig,
@@ -272,13 +273,15 @@ def _launcher(train_fn: Any, cfg: Any) -> Any:
 def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: str | None, *,
                  train_fn: Any, datasets: dict[str, tuple[str, str]], metrics_file: str | Path | None,
                  register_as: str | None = None, show_progress: bool = True,
-                 extra_inputs: dict[str, str] | None = None, gate_kinds: dict[str, str] | None = None) -> StageResult:
+                 extra_inputs: dict[str, str] | None = None, gate_kinds: dict[str, str] | None = None,
+                 guards: GuardsConfig | None = None) -> StageResult:
     """Run a trainer inside one (nested) MLflow run: params, lineage tags, inputs, metrics, model.
 
     ``datasets`` maps a dataset name to ``(path, context)``; ``train_fn(cfg, sink=, show_progress=)``
     returns an object with ``output_dir`` and ``metrics`` (and optionally ``eval_samples`` and
     ``rendered_examples``, logged as ``eval_samples.json`` and :data:`RENDERED_EXAMPLES`).
     ``metrics_file`` receives deterministic metrics only (eval/*, train/loss*), since DVC hashes it.
+    ``guards``: a policy stage's guards against its parent model (:func:`check_stage_guards`), logged to the run.
 
     The trainer's checkpoints and its finished record are cleared last, once the model is tracked and
     registered: a stage that fails before that (the tracking server went away) and is retried reuses the
@@ -314,6 +317,8 @@ def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: s
             run.log_dict(result.rendered_examples, RENDERED_EXAMPLES)
         out_md5 = dvc_md5(result.output_dir)
         run.set_tags({"dvc.md5.output_model": out_md5})
+        if guards is not None and guards.enabled and getattr(cfg, "eval_file", ""):
+            result.metrics.update(check_stage_guards(name, cfg, Path(result.output_dir), guards, run))
         inject_fault(name, "tracking")  # test hook (ALIGNFLOW_FAULT=<stage>:tracking): saved, not yet registered
         model_uri = run.log_hf_model(result.output_dir, register_as) if register_as else None
         if metrics_file is not None:
@@ -322,6 +327,95 @@ def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: s
         clear_checkpoints(cfg.checkpoint_dir)  # only now: a retry before this point reuses the saved output
         return StageResult({"model": str(result.output_dir)}, {"model": out_md5}, result.metrics,
                            run.run_id, model_uri)
+
+
+# --------------------------------------------------------------------------------------
+# guards: the trained model against the model it was trained from, on the held-out items
+# --------------------------------------------------------------------------------------
+
+
+def _reward_for_guards(stage: str, cfg: Any, guards: GuardsConfig, device: Any) -> tuple[Any, Any]:
+    """The held-out reward and its identity (a cache key part; None: never cache): rl's own reward (model,
+    function or server), else the reward model of ``guards.reward_model_path`` when that folder exists."""
+    from rlhf_core.rewards import RewardKind, build_reward_source, resolve_reward_file
+
+    if stage == "rl":
+        kind = RewardKind(cfg.reward_kind)
+        if kind is RewardKind.MODEL:
+            ident: Any = {"model": dvc_md5(cfg.reward_model_path)}
+        elif kind is RewardKind.FUNCTION:
+            file, fn = cfg.reward_function.rsplit(":", 1)
+            ident = {"function": dvc_md5(resolve_reward_file(file)), "name": fn}
+        else:
+            ident = None  # a server's answers may change: never cache them
+        from rlhf_core.trainers.rl import _build_reward_source
+
+        return _build_reward_source(cfg, kind, device), ident
+    if guards.reward_model_path and Path(guards.reward_model_path).is_dir():
+        return (build_reward_source("model", path=guards.reward_model_path, device=device),
+                {"model": dvc_md5(guards.reward_model_path)})
+    return None, {"reward": None}
+
+
+def check_stage_guards(stage: str, cfg: Any, child_dir: Path, guards: GuardsConfig, run: Any) -> dict[str, float]:
+    """Answer the stage's eval items with its parent (``cfg.model_path``, cached) and the trained model, check every
+    guard (:func:`rlhf_core.guards.check_guards`) and the gate, and log them to ``run``: ``guard/*`` metrics,
+    ``guard.*`` tags (``guard.fired``, ``guard.gate``, ...), ``guards/report.json`` and ``guards/per_item.json``
+    (both models' per-item results on the same items: what a paired comparison needs). Returns the metrics."""
+    from rlhf_core.guard_probe import load_cached, probe, probe_key, read_eval_items, save_cached
+    from rlhf_core.guards import check_guards, gate
+    from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
+    from rlhf_core.tracking import project_root
+
+    device = pick_device()
+    tokenizer = load_tokenizer(child_dir)
+    max_items = getattr(cfg, "eval_items", 1000)
+    max_new_tokens = getattr(cfg, "max_new_tokens", 12)
+    items = read_eval_items(cfg.eval_file, tokenizer, prompt_field=cfg.prompt_field, label_field=cfg.label_field,
+                            slice_field=guards.slice_field, max_items=max_items)
+    reward_fn, reward_id = _reward_for_guards(stage, cfg, guards, device)
+    parent_dir = Path(cfg.model_path)
+    settings = {"max_items": max_items, "max_new_tokens": max_new_tokens, "reward": reward_id,
+                "fields": [cfg.prompt_field, cfg.label_field, guards.slice_field], "probe": 1}
+    cache = (project_root() / ".alignflow" / "probes" /
+             f"{probe_key(dvc_md5(parent_dir), dvc_md5(cfg.eval_file), settings)}.json") if reward_id else None
+    cached = load_cached(cache) if cache is not None else None
+    if cached is None:
+        parent_model = load_causal_lm(parent_dir, device)
+        cached = probe(parent_model, load_tokenizer(parent_dir), items, reward_fn=reward_fn,
+                       max_new_tokens=max_new_tokens)
+        del parent_model
+        if cache is not None:
+            save_cached(cache, *cached)
+    parent, parent_answers = cached
+    reference_dir = Path(getattr(cfg, "ref_model_path", "") or parent_dir)
+    child_model = load_causal_lm(child_dir, device)
+    reference = load_causal_lm(reference_dir, device)
+    child, child_answers = probe(child_model, tokenizer, items, reward_fn=reward_fn, reference=reference,
+                                 max_new_tokens=max_new_tokens)
+    del child_model, reference
+    report = check_guards(parent, child, guards)
+    decision = gate(report, guards)
+    metrics = report.metrics()
+    metrics["guard/gate_passed"] = float(decision.passed)
+    run.log_metrics(metrics, 0)
+    run.set_tags({**report.tags(), "guard.gate": decision.text()[:4900], "guard.gate_metric": decision.metric,
+                  "guard.gate_passed": str(decision.passed).lower(), "guard.parent_model": str(parent_dir),
+                  "guard.parent_md5": dvc_md5(parent_dir)})
+    run.log_dict({**report.to_dict(), "gate": decision.__dict__}, "guards/report.json")
+    run.log_dict({"eval_file": str(cfg.eval_file), "eval_md5": dvc_md5(cfg.eval_file), "parent": str(parent_dir),
+                  "child": str(child_dir), "items": [
+                      {"i": i, "prompt": p, "label": None if y is None else str(y), "slice": sl,
+                       "parent_answer": pa, "child_answer": ca,
+                       "parent_correct": None if parent.correct is None else parent.correct[i],
+                       "child_correct": None if child.correct is None else child.correct[i],
+                       "parent_reward": None if parent.reward is None else parent.reward[i],
+                       "child_reward": None if child.reward is None else child.reward[i]}
+                      for i, (p, y, sl, pa, ca) in enumerate(zip(items.prompts, items.labels, items.slices,
+                                                                 parent_answers, child_answers))]},
+                 "guards/per_item.json")
+    return metrics
+
 
 
 def sft(cfg: SFTConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
@@ -336,14 +430,15 @@ def sft(cfg: SFTConfig, tracking: TrackingConfig, parent_run_id: str | None = No
 
 
 def dpo(cfg: DPOConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
-        metrics_file: str | Path | None = None, show_progress: bool = True) -> StageResult:
+        metrics_file: str | Path | None = None, show_progress: bool = True,
+        guards: GuardsConfig | None = None) -> StageResult:
     """DPO/IPO/cDPO on preference pairs, tracked with lineage."""
     from rlhf_core.trainers.dpo import train_dpo
 
     return _train_stage("dpo", cfg, tracking, parent_run_id, train_fn=train_dpo,
                         datasets={"preferences": (cfg.train_file, "training"),
                                   "eval": (cfg.eval_file, "evaluation")},
-                        metrics_file=metrics_file, show_progress=show_progress)
+                        metrics_file=metrics_file, show_progress=show_progress, guards=guards)
 
 
 def reward(cfg: RewardConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
@@ -359,39 +454,43 @@ def reward(cfg: RewardConfig, tracking: TrackingConfig, parent_run_id: str | Non
 
 
 def kto(cfg: KTOConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
-        metrics_file: str | Path | None = None, show_progress: bool = True) -> StageResult:
+        metrics_file: str | Path | None = None, show_progress: bool = True,
+        guards: GuardsConfig | None = None) -> StageResult:
     """KTO on unpaired (or split preference) examples, tracked with lineage."""
     from rlhf_core.trainers.kto import train_kto
 
     return _train_stage("kto", cfg, tracking, parent_run_id, train_fn=train_kto,
                         datasets={"kto_train": (cfg.train_file, "training"), "eval": (cfg.eval_file, "evaluation")},
-                        metrics_file=metrics_file, show_progress=show_progress)
+                        metrics_file=metrics_file, show_progress=show_progress, guards=guards)
 
 
 def distill(cfg: DistillConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
-            metrics_file: str | Path | None = None, show_progress: bool = True) -> StageResult:
+            metrics_file: str | Path | None = None, show_progress: bool = True,
+        guards: GuardsConfig | None = None) -> StageResult:
     """Knowledge distillation from ``cfg.teacher_path``, tracked with lineage (the teacher is an input)."""
     from rlhf_core.trainers.distill import train_distill
 
     return _train_stage("distill", cfg, tracking, parent_run_id, train_fn=train_distill,
                         datasets={"distill_train": (cfg.train_file, "training"),
                                   "eval": (cfg.eval_file, "evaluation")},
-                        metrics_file=metrics_file, show_progress=show_progress, extra_inputs={"teacher": cfg.teacher_path})
+                        metrics_file=metrics_file, show_progress=show_progress, guards=guards, extra_inputs={"teacher": cfg.teacher_path})
 
 
 def raft(cfg: RaftConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
-         metrics_file: str | Path | None = None, show_progress: bool = True) -> StageResult:
+         metrics_file: str | Path | None = None, show_progress: bool = True,
+        guards: GuardsConfig | None = None) -> StageResult:
     """SFT of the policy on its own kept best-of-n samples (one RAFT round), tracked with lineage."""
     from rlhf_core.trainers.sft import train_sft
 
     return _train_stage("raft", cfg, tracking, parent_run_id, train_fn=train_sft,
                         datasets={"kept_samples": (cfg.train_file, "training"),
                                   "eval": (cfg.eval_file, "evaluation")},
-                        metrics_file=metrics_file, show_progress=show_progress)
+                        metrics_file=metrics_file, show_progress=show_progress, guards=guards)
 
 
 def rl(cfg: RLConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
-       metrics_file: str | Path | None = None, show_progress: bool = True) -> StageResult:
+       metrics_file: str | Path | None = None, show_progress: bool = True,
+        guards: GuardsConfig | None = None) -> StageResult:
     """Online RL (PPO, REINFORCE++, RLOO, GRPO, Dr.GRPO) from the policy's own samples, tracked with lineage.
 
     The reward model (reward_kind model) and a critic start other than the policy are lineage inputs;
@@ -412,7 +511,7 @@ def rl(cfg: RLConfig, tracking: TrackingConfig, parent_run_id: str | None = None
     return _train_stage("rl", cfg, tracking, parent_run_id, train_fn=train_rl,
                         datasets={"prompts": (cfg.prompts_file, "training"),
                                   "eval": (cfg.eval_file, "evaluation")},
-                        metrics_file=metrics_file, show_progress=show_progress, extra_inputs=extra,
+                        metrics_file=metrics_file, show_progress=show_progress, guards=guards, extra_inputs=extra,
                         gate_kinds={"prompts": prompts_kind(RewardKind(cfg.reward_kind).reads_labels)})
 
 

@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 from filelock import FileLock, Timeout
 from prefect import task
 
-from rlhf_core.config import TrackingConfig, build_config
+from rlhf_core.config import GuardsConfig, TrackingConfig, build_config
 from rlhf_core.lineage import dvc_md5
 from rlhf_core.tracking import (
     MODEL_REF_FILE,
@@ -213,24 +213,56 @@ def _version_of(client: Any, cfg: TrackingConfig, model_dir: str, run_id: str, n
     return str(client.search_model_versions(f"name='{name}' and run_id='{run_id}'")[0].version), model_uri
 
 
+def gate_blocks(run_tags: dict[str, str], guards: GuardsConfig | None) -> str | None:
+    """Why the promotion gate keeps this version ``candidate`` (the stage run's ``guard.gate`` text), or None.
+
+    The stage computed its guards and the gate against its parent (:func:`rlhf_core.stages.check_stage_guards`);
+    here the gate is enforced when ``guards.gate`` is on. A run without guard tags (guards off, or a stage that
+    has none) is judged on the champion comparison alone, as before guards existed."""
+    if guards is None or not guards.gate or run_tags.get("guard.gate_passed") != "false":
+        return None
+    return run_tags.get("guard.gate", "gate blocked")
+
+
 @task(name="register-model", retries=1, retry_delay_seconds=5)
 def register_model(model_dir: str, run_id: str, accuracy: float, registered_name: str,
-                   tracking: dict[str, Any], higher_is_better: bool = True) -> dict[str, Any]:
-    """Register ``model_dir`` from stage run ``run_id``; alias it ``candidate``, and ``champion`` if it beats it."""
+                   tracking: dict[str, Any], higher_is_better: bool = True,
+                   guards: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Register ``model_dir`` from stage run ``run_id``; alias it ``candidate``, and ``champion`` if it passes the
+    gate (``guards``: the ``guards`` section; None skips the gate) and beats the champion. The version's
+    description becomes its model card (:func:`model_card`); the stage's ``guard.*`` tags are copied onto it."""
     import mlflow
     from mlflow import MlflowClient
 
     cfg = build_config(TrackingConfig, "tracking", tracking)
+    guards_cfg = build_config(GuardsConfig, "guards", guards) if guards is not None else None
     uri = resolve_tracking_uri(cfg)
     client = MlflowClient(tracking_uri=uri)
     mlflow.set_tracking_uri(uri)  # the copy goes through MLflow's fluent API
     version, model_uri = _version_of(client, cfg, model_dir, run_id, registered_name, accuracy)
     client.set_model_version_tag(registered_name, version, METRIC_TAG, f"{accuracy:.6f}")
+    run = client.get_run(run_id)
+    for key, value in run.data.tags.items():
+        if key.startswith("guard."):
+            client.set_model_version_tag(registered_name, version, key, value[:4900])
+    blocked = gate_blocks(run.data.tags, guards_cfg)
     with registry_lock(uri, f"{registered_name} v{version}"):
         set_alias(client, registered_name, CANDIDATE, version)
-        outcome = promote_if_better(client, registered_name, version, accuracy, higher_is_better,
-                                    cfg.registry_settle_s if shared_store(uri) else 0.0)
-    client.set_model_version_tag(registered_name, version, "promotion", outcome["verdict"])
+        if blocked is None:
+            outcome = promote_if_better(client, registered_name, version, accuracy, higher_is_better,
+                                        cfg.registry_settle_s if shared_store(uri) else 0.0)
+        else:
+            before = read_champion(client, registered_name)
+            outcome = {"promoted": False, "champion_version": before.version if before else None,
+                       "previous_champion_accuracy": before.accuracy if before else None,
+                       "verdict": f"candidate v{version} ({accuracy:.4f}): not promoted, {blocked}"}
+    outcome["gate"] = blocked or ("gate passed" if run.data.tags.get("guard.gate_passed") == "true" else "no gate")
+    client.set_model_version_tag(registered_name, version, "promotion", outcome["verdict"][:4900])
+    try:
+        client.update_model_version(registered_name, version, description=model_card(
+            client, registered_name, version, run, outcome))
+    except Exception as exc:  # noqa: BLE001 - a card is documentation: never fail a registration over it
+        log.warning("%s v%s: model card not written: %s", registered_name, version, exc)
     client.set_model_version_tag(registered_name, version, REGISTRATION_TAG, "done")
     pruned = prune_model_versions(client, registered_name, cfg.keep_model_versions) if cfg.keep_model_versions else []
     return {"model_uri": model_uri, "version": version, **outcome, "pruned_versions": pruned}
@@ -256,3 +288,27 @@ def resolve_model_ref(client: Any, name: str, version_or_alias: str) -> Path:
             f"{pointer['dvc_md5']}; that folder {state}. Restore it from DVC (check out the commit that "
             "produced it, then dvc checkout or dvc pull), or register by copy (tracking.model_storage: copy).")
     return folder
+
+
+def parent_version(client: Any, tags: dict[str, str], limit: int = 200) -> str | None:
+    """``NAME vN`` of a registered version whose source run output the model this run started from (its DVC md5,
+    tag ``dvc.md5.model``), newest first; None if none is registered (or the registry is larger than ``limit``)."""
+    md5 = tags.get("dvc.md5.model") or tags.get("guard.parent_md5")
+    if not md5:
+        return None
+    versions = client.search_model_versions(max_results=limit)
+    for v in sorted(versions, key=lambda v: int(v.creation_timestamp or 0), reverse=True):
+        try:
+            if client.get_run(v.run_id).data.tags.get("dvc.md5.output_model") == md5:
+                return f"{v.name} v{v.version}"
+        except Exception as exc:  # noqa: BLE001 - a deleted run: not a parent
+            log.debug("%s v%s: source run unreadable (%s)", v.name, v.version, exc)
+    return None
+
+
+def model_card(client: Any, name: str, version: str, run: Any, outcome: dict[str, Any]) -> str:
+    """The version's description (:func:`rlhf_core.model_card.render_model_card`) from its source run."""
+    from rlhf_core.model_card import render_model_card
+
+    return render_model_card(name, version, run.info.run_id, run.data.tags, run.data.params, run.data.metrics,
+                             outcome, parent_version(client, run.data.tags))

@@ -48,14 +48,21 @@ def _config_cls(stage: str) -> tuple[type, str]:
             "rl": (c.RLConfig, "rl")}[stage]
 
 
+GUARDED_STAGES = ("dpo", "kto", "raft", "distill", "rl")
+"""Policy stages: their model is checked against its parent (``guards`` section, rlhf_core/guards.py)."""
+
+
 def run_inline(stage: str, params: dict[str, Any], tracking: dict[str, Any],
-               parent_run_id: str | None) -> dict[str, Any]:
-    """Build the stage's typed config and run it in this process; returns its result dict."""
-    from rlhf_core.config import TrackingConfig, build_config
+               parent_run_id: str | None, guards: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Build the stage's typed config and run it in this process; returns its result dict. ``guards``: the
+    ``guards`` section for a policy stage (None: no guards)."""
+    from rlhf_core.config import GuardsConfig, TrackingConfig, build_config
 
     cls, section = _config_cls(stage)
+    extra = ({"guards": build_config(GuardsConfig, "guards", guards)}
+             if guards is not None and stage in GUARDED_STAGES else {})
     return _stage_fn(stage)(build_config(cls, section, params), build_config(TrackingConfig, "tracking", tracking),
-                            parent_run_id).to_dict()
+                            parent_run_id, **extra).to_dict()
 
 
 def pid_file(stage: str) -> Path:
@@ -65,12 +72,12 @@ def pid_file(stage: str) -> Path:
 
 
 def run_in_child(stage: str, params: dict[str, Any], tracking: dict[str, Any],
-                 parent_run_id: str | None) -> dict[str, Any]:
+                 parent_run_id: str | None, guards: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run the stage in ``python -m tasks.worker``; raise StageRejected / StageProcessDied on failure."""
     with tempfile.TemporaryDirectory(prefix=f"alignflow-{stage}-") as tmp:
         request, result = Path(tmp) / "request.json", Path(tmp) / "result.json"
         request.write_text(json.dumps({"stage": stage, "params": params, "tracking": tracking,
-                                       "parent_run_id": parent_run_id}))
+                                       "parent_run_id": parent_run_id, "guards": guards}))
         # -P: the project folder (cwd) is not put on sys.path, so a `tasks/` folder of the user's
         # own cannot shadow alignflow's tasks package; the code comes from where this process's did.
         proc = subprocess.Popen([sys.executable, "-P", "-m", "tasks.worker", str(request), str(result)],
@@ -107,7 +114,7 @@ def main(argv: list[str]) -> int:
     request = json.loads(request_path.read_text())
     try:
         reply: dict[str, Any] = {"ok": run_inline(request["stage"], request["params"], request["tracking"],
-                                                  request["parent_run_id"])}
+                                                  request["parent_run_id"], request.get("guards"))}
         code = 0
     except PERMANENT_ERRORS as exc:
         report = getattr(exc, "report", None)

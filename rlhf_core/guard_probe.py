@@ -1,0 +1,141 @@
+"""Measure what the guards compare: a parent and a child model answering the same held-out items.
+
+For each eval item (the stage's eval file, its first ``max_items``) a model answers greedily (the same
+answers as ``eval/accuracy``); the probe records per item whether the answer is correct (when the item has a
+label), its held-out reward score (the stage's reward, or the reward model of ``guards.reward_model_path``),
+its length in tokens and its slice (skill), and, along the child's answer, the next-token entropy and
+``KL(child || reference)`` summed over the answer's tokens (its eos included), computed exactly over the
+vocabulary. :mod:`rlhf_core.guards` turns the two records into guards.
+
+The parent's record is cached under ``<project>/.alignflow/probes/`` keyed on the DVC md5s of the model and
+eval file, the settings and the reward's identity: in a cycle flow each child becomes the next parent, and
+every stage of the align flow shares the SFT parent, so the parent is answered once.
+
+Run: called by :func:`rlhf_core.stages.check_stage_guards` after every policy stage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from rlhf_core.atomic_io import write_text_atomic
+from rlhf_core.data.formats import prompt_text, read_prompt_examples
+from rlhf_core.data.io import read_records
+from rlhf_core.data.tokenize import encode_prompt
+from rlhf_core.evaluate import _question, greedy_answers
+from rlhf_core.guards import ProbeRecord
+from rlhf_core.synthetic import is_correct, parse_prompt
+
+RewardFn = Callable[[list[str], list[str], list[Any]], Sequence[float]]
+
+
+@dataclass
+class EvalItems:
+    """The held-out items both models answer: rendered prompts, labels (None where absent) and slices."""
+
+    prompts: list[str]
+    labels: list[Any]
+    slices: list[str | None]
+
+    @property
+    def has_labels(self) -> bool:
+        return bool(self.labels) and all(label is not None for label in self.labels)
+
+
+def read_eval_items(eval_file: str | Path, tokenizer: Any, *, prompt_field: str, label_field: str, slice_field: str,
+                    max_items: int) -> EvalItems:
+    """The first ``max_items`` items of ``eval_file``; an item's slice is its ``slice_field`` or, for the embedded
+    task, the skill its prompt asks for."""
+    records = read_records(eval_file, limit=max_items)
+    examples = read_prompt_examples(records, eval_file, prompt_field=prompt_field, label_field=label_field)
+    slices: list[str | None] = []
+    for record, example in zip(records, examples):
+        if record.get(slice_field) is not None:
+            slices.append(str(record[slice_field]))
+        else:
+            problem = parse_prompt(_question(example.prompt))
+            slices.append(problem.skill if problem is not None else None)
+    return EvalItems([prompt_text(tokenizer, e.prompt) for e in examples], [e.label for e in examples], slices)
+
+
+@torch.no_grad()
+def answer_statistics(model: Any, tokenizer: Any, prompts: Sequence[str], answers: Sequence[str], *,
+                      reference: Any = None, batch_size: int = 64) -> tuple[list[float], float, list[float] | None]:
+    """Per answer: its token count; over all answer positions: the mean next-token entropy of ``model``; per
+    answer: summed ``KL(model || reference)`` over its positions (None without ``reference``).
+
+    Each sequence is ``prompt + answer + eos``; position t predicts token t+1, so the answer's positions are
+    ``len(prompt) - 1 .. len(prompt) + len(answer) - 1`` (the last one predicts eos): every answer, even an
+    empty one, has at least one."""
+    device = next(model.parameters()).device
+    lengths: list[float] = []
+    kls: list[float] = []
+    entropy_sum, positions = 0.0, 0
+    eos = tokenizer.eos_token_id
+    for start in range(0, len(prompts), batch_size):
+        seqs, spans = [], []
+        for prompt, answer in zip(prompts[start:start + batch_size], answers[start:start + batch_size]):
+            p_ids = encode_prompt(tokenizer, prompt)
+            a_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+            lengths.append(float(len(a_ids)))
+            seqs.append(p_ids + a_ids + [eos])
+            spans.append((len(p_ids) - 1, len(p_ids) + len(a_ids)))  # [first, last) positions scored
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):  # right padding: positions keep their meaning
+            ids[i, :len(s)] = torch.tensor(s)
+            mask[i, :len(s)] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
+        ref_logp = (torch.log_softmax(reference(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
+                    if reference is not None else None)
+        for i, (lo, hi) in enumerate(spans):
+            lp = logp[i, lo:hi]  # (answer positions, vocab)
+            entropy_sum += float(-(lp.exp() * lp).sum())
+            positions += hi - lo
+            if ref_logp is not None:
+                # KL(p || q) = sum_v p_v (log p_v - log q_v), per position, summed over the answer
+                kls.append(float((lp.exp() * (lp - ref_logp[i, lo:hi])).sum()))
+    return lengths, entropy_sum / max(positions, 1), (kls if reference is not None else None)
+
+
+def probe(model: Any, tokenizer: Any, items: EvalItems, *, reward_fn: RewardFn | None, reference: Any = None,
+          max_new_tokens: int = 12, batch_size: int = 256) -> tuple[ProbeRecord, list[str]]:
+    """One model's :class:`ProbeRecord` on ``items`` and its greedy answers."""
+    answers = greedy_answers(model, tokenizer, items.prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    correct = ([float(is_correct(a, y)) for a, y in zip(answers, items.labels)] if items.has_labels else None)
+    reward = [float(r) for r in reward_fn(list(items.prompts), answers, list(items.labels))] if reward_fn else None
+    was_training = model.training
+    model.eval()
+    lengths, entropy, kls = answer_statistics(model, tokenizer, items.prompts, answers, reference=reference,
+                                              batch_size=min(batch_size, 64))
+    model.train(was_training)
+    kl = sum(kls) / len(kls) if kls else None
+    return ProbeRecord(correct, reward, lengths, entropy, kl, list(items.slices)), answers
+
+
+def probe_key(model_md5: str, eval_md5: str, settings: dict[str, Any]) -> str:
+    """The parent probe cache's key: what the record depends on."""
+    blob = json.dumps({"model": model_md5, "eval": eval_md5, **settings}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def load_cached(path: Path) -> tuple[ProbeRecord, list[str]] | None:
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        return ProbeRecord(**data["record"]), list(data["answers"])
+    except (ValueError, KeyError, TypeError):  # a torn or older file: answer again
+        return None
+
+
+def save_cached(path: Path, record: ProbeRecord, answers: list[str]) -> None:
+    write_text_atomic(path, json.dumps({"record": asdict(record), "answers": answers}))
