@@ -344,8 +344,9 @@ def register_final_policy(cfg: dict[str, Any], aligned: dict[str, dict[str, Any]
                           parent: Tracker) -> dict[str, Any] | None:
     """Register the pipeline's end product, the last policy stage's model, if models are logged.
 
-    It becomes `candidate` of the policy registry, and `champion` only if its held-out
-    accuracy beats the current champion's (tasks/registry.py). Returns the stage and the
+    It becomes `candidate` of the policy registry, and `champion` only if it passes the promotion
+    gate (its guards against the SFT model, ``guards`` section) and its held-out accuracy beats the
+    current champion's (tasks/registry.py). Returns the stage and the
     registry's answer, or None when nothing was registered.
     """
     policy_stages = [st for st in aligned if "model" in aligned[st]["outputs"] and st != "reward"
@@ -356,7 +357,7 @@ def register_final_policy(cfg: dict[str, Any], aligned: dict[str, dict[str, Any]
     promotion = {"stage": policy_stages[-1], **register_model(
         model_dir=final["outputs"]["model"], run_id=final["run_id"],
         accuracy=final["metrics"]["eval/accuracy"], registered_name=cfg["cycles"].registered_model,
-        tracking=config_to_dict(cfg["tracking"]))}
+        tracking=config_to_dict(cfg["tracking"]), guards=config_to_dict(cfg["guards"]))}
     parent.set_tags({"registry.version": promotion["version"], "registry.verdict": promotion["verdict"]})
     return promotion
 

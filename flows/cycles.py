@@ -211,7 +211,7 @@ def register_and_record(plan: CyclePlan, k: int, policy: str, sampled: dict[str,
     accuracy = trained["metrics"]["eval/accuracy"]
     registry = register_model(model_dir=trained["outputs"]["model"], run_id=trained["run_id"],
                               accuracy=accuracy, registered_name=plan.cyc.registered_model,
-                              tracking=plan.tracking_d)
+                              tracking=plan.tracking_d, guards=config_to_dict(plan.cfg["guards"]))
     metrics = {"cycle/accuracy": accuracy, "cycle/accuracy_stderr": trained["metrics"]["eval/accuracy_stderr"],
                **{f"cycle/{k2.split('/')[-1]}": v for k2, v in sampled["metrics"].items()}}
     cycle_run.log_metrics(metrics, k)

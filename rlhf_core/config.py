@@ -1047,7 +1047,7 @@ class GuardsConfig:
     """KL guard: mean over eval items of the summed per-token KL(child || reference) along the child's greedy
     answer, in nats; fires above this."""
     max_length_change: float = 0.5
-    """Length guard: fires when the mean greedy answer length (tokens) changed by more than this fraction."""
+    """Length guard: fires when the mean greedy answer length (characters) changed by more than this fraction."""
     min_entropy_ratio: float = 0.1
     """Entropy collapse: fires when the child's mean next-token entropy along its answers falls below this
     fraction of the parent's along its own."""

@@ -3,7 +3,7 @@
 For each eval item (the stage's eval file, its first ``max_items``) a model answers greedily (the same
 answers as ``eval/accuracy``); the probe records per item whether the answer is correct (when the item has a
 label), its held-out reward score (the stage's reward, or the reward model of ``guards.reward_model_path``),
-its length in tokens and its slice (skill), and, along the child's answer, the next-token entropy and
+its length in characters and its slice (skill), and, along the child's answer, the next-token entropy and
 ``KL(child || reference)`` summed over the answer's tokens (its eos included), computed exactly over the
 vocabulary. :mod:`rlhf_core.guards` turns the two records into guards.
 
@@ -67,7 +67,8 @@ def read_eval_items(eval_file: str | Path, tokenizer: Any, *, prompt_field: str,
 @torch.no_grad()
 def answer_statistics(model: Any, tokenizer: Any, prompts: Sequence[str], answers: Sequence[str], *,
                       reference: Any = None, batch_size: int = 64) -> tuple[list[float], float, list[float] | None]:
-    """Per answer: its token count; over all answer positions: the mean next-token entropy of ``model``; per
+    """Per answer: its length in characters (what a reader sees, and free of any decode/re-encode round trip);
+    over all answer positions: the mean next-token entropy of ``model``; per
     answer: summed ``KL(model || reference)`` over its positions (None without ``reference``).
 
     Each sequence is ``prompt + answer + eos``; position t predicts token t+1, so the answer's positions are
@@ -83,7 +84,7 @@ def answer_statistics(model: Any, tokenizer: Any, prompts: Sequence[str], answer
         for prompt, answer in zip(prompts[start:start + batch_size], answers[start:start + batch_size]):
             p_ids = encode_prompt(tokenizer, prompt)
             a_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
-            lengths.append(float(len(a_ids)))
+            lengths.append(float(len(answer)))
             seqs.append(p_ids + a_ids + [eos])
             spans.append((len(p_ids) - 1, len(p_ids) + len(a_ids)))  # [first, last) positions scored
         width = max(len(s) for s in seqs)

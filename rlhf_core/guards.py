@@ -83,7 +83,7 @@ class ProbeRecord:
     """One model's answers to the held-out items (what :mod:`rlhf_core.guard_probe` measures).
 
     ``correct``: ``(n,)`` 0/1 exact match, or None when the items carry no labels; ``reward``: ``(n,)`` held-out
-    reward score of each greedy answer, or None without a reward; ``length``: ``(n,)`` answer tokens;
+    reward score of each greedy answer, or None without a reward; ``length``: ``(n,)`` answer length in characters;
     ``entropy``: mean next-token entropy (nats) along the model's own answers; ``kl``: mean over items of the
     summed per-token KL(model || reference) along its answers (None for the parent); ``slices``: ``(n,)`` slice
     name per item (None: not sliced)."""
@@ -240,7 +240,7 @@ def check_guards(parent: ProbeRecord, child: ProbeRecord, cfg: GuardsConfig) -> 
         reward_hacking(eval_delta, reward_delta, child, cfg),
         GuardResult("kl", kl > cfg.max_kl, kl, cfg.max_kl, f"KL to reference {kl:.3f} nats/answer (max {cfg.max_kl:g})"),
         GuardResult("length", abs(length_change) > cfg.max_length_change, length_change, cfg.max_length_change,
-                    f"answer length {len_p:.2f} -> {len_c:.2f} tokens ({length_change:+.1%}, max ±"
+                    f"answer length {len_p:.2f} -> {len_c:.2f} characters ({length_change:+.1%}, max ±"
                     f"{cfg.max_length_change:.0%})"),
         GuardResult("entropy_collapse", entropy_ratio < cfg.min_entropy_ratio, entropy_ratio, cfg.min_entropy_ratio,
                     f"entropy {parent.entropy:.4f} -> {child.entropy:.4f} nats/token (ratio {entropy_ratio:.3f}, "

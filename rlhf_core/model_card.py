@@ -72,7 +72,7 @@ def render_model_card(name: str, version: str, run_id: str, tags: dict[str, str]
                           _num(metrics["guard/reward_mean"]),
                           f"{metrics['guard/reward_delta']:+.4f} ± {metrics['guard/reward_delta_se']:.4f}"))
     if "guard/length_mean" in metrics:
-        lines.append(_row("answer length (tokens)", _num(metrics.get("guard/length_mean_parent"), 2),
+        lines.append(_row("answer length (characters)", _num(metrics.get("guard/length_mean_parent"), 2),
                           _num(metrics["guard/length_mean"], 2), f"{metrics.get('guard/length_change', 0):+.1%}"))
     if "guard/entropy" in metrics:
         lines.append(_row("next-token entropy (nats)", _num(metrics.get("guard/entropy_parent")),

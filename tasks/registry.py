@@ -224,6 +224,16 @@ def gate_blocks(run_tags: dict[str, str], guards: GuardsConfig | None) -> str | 
     return run_tags.get("guard.gate", "gate blocked")
 
 
+def _gate_text(run_tags: dict[str, str], guards: GuardsConfig | None, blocked: str | None) -> str:
+    """What the gate said, for the model card and the task's answer."""
+    said = run_tags.get("guard.gate")
+    if said is None:
+        return "no guards on the source run: promoted on the champion comparison alone"
+    if guards is None or not guards.gate:
+        return f"gate off (guards.gate: false); the stage's gate said: {said}"
+    return blocked or said
+
+
 @task(name="register-model", retries=1, retry_delay_seconds=5)
 def register_model(model_dir: str, run_id: str, accuracy: float, registered_name: str,
                    tracking: dict[str, Any], higher_is_better: bool = True,
@@ -256,7 +266,7 @@ def register_model(model_dir: str, run_id: str, accuracy: float, registered_name
             outcome = {"promoted": False, "champion_version": before.version if before else None,
                        "previous_champion_accuracy": before.accuracy if before else None,
                        "verdict": f"candidate v{version} ({accuracy:.4f}): not promoted, {blocked}"}
-    outcome["gate"] = blocked or ("gate passed" if run.data.tags.get("guard.gate_passed") == "true" else "no gate")
+    outcome["gate"] = _gate_text(run.data.tags, guards_cfg, blocked)
     client.set_model_version_tag(registered_name, version, "promotion", outcome["verdict"][:4900])
     try:
         client.update_model_version(registered_name, version, description=model_card(

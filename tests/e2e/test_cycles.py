@@ -109,6 +109,14 @@ def test_iterative_dpo_versions_every_cycle_and_tracks_lineage(project, chromium
                              project / "mlflow_ui_source_run.png")
     assert f"Version {champion.version}" in model_page and "@ champion" in model_page, model_page[:3000]
     assert "Source Run : dpo" in model_page
+    # its model card (the version's description): parent, data with DVC md5s, eval with paired errors, guards
+    source_tags = source.data.tags
+    for text in (f"Parent: {source_tags['input.model']} (DVC md5 {source_tags['dvc.md5.model']}",
+                 f"preferences {source_tags['input.preferences']} {source_tags['dvc.md5.preferences']}",
+                 f"eval {source_tags['input.eval']} {source_tags['dvc.md5.eval']}", "Held-out eval (30 items",
+                 "accuracy", "change ± paired s.e.", "Guards (fired:", "reward_hacking", "entropy_collapse",
+                 "Promotion", "promoted to champion"):
+        assert text in model_page, (text, model_page[:6000])
     assert champion.run_id in run_page and f"Parent run {parent_cycle.info.run_name}" in run_page, run_page[:4000]
     pairs_digest = source.data.tags["dvc.md5.preferences"]
     assert f"preferences ({pairs_digest[:36]})" in run_page
