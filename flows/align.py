@@ -379,8 +379,13 @@ def headline_metrics(before: dict[str, Any], after: dict[str, Any],
 
 
 def model_lineage_tags(base_md5: str, sft: dict[str, Any], aligned: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """The parent run's tags naming every model's md5 and every stage's MLflow run."""
-    return {"dvc.md5.model_base": base_md5, "dvc.md5.model_sft": sft["md5"]["model"],
+    """The parent run's tags naming every model's md5 and every stage's MLflow run, and each policy stage's
+    fired guards (``guard.fired.<stage>``)."""
+    from rlhf_core.guards import fired_guards
+
+    return {**{f"guard.fired.{stage}": ",".join(fired_guards(r["metrics"])) or "none"
+               for stage, r in aligned.items() if any(k.startswith("guard/") for k in r["metrics"])},
+            "dvc.md5.model_base": base_md5, "dvc.md5.model_sft": sft["md5"]["model"],
             "alignflow.sft_run_id": str(sft.get("run_id")),
             **{f"dvc.md5.{stage}_{k}": v for stage, r in aligned.items() for k, v in r["md5"].items()},
             **{f"alignflow.{stage}_run_id": str(r.get("run_id")) for stage, r in aligned.items()}}

@@ -278,7 +278,8 @@ def _cmd_cycles(args: argparse.Namespace) -> int:
     print(f"\n=== alignflow: {args.name} flow finished ===")
     for h in summary["cycles"]:
         print(f"cycle {h['cycle']}: eval/accuracy {h['accuracy']:.3f} (± {h['accuracy_stderr']:.3f})  "
-              f"commit {str(h['commit'])[:10]}  {h['registry']['verdict']}")
+              f"commit {str(h['commit'])[:10]}  guards fired: {','.join(h.get('guards_fired') or []) or 'none'}  "
+              f"{h['registry']['verdict']}")
     print(f"final model:     {summary['final_model']}")
     print(f"parent run:      {summary['parent_run_id']}")
     print(f"summary:         {path}")
@@ -286,6 +287,14 @@ def _cmd_cycles(args: argparse.Namespace) -> int:
 
 
 DEFAULT_SUMMARY = "metrics/align_summary.json"
+
+
+def _add_register_flag(p: argparse.ArgumentParser, stage: str) -> None:
+    """``--register NAME`` on the policy stages' commands."""
+    if stage in GUARDED_STAGES:
+        p.add_argument("--register", default=None, metavar="NAME",
+                       help="register the model as candidate of NAME (e.g. alignflow-policy), and champion only "
+                            "when the promotion gate passes (guards section; --set guards.FIELD=VALUE)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -327,10 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         _common(p, name)
         p.add_argument("--metrics-file", default=None, help="write final metrics JSON here (for DVC)")
-        if name in GUARDED_STAGES:
-            p.add_argument("--register", default=None, metavar="NAME",
-                           help="register the model as candidate of NAME (e.g. alignflow-policy), and champion only "
-                                "when the promotion gate passes (guards section; --set guards.FIELD=VALUE)")
+        _add_register_flag(p, name)
         if name != "rejection":  # the trainers checkpoint; rejection sampling does not
             group = p.add_mutually_exclusive_group()
             group.add_argument("--resume", dest="resume", action="store_const", const=True, default=None,

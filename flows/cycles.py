@@ -27,6 +27,7 @@ from prefect.runtime import flow_run
 
 from rlhf_core.config import ConfigError, CyclesConfig, config_to_dict
 from rlhf_core.data.validate import prompts_kind
+from rlhf_core.guards import fired_guards
 from rlhf_core.lineage import dvc_md5
 from rlhf_core.redact import redact_secrets
 from rlhf_core.stages import lineage_tags
@@ -214,17 +215,22 @@ def register_and_record(plan: CyclePlan, k: int, policy: str, sampled: dict[str,
                               tracking=plan.tracking_d, guards=config_to_dict(plan.cfg["guards"]))
     metrics = {"cycle/accuracy": accuracy, "cycle/accuracy_stderr": trained["metrics"]["eval/accuracy_stderr"],
                **{f"cycle/{k2.split('/')[-1]}": v for k2, v in sampled["metrics"].items()}}
-    cycle_run.log_metrics(metrics, k)
+    guards = {key: v for key, v in trained["metrics"].items() if key.startswith("guard/")}
+    cycle_run.log_metrics({**metrics, **guards}, k)
     parent.log_metrics({"eval/accuracy": accuracy}, k)
+    fired = fired_guards(guards)
     cycle_run.set_tags({"registry.version": registry["version"], "registry.verdict": registry["verdict"],
-                        "dvc.md5.output_model": trained["md5"]["model"]})
-    get_run_logger().info("%s cycle %d/%d: accuracy %.3f ± %.3f; %s", plan.kind, k, plan.n_cycles, accuracy,
-                          metrics["cycle/accuracy_stderr"], registry["verdict"])
+                        "dvc.md5.output_model": trained["md5"]["model"],
+                        **({"guard.fired": ",".join(fired) or "none"} if guards else {})})
+    if guards:  # the flow run's view: which cycle fired which guard
+        parent.set_tags({f"guard.fired.cycle_{k}": ",".join(fired) or "none"})
+    get_run_logger().info("%s cycle %d/%d: accuracy %.3f ± %.3f; guards fired: %s; %s", plan.kind, k, plan.n_cycles,
+                          accuracy, metrics["cycle/accuracy_stderr"], ",".join(fired) or "none", registry["verdict"])
     return {"cycle": k, "policy_in": policy, "model": trained["outputs"]["model"],
             "model_md5": trained["md5"]["model"], "accuracy": accuracy,
             "accuracy_stderr": metrics["cycle/accuracy_stderr"], "data_md5": sampled["md5"],
             "commit": versioned["commit"] if versioned else None, "run_id": cycle_run.run_id,
-            "registry": registry}
+            "registry": registry, "guards_fired": fired}
 
 
 def run_cycle(plan: CyclePlan, k: int, policy: str, rm_path: str, pair_pool: PairPool, md5: dict[str, str],

@@ -32,6 +32,11 @@ GUARD_NAMES = ("reward_hacking", "kl", "length", "entropy_collapse", "skill_regr
 """Every guard, in the order the tags and the model card list them."""
 
 
+def fired_guards(metrics: dict[str, float]) -> list[str]:
+    """The names of the guards a stage's ``guard/<name>_fired`` metrics say fired, in :data:`GUARD_NAMES` order."""
+    return [name for name in GUARD_NAMES if metrics.get(f"guard/{name}_fired")]
+
+
 @dataclass(frozen=True)
 class Delta:
     """``child - parent`` of a per-item quantity on the same ``n`` items, with its paired standard error."""
