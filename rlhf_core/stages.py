@@ -362,7 +362,13 @@ def check_stage_guards(stage: str, cfg: Any, child_dir: Path, guards: GuardsConf
     guard (:func:`rlhf_core.guards.check_guards`) and the gate, and log them to ``run``: ``guard/*`` metrics,
     ``guard.*`` tags (``guard.fired``, ``guard.gate``, ...), ``guards/report.json`` and ``guards/per_item.json``
     (both models' per-item results on the same items: what a paired comparison needs). Returns the metrics."""
-    from rlhf_core.guard_probe import load_cached, probe, probe_key, read_eval_items, save_cached
+    from rlhf_core.guard_probe import (
+        load_cached,
+        probe,
+        probe_key,
+        read_eval_items,
+        save_cached,
+    )
     from rlhf_core.guards import check_guards, gate
     from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
     from rlhf_core.tracking import project_root

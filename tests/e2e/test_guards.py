@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from helpers import run_cli, write_micro_params
 
 HACKABLE = "def reward(prompts, completions, labels):\n    return [float(c.count('0')) for c in completions]\n"

@@ -7,8 +7,15 @@ import math
 import pytest
 
 from rlhf_core.config import ConfigError, GuardsConfig
-from rlhf_core.guards import (ProbeRecord, check_guards, gate, paired_delta, reward_hacking, top_scored_accuracy,
-                              unpaired_se)
+from rlhf_core.guards import (
+    ProbeRecord,
+    check_guards,
+    gate,
+    paired_delta,
+    reward_hacking,
+    top_scored_accuracy,
+    unpaired_se,
+)
 from rlhf_core.model_card import render_model_card
 
 
