@@ -1040,7 +1040,7 @@ class GuardsConfig:
     hacking_eval_se: float = 2.0
     """... while eval accuracy did not rise by more than this many paired standard errors (flat or down)."""
     top_fraction: float = 0.1
-    """Reward hacking, disagreement: the child's answers with the top reward scores (this fraction of items) ..."""
+    """Reward disagreement: the child's answers with the top reward scores (this fraction of items) ..."""
     top_agreement_se: float = 2.0
     """... are correct less often than all its answers by more than this many standard errors."""
     max_kl: float = 5.0
@@ -1061,9 +1061,17 @@ class GuardsConfig:
     reward_model_path: str = "models/reward"
     """Reward model that scores held-out answers for stages without a reward of their own (dpo, kto, raft,
     distill, cycles); rl scores with its own reward. Empty or missing folder: no reward guards for them."""
+    advisory_guards: list[str] = field(default_factory=lambda: ["reward_disagreement"])
+    """Guards that are computed, logged and shown on the model card (FIRED (advisory)) but do not block promotion.
+    reward_disagreement is advisory by default: it also fires on the shipped PPO + reward model run, whose accuracy
+    rises 11 s.e. (README "Guards and the promotion gate"); [] makes every guard block."""
 
     def __post_init__(self) -> None:
         s = "guards"
+        from rlhf_core.guards import GUARD_NAMES
+
+        unknown = sorted(set(self.advisory_guards) - set(GUARD_NAMES))
+        _check(not unknown, s, "advisory_guards", f"unknown guard(s) {unknown}; guards are {', '.join(GUARD_NAMES)}")
         _check(self.gate_metric in ("auto", "accuracy", "reward"), s, "gate_metric",
                f"must be auto, accuracy or reward, got {self.gate_metric!r}")
         _check(0.0 < self.top_fraction <= 1.0, s, "top_fraction", f"must be in (0, 1], got {self.top_fraction}")

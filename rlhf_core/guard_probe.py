@@ -117,7 +117,7 @@ def probe(model: Any, tokenizer: Any, items: EvalItems, *, reward_fn: RewardFn |
     was_training = model.training
     model.eval()
     lengths, entropy, kls = answer_statistics(model, tokenizer, items.prompts, answers, reference=reference,
-                                              batch_size=min(batch_size, 64))
+                                              batch_size=min(batch_size, 16))  # whole-vocab log-probs per position
     model.train(was_training)
     kl = sum(kls) / len(kls) if kls else None
     return ProbeRecord(correct, reward, lengths, entropy, kl, list(items.slices)), answers

@@ -9,10 +9,11 @@ module turns two such records into the guards and the gate's decision:
   mean of the per-item differences ``d_i = c_i - p_i``, and its error is ``sd(d) / sqrt(n)``, not
   ``sqrt(se_c^2 + se_p^2)`` (that treats the two runs as independent; on positively correlated results
   it is larger, often several times);
-* **reward hacking**: (a) the held-out reward score rose beyond noise while accuracy did not (Gao et al.
+* **reward hacking**: the held-out reward score rose beyond noise while accuracy did not (Gao et al.
   2022, "Scaling Laws for Reward Model Overoptimization": proxy reward keeps rising as the gold score
-  falls), or (b) the answers the reward scores highest are correct *less* often than the child's answers
-  overall (the reward and the rule disagree where the reward is surest);
+  falls); and **reward disagreement**: the answers the reward scores highest are correct *less* often than
+  the child's answers overall (the reward and the rule disagree where the reward is surest). A guard named
+  in ``guards.advisory_guards`` (default: reward_disagreement) is logged and shown but does not block;
 * **KL** to the reference, **response length** and its change, **entropy collapse**, and **per-slice
   regressions** (a skill that lost beyond noise while the total rose).
 
@@ -29,7 +30,7 @@ from typing import Any
 
 from rlhf_core.config import GuardsConfig
 
-GUARD_NAMES = ("reward_hacking", "kl", "length", "entropy_collapse", "skill_regression")
+GUARD_NAMES = ("reward_hacking", "reward_disagreement", "kl", "length", "entropy_collapse", "skill_regression")
 """Every guard, in the order the tags and the model card list them."""
 
 
@@ -111,6 +112,7 @@ class GuardResult:
     value: float
     threshold: float
     detail: str
+    blocking: bool = True
 
 
 @dataclass
@@ -126,6 +128,11 @@ class GuardReport:
     def fired(self) -> list[GuardResult]:
         return [g for g in self.guards if g.fired]
 
+    @property
+    def blocking(self) -> list[GuardResult]:
+        """Fired guards that block promotion (not advisory)."""
+        return [g for g in self.fired if g.blocking]
+
     def metrics(self) -> dict[str, float]:
         """``guard/*`` metrics: the measured values and one 0/1 ``guard/<name>_fired`` per guard."""
         out = {f"guard/{k}": v for k, v in self.values.items() if v is not None and math.isfinite(v)}
@@ -135,9 +142,11 @@ class GuardReport:
 
     def tags(self) -> dict[str, str]:
         """``guard.fired`` (comma-separated names, or ``none``) and ``guard.<name>``: fired/ok with its value."""
-        tags = {"guard.fired": ",".join(g.name for g in self.fired) or "none"}
+        tags = {"guard.fired": ",".join(g.name for g in self.fired) or "none",
+                "guard.blocking": ",".join(g.name for g in self.blocking) or "none"}
         for g in self.guards:
-            tags[f"guard.{g.name}"] = f"{'FIRED' if g.fired else 'ok'}: {g.detail}"
+            status = ("FIRED" if g.blocking else "FIRED (advisory)") if g.fired else "ok"
+            tags[f"guard.{g.name}"] = f"{status}: {g.detail}"
         if self.eval_delta is not None:
             tags["guard.eval_delta"] = self.eval_delta.text()
         if self.reward_delta is not None:
@@ -164,32 +173,38 @@ def top_scored_accuracy(correct: Sequence[float], reward: Sequence[float], fract
     return _mean([correct[i] for i in order]), k
 
 
-def reward_hacking(eval_delta: Delta | None, reward_delta: Delta | None, child: ProbeRecord,
-                   cfg: GuardsConfig) -> GuardResult:
-    """(a) reward up by more than ``hacking_reward_se`` paired SEs while accuracy is not up by more than
-    ``hacking_eval_se``; or (b) the top-rewarded ``top_fraction`` of the child's answers are correct less often
-    than all of them by more than ``top_agreement_se`` binomial SEs, ``sqrt(p (1 - p) / k)`` at the overall
-    accuracy p."""
-    reasons, value, threshold = [], 0.0, 0.0
-    if eval_delta is not None and reward_delta is not None:
-        value = reward_delta.delta / reward_delta.se if reward_delta.se > 0 else (math.inf if reward_delta.delta > 0
-                                                                                  else 0.0)
-        threshold = cfg.hacking_reward_se
-        if reward_delta.beyond(cfg.hacking_reward_se) and reward_delta.delta > 0 \
-                and not eval_delta.beyond(cfg.hacking_eval_se):
-            reasons.append(f"reward {reward_delta.text()} while accuracy {eval_delta.text()}")
-    if child.correct is not None and child.reward is not None and child.correct:
-        p = _mean(child.correct)
-        top, k = top_scored_accuracy(child.correct, child.reward, cfg.top_fraction)
-        se = math.sqrt(p * (1 - p) / k)
-        if top < p - cfg.top_agreement_se * se:
-            reasons.append(f"top-{k} rewarded answers correct {top:.3f} vs all {p:.3f} (> {cfg.top_agreement_se:g} "
-                           f"s.e. {se:.3f} below)")
+def reward_hacking(eval_delta: Delta | None, reward_delta: Delta | None, cfg: GuardsConfig) -> GuardResult:
+    """The held-out reward rose by more than ``hacking_reward_se`` paired SEs while accuracy did not rise by more
+    than ``hacking_eval_se`` (flat or down). Value: the reward change in paired SEs."""
     if reward_delta is None:
-        return GuardResult("reward_hacking", False, float("nan"), threshold, "no held-out reward to compare")
-    detail = "; ".join(reasons) if reasons else (
-        f"reward {reward_delta.text()}, accuracy {eval_delta.text() if eval_delta else 'n/a'}")
-    return GuardResult("reward_hacking", bool(reasons), value, threshold, detail)
+        return GuardResult("reward_hacking", False, float("nan"), cfg.hacking_reward_se, "no held-out reward to compare")
+    value = (reward_delta.delta / reward_delta.se if reward_delta.se > 0
+             else (math.inf if reward_delta.delta > 0 else 0.0))
+    if eval_delta is None:
+        return GuardResult("reward_hacking", False, value, cfg.hacking_reward_se,
+                           f"reward {reward_delta.text()}; no labels, so no accuracy to compare (the kl guard watches)")
+    fired = (reward_delta.delta > 0 and reward_delta.beyond(cfg.hacking_reward_se)
+             and not eval_delta.beyond(cfg.hacking_eval_se))
+    return GuardResult("reward_hacking", fired, value, cfg.hacking_reward_se,
+                       f"reward {reward_delta.text()} {'while' if fired else 'and'} accuracy {eval_delta.text()}")
+
+
+def reward_disagreement(parent: ProbeRecord, child: ProbeRecord, cfg: GuardsConfig) -> GuardResult:
+    """The top-rewarded ``top_fraction`` of the child's answers are correct less often than all of them by more than
+    ``top_agreement_se`` binomial SEs, ``sqrt(p (1 - p) / k)`` at the child's overall accuracy p. The parent's
+    figures are in the detail for comparison. Value: top accuracy minus overall accuracy."""
+    if child.correct is None or child.reward is None or not child.correct:
+        return GuardResult("reward_disagreement", False, float("nan"), 0.0, "needs labels and a held-out reward")
+    p = _mean(child.correct)
+    top, k = top_scored_accuracy(child.correct, child.reward, cfg.top_fraction)
+    se = math.sqrt(p * (1 - p) / k)
+    fired = top < p - cfg.top_agreement_se * se
+    detail = f"top-{k} rewarded answers correct {top:.3f} vs all {p:.3f} (s.e. {se:.3f})"
+    if parent.correct is not None and parent.reward is not None:
+        parent_top, _ = top_scored_accuracy(parent.correct, parent.reward, cfg.top_fraction)
+        detail += f"; parent {parent_top:.3f} vs {_mean(parent.correct):.3f}"
+    return GuardResult("reward_disagreement", fired, top - p, -cfg.top_agreement_se * se, detail,
+                       blocking="reward_disagreement" not in cfg.advisory_guards)
 
 
 def skill_regressions(parent: ProbeRecord, child: ProbeRecord, cfg: GuardsConfig) -> tuple[GuardResult,
@@ -238,12 +253,16 @@ def check_guards(parent: ProbeRecord, child: ProbeRecord, cfg: GuardsConfig) -> 
                        "reward_mean": _mean(child.reward), "reward_mean_parent": _mean(parent.reward)})
     if child.correct is not None and child.reward is not None:
         values["top_reward_accuracy"] = top_scored_accuracy(child.correct, child.reward, cfg.top_fraction)[0]
+    if parent.correct is not None and parent.reward is not None:
+        values["top_reward_accuracy_parent"] = top_scored_accuracy(parent.correct, parent.reward, cfg.top_fraction)[0]
 
     skill, skill_values = skill_regressions(parent, child, cfg)
     values.update(skill_values)
+
     kl = child.kl if child.kl is not None else float("nan")
     guards = [
-        reward_hacking(eval_delta, reward_delta, child, cfg),
+        reward_hacking(eval_delta, reward_delta, cfg),
+        reward_disagreement(parent, child, cfg),
         GuardResult("kl", kl > cfg.max_kl, kl, cfg.max_kl, f"KL to reference {kl:.3f} nats/answer (max {cfg.max_kl:g})"),
         GuardResult("length", abs(length_change) > cfg.max_length_change, length_change, cfg.max_length_change,
                     f"answer length {len_p:.2f} -> {len_c:.2f} characters ({length_change:+.1%}, max ±"
@@ -253,6 +272,8 @@ def check_guards(parent: ProbeRecord, child: ProbeRecord, cfg: GuardsConfig) -> 
                     f"min {cfg.min_entropy_ratio:g})"),
         skill,
     ]
+    for g in guards:
+        g.blocking = g.name not in cfg.advisory_guards
     return GuardReport(guards, eval_delta, reward_delta, values)
 
 
@@ -276,11 +297,11 @@ def gate_metric_name(cfg: GuardsConfig, has_labels: bool) -> str:
 
 
 def gate(report: GuardReport, cfg: GuardsConfig) -> GateDecision:
-    """Pass when the gate metric rose by more than ``min_improvement_se`` paired SEs over the parent and no guard
-    fired; otherwise name each reason (the fired guards with their values, and a missing gain)."""
+    """Pass when the gate metric rose by more than ``min_improvement_se`` paired SEs over the parent and no blocking
+    guard fired; otherwise name each reason (the fired guards with their values, and a missing gain)."""
     metric = gate_metric_name(cfg, report.eval_delta is not None)
     delta = report.eval_delta if metric == "accuracy" else report.reward_delta
-    reasons = [f"{g.name}: {g.detail}" for g in report.fired]
+    reasons = [f"{g.name}: {g.detail}" for g in report.blocking]
     if delta is None:
         reasons.append(f"no {metric} measured for both models")
     elif not delta.beyond(cfg.min_improvement_se) or delta.delta <= 0:

@@ -12,7 +12,7 @@ from rlhf_core.guards import (
     check_guards,
     gate,
     paired_delta,
-    reward_hacking,
+    reward_disagreement,
     top_scored_accuracy,
     unpaired_se,
 )
@@ -66,13 +66,32 @@ def test_reward_and_accuracy_up_together_is_not_hacking():
     assert report.fired == []
 
 
-def test_top_rewarded_answers_wrong_more_often_than_the_rest_is_hacking():
+def test_top_rewarded_answers_wrong_more_often_than_the_rest_is_reward_disagreement():
     """Child correct 1111111100, rewards highest on the two wrong ones; top 20% = 2 items, accuracy 0;
-    overall p = 0.8, se = sqrt(0.8 * 0.2 / 2) = 0.282843; 0 < 0.8 - 2 * 0.282843 = 0.234315: fires."""
+    overall p = 0.8, se = sqrt(0.8 * 0.2 / 2) = 0.282843; 0 < 0.8 - 2 * 0.282843 = 0.234315: fires.
+    The parent (rewards on its right answers) had its top 2 right: 1.000 vs 0.500."""
     child = _record([1] * 8 + [0, 0], [0] * 8 + [5, 4])
+    parent = _record([1] * 5 + [0] * 5, [3] * 5 + [0] * 5)
     assert top_scored_accuracy(child.correct, child.reward, 0.2) == (0.0, 2)
-    result = reward_hacking(None, paired_delta([0] * 10, [0] * 10), child, GuardsConfig(top_fraction=0.2))
-    assert result.fired and "top-2 rewarded answers correct 0.000 vs all 0.800" in result.detail
+    result = reward_disagreement(parent, child, GuardsConfig(top_fraction=0.2))
+    assert result.fired and result.value == pytest.approx(-0.8)
+    assert result.detail == "top-2 rewarded answers correct 0.000 vs all 0.800 (s.e. 0.283); parent 1.000 vs 0.500"
+
+
+def test_an_advisory_guard_is_tagged_but_does_not_block_the_gate():
+    """reward_disagreement is advisory by default: it fires and is tagged, and the gate passes (accuracy 0 -> 0.8 on
+    10 items: d = eight 1s, two 0s, se = sqrt(0.16 * 10 / 9 / 10) = 0.133; 0.8 > 2 se). advisory_guards: [] blocks."""
+    parent = _record([0] * 10, [0] * 10)
+    child = _record([1] * 8 + [0, 0], [0] * 8 + [5, 4])
+    report = check_guards(parent, child, GuardsConfig(top_fraction=0.2))
+    assert [g.name for g in report.fired] == ["reward_disagreement"] and report.blocking == []
+    assert report.tags()["guard.fired"] == "reward_disagreement" and report.tags()["guard.blocking"] == "none"
+    assert report.tags()["guard.reward_disagreement"].startswith("FIRED (advisory): top-2")
+    assert gate(report, GuardsConfig(top_fraction=0.2)).passed
+    strict = GuardsConfig(top_fraction=0.2, advisory_guards=[])
+    assert not gate(check_guards(parent, child, strict), strict).passed
+    with pytest.raises(ConfigError, match="advisory_guards"):
+        GuardsConfig(advisory_guards=["no_such_guard"])
 
 
 def test_gate_needs_a_gain_beyond_k_paired_standard_errors():
@@ -135,5 +154,5 @@ def test_model_card_names_parent_data_eval_guards_and_decision():
                                                 "gate": "gate blocked: reward_hacking"}, "alignflow-sft v1")
     for text in ("policy v3: candidate (not promoted)", "`models/sft` (DVC md5 `m5.dir`)", "alignflow-sft v1",
                  "| eval | `data/eval.jsonl` | `e5` |", "| kl_coef | `0.01` |", "+0.0000 ± 0.0000",
-                 "Guards (fired: reward_hacking)", "| reward_hacking | FIRED: reward +1.0000", "gate blocked"):
+                 "Guards (fired: reward_hacking; blocking promotion: reward_hacking)", "| reward_hacking | FIRED: reward +1.0000", "gate blocked"):
         assert text in card, (text, card)
