@@ -80,8 +80,8 @@ def render_model_card(name: str, version: str, run_id: str, tags: dict[str, str]
     if "guard/kl" in metrics:
         lines.append(_row("KL to reference (nats/answer)", "0", _num(metrics["guard/kl"]), ""))
 
-    lines += ["", f"### Guards (fired: {tags.get('guard.fired', 'not computed')}; blocking promotion: "
-                  f"{tags.get('guard.blocking', 'none')})", ""]
+    lines += ["", (f"### Guards (fired: {tags.get('guard.fired', 'not computed')}; blocking promotion: "
+                   f"{tags.get('guard.blocking', 'none')})"), ""]
     if "guard.fired" in tags:
         lines += [_row("guard", "status"), _row("---", "---")]
         lines += [_row(g, tags.get(f"guard.{g}", "–")) for g in GUARD_NAMES]
