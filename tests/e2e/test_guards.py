@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 from helpers import run_cli, write_micro_params
 
 HACKABLE = "def reward(prompts, completions, labels):\n    return [float(c.count('0')) for c in completions]\n"
@@ -20,8 +21,10 @@ HACKABLE = "def reward(prompts, completions, labels):\n    return [float(c.count
 @pytest.fixture()
 def project(isolated_project, micro_model, micro_data):
     params = write_micro_params(isolated_project)
-    # register by reference: no copy of the weights through MLflow's transformers flavor (seconds saved)
-    params.write_text(params.read_text().replace("model_storage: copy", "model_storage: reference"))
+    values = yaml.safe_load(params.read_text())
+    values["guards"]["gate"] = True  # the micro params turn the gate off for the flow tests; this test is about it
+    values["tracking"]["model_storage"] = "reference"  # no copy of the weights through MLflow (seconds saved)
+    params.write_text(yaml.safe_dump(values, sort_keys=False))
     (isolated_project / "zeros.py").write_text(HACKABLE)
     return isolated_project
 
