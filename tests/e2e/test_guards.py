@@ -1,4 +1,4 @@
-"""The reward-hacking guard and the promotion gate through the real CLI: ``alignflow rl --register``.
+"""The reward-hacking guard and the promotion gate through the CLI entry point: ``alignflow rl --register``.
 
 A planted hackable reward (the number of "0" characters in the answer: gameable without answering anything
 right, like the zeros-full answers PPO learned against the embedded reward model at kl_coef 0.01, see
@@ -13,7 +13,7 @@ import json
 
 import pytest
 import yaml
-from helpers import run_cli, write_micro_params
+from helpers import write_micro_params
 
 HACKABLE = "def reward(prompts, completions, labels):\n    return [float(c.count('0')) for c in completions]\n"
 
@@ -29,20 +29,25 @@ def project(isolated_project, micro_model, micro_data):
     return isolated_project
 
 
-def _rl(project, micro_model, micro_data, *extra):
-    return run_cli(["rl", "--set", f"model_path={micro_model}", "--set", f"prompts_file={micro_data['prompts']}",
-                    "--set", f"eval_file={micro_data['eval']}", "--set", "reward_function=zeros.py:reward",
-                    "--set", "max_steps=4", "--set", "prompts_per_step=8", "--set", "max_new_tokens=8",
-                    "--set", "lr=0.01", "--set", "eval_items=50", "--set", "eval_at_start=false",
-                    "--set", "checkpoint_dir=checkpoints/rl-guards", *extra, "--register", "policy"], project)
+def _rl(micro_model, micro_data, capsys, *extra) -> dict:
+    """``alignflow rl ... --register policy`` through the CLI's own entry point, in this process (the session has
+    torch, transformers and MLflow imported already: a fresh interpreter would add its import time)."""
+    from flows.cli import main
+
+    code = main(["rl", "--set", f"model_path={micro_model}", "--set", f"prompts_file={micro_data['prompts']}",
+                 "--set", f"eval_file={micro_data['eval']}", "--set", "reward_function=zeros.py:reward",
+                 "--set", "max_steps=4", "--set", "prompts_per_step=8", "--set", "max_new_tokens=8",
+                 "--set", "lr=0.01", "--set", "eval_items=50", "--set", "eval_at_start=false",
+                 "--set", "checkpoint_dir=checkpoints/rl-guards", *extra, "--register", "policy"])
+    out = capsys.readouterr().out
+    assert code == 0, out[-3000:]
+    return json.loads(out[out.index("{"):])
 
 
-def test_a_hacked_reward_fires_the_guard_and_the_version_is_not_promoted(project, micro_model, micro_data):
+def test_a_hacked_reward_fires_the_guard_and_the_version_is_not_promoted(project, micro_model, micro_data, capsys):
     from mlflow import MlflowClient
 
-    proc = _rl(project, micro_model, micro_data, "--set", "kl_coef=0.01")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout[proc.stdout.index("\n{") + 1:] if not proc.stdout.startswith("{") else proc.stdout)
+    out = _rl(micro_model, micro_data, capsys, "--set", "kl_coef=0.01")
     assert out["metrics"]["guard/reward_hacking_fired"] == 1.0
     assert out["metrics"]["guard/reward_delta"] > 2 * out["metrics"]["guard/reward_delta_se"]
     assert out["metrics"]["guard/eval_delta"] <= 2 * out["metrics"]["guard/eval_delta_se"]
