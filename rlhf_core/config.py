@@ -1018,6 +1018,10 @@ class CyclesConfig:
         _check(self.max_prompts >= 0, s, "max_prompts", f"must be >= 0, got {self.max_prompts}")
 
 
+GUARD_NAMES = ("reward_hacking", "reward_disagreement", "kl", "length", "entropy_collapse", "skill_regression")
+"""Every guard (rlhf_core/guards.py), in the order tags and the model card list them."""
+
+
 @dataclass
 class GuardsConfig:
     """``guards``: checks on every policy stage's model against the model it was trained from, and the registry's
@@ -1068,8 +1072,6 @@ class GuardsConfig:
 
     def __post_init__(self) -> None:
         s = "guards"
-        from rlhf_core.guards import GUARD_NAMES
-
         unknown = sorted(set(self.advisory_guards) - set(GUARD_NAMES))
         _check(not unknown, s, "advisory_guards", f"unknown guard(s) {unknown}; guards are {', '.join(GUARD_NAMES)}")
         _check(self.gate_metric in ("auto", "accuracy", "reward"), s, "gate_metric",

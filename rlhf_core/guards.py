@@ -28,10 +28,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf_core.config import GuardsConfig
+from rlhf_core.config import GUARD_NAMES, GuardsConfig
 
-GUARD_NAMES = ("reward_hacking", "reward_disagreement", "kl", "length", "entropy_collapse", "skill_regression")
-"""Every guard, in the order the tags and the model card list them."""
+__all__ = ["GUARD_NAMES", "Delta", "GateDecision", "GuardReport", "GuardResult", "ProbeRecord", "check_guards",
+           "fired_guards", "gate", "paired_delta"]
 
 
 def fired_guards(metrics: dict[str, float]) -> list[str]:
