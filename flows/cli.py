@@ -61,6 +61,8 @@ def _common(p: argparse.ArgumentParser, section: str | None) -> None:
         docs = field_docs(SECTIONS[section])
         help_text += f"; fields of '{section}': " + "; ".join(f"{k}: {v}" for k, v in docs.items())
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help=help_text)
+    if section is not None:
+        _add_register_flag(p, section)
 
 
 def _print(obj: Any) -> None:
@@ -336,7 +338,6 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         _common(p, name)
         p.add_argument("--metrics-file", default=None, help="write final metrics JSON here (for DVC)")
-        _add_register_flag(p, name)
         if name != "rejection":  # the trainers checkpoint; rejection sampling does not
             group = p.add_mutually_exclusive_group()
             group.add_argument("--resume", dest="resume", action="store_const", const=True, default=None,
