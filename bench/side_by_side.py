@@ -64,6 +64,12 @@ On a lent GPU: once here, ``bash bench/device_wheels.sh`` (Ray, DeepSpeed, TRL 1
         --bench grpo --rows ours-bf16,trl-default --out $OUT/side_by_side_7b_grpo.json
     source bench/device_setup.sh && python bench/side_by_side.py --variant gpu-7b \
         --bench dpo --rows ours-bf16,trl-default --out $OUT/side_by_side_7b_dpo.json
+    # nvidia-h100-x4: 1 -> 4 GPU scaling at a fixed global batch (ours, ZeRO-2), then the summary
+    source bench/device_setup.sh && python bench/side_by_side.py --variant gpu-1.5b --bench sft,dpo \
+        --rows ours-bf16 --rounds 1 --gpus 1 --work /tmp/bw15 --out $OUT/scaling_1gpu.json && \
+      python bench/side_by_side.py --variant gpu-1.5b --bench sft,dpo --rows ours-bf16 --rounds 1 --gpus 4 \
+        --parallel zero2 --work /tmp/bw15 --out $OUT/scaling_4gpu.json && \
+      python bench/side_by_side.py --scaling $OUT/scaling_1gpu.json $OUT/scaling_4gpu.json --out $OUT/scaling.json
 
 Ratios are only quoted between rows of one call (one machine). The result file is rewritten after every
 child, so a call cut off at its limit keeps what ran; ``--resummarize FILE`` recomputes its summaries.
@@ -336,6 +342,7 @@ def _child_logging() -> None:
         handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
         logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    logging.getLogger("rlhf_core.trainers.rl").setLevel(logging.DEBUG)  # each RL phase's start and end
 
 
 def _peak_writer(peak_dir: str | None):

@@ -526,9 +526,13 @@ class _PhaseTimes:
         self.seconds: dict[str, float] = {"perf/rollout_s": 0.0, "perf/reward_s": 0.0}
 
     def time(self, name: str, fn: Any, *args: Any) -> Any:
+        # DEBUG lines at each phase's start and end: where a step that never finishes is stuck
+        # (bench/side_by_side.py turns them on; a 7B GRPO step ran past its limit with no trace)
+        log.debug("rl: %s started", name)
         started = Timer()
         out = fn(*args)
         self.seconds[name] = self.seconds.get(name, 0.0) + started.total()
+        log.debug("rl: %s done in %.2f s", name, started.total())
         return out
 
 
