@@ -108,3 +108,28 @@ def test_async_run_stopped_with_a_batch_in_flight_resumes_bit_identically(stalen
     for name in ("rollout/reward_mean", "train/policy_loss", "train/kl", "async/staleness", "async/is_weight_mean"):
         assert whole_sink.series(name)[save:] == resumed_sink.series(name), name
     assert max(whole_sink.series("async/staleness")) == staleness
+
+
+@pytest.mark.slow
+def test_async_on_ray_disaggregated_generates_on_the_replica_while_the_learner_updates(ray_local, micro_model,
+                                                                                      micro_data, tmp_path):
+    """The placement the asynchronous mode is for: the policy learner (2 DDP ranks), the reference and a rollout
+    replica each in actors of their own. With max_staleness 1 the controller waits on the replica from the
+    rollout thread while the learner ranks update: batch k+1's generation starts before update k ends,
+    batches 2.. come from one update back, weights reach the replica through the object store, and the
+    policy trains. (Slow tier: about a minute of Ray start-up and actor loading on 2 CPU cores.)"""
+    from rlhf_core.ray_launcher import train_rl_on_ray
+
+    sink = Recorder()
+    result = train_rl_on_ray(_cfg(micro_model, micro_data, tmp_path, max_steps=4, max_staleness=1, tis_cap=2.0,
+                                  placement="disaggregated", num_workers=2, precision="fp32"),
+                             sink, show_progress=False)
+    assert sink.series("async/staleness") == [0.0, 1.0, 1.0, 1.0]
+    gen_start, upd_end = sink.series("perf/rollout_start_ts"), sink.series("perf/update_end_ts")
+    assert all(gen_start[k + 1] < upd_end[k] for k in range(3)), (gen_start, upd_end)
+    assert all(s > 0 for s in sink.series("perf/overlap_s")[:3])
+    # weights pushed at the launches of batches 3 and 4 (batch 2's engine, the start, is one update back already)
+    assert sink.steps("perf/weight_sync_s") == [2, 3]
+    start = load_file(str(micro_model / "model.safetensors"))
+    after = load_file(str(result.output_dir / "model.safetensors"))
+    assert any(not torch.equal(start[k], after[k]) for k in start)
