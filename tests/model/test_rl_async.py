@@ -2,8 +2,9 @@
 generation overlaps the update (logged timestamps), staleness and IS diagnostics are logged, and a run
 stopped with a batch in flight resumes bit-identically.
 
-The accuracy acceptance (the embedded default, async within 2 SE of sync) is measured by
-``bench/async_rl_cpu.py`` (results in ``bench/results/rl_async_cpu.md``), not here: it takes minutes.
+The accuracy acceptance (the embedded default, async within 2 SE of sync) is measured with
+``bench/rl_embedded.py --set max_staleness=1`` (results in ``bench/results/rl_async_cpu.md``), not here: it
+takes minutes.
 """
 
 from __future__ import annotations
