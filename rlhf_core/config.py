@@ -650,7 +650,8 @@ class RLConfig(TrainerConfig):
     max_staleness: int = 0
     """Asynchronous training: 0 = synchronous (each batch sampled from the policy it updates); k >= 1 = the next
     batch is generated while the current one updates, from a policy at most k updates old (weights are pushed
-    to the engine only when the gap would exceed k). Needs recompute_old_logprobs; not with placement colocated."""
+    to the engine only when the gap would exceed k). Needs recompute_old_logprobs; not with placement colocated;
+    under disaggregated placement the reference runs on the policy ranks' bundles, the reward model on the replicas'."""
     eval_at_start: bool = True
     """Evaluate the starting policy before iteration 1 (the baseline of eval/accuracy)."""
     eval_items: int = 1000

@@ -114,11 +114,12 @@ def test_async_run_stopped_with_a_batch_in_flight_resumes_bit_identically(stalen
 @pytest.mark.slow
 def test_async_on_ray_disaggregated_generates_on_the_replica_while_the_learner_updates(ray_local, micro_model,
                                                                                       micro_data, tmp_path):
-    """The placement the asynchronous mode is for: the policy learner (2 DDP ranks), the reference and a rollout
-    replica each in actors of their own. With max_staleness 1 the controller waits on the replica from the
-    rollout thread while the learner ranks update: batch k+1's generation starts before update k ends,
-    batches 2.. come from one update back, weights reach the replica through the object store, and the
-    policy trains. (Slow tier: about a minute of Ray start-up and actor loading on 2 CPU cores.)"""
+    """The placement the asynchronous mode is for: the learning side (2 DDP policy ranks, a reference rank on
+    each one's bundle) and the generating side (a rollout replica on a bundle of its own): 3 bundles, so one
+    policy rank and one replica would take two GPUs. With max_staleness 1 the controller waits on the replica
+    from the rollout thread while the learner ranks update: batch k+1's generation starts before update k
+    ends, batches 2.. come from one update back, weights reach the replica through the object store, and the
+    policy trains. (Slow tier: 2-3 minutes of Ray start-up, actor loading and training on 2 CPU cores.)"""
     from rlhf_core.ray_launcher import train_rl_on_ray
 
     sink = Recorder()
@@ -134,3 +135,5 @@ def test_async_on_ray_disaggregated_generates_on_the_replica_while_the_learner_u
     start = load_file(str(micro_model / "model.safetensors"))
     after = load_file(str(result.output_dir / "model.safetensors"))
     assert any(not torch.equal(start[k], after[k]) for k in start)
+    groups = ray_local.util.placement_group_table().values()  # this module's only Ray run, removed with it
+    assert sorted(len(pg["bundles"]) for pg in groups) == [1, 2] and all(pg["state"] == "REMOVED" for pg in groups)
