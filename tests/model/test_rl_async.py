@@ -84,6 +84,20 @@ def test_async_generates_the_next_batch_during_the_update(micro_model, micro_dat
     assert any(not torch.equal(start[k], after[k]) for k in start)
 
 
+@pytest.mark.parametrize("variant", [{"rollout_engine": "hf"}, {"lora_rank": 4, "lora_alpha": 8.0},
+                                     {"dynamic_sampling": True, "estimator": "rloo"}],
+                         ids=["hf-engine", "lora", "dynamic-sampling"])
+def test_async_runs_with_the_hf_engine_a_lora_policy_and_dynamic_sampling(variant, micro_model, micro_data, tmp_path):
+    """The in-process engine's own copy takes HF generate's seeded sampling on the rollout thread, a LoRA
+    policy's merged weights (plain parameter names), and DAPO's top-up rounds; each run trains 3 iterations
+    from one update back (staleness 0, 1, 1) with finite metrics."""
+    sink = Recorder()
+    train_rl(_cfg(micro_model, micro_data, tmp_path, max_staleness=1, **variant), sink, show_progress=False)
+    assert sink.series("async/staleness") == [0.0, 1.0, 1.0]
+    assert sink.steps("perf/weight_sync_s") == [2]  # batch 3's launch: the engine would be 2 updates back
+    assert all(math.isfinite(v) for _, row in sink.rows for v in row.values())
+
+
 @pytest.mark.parametrize("staleness", [1, 2])
 def test_async_run_stopped_with_a_batch_in_flight_resumes_bit_identically(staleness, micro_model, micro_data,
                                                                          tmp_path, monkeypatch):
