@@ -13,9 +13,9 @@ import math
 
 import pytest
 import torch
+from conftest import Recorder, stop_after
 from safetensors.torch import load_file
 
-from conftest import Recorder, stop_after
 from rlhf_core.config import RLConfig
 from rlhf_core.lineage import dvc_md5
 from rlhf_core.trainers.rl import train_rl
@@ -38,11 +38,12 @@ PRE_ASYNC = {
 def _cfg(micro_model, micro_data, root, **kw) -> RLConfig:
     reward = root.parent / "length_reward.py"
     reward.write_text("def reward(prompts, completions, labels):\n    return [len(c) / 10 for c in completions]\n")
-    values = dict(model_path=str(micro_model), prompts_file=str(micro_data["prompts"]),
-                  eval_file=str(micro_data["eval"]), output_dir=str(root / "rl"), checkpoint_dir=str(root / "ckpt"),
-                  reward_function=f"{reward}:reward", max_steps=3, prompts_per_step=4, group_size=4,
-                  max_new_tokens=6, batch_size=64, mini_batch_size=8, lr=3e-3, warmup_steps=0, eval_items=8,
-                  eval_at_start=False, save_every=0, num_threads=1)
+    values = {"model_path": str(micro_model), "prompts_file": str(micro_data["prompts"]),
+              "eval_file": str(micro_data["eval"]), "output_dir": str(root / "rl"),
+              "checkpoint_dir": str(root / "ckpt"), "reward_function": f"{reward}:reward", "max_steps": 3,
+              "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 6, "batch_size": 64, "mini_batch_size": 8,
+              "lr": 3e-3, "warmup_steps": 0, "eval_items": 8, "eval_at_start": False, "save_every": 0,
+              "num_threads": 1}
     return RLConfig(**{**values, **kw})
 
 
