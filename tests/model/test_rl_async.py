@@ -86,12 +86,15 @@ def test_async_generates_the_next_batch_during_the_update(micro_model, micro_dat
 
 
 @pytest.mark.parametrize("variant", [{"rollout_engine": "hf"}, {"lora_rank": 4, "lora_alpha": 8.0},
-                                     {"dynamic_sampling": True, "estimator": "rloo"}],
-                         ids=["hf-engine", "lora", "dynamic-sampling"])
-def test_async_runs_with_the_hf_engine_a_lora_policy_and_dynamic_sampling(variant, micro_model, micro_data, tmp_path):
+                                     {"dynamic_sampling": True, "estimator": "rloo"},
+                                     {"estimator": "gae", "kl_in_reward": True, "kl_estimator": "k1"}],
+                         ids=["hf-engine", "lora", "dynamic-sampling", "ppo-critic"])
+def test_async_runs_with_the_hf_engine_a_lora_policy_dynamic_sampling_and_a_critic(variant, micro_model, micro_data,
+                                                                                  tmp_path):
     """The in-process engine's own copy takes HF generate's seeded sampling on the rollout thread, a LoRA
-    policy's merged weights (plain parameter names), and DAPO's top-up rounds; each run trains 3 iterations
-    from one update back (staleness 0, 1, 1) with finite metrics."""
+    policy's merged weights (plain parameter names), DAPO's top-up rounds, and PPO's critic (its values of
+    the stale samples come from the current critic); each run trains 3 iterations from one update back
+    (staleness 0, 1, 1) with finite metrics."""
     sink = Recorder()
     train_rl(_cfg(micro_model, micro_data, tmp_path, max_staleness=1, **variant), sink, show_progress=False)
     assert sink.series("async/staleness") == [0.0, 1.0, 1.0]
