@@ -643,6 +643,15 @@ class RLConfig(TrainerConfig):
     """Truncated importance sampling (Yao et al. 2025): weight each token's policy-gradient term by
     min(pi_old / pi_engine, tis_cap) to correct for an engine (vLLM) that samples slightly off the
     trainer's policy; 0 = off, 2 is the paper's choice. Needs recompute_old_logprobs."""
+    mis_threshold: float = 0.0
+    """Sequence-level masked importance sampling (Seq-MIS, rl_math.sequence_is_mask): a response whose ratio
+    pi_old(y) / pi_engine(y) leaves [1 / mis_threshold, mis_threshold] is masked out of the loss, whether the
+    engine's numerics or its staleness (max_staleness) caused the gap; 0 = off, else > 1 (e.g. 2)."""
+    max_staleness: int = 0
+    """Asynchronous training: 0 = synchronous (each batch sampled from the policy it updates); k >= 1 = the next
+    batch is generated while the current one updates, from a policy at most k updates old (weights are pushed
+    to the engine only when the gap would exceed k). Needs recompute_old_logprobs; not with placement colocated;
+    under disaggregated placement the reference runs on the policy ranks' bundles, the reward model on the replicas'."""
     eval_at_start: bool = True
     """Evaluate the starting policy before iteration 1 (the baseline of eval/accuracy)."""
     eval_items: int = 1000
@@ -733,6 +742,7 @@ class RLConfig(TrainerConfig):
         _check(self.tis_cap >= 0, s, "tis_cap", f"must be >= 0 (0 = off), got {self.tis_cap}")
         _check(self.tis_cap == 0 or self.recompute_old_logprobs, s, "tis_cap",
                "needs recompute_old_logprobs: true (without it pi_old is the engine's own log-prob)")
+        self._check_async()
         _check(self.rollout_engine in ("hf", "static", "vllm"), s, "rollout_engine",
                f"must be hf, static or vllm, got {self.rollout_engine!r}")
         _check(0 < self.vllm_memory_fraction <= 1, s, "vllm_memory_fraction",
@@ -742,6 +752,24 @@ class RLConfig(TrainerConfig):
         _check(self.rollout_workers >= 1, s, "rollout_workers", f"must be >= 1, got {self.rollout_workers}")
         _check(self.num_workers == 1 or self.placement != "none", s, "num_workers",
                f"{self.num_workers} policy workers need Ray: set placement to colocated or disaggregated")
+
+    def _check_async(self) -> None:
+        """Asynchronous training and sequence-level masking: both compare pi_old with the engine's log-probs."""
+        s = self.section
+        _check(isinstance(self.max_staleness, int) and self.max_staleness >= 0, s, "max_staleness",
+               f"must be an integer >= 0 (0 = synchronous), got {self.max_staleness!r}")
+        _check(self.mis_threshold == 0 or self.mis_threshold > 1, s, "mis_threshold",
+               f"must be 0 (off) or > 1 (the band is [1 / mis_threshold, mis_threshold]), got {self.mis_threshold}")
+        _check(self.mis_threshold == 0 or self.recompute_old_logprobs, s, "mis_threshold",
+               "needs recompute_old_logprobs: true (without it pi_old is the engine's own log-prob: the ratio is 1)")
+        if self.max_staleness:
+            # pi_old must be the policy being updated (the proximal policy); the stale engine's log-probs are the
+            # behaviour policy that TIS and MIS correct for, never the clipping anchor
+            _check(self.recompute_old_logprobs, s, "max_staleness",
+                   "needs recompute_old_logprobs: true (a stale rollout's own log-probs cannot anchor the PPO ratio)")
+            _check(self.placement != "colocated", s, "max_staleness",
+                   "overlaps generation with the update, but colocated roles share each GPU and take turns; "
+                   "use placement disaggregated (rollout replicas on their own GPUs) or none")
 
     def _check_batches(self, estimator: AdvantageEstimator) -> None:
         """Batch, group and mini-batch sizes fit together and suit ``estimator``."""
