@@ -23,8 +23,9 @@ The HTML is GX's own data-docs rendering of that validation result
 (``ValidationResultsPageRenderer`` + ``DefaultJinjaPageView``: what a data-docs site shows for a
 validation), called directly: the data-docs *site builder* needs a file-backed context with
 stores and a checkpoint run, while the gate runs in an ephemeral context and the page only has to
-reach MLflow. GX's page loads its CSS from a CDN (unreachable offline), so a short alignflow
-summary (verdict, failures with file:line, statistics) is put above it.
+reach MLflow. GX's page loads its CSS and scripts from CDNs, unreachable offline: they are cut
+(:func:`offline`), and a short alignflow summary (verdict, failures with file:line, statistics)
+is put above the page.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import html
 import logging
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -316,6 +318,22 @@ def render_html(report: DataReport, result: Any) -> str:
                f"{report.n_expectations} expectations passed.</p>"
                + (f"<h2>Failures</h2><ul>{items}</ul>" if items else "")
                + f"<h2>Statistics</h2><table>{rows}</table></section>")
+    page = offline(page)
     head, sep, tail = page.partition("<body>")
     return head + sep + summary + tail if sep else summary + page
+
+
+_EXTERNAL = re.compile(r'<script[^>]*\ssrc="https?://[^"]*"[^>]*>\s*</script>|<(?:link|img)[^>]*\s(?:href|src)="https?://[^"]*"[^>]*>')
+STYLE = ("<style>body{font-family:sans-serif;margin:1em} table{border-collapse:collapse;margin:.5em 0} "
+         "td,th{border:1px solid #ccc;padding:2px 6px;text-align:left;vertical-align:top}</style>")
+
+
+def offline(page: str) -> str:
+    """GX's page without its CDN scripts, stylesheets and images, plus a few lines of CSS.
+
+    alignflow runs offline (README "Offline by default"): a browser opening the page (MLflow's
+    artifact view) would wait on each unreachable CDN until it times out. The page's content is
+    static HTML; the CDN parts only style it and add table filters."""
+    page = _EXTERNAL.sub("", page)
+    return page.replace("</head>", STYLE + "</head>", 1)
 
