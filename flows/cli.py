@@ -287,9 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="a .jsonl, .json or .parquet file, a saved datasets folder, or a folder in the "
                                 "Hub's dataset layout")
     p.add_argument("--report", default=None, help="write the JSON report here (only when valid)")
-    p.add_argument("--eval-file", default=None,
-                   help="also run the data report (near-duplicates, contamination against this eval set; "
-                        "thresholds: params.yaml's data_report section), as the flows do")
+    p.add_argument("--eval-file", default=None, help="also run the data report (near-duplicates, contamination "
+                   "against this eval set; thresholds: params.yaml's data_report), as the flows do")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="rename fields, e.g. --set prompt_field=question (unpaired: --set desirable_field=label)")
     p.add_argument("--params", default="params.yaml", help=argparse.SUPPRESS)

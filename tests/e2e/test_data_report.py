@@ -10,6 +10,7 @@ spacing, one long prompt sharing 13 words with a long eval prompt).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -65,8 +66,8 @@ def contaminated_pairs(micro_data):
 CASES = {
     "near-duplicates": (near_duplicate_pairs, [
         ":2: field 'prompt': duplicate-prompt rate 0.750 is above data_report.max_duplicate_prompt_rate=0.25",
-        ":2: field 'prompt+chosen+rejected': near-duplicate rate (rows equal to an earlier row after normalising "
-        "case, Unicode and whitespace) 0.750 is above data_report.max_near_duplicate_rate=0.05",
+        (":2: field 'prompt+chosen+rejected': near-duplicate rate (rows equal to an earlier row after normalising "
+         "case, Unicode and whitespace) 0.750 is above data_report.max_near_duplicate_rate=0.05"),
         "repeats='line 1'"]),
     "eval prompts": (contaminated_pairs, [
         ":3: field 'prompt': eval contamination: found in the eval set",
@@ -78,7 +79,7 @@ CASES = {
 def test_a_cycle_with_bad_pairs_stops_before_training(project, micro_data, monkeypatch, case):
     from mlflow.tracking import MlflowClient
 
-    import flows.cycles as cycles
+    from flows import cycles
     from rlhf_core.data.validate import ValidationFailed
 
     make_rows, expected = CASES[case]
@@ -108,5 +109,5 @@ def test_a_cycle_with_bad_pairs_stops_before_training(project, micro_data, monke
     assert "dpo" not in status
     cycle_run = next(r for r in runs if r.info.run_name == "cycle-1")
     page = client.download_artifacts(cycle_run.info.run_id, "data_report/cycle-1-pairs.html", str(project))
-    text = open(page, encoding="utf-8").read()
+    text = Path(page).read_text(encoding="utf-8")
     assert "alignflow data report: FAILED" in text and "Expectation Validation Result" in text  # GX's page
