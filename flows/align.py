@@ -201,7 +201,6 @@ def run_alignment_stages(cfg: dict[str, Any], files: dict[str, str], md5: dict[s
     common = dict(tracking=tracking_d, parent_run_id=parent_run_id)
     data = {**fields, "eval_file": files["eval"]}
     done: dict[str, dict[str, Any]] = {}
-    report_cfg = config_to_dict(cfg["data_report"])
     for stage in cfg["flow"].stages:
         if stage == "reward":
             done[stage] = _run(train_reward, cache, **common,
@@ -232,7 +231,7 @@ def run_alignment_stages(cfg: dict[str, Any], files: dict[str, str], md5: dict[s
                     get_run_logger().warning("rejection: every prompt's candidates tied; no preference pairs")
                     continue  # nothing in this flow trains on the pairs; an empty file is a result
                 validate_data(path=result["outputs"][name], md5=result["md5"][name], kind=kind,
-                              name=f"rejection-{name}", fields=fields, data_report=report_cfg,
+                              name=f"rejection-{name}", fields=fields, data_report=config_to_dict(cfg["data_report"]),
                               eval_file=files["eval"], **common)
             done[stage] = result
         elif stage == "raft":
