@@ -1061,10 +1061,10 @@ SECTIONS: dict[str, type] = {
     "raft": RaftConfig,
     "rl": RLConfig,
     "cycles": CyclesConfig,
+    "data_report": DataReportConfig,
     "evaluate": EvalConfig,
     "tracking": TrackingConfig,
     "flow": FlowConfig,
-    "data_report": DataReportConfig,
 }
 
 T = TypeVar("T")
