@@ -1,10 +1,11 @@
-"""Issue 20, item 3: a cycle whose pairs near-duplicate heavily, or hold eval prompts, is stopped by
-the data report before anything trains, naming file, line and field.
+"""Issue 20, item 3: a cycle whose pairs near-duplicate heavily and hold eval prompts is stopped by
+the data report before anything trains, naming file, line and field of each finding.
 
 The flow runs for real (Prefect, MLflow, the gate and the data report); only the sampler is
-replaced, by one that writes the cycle's pairs as a drifting policy might: case and whitespace
-variants of a few prompts, or prompts copied from the eval set (one changed only in case and
-spacing, one long prompt sharing 13 words with a long eval prompt).
+replaced, by one that writes the cycle's pairs as a drifting policy might: Unicode and whitespace
+variants of a few prompts, and prompts copied from the eval set (one changed only in case and
+spacing, one long prompt sharing 13 words with a long eval prompt). One flow run holds both
+faults (each is reported on its own), to keep the default tier's time down.
 """
 
 from __future__ import annotations
@@ -44,50 +45,44 @@ def _prompts(path, n):
 FULLWIDTH = str.maketrans("0123456789", "０１２３４５６７８９")
 
 
-def near_duplicate_pairs(micro_data):
-    """5 prompts, each 4 times: as is, a leading space, a trailing tab, fullwidth digits (no two rows equal;
-    each the same prompt after NFKC and whitespace normalisation)."""
-    rows = []
-    for p in _prompts(micro_data["prompts"], 5):
+def bad_pairs(micro_data):
+    """30 pairs. Lines 1-10: distinct prompts, but line 3 is an eval prompt in other case and spacing, and
+    line 7 shares 13 words with :data:`LONG_EVAL`. Lines 11-30: 5 more prompts, each 4 times (as is, a
+    leading space, a trailing tab, fullwidth digits): no two rows equal, but 15 of 30 repeat an earlier
+    row after NFKC and whitespace normalisation (rate 0.5)."""
+    prompts = _prompts(micro_data["prompts"], 15)
+    rows = [{"prompt": p, "chosen": "12", "rejected": "21"} for p in prompts[:10]]
+    eval_prompt = _prompts(micro_data["eval"], 1)[0]
+    rows[2]["prompt"] = "  " + eval_prompt.upper().replace(" ", "   ")
+    rows[6]["prompt"] = "Now: " + " ".join(LONG_EVAL.split()[2:15]) + " 9876="
+    for p in prompts[10:]:
         for variant in (p, " " + p, p + "\t", p.translate(FULLWIDTH)):
             rows.append({"prompt": variant, "chosen": "12", "rejected": "21"})
     return rows
 
 
-def contaminated_pairs(micro_data):
-    """Ten clean pairs, an eval prompt in other case and spacing at line 3, a long one at line 7."""
-    rows = [{"prompt": p, "chosen": "12", "rejected": "21"} for p in _prompts(micro_data["prompts"], 10)]
-    eval_prompt = _prompts(micro_data["eval"], 1)[0]
-    rows[2]["prompt"] = "  " + eval_prompt.upper().replace(" ", "   ")
-    rows[6]["prompt"] = "Now: " + " ".join(LONG_EVAL.split()[2:15]) + " 9876="
-    return rows
+EXPECTED = [
+    ":3: field 'prompt': eval contamination: found in the eval set",
+    ":7: field 'prompt': eval contamination: shares a 13-word sequence with a prompt of the eval set",
+    ":12: field 'prompt': duplicate-prompt rate 0.500 is above data_report.max_duplicate_prompt_rate=0.25",
+    (":12: field 'prompt+chosen+rejected': near-duplicate rate (rows equal to an earlier row after normalising "
+     "case, Unicode and whitespace) 0.500 is above data_report.max_near_duplicate_rate=0.05"),
+    "repeats='line 11'",
+]
 
 
-CASES = {
-    "near-duplicates": (near_duplicate_pairs, [
-        ":2: field 'prompt': duplicate-prompt rate 0.750 is above data_report.max_duplicate_prompt_rate=0.25",
-        (":2: field 'prompt+chosen+rejected': near-duplicate rate (rows equal to an earlier row after normalising "
-         "case, Unicode and whitespace) 0.750 is above data_report.max_near_duplicate_rate=0.05"),
-        "repeats='line 1'"]),
-    "eval prompts": (contaminated_pairs, [
-        ":3: field 'prompt': eval contamination: found in the eval set",
-        ":7: field 'prompt': eval contamination: shares a 13-word sequence with a prompt of the eval set"]),
-}
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_a_cycle_with_bad_pairs_stops_before_training(project, micro_data, monkeypatch, case):
+def test_a_cycle_with_near_duplicate_or_eval_prompts_in_its_pairs_stops_before_training(project, micro_data,
+                                                                                         monkeypatch):
     from mlflow.tracking import MlflowClient
 
     from flows import cycles
     from rlhf_core.data.validate import ValidationFailed
 
-    make_rows, expected = CASES[case]
     pairs = project / "data/cycles/iterative_dpo/pairs.jsonl"
 
     def sample(plan, k, *args, **kwargs):  # what sample_and_score returns, with these pairs
         pairs.parent.mkdir(parents=True, exist_ok=True)
-        pairs.write_text("".join(json.dumps(r) + "\n" for r in make_rows(micro_data)))
+        pairs.write_text("".join(json.dumps(r) + "\n" for r in bad_pairs(micro_data)))
         kept = pairs.with_name("kept.jsonl")
         kept.write_text(json.dumps({"prompt": "1+1=", "completion": "2", "score": 1.0}) + "\n")
         return {"outputs": {"pairs": str(pairs), "kept": str(kept)},
@@ -98,7 +93,7 @@ def test_a_cycle_with_bad_pairs_stops_before_training(project, micro_data, monke
         cycles.iterative_dpo(params_file="params.yaml")
     message = str(caught.value)
     assert message.startswith(f"{pairs}: data report FAILED for the preference dataset"), message
-    for text in expected:
+    for text in EXPECTED:
         assert (f"{pairs}{text}" if text.startswith(":") else text) in message, message
     assert not (project / "models").exists()  # nothing trained
 

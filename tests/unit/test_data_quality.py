@@ -108,3 +108,19 @@ def test_report_passes_clean_conversational_sft(tmp_path):
     assert report.success, report.render()
     assert report.stats["data/mean_prompt_chars"] == pytest.approx((8 + 9 + 10) / 3)
     assert report.stats["data/near_duplicate_rate"] == 0.0
+
+
+def test_validate_command_with_eval_file_runs_the_report(tmp_path, capsys, monkeypatch):
+    """`alignflow validate --eval-file`: line 2 holds the eval prompt -> exit 1 naming file:2 and the field;
+    without that row the report passes and prints its rates."""
+    from flows.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    eval_file = _write(tmp_path / "eval.jsonl", [{"prompt": "9+9=", "label": "18"}])
+    rows = [{"prompt": "sort 21=", "completion": "12"}, {"prompt": "9+9=", "completion": "18"}]
+    bad = _write(tmp_path / "bad.jsonl", rows)
+    assert main(["validate", "--kind", "sft", str(bad), "--eval-file", str(eval_file)]) == 1
+    assert f"{bad}:2: field 'prompt': eval contamination: found in the eval set" in capsys.readouterr().err
+    good = _write(tmp_path / "good.jsonl", rows[:1])
+    assert main(["validate", "--kind", "sft", str(good), "--eval-file", str(eval_file)]) == 0
+    assert "data report passed: eval_exact_matches 0" in capsys.readouterr().out
