@@ -32,6 +32,7 @@ from rlhf_core.config import (
     SECTIONS,
     ConfigError,
     DataFields,
+    DataReportConfig,
     DistillConfig,
     DPOConfig,
     EvalConfig,
@@ -91,9 +92,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
     # KTO's boolean field lives in its own config, not DataFields; the unpaired kind reads it.
     desirable_field = overrides.pop("desirable_field", None)
     fields = load_config(DataFields, "sft", None, overrides) if overrides else DataFields()
+    # --eval-file: the data report too (what the flows run on each dataset they train on).
+    report_cfg = load_config(DataReportConfig, "data_report", args.params) if args.eval_file else None
     result = stages.validate(args.file, args.kind, fields, report_file=args.report,
-                             desirable_field=None if desirable_field is None else str(desirable_field))
+                             desirable_field=None if desirable_field is None else str(desirable_field),
+                             data_report=report_cfg, eval_file=args.eval_file)
     print(f"{args.file}: valid {args.kind} dataset ({int(result.metrics['data/n_rows'])} rows)")
+    if report_cfg is not None:
+        print(f"{args.file}: data report passed: " + ", ".join(
+            f"{k.removeprefix('data/')} {v:.4g}" for k, v in result.metrics.items()
+            if k.endswith(("_rate", "_matches", "_overlaps"))))
     return 0
 
 
@@ -279,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="a .jsonl, .json or .parquet file, a saved datasets folder, or a folder in the "
                                 "Hub's dataset layout")
     p.add_argument("--report", default=None, help="write the JSON report here (only when valid)")
+    p.add_argument("--eval-file", default=None, help="also run the data report (near-duplicates, contamination "
+                   "against this eval set; thresholds: params.yaml's data_report), as the flows do")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="rename fields, e.g. --set prompt_field=question (unpaired: --set desirable_field=label)")
     p.add_argument("--params", default="params.yaml", help=argparse.SUPPRESS)

@@ -1005,6 +1005,37 @@ ALIGNMENT_STAGES = ("reward", "dpo", "kto", "rejection", "raft", "distill", "rl"
 
 
 @dataclass
+class DataReportConfig:
+    """``data_report``: near-duplicate, eval-contamination and drift checks on every dataset a flow
+    trains on (rlhf_core/data/report.py); a check over its threshold stops the flow before training."""
+
+    max_duplicate_prompt_rate: float = 0.25
+    """Most rows whose normalised prompt repeats an earlier row's (embedded default: 0)."""
+    max_repeated_chosen_rate: float = 0.6
+    """Most rows whose normalised chosen text (completion, for SFT data) repeats an earlier row's
+    (embedded default: 0.30 in preferences, 0.48 in sft: the task's answers are short numbers)."""
+    max_near_duplicate_rate: float = 0.05
+    """Most rows equal to an earlier row after normalisation (case, Unicode form, whitespace); exact
+    duplicates are already refused by the gate (embedded default: 0)."""
+    check_contamination: bool = True
+    """Refuse any training prompt found in the eval set: exact match after normalisation, or a shared
+    word n-gram for prompts of at least ngram words."""
+    ngram: int = 13
+    """Word n-gram length of the contamination overlap test (GPT-3's: 13)."""
+    max_mean_drift: float = 0.5
+    """Cycles: most relative change of a text field's mean length against the previous cycle's data
+    (0.5: a mean of 10 may move to between 5 and 15)."""
+
+    def __post_init__(self) -> None:
+        s = "data_report"
+        for name in ("max_duplicate_prompt_rate", "max_repeated_chosen_rate", "max_near_duplicate_rate"):
+            value = getattr(self, name)
+            _check(0.0 <= value <= 1.0, s, name, f"must be a rate in [0, 1], got {value}")
+        _check(self.ngram >= 1, s, "ngram", f"must be >= 1, got {self.ngram}")
+        _check(self.max_mean_drift >= 0, s, "max_mean_drift", f"must be >= 0, got {self.max_mean_drift}")
+
+
+@dataclass
 class CyclesConfig:
     """``cycles``: the iterative_dpo and raft flows (sample -> score -> version -> train, N times)."""
 
@@ -1058,6 +1089,7 @@ SECTIONS: dict[str, type] = {
     "raft": RaftConfig,
     "rl": RLConfig,
     "cycles": CyclesConfig,
+    "data_report": DataReportConfig,
     "evaluate": EvalConfig,
     "tracking": TrackingConfig,
     "flow": FlowConfig,
@@ -1197,4 +1229,5 @@ __all__ = [
     "ConfigError", "GenerateConfig", "ModelConfig", "DataFields", "SFTConfig", "EvalConfig",
     "TrackingConfig", "FlowConfig", "TrainerConfig", "DPOConfig", "RewardConfig", "RejectionConfig", "RLConfig", "SECTIONS", "build_config", "load_config", "read_params",
     "parse_overrides", "config_to_dict", "field_docs",
+    "DataReportConfig",
 ]
