@@ -334,10 +334,9 @@ class RLTrainer:
                                 seed=cfg.seed * 1_000_003 + step * 101 + round_)
         row_labels = [self.labels[i] for i in idx for _ in range(n)]
         if self.make_env is not None:  # multi-turn: engine turns and environment steps, then the reward source
-            batch, env_rewards = perf.time("perf/rollout_s", rollout_with_environment, self.engine, self.tokenizer,
-                                           [self.prompts[i] for i in idx], [self.labels[i] for i in idx], params,
-                                           self.make_env, max_turns=cfg.max_turns,
-                                           max_trajectory_tokens=cfg.max_trajectory_tokens)
+            batch, env_rewards = perf.time("perf/rollout_s", lambda: rollout_with_environment(
+                self.engine, self.tokenizer, [self.prompts[i] for i in idx], [self.labels[i] for i in idx], params,
+                self.make_env, max_turns=cfg.max_turns, max_trajectory_tokens=cfg.max_trajectory_tokens))
             rewards = perf.time("perf/reward_s", self.reward_source, batch.prompts, batch.completions, row_labels)
             return batch, torch.tensor(rewards, dtype=torch.float32) + env_rewards, len(idx)
         batch = perf.time("perf/rollout_s", self.engine.generate, [self.prompts[i] for i in idx], params)
