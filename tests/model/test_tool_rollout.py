@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import MICRO_MODEL, Recorder
+
 from rlhf_core.config import RLConfig
-from rlhf_core.environments import OBSERVATION, rollout_with_environment
+from rlhf_core.environments import rollout_with_environment
 from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.rl_math import policy_loss
 from rlhf_core.rollout import HFGenerateEngine, SamplingParams
@@ -165,3 +165,30 @@ def test_trainer_trains_on_the_sampled_ids_and_gives_observations_no_loss_and_no
     assert set(row["action_mask"]) <= {"0", "1"} and {seg["source"] for seg in json.loads(row["segments"])} \
         <= {"policy", "observation"}
     assert {"eval/accuracy_tool", "eval/tool_call_rate", "eval/accuracy_tool_stderr"} <= set(result.metrics)
+
+
+def test_an_environment_server_that_is_down_stops_the_run_with_a_clear_error_and_nothing_written(
+        tool_model, micro_data, tmp_path):
+    """After its retries the HTTP environment raises a RewardError the CLI reports (exit 1); no model, no
+    checkpoint, no metrics file is written."""
+    import socket
+
+    from rlhf_core.environments import EnvironmentFailure
+    from rlhf_core.trainers.rl import train_rl
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = RLConfig(model_path=str(tool_model), prompts_file=str(micro_data["prompts"]),
+                   eval_file=str(micro_data["eval"]), output_dir=str(tmp_path / "rl"),
+                   checkpoint_dir=str(tmp_path / "ckpt"), reward_function=str(REPO / "rlhf_core/tool_task.py:reward"),
+                   environment=f"http://127.0.0.1:{port}/step", environment_stop_tokens=["</calc>"],
+                   reward_retries=1, reward_backoff_cap_s=0.01, max_turns=2, max_trajectory_tokens=20,
+                   max_new_tokens=6, max_steps=2, prompts_per_step=4, group_size=2, batch_size=64, mini_batch_size=8,
+                   eval_at_start=False, num_threads=1, rollout_engine="hf")
+    with pytest.raises(EnvironmentFailure, match=rf"environment server http://127.0.0.1:{port}/step: failed after 2 "
+                                                 "attempts; last error: connection failed"):
+        train_rl(cfg, Recorder(), show_progress=False)
+    assert not (tmp_path / "rl").exists()
+    written = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "ckpt").rglob("*") if p.is_file())
+    assert written == ["ckpt/.lock"], written  # the run lock only: no checkpoint, no model

@@ -10,6 +10,7 @@ import http.server
 import json
 import threading
 import time
+from typing import ClassVar
 
 import pytest
 import torch
@@ -17,8 +18,14 @@ import torch
 from rlhf_core.config import ConfigError, RLConfig, ToolGenerateConfig
 from rlhf_core.environments import EnvironmentFailure, StepResult, environment_factory
 from rlhf_core.rl_math import compute_advantages, gae, policy_loss
-from rlhf_core.tool_task import CalculatorEnv, final_answer, generate_tool_datasets, reward, tool_completion
 from rlhf_core.synthetic import Problem
+from rlhf_core.tool_task import (
+    CalculatorEnv,
+    final_answer,
+    generate_tool_datasets,
+    reward,
+    tool_completion,
+)
 
 
 def test_calculator_answers_a_call_and_flags_one_it_cannot_read():
@@ -107,9 +114,9 @@ def test_rl_config_rejects_bad_environment_settings():
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     mode = "ok"
-    seen: list[dict] = []
+    seen: ClassVar[list[dict]] = []
 
-    def do_POST(self):  # noqa: N802 (http.server's name)
+    def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).seen.append({**body, "auth": self.headers.get("Authorization")})
         if self.mode == "slow":
@@ -147,7 +154,7 @@ def _http_env(url, **kw):
 
 
 def test_http_environment_sends_the_episode_and_the_token(env_server, monkeypatch):
-    server, url = env_server
+    _, url = env_server
     monkeypatch.setenv("ALIGNFLOW_TEST_ENV_TOKEN", "s3cret-token")
     _Handler.mode = "ok"
     env = _http_env(url, token_env="ALIGNFLOW_TEST_ENV_TOKEN")
