@@ -1223,7 +1223,10 @@ def build_config(cls: type[T], section: str, values: dict[str, Any], source: str
     try:
         return cls(**kwargs)
     except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+        message, own = str(exc), getattr(cls, "section", None)
+        if own and section != own:  # a section of the same fields under another name (tool_rl): name that one
+            message = message.replace(f"{own}.", f"{section}.", 1)
+        raise ConfigError(f"{source}: {message}") from None
 
 
 def read_params(path: str | Path) -> dict[str, Any]:
