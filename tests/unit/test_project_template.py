@@ -43,7 +43,7 @@ def test_params_and_prefect_yaml_are_the_template_files():
         ours = (REPO / name).read_text()
         if name == "params.yaml":  # the template's text, then the tool task's sections (module docstring)
             ours, sep, tool = ours.partition(TOOL_BLOCK)
-            assert sep and set(yaml.safe_load(tool)) == set(TOOL_TASK_SECTIONS)
+            assert sep and set(yaml.safe_load(sep + tool)) == set(TOOL_TASK_SECTIONS)
         assert ours == (TEMPLATE / name).read_text(), f"{name} differs from flows/project_template/{name}: edit both"
 
 
