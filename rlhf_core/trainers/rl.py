@@ -5,7 +5,10 @@ Reads top to bottom like cleanrl's ``ppo.py``: :meth:`RLTrainer.train_step` is o
 ``step``) as named phases over a batch, each a short method below it:
 
 1. ``generate``: ``prompts_per_step`` prompts x ``group_size`` samples from the policy (a ``RolloutEngine``),
-   each scored by a ``RewardSource`` (rule file, reward model or HTTP), label passed through;
+   each scored by a ``RewardSource`` (rule file, reward model or HTTP), label passed through; with
+   ``environment`` set, multi-turn trajectories instead (:func:`rlhf_core.environments.rollout_with_environment`:
+   the policy's turns, a tool's observations between them, ``action_mask`` marking the policy's tokens,
+   the only ones the loss, the KL and the advantages cover);
 2. DAPO dynamic sampling (in ``generate``): drop groups whose samples all scored the same and top up
    from more prompts; ``shape_rewards``: the overlong penalty;
 3. ``score_logprobs``: old (the policy, no grad), reference, values (the critic, ``gae`` only) and the
