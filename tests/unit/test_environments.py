@@ -137,7 +137,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 @pytest.fixture()
 def env_server():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     _Handler.seen = []
     yield server, f"http://127.0.0.1:{server.server_address[1]}/step"
