@@ -39,7 +39,7 @@ from rlhf_core.redact import redact_secrets
 from rlhf_core.rewards import HttpRewardSource, RewardError, load_function
 from rlhf_core.rollout import RolloutBatch, SamplingParams, _left_pad
 
-# the tensor a trajectory's observation tokens carry in action_mask
+# the value a trajectory's observation tokens carry in action_mask (the policy's own tokens: 1)
 OBSERVATION = 0
 
 
@@ -133,8 +133,6 @@ class HttpEnvironment:
         body = {"prompt": self.prompt, "label": self.label, "actions": list(self.actions)}
         try:
             payload = self.transport.post_json(body, where)
-        except EnvironmentFailure:
-            raise
         except RewardError as exc:  # the transport's message, as an environment error
             raise EnvironmentFailure(str(exc)) from None
         return _check_result(payload, where)
@@ -210,7 +208,7 @@ def rollout_with_environment(engine: Any, tokenizer: Any, prompts: Sequence[str]
                          f"({max_trajectory_tokens}) must be >= 1")
     from rlhf_core.data.tokenize import encode_prompt
 
-    n, eos, pad = params.n, tokenizer.eos_token_id, tokenizer.pad_token_id
+    n, pad = params.n, tokenizer.pad_token_id
     rows: list[_Trajectory] = []
     for prompt, label in zip(prompts, labels, strict=True):
         encoded = encode_prompt(tokenizer, prompt)
@@ -262,12 +260,13 @@ def rollout_with_environment(engine: Any, tokenizer: Any, prompts: Sequence[str]
             r.context += obs
             if len(r.ids) >= max_trajectory_tokens:
                 r.done = True
-    return _to_batch(tokenizer, prompts, n, rows, pad, eos)
+    return _to_batch(tokenizer, prompts, n, rows, pad)
 
 
-def _to_batch(tokenizer: Any, prompts: Sequence[str], n: int, rows: list[_Trajectory], pad: int,
-              eos: int) -> tuple[RolloutBatch, torch.Tensor]:
-    del eos
+def _to_batch(tokenizer: Any, prompts: Sequence[str], n: int, rows: list[_Trajectory],
+              pad: int) -> tuple[RolloutBatch, torch.Tensor]:
+    """The trajectories as one :class:`RolloutBatch` (prompts left-padded, trajectories right-padded) and
+    their environment rewards."""
     prompt_lens = [len(r.context) - len(r.ids) for r in rows]
     prompt_ids, prompt_mask = _left_pad([r.context[:p] for r, p in zip(rows, prompt_lens)], pad)
     width = max(max(len(r.ids) for r in rows), 1)
