@@ -60,7 +60,12 @@ def _common(p: argparse.ArgumentParser, section: str | None) -> None:
     if section is not None:
         docs = field_docs(SECTIONS[section])
         help_text += f"; fields of '{section}': " + "; ".join(f"{k}: {v}" for k, v in docs.items())
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help=help_text)
+    # argparse formats help with %: a field doc's "30%" broke `alignflow sft --help` (ValueError)
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help=help_text.replace("%", "%%"))
+    if section is not None:
+        p.add_argument("--section", default=section,
+                       help=f"the params.yaml section to read (default: {section}); another section of the same "
+                            "fields runs this stage on another task, e.g. --section tool_sft")
 
 
 def _print(obj: Any) -> None:
@@ -68,7 +73,7 @@ def _print(obj: Any) -> None:
 
 
 def _stage_cfg(args: argparse.Namespace, cls: type, section: str) -> Any:
-    return load_config(cls, section, args.params, parse_overrides(args.set))
+    return load_config(cls, getattr(args, "section", None) or section, args.params, parse_overrides(args.set))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -127,9 +127,13 @@ class ModelConfig:
     """Maximum sequence length the model supports."""
     seed: int = 0
     """Seed of the weight initialisation."""
+    added_tokens: list[str] = field(default_factory=list)
+    """Strings added to the tokenizer as single (non-special) tokens, e.g. a tool call's tags; empty: none."""
 
     def __post_init__(self) -> None:
         s = "model"
+        _check(all(isinstance(t, str) and t and not t.isspace() for t in self.added_tokens), s, "added_tokens",
+               f"must be non-blank strings, got {self.added_tokens!r}")
         _check(self.arch in ("qwen2", "llama"), s, "arch", f"must be 'qwen2' or 'llama', got {self.arch!r}")
         _check(self.vocab_size >= 260, s, "vocab_size", f"must be >= 260 (byte alphabet + specials), got {self.vocab_size}")
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_positions"):
@@ -536,6 +540,20 @@ class RLConfig(TrainerConfig):
     reward_token_env: str = ""
     """NAME of the environment variable holding the reward server's token (sent as Authorization: Bearer); never
     the token itself, so configs, Prefect parameters and MLflow hold the name only. Empty: no token."""
+    environment: str = ""
+    """Multi-turn rollouts with a tool (rlhf_core/environments.py): path/to/env.py:make_env (a function returning a
+    fresh environment) or an http(s):// environment server (the reward_* timeout, retry, backoff and deadline
+    settings apply to it too); empty: single-turn rollouts, as without this field."""
+    environment_stop_tokens: list[str] = field(default_factory=list)
+    """An HTTP environment's tokens that end a model turn (e.g. a tool call's closing tag); a file environment
+    names its own."""
+    environment_token_env: str = ""
+    """NAME of the environment variable holding the environment server's token (Authorization: Bearer)."""
+    max_turns: int = 2
+    """With an environment: model turns per trajectory (tool calls + the answer)."""
+    max_trajectory_tokens: int = 32
+    """With an environment: response tokens per trajectory, model turns and observations together
+    (each turn is also capped at max_new_tokens)."""
     rollout_engine: str = "static"
     """static (our decode loop, rlhf_core/rollout_static.py: static KV cache, prompts prefilled once per group,
     CUDA graphs on a GPU; Llama-family models, falls back to hf with a warning otherwise), hf (transformers
@@ -674,6 +692,32 @@ class RLConfig(TrainerConfig):
         self._check_kl(estimator)
         self._check_dapo()
         self._check_distill(estimator)
+        self._check_environment()
+
+    def _check_environment(self) -> None:
+        """Multi-turn rollouts: the environment's spec, turn and token limits, where it can run."""
+        s = self.section
+        _check(self.max_turns >= 1, s, "max_turns", f"must be >= 1, got {self.max_turns}")
+        _check(self.max_trajectory_tokens >= 1, s, "max_trajectory_tokens",
+               f"must be >= 1, got {self.max_trajectory_tokens}")
+        if not self.environment:
+            _check(not self.environment_stop_tokens, s, "environment_stop_tokens",
+                   "is only used with an environment (rl.environment is empty)")
+            return
+        spec = self.environment
+        if spec.startswith(("http://", "https://")):
+            _check(bool(self.environment_stop_tokens), s, "environment_stop_tokens",
+                   "an HTTP environment needs the tokens that end a model turn, e.g. ['</calc>']")
+        else:
+            file_part, _, func = spec.rpartition(":")
+            _check(file_part.endswith(".py") and func.isidentifier(), s, "environment",
+                   f"must be path/to/env.py:function or an http(s):// URL, got {spec!r}")
+        _check(self.placement == "none", s, "placement",
+               "multi-turn rollouts (rl.environment) run in one process for now; set placement none")
+        _check(self.max_length >= self.max_trajectory_tokens + 1, s, "max_trajectory_tokens",
+               f"must leave room for a prompt within max_length ({self.max_length}), got {self.max_trajectory_tokens}")
+        _check(not self.overlong_max_len or self.overlong_max_len <= self.max_trajectory_tokens, s, "overlong_max_len",
+               f"must be <= max_trajectory_tokens ({self.max_trajectory_tokens}) with an environment")
 
     def _check_choices(self) -> tuple[AdvantageEstimator, RewardKind]:
         """Check the enum-valued fields; return the (AdvantageEstimator, RewardKind) they name."""
@@ -1077,6 +1121,72 @@ class CyclesConfig:
         _check(self.max_prompts >= 0, s, "max_prompts", f"must be >= 0, got {self.max_prompts}")
 
 
+@dataclass
+class ToolGenerateConfig:
+    """``tool_generate``: write the tool task's datasets."""
+
+    section: ClassVar[str] = "tool_generate"
+
+    out_dir: str = "data/tool"
+    """Folder that receives sft.jsonl, prompts.jsonl and eval.jsonl."""
+    seed: int = 4321
+    """Seed of the problem draw and of the demonstrator's choices."""
+    n_sft: int = 10000
+    """Number of SFT demonstrations."""
+    n_prompts: int = 1000
+    """Number of RL prompts with labels."""
+    n_eval: int = 500
+    """Number of held-out evaluation items (disjoint from the other splits)."""
+    skip_tool: float = 0.7
+    """Fraction of demonstrations that skip the calculator and answer directly (a guess)."""
+    guess_noise: float = 0.5
+    """Fraction of those guesses that are a plausible wrong answer."""
+    ops: str = "+-*"
+    """Operators (any of + - *)."""
+    max_add: int = 99
+    """Largest operand of + and - (smallest: 0)."""
+    max_mul_left: int = 99
+    """Largest left operand of * (smallest: 0)."""
+    max_mul_right: int = 9
+    """Largest right operand of * (smallest: 0)."""
+
+    def __post_init__(self) -> None:
+        s = self.section
+        for name in ("n_sft", "n_prompts", "n_eval"):
+            _check(getattr(self, name) >= 1, s, name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("skip_tool", "guess_noise"):
+            _check(0.0 <= getattr(self, name) <= 1.0, s, name, f"must be in [0, 1], got {getattr(self, name)}")
+        _check(bool(self.ops) and set(self.ops) <= set("+-*"), s, "ops", f"must be some of '+-*', got {self.ops!r}")
+
+
+@dataclass
+class ToolEvalConfig:
+    """``tool_evaluate``: greedy multi-turn accuracy and tool-call rate on held-out items."""
+
+    section: ClassVar[str] = "tool_evaluate"
+
+    eval_file: str = "data/tool/eval.jsonl"
+    """Held-out prompts with labels."""
+    max_items: int = 500
+    """Items evaluated (the first of the file)."""
+    max_turns: int = 2
+    """Model turns per trajectory."""
+    max_trajectory_tokens: int = 32
+    """Response tokens per trajectory (turns and observations)."""
+    max_new_tokens: int = 24
+    """Tokens per model turn."""
+    num_threads: int = 2
+    """torch intra-op threads on CPU."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_items", "max_turns", "max_trajectory_tokens", "max_new_tokens", "num_threads"):
+            _check(getattr(self, name) >= 1, self.section, name, f"must be >= 1, got {getattr(self, name)}")
+
+
+# The repository's embedded tool task (rlhf_core/tool_task.py): its own sections beside the default's. Not in
+# the `alignflow init` template (flows/project_template/params.yaml): a user's project gets the default task only.
+TOOL_TASK_SECTIONS = ("tool_generate", "tool_model", "tool_sft", "tool_rl", "tool_evaluate")
+
 SECTIONS: dict[str, type] = {
     "generate": GenerateConfig,
     "model": ModelConfig,
@@ -1093,6 +1203,11 @@ SECTIONS: dict[str, type] = {
     "evaluate": EvalConfig,
     "tracking": TrackingConfig,
     "flow": FlowConfig,
+    "tool_generate": ToolGenerateConfig,
+    "tool_model": ModelConfig,
+    "tool_sft": SFTConfig,
+    "tool_rl": RLConfig,
+    "tool_evaluate": ToolEvalConfig,
 }
 
 T = TypeVar("T")
@@ -1168,7 +1283,10 @@ def build_config(cls: type[T], section: str, values: dict[str, Any], source: str
     try:
         return cls(**kwargs)
     except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+        message, own = str(exc), getattr(cls, "section", None)
+        if own and section != own:  # a section of the same fields under another name (tool_rl): name that one
+            message = message.replace(f"{own}.", f"{section}.", 1)
+        raise ConfigError(f"{source}: {message}") from None
 
 
 def read_params(path: str | Path) -> dict[str, Any]:
@@ -1228,6 +1346,6 @@ def field_docs(cls: type) -> dict[str, str]:
 __all__ = [
     "ConfigError", "GenerateConfig", "ModelConfig", "DataFields", "SFTConfig", "EvalConfig",
     "TrackingConfig", "FlowConfig", "TrainerConfig", "DPOConfig", "RewardConfig", "RejectionConfig", "RLConfig", "SECTIONS", "build_config", "load_config", "read_params",
-    "parse_overrides", "config_to_dict", "field_docs",
+    "parse_overrides", "config_to_dict", "field_docs", "ToolGenerateConfig", "ToolEvalConfig", "TOOL_TASK_SECTIONS",
     "DataReportConfig",
 ]

@@ -146,7 +146,7 @@ def init_model(cfg: ModelConfig, tracking: TrackingConfig | None = None,
                 build_tiny_model(tok_dir, staging, arch=cfg.arch, hidden_size=cfg.hidden_size,
                                  num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                                  intermediate_size=cfg.intermediate_size, max_positions=cfg.max_positions,
-                                 seed=cfg.seed)
+                                 seed=cfg.seed, added_tokens=cfg.added_tokens)
                 fsync_tree(staging)
                 replace_dir(staging, out)
         finally:

@@ -5,7 +5,10 @@ Reads top to bottom like cleanrl's ``ppo.py``: :meth:`RLTrainer.train_step` is o
 ``step``) as named phases over a batch, each a short method below it:
 
 1. ``generate``: ``prompts_per_step`` prompts x ``group_size`` samples from the policy (a ``RolloutEngine``),
-   each scored by a ``RewardSource`` (rule file, reward model or HTTP), label passed through;
+   each scored by a ``RewardSource`` (rule file, reward model or HTTP), label passed through; with
+   ``environment`` set, multi-turn trajectories instead (:func:`rlhf_core.environments.rollout_with_environment`:
+   the policy's turns, a tool's observations between them, ``action_mask`` marking the policy's tokens,
+   the only ones the loss, the KL and the advantages cover);
 2. DAPO dynamic sampling (in ``generate``): drop groups whose samples all scored the same and top up
    from more prompts; ``shape_rewards``: the overlong penalty;
 3. ``score_logprobs``: old (the policy, no grad), reference, values (the critic, ``gae`` only) and the
@@ -45,6 +48,7 @@ Run: ``alignflow rl`` (config: ``params.yaml`` section ``rl``), or ``train_rl(RL
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -59,6 +63,8 @@ from rlhf_core.data.formats import prompt_text, read_prompt_examples
 from rlhf_core.data.io import DataError, read_records
 from rlhf_core.data.sequences import SAMPLE_ROWS, rendered_row
 from rlhf_core.data.tokenize import IGNORE_INDEX, TokenizedExample, encode_prompt
+from rlhf_core.environments import (environment_factory, evaluate_with_environment, rollout_with_environment,
+                                    trajectory_rows)
 from rlhf_core.evaluate import evaluate_exact_match
 from rlhf_core.models import load_causal_lm, load_tokenizer, merged_model, pick_device
 from rlhf_core.precision import Precision
@@ -113,10 +119,14 @@ def rendered_rollout_rows(tokenizer: Any, batch: RolloutBatch, rewards: torch.Te
     the tokens the policy loss covers, up to and including eos), ``prompt`` (rendered), ``completion`` (as the
     reward source got it, special tokens skipped) and ``reward``; secrets redacted."""
     rows = []
+    loss_mask = batch.loss_mask()
     for i in range(min(n, len(batch))):
         prompt = batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist()
-        response = batch.response_ids[i][batch.response_mask[i].bool()].tolist()
-        seq = TokenizedExample(prompt + response, [IGNORE_INDEX] * len(prompt) + response)
+        kept = batch.response_mask[i].bool()
+        response = batch.response_ids[i][kept].tolist()
+        # an environment's observation tokens are not the policy's: outside the loss spans
+        labels = [tok if own else IGNORE_INDEX for tok, own in zip(response, loss_mask[i][kept].tolist())]
+        seq = TokenizedExample(prompt + response, [IGNORE_INDEX] * len(prompt) + labels)
         rows.append(redact_secrets({**rendered_row(tokenizer, seq),
                                     "prompt": tokenizer.decode(prompt, skip_special_tokens=False),
                                     "completion": batch.completions[i], "reward": float(rewards[i])}))
@@ -146,7 +156,10 @@ def _concat(batches: Sequence[RolloutBatch], pad_id: int) -> RolloutBatch:
         response_ids=torch.cat([_pad(b.response_ids, r, pad_id, left=False) for b in batches]),
         response_mask=torch.cat([_pad(b.response_mask, r, 0, left=False) for b in batches]),
         sampling_logprobs=torch.cat([_pad(b.sampling_logprobs, r, 0.0, left=False) for b in batches]),
-        group_size=batches[0].group_size)
+        group_size=batches[0].group_size,
+        action_mask=(torch.cat([_pad(b.action_mask, r, 0, left=False) for b in batches])
+                     if batches[0].action_mask is not None else None),
+        tool_calls=torch.cat([b.tool_calls for b in batches]) if batches[0].tool_calls is not None else None)
 
 
 def _take(batch: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
@@ -155,7 +168,9 @@ def _take(batch: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
     return RolloutBatch(prompts=[batch.prompts[i] for i in idx], completions=[batch.completions[i] for i in idx],
                         prompt_ids=batch.prompt_ids[rows], prompt_mask=batch.prompt_mask[rows],
                         response_ids=batch.response_ids[rows], response_mask=batch.response_mask[rows],
-                        sampling_logprobs=batch.sampling_logprobs[rows], group_size=batch.group_size)
+                        sampling_logprobs=batch.sampling_logprobs[rows], group_size=batch.group_size,
+                        action_mask=batch.action_mask[rows] if batch.action_mask is not None else None,
+                        tool_calls=batch.tool_calls[rows] if batch.tool_calls is not None else None)
 
 
 def _mean(values: list[float]) -> float:
@@ -289,6 +304,12 @@ class RLTrainer:
             autocast_dtype)
         # A LoRA policy's engine needs merged weights; the HF engine that holds the policy needs nothing.
         self.engine_weights = getattr(self.learner, "engine_weights", None)
+        # multi-turn rollouts: a fresh environment per trajectory (rlhf_core/environments.py); None: single-turn
+        self.make_env = (environment_factory(cfg.environment, stop_tokens=cfg.environment_stop_tokens,
+                                             timeout_s=cfg.reward_timeout_s, retries=cfg.reward_retries,
+                                             backoff_cap_s=cfg.reward_backoff_cap_s, deadline_s=cfg.reward_deadline_s,
+                                             token_env=cfg.environment_token_env)
+                         if cfg.environment else None)
         self.prompts, self.labels = read_prompts(cfg, self.tokenizer)
         _check_prompt_lengths(cfg, self.tokenizer, self.prompts)
         self.sampler = EpochSampler(len(self.prompts), cfg.prompts_per_step, cfg.seed)
@@ -436,8 +457,14 @@ class RLTrainer:
         idx = self.sampler.next()
         params = SamplingParams(n=n, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                                 seed=cfg.seed * 1_000_003 + step * 101 + round_)
-        batch = perf.time("perf/rollout_s", self.engine.generate, [self.prompts[i] for i in idx], params)
         row_labels = [self.labels[i] for i in idx for _ in range(n)]
+        if self.make_env is not None:  # multi-turn: engine turns and environment steps, then the reward source
+            batch, env_rewards = perf.time("perf/rollout_s", lambda: rollout_with_environment(
+                self.engine, self.tokenizer, [self.prompts[i] for i in idx], [self.labels[i] for i in idx], params,
+                self.make_env, max_turns=cfg.max_turns, max_trajectory_tokens=cfg.max_trajectory_tokens))
+            rewards = perf.time("perf/reward_s", self.reward_source, batch.prompts, batch.completions, row_labels)
+            return batch, torch.tensor(rewards, dtype=torch.float32) + env_rewards, len(idx)
+        batch = perf.time("perf/rollout_s", self.engine.generate, [self.prompts[i] for i in idx], params)
         rewards = perf.time("perf/reward_s", self.reward_source, batch.prompts, batch.completions, row_labels)
         return batch, torch.tensor(rewards, dtype=torch.float32), len(idx)
 
@@ -461,7 +488,7 @@ class RLTrainer:
         tensors = {"input_ids": ids, "attention_mask": attention, "position_ids": batch.position_ids(),
                    "response_ids": batch.response_ids}
         tensors = {k: v.to(device) for k, v in tensors.items()}
-        mask = batch.response_mask.to(device).float()
+        mask = batch.loss_mask().to(device).float()  # the policy's tokens: observations carry no loss, no advantage
         sampling_logp = batch.sampling_logprobs.to(device)
         has_critic = self.estimator.needs_critic
         # One update per batch: pi_old is the update's own detached log-prob (PolicyLearner.update),
@@ -583,6 +610,12 @@ class RLTrainer:
                             "train/explained_variance": float(explained_variance(exp.tensors["old_values"],
                                                                                  exp.returns, mask))})
         metrics.update(exp.tis)
+        if sampled.batch.tool_calls is not None:  # multi-turn rollouts only: single-turn metrics stay as they were
+            calls = sampled.batch.tool_calls.float()
+            metrics.update({"rollout/tool_call_rate": float((calls > 0).float().mean()),
+                            "rollout/tool_calls_mean": float(calls.mean()),
+                            "rollout/observation_tokens": float((sampled.batch.response_mask
+                                                                 - sampled.batch.loss_mask()).sum(-1).float().mean())})
         return metrics
 
     def log_rollouts(self, step: int, sampled: Sampled) -> None:
@@ -593,6 +626,10 @@ class RLTrainer:
         batch = sampled.batch
         rows = [{"step": step, "prompt": batch.prompts[i], "completion": batch.completions[i],
                  "reward": float(sampled.rewards[i])} for i in range(min(len(batch), _TABLE_GROUPS * cfg.group_size))]
+        if batch.action_mask is not None:  # trajectories: their text, which tokens were the policy's, tool calls
+            for row, traj in zip(rows, trajectory_rows(self.tokenizer, batch, sampled.rewards, len(rows))):
+                row.update(text=traj["text"], action_mask=traj["action_mask"], tool_calls=traj["tool_calls"],
+                           segments=json.dumps(traj["segments"]))
         self.rollout_table += rows
         if hasattr(self.sink, "log_table"):
             self.sink.log_table(rows, "rollouts.json")
@@ -608,6 +645,18 @@ class RLTrainer:
                                       label_field=cfg.label_field, max_items=cfg.eval_items,
                                       max_new_tokens=cfg.max_new_tokens, n_samples=cfg.eval_items)
         metrics = result.metrics("eval")
+        samples = result.samples[:_EVAL_SAMPLES]
+        if self.make_env is not None:  # greedy multi-turn answers with the environment's tool
+            from rlhf_core.rewards import load_function
+
+            reward_fn = (load_function(cfg.reward_function)[2] if self.kind is RewardKind.FUNCTION
+                         else self.reward_source)
+            tool_metrics, trajectories = evaluate_with_environment(
+                self.learner.view(), self.tokenizer, cfg.eval_file, self.make_env, reward_fn,
+                max_items=cfg.eval_items, max_turns=cfg.max_turns, max_trajectory_tokens=cfg.max_trajectory_tokens,
+                max_new_tokens=cfg.max_new_tokens, prompt_field=cfg.prompt_field, label_field=cfg.label_field)
+            metrics.update({k: v for k, v in tool_metrics.items() if k != "eval/n_items"})
+            samples = [{k: str(v) for k, v in t.items()} for t in trajectories]
         if self.kind is RewardKind.MODEL:
             # how much the reward model likes the policy's answers: rises with reward hacking as well
             # as with real progress, so read it next to eval/accuracy
@@ -616,8 +665,9 @@ class RLTrainer:
             metrics["eval/reward_model_score"] = _mean(rm)
         if step == 0:  # the eval before training: the run's starting point
             self.summary.update({f"{k}_start": v for k, v in metrics.items()
-                                 if k in ("eval/accuracy", "eval/accuracy_stderr", "eval/reward_model_score")})
-        return metrics, result.samples[:_EVAL_SAMPLES]
+                                 if k in ("eval/accuracy", "eval/accuracy_stderr", "eval/reward_model_score")
+                                 or k.endswith(("_tool", "_tool_stderr")) or k.startswith("eval/tool_call")})
+        return metrics, samples
 
     # ---- checkpoints: the policy as an HF directory, everything else in trainer_state.pt --------
 
@@ -713,9 +763,11 @@ def _check_teacher_tokenizer(cfg: RLConfig, tokenizer: Any) -> None:
 
 def _check_prompt_lengths(cfg: RLConfig, tokenizer: Any, prompts: list[str]) -> None:
     longest = max(len(encode_prompt(tokenizer, p)) for p in prompts)
-    if longest + cfg.max_new_tokens > cfg.max_length:
+    response, name = ((cfg.max_trajectory_tokens, "max_trajectory_tokens") if cfg.environment
+                      else (cfg.max_new_tokens, "max_new_tokens"))
+    if longest + response > cfg.max_length:
         raise ConfigError(f"rl.max_length: the longest prompt of {cfg.prompts_file} has {longest} tokens; with "
-                          f"max_new_tokens {cfg.max_new_tokens} that exceeds max_length {cfg.max_length}")
+                          f"{name} {response} that exceeds max_length {cfg.max_length}")
 
 
 # --------------------------------------------------------------------------------------
