@@ -13,6 +13,13 @@ controller here and the models in actors, N policy ranks on N GPUs::
     PYTHONPATH=/tmp/site:. python bench/gpu_grpo.py --placement colocated --workers 2 --parallel zero2 \
         --out $OUT/gpu_grpo_2gpu_zero2.json
 
+Asynchronous training on two GPUs (issue 19 item 3: async step <= 0.8 x sync step): ``--placement
+disaggregated --workers 1 --max-staleness 1`` (one GPU learns with the reference beside it, the other
+generates; ``rlhf_core/ray_launcher.py``); read ``perf/overlap_s``, ``perf/rollout_wait_s`` and the per-step
+``perf/*_ts`` timestamps in the steps. Synchronous disaggregated placement keeps a bundle per role (policy,
+reference, replica: 3 GPUs), so the 2-GPU synchronous baseline is ``--placement colocated --workers 2``
+(both GPUs data-parallel) or, for the same split of roles, three GPUs with ``--max-staleness 0``.
+
 Peak memory is the largest ``memory.used`` nvidia-smi saw on any GPU (every process on it), sampled
 every 200 ms.
 
@@ -103,6 +110,9 @@ def main() -> None:
     ap.add_argument("--rollout-workers", type=int, default=0, help="rollout replicas (default: one per worker)")
     ap.add_argument("--parallel", choices=["ddp", "zero2", "zero3"], default="ddp")
     ap.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in the policy update")
+    ap.add_argument("--max-staleness", type=int, default=0,
+                    help="asynchronous training: 1 generates the next batch during the update (with "
+                         "--placement disaggregated --workers 1: one GPU learns, the other generates)")
     ap.add_argument("--small", action="store_true", help="a micro model and short rows (CPU smoke test)")
     ap.add_argument("--sampling", choices=["copy", "master"], default="copy",
                     help="copy: the HF engine samples with a bf16 copy of the policy (default); master: with the "
@@ -140,7 +150,7 @@ def main() -> None:
                    ppo_epochs=1, kl_coef=args.kl, lr=1e-6, warmup_steps=0, eval_items=1, eval_at_start=False,
                    save_every=0, log_rollouts_every=0, precision="auto", placement=args.placement,
                    num_workers=args.workers, rollout_workers=args.rollout_workers or args.workers,
-                   parallel=args.parallel, gradient_checkpointing=args.grad_ckpt)
+                   parallel=args.parallel, gradient_checkpointing=args.grad_ckpt, max_staleness=args.max_staleness)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -175,9 +185,12 @@ def main() -> None:
         "prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens, "mini_batch": args.mini,
         "median_step_s": round(step_s, 3), "samples_per_s": round(args.prompts * args.group / step_s, 1),
         "generated_tokens_per_s": round(gen_tokens / step_s, 1),
-        "phase_s": {k: round(statistics.median(m[k] for m in timed), 3)
+        "max_staleness": args.max_staleness,
+        # medians over the timed steps that logged each (asynchronous runs sync weights only at some launches)
+        "phase_s": {k: round(statistics.median(m[k] for m in timed if k in m), 3)
                     for k in ("perf/rollout_s", "perf/reward_s", "perf/logprob_s", "perf/update_s",
-                              "perf/weight_sync_s")},
+                              "perf/weight_sync_s", "perf/rollout_wait_s", "perf/overlap_s")
+                    if any(k in m for m in timed)},
         "peak_gpu_memory_gb_this_process": round(torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, 2), "total_s": round(total, 1),
     }
     print(json.dumps(summary), flush=True)

@@ -64,6 +64,12 @@ On a lent GPU: once here, ``bash bench/device_wheels.sh`` (Ray, DeepSpeed, TRL 1
         --bench grpo --rows ours-bf16,trl-default --out $OUT/side_by_side_7b_grpo.json
     source bench/device_setup.sh && python bench/side_by_side.py --variant gpu-7b \
         --bench dpo --rows ours-bf16,trl-default --out $OUT/side_by_side_7b_dpo.json
+    # nvidia-h100-x4: 1 -> 4 GPU scaling at a fixed global batch (ours, ZeRO-2), then the summary
+    source bench/device_setup.sh && python bench/side_by_side.py --variant gpu-1.5b --bench sft,dpo \
+        --rows ours-bf16 --rounds 1 --gpus 1 --work /tmp/bw15 --out $OUT/scaling_1gpu.json && \
+      python bench/side_by_side.py --variant gpu-1.5b --bench sft,dpo --rows ours-bf16 --rounds 1 --gpus 4 \
+        --parallel zero2 --work /tmp/bw15 --out $OUT/scaling_4gpu.json && \
+      python bench/side_by_side.py --scaling $OUT/scaling_1gpu.json $OUT/scaling_4gpu.json --out $OUT/scaling.json
 
 Ratios are only quoted between rows of one call (one machine). The result file is rewritten after every
 child, so a call cut off at its limit keeps what ran; ``--resummarize FILE`` recomputes its summaries.
@@ -233,7 +239,8 @@ def schedule(rows: list[str], rounds: int) -> list[tuple[int, str]]:
 def build_inputs(variant: str, work: Path, small: bool) -> dict:
     """Tokenizer and the four data files here; the model in a child process (the parent keeps off CUDA)."""
     s = SETTINGS[variant]
-    inputs: dict = {"variant": variant, "small": small, "dir": str(work), "gpus": s["gpus"]}
+    inputs: dict = {"variant": variant, "small": small, "dir": str(work), "gpus": s["gpus"],
+                    "parallel": s.get("parallel") or ("zero3" if s["gpus"] > 1 else "ddp")}
     if variant == "cpu":
         return {**inputs, "root": str(REPO), "model": str(REPO / s["model"])}
     sys.path.insert(0, str(REPO / "bench"))
@@ -335,6 +342,7 @@ def _child_logging() -> None:
         handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
         logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    logging.getLogger("rlhf_core.trainers.rl").setLevel(logging.DEBUG)  # each RL phase's start and end
 
 
 def _peak_writer(peak_dir: str | None):
@@ -466,7 +474,7 @@ def ours(task: dict) -> dict:
     common = dict(output_dir=str(work / "out"), checkpoint_dir=str(work / "ckpt"), save_every=0,
                   precision=row["precision"], num_threads=s["threads"], seed=s["seed"],
                   weight_decay=OPTIMIZER["weight_decay"], max_grad_norm=OPTIMIZER["max_grad_norm"],
-                  num_workers=gpus, parallel="zero3" if gpus > 1 else "ddp",
+                  num_workers=gpus, parallel=inputs["parallel"],
                   **{**OURS_BEST, "packing": row.get("packing", OURS_BEST["packing"]) and name != "grpo"})
     sink = _Sink()
     peak_dir = os.environ.get("BENCH_PEAK_DIR", "")
@@ -496,7 +504,7 @@ def ours(task: dict) -> dict:
                                                              "perf/update_s", "perf/weight_sync_s")},
                 "response_len": [m["rollout/response_length"] for m in steps], "peak_memory_gb": _peak_memory_gb(),
                 "engine": "alignflow StaticCacheEngine" + (" + CUDA graphs" if torch.cuda.is_available() else ""),
-                "launch": "Ray, colocated, zero3" if gpus > 1 else "one process",
+                "launch": f"Ray, colocated, {inputs['parallel']}" if gpus > 1 else "one process",
                 "settings": {k: getattr(cfg, k) for k in ("precision", "gradient_checkpointing", "fused_kernels",
                                                           "lm_head", "packing", "num_workers", "parallel",
                                                           "micro_batch_size", "mini_batch_size", "kl_coef")},
@@ -518,7 +526,7 @@ def ours(task: dict) -> dict:
         _rank_main(TRAINERS[name], "", cfg, sink)
     elapsed = [m["perf/elapsed_s"] for _, m in sink.rows if "perf/elapsed_s" in m]
     return {"step_s": [b2 - a for a, b2 in zip([0.0] + elapsed, elapsed)], "peak_memory_gb": _peak_memory_gb(),
-            "launch": f"Ray, {gpus} ranks, zero3" if gpus > 1 else "one process",
+            "launch": f"Ray, {gpus} ranks, {inputs['parallel']}" if gpus > 1 else "one process",
             "settings": {k: getattr(cfg, k) for k in ("precision", "gradient_checkpointing", "fused_kernels", "lm_head",
                                                       "packing", "micro_batch_tokens", "num_workers", "parallel",
                                                       "batch_size", "max_length", "weight_decay")},
@@ -1058,8 +1066,14 @@ def main() -> None:
                                                    "(dvc outputs) it reads (default: this one)")
     ap.add_argument("--work", default="", help="folder for tokenizer, data and model (default: a new temporary one); "
                                                "a model an earlier call built there for the same variant is reused")
+    ap.add_argument("--gpus", type=int, default=0, help="ranks (default: the variant's); with --parallel, the "
+                                                       "1 -> N scaling call (ours rows only, a fixed global batch)")
+    ap.add_argument("--parallel", choices=["ddp", "zero2", "zero3"], default="",
+                    help="ours' data parallelism on several GPUs (default: zero3)")
     ap.add_argument("--small", action="store_true", help="the variant's code paths on a micro model (smoke test)")
     ap.add_argument("--resummarize", metavar="FILE", help="recompute the summaries of a result file from its runs")
+    ap.add_argument("--scaling", nargs=2, metavar=("ONE", "MANY"),
+                    help="combine two result files (--gpus 1 and --gpus N) into the scaling summary at --out")
     ap.add_argument("--child", choices=["alignflow", "trl", "ceiling", "build"], help=argparse.SUPPRESS)
     ap.add_argument("--task", default="{}", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -1069,12 +1083,20 @@ def main() -> None:
         task = json.loads(args.task)
         if task.get("inputs", {}).get("small"):
             make_small(task["inputs"]["variant"])
+        if "gpus" in task.get("inputs", {}):
+            SETTINGS[task["inputs"]["variant"]].update(gpus=task["inputs"]["gpus"], parallel=task["inputs"]["parallel"])
         child_main(args.child, task)
         return
     if args.small:
         make_small(args.variant)
+    if args.gpus or args.parallel:
+        SETTINGS[args.variant].update(**({"gpus": args.gpus} if args.gpus else {}),
+                                      **({"parallel": args.parallel} if args.parallel else {}))
     if args.resummarize:
         resummarize(Path(args.resummarize), args.warmup)
+        return
+    if args.scaling:
+        scaling(Path(args.scaling[0]), Path(args.scaling[1]), Path(args.out))
         return
     s = SETTINGS[args.variant]
     args.rounds = args.rounds or s["rounds"]
@@ -1186,11 +1208,42 @@ def portable(obj: object) -> object:
     return text.replace("/tmp/site/", "<site-packages>/").replace(tempfile.gettempdir() + "/", "<tmp>/")
 
 
+def scaling(one: Path, many: Path, out: Path) -> dict:
+    """1 -> N GPU scaling of ours' rows from two result files of one call (the same variant, benchmarks and
+    global batch; ``--gpus`` differs): efficiency = tokens/s on N / (N x tokens/s on 1), per benchmark and row,
+    from each side's median step."""
+    a, b = json.loads(one.read_text()), json.loads(many.read_text())
+    ga, gb = a["settings"]["gpus"], b["settings"]["gpus"]
+    rows: dict = {}
+    for name in sorted(set(a["results"]) & set(b["results"])):
+        for row, ra in a["results"][name]["summary"]["rows"].items():
+            rb = b["results"][name]["summary"]["rows"].get(row, {})
+            if row == "ours-best" or "tokens_per_s" not in ra or "tokens_per_s" not in rb:
+                continue
+            rows[f"{name} {row}"] = {
+                f"tokens_per_s_{ga}gpu": ra["tokens_per_s"], f"tokens_per_s_{gb}gpu": rb["tokens_per_s"],
+                f"median_step_s_{ga}gpu": ra["median_step_s"], f"median_step_s_{gb}gpu": rb["median_step_s"],
+                "range_step_s": {ga: ra["range_step_s"], gb: rb["range_step_s"]},
+                "parallel": {ga: (ra.get("settings") or {}).get("parallel"), gb: (rb.get("settings") or {}).get("parallel")},
+                "peak_memory_gb": {ga: ra["peak_memory_gb"], gb: rb["peak_memory_gb"]},
+                "global_batch": (ra.get("settings") or {}).get("batch_size"),
+                "efficiency": round(rb["tokens_per_s"] / (ra["tokens_per_s"] * gb / ga), 3)}
+    doc = {"variant": a["variant"], "gpus": [ga, gb], "files": [one.name, many.name], "rows": rows,
+           "target": "scaling 1 -> 4 GPUs at a fixed global batch >= 85% (SFT and DPO tokens/s, ZeRO-2)",
+           "status": {k: ("met" if v["efficiency"] >= 0.85 else "not met") for k, v in rows.items()},
+           "device": a["results"][next(iter(a["results"]))]["summary"]["rows"].get("ours-best", {}).get("device")}
+    out.write_text(json.dumps(portable(doc), indent=2) + "\n")
+    print(json.dumps(doc), flush=True)
+    return doc
+
+
 def resummarize(path: Path, warmup: int) -> None:
     """Recompute every summary of a result file from its recorded runs, ceilings and model facts."""
     data = json.loads(path.read_text())
     if data["settings"].get("small"):
         make_small(data["variant"])
+    if data["settings"].get("gpus"):
+        SETTINGS[data["variant"]]["gpus"] = data["settings"]["gpus"]
     c = data["ceiling"]
     ceiling = {"matmul_flops": c["matmul_flops"], "copy_bytes_per_s": c["copy_bytes_per_s"]}
     for name, res in data["results"].items():

@@ -14,7 +14,8 @@ One Prefect flow run = one parent MLflow run; every stage is a Prefect task and 
 MLflow run. User data and models replace the embedded default stage by stage: give
 ``sft_file`` and the generator is not needed for it, give ``base_model`` and no tiny model
 is built. Every dataset is validated before any training starts, so bad input stops the
-flow with the Great Expectations report and nothing downstream runs.
+flow with the Great Expectations report and nothing downstream runs; every dataset trained on
+also gets the data report (near-duplicates, eval contamination: ``data_report`` in params.yaml).
 
 Run: ``alignflow flow align`` (or ``python -m flows.align``).
 """
@@ -238,7 +239,8 @@ def run_alignment_stages(cfg: dict[str, Any], files: dict[str, str], md5: dict[s
                     get_run_logger().warning("rejection: every prompt's candidates tied; no preference pairs")
                     continue  # nothing in this flow trains on the pairs; an empty file is a result
                 validate_data(path=result["outputs"][name], md5=result["md5"][name], kind=kind,
-                              name=f"rejection-{name}", fields=fields, **common)
+                              name=f"rejection-{name}", fields=fields, data_report=config_to_dict(cfg["data_report"]),
+                              eval_file=files["eval"], **common)
             done[stage] = result
         elif stage == "raft":
             kept = done["rejection"]
@@ -298,9 +300,13 @@ def validate_datasets(cfg: dict[str, Any], files: dict[str, str], parent_run_id:
     md5 = {name: dvc_md5(path) for name, path in files.items()}
     kinds = dataset_kinds(cfg)
     for name, path in files.items():
+        # Every dataset trained on also gets the data report, contamination checked against the eval set.
+        trained_on = name != "eval"
         report = validate_data(path=str(path), md5=md5[name], kind=kinds[name], name=name,
                                fields=data_fields(cfg), tracking=config_to_dict(cfg["tracking"]),
-                               parent_run_id=parent_run_id, desirable_field=cfg["kto"].desirable_field)
+                               parent_run_id=parent_run_id, desirable_field=cfg["kto"].desirable_field,
+                               data_report=config_to_dict(cfg["data_report"]) if trained_on else None,
+                               eval_file=str(files["eval"]) if trained_on else None)
         get_run_logger().info("validated %s: %s rows", path, int(report["metrics"]["data/n_rows"]))
     return md5
 

@@ -32,6 +32,7 @@ from rlhf_core.config import (
     SECTIONS,
     ConfigError,
     DataFields,
+    DataReportConfig,
     DistillConfig,
     DPOConfig,
     EvalConfig,
@@ -60,7 +61,12 @@ def _common(p: argparse.ArgumentParser, section: str | None) -> None:
     if section is not None:
         docs = field_docs(SECTIONS[section])
         help_text += f"; fields of '{section}': " + "; ".join(f"{k}: {v}" for k, v in docs.items())
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help=help_text)
+    # argparse formats help with %: a field doc's "30%" broke `alignflow sft --help` (ValueError)
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help=help_text.replace("%", "%%"))
+    if section is not None:
+        p.add_argument("--section", default=section,
+                       help=f"the params.yaml section to read (default: {section}); another section of the same "
+                            "fields runs this stage on another task, e.g. --section tool_sft")
     if section is not None:
         _add_register_flag(p, section)
 
@@ -70,7 +76,7 @@ def _print(obj: Any) -> None:
 
 
 def _stage_cfg(args: argparse.Namespace, cls: type, section: str) -> Any:
-    return load_config(cls, section, args.params, parse_overrides(args.set))
+    return load_config(cls, getattr(args, "section", None) or section, args.params, parse_overrides(args.set))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -94,9 +100,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
     # KTO's boolean field lives in its own config, not DataFields; the unpaired kind reads it.
     desirable_field = overrides.pop("desirable_field", None)
     fields = load_config(DataFields, "sft", None, overrides) if overrides else DataFields()
+    # --eval-file: the data report too (what the flows run on each dataset they train on).
+    report_cfg = load_config(DataReportConfig, "data_report", args.params) if args.eval_file else None
     result = stages.validate(args.file, args.kind, fields, report_file=args.report,
-                             desirable_field=None if desirable_field is None else str(desirable_field))
+                             desirable_field=None if desirable_field is None else str(desirable_field),
+                             data_report=report_cfg, eval_file=args.eval_file)
     print(f"{args.file}: valid {args.kind} dataset ({int(result.metrics['data/n_rows'])} rows)")
+    if report_cfg is not None:
+        print(f"{args.file}: data report passed: " + ", ".join(
+            f"{k.removeprefix('data/')} {v:.4g}" for k, v in result.metrics.items()
+            if k.endswith(("_rate", "_matches", "_overlaps"))))
     return 0
 
 
@@ -119,7 +132,7 @@ def _tracked_stage(stage: str, cls: type, section: str):
 
         overrides = parse_overrides(args.set)
         guard_overrides = {k.split(".", 1)[1]: overrides.pop(k) for k in list(overrides) if k.startswith("guards.")}
-        cfg = load_config(cls, section, args.params, overrides)
+        cfg = load_config(cls, getattr(args, "section", None) or section, args.params, overrides)
         if getattr(args, "resume", None) is not None:
             cfg = dataclasses.replace(cfg, resume=args.resume)
             if args.resume:
@@ -319,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="a .jsonl, .json or .parquet file, a saved datasets folder, or a folder in the "
                                 "Hub's dataset layout")
     p.add_argument("--report", default=None, help="write the JSON report here (only when valid)")
+    p.add_argument("--eval-file", default=None, help="also run the data report (near-duplicates, contamination "
+                   "against this eval set; thresholds: params.yaml's data_report), as the flows do")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="rename fields, e.g. --set prompt_field=question (unpaired: --set desirable_field=label)")
     p.add_argument("--params", default="params.yaml", help=argparse.SUPPRESS)

@@ -234,9 +234,11 @@ def register_and_record(plan: CyclePlan, k: int, policy: str, sampled: dict[str,
 
 
 def run_cycle(plan: CyclePlan, k: int, policy: str, rm_path: str, pair_pool: PairPool, md5: dict[str, str],
-              parent: Tracker, previous_cycle_run: str | None) -> tuple[dict[str, Any], str]:
-    """One cycle, a nested MLflow run: sample and score -> gate -> version -> train -> register.
-    Returns the cycle's history entry and the reward model the next cycle scores with."""
+              parent: Tracker, previous_cycle_run: str | None,
+              previous_stats: dict[str, float] | None = None) -> tuple[dict[str, Any], str]:
+    """One cycle, a nested MLflow run: sample and score -> gate and data report -> version -> train -> register.
+    Returns the cycle's history entry and the reward model the next cycle scores with.
+    ``previous_stats``: the previous cycle's data-report statistics, for its drift checks."""
     kind = plan.kind
     cycle_tags = {"alignflow.cycle": str(k), "alignflow.flow": kind,
                   "alignflow.parent_cycle_run_id": previous_cycle_run or "",
@@ -246,10 +248,15 @@ def run_cycle(plan: CyclePlan, k: int, policy: str, rm_path: str, pair_pool: Pai
         policy_md5 = dvc_md5(policy)
         sampled = sample_and_score(plan, k, policy, policy_md5, rm_path, md5, common)
         # The gate: generated data passes the same checks as any dataset before training on it.
+        # The data report too (near-duplicates, eval contamination, drift against the previous cycle): its
+        # page is an artifact of this cycle's run, and a check over its threshold stops the cycle here.
         consumed = plan.consumed
-        validate_data(path=sampled["outputs"][consumed], md5=sampled["md5"][consumed],
-                      kind="preference" if consumed == "pairs" else "sft", name=f"cycle-{k}-{consumed}",
-                      fields=plan.fields, **common)
+        gate = validate_data(path=sampled["outputs"][consumed], md5=sampled["md5"][consumed],
+                             kind="preference" if consumed == "pairs" else "sft", name=f"cycle-{k}-{consumed}",
+                             fields=plan.fields, data_report=config_to_dict(plan.cfg["data_report"]),
+                             eval_file=plan.eval_file, previous=previous_stats, report_to_parent=True, **common)
+        data_stats = {name: v for name, v in gate["metrics"].items() if name.startswith("data/")}
+        cycle_run.log_metrics(data_stats, k)
         to_version = [sampled["outputs"]["pairs"], sampled["outputs"]["kept"]]
         if kind == "iterative_dpo" and plan.cyc.retrain_reward:
             rm_path, reward_files = retrain_reward_model(plan, sampled, pair_pool, common)
@@ -257,7 +264,7 @@ def run_cycle(plan: CyclePlan, k: int, policy: str, rm_path: str, pair_pool: Pai
         versioned = version_cycle(plan, k, sampled, to_version, cycle_run)
         trained = train_next_policy(plan, k, policy, policy_md5, sampled, md5, common, rm_path)
         entry = register_and_record(plan, k, policy, sampled, trained, versioned, cycle_run, parent)
-    return entry, rm_path
+    return {**entry, "data_report": data_stats}, rm_path
 
 
 def run_cycles(kind: str, params_file: str | None, overrides: dict[str, dict[str, Any]] | None,
@@ -275,7 +282,8 @@ def run_cycles(kind: str, params_file: str | None, overrides: dict[str, dict[str
         history: list[dict[str, Any]] = []
         previous_cycle_run: str | None = None
         for k in range(1, plan.n_cycles + 1):
-            entry, rm_path = run_cycle(plan, k, policy, rm_path, pair_pool, md5, parent, previous_cycle_run)
+            entry, rm_path = run_cycle(plan, k, policy, rm_path, pair_pool, md5, parent, previous_cycle_run,
+                                       history[-1]["data_report"] if history else None)
             history.append(entry)
             policy, previous_cycle_run = entry["model"], entry["run_id"]
 

@@ -127,9 +127,13 @@ class ModelConfig:
     """Maximum sequence length the model supports."""
     seed: int = 0
     """Seed of the weight initialisation."""
+    added_tokens: list[str] = field(default_factory=list)
+    """Strings added to the tokenizer as single (non-special) tokens, e.g. a tool call's tags; empty: none."""
 
     def __post_init__(self) -> None:
         s = "model"
+        _check(all(isinstance(t, str) and t and not t.isspace() for t in self.added_tokens), s, "added_tokens",
+               f"must be non-blank strings, got {self.added_tokens!r}")
         _check(self.arch in ("qwen2", "llama"), s, "arch", f"must be 'qwen2' or 'llama', got {self.arch!r}")
         _check(self.vocab_size >= 260, s, "vocab_size", f"must be >= 260 (byte alphabet + specials), got {self.vocab_size}")
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_positions"):
@@ -536,6 +540,20 @@ class RLConfig(TrainerConfig):
     reward_token_env: str = ""
     """NAME of the environment variable holding the reward server's token (sent as Authorization: Bearer); never
     the token itself, so configs, Prefect parameters and MLflow hold the name only. Empty: no token."""
+    environment: str = ""
+    """Multi-turn rollouts with a tool (rlhf_core/environments.py): path/to/env.py:make_env (a function returning a
+    fresh environment) or an http(s):// environment server (the reward_* timeout, retry, backoff and deadline
+    settings apply to it too); empty: single-turn rollouts, as without this field."""
+    environment_stop_tokens: list[str] = field(default_factory=list)
+    """An HTTP environment's tokens that end a model turn (e.g. a tool call's closing tag); a file environment
+    names its own."""
+    environment_token_env: str = ""
+    """NAME of the environment variable holding the environment server's token (Authorization: Bearer)."""
+    max_turns: int = 2
+    """With an environment: model turns per trajectory (tool calls + the answer)."""
+    max_trajectory_tokens: int = 32
+    """With an environment: response tokens per trajectory, model turns and observations together
+    (each turn is also capped at max_new_tokens)."""
     rollout_engine: str = "static"
     """static (our decode loop, rlhf_core/rollout_static.py: static KV cache, prompts prefilled once per group,
     CUDA graphs on a GPU; Llama-family models, falls back to hf with a warning otherwise), hf (transformers
@@ -643,6 +661,15 @@ class RLConfig(TrainerConfig):
     """Truncated importance sampling (Yao et al. 2025): weight each token's policy-gradient term by
     min(pi_old / pi_engine, tis_cap) to correct for an engine (vLLM) that samples slightly off the
     trainer's policy; 0 = off, 2 is the paper's choice. Needs recompute_old_logprobs."""
+    mis_threshold: float = 0.0
+    """Sequence-level masked importance sampling (Seq-MIS, rl_math.sequence_is_mask): a response whose ratio
+    pi_old(y) / pi_engine(y) leaves [1 / mis_threshold, mis_threshold] is masked out of the loss, whether the
+    engine's numerics or its staleness (max_staleness) caused the gap; 0 = off, else > 1 (e.g. 2)."""
+    max_staleness: int = 0
+    """Asynchronous training: 0 = synchronous (each batch sampled from the policy it updates); k >= 1 = the next
+    batch is generated while the current one updates, from a policy at most k updates old (weights are pushed
+    to the engine only when the gap would exceed k). Needs recompute_old_logprobs; not with placement colocated;
+    under disaggregated placement the reference runs on the policy ranks' bundles, the reward model on the replicas'."""
     eval_at_start: bool = True
     """Evaluate the starting policy before iteration 1 (the baseline of eval/accuracy)."""
     eval_items: int = 1000
@@ -665,6 +692,32 @@ class RLConfig(TrainerConfig):
         self._check_kl(estimator)
         self._check_dapo()
         self._check_distill(estimator)
+        self._check_environment()
+
+    def _check_environment(self) -> None:
+        """Multi-turn rollouts: the environment's spec, turn and token limits, where it can run."""
+        s = self.section
+        _check(self.max_turns >= 1, s, "max_turns", f"must be >= 1, got {self.max_turns}")
+        _check(self.max_trajectory_tokens >= 1, s, "max_trajectory_tokens",
+               f"must be >= 1, got {self.max_trajectory_tokens}")
+        if not self.environment:
+            _check(not self.environment_stop_tokens, s, "environment_stop_tokens",
+                   "is only used with an environment (rl.environment is empty)")
+            return
+        spec = self.environment
+        if spec.startswith(("http://", "https://")):
+            _check(bool(self.environment_stop_tokens), s, "environment_stop_tokens",
+                   "an HTTP environment needs the tokens that end a model turn, e.g. ['</calc>']")
+        else:
+            file_part, _, func = spec.rpartition(":")
+            _check(file_part.endswith(".py") and func.isidentifier(), s, "environment",
+                   f"must be path/to/env.py:function or an http(s):// URL, got {spec!r}")
+        _check(self.placement == "none", s, "placement",
+               "multi-turn rollouts (rl.environment) run in one process for now; set placement none")
+        _check(self.max_length >= self.max_trajectory_tokens + 1, s, "max_trajectory_tokens",
+               f"must leave room for a prompt within max_length ({self.max_length}), got {self.max_trajectory_tokens}")
+        _check(not self.overlong_max_len or self.overlong_max_len <= self.max_trajectory_tokens, s, "overlong_max_len",
+               f"must be <= max_trajectory_tokens ({self.max_trajectory_tokens}) with an environment")
 
     def _check_choices(self) -> tuple[AdvantageEstimator, RewardKind]:
         """Check the enum-valued fields; return the (AdvantageEstimator, RewardKind) they name."""
@@ -733,6 +786,7 @@ class RLConfig(TrainerConfig):
         _check(self.tis_cap >= 0, s, "tis_cap", f"must be >= 0 (0 = off), got {self.tis_cap}")
         _check(self.tis_cap == 0 or self.recompute_old_logprobs, s, "tis_cap",
                "needs recompute_old_logprobs: true (without it pi_old is the engine's own log-prob)")
+        self._check_async()
         _check(self.rollout_engine in ("hf", "static", "vllm"), s, "rollout_engine",
                f"must be hf, static or vllm, got {self.rollout_engine!r}")
         _check(0 < self.vllm_memory_fraction <= 1, s, "vllm_memory_fraction",
@@ -742,6 +796,24 @@ class RLConfig(TrainerConfig):
         _check(self.rollout_workers >= 1, s, "rollout_workers", f"must be >= 1, got {self.rollout_workers}")
         _check(self.num_workers == 1 or self.placement != "none", s, "num_workers",
                f"{self.num_workers} policy workers need Ray: set placement to colocated or disaggregated")
+
+    def _check_async(self) -> None:
+        """Asynchronous training and sequence-level masking: both compare pi_old with the engine's log-probs."""
+        s = self.section
+        _check(isinstance(self.max_staleness, int) and self.max_staleness >= 0, s, "max_staleness",
+               f"must be an integer >= 0 (0 = synchronous), got {self.max_staleness!r}")
+        _check(self.mis_threshold == 0 or self.mis_threshold > 1, s, "mis_threshold",
+               f"must be 0 (off) or > 1 (the band is [1 / mis_threshold, mis_threshold]), got {self.mis_threshold}")
+        _check(self.mis_threshold == 0 or self.recompute_old_logprobs, s, "mis_threshold",
+               "needs recompute_old_logprobs: true (without it pi_old is the engine's own log-prob: the ratio is 1)")
+        if self.max_staleness:
+            # pi_old must be the policy being updated (the proximal policy); the stale engine's log-probs are the
+            # behaviour policy that TIS and MIS correct for, never the clipping anchor
+            _check(self.recompute_old_logprobs, s, "max_staleness",
+                   "needs recompute_old_logprobs: true (a stale rollout's own log-probs cannot anchor the PPO ratio)")
+            _check(self.placement != "colocated", s, "max_staleness",
+                   "overlaps generation with the update, but colocated roles share each GPU and take turns; "
+                   "use placement disaggregated (rollout replicas on their own GPUs) or none")
 
     def _check_batches(self, estimator: AdvantageEstimator) -> None:
         """Batch, group and mini-batch sizes fit together and suit ``estimator``."""
@@ -977,6 +1049,37 @@ ALIGNMENT_STAGES = ("reward", "dpo", "kto", "rejection", "raft", "distill", "rl"
 
 
 @dataclass
+class DataReportConfig:
+    """``data_report``: near-duplicate, eval-contamination and drift checks on every dataset a flow
+    trains on (rlhf_core/data/report.py); a check over its threshold stops the flow before training."""
+
+    max_duplicate_prompt_rate: float = 0.25
+    """Most rows whose normalised prompt repeats an earlier row's (embedded default: 0)."""
+    max_repeated_chosen_rate: float = 0.6
+    """Most rows whose normalised chosen text (completion, for SFT data) repeats an earlier row's
+    (embedded default: 0.30 in preferences, 0.48 in sft: the task's answers are short numbers)."""
+    max_near_duplicate_rate: float = 0.05
+    """Most rows equal to an earlier row after normalisation (case, Unicode form, whitespace); exact
+    duplicates are already refused by the gate (embedded default: 0)."""
+    check_contamination: bool = True
+    """Refuse any training prompt found in the eval set: exact match after normalisation, or a shared
+    word n-gram for prompts of at least ngram words."""
+    ngram: int = 13
+    """Word n-gram length of the contamination overlap test (GPT-3's: 13)."""
+    max_mean_drift: float = 0.5
+    """Cycles: most relative change of a text field's mean length against the previous cycle's data
+    (0.5: a mean of 10 may move to between 5 and 15)."""
+
+    def __post_init__(self) -> None:
+        s = "data_report"
+        for name in ("max_duplicate_prompt_rate", "max_repeated_chosen_rate", "max_near_duplicate_rate"):
+            value = getattr(self, name)
+            _check(0.0 <= value <= 1.0, s, name, f"must be a rate in [0, 1], got {value}")
+        _check(self.ngram >= 1, s, "ngram", f"must be >= 1, got {self.ngram}")
+        _check(self.max_mean_drift >= 0, s, "max_mean_drift", f"must be >= 0, got {self.max_mean_drift}")
+
+
+@dataclass
 class CyclesConfig:
     """``cycles``: the iterative_dpo and raft flows (sample -> score -> version -> train, N times)."""
 
@@ -1083,6 +1186,72 @@ class GuardsConfig:
                f"must be in [0, 1], got {self.min_entropy_ratio}")
 
 
+@dataclass
+class ToolGenerateConfig:
+    """``tool_generate``: write the tool task's datasets."""
+
+    section: ClassVar[str] = "tool_generate"
+
+    out_dir: str = "data/tool"
+    """Folder that receives sft.jsonl, prompts.jsonl and eval.jsonl."""
+    seed: int = 4321
+    """Seed of the problem draw and of the demonstrator's choices."""
+    n_sft: int = 10000
+    """Number of SFT demonstrations."""
+    n_prompts: int = 1000
+    """Number of RL prompts with labels."""
+    n_eval: int = 500
+    """Number of held-out evaluation items (disjoint from the other splits)."""
+    skip_tool: float = 0.7
+    """Fraction of demonstrations that skip the calculator and answer directly (a guess)."""
+    guess_noise: float = 0.5
+    """Fraction of those guesses that are a plausible wrong answer."""
+    ops: str = "+-*"
+    """Operators (any of + - *)."""
+    max_add: int = 99
+    """Largest operand of + and - (smallest: 0)."""
+    max_mul_left: int = 99
+    """Largest left operand of * (smallest: 0)."""
+    max_mul_right: int = 9
+    """Largest right operand of * (smallest: 0)."""
+
+    def __post_init__(self) -> None:
+        s = self.section
+        for name in ("n_sft", "n_prompts", "n_eval"):
+            _check(getattr(self, name) >= 1, s, name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("skip_tool", "guess_noise"):
+            _check(0.0 <= getattr(self, name) <= 1.0, s, name, f"must be in [0, 1], got {getattr(self, name)}")
+        _check(bool(self.ops) and set(self.ops) <= set("+-*"), s, "ops", f"must be some of '+-*', got {self.ops!r}")
+
+
+@dataclass
+class ToolEvalConfig:
+    """``tool_evaluate``: greedy multi-turn accuracy and tool-call rate on held-out items."""
+
+    section: ClassVar[str] = "tool_evaluate"
+
+    eval_file: str = "data/tool/eval.jsonl"
+    """Held-out prompts with labels."""
+    max_items: int = 500
+    """Items evaluated (the first of the file)."""
+    max_turns: int = 2
+    """Model turns per trajectory."""
+    max_trajectory_tokens: int = 32
+    """Response tokens per trajectory (turns and observations)."""
+    max_new_tokens: int = 24
+    """Tokens per model turn."""
+    num_threads: int = 2
+    """torch intra-op threads on CPU."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_items", "max_turns", "max_trajectory_tokens", "max_new_tokens", "num_threads"):
+            _check(getattr(self, name) >= 1, self.section, name, f"must be >= 1, got {getattr(self, name)}")
+
+
+# The repository's embedded tool task (rlhf_core/tool_task.py): its own sections beside the default's. Not in
+# the `alignflow init` template (flows/project_template/params.yaml): a user's project gets the default task only.
+TOOL_TASK_SECTIONS = ("tool_generate", "tool_model", "tool_sft", "tool_rl", "tool_evaluate")
+
 SECTIONS: dict[str, type] = {
     "generate": GenerateConfig,
     "model": ModelConfig,
@@ -1095,10 +1264,16 @@ SECTIONS: dict[str, type] = {
     "raft": RaftConfig,
     "rl": RLConfig,
     "cycles": CyclesConfig,
+    "data_report": DataReportConfig,
     "evaluate": EvalConfig,
     "tracking": TrackingConfig,
     "flow": FlowConfig,
     "guards": GuardsConfig,
+    "tool_generate": ToolGenerateConfig,
+    "tool_model": ModelConfig,
+    "tool_sft": SFTConfig,
+    "tool_rl": RLConfig,
+    "tool_evaluate": ToolEvalConfig,
 }
 
 T = TypeVar("T")
@@ -1174,7 +1349,10 @@ def build_config(cls: type[T], section: str, values: dict[str, Any], source: str
     try:
         return cls(**kwargs)
     except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+        message, own = str(exc), getattr(cls, "section", None)
+        if own and section != own:  # a section of the same fields under another name (tool_rl): name that one
+            message = message.replace(f"{own}.", f"{section}.", 1)
+        raise ConfigError(f"{source}: {message}") from None
 
 
 def read_params(path: str | Path) -> dict[str, Any]:
@@ -1234,5 +1412,6 @@ def field_docs(cls: type) -> dict[str, str]:
 __all__ = [
     "ConfigError", "GenerateConfig", "ModelConfig", "DataFields", "SFTConfig", "EvalConfig",
     "TrackingConfig", "FlowConfig", "GuardsConfig", "TrainerConfig", "DPOConfig", "RewardConfig", "RejectionConfig", "RLConfig", "SECTIONS", "build_config", "load_config", "read_params",
-    "parse_overrides", "config_to_dict", "field_docs",
+    "parse_overrides", "config_to_dict", "field_docs", "ToolGenerateConfig", "ToolEvalConfig", "TOOL_TASK_SECTIONS",
+    "DataReportConfig",
 ]

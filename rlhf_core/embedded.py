@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 SPECIAL_TOKENS = ("<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -84,11 +84,13 @@ def build_tiny_model(
     max_positions: int = 128,
     seed: int = 0,
     chat_template: str | None = None,
+    added_tokens: Sequence[str] = (),
 ) -> Path:
     """Build a randomly initialised causal LM from a config and save model + tokenizer.
 
     ``arch`` is ``"qwen2"`` or ``"llama"``: both are stock ``transformers`` classes, so the
-    saved directory is indistinguishable in shape from a hub checkpoint.
+    saved directory is indistinguishable in shape from a hub checkpoint. ``added_tokens`` become
+    single tokens of the saved tokenizer (and rows of the embedding).
     """
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -96,6 +98,8 @@ def build_tiny_model(
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     if chat_template is not None:
         tokenizer.chat_template = chat_template
+    if added_tokens:  # e.g. a tool call's tags: one token each, kept by decode (not special)
+        tokenizer.add_tokens(list(added_tokens))
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

@@ -421,6 +421,10 @@ class DeepSpeedStrategy:
             return nullcontext()
         import deepspeed
 
+        # Parameters the ZeRO-3 prefetcher fetched for a forward that did not run (the last eval pass's
+        # look-ahead) are still in flight; gathering them and partitioning again on exit fails with
+        # "Cannot partition a param in flight" (a 7B DPO run's final save on 4 GPUs). Release them first.
+        self.engine.empty_partition_cache()
         return deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=0)
 
     # ---- checkpoints: whole tensors by name, whatever the partitioning ---------------------------

@@ -15,7 +15,11 @@ Everything Ray-specific lives here; the trainers and roles it hosts (:mod:`rlhf_
 Placement groups are made only by :class:`Launcher`. *Colocated*: one bundle per policy rank and
 every role takes a fraction of it (reference rank i, rollout replica i and the reward model
 share policy rank i's device; each role hands its cached memory back after its phase).
-*Disaggregated*: each role gets bundles of its own.
+*Disaggregated*: each role gets bundles of its own. With asynchronous training (``max_staleness >= 1``)
+only generation overlaps the update, so disaggregated placement splits the devices in two sides: the
+learning side (policy ranks, each with a reference rank on its bundle, as colocated) and the generating
+side (rollout replicas, with the reward model on replica 0's bundle, since rewards are scored as batches
+are generated): one policy rank and one replica run on two GPUs.
 
 The cluster: :func:`connect` attaches to the one ``RAY_ADDRESS`` names (``ray start --head``
 on the head node; see README "Scale out with Ray"), or starts a local instance.
@@ -567,8 +571,10 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
     workers, replicas = cfg.num_workers, cfg.rollout_workers
     reward_model = cfg.reward_kind == "model"
     colocated = cfg.placement == "colocated"
-    n_refs = workers if colocated else 1
-    connect(min_cpus=workers if colocated else workers + n_refs + replicas + int(reward_model))
+    two_sided = not colocated and cfg.max_staleness > 0  # learning side and generating side (module docstring)
+    n_refs = workers if colocated or two_sided else 1
+    bundles = workers if colocated else workers + replicas if two_sided else workers + n_refs + replicas + reward_model
+    connect(min_cpus=bundles)
     launcher = Launcher(cluster_has_gpus())
     started = time.perf_counter()
     with launcher.running():  # a failed rank tears every group down at once (no wait on its peers)
@@ -578,6 +584,11 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
             pgs = {"policy": (pg, ranks), "reference": (pg, ranks),
                    "rollout": (pg, [i % workers for i in range(replicas)]), "reward": (pg, [0])}
             share = _COLOCATED_SHARE
+        elif two_sided:
+            learning, generating = launcher.bundles(workers), launcher.bundles(replicas)
+            pgs = {"policy": (learning, range(workers)), "reference": (learning, range(workers)),
+                   "rollout": (generating, range(replicas)), "reward": (generating, [0])}
+            share = 0.5  # two roles a bundle at most
         else:
             pgs = {"policy": (launcher.bundles(workers), range(workers)),
                    "reference": (launcher.bundles(n_refs), range(n_refs)),

@@ -363,13 +363,29 @@ class HttpRewardSource:
         where = f"reward server {redact_secrets(self.url)}"
         _check_inputs(where, prompts, completions, labels)
         body = {"prompts": list(prompts), "completions": list(completions), "labels": list(labels)}
+        return self._with_retries(lambda timeout: self._attempt(body, len(prompts), where, timeout), where)
+
+    def post_json(self, body: dict[str, Any], where: str) -> Any:
+        """``POST body`` with this source's retries, deadline and auth; the reply's JSON, unchecked (an
+        environment server's transport, :class:`rlhf_core.environments.HttpEnvironment`)."""
+
+        def attempt(timeout: float) -> Any:
+            reply = self._post(body, where, timeout)
+            try:
+                return reply.json()
+            except ValueError:
+                raise RewardError(f"{where}: reply is not JSON: {_excerpt(reply.text)!r}") from None
+
+        return self._with_retries(attempt, where)
+
+    def _with_retries(self, attempt: Callable[[float], Any], where: str) -> Any:
+        """``attempt(timeout)`` until it returns, retrying :class:`_Retry` as the class docstring says."""
         deadline = time.monotonic() + self.deadline_s
         attempts = failures = 0
         while True:
             attempts += 1
             try:
-                return self._attempt(body, len(prompts), where, max(1e-3, min(self.timeout_s,
-                                                                              deadline - time.monotonic())))
+                return attempt(max(1e-3, min(self.timeout_s, deadline - time.monotonic())))
             except _Retry as retry:
                 last, wait = retry.last, retry.wait_s
                 failures += retry.counts
@@ -385,6 +401,10 @@ class HttpRewardSource:
 
     def _attempt(self, body: dict[str, list], n: int, where: str, timeout: float) -> list[float]:
         """One POST: the rewards, :class:`_Retry` for a transient failure, :class:`RewardError` otherwise."""
+        return self._parse(self._post(body, where, timeout), n, where)
+
+    def _post(self, body: dict[str, Any], where: str, timeout: float) -> Any:
+        """One POST: the 200 reply, :class:`_Retry` for a transient failure, :class:`RewardError` otherwise."""
         import requests
 
         if self._session is None:
@@ -409,7 +429,7 @@ class HttpRewardSource:
         if code != 200:  # the body is not quoted: a 4xx page may echo the request, credentials and all
             raise RewardError(redact_secrets(f"{where}: HTTP {code} {reply.reason or ''}".rstrip()[:200]
                                              + f" (not retried){_STATUS_HINTS.get(code, '')}"))
-        return self._parse(reply, n, where)
+        return reply
 
     @staticmethod
     def _parse(reply: Any, n: int, where: str) -> list[float]:

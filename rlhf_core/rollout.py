@@ -47,6 +47,9 @@ class SamplingParams:
     """Upper bound on response length (tokens, eos included)."""
     seed: int | None = None
     """Seed for this call (vary it per step); ``None`` draws from torch's global RNG."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a response like eos (kept in it, as eos is): a tool call's closing tag in a
+    multi-turn rollout (:mod:`rlhf_core.environments`). Empty: eos only."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -61,6 +64,9 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be token ids (integers >= 0), "
+                             f"got {self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:
@@ -90,6 +96,11 @@ class RolloutBatch:
     """``(B*n, R)`` float32 ``log_softmax(logits / T)`` of each sampled token (module docstring); 0 where masked."""
     group_size: int
     """``n``: samples per prompt."""
+    action_mask: torch.Tensor | None = None
+    """``(B*n, R)`` long, 1 on the tokens the policy sampled, 0 on observation tokens an environment appended
+    (multi-turn rollouts, :mod:`rlhf_core.environments`); ``None``: every response token is the policy's."""
+    tool_calls: torch.Tensor | None = None
+    """``(B*n,)`` long: environment steps (tool calls) of each trajectory; ``None`` without an environment."""
 
     def __post_init__(self) -> None:
         rows = len(self.prompts)
@@ -104,6 +115,13 @@ class RolloutBatch:
             raise ValueError("RolloutBatch: prompt_ids and prompt_mask differ in shape")
         if not self.response_ids.shape == self.response_mask.shape == self.sampling_logprobs.shape:
             raise ValueError("RolloutBatch: response_ids, response_mask and sampling_logprobs differ in shape")
+        if self.action_mask is not None and self.action_mask.shape != self.response_mask.shape:
+            raise ValueError("RolloutBatch: action_mask and response_mask differ in shape")
+
+    def loss_mask(self) -> torch.Tensor:
+        """``(B*n, R)`` long: the tokens the loss and the advantages cover, the policy's own samples
+        (``response_mask``, times ``action_mask`` when observations are interleaved)."""
+        return self.response_mask if self.action_mask is None else self.response_mask * self.action_mask
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -234,9 +252,11 @@ def assemble_batch(tokenizer: Any, prompts: Sequence[str], n: int, chunks: Seque
                         response_mask=response_mask, sampling_logprobs=logprobs, group_size=n)
 
 
-def response_mask_from_ids(response_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """``(rows, R)`` long: 1 up to and including each row's first ``eos_id``, all 1 where none."""
+def response_mask_from_ids(response_ids: torch.Tensor, eos_id: int, stop_ids: Sequence[int] = ()) -> torch.Tensor:
+    """``(rows, R)`` long: 1 up to and including each row's first ``eos_id`` (or stop id), all 1 where none."""
     is_eos = (response_ids == eos_id).long()
+    for stop in stop_ids:
+        is_eos |= (response_ids == stop).long()
     eos_before = is_eos.cumsum(-1) - is_eos  # eos tokens strictly before each position
     return (eos_before == 0).long()
 
@@ -302,10 +322,17 @@ class HFGenerateEngine:
             raise ValueError(f"{type(self).__name__}.generate: prompt {empty[0]} encodes to no tokens")
         return encoded
 
-    @torch.no_grad()
     def generate(self, prompts: Sequence[str], params: SamplingParams) -> RolloutBatch:
         """``params.n`` samples per prompt; see :class:`RolloutBatch` for the layout."""
-        encoded = self._encode(prompts)
+        return self.generate_ids(self._encode(prompts), params, prompts)
+
+    @torch.no_grad()
+    def generate_ids(self, encoded: Sequence[list[int]], params: SamplingParams,
+                     prompts: Sequence[str] | None = None) -> RolloutBatch:
+        """:meth:`generate` from token ids: a multi-turn rollout continues each trajectory's exact ids
+        (:func:`rlhf_core.environments.rollout_with_environment`), never a re-tokenisation of its text.
+        ``prompts`` only labels the batch's rows (default: empty strings)."""
+        prompts = list(prompts) if prompts is not None else [""] * len(encoded)
         device = torch.device("cpu")
         try:
             device = next(self._sampling_model.parameters()).device
@@ -355,11 +382,12 @@ class HFGenerateEngine:
             out = model.generate(
                 input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=not params.greedy,
                 temperature=1.0, top_k=0, top_p=1.0,
-                max_new_tokens=params.max_new_tokens, eos_token_id=eos, pad_token_id=pad, use_cache=True,
+                max_new_tokens=params.max_new_tokens, pad_token_id=pad, use_cache=True,
+                eos_token_id=[eos, *params.stop_token_ids] if params.stop_token_ids else eos,
                 logits_processor=LogitsProcessorList(processors))
         response = out[:, ids.shape[1]:]
         logprobs = recorder.collect(response).float().cpu()
         response = response.cpu()
-        response_mask = response_mask_from_ids(response, eos)
+        response_mask = response_mask_from_ids(response, eos, params.stop_token_ids)
         response = response.masked_fill(response_mask == 0, pad)
         return ids, mask, response, response_mask, logprobs.masked_fill(response_mask == 0, 0.0)

@@ -104,10 +104,20 @@ class StaticCacheEngine(HFGenerateEngine):
 
     # ---- generate ---------------------------------------------------------------------------
 
-    @torch.no_grad()
     def generate(self, prompts: Sequence[str], params: SamplingParams) -> RolloutBatch:
         """``params.n`` samples per prompt; see :class:`rlhf_core.rollout.RolloutBatch` for the layout."""
-        encoded = self._encode(prompts)
+        return self.generate_ids(self._encode(prompts), params, prompts)
+
+    @torch.no_grad()
+    def generate_ids(self, encoded: Sequence[list[int]], params: SamplingParams,
+                     prompts: Sequence[str] | None = None) -> RolloutBatch:
+        """:meth:`generate` from token ids (one turn of a multi-turn rollout; see the HF engine's).
+
+        A multi-turn rollout calls this once per turn with the whole trajectory so far as the prompt: each
+        turn is a fresh prefill + decode, so the observation tokens an environment appends are written by the
+        next prefill, never inside a captured decode graph. Within a turn the decode graphs apply as usual.
+        """
+        prompts = list(prompts) if prompts is not None else [""] * len(encoded)
         width = max(len(e) for e in encoded) + params.max_new_tokens
         if self._window and width > self._window:
             raise ValueError(f"StaticCacheEngine: prompt + max_new_tokens = {width} tokens exceeds the model's "
@@ -152,6 +162,8 @@ class StaticCacheEngine(HFGenerateEngine):
             token = token.masked_fill(finished, pad)  # rows past their eos only pad
             out_ids[:, t], out_logp[:, t] = token, logp
             finished |= token == eos
+            for stop in params.stop_token_ids:  # a tool call's closing tag ends the turn like eos
+                finished |= token == stop
             if t == R - 1 or ((t + 1) % check_every == 0 and bool(finished.all())):
                 steps = t + 1
                 break
@@ -159,7 +171,7 @@ class StaticCacheEngine(HFGenerateEngine):
         decoder.release()
         response = out_ids[:, :steps].cpu()
         logprobs = out_logp[:, :steps].cpu()
-        response_mask = response_mask_from_ids(response, eos)
+        response_mask = response_mask_from_ids(response, eos, params.stop_token_ids)
         longest = max(int(response_mask.sum(-1).max()), 1)  # columns after every row's eos: dropped, as generate does
         response, response_mask, logprobs = response[:, :longest], response_mask[:, :longest], logprobs[:, :longest]
         response = response.masked_fill(response_mask == 0, pad)

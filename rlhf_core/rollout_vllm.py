@@ -125,8 +125,6 @@ class VLLMEngine:
 
     def generate(self, prompts: Sequence[str], params: SamplingParams) -> RolloutBatch:
         """``params.n`` samples per prompt, grouped contiguously (the layout of :class:`RolloutBatch`)."""
-        from vllm import SamplingParams as VSamplingParams
-
         if not prompts:
             raise ValueError("VLLMEngine.generate: no prompts")
         if (params.top_k or params.top_p < 1.0) and not self._warned_truncation:
@@ -137,10 +135,21 @@ class VLLMEngine:
         empty = [i for i, ids in enumerate(encoded) if not ids]
         if empty:
             raise ValueError(f"VLLMEngine.generate: prompt {empty[0]} encodes to no tokens")
+        return self.generate_ids(encoded, params, prompts)
+
+    def generate_ids(self, encoded: Sequence[list[int]], params: SamplingParams,
+                     prompts: Sequence[str] | None = None) -> RolloutBatch:
+        """:meth:`generate` from token ids: one turn of a multi-turn rollout (``prompt_token_ids`` in, so a
+        trajectory is continued from its exact ids; vLLM's prefix cache reuses the earlier turns' KV blocks).
+        Not run in this repository's CPU tests (vLLM needs a GPU)."""
+        from vllm import SamplingParams as VSamplingParams
+
+        prompts = list(prompts) if prompts is not None else [""] * len(encoded)
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         sampling = VSamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
                                    top_k=params.top_k, max_tokens=params.max_new_tokens, seed=params.seed,
-                                   logprobs=0, stop_token_ids=[eos], ignore_eos=False, detokenize=False)
+                                   logprobs=0, stop_token_ids=[eos, *params.stop_token_ids], ignore_eos=False,
+                                   detokenize=False)
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], sampling, use_tqdm=False)
 
         prompt_rows: list[list[int]] = []
@@ -158,7 +167,7 @@ class VLLMEngine:
         prompt_ids, prompt_mask = _left_pad(prompt_rows, pad)
         width = max(len(r) for r in response_rows)
         response_ids = torch.stack([_pad_to(torch.tensor([r]), width, pad, left=False)[0] for r in response_rows])
-        response_mask = response_mask_from_ids(response_ids, eos) * (
+        response_mask = response_mask_from_ids(response_ids, eos, params.stop_token_ids) * (
             torch.arange(width)[None, :] < torch.tensor([len(r) for r in response_rows])[:, None]).long()
         logprobs = torch.stack([_pad_to(torch.tensor([r], dtype=torch.float32), width, 0.0, left=False)[0]
                                 for r in logprob_rows]) * response_mask

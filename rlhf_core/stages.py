@@ -21,6 +21,7 @@ from typing import Any, Iterator
 from rlhf_core.atomic_io import write_text_atomic
 from rlhf_core.config import (
     DataFields,
+    DataReportConfig,
     DistillConfig,
     DPOConfig,
     EvalConfig,
@@ -146,7 +147,7 @@ def init_model(cfg: ModelConfig, tracking: TrackingConfig | None = None,
                 build_tiny_model(tok_dir, staging, arch=cfg.arch, hidden_size=cfg.hidden_size,
                                  num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                                  intermediate_size=cfg.intermediate_size, max_positions=cfg.max_positions,
-                                 seed=cfg.seed)
+                                 seed=cfg.seed, added_tokens=cfg.added_tokens)
                 fsync_tree(staging)
                 replace_dir(staging, out)
         finally:
@@ -169,13 +170,22 @@ def init_model(cfg: ModelConfig, tracking: TrackingConfig | None = None,
 def validate(path: str | Path, kind: str, fields: DataFields | None = None,
              report_file: str | Path | None = None, tracking: TrackingConfig | None = None,
              parent_run_id: str | None = None, name: str | None = None,
-             desirable_field: str | None = None) -> StageResult:
+             desirable_field: str | None = None, data_report: DataReportConfig | None = None,
+             eval_file: str | None = None, previous: dict[str, float] | None = None,
+             report_to_parent: bool = False) -> StageResult:
     """Run the Great Expectations gate; raise ``ValidationFailed`` (writing no file) on failure.
 
     On success, and only then, the report is written to ``report_file`` if given (DVC's
     validation stages depend on it, so SFT cannot run on an unvalidated file). Under a flow
     the report is logged to a nested run either way, so the UI shows what failed.
     ``desirable_field`` names the unpaired (KTO) kind's boolean field.
+
+    With ``data_report`` (the flows give it for every dataset they train on) the data report
+    follows a passed gate (:mod:`rlhf_core.data.report`: near-duplicates, contamination against
+    ``eval_file``, statistics, drift against ``previous``, a former result's ``data/mean_*``
+    metrics); its HTML page goes to the stage's run as ``data_report/<name>.html`` (and to the
+    parent run too with ``report_to_parent``, a cycle's own run), and a failed check raises
+    ``ValidationFailed`` with its report. ``report_file`` keeps the gate's report alone.
     """
     from rlhf_core.data.validate import ValidationFailed, validate_dataset
 
@@ -189,11 +199,33 @@ def validate(path: str | Path, kind: str, fields: DataFields | None = None,
             run.set_tags({"alignflow.data.form": report.form})
         if not report.success:
             raise ValidationFailed(report)
+        stats = _data_report(path, kind, fields, data_report, eval_file, previous, run,
+                             parent_run_id if report_to_parent else None, name or kind) if data_report else {}
     _remember_pass(path, kind, fields or DataFields(), report.n_rows, desirable_field)
     outputs: dict[str, str] = {"dataset": str(path)}
     if report_file is not None:
         outputs["report"] = str(_write_json_atomic(report.to_dict(), report_file))
-    return StageResult(outputs, {"dataset": dvc_md5(path)}, {"data/n_rows": float(report.n_rows)})
+    return StageResult(outputs, {"dataset": dvc_md5(path)}, {"data/n_rows": float(report.n_rows), **stats})
+
+
+def _data_report(path: str | Path, kind: str, fields: DataFields | None, cfg: DataReportConfig,
+                 eval_file: str | None, previous: dict[str, float] | None, run: Any, parent_run_id: str | None,
+                 name: str) -> dict[str, float]:
+    """Run the data report, log its page, JSON and rates; raise ``ValidationFailed`` if it fails."""
+    from rlhf_core.data.report import data_report
+    from rlhf_core.data.validate import ValidationFailed
+    from rlhf_core.redact import redact_secrets
+
+    report = data_report(path, kind, cfg, fields, eval_file, previous)
+    if run is not None:
+        runs = [run] + ([type(run)(run.client, parent_run_id)] if parent_run_id and hasattr(run, "client") else [])
+        for target in runs:
+            target.log_text(redact_secrets(report.html), f"data_report/{name}.html")
+            target.log_dict(report.to_dict(), f"data_report/{name}.json")
+        run.log_metrics({**report.stats, "data/report_failed_expectations": float(len(report.failures))}, 0)
+    if not report.success:
+        raise ValidationFailed(report)
+    return report.stats
 
 
 # --------------------------------------------------------------------------------------

@@ -88,6 +88,7 @@ class Tracker(Protocol):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
     def set_tags(self, tags: dict[str, str]) -> None: ...
     def log_dict(self, obj: Any, artifact_file: str) -> None: ...
+    def log_text(self, text: str, artifact_file: str) -> None: ...
     def log_input(self, path: str | Path, name: str, digest: str, context: str) -> None: ...
     def log_hf_model(self, model_dir: str | Path, registered_name: str | None) -> str | None: ...
 
@@ -149,6 +150,10 @@ class MlflowTracker:
 
     def log_dict(self, obj: Any, artifact_file: str) -> None:
         self.client.log_dict(self.run_id, redact_secrets(obj), artifact_file)
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        """A text artifact (an HTML page shows rendered in the MLflow UI); the caller redacts it."""
+        self.client.log_text(self.run_id, text, artifact_file)
 
     def log_figure(self, figure: Any, artifact_file: str) -> None:
         """A matplotlib figure as a PNG artifact."""
@@ -296,6 +301,10 @@ class LocalFileTracker:
     def log_dict(self, obj: Any, artifact_file: str) -> None:
         (self.dir / artifact_file).parent.mkdir(parents=True, exist_ok=True)
         (self.dir / artifact_file).write_text(json.dumps(redact_secrets(obj), indent=2, default=str))
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        (self.dir / artifact_file).parent.mkdir(parents=True, exist_ok=True)
+        (self.dir / artifact_file).write_text(text)
 
     def log_figure(self, figure: Any, artifact_file: str) -> None:
         (self.dir / artifact_file).parent.mkdir(parents=True, exist_ok=True)

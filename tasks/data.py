@@ -7,7 +7,7 @@ from typing import Any
 from prefect import task
 
 from rlhf_core import stages
-from rlhf_core.config import DataFields, GenerateConfig, RejectionConfig, TrackingConfig, build_config
+from rlhf_core.config import DataFields, DataReportConfig, GenerateConfig, RejectionConfig, TrackingConfig, build_config
 from tasks.common import TASK_DEFAULTS, VALIDATION_CACHE_POLICY
 
 
@@ -21,12 +21,20 @@ def generate_data(params: dict[str, Any], tracking: dict[str, Any], parent_run_i
 @task(name="validate-data", task_run_name="validate-{name}",
       **{**TASK_DEFAULTS, "retries": 0, "cache_policy": VALIDATION_CACHE_POLICY})
 def validate_data(path: str, md5: str, kind: str, name: str, fields: dict[str, Any], tracking: dict[str, Any],
-                  parent_run_id: str | None = None, desirable_field: str | None = None) -> dict[str, Any]:
+                  parent_run_id: str | None = None, desirable_field: str | None = None,
+                  data_report: dict[str, Any] | None = None, eval_file: str | None = None,
+                  previous: dict[str, float] | None = None, report_to_parent: bool = False) -> dict[str, Any]:
     """Great Expectations gate on one dataset; raises on failure (``md5`` is recorded in the task inputs).
-    ``desirable_field``: the unpaired (KTO) kind's boolean field."""
+    ``desirable_field``: the unpaired (KTO) kind's boolean field. ``data_report`` (the ``data_report``
+    section): also the data report, contamination checked against ``eval_file``, drift against
+    ``previous`` (an earlier result's metrics); its page is logged to ``parent_run_id`` too with
+    ``report_to_parent``."""
     del md5
     return stages.validate(path, kind, DataFields(**fields), tracking=build_config(TrackingConfig, "tracking", tracking),
-                           parent_run_id=parent_run_id, name=name, desirable_field=desirable_field).to_dict()
+                           parent_run_id=parent_run_id, name=name, desirable_field=desirable_field,
+                           data_report=build_config(DataReportConfig, "data_report", data_report)
+                           if data_report is not None else None,
+                           eval_file=eval_file, previous=previous, report_to_parent=report_to_parent).to_dict()
 
 
 @task(name="sample-best-of-n", **TASK_DEFAULTS)

@@ -5,7 +5,10 @@ Reads top to bottom like cleanrl's ``ppo.py``: :meth:`RLTrainer.train_step` is o
 ``step``) as named phases over a batch, each a short method below it:
 
 1. ``generate``: ``prompts_per_step`` prompts x ``group_size`` samples from the policy (a ``RolloutEngine``),
-   each scored by a ``RewardSource`` (rule file, reward model or HTTP), label passed through;
+   each scored by a ``RewardSource`` (rule file, reward model or HTTP), label passed through; with
+   ``environment`` set, multi-turn trajectories instead (:func:`rlhf_core.environments.rollout_with_environment`:
+   the policy's turns, a tool's observations between them, ``action_mask`` marking the policy's tokens,
+   the only ones the loss, the KL and the advantages cover);
 2. DAPO dynamic sampling (in ``generate``): drop groups whose samples all scored the same and top up
    from more prompts; ``shape_rewards``: the overlong penalty;
 3. ``score_logprobs``: old (the policy, no grad), reference, values (the critic, ``gae`` only) and the
@@ -17,6 +20,21 @@ Reads top to bottom like cleanrl's ``ppo.py``: :meth:`RLTrainer.train_step` is o
    the critic's clipped value loss with its own optimizer;
 6. ``sync_weights``: the rollout engine samples from the new weights;
 7. ``iteration_metrics``: the KL controller and the iteration's metrics.
+
+Asynchronous training (``max_staleness: k >= 1``; 0, the default, is the synchronous loop above): step ``s``
+takes batch ``s``, generated during step ``s - 1``, then launches the generation of batch ``s + 1`` on a
+rollout thread (``launch``) and runs phases 3-5 beside it. Under Ray's disaggregated placement the thread only
+waits on the rollout replicas, so generation and update run on separate devices; in one process the engine
+samples from a copy of the policy of its own. Weights are pushed to the engine only when the batch being
+launched would otherwise come from a policy more than ``k`` updates older than the one it updates.
+Which log-prob is which under staleness (the decoupled PPO objective, Hilton et al. 2021; AReaL):
+``old_logp`` (pi_old, the PPO ratio's anchor) is always recomputed from the policy *being updated*, before its
+update (``recompute_old_logprobs`` is required); ``sampling_logp`` is the engine's, i.e. the behaviour policy
+``k`` versions back (plus any engine numerics). Their ratio pi_old / pi_engine is what ``tis_cap`` truncates
+per token and ``mis_threshold`` masks per sequence, and it is logged as ``async/is_weight_mean``.
+Checkpoints: a checkpoint waits for the batch in flight and stores it (samples, rewards, the policy version
+it came from), and the next launch after a checkpoint (or a resume) pushes weights first, so a resumed run
+continues bit-identically (``tests/model/test_rl_async.py``).
 
 Resume, SIGTERM, periodic eval and checkpoints, and the final save are the one checkpointed loop's
 (:func:`rlhf_core.trainers.loop.run_checkpointed`), the same loop the offline trainers run in.
@@ -30,8 +48,11 @@ Run: ``alignflow rl`` (config: ``params.yaml`` section ``rl``), or ``train_rl(RL
 
 from __future__ import annotations
 
+import json
 import logging
-from dataclasses import dataclass, field
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -42,14 +63,17 @@ from rlhf_core.data.formats import prompt_text, read_prompt_examples
 from rlhf_core.data.io import DataError, read_records
 from rlhf_core.data.sequences import SAMPLE_ROWS, rendered_row
 from rlhf_core.data.tokenize import IGNORE_INDEX, TokenizedExample, encode_prompt
+from rlhf_core.environments import (environment_factory, evaluate_with_environment, rollout_with_environment,
+                                    trajectory_rows)
 from rlhf_core.evaluate import evaluate_exact_match
-from rlhf_core.models import load_tokenizer, merged_model, pick_device
+from rlhf_core.models import load_causal_lm, load_tokenizer, merged_model, pick_device
 from rlhf_core.precision import Precision
 from rlhf_core.redact import redact_secrets
 from rlhf_core.rewards import RewardKind, RewardSource, build_reward_source
 from rlhf_core.rl_math import (AdaptiveKLController, AdvantageEstimator, FixedKLController, KLController,
                                compute_advantages, dynamic_sampling_keep, explained_variance, kl_penalty, masked_mean,
-                               masked_whiten, overlong_penalty, reverse_kl_token_rewards, truncated_is_weights)
+                               masked_whiten, overlong_penalty, reverse_kl_token_rewards, sequence_is_mask,
+                               truncated_is_weights)
 from rlhf_core.rollout import HFGenerateEngine, RolloutBatch, RolloutEngine, SamplingParams
 from rlhf_core.checkpoint import Checkpoint, Checkpointer, read_weights, run_fingerprint
 from rlhf_core.trainers.loop import (EpochSampler, LoopClock, LoopPlan, MetricSink, NullSink, Timer, run_checkpointed,
@@ -95,10 +119,14 @@ def rendered_rollout_rows(tokenizer: Any, batch: RolloutBatch, rewards: torch.Te
     the tokens the policy loss covers, up to and including eos), ``prompt`` (rendered), ``completion`` (as the
     reward source got it, special tokens skipped) and ``reward``; secrets redacted."""
     rows = []
+    loss_mask = batch.loss_mask()
     for i in range(min(n, len(batch))):
         prompt = batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist()
-        response = batch.response_ids[i][batch.response_mask[i].bool()].tolist()
-        seq = TokenizedExample(prompt + response, [IGNORE_INDEX] * len(prompt) + response)
+        kept = batch.response_mask[i].bool()
+        response = batch.response_ids[i][kept].tolist()
+        # an environment's observation tokens are not the policy's: outside the loss spans
+        labels = [tok if own else IGNORE_INDEX for tok, own in zip(response, loss_mask[i][kept].tolist())]
+        seq = TokenizedExample(prompt + response, [IGNORE_INDEX] * len(prompt) + labels)
         rows.append(redact_secrets({**rendered_row(tokenizer, seq),
                                     "prompt": tokenizer.decode(prompt, skip_special_tokens=False),
                                     "completion": batch.completions[i], "reward": float(rewards[i])}))
@@ -128,7 +156,10 @@ def _concat(batches: Sequence[RolloutBatch], pad_id: int) -> RolloutBatch:
         response_ids=torch.cat([_pad(b.response_ids, r, pad_id, left=False) for b in batches]),
         response_mask=torch.cat([_pad(b.response_mask, r, 0, left=False) for b in batches]),
         sampling_logprobs=torch.cat([_pad(b.sampling_logprobs, r, 0.0, left=False) for b in batches]),
-        group_size=batches[0].group_size)
+        group_size=batches[0].group_size,
+        action_mask=(torch.cat([_pad(b.action_mask, r, 0, left=False) for b in batches])
+                     if batches[0].action_mask is not None else None),
+        tool_calls=torch.cat([b.tool_calls for b in batches]) if batches[0].tool_calls is not None else None)
 
 
 def _take(batch: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
@@ -137,7 +168,9 @@ def _take(batch: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
     return RolloutBatch(prompts=[batch.prompts[i] for i in idx], completions=[batch.completions[i] for i in idx],
                         prompt_ids=batch.prompt_ids[rows], prompt_mask=batch.prompt_mask[rows],
                         response_ids=batch.response_ids[rows], response_mask=batch.response_mask[rows],
-                        sampling_logprobs=batch.sampling_logprobs[rows], group_size=batch.group_size)
+                        sampling_logprobs=batch.sampling_logprobs[rows], group_size=batch.group_size,
+                        action_mask=batch.action_mask[rows] if batch.action_mask is not None else None,
+                        tool_calls=batch.tool_calls[rows] if batch.tool_calls is not None else None)
 
 
 def _mean(values: list[float]) -> float:
@@ -171,8 +204,11 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
     checkpointer = Checkpointer(cfg.checkpoint_dir, run_fingerprint(cfg), cfg.keep_checkpoints)
     # the last iteration's metrics and the start-of-run eval: recorded with the output, so a stage retried
     # after the final save (loop.run_checkpointed reuses it) reports them without training again
-    outcome = run_checkpointed(plan, checkpointer, trainer, sink=sink, show_progress=show_progress,
-                               result_metrics=lambda _: {**trainer.step_metrics, **trainer.summary})
+    try:
+        outcome = run_checkpointed(plan, checkpointer, trainer, sink=sink, show_progress=show_progress,
+                                   result_metrics=lambda _: {**trainer.step_metrics, **trainer.summary})
+    finally:
+        trainer.close()  # the rollout thread (max_staleness >= 1): it finishes the batch in flight, if any
     if engine is None and hasattr(trainer.engine, "close"):
         trainer.engine.close()  # a vLLM engine's worker processes (on an exception, vLLM's own exit hooks do it)
     metrics = {**outcome.result_metrics, **outcome.eval_metrics,
@@ -194,6 +230,35 @@ class Sampled:
 
 
 @dataclass
+class Rollout:
+    """A batch on its way from the engine to the update: which policy version sampled it, and when.
+
+    ``start`` and ``end`` are wall-clock seconds (``time.time()``), set by the thread that generates it."""
+
+    step: int  # the iteration that learns from it
+    version: int  # updates the engine's weights had seen when it was generated
+    start: float | None = None
+    end: float | None = None
+    sampled: Sampled | None = None
+    seconds: dict[str, float] = field(default_factory=dict)  # perf/rollout_s, perf/reward_s
+
+    def state_dict(self) -> dict[str, Any]:
+        """Tensors, strings and numbers only: a checkpoint reads its state back with weights_only."""
+        sampled = self.sampled
+        return {"step": self.step, "version": self.version, "start": self.start, "end": self.end,
+                "seconds": dict(self.seconds),
+                "sampled": {**{f.name: getattr(sampled, f.name) for f in fields(Sampled) if f.name != "batch"},
+                            "batch": {f.name: getattr(sampled.batch, f.name) for f in fields(RolloutBatch)}}}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Rollout:
+        sampled = dict(state["sampled"])
+        sampled["batch"] = RolloutBatch(**sampled["batch"])
+        return cls(state["step"], state["version"], state["start"], state["end"], Sampled(**sampled),
+                   dict(state["seconds"]))
+
+
+@dataclass
 class Experience:
     """Phases 4-5: what the update consumes; tensors are ``(rows, response_len)`` unless noted."""
 
@@ -209,7 +274,7 @@ class Experience:
     scores: torch.Tensor | None = None  # (rows,) shaped rewards
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
-    tis: dict[str, float] = field(default_factory=dict)
+    tis: dict[str, float] = field(default_factory=dict)  # off-policy diagnostics: TIS, MIS, async IS weights
 
 
 class RLTrainer:
@@ -232,10 +297,19 @@ class RLTrainer:
                         if self.estimator.needs_teacher else None)
         self.kind = RewardKind(cfg.reward_kind)
         self.reward_source = reward_source or _build_reward_source(cfg, self.kind, self.device)
-        # in-process the policy is the trained model; under Ray a view refreshed from rank 0 on demand
-        self.engine = engine or build_rollout_engine(cfg, self.learner.policy, self.tokenizer, autocast_dtype)
+        # in-process the policy is the trained model; under Ray a view refreshed from rank 0 on demand.
+        # Asynchronous: a copy of its own, which the update does not write while it samples.
+        self.engine = engine or build_rollout_engine(
+            cfg, self.learner.policy if not cfg.max_staleness else _sampling_copy(cfg, self.device), self.tokenizer,
+            autocast_dtype)
         # A LoRA policy's engine needs merged weights; the HF engine that holds the policy needs nothing.
         self.engine_weights = getattr(self.learner, "engine_weights", None)
+        # multi-turn rollouts: a fresh environment per trajectory (rlhf_core/environments.py); None: single-turn
+        self.make_env = (environment_factory(cfg.environment, stop_tokens=cfg.environment_stop_tokens,
+                                             timeout_s=cfg.reward_timeout_s, retries=cfg.reward_retries,
+                                             backoff_cap_s=cfg.reward_backoff_cap_s, deadline_s=cfg.reward_deadline_s,
+                                             token_env=cfg.environment_token_env)
+                         if cfg.environment else None)
         self.prompts, self.labels = read_prompts(cfg, self.tokenizer)
         _check_prompt_lengths(cfg, self.tokenizer, self.prompts)
         self.sampler = EpochSampler(len(self.prompts), cfg.prompts_per_step, cfg.seed)
@@ -249,27 +323,96 @@ class RLTrainer:
         self.step_metrics: dict[str, float] = {}
         self.rollout_table: list[dict[str, Any]] = []
         self.rendered_examples: list[dict[str, Any]] = []
+        # Asynchronous training: the batch in flight, the policy version the engine samples from, and whether
+        # the next launch must push weights whatever the gap (after a checkpoint: a resume does too)
+        self.pending: Future | None = None
+        self.in_flight: Rollout | None = None  # what the pending future fills in (its timestamps, read for overlap)
+        self.engine_version, self.sync_due = 0, False
+        self.rollout_thread = ThreadPoolExecutor(1, thread_name_prefix="rl-rollout") if cfg.max_staleness else None
 
     # ---- one iteration: the algorithm ----------------------------------------------------------
 
     def train_step(self, step: int, clock: LoopClock) -> dict[str, float]:
-        """generate -> score -> old/reference log-probs (values) -> advantages -> update -> sync weights."""
+        """generate -> score -> old/reference log-probs (values) -> advantages -> update -> sync weights.
+
+        Asynchronous (``max_staleness >= 1``): this step's batch was generated during the previous step;
+        the next batch's generation is launched before this step's update and runs beside it."""
         del clock
         step_timer, perf = Timer(), _PhaseTimes()
-        sampled = self.generate(step, perf)
+        rollout = self.take_rollout(step, perf)
+        sampled = rollout.sampled
+        if self.cfg.max_staleness and step < self.cfg.max_steps:
+            self.launch(step + 1, perf)
         if not self.rendered_examples:  # the first iteration's samples, for a reviewer (RLResult)
             self.rendered_examples = rendered_rollout_rows(self.tokenizer, sampled.batch, sampled.rewards)
+        learn_start = time.time()
         scores = self.shape_rewards(sampled)
         exp = perf.time("perf/logprob_s", self.score_logprobs, sampled.batch)
         self.estimate_advantages(exp, scores)
+        update_start = time.time()
         seen, lr_used = perf.time("perf/update_s", self.update, exp, step)
-        perf.time("perf/weight_sync_s", self.sync_weights)
+        update_end = time.time()
+        if not self.cfg.max_staleness:  # asynchronous: weights move at the next launch, when the gap needs it
+            perf.time("perf/weight_sync_s", self.sync_weights)
         metrics = self.iteration_metrics(sampled, exp, seen, lr_used)
         metrics.update(perf.seconds)
+        metrics.update(self.timeline(rollout, learn_start, update_start, update_end))
         metrics["perf/step_s"] = step_timer.total()
         self.step_metrics = metrics
         self.log_rollouts(step, sampled)
         return metrics
+
+    # ---- 0 (asynchronous): the batch in flight -------------------------------------------------
+
+    def take_rollout(self, step: int, perf: _PhaseTimes) -> Rollout:
+        """Batch ``step``: the one in flight (waited for, ``perf/rollout_wait_s``), else generated now."""
+        if self.pending is None:  # synchronous, the first step, or the step after a restart
+            rollout = self._generate_rollout(Rollout(step, self.engine_version))
+        else:
+            waited = Timer()
+            rollout, self.pending = self.pending.result(), None
+            perf.seconds["perf/rollout_wait_s"] = waited.total()
+        if rollout.step != step:
+            raise RuntimeError(f"rl: iteration {step} got the rollout of iteration {rollout.step}")
+        for name, seconds in rollout.seconds.items():
+            perf.seconds[name] = perf.seconds.get(name, 0.0) + seconds
+        return rollout
+
+    def launch(self, step: int, perf: _PhaseTimes) -> None:
+        """Start generating batch ``step`` on the rollout thread. The policy that will learn from it is version
+        ``step - 1`` (updates done); the engine's weights may be at most ``max_staleness`` versions older, so
+        when they would be, the learner's current weights (version ``step - 2``) are pushed first."""
+        if self.sync_due or (step - 1) - self.engine_version > self.cfg.max_staleness:
+            perf.time("perf/weight_sync_s", self.sync_weights)
+            self.engine_version, self.sync_due = step - 2, False
+        # The thread draws prompts from the sampler and samples with a per-step seed (a private RNG stream in
+        # the static and vLLM engines, a forked one in HF's); nothing else touches the sampler until the batch
+        # is taken, or a checkpoint waits for it.
+        self.in_flight = Rollout(step, self.engine_version)
+        self.pending = self.rollout_thread.submit(self._generate_rollout, self.in_flight)
+
+    def _generate_rollout(self, rollout: Rollout) -> Rollout:
+        perf = _PhaseTimes()
+        rollout.start = time.time()
+        rollout.sampled = self.generate(rollout.step, perf)
+        rollout.seconds, rollout.end = perf.seconds, time.time()
+        return rollout
+
+    def timeline(self, rollout: Rollout, learn_start: float, update_start: float,
+                 update_end: float) -> dict[str, float]:
+        """Wall-clock timestamps (``time.time()``) of this batch's generation and of this step's update, and
+        ``perf/overlap_s``: seconds the next batch's generation ran beside this step's log-prob, advantage and
+        update phases (0 when synchronous). Asynchronous runs add ``async/staleness``: updates between the
+        policy that generated this batch and the one it updates."""
+        out = {"perf/rollout_start_ts": rollout.start, "perf/rollout_end_ts": rollout.end,
+               "perf/update_start_ts": update_start, "perf/update_end_ts": update_end, "perf/overlap_s": 0.0}
+        if self.cfg.max_staleness:
+            out["async/staleness"] = float(rollout.step - 1 - rollout.version)
+        running = self.in_flight if self.pending is not None else None
+        if running is not None and running.start is not None:  # the thread's own timestamps
+            end = running.end if running.end is not None else update_end
+            out["perf/overlap_s"] = max(0.0, min(end, update_end) - max(running.start, learn_start))
+        return out
 
     # ---- 1-3: rollout, reward, DAPO dynamic sampling -------------------------------------------
 
@@ -314,8 +457,14 @@ class RLTrainer:
         idx = self.sampler.next()
         params = SamplingParams(n=n, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                                 seed=cfg.seed * 1_000_003 + step * 101 + round_)
-        batch = perf.time("perf/rollout_s", self.engine.generate, [self.prompts[i] for i in idx], params)
         row_labels = [self.labels[i] for i in idx for _ in range(n)]
+        if self.make_env is not None:  # multi-turn: engine turns and environment steps, then the reward source
+            batch, env_rewards = perf.time("perf/rollout_s", lambda: rollout_with_environment(
+                self.engine, self.tokenizer, [self.prompts[i] for i in idx], [self.labels[i] for i in idx], params,
+                self.make_env, max_turns=cfg.max_turns, max_trajectory_tokens=cfg.max_trajectory_tokens))
+            rewards = perf.time("perf/reward_s", self.reward_source, batch.prompts, batch.completions, row_labels)
+            return batch, torch.tensor(rewards, dtype=torch.float32) + env_rewards, len(idx)
+        batch = perf.time("perf/rollout_s", self.engine.generate, [self.prompts[i] for i in idx], params)
         rewards = perf.time("perf/reward_s", self.reward_source, batch.prompts, batch.completions, row_labels)
         return batch, torch.tensor(rewards, dtype=torch.float32), len(idx)
 
@@ -339,14 +488,15 @@ class RLTrainer:
         tensors = {"input_ids": ids, "attention_mask": attention, "position_ids": batch.position_ids(),
                    "response_ids": batch.response_ids}
         tensors = {k: v.to(device) for k, v in tensors.items()}
-        mask = batch.response_mask.to(device).float()
+        mask = batch.loss_mask().to(device).float()  # the policy's tokens: observations carry no loss, no advantage
         sampling_logp = batch.sampling_logprobs.to(device)
         has_critic = self.estimator.needs_critic
         # One update per batch: pi_old is the update's own detached log-prob (PolicyLearner.update),
         # so the no-grad policy forward is skipped; not where the advantages themselves need pi_old.
+        # Nor where pi_old / pi_engine is needed here (TIS, MIS, the asynchronous IS weights).
         fused_old = (cfg.recompute_old_logprobs and cfg.ppo_epochs == 1 and cfg.mini_batch_size >= len(batch)
                      and not has_critic and not cfg.kl_in_reward and cfg.tis_cap == 0
-                     and not self.estimator.needs_teacher)
+                     and not self.estimator.needs_teacher and cfg.mis_threshold == 0 and cfg.max_staleness == 0)
         recompute = cfg.recompute_old_logprobs and not fused_old
         scored = self.learner.score(tensors, prompt_width) if recompute or has_critic else {}
         old_logp = scored["old_logp"].to(device) if recompute else sampling_logp
@@ -361,7 +511,8 @@ class RLTrainer:
     # ---- 5: advantages (KL to the reference folded into token rewards when kl_in_reward; distill: the teacher's)
 
     def estimate_advantages(self, exp: Experience, scores: torch.Tensor) -> None:
-        """Advantages and returns into ``exp``, weighted by truncated IS when ``tis_cap`` is set."""
+        """Advantages and returns into ``exp``, weighted by truncated IS when ``tis_cap`` is set, responses
+        outside the ``mis_threshold`` band masked out of the loss."""
         cfg, mask = self.cfg, exp.mask
         kl_tokens = kl_penalty(exp.old_logp, exp.ref_logp, cfg.kl_estimator, clamp=_KL_CLAMP,
                                k3_cap=cfg.kl_k3_cap or None) * mask
@@ -381,11 +532,26 @@ class RLTrainer:
             exp.tis = {"train/tis_weight_mean": float(masked_mean(weights, mask)),
                        "train/tis_capped_frac": float(masked_mean((weights >= cfg.tis_cap).float(), mask))}
             advantages = advantages * weights
+        loss_mask = self.off_policy_mask(exp)
         exp.advantages, exp.returns = advantages, returns
-        exp.tensors.update(mask=mask, ref_logp=exp.ref_logp, advantages=advantages)
+        exp.tensors.update(mask=loss_mask, ref_logp=exp.ref_logp, advantages=advantages * loss_mask)
         exp.tensors.update({"sampling_logp": exp.sampling_logp * mask} if exp.fused_old else {"old_logp": exp.old_logp})
         if exp.old_values is not None:
             exp.tensors.update(old_values=exp.old_values * mask, returns=returns)
+
+    def off_policy_mask(self, exp: Experience) -> torch.Tensor:
+        """The update's token mask: ``exp.mask`` less the responses Seq-MIS drops (``mis_threshold``), and the
+        diagnostics of pi_old / pi_engine (the stale or mismatched engine) into ``exp.tis``."""
+        cfg, mask = self.cfg, exp.mask
+        if not cfg.mis_threshold and not cfg.max_staleness:
+            return mask
+        log_ratio = (exp.old_logp - exp.sampling_logp * mask).clamp(-_KL_CLAMP, _KL_CLAMP)
+        exp.tis["async/is_weight_mean"] = float(masked_mean(torch.exp(log_ratio), mask))
+        keep = torch.ones(len(mask), dtype=mask.dtype, device=mask.device)
+        if cfg.mis_threshold:
+            keep, _ = sequence_is_mask(exp.old_logp, exp.sampling_logp * mask, mask, cfg.mis_threshold)
+        exp.tis["async/mis_masked_frac"] = float(1.0 - keep.mean())
+        return mask * keep.unsqueeze(-1)
 
     # ---- 6-7: update (ppo_epochs x mini-batches of the policy and critic), sync the engine ------
 
@@ -444,6 +610,12 @@ class RLTrainer:
                             "train/explained_variance": float(explained_variance(exp.tensors["old_values"],
                                                                                  exp.returns, mask))})
         metrics.update(exp.tis)
+        if sampled.batch.tool_calls is not None:  # multi-turn rollouts only: single-turn metrics stay as they were
+            calls = sampled.batch.tool_calls.float()
+            metrics.update({"rollout/tool_call_rate": float((calls > 0).float().mean()),
+                            "rollout/tool_calls_mean": float(calls.mean()),
+                            "rollout/observation_tokens": float((sampled.batch.response_mask
+                                                                 - sampled.batch.loss_mask()).sum(-1).float().mean())})
         return metrics
 
     def log_rollouts(self, step: int, sampled: Sampled) -> None:
@@ -454,6 +626,10 @@ class RLTrainer:
         batch = sampled.batch
         rows = [{"step": step, "prompt": batch.prompts[i], "completion": batch.completions[i],
                  "reward": float(sampled.rewards[i])} for i in range(min(len(batch), _TABLE_GROUPS * cfg.group_size))]
+        if batch.action_mask is not None:  # trajectories: their text, which tokens were the policy's, tool calls
+            for row, traj in zip(rows, trajectory_rows(self.tokenizer, batch, sampled.rewards, len(rows))):
+                row.update(text=traj["text"], action_mask=traj["action_mask"], tool_calls=traj["tool_calls"],
+                           segments=json.dumps(traj["segments"]))
         self.rollout_table += rows
         if hasattr(self.sink, "log_table"):
             self.sink.log_table(rows, "rollouts.json")
@@ -469,6 +645,18 @@ class RLTrainer:
                                       label_field=cfg.label_field, max_items=cfg.eval_items,
                                       max_new_tokens=cfg.max_new_tokens, n_samples=cfg.eval_items)
         metrics = result.metrics("eval")
+        samples = result.samples[:_EVAL_SAMPLES]
+        if self.make_env is not None:  # greedy multi-turn answers with the environment's tool
+            from rlhf_core.rewards import load_function
+
+            reward_fn = (load_function(cfg.reward_function)[2] if self.kind is RewardKind.FUNCTION
+                         else self.reward_source)
+            tool_metrics, trajectories = evaluate_with_environment(
+                self.learner.view(), self.tokenizer, cfg.eval_file, self.make_env, reward_fn,
+                max_items=cfg.eval_items, max_turns=cfg.max_turns, max_trajectory_tokens=cfg.max_trajectory_tokens,
+                max_new_tokens=cfg.max_new_tokens, prompt_field=cfg.prompt_field, label_field=cfg.label_field)
+            metrics.update({k: v for k, v in tool_metrics.items() if k != "eval/n_items"})
+            samples = [{k: str(v) for k, v in t.items()} for t in trajectories]
         if self.kind is RewardKind.MODEL:
             # how much the reward model likes the policy's answers: rises with reward hacking as well
             # as with real progress, so read it next to eval/accuracy
@@ -477,17 +665,26 @@ class RLTrainer:
             metrics["eval/reward_model_score"] = _mean(rm)
         if step == 0:  # the eval before training: the run's starting point
             self.summary.update({f"{k}_start": v for k, v in metrics.items()
-                                 if k in ("eval/accuracy", "eval/accuracy_stderr", "eval/reward_model_score")})
-        return metrics, result.samples[:_EVAL_SAMPLES]
+                                 if k in ("eval/accuracy", "eval/accuracy_stderr", "eval/reward_model_score")
+                                 or k.endswith(("_tool", "_tool_stderr")) or k.startswith("eval/tool_call")})
+        return metrics, samples
 
     # ---- checkpoints: the policy as an HF directory, everything else in trainer_state.pt --------
 
     def checkpoint(self) -> tuple[Any, Any, dict[str, Any]]:
+        """Asynchronous: the batch in flight is waited for and stored (the sampler's state then includes its
+        prompts), and the next launch pushes weights: a resume (whose engine restarts from these weights)
+        then samples every later batch from the same weights as the uninterrupted run."""
+        pending = {}
+        if self.pending is not None:
+            pending["rollout"] = self.pending.result().state_dict()
+            self.sync_due = True
         return self.learner.view(), self.tokenizer, {
             **self.learner.state_dict(),
             "objects": {key: obj.state_dict() for key, obj in self.resumables.items()},
             "loop": {"summary": self.summary, "step_metrics": self.step_metrics, "rollout_table": self.rollout_table,
-                     "rendered_examples": self.rendered_examples}}
+                     "rendered_examples": self.rendered_examples},
+            **({"async": pending} if pending else {})}
 
     def restore(self, ckpt: Checkpoint) -> None:
         """The learner (policy, optimizers, schedules, critic), sampler, KL controller and update order."""
@@ -496,7 +693,11 @@ class RLTrainer:
             if key not in ckpt.state["objects"]:
                 raise ValueError(f"{ckpt.path}: checkpoint has no {key} state")
             obj.load_state_dict(ckpt.state["objects"][key])
-        self.sync_weights()  # an engine of its own (vLLM) samples from the restored weights
+        self.sync_weights()  # an engine of its own (vLLM, asynchronous) samples from the restored weights
+        self.engine_version, self.sync_due = ckpt.step, bool(self.cfg.max_staleness)
+        if "rollout" in ckpt.state.get("async", {}):  # the batch that was in flight, as it was generated
+            self.pending = Future()
+            self.pending.set_result(Rollout.from_state(ckpt.state["async"]["rollout"]))
         loop_state = ckpt.state["loop"]
         self.summary, self.step_metrics = dict(loop_state["summary"]), dict(loop_state["step_metrics"])
         self.rollout_table = list(loop_state["rollout_table"])
@@ -510,6 +711,11 @@ class RLTrainer:
         masters = Precision.resolve(self.cfg.precision, self.device).keeps_masters(self.cfg.parallel)
         checkpoint, output = estimate_state_bytes(self.learner.view(), masters=masters)
         return StorageNeeds(Path(self.cfg.output_dir), checkpoint * (2 if self.estimator.needs_critic else 1), output)
+
+    def close(self) -> None:
+        """Stop the rollout thread (after the batch in flight, if any)."""
+        if self.rollout_thread is not None:
+            self.rollout_thread.shutdown(wait=True)
 
     def save_final(self) -> None:
         # under mixed precision the fp32 masters are the trained weights: they are what is saved
@@ -526,9 +732,13 @@ class _PhaseTimes:
         self.seconds: dict[str, float] = {"perf/rollout_s": 0.0, "perf/reward_s": 0.0}
 
     def time(self, name: str, fn: Any, *args: Any) -> Any:
+        # DEBUG lines at each phase's start and end: where a step that never finishes is stuck
+        # (bench/side_by_side.py turns them on; a 7B GRPO step ran past its limit with no trace)
+        log.debug("rl: %s started", name)
         started = Timer()
         out = fn(*args)
         self.seconds[name] = self.seconds.get(name, 0.0) + started.total()
+        log.debug("rl: %s done in %.2f s", name, started.total())
         return out
 
 
@@ -553,9 +763,11 @@ def _check_teacher_tokenizer(cfg: RLConfig, tokenizer: Any) -> None:
 
 def _check_prompt_lengths(cfg: RLConfig, tokenizer: Any, prompts: list[str]) -> None:
     longest = max(len(encode_prompt(tokenizer, p)) for p in prompts)
-    if longest + cfg.max_new_tokens > cfg.max_length:
+    response, name = ((cfg.max_trajectory_tokens, "max_trajectory_tokens") if cfg.environment
+                      else (cfg.max_new_tokens, "max_new_tokens"))
+    if longest + response > cfg.max_length:
         raise ConfigError(f"rl.max_length: the longest prompt of {cfg.prompts_file} has {longest} tokens; with "
-                          f"max_new_tokens {cfg.max_new_tokens} that exceeds max_length {cfg.max_length}")
+                          f"{name} {response} that exceeds max_length {cfg.max_length}")
 
 
 # --------------------------------------------------------------------------------------
@@ -574,6 +786,13 @@ class _GeneratorState:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.generator.set_state(state["state"])
+
+
+def _sampling_copy(cfg: RLConfig, device: torch.device) -> Any:
+    """A frozen copy of the starting policy for an in-process engine to sample from while the policy updates
+    (asynchronous training); held in the compute dtype, as a Ray rollout replica's."""
+    dtype = Precision.resolve(cfg.precision, device).compute_dtype or torch.float32
+    return load_causal_lm(cfg.model_path, device, dtype).eval().requires_grad_(False)
 
 
 def build_rollout_engine(cfg: RLConfig, policy: Any, tokenizer: Any,

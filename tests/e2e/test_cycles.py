@@ -122,6 +122,23 @@ def test_iterative_dpo_versions_every_cycle_and_tracks_lineage(project, chromium
     assert f"preferences ({pairs_digest[:36]})" in run_page
     assert (project / "mlflow_ui_champion.png").stat().st_size > 10_000
 
+    # --- issue 20.3: each cycle run holds its data report (GX data docs as HTML), shown by the MLflow UI ---
+    for name, cycle in cycles.items():
+        files = [a.path for a in client.list_artifacts(cycle.info.run_id, "data_report")]
+        assert f"data_report/{name}-pairs.html" in files, files
+        assert cycle.data.metrics["data/near_duplicate_rate"] <= 0.05 and cycle.data.metrics["data/eval_exact_matches"] == 0
+    artifact = f"{url_path(exp, cycles['cycle-2'])}/artifactPath/data_report/cycle-2-pairs.html"
+    with mlflow_ui(f"sqlite:///{project / 'mlflow.db'}") as url:
+        report_page = page_text(chromium, f"{url}/{artifact}", project / "mlflow_ui_data_report.png")
+    assert "cycle-2" in report_page and "Artifacts" in report_page, report_page[:3000]
+    assert "data_report/cycle-2-pairs.html" in report_page and "Oops" not in report_page, report_page[:3000]
+    assert (project / "mlflow_ui_data_report.png").stat().st_size > 10_000
+
+
+def url_path(exp, run):
+    """The MLflow UI's hash route of ``run``."""
+    return f"#/experiments/{exp.experiment_id}/runs/{run.info.run_id}"
+
 
 def test_raft_flow_trains_on_kept_samples(project):
     from flows.cycles import raft

@@ -128,6 +128,26 @@ def test_rl_policy_objective_and_its_clip_fields():
         RLConfig(policy_objective="cispo", dual_clip=3.0)
 
 
+def test_async_training_and_sequence_masking_fields_are_checked():
+    """max_staleness is an integer >= 0 (0, the default, is synchronous); k >= 1 needs pi_old recomputed from the
+    policy being updated and refuses colocated placement (its roles take turns on one GPU: nothing to overlap);
+    mis_threshold is 0 (off) or a band edge > 1, and needs pi_old recomputed as well."""
+    from rlhf_core.config import ConfigError, RLConfig
+
+    assert (RLConfig().max_staleness, RLConfig().mis_threshold) == (0, 0.0)
+    assert RLConfig(max_staleness=2, placement="disaggregated", mis_threshold=2.0).max_staleness == 2
+    with pytest.raises(ConfigError, match=r"rl.max_staleness: must be an integer >= 0 \(0 = synchronous\), got -1"):
+        RLConfig(max_staleness=-1)
+    with pytest.raises(ConfigError, match=r"rl.max_staleness: needs recompute_old_logprobs: true"):
+        RLConfig(max_staleness=1, recompute_old_logprobs=False)
+    with pytest.raises(ConfigError, match=r"rl.max_staleness: overlaps generation with the update, but colocated"):
+        RLConfig(max_staleness=1, placement="colocated")
+    with pytest.raises(ConfigError, match=r"rl.mis_threshold: must be 0 \(off\) or > 1"):
+        RLConfig(mis_threshold=0.5)
+    with pytest.raises(ConfigError, match=r"rl.mis_threshold: needs recompute_old_logprobs: true"):
+        RLConfig(mis_threshold=2.0, recompute_old_logprobs=False)
+
+
 def test_on_policy_distillation_fields_are_checked():
     """estimator distill needs teacher_model_path; the teacher's fields need distill; distill refuses
     dynamic sampling (a reward tie says nothing of the teacher's signal) and Ray placement (no teacher actors)."""

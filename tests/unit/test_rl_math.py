@@ -764,3 +764,27 @@ def test_sharded_losses_recombine_exactly(mode):
     parts = [aggregate_loss(loss[s], mask[s], mode, max_len=3) for s in shards]
     assert float(aggregation_units(mask, mode)) == (7.0 if mode == "token_mean" else 3.0)
     assert torch.isclose(sum(u * p for u, p in zip(units, parts)) / sum(units), whole)
+
+
+def test_sequence_is_mask_keeps_responses_whose_sequence_ratio_is_within_the_band():
+    """threshold C = 2 (ln 2 = 0.693): rho = exp(sum of valid log-ratios log pi_old - log pi_sampler).
+    Row 0: 0.1 + 0.2 = 0.3, rho = e^0.3 = 1.350 in [0.5, 2] -> kept.
+    Row 1: 0.5 + 0.4 = 0.9 (the masked third token's 5.0 is ignored), rho = e^0.9 = 2.460 > 2 -> masked.
+    Row 2: -0.4 - 0.5 = -0.9, rho = e^-0.9 = 0.407 < 1/2 -> masked.
+    Row 3: no valid token, rho = e^0 = 1 -> kept.
+    Row 4: 0.69 < 0.693 (rho 1.994) -> kept, the band's inside edge.
+    Token-level TIS would have kept every row, capping only row 1's tokens at 2 (none reach it: e^0.5 = 1.65)."""
+    from rlhf_core.rl_math import sequence_is_mask
+
+    old = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -1.0, 4.0], [-1.4, -1.5, 0.0], [0.0, 0.0, 0.0],
+                        [-1.0, -1.0, 0.0]], requires_grad=True)
+    sampler = torch.tensor([[-1.1, -2.2, 0.0], [-1.0, -1.4, -1.0], [-1.0, -1.0, 0.0], [-3.0, -3.0, 0.0],
+                            [-1.69, -1.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
+    keep, rho = sequence_is_mask(old, sampler, mask, threshold=2.0)
+    assert keep.tolist() == [1.0, 0.0, 0.0, 1.0, 1.0]
+    assert torch.allclose(rho, torch.tensor([math.exp(0.3), math.exp(0.9), math.exp(-0.9), 1.0, math.exp(0.69)]),
+                          atol=1e-5)
+    assert not keep.requires_grad and not rho.requires_grad
+    with pytest.raises(ValueError, match="threshold must be > 1"):
+        sequence_is_mask(old, sampler, mask, threshold=1.0)
