@@ -58,6 +58,7 @@ def ray_cluster(prefect_api, tmp_path, monkeypatch):
         stop_group(head, signal.SIGTERM, timeout=60)
 
 
+@pytest.mark.slow  # 95 s with the cluster's teardown: `make test` stays under 20 minutes; make test-slow runs it
 def test_training_uses_the_cluster_ray_address_names(ray_cluster, tmp_path, monkeypatch):
     address, dashboard, prefect_api = ray_cluster
     write_micro_params(tmp_path)

@@ -47,6 +47,7 @@ def _reproduce(project, *args):
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # 57 s: `make test` stays under 20 minutes (the refusals below keep the default tier's coverage)
 def test_reproduce_a_flow_run_from_its_commit(committed_project):
     project = committed_project
     env = _env(project)
