@@ -765,6 +765,11 @@ def run_child(kind: str, task: dict, timeout_s: float) -> dict:
             except ValueError:  # a line cut short when the sampler was stopped
                 continue
     lines = [ln for ln in stdout.splitlines() if ln.startswith("{\"result\"")]
+    if os.environ.get("BENCH_CHILD_LOG_DIR"):  # whole stderr of every child (the result keeps its last 4,000 chars)
+        log_dir = Path(os.environ["BENCH_CHILD_LOG_DIR"])
+        log_dir.mkdir(parents=True, exist_ok=True)
+        label = "-".join(str(x) for x in (kind, task.get("bench", ""), task.get("row", ""), task.get("round", "")) if x)
+        (log_dir / f"{label}-{int(started)}.log").write_text(stderr)
     if rc != 0 or not lines:
         return {"error": f"exit {rc}: {stderr[-4000:]}", "wall_s": round(wall, 1)}
     result = json.loads(lines[-1])["result"]

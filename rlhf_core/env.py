@@ -38,4 +38,24 @@ def apply_offline_env() -> None:
         os.environ.setdefault(key, value)
 
 
+# Diagnostics for a run that hangs (a step that never ends on a large model): with ALIGNFLOW_STACK_DUMP_S=N,
+# every process that imports rlhf_core -- the driver and each Ray actor, which inherit it -- writes every
+# thread's Python stack to stderr every N seconds (Ray forwards actors' stderr to the driver's). Off by default.
+STACK_DUMP_ENV = "ALIGNFLOW_STACK_DUMP_S"
+
+
+def arm_stack_dumps() -> None:
+    """Start the periodic stack dumps :data:`STACK_DUMP_ENV` asks for (no-op when unset or not a positive number)."""
+    import faulthandler
+    import sys
+
+    try:
+        every = float(os.environ.get(STACK_DUMP_ENV, "0"))
+    except ValueError:
+        return
+    if every > 0:
+        faulthandler.dump_traceback_later(every, repeat=True, file=sys.stderr)
+
+
 apply_offline_env()
+arm_stack_dumps()

@@ -41,7 +41,7 @@ import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlhf_core.env import OFFLINE_ENV
+from rlhf_core.env import OFFLINE_ENV, STACK_DUMP_ENV
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,10 @@ _DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 # on shared multi-GPU hosts it has taken GPUs out of service, and data parallelism gains little from it.
 _NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # Test hooks (rlhf_core.trainers.loop.inject_fault) reach the actors through their runtime env.
-_FAULT_ENV = ("ALIGNFLOW_FAULT", "ALIGNFLOW_FAULT_RANK", "ALIGNFLOW_FAULT_SIGNAL", COLLECTIVE_TIMEOUT_ENV)
+# Test and diagnostic hooks each actor inherits from the driver's environment (rlhf_core.env.STACK_DUMP_ENV:
+# periodic stack dumps of a run that hangs).
+_FAULT_ENV = ("ALIGNFLOW_FAULT", "ALIGNFLOW_FAULT_RANK", "ALIGNFLOW_FAULT_SIGNAL", COLLECTIVE_TIMEOUT_ENV,
+              STACK_DUMP_ENV)
 
 
 class RankFailed(RuntimeError):
