@@ -503,6 +503,8 @@ def ours(task: dict) -> dict:
                 "phase_s": {k: [m[k] for m in steps] for k in ("perf/rollout_s", "perf/reward_s", "perf/logprob_s",
                                                              "perf/update_s", "perf/weight_sync_s")},
                 "response_len": [m["rollout/response_length"] for m in steps], "peak_memory_gb": _peak_memory_gb(),
+                # engine vs learner log-probs of the sampled tokens: a weight sync that scrambled weights shows here
+                "logprob_mismatch": [m.get("rollout/logprob_mismatch") for m in steps],
                 "engine": "alignflow StaticCacheEngine" + (" + CUDA graphs" if torch.cuda.is_available() else ""),
                 "launch": f"Ray, colocated, {inputs['parallel']}" if gpus > 1 else "one process",
                 "settings": {k: getattr(cfg, k) for k in ("precision", "gradient_checkpointing", "fused_kernels",

@@ -174,7 +174,7 @@ class Strategy(Protocol):
 
     def unwrap(self) -> torch.nn.Module: ...
 
-    def gathered(self) -> Any: ...
+    def gathered(self, params: Sequence[torch.nn.Parameter] | None = None) -> Any: ...
 
     def optimizer_state(self) -> dict[str, Any]: ...
 
@@ -229,6 +229,23 @@ def assign_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], whe
                          f"unexpected {list(unexpected)[:5]})")
 
 
+def plan_buckets(numels: Sequence[int], max_numel: int) -> list[list[int]]:
+    """Split tensors, in order, into consecutive buckets of at most ``max_numel`` elements each (a tensor larger
+    than that gets a bucket of its own); returns each bucket's tensor indices.
+
+    For moving a ZeRO-3 model's weights a bucket at a time: only one bucket is ever whole on a rank.
+    """
+    buckets: list[list[int]] = []
+    size = 0
+    for i, n in enumerate(numels):
+        if not buckets or size + n > max_numel:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += n
+    return buckets
+
+
 class LocalStrategy:
     """One process (or a rank whose gradients someone else reduces): plain backward and step."""
 
@@ -265,8 +282,9 @@ class LocalStrategy:
     def unwrap(self) -> torch.nn.Module:
         return self.model
 
-    def gathered(self) -> Any:
+    def gathered(self, params: Sequence[torch.nn.Parameter] | None = None) -> Any:
         """Every parameter whole on every rank inside the block (already so outside ZeRO-3)."""
+        del params
         return nullcontext()
 
     def optimizer_state(self) -> dict[str, Any]:
@@ -416,7 +434,8 @@ class DeepSpeedStrategy:
     def unwrap(self) -> torch.nn.Module:
         return self.engine.module
 
-    def gathered(self) -> Any:
+    def gathered(self, params: Sequence[torch.nn.Parameter] | None = None) -> Any:
+        """Every parameter (or only ``params``, read-only) whole on every rank inside the block."""
         if self.stage < 3:
             return nullcontext()
         import deepspeed
@@ -425,6 +444,8 @@ class DeepSpeedStrategy:
         # look-ahead) are still in flight; gathering them and partitioning again on exit fails with
         # "Cannot partition a param in flight" (a 7B DPO run's final save on 4 GPUs). Release them first.
         self.engine.empty_partition_cache()
+        if params is not None:  # read-only: nothing is broadcast back on exit
+            return deepspeed.zero.GatheredParameters(list(params), modifier_rank=None)
         return deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=0)
 
     # ---- checkpoints: whole tensors by name, whatever the partitioning ---------------------------

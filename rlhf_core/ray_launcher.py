@@ -32,7 +32,7 @@ import math
 import os
 import socket
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
@@ -380,6 +380,7 @@ class RemoteLearner:
         # A CPU copy of the policy for evaluation and saving, refreshed from rank 0 on demand.
         self.policy = load_causal_lm(cfg.model_path, torch.device("cpu")).eval().requires_grad_(False)
         self._fresh = True
+        self._buckets: int | None = None
 
     def score(self, exp: dict[str, torch.Tensor], prompt_width: int) -> dict[str, torch.Tensor]:
         exp = {k: v.cpu() for k, v in exp.items()}
@@ -408,6 +409,10 @@ class RemoteLearner:
             handles = self.group.call_all("share_weights", dtype)
             if all(h is not None for h in handles):
                 return PerReplica(handles)
+            if self.cfg.parallel == "zero3" and not self.cfg.lora_rank and self.cfg.rollout_engine != "vllm":
+                if self._buckets is None:  # planned once: the parameters never change
+                    self._buckets = self.group.call_all("weight_buckets", SYNC_BUCKET_BYTES, dtype)[0]
+                return ZeroBuckets(self.group, self._buckets, dtype)
         refs = [a.call.remote("engine_weights", None, dtype) for a in self.group.actors]
         return gather(refs, "policy.engine_weights", fetch_first=not isinstance(engine, RemoteRollout))[0]
 
@@ -452,6 +457,21 @@ class PerReplica(list):
     """Weights payloads, one per rollout replica in order (CUDA IPC handles of the ranks beside them)."""
 
 
+SYNC_BUCKET_BYTES = 1 << 30
+"""ZeRO-3 weight sync to colocated replicas: the most bytes whole on a rank at once (a larger single
+weight, a 7B model's 1.09 GB embedding, gets a bucket of its own)."""
+
+
+@dataclass
+class ZeroBuckets:
+    """ZeRO-3 weights for colocated replicas, moved bucket by bucket (:meth:`PolicyLearner.share_bucket`): the
+    learner group and how many buckets; :meth:`RemoteRollout.update_weights` drives the transfer."""
+
+    learners: ActorGroup
+    count: int
+    dtype: torch.dtype | None
+
+
 class RemoteRollout:
     """A :class:`rlhf_core.rollout.RolloutEngine` over rollout replicas: prompts split, batches joined.
 
@@ -482,6 +502,12 @@ class RemoteRollout:
         payload per replica) to every replica."""
         if isinstance(weights, PerReplica):
             gather([a.call.remote("update_weights", w) for a, w in zip(self.group.actors, weights)], "weight sync")
+            return
+        if isinstance(weights, ZeroBuckets):  # rank i's staging buffer -> replica i, a bucket at a time
+            for index in range(weights.count):
+                payloads = weights.learners.call_all("share_bucket", index, weights.dtype)
+                gather([a.call.remote("load_bucket", p) for a, p in zip(self.group.actors, payloads)],
+                       f"weight sync bucket {index}")
             return
         self.group.call_all("update_weights", weights)
 
@@ -531,6 +557,21 @@ class RolloutReplica:
             weights = {name: flat[offset:offset + _numel(shape)].view(shape)
                        for name, shape, offset in weights["layout"]}
         self.engine.update_weights(weights)
+
+    def load_bucket(self, payload: dict[str, Any]) -> None:
+        """One bucket of a ZeRO-3 sync (:class:`ZeroBuckets`) from the staging buffer of the rank on this GPU into
+        the engine's model, in place (captured CUDA graphs stay valid); the last one refreshes a sampling copy."""
+        if getattr(self, "_staging", None) is None:  # map it once; the rank refills it in place
+            rebuild, args = payload["cuda_ipc"]
+            self._staging = rebuild(*args)
+            self._params = dict(self.engine.model.named_parameters())
+        flat = self._staging
+        with torch.no_grad():
+            for name, shape, offset in payload["layout"]:
+                self._params[name].copy_(flat[offset:offset + _numel(shape)].view(shape))
+        torch.cuda.synchronize()  # the rank refills the buffer for the next bucket after this returns
+        if payload["last"] and getattr(self.engine, "sampler", None) is not None:
+            self.engine.update_weights(self.engine.model)
 
     def close(self) -> None:
         if hasattr(self.engine, "close"):
