@@ -40,7 +40,9 @@ def apply_offline_env() -> None:
 
 # Diagnostics for a run that hangs (a step that never ends on a large model): with ALIGNFLOW_STACK_DUMP_S=N,
 # every process that imports rlhf_core -- the driver and each Ray actor, which inherit it -- writes every
-# thread's Python stack to stderr every N seconds (Ray forwards actors' stderr to the driver's). Off by default.
+# thread's Python stack to stderr every N seconds (Ray forwards actors' stderr to the driver's). Off by default,
+# and for hangs only: faulthandler's watchdog reads running threads' frames without the GIL, and one dump killed a
+# 7B ZeRO-3 rank mid-update (BENCHMARKS.md, 7B GRPO).
 STACK_DUMP_ENV = "ALIGNFLOW_STACK_DUMP_S"
 
 
