@@ -165,7 +165,7 @@ def _register(name: str, result: Any, tracking: TrackingConfig, guards: GuardsCo
     if not tracking.log_model:
         raise ConfigError("--register: tracking.log_model is false, so no model is registered")
     outcome = register_model.fn(model_dir=result.outputs["model"], run_id=result.run_id,
-                                accuracy=result.metrics["eval/accuracy"], registered_name=name,
+                                accuracy=result.metrics.get("eval/accuracy"), registered_name=name,
                                 tracking=dataclasses.asdict(tracking), guards=dataclasses.asdict(guards))
     print(f"registry: {name}: {outcome['verdict']}", file=sys.stderr)
     return outcome
