@@ -314,6 +314,8 @@ def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: s
     ``rendered_examples``, logged as ``eval_samples.json`` and :data:`RENDERED_EXAMPLES`).
     ``metrics_file`` receives deterministic metrics only (eval/*, train/loss*), since DVC hashes it.
     ``guards``: a policy stage's guards against its parent model (:func:`check_stage_guards`), logged to the run.
+    The ``eval`` dataset is gated as ``prompts`` when every item has a label and ``prompt-only`` when none has
+    (:func:`rlhf_core.data.validate.eval_kind`; a mix is a ``DataError`` naming file, line and field).
 
     The trainer's checkpoints and its finished record are cleared last, once the model is tracked and
     registered: a stage that fails before that (the tracking server went away) and is retried reuses the
@@ -602,7 +604,8 @@ def rl(cfg: RLConfig, tracking: TrackingConfig, parent_run_id: str | None = None
 
     The reward model (reward_kind model) and a critic start other than the policy are lineage inputs;
     a reward function file is recorded by path in the params. The prompts need labels only for a reward
-    that reads them (:attr:`RewardKind.reads_labels`); the eval file always does (exact match).
+    that reads them (:attr:`RewardKind.reads_labels`); the eval file has a label on every item (exact match) or
+    on none (no accuracy: ``eval/reward_model_score`` and the guards' reward gate, see :func:`_train_stage`).
     """
     from rlhf_core.data.validate import prompts_kind
     from rlhf_core.rewards import RewardKind
