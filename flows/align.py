@@ -42,7 +42,7 @@ from rlhf_core.config import (
     config_to_dict,
     read_params,
 )
-from rlhf_core.data.validate import prompts_kind
+from rlhf_core.data.validate import prompts_kind, require_eval_labels
 from rlhf_core.lineage import dvc_md5
 from rlhf_core.redact import redact_secrets
 from rlhf_core.rewards import RewardKind, resolve_reward_file
@@ -448,6 +448,7 @@ def align(
     with one_flow_at_a_time("align"), start_run(cfg["tracking"], "align", tags=tags) as parent:
         log_align_inputs(parent, cfg, given, base_model)
         files = resolve_datasets(cfg, given, parent.run_id)
+        require_eval_labels(files["eval"], cfg["sft"].label_field, "align")  # before anything trains
         md5 = validate_datasets(cfg, files, parent.run_id)
         parent.set_tags(lineage_tags(files, "align"))
         if base_model is None:

@@ -165,7 +165,7 @@ def _register(name: str, result: Any, tracking: TrackingConfig, guards: GuardsCo
     if not tracking.log_model:
         raise ConfigError("--register: tracking.log_model is false, so no model is registered")
     outcome = register_model.fn(model_dir=result.outputs["model"], run_id=result.run_id,
-                                accuracy=result.metrics["eval/accuracy"], registered_name=name,
+                                accuracy=result.metrics.get("eval/accuracy"), registered_name=name,
                                 tracking=dataclasses.asdict(tracking), guards=dataclasses.asdict(guards))
     print(f"registry: {name}: {outcome['verdict']}", file=sys.stderr)
     return outcome
@@ -406,6 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from rlhf_core.checkpoint import TrainingInterrupted
+    from rlhf_core.metric_command import MetricCommandError
     from rlhf_core.rewards import RewardError
     from rlhf_core.trainers.loop import NonFiniteError
 
@@ -414,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TrainingInterrupted as exc:  # SIGTERM: a checkpoint was written; the same command resumes
         print(f"stopped: {exc}", file=sys.stderr)
         return 128 + signal.SIGTERM
-    except (NonFiniteError, RewardError) as exc:
+    except (NonFiniteError, RewardError, MetricCommandError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except ValidationFailed as exc:

@@ -26,7 +26,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from rlhf_core.config import ConfigError, CyclesConfig, config_to_dict
-from rlhf_core.data.validate import prompts_kind
+from rlhf_core.data.validate import prompts_kind, require_eval_labels
 from rlhf_core.guards import fired_guards
 from rlhf_core.lineage import dvc_md5
 from rlhf_core.redact import redact_secrets
@@ -127,6 +127,7 @@ def log_and_validate_inputs(plan: CyclePlan, parent: Tracker) -> dict[str, str]:
     parent.log_params({"cycles": config_to_dict(plan.cyc), "rejection": config_to_dict(cfg["rejection"]),
                        "train": config_to_dict(cfg["dpo"] if kind == "iterative_dpo" else cfg["raft"])})
     prompts_file, eval_file = plan.prompts_file, plan.eval_file
+    require_eval_labels(eval_file, plan.fields["label_field"], kind)  # each cycle's accuracy needs labels
     md5 = {"prompts": dvc_md5(prompts_file), "eval": dvc_md5(eval_file)}
     # The sampled prompts need labels only for the rule scorer; the eval set always (exact match).
     kinds = {"prompts": prompts_kind(plan.cyc.scorer == "rule"), "eval": "prompts"}

@@ -1138,8 +1138,17 @@ class GuardsConfig:
     are logged and shown in the model card, and champion moves on the accuracy comparison alone."""
     gate_metric: str = "auto"
     """What must improve to promote: accuracy (paired exact match on labelled eval items), reward (the held-out
-    reward score of the greedy answers: for eval data without labels, with the KL guard), or auto (accuracy
-    when every eval item has a label, else reward)."""
+    reward score of the greedy answers: for eval data without labels, with the KL guard), command (the per-item
+    scores of metric_command, paired by item id), or auto (accuracy when every eval item has a label, else
+    reward)."""
+    metric_command: str = ""
+    """With gate_metric command: the command that scores a model, e.g. "python my_eval.py --model {model}
+    --out {out}" ({model}: the model folder, {out}: the score file to write, {eval_file}: the stage's eval file).
+    It writes JSON lines {"id": <string or integer>, "score": <number>}, one per item, higher better; parent and
+    child must score the same ids (rlhf_core/metric_command.py). Run in the project root, without a shell; the
+    parent's scores are cached on its md5, the eval file's and the command (with the md5 of each file it names)."""
+    metric_command_timeout_s: float = 3600.0
+    """Seconds one run of metric_command may take before the stage fails."""
     min_improvement_se: float = 2.0
     """Promote only when the gate metric rose by more than this many paired standard errors over the parent."""
     hacking_reward_se: float = 2.0
@@ -1177,8 +1186,17 @@ class GuardsConfig:
         s = "guards"
         unknown = sorted(set(self.advisory_guards) - set(GUARD_NAMES))
         _check(not unknown, s, "advisory_guards", f"unknown guard(s) {unknown}; guards are {', '.join(GUARD_NAMES)}")
-        _check(self.gate_metric in ("auto", "accuracy", "reward"), s, "gate_metric",
-               f"must be auto, accuracy or reward, got {self.gate_metric!r}")
+        _check(self.gate_metric in ("auto", "accuracy", "reward", "command"), s, "gate_metric",
+               f"must be auto, accuracy, reward or command, got {self.gate_metric!r}")
+        if self.gate_metric == "command":
+            _check("{model}" in self.metric_command and "{out}" in self.metric_command, s, "metric_command",
+                   "gate_metric command needs a metric_command naming {model} (the model folder) and {out} (the "
+                   f"score file it writes), got {self.metric_command!r}")
+        else:
+            _check(not self.metric_command, s, "metric_command",
+                   f"is set but gate_metric is {self.gate_metric!r}: set gate_metric: command to gate on it")
+        _check(self.metric_command_timeout_s > 0, s, "metric_command_timeout_s",
+               f"must be > 0, got {self.metric_command_timeout_s}")
         _check(0.0 < self.top_fraction <= 1.0, s, "top_fraction", f"must be in (0, 1], got {self.top_fraction}")
         for name in ("max_kl", "max_length_change", "skill_min_drop"):
             _check(getattr(self, name) >= 0, s, name, f"must be >= 0, got {getattr(self, name)}")

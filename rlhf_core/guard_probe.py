@@ -11,6 +11,10 @@ The parent's record is cached under ``<project>/.alignflow/probes/`` keyed on th
 eval file, the settings and the reward's identity: in a cycle flow each child becomes the next parent, and
 every stage of the align flow shares the SFT parent, so the parent is answered once.
 
+The child's greedy answers are not generated again when the stage's final eval already made them with the same
+settings (:func:`reusable_answers`: same eval file, items, token budget, batch size, device and fp32 weights):
+the probe then only scores them (entropy, KL, reward).
+
 Run: called by :func:`rlhf_core.stages.check_stage_guards` after every policy stage.
 """
 
@@ -108,10 +112,21 @@ def answer_statistics(model: Any, tokenizer: Any, prompts: Sequence[str], answer
     return lengths, entropy_sum / max(positions, 1), (kls if reference is not None else None)
 
 
+PROBE_BATCH_SIZE = 256
+"""Generation batch size of the probe: the trainers' final eval's (:func:`rlhf_core.evaluate.evaluate_exact_match`),
+so their answers are the same (left padding to another width could round a logit otherwise)."""
+
+
 def probe(model: Any, tokenizer: Any, items: EvalItems, *, reward_fn: RewardFn | None, reference: Any = None,
-          max_new_tokens: int = 12, batch_size: int = 256) -> tuple[ProbeRecord, list[str]]:
-    """One model's :class:`ProbeRecord` on ``items`` and its greedy answers."""
-    answers = greedy_answers(model, tokenizer, items.prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
+          max_new_tokens: int = 12, batch_size: int = PROBE_BATCH_SIZE,
+          answers: list[str] | None = None) -> tuple[ProbeRecord, list[str]]:
+    """One model's :class:`ProbeRecord` on ``items`` and its greedy answers (``answers``: already made by the
+    stage's final eval, see :func:`reusable_answers`; else generated here)."""
+    if answers is None:
+        answers = greedy_answers(model, tokenizer, items.prompts, max_new_tokens=max_new_tokens,
+                                 batch_size=batch_size)
+    elif len(answers) != len(items.prompts):
+        raise ValueError(f"probe: {len(answers)} answers given for {len(items.prompts)} items")
     correct = ([float(is_correct(a, y)) for a, y in zip(answers, items.labels)] if items.has_labels else None)
     reward = [float(r) for r in reward_fn(list(items.prompts), answers, list(items.labels))] if reward_fn else None
     was_training = model.training
@@ -121,6 +136,22 @@ def probe(model: Any, tokenizer: Any, items: EvalItems, *, reward_fn: RewardFn |
     model.train(was_training)
     kl = sum(kls) / len(kls) if kls else None
     return ProbeRecord(correct, reward, lengths, entropy, kl, list(items.slices)), answers
+
+
+def reusable_answers(record: dict[str, Any] | None, model: Any, *, eval_file: str | Path, max_items: int,
+                     max_new_tokens: int, prompt_field: str, n_items: int) -> list[str] | None:
+    """The stage's final-eval answers (a :class:`rlhf_core.evaluate.GreedyAnswers` as a dict) when they are what the
+    probe would generate with the saved ``model``: same eval file and items, token budget, batch size and prompt
+    field, on the same device type with fp32 weights on both sides and no unmerged adapters; else None."""
+    if not record:
+        return None
+    param = next(model.parameters())
+    same = (Path(record["eval_file"]).resolve() == Path(eval_file).resolve() and record["max_items"] == max_items
+            and record["max_new_tokens"] == max_new_tokens and record["batch_size"] == PROBE_BATCH_SIZE
+            and record["prompt_field"] == prompt_field and record["device"] == param.device.type
+            and record["dtype"] == str(param.dtype) == str(torch.float32) and not record["adapters"]
+            and len(record["answers"]) == n_items)
+    return list(record["answers"]) if same else None
 
 
 def probe_key(model_md5: str, eval_md5: str, settings: dict[str, Any]) -> str:

@@ -18,7 +18,8 @@ module turns two such records into the guards and the gate's decision:
   regressions** (a skill that lost beyond noise while the total rose).
 
 The gate (:func:`gate`) promotes only when the gate metric rose by more than ``min_improvement_se`` paired
-standard errors and no guard fired. No torch, MLflow or Prefect here: a test calls it with hand-made lists.
+standard errors and no guard fired. The gate metric is accuracy, the held-out reward (eval items without labels),
+or a user's metric command's per-item scores paired by id (:mod:`rlhf_core.metric_command`). No torch, MLflow or Prefect here: a test calls it with hand-made lists.
 """
 
 from __future__ import annotations
@@ -123,6 +124,8 @@ class GuardReport:
     eval_delta: Delta | None
     reward_delta: Delta | None
     values: dict[str, float]
+    metric_delta: Delta | None = None
+    """the metric command's paired change (gate_metric command), else None"""
 
     @property
     def fired(self) -> list[GuardResult]:
@@ -151,12 +154,15 @@ class GuardReport:
             tags["guard.eval_delta"] = self.eval_delta.text()
         if self.reward_delta is not None:
             tags["guard.reward_delta"] = self.reward_delta.text()
+        if self.metric_delta is not None:
+            tags["guard.metric_delta"] = self.metric_delta.text()
         return tags
 
     def to_dict(self) -> dict[str, Any]:
         return {"guards": [g.__dict__ for g in self.guards], "values": self.values,
                 "eval_delta": None if self.eval_delta is None else self.eval_delta.__dict__,
                 "reward_delta": None if self.reward_delta is None else self.reward_delta.__dict__,
+                "metric_delta": None if self.metric_delta is None else self.metric_delta.__dict__,
                 "fired": [g.name for g in self.fired]}
 
 
@@ -227,8 +233,13 @@ def skill_regressions(parent: ProbeRecord, child: ProbeRecord, cfg: GuardsConfig
     return GuardResult("skill_regression", bool(lost), worst, -cfg.skill_min_drop, detail), values
 
 
-def check_guards(parent: ProbeRecord, child: ProbeRecord, cfg: GuardsConfig) -> GuardReport:
-    """Every guard of ``child`` against ``parent`` (answers to the same items, in the same order)."""
+def check_guards(parent: ProbeRecord, child: ProbeRecord, cfg: GuardsConfig,
+                 metric: tuple[Sequence[float], Sequence[float]] | None = None) -> GuardReport:
+    """Every guard of ``child`` against ``parent`` (answers to the same items, in the same order).
+
+    ``metric``: the metric command's ``(n,)`` parent and child scores on the same items in the same order
+    (:func:`rlhf_core.metric_command.pair_scores`), for gate_metric command; its paired change is
+    ``metric_delta`` and ``metric_*`` values."""
     if len(parent.length) != len(child.length):
         raise ValueError(f"check_guards: parent answered {len(parent.length)} items, child {len(child.length)}")
     eval_delta = (paired_delta(parent.correct, child.correct)
@@ -274,7 +285,12 @@ def check_guards(parent: ProbeRecord, child: ProbeRecord, cfg: GuardsConfig) -> 
     ]
     for g in guards:
         g.blocking = g.name not in cfg.advisory_guards
-    return GuardReport(guards, eval_delta, reward_delta, values)
+    metric_delta = paired_delta(metric[0], metric[1]) if metric is not None else None
+    if metric_delta is not None:
+        values.update({"metric_delta": metric_delta.delta, "metric_delta_se": metric_delta.se,
+                       "metric_mean": _mean(metric[1]), "metric_mean_parent": _mean(metric[0]),
+                       "metric_n_items": float(metric_delta.n)})
+    return GuardReport(guards, eval_delta, reward_delta, values, metric_delta)
 
 
 @dataclass
@@ -290,7 +306,8 @@ class GateDecision:
 
 
 def gate_metric_name(cfg: GuardsConfig, has_labels: bool) -> str:
-    """``accuracy`` or ``reward``: what must improve (``auto``: accuracy when the eval items have labels)."""
+    """``accuracy``, ``reward`` or ``command``: what must improve (``auto``: accuracy when the eval items have
+    labels, else reward)."""
     if cfg.gate_metric == "auto":
         return "accuracy" if has_labels else "reward"
     return cfg.gate_metric
@@ -300,10 +317,13 @@ def gate(report: GuardReport, cfg: GuardsConfig) -> GateDecision:
     """Pass when the gate metric rose by more than ``min_improvement_se`` paired SEs over the parent and no blocking
     guard fired; otherwise name each reason (the fired guards with their values, and a missing gain)."""
     metric = gate_metric_name(cfg, report.eval_delta is not None)
-    delta = report.eval_delta if metric == "accuracy" else report.reward_delta
+    delta = {"accuracy": report.eval_delta, "reward": report.reward_delta, "command": report.metric_delta}[metric]
     reasons = [f"{g.name}: {g.detail}" for g in report.blocking]
     if delta is None:
-        reasons.append(f"no {metric} measured for both models")
+        hint = (" (the eval items carry no labels and the stage has no held-out reward: set guards.reward_model_path "
+                "to a reward model, or gate_metric: command with a metric_command)"
+                if metric == "reward" and report.eval_delta is None else "")
+        reasons.append(f"no {metric} measured for both models{hint}")
     elif not delta.beyond(cfg.min_improvement_se) or delta.delta <= 0:
         reasons.append(f"{metric} gain {delta.text()} is not above {cfg.min_improvement_se:g} s.e.")
     return GateDecision(not reasons, metric, reasons)

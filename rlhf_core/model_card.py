@@ -71,6 +71,10 @@ def render_model_card(name: str, version: str, run_id: str, tags: dict[str, str]
         lines.append(_row("held-out reward score", _num(metrics.get("guard/reward_mean_parent")),
                           _num(metrics["guard/reward_mean"]),
                           f"{metrics['guard/reward_delta']:+.4f} ± {metrics['guard/reward_delta_se']:.4f}"))
+    if "guard/metric_mean" in metrics:
+        lines.append(_row("metric command score", _num(metrics.get("guard/metric_mean_parent")),
+                          _num(metrics["guard/metric_mean"]),
+                          f"{metrics['guard/metric_delta']:+.4f} ± {metrics['guard/metric_delta_se']:.4f}"))
     if "guard/length_mean" in metrics:
         lines.append(_row("answer length (characters)", _num(metrics.get("guard/length_mean_parent"), 2),
                           _num(metrics["guard/length_mean"], 2), f"{metrics.get('guard/length_change', 0):+.1%}"))

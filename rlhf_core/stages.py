@@ -314,6 +314,8 @@ def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: s
     ``rendered_examples``, logged as ``eval_samples.json`` and :data:`RENDERED_EXAMPLES`).
     ``metrics_file`` receives deterministic metrics only (eval/*, train/loss*), since DVC hashes it.
     ``guards``: a policy stage's guards against its parent model (:func:`check_stage_guards`), logged to the run.
+    The ``eval`` dataset is gated as ``prompts`` when every item has a label and ``prompt-only`` when none has
+    (:func:`rlhf_core.data.validate.eval_kind`; a mix is a ``DataError`` naming file, line and field).
 
     The trainer's checkpoints and its finished record are cleared last, once the model is tracked and
     registered: a stage that fails before that (the tracking server went away) and is retried reuses the
@@ -324,7 +326,12 @@ def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: s
     from rlhf_core.trainers.loop import inject_fault
     from rlhf_core.tracking import start_run
 
-    gate_datasets(cfg, datasets, gate_kinds)
+    kinds = dict(gate_kinds or {})
+    if datasets.get("eval", ("", ""))[0] and "eval" not in kinds:  # labelled, or not at all (a mix: DataError)
+        from rlhf_core.data.validate import eval_kind
+
+        kinds["eval"] = eval_kind(datasets["eval"][0], cfg.label_field)
+    gate_datasets(cfg, datasets, kinds)
     inputs = {"model": cfg.model_path, **{k: path for k, (path, _) in datasets.items()}}
     if getattr(cfg, "ref_model_path", ""):
         inputs["reference"] = cfg.ref_model_path
@@ -350,7 +357,8 @@ def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: s
         out_md5 = dvc_md5(result.output_dir)
         run.set_tags({"dvc.md5.output_model": out_md5})
         if guards is not None and guards.enabled and getattr(cfg, "eval_file", ""):
-            result.metrics.update(check_stage_guards(name, cfg, Path(result.output_dir), guards, run))
+            result.metrics.update(check_stage_guards(name, cfg, Path(result.output_dir), guards, run,
+                                                     getattr(result, "eval_answers", None)))
         inject_fault(name, "tracking")  # test hook (ALIGNFLOW_FAULT=<stage>:tracking): saved, not yet registered
         model_uri = run.log_hf_model(result.output_dir, register_as) if register_as else None
         if metrics_file is not None:
@@ -389,53 +397,34 @@ def _reward_for_guards(stage: str, cfg: Any, guards: GuardsConfig, device: Any) 
     return None, {"reward": None}
 
 
-def check_stage_guards(stage: str, cfg: Any, child_dir: Path, guards: GuardsConfig, run: Any) -> dict[str, float]:
+def check_stage_guards(stage: str, cfg: Any, child_dir: Path, guards: GuardsConfig, run: Any,
+                       eval_answers: dict[str, Any] | None = None) -> dict[str, float]:
     """Answer the stage's eval items with its parent (``cfg.model_path``, cached) and the trained model, check every
     guard (:func:`rlhf_core.guards.check_guards`) and the gate, and log them to ``run``: ``guard/*`` metrics,
     ``guard.*`` tags (``guard.fired``, ``guard.gate``, ...), ``guards/report.json`` and ``guards/per_item.json``
-    (both models' per-item results on the same items: what a paired comparison needs). Returns the metrics."""
-    from rlhf_core.guard_probe import (
-        load_cached,
-        probe,
-        probe_key,
-        read_eval_items,
-        save_cached,
-    )
-    from rlhf_core.guards import check_guards, gate
-    from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
-    from rlhf_core.tracking import project_root
+    (both models' per-item results on the same items: what a paired comparison needs). Returns the metrics.
 
+    ``eval_answers``: the stage's final eval's greedy answers (:class:`rlhf_core.evaluate.GreedyAnswers`), reused
+    for the child when their settings are the probe's (:func:`rlhf_core.guard_probe.reusable_answers`). With
+    ``guards.gate_metric: command`` the user's metric command scores both models first
+    (:func:`_metric_command_scores`); any fault there fails the stage before its model is registered."""
+    from rlhf_core.guard_probe import read_eval_items
+    from rlhf_core.guards import check_guards, gate
+    from rlhf_core.models import load_tokenizer, pick_device
+
+    metric = _metric_command_scores(cfg, guards, child_dir, run) if guards.gate_metric == "command" else None
     device = pick_device()
     tokenizer = load_tokenizer(child_dir)
-    max_items = getattr(cfg, "eval_items", 1000)
-    max_new_tokens = getattr(cfg, "max_new_tokens", 12)
     items = read_eval_items(cfg.eval_file, tokenizer, prompt_field=cfg.prompt_field, label_field=cfg.label_field,
-                            slice_field=guards.slice_field, max_items=max_items)
+                            slice_field=guards.slice_field, max_items=getattr(cfg, "eval_items", 1000))
     reward_fn, reward_id = _reward_for_guards(stage, cfg, guards, device)
-    parent_dir = Path(cfg.model_path)
-    settings = {"max_items": max_items, "max_new_tokens": max_new_tokens, "reward": reward_id,
-                "fields": [cfg.prompt_field, cfg.label_field, guards.slice_field], "probe": 1}
-    cache = (project_root() / ".alignflow" / "probes" /
-             f"{probe_key(dvc_md5(parent_dir), dvc_md5(cfg.eval_file), settings)}.json") if reward_id else None
-    cached = load_cached(cache) if cache is not None else None
-    if cached is None:
-        parent_model = load_causal_lm(parent_dir, device)
-        cached = probe(parent_model, load_tokenizer(parent_dir), items, reward_fn=reward_fn,
-                       max_new_tokens=max_new_tokens)
-        del parent_model
-        if cache is not None:
-            save_cached(cache, *cached)
-    parent, parent_answers = cached
-    reference_dir = Path(getattr(cfg, "ref_model_path", "") or parent_dir)
-    child_model = load_causal_lm(child_dir, device)
-    reference = load_causal_lm(reference_dir, device)
-    child, child_answers = probe(child_model, tokenizer, items, reward_fn=reward_fn, reference=reference,
-                                 max_new_tokens=max_new_tokens)
-    del child_model, reference
-    report = check_guards(parent, child, guards)
+    parent, parent_answers = _probe_parent(cfg, guards, items, reward_fn, reward_id, device)
+    child, child_answers = _probe_child(cfg, child_dir, tokenizer, items, reward_fn, device, eval_answers, run)
+    report = check_guards(parent, child, guards, metric)
     decision = gate(report, guards)
     metrics = report.metrics()
     metrics["guard/gate_passed"] = float(decision.passed)
+    parent_dir = Path(cfg.model_path)
     run.log_metrics(metrics, 0)
     run.set_tags({**report.tags(), "guard.gate": decision.text()[:4900], "guard.gate_metric": decision.metric,
                   "guard.gate_passed": str(decision.passed).lower(), "guard.parent_model": str(parent_dir),
@@ -453,6 +442,88 @@ def check_stage_guards(stage: str, cfg: Any, child_dir: Path, guards: GuardsConf
                                                                  parent_answers, child_answers))]},
                  "guards/per_item.json")
     return metrics
+
+
+def _probe_settings(cfg: Any, guards: GuardsConfig, reward_id: Any) -> dict[str, Any]:
+    """What the parent's probe depends on besides the model and the eval file (its cache key's settings)."""
+    return {"max_items": getattr(cfg, "eval_items", 1000), "max_new_tokens": getattr(cfg, "max_new_tokens", 12),
+            "reward": reward_id, "fields": [cfg.prompt_field, cfg.label_field, guards.slice_field], "probe": 1}
+
+
+def _probe_parent(cfg: Any, guards: GuardsConfig, items: Any, reward_fn: Any, reward_id: Any,
+                  device: Any) -> tuple[Any, list[str]]:
+    """The parent's probe record and answers: from the cache under ``.alignflow/probes/`` when there (never for a
+    reward without an identity, a server), else answered now and cached."""
+    from rlhf_core.guard_probe import load_cached, probe, probe_key, save_cached
+    from rlhf_core.models import load_causal_lm, load_tokenizer
+    from rlhf_core.tracking import project_root
+
+    parent_dir = Path(cfg.model_path)
+    settings = _probe_settings(cfg, guards, reward_id)
+    cache = (project_root() / ".alignflow" / "probes" /
+             f"{probe_key(dvc_md5(parent_dir), dvc_md5(cfg.eval_file), settings)}.json") if reward_id else None
+    cached = load_cached(cache) if cache is not None else None
+    if cached is None:
+        parent_model = load_causal_lm(parent_dir, device)
+        cached = probe(parent_model, load_tokenizer(parent_dir), items, reward_fn=reward_fn,
+                       max_new_tokens=settings["max_new_tokens"])
+        del parent_model
+        if cache is not None:
+            save_cached(cache, *cached)
+    return cached
+
+
+def _probe_child(cfg: Any, child_dir: Path, tokenizer: Any, items: Any, reward_fn: Any, device: Any,
+                 eval_answers: dict[str, Any] | None, run: Any) -> tuple[Any, list[str]]:
+    """The trained model's probe record (KL against ``cfg.ref_model_path``, else the parent) and answers; the
+    stage's final-eval answers stand in for generating them again when they match (tag ``guard.child_answers``)."""
+    from rlhf_core.guard_probe import probe, reusable_answers
+    from rlhf_core.models import load_causal_lm
+
+    reference_dir = Path(getattr(cfg, "ref_model_path", "") or cfg.model_path)
+    child_model = load_causal_lm(child_dir, device)
+    answers = reusable_answers(eval_answers, child_model, eval_file=cfg.eval_file,
+                               max_items=getattr(cfg, "eval_items", 1000),
+                               max_new_tokens=getattr(cfg, "max_new_tokens", 12), prompt_field=cfg.prompt_field,
+                               n_items=len(items.prompts))
+    run.set_tags({"guard.child_answers": "reused from the stage's final eval" if answers is not None
+                  else "generated by the probe"})
+    reference = load_causal_lm(reference_dir, device)
+    out = probe(child_model, tokenizer, items, reward_fn=reward_fn, reference=reference,
+                max_new_tokens=getattr(cfg, "max_new_tokens", 12), answers=answers)
+    del child_model, reference
+    return out
+
+
+def _metric_command_scores(cfg: Any, guards: GuardsConfig, child_dir: Path,
+                           run: Any) -> tuple[list[float], list[float]]:
+    """``guards.metric_command``'s per-item scores of the parent (cached on its md5, the eval file's, the command
+    and the md5 of each existing file the command names) and of the child, paired by id
+    (:mod:`rlhf_core.metric_command`); the pairs go to the run as ``guards/metric_scores.json``."""
+    import shlex
+
+    from rlhf_core.guard_probe import probe_key
+    from rlhf_core.metric_command import pair_scores, read_scores, run_metric_command
+    from rlhf_core.tracking import project_root
+
+    root, parent_dir = project_root(), Path(cfg.model_path)
+    named = sorted({t for t in shlex.split(guards.metric_command) if "{" not in t and (root / t).is_file()})
+    key = probe_key(dvc_md5(parent_dir), dvc_md5(cfg.eval_file),
+                    {"command": guards.metric_command, "files": {t: dvc_md5(root / t) for t in named}})
+    cache = root / ".alignflow" / "probes" / f"{key}.metric.jsonl"
+    common = dict(eval_file=cfg.eval_file, cwd=root, timeout_s=guards.metric_command_timeout_s)
+    if cache.exists():
+        parent = read_scores(cache)
+    else:
+        parent = run_metric_command(guards.metric_command, model=parent_dir, out=cache.with_suffix(".tmp"), **common)
+        os.replace(cache.with_suffix(".tmp"), cache)
+    child_file = root / ".alignflow" / "metric" / f"{getattr(run, 'run_id', None) or 'stage'}-child.jsonl"
+    child = run_metric_command(guards.metric_command, model=child_dir, out=child_file, **common)
+    ids, parent_scores, child_scores = pair_scores(parent, child)
+    run.log_dict({"command": guards.metric_command, "parent": str(parent_dir), "child": str(child_dir),
+                  "items": [{"id": i, "parent": p, "child": c} for i, p, c in zip(ids, parent_scores, child_scores)]},
+                 "guards/metric_scores.json")
+    return parent_scores, child_scores
 
 
 
@@ -533,7 +604,8 @@ def rl(cfg: RLConfig, tracking: TrackingConfig, parent_run_id: str | None = None
 
     The reward model (reward_kind model) and a critic start other than the policy are lineage inputs;
     a reward function file is recorded by path in the params. The prompts need labels only for a reward
-    that reads them (:attr:`RewardKind.reads_labels`); the eval file always does (exact match).
+    that reads them (:attr:`RewardKind.reads_labels`); the eval file has a label on every item (exact match) or
+    on none (no accuracy: ``eval/reward_model_score`` and the guards' reward gate, see :func:`_train_stage`).
     """
     from rlhf_core.data.validate import prompts_kind
     from rlhf_core.rewards import RewardKind

@@ -5,7 +5,10 @@ transformers flavor, or by reference to its folder and DVC md5: ``tracking.model
 the version's source run is that stage run, whose inputs and lineage tags say which data and
 parent model produced it. The champion comparison (the stage's ``eval/accuracy`` against the
 current champion's) is recorded on the version as tags and returned, so the flow logs it on its
-cycle run. ``tracking.keep_model_versions`` then deletes old versions no alias points at.
+cycle run. A stage whose eval items carry no labels has no ``eval/accuracy`` (``accuracy`` None): nothing
+to hold against the champion's, so its version becomes champion only through a passed gate (the held-out
+reward or the user's metric command against its parent, :mod:`rlhf_core.guards`) and stays candidate
+otherwise. ``tracking.keep_model_versions`` then deletes old versions no alias points at.
 
 Two flows promoting into one registry at once: reading the champion, comparing and moving the
 alias is a compare-and-set, which MLflow does not offer, so without care both read the old
@@ -200,15 +203,36 @@ def promote_if_better(client: Any, name: str, version: str, accuracy: float, hig
 # --------------------------------------------------------------------------------------
 
 
+def _metric_text(accuracy: float | None) -> str:
+    """The version's ``eval_accuracy`` tag: the accuracy, or ``nan`` when the eval items had no labels."""
+    return "nan" if accuracy is None else f"{accuracy:.6f}"
+
+
+def promote_on_gate(client: Any, name: str, version: str, gate_passed: bool, why: str | None = None) -> dict[str, Any]:
+    """A version without an accuracy (unlabelled eval items): champion when its stage's gate passed (the gate metric
+    beat its parent's beyond noise, no guard fired), else candidate; no champion comparison, there is no accuracy
+    to compare. ``why``: the gate's reasons, quoted in the verdict when it did not pass."""
+    before = read_champion(client, name)
+    head = f"candidate v{version} (no eval/accuracy: the eval items carry no labels) "
+    if gate_passed:
+        set_alias(client, name, CHAMPION, version)
+        verdict = head + "promoted to champion on its gate against its parent"
+    else:
+        verdict = head + ("not promoted: no accuracy to hold against the champion's and no passed gate"
+                          + (f" ({why})" if why else ""))
+    return {"promoted": gate_passed, "champion_version": version if gate_passed else (before.version if before else None),
+            "previous_champion_accuracy": before.accuracy if before else None, "verdict": verdict}
+
+
 def _version_of(client: Any, cfg: TrackingConfig, model_dir: str, run_id: str, name: str,
-                accuracy: float) -> tuple[str, str]:
+                accuracy: float | None) -> tuple[str, str]:
     """This run's version of ``name`` (registered now, ``pending``, if it has none yet) and its model URI."""
     found = client.search_model_versions(f"name='{name}' and run_id='{run_id}'")
     if found:  # a stage run already registered (a cached stage in a re-run flow, a retry) keeps its version
         return str(found[0].version), found[0].source
     md5 = dvc_md5(model_dir) if cfg.model_storage == "reference" else None
     model_uri = MlflowTracker(client, run_id, tracking=cfg).log_hf_model(
-        model_dir, name, md5=md5, version_tags={METRIC_TAG: f"{accuracy:.6f}", REGISTRATION_TAG: "pending"},
+        model_dir, name, md5=md5, version_tags={METRIC_TAG: _metric_text(accuracy), REGISTRATION_TAG: "pending"},
         prune=False)
     return str(client.search_model_versions(f"name='{name}' and run_id='{run_id}'")[0].version), model_uri
 
@@ -235,11 +259,12 @@ def _gate_text(run_tags: dict[str, str], guards: GuardsConfig | None, blocked: s
 
 
 @task(name="register-model", retries=1, retry_delay_seconds=5)
-def register_model(model_dir: str, run_id: str, accuracy: float, registered_name: str,
+def register_model(model_dir: str, run_id: str, accuracy: float | None, registered_name: str,
                    tracking: dict[str, Any], higher_is_better: bool = True,
                    guards: dict[str, Any] | None = None) -> dict[str, Any]:
     """Register ``model_dir`` from stage run ``run_id``; alias it ``candidate``, and ``champion`` if it passes the
-    gate (``guards``: the ``guards`` section; None skips the gate) and beats the champion. The version's
+    gate (``guards``: the ``guards`` section; None skips the gate) and beats the champion. ``accuracy`` None (eval
+    items without labels): champion only through a passed gate (:func:`promote_on_gate`). The version's
     description becomes its model card (:func:`model_card`); the stage's ``guard.*`` tags are copied onto it."""
     import mlflow
     from mlflow import MlflowClient
@@ -250,7 +275,7 @@ def register_model(model_dir: str, run_id: str, accuracy: float, registered_name
     client = MlflowClient(tracking_uri=uri)
     mlflow.set_tracking_uri(uri)  # the copy goes through MLflow's fluent API
     version, model_uri = _version_of(client, cfg, model_dir, run_id, registered_name, accuracy)
-    client.set_model_version_tag(registered_name, version, METRIC_TAG, f"{accuracy:.6f}")
+    client.set_model_version_tag(registered_name, version, METRIC_TAG, _metric_text(accuracy))
     run = client.get_run(run_id)
     for key, value in run.data.tags.items():
         if key.startswith("guard."):
@@ -258,7 +283,11 @@ def register_model(model_dir: str, run_id: str, accuracy: float, registered_name
     blocked = gate_blocks(run.data.tags, guards_cfg)
     with registry_lock(uri, f"{registered_name} v{version}"):
         set_alias(client, registered_name, CANDIDATE, version)
-        if blocked is None:
+        if accuracy is None:
+            outcome = promote_on_gate(client, registered_name, version, blocked is None and guards_cfg is not None
+                                      and guards_cfg.gate and run.data.tags.get("guard.gate_passed") == "true",
+                                      blocked or run.data.tags.get("guard.gate"))
+        elif blocked is None:
             outcome = promote_if_better(client, registered_name, version, accuracy, higher_is_better,
                                         cfg.registry_settle_s if shared_store(uri) else 0.0)
         else:

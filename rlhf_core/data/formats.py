@@ -167,6 +167,17 @@ def read_prompt_examples(records: Sequence[Record], path: str | Path, *, prompt_
     return out
 
 
+def labels_present(labels: Sequence[Any], lines: Sequence[int], path: str | Path, label_field: str) -> bool:
+    """True when every item has a label, False when none has; a mix is a :class:`DataError` naming the file, the
+    first line without one and the field (half-labelled data would make accuracy mean something else)."""
+    missing = [line for label, line in zip(labels, lines) if label is None]
+    if missing and len(missing) < len(labels):
+        raise DataError(path, missing[0], f"missing, while {len(labels) - len(missing)} of the {len(labels)} items "
+                        "have one: label every eval item (exact-match accuracy) or none (the guards then judge "
+                        "the held-out reward or guards.metric_command)", label_field)
+    return not missing
+
+
 def read_completion_examples(records: Sequence[Record], path: str | Path, *, prompt_field: str = "prompt",
                              completion_field: str = "completion") -> list[CompletionExample]:
     """Prompt-completion records (a ``messages`` chat is SFT's own path: :func:`tokenize_messages`)."""

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rlhf_core.config import DataFields
-from rlhf_core.data.formats import ROLES, implicit_prompt
+from rlhf_core.data.formats import ROLES, implicit_prompt, labels_present
 from rlhf_core.data.io import DataError, Record, read_records
 from rlhf_core.redact import redact_secrets
 
@@ -70,11 +70,34 @@ def prompts_kind(needs_labels: bool) -> str:
     """The gate's kind for a prompt file: ``prompts`` when its consumer reads the labels (a reward
     function, the rule scorer, exact-match evaluation), ``prompt-only`` when it never does."""
     return "prompts" if needs_labels else "prompt-only"
+
+
+def eval_kind(path: str | Path, label_field: str) -> str:
+    """The gate's kind for a policy stage's eval file: ``prompts`` when every item has a label (exact-match
+    accuracy), ``prompt-only`` when none has (the guards judge the held-out reward or a metric command); a mix is
+    a :class:`DataError` naming the file, the first unlabelled line and the field."""
+    try:
+        records = read_records(path)
+    except DataError:  # unreadable: the validator's report says why
+        return "prompts"
+    return prompts_kind(labels_present([r.data.get(label_field) for r in records], [r.line for r in records],
+                                       path, label_field))
 N_EXAMPLES = 5
 VALUE_CHARS = 60
 """Each field value in a failure excerpt is clipped to this many characters ..."""
 EXCERPT_CHARS = 200
 """... and each whole excerpt (one row's fields) to this many."""
+
+
+def require_eval_labels(path: str | Path, label_field: str, flow: str) -> None:
+    """A :class:`DataError` naming the file and the field unless every eval item has a label: ``flow`` compares
+    ``eval/accuracy`` across its stages or cycles, which unlabelled items cannot give."""
+    if eval_kind(path, label_field) != "prompts":
+        raise DataError(path, 0, f"no eval item has this field: the {flow} flow compares eval/accuracy (exact match) "
+                        "across its models and needs a label on every eval item. For eval data without labels run "
+                        "the policy stages themselves (alignflow dpo, kto, rl, distill, raft), whose guards gate on "
+                        "the held-out reward or guards.metric_command (README: Guards and the promotion gate)",
+                        label_field)
 
 
 @dataclass

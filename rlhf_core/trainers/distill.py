@@ -43,6 +43,8 @@ class DistillResult:
     eval_samples: list[dict[str, str]] = field(default_factory=list)
     rendered_examples: list[dict[str, Any]] = field(default_factory=list)
     """The first training sequences as the model saw them (:func:`rlhf_core.data.sequences.rendered_rows`)."""
+    eval_answers: dict[str, Any] | None = None
+    """The final eval's every greedy answer and their settings (the guard probe reuses them)."""
 
 
 def check_same_vocabulary(student_path: str | Path, student_tok: Any, teacher_path: str | Path, teacher_tok: Any) -> None:
@@ -92,13 +94,14 @@ def train_distill(cfg: DistillConfig, sink: MetricSink | None = None, show_progr
                                  nll_weight=cfg.nll_weight)
         return mean * n_tokens, n_tokens  # the loop wants a sum over its units (tokens)
 
-    def evaluate() -> tuple[dict[str, float], list[dict[str, str]]]:
+    def evaluate() -> tuple[Any, ...]:
         result = evaluate_exact_match(model, tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
                                       label_field=cfg.label_field, max_items=cfg.eval_items)
-        return result.metrics("eval"), result.samples
+        return result.stage_output()  # metrics, samples, every answer (the guard probe reuses them)
 
     # ---- train, then save ---------------------------------------------------------------
     loop = run_training(cfg, "distill", model, tokenizer, batches=batches, loss_fn=loss_fn,
                         evaluate=evaluate, sink=sink, state={"sampler": sampler},
                         lineage={"teacher": str(cfg.teacher_path)}, show_progress=show_progress)
-    return DistillResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples, rendered_rows(tokenizer, train))
+    return DistillResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples, rendered_rows(tokenizer, train),
+                         loop.eval_answers)

@@ -40,6 +40,8 @@ class DPOResult:
     eval_samples: list[dict[str, str]] = field(default_factory=list)
     rendered_examples: list[dict[str, Any]] = field(default_factory=list)
     """The first pairs as the model saw them (:func:`rlhf_core.data.sequences.rendered_pair_rows`)."""
+    eval_answers: dict[str, Any] | None = None
+    """The final eval's every greedy answer and their settings (the guard probe reuses them)."""
 
 
 def precompute_reference_logps(reference: Any, pairs: list[tuple[TokenizedExample, TokenizedExample]], pad: int,
@@ -129,13 +131,14 @@ def train_dpo(cfg: DPOConfig, sink: MetricSink | None = None, show_progress: boo
             v.clear()
         return out
 
-    def evaluate() -> tuple[dict[str, float], list[dict[str, str]]]:
+    def evaluate() -> tuple[Any, ...]:
         result = evaluate_exact_match(model, tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
                                       label_field=cfg.label_field, max_items=cfg.eval_items)
-        return result.metrics("eval"), result.samples
+        return result.stage_output()  # metrics, samples, every answer (the guard probe reuses them)
 
     # ---- train, then save -----------------------------------------------------------------
     loop = run_training(cfg, "dpo", model, tokenizer, batches=batches, loss_fn=loss_fn,
                         evaluate=evaluate, sink=sink, state={"sampler": sampler}, units_fn=lambda b: int(b["n_pairs"]),
                         step_metrics=step_metrics, show_progress=show_progress)
-    return DPOResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples, rendered_pair_rows(tokenizer, pairs))
+    return DPOResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples, rendered_pair_rows(tokenizer, pairs),
+                     loop.eval_answers)

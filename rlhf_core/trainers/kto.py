@@ -48,6 +48,8 @@ class KTOResult:
     eval_samples: list[dict[str, str]] = field(default_factory=list)
     rendered_examples: list[dict[str, Any]] = field(default_factory=list)
     """The first examples as the model saw them, each with its flag (:func:`rlhf_core.data.sequences.rendered_row`)."""
+    eval_answers: dict[str, Any] | None = None
+    """The final eval's every greedy answer and their settings (the guard probe reuses them)."""
 
 
 def unpaired_examples(records: Sequence[Record], cfg: KTOConfig, path: str | Path) -> list[UnpairedExample]:
@@ -147,10 +149,10 @@ def train_kto(cfg: KTOConfig, sink: MetricSink | None = None, show_progress: boo
             v.clear()
         return out
 
-    def evaluate() -> tuple[dict[str, float], list[dict[str, str]]]:
+    def evaluate() -> tuple[Any, ...]:
         result = evaluate_exact_match(model, tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
                                       label_field=cfg.label_field, max_items=cfg.eval_items)
-        return result.metrics("eval"), result.samples
+        return result.stage_output()  # metrics, samples, every answer (the guard probe reuses them)
 
     # ---- train, then save -------------------------------------------------------------
     loop = run_training(cfg, "kto", model, tokenizer, batches=batches, loss_fn=loss_fn,
@@ -158,4 +160,5 @@ def train_kto(cfg: KTOConfig, sink: MetricSink | None = None, show_progress: boo
                         step_metrics=step_metrics, show_progress=show_progress)
     rendered = [{**rendered_row(tokenizer, matched[i]), "desirable": examples[i].desirable}
                 for i in range(min(SAMPLE_ROWS, len(examples)))]
-    return KTOResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples, rendered)
+    return KTOResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples, rendered,
+                     loop.eval_answers)

@@ -443,8 +443,10 @@ class TrainingBody(Protocol):
     def progress(self, metrics: dict[str, float]) -> dict[str, str]:
         """The progress bar's postfix for the metrics a step logged."""
 
-    def evaluate(self, step: int) -> tuple[dict[str, float], list[dict[str, str]]]:
-        """Held-out metrics and sample answers of the current weights."""
+    def evaluate(self, step: int) -> tuple[Any, ...]:
+        """Held-out metrics and sample answers of the current weights, and optionally a third item: the record of
+        every greedy answer (:meth:`rlhf_core.evaluate.EvalResult.stage_output`), which the final eval hands to
+        the stage so its guard probe need not answer the same items again."""
 
     def checkpoint(self) -> tuple[Any, Any, dict[str, Any]] | None:
         """``(model, tokenizer, state)`` to write at a checkpoint; None where this rank writes nothing."""
@@ -484,6 +486,8 @@ class LoopOutcome:
     """the trainer's own result metrics (``run_checkpointed``'s ``result_metrics``), taken after the final save"""
     reused: bool = False
     """True when nothing was trained: this is the recorded outcome of the run that saved the output"""
+    eval_answers: dict[str, Any] | None = None
+    """the final eval's greedy answers with their settings (:class:`rlhf_core.evaluate.GreedyAnswers`), if it gave them"""
 
 
 def run_checkpointed(plan: LoopPlan, checkpointer: Any, body: TrainingBody, *, sink: MetricSink,
@@ -538,7 +542,8 @@ def run_checkpointed(plan: LoopPlan, checkpointer: Any, body: TrainingBody, *, s
                          plan.max_steps)
         body.save_final()
         outcome = LoopOutcome(dict(evals.metrics), evals.samples, train_seconds, clock.total_seconds(), start - 1,
-                              result_metrics(train_seconds) if result_metrics is not None else {})
+                              result_metrics(train_seconds) if result_metrics is not None else {},
+                              eval_answers=evals.answers)
         if world.is_main:  # only once the final model is in place; kept until the stage's tracking is done
             checkpointer.mark_finished(plan.max_steps, body.storage_needs().output_dir, asdict(outcome))
         world.barrier()
@@ -575,10 +580,13 @@ class _Evaluations:
         self.body, self.sink = body, sink
         self.metrics: dict[str, float] = {}
         self.samples: list[dict[str, str]] = []
+        self.answers: dict[str, Any] | None = None
 
     def run(self, step: int, clock: LoopClock) -> None:
         started = Timer()
-        metrics, self.samples = self.body.evaluate(step)
+        out = self.body.evaluate(step)
+        metrics, self.samples = out[0], out[1]
+        self.answers = out[2] if len(out) > 2 else None
         self.sink.log_metrics(metrics, step)
         self.metrics.update(metrics)
         clock.eval_seconds += started.total()
@@ -628,6 +636,8 @@ class LoopResult:
     metrics: dict[str, float]
     eval_samples: list[dict[str, str]]
     resumed_from_step: int = 0
+    eval_answers: dict[str, Any] | None = None
+    """the final eval's greedy answers and their settings (:attr:`LoopOutcome.eval_answers`)"""
 
 
 def run_training(
@@ -638,7 +648,7 @@ def run_training(
     *,
     batches: MicroBatches,
     loss_fn: Callable[[torch.nn.Module, Any], tuple[torch.Tensor, torch.Tensor]],
-    evaluate: Callable[[], tuple[dict[str, float], list[dict[str, str]]]],
+    evaluate: Callable[[], tuple[Any, ...]],
     sink: MetricSink,
     units_fn: Callable[[Any], int] = count_label_tokens,
     step_metrics: Callable[[], dict[str, float]] | None = None,
@@ -676,7 +686,7 @@ def run_training(
                                    "perf/tokens_per_s": body.tokens_seen / max(train_seconds, 1e-9),
                                    **body.saved_metrics})
     metrics = {**outcome.eval_metrics, **outcome.result_metrics, "perf/train_seconds": outcome.train_seconds}
-    return LoopResult(metrics, outcome.eval_samples, outcome.resumed_from_step)
+    return LoopResult(metrics, outcome.eval_samples, outcome.resumed_from_step, outcome.eval_answers)
 
 
 class _OfflineBody:
@@ -684,7 +694,7 @@ class _OfflineBody:
 
     def __init__(self, cfg: Any, name: str, model: torch.nn.Module, tokenizer: Any, world: Any, *,
                  batches: MicroBatches, loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]],
-                 evaluate: Callable[[], tuple[dict[str, float], list[dict[str, str]]]],
+                 evaluate: Callable[[], tuple[Any, ...]],
                  units_fn: Callable[[Any], int], step_metrics: Callable[[], dict[str, float]] | None,
                  state: dict[str, Resumable], lineage: dict[str, str],
                  before_save: Callable[[], dict[str, float]] | None):
@@ -783,7 +793,7 @@ class _OfflineBody:
     def progress(self, metrics: dict[str, float]) -> dict[str, str]:
         return {"loss": f"{metrics['train/loss']:.3f}", "lr": f"{metrics['train/lr']:.1e}"}
 
-    def evaluate(self, step: int) -> tuple[dict[str, float], list[dict[str, str]]]:
+    def evaluate(self, step: int) -> tuple[Any, ...]:
         del step
         return self._evaluate()
 

@@ -98,6 +98,8 @@ class RLResult:
     rollout_table: list[dict[str, Any]] = field(default_factory=list)
     rendered_examples: list[dict[str, Any]] = field(default_factory=list)
     """The first iteration's first samples as the policy saw and wrote them (:func:`rendered_rollout_rows`)."""
+    eval_answers: dict[str, Any] | None = None
+    """The final eval's every greedy answer and their settings (the guard probe reuses them)."""
 
 
 def read_prompts(cfg: RLConfig, tokenizer: Any) -> tuple[list[str], list[str | None]]:
@@ -214,7 +216,7 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
     metrics = {**outcome.result_metrics, **outcome.eval_metrics,
                "perf/train_seconds": outcome.train_seconds, "perf/total_seconds": outcome.total_seconds}
     return RLResult(Path(cfg.output_dir), metrics, outcome.eval_samples, trainer.rollout_table,
-                    trainer.rendered_examples)
+                    trainer.rendered_examples, outcome.eval_answers)
 
 
 @dataclass
@@ -639,7 +641,7 @@ class RLTrainer:
 
     # ---- evaluation: greedy exact match (+ the reward model's score of the greedy answers) ------
 
-    def evaluate(self, step: int) -> tuple[dict[str, float], list[dict[str, str]]]:
+    def evaluate(self, step: int) -> tuple[Any, ...]:
         cfg = self.cfg
         result = evaluate_exact_match(self.learner.view(), self.tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
                                       label_field=cfg.label_field, max_items=cfg.eval_items,
@@ -661,13 +663,14 @@ class RLTrainer:
             # how much the reward model likes the policy's answers: rises with reward hacking as well
             # as with real progress, so read it next to eval/accuracy
             rm = self.reward_source([s["prompt"] for s in result.samples], [s["completion"] for s in result.samples],
-                                    [s["label"] for s in result.samples])
+                                    [s.get("label") for s in result.samples])  # None: unlabelled eval items
             metrics["eval/reward_model_score"] = _mean(rm)
         if step == 0:  # the eval before training: the run's starting point
             self.summary.update({f"{k}_start": v for k, v in metrics.items()
                                  if k in ("eval/accuracy", "eval/accuracy_stderr", "eval/reward_model_score")
                                  or k.endswith(("_tool", "_tool_stderr")) or k.startswith("eval/tool_call")})
-        return metrics, samples
+        # every single-turn greedy answer too: the stage's guard probe reuses them
+        return metrics, samples, None if result.answers is None else result.answers.to_dict()
 
     # ---- checkpoints: the policy as an HF directory, everything else in trainer_state.pt --------
 

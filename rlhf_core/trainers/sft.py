@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from rlhf_core.config import SFTConfig
+from rlhf_core.data.formats import labels_present
 from rlhf_core.data.io import read_records
 from rlhf_core.data.sequences import rendered_rows, tokenize_labelled_prompts, tokenize_sft_records
 from rlhf_core.data.tokenize import TokenizedExample, collate_packed, collate_padded
@@ -37,6 +38,8 @@ class SFTResult:
     eval_samples: list[dict[str, str]] = field(default_factory=list)
     rendered_examples: list[dict[str, Any]] = field(default_factory=list)
     """The first training sequences as the model saw them (:func:`rlhf_core.data.sequences.rendered_rows`)."""
+    eval_answers: dict[str, Any] | None = None
+    """The final eval's every greedy answer and their settings (the guard probe reuses them)."""
 
 
 def nll_loss_fn(head: LMHead) -> Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]:
@@ -83,23 +86,28 @@ def train_sft(cfg: SFTConfig, sink: MetricSink | None = None, show_progress: boo
     fields = dict(prompt_field=cfg.prompt_field, completion_field=cfg.completion_field,
                   messages_field=cfg.messages_field, max_length=cfg.max_length)
     train = tokenize_sft_records(tokenizer, read_records(cfg.train_file), path=cfg.train_file, **fields)
-    # Eval loss: the label is the reference completion of a held-out prompt.
-    held_out = tokenize_labelled_prompts(tokenizer, read_records(cfg.eval_file, limit=cfg.eval_items),
-                                         path=cfg.eval_file, prompt_field=cfg.prompt_field,
-                                         label_field=cfg.label_field, max_length=cfg.max_length)
+    # Eval loss: the label is the reference completion of a held-out prompt (none when no item has a label).
+    eval_records = read_records(cfg.eval_file, limit=cfg.eval_items)
+    labelled = labels_present([r.data.get(cfg.label_field) for r in eval_records], [r.line for r in eval_records],
+                              cfg.eval_file, cfg.label_field)
+    held_out = tokenize_labelled_prompts(tokenizer, eval_records, path=cfg.eval_file, prompt_field=cfg.prompt_field,
+                                         label_field=cfg.label_field, max_length=cfg.max_length) if labelled else []
 
     # ---- batches: a deterministic reshuffle every epoch; padded, or packed (token budget) --
     sampler = EpochSampler(len(train), cfg.batch_size, cfg.seed, current_world())
     batches = MicroBatches(draw=sampler.next, tokens=lambda i: len(train[i]),
                            collate=lambda idx: _collate([train[i] for i in idx], cfg, tokenizer.pad_token_id))
 
-    def evaluate() -> tuple[dict[str, float], list[dict[str, str]]]:
+    def evaluate() -> tuple[Any, ...]:
         result = evaluate_exact_match(model, tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
                                       label_field=cfg.label_field, max_items=cfg.eval_items)
-        return {**result.metrics("eval"), "eval/loss": eval_loss(model, held_out, cfg, tokenizer.pad_token_id, head)}, \
-            result.samples
+        metrics, samples, answers = result.stage_output()  # every answer too: raft's guard probe reuses them
+        if held_out:
+            metrics["eval/loss"] = eval_loss(model, held_out, cfg, tokenizer.pad_token_id, head)
+        return metrics, samples, answers
 
     # ---- train, then save ---------------------------------------------------------------
     loop = run_training(cfg, "sft", model, tokenizer, batches=batches, loss_fn=nll_loss_fn(head),
                         evaluate=evaluate, sink=sink, state={"sampler": sampler}, show_progress=show_progress)
-    return SFTResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples, rendered_rows(tokenizer, train))
+    return SFTResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples, rendered_rows(tokenizer, train),
+                     loop.eval_answers)

@@ -64,6 +64,7 @@ def test_a_hacked_reward_fires_the_guard_and_the_version_is_not_promoted(project
     # the stage run holds the guard metrics and both models' per-item results on the same items
     run = client.get_run(version.run_id)
     assert run.data.metrics["guard/reward_hacking_fired"] == 1.0 and run.data.tags["guard.fired"] == tags["guard.fired"]
+    assert run.data.tags["guard.child_answers"] == "reused from the stage's final eval"  # not generated twice
     per_item = json.loads((project / client.download_artifacts(version.run_id, "guards/per_item.json",
                                                                  str(project))).read_text())
     assert len(per_item["items"]) == 50 and all(i["child_answer"].count("0") > i["parent_answer"].count("0")

@@ -8,6 +8,7 @@ import pytest
 
 from rlhf_core.config import ConfigError, GuardsConfig
 from rlhf_core.guards import (
+    GUARD_NAMES,
     ProbeRecord,
     check_guards,
     gate,
@@ -156,3 +157,16 @@ def test_model_card_names_parent_data_eval_guards_and_decision():
                  "| eval | `data/eval.jsonl` | `e5` |", "| kl_coef | `0.01` |", "+0.0000 ± 0.0000",
                  "Guards (fired: reward_hacking; blocking promotion: reward_hacking)", "| reward_hacking | FIRED: reward +1.0000", "gate blocked"):
         assert text in card, (text, card)
+
+
+def test_the_command_metric_gates_on_its_paired_scores():
+    """Metric scores parent [1, 2, 3, 4], child [2, 3, 3, 6]: d = [1, 1, 0, 2], mean 1, sd = sqrt(2/3),
+    se = sqrt(2/3) / 2 = 0.408; 1 > 2 x 0.408 passes. Swapped, d = -1: blocked on the command gain."""
+    cfg = GuardsConfig(gate_metric="command", metric_command="e {model} {out}", advisory_guards=list(GUARD_NAMES))
+    record = _record(None, [0, 0, 0, 0])
+    report = check_guards(record, record, cfg, ([1, 2, 3, 4], [2, 3, 3, 6]))
+    assert report.metric_delta.delta == 1.0 and report.metric_delta.se == pytest.approx((2 / 3) ** 0.5 / 2)
+    assert report.metrics()["guard/metric_mean"] == 3.5 and report.tags()["guard.metric_delta"].startswith("+1.0000")
+    assert gate(report, cfg).passed and gate(report, cfg).metric == "command"
+    worse = gate(check_guards(record, record, cfg, ([2, 3, 3, 6], [1, 2, 3, 4])), cfg)
+    assert not worse.passed and worse.reasons == ["command gain -1.0000 ± 0.4082 (paired, n=4) is not above 2 s.e."]

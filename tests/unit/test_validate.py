@@ -313,3 +313,22 @@ def test_where_each_input_gets_its_kind():
     rule = {"rejection": {"scorer": "rule"}, **model_rl}
     assert dataset_kinds(load_all(None, {"flow": {"stages": ["rl", "rejection"]}, **rule}))["prompts"] == "prompts"
     assert dataset_kinds(load_all(None, {"flow": {"stages": ["dpo"]}, **model_rl}))["prompts"] == "prompts"
+
+
+def test_an_eval_file_is_labelled_everywhere_or_nowhere(tmp_path):
+    """eval_kind: every item labelled -> prompts, none -> prompt-only, a mix -> DataError at the first unlabelled
+    line; the flows that compare accuracy (align, cycles) refuse an unlabelled one, naming file and field."""
+    from rlhf_core.data.io import DataError
+    from rlhf_core.data.validate import eval_kind, require_eval_labels
+
+    path = tmp_path / "eval.jsonl"
+    path.write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": "1+2=", "label": 3}\n')
+    assert eval_kind(path, "label") == "prompts"
+    require_eval_labels(path, "label", "align")
+    path.write_text('{"prompt": "1+1="}\n{"prompt": "1+2="}\n')
+    assert eval_kind(path, "label") == "prompt-only"
+    with pytest.raises(DataError, match=rf"^{path}: field 'label': no eval item has this field: the raft flow"):
+        require_eval_labels(path, "label", "raft")
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "1+2="}\n')
+    with pytest.raises(DataError, match=rf"^{path}:2: field 'answer': missing, while 1 of the 2 items have one"):
+        eval_kind(path, "answer")
