@@ -269,3 +269,23 @@ def test_other_eval_items_fall_back_to_unpaired_with_the_reason(paired_store, ca
     assert "no paired error: the eval sets differ" in out and "the unpaired error is the right one" in out
     out = _diff(paired_store, capsys, paired_store["sft"], paired_store["b"])[1]  # b was not trained from sft
     assert "(unpaired)" in out and "no per-item results (guards/per_item.json) for A" in out, out
+
+
+def test_a_logged_metric_keeps_the_unpaired_error_unless_it_is_the_per_item_mean():
+    """Pure: per-item accuracy 0.5 -> 0.7 on 10 items (paired se sqrt(1.6 / 90), see PAIRED_SE). A logged
+    eval/accuracy of 0.5 -> 0.7 is that mean and gets the paired error; one of 0.52 -> 0.7 was measured on
+    other items or settings and keeps sqrt(0.05^2 + 0.04^2)."""
+    from flows.diff import ItemSource, apply_pairing, pair_items
+
+    items = _per_item([0] * 10, CORRECT_A, REWARD_A, REWARD_A)["items"]
+    items_b = _per_item([0] * 10, CORRECT_B, REWARD_A, REWARD_B)["items"]
+    pairing = pair_items(ItemSource("ra", {"eval_md5": "e", "items": items}),
+                         ItemSource("rb", {"eval_md5": "e", "items": items_b}))
+    assert pairing.kind == "paired" and pairing.n == 10
+    for a_value, expected_kind, expected_se in ((0.5, "paired", PAIRED_SE), (0.52, "unpaired", math.hypot(0.05, 0.04))):
+        side = {"params": {}, "tags": {}}
+        rows = apply_pairing(compare({**side, "metrics": {"eval/accuracy": a_value, "eval/accuracy_stderr": 0.05}},
+                                     {**side, "metrics": {"eval/accuracy": 0.7, "eval/accuracy_stderr": 0.04}}), pairing)
+        acc = next(r for r in rows if r.key == "eval/accuracy")
+        assert acc.delta_stderr_kind == expected_kind and acc.delta_stderr == pytest.approx(expected_se)
+        assert next(r for r in rows if r.key == "per_item/accuracy").delta_stderr == pytest.approx(PAIRED_SE)
