@@ -132,7 +132,10 @@ def _tracked_stage(stage: str, cls: type, section: str):
 
         overrides = parse_overrides(args.set)
         guard_overrides = {k.split(".", 1)[1]: overrides.pop(k) for k in list(overrides) if k.startswith("guards.")}
-        cfg = load_config(cls, getattr(args, "section", None) or section, args.params, overrides)
+        report_overrides = {k.split(".", 1)[1]: overrides.pop(k) for k in list(overrides)
+                            if k.startswith("data_report.")}
+        cfg_section = getattr(args, "section", None) or section
+        cfg = load_config(cls, cfg_section, args.params, overrides)
         if getattr(args, "resume", None) is not None:
             cfg = dataclasses.replace(cfg, resume=args.resume)
             if args.resume:
@@ -143,6 +146,12 @@ def _tracked_stage(stage: str, cls: type, section: str):
             extra["guards"] = load_config(GuardsConfig, "guards", args.params, guard_overrides)
         elif guard_overrides:
             raise ConfigError(f"{section}: guards.* overrides apply to policy stages only ({', '.join(GUARDED_STAGES)})")
+        if stage in TRAINING_STAGES:  # the flows' data report, thresholds from params.yaml's data_report
+            report_section = _report_section(cfg_section, args.params)
+            extra["data_report"] = load_config(DataReportConfig, report_section, args.params, report_overrides)
+        elif report_overrides:
+            raise ConfigError(f"{section}: data_report.* overrides apply to training stages only "
+                              f"({', '.join(TRAINING_STAGES)})")
         result = getattr(stages, stage)(cfg, tracking, stages.env_parent_run_id(), metrics_file=args.metrics_file,
                                         **extra)
         out = result.to_dict()
@@ -156,6 +165,22 @@ def _tracked_stage(stage: str, cls: type, section: str):
 
 GUARDED_STAGES = ("dpo", "kto", "raft", "distill", "rl")
 """Stage commands that check their model against its parent (``guards`` section) and take ``--register``."""
+
+TRAINING_STAGES = ("sft", "reward", "dpo", "kto", "raft", "distill", "rl")
+"""Stage commands that train: each runs the data report (``data_report`` section; ``--set data_report.FIELD=VALUE``)
+on its training data against its eval set before training, as the flows do (exit 1 when a check fails)."""
+
+
+def _report_section(section: str, params: str) -> str:
+    """The data report's params section of a stage section: ``tool_sft`` reads ``tool_data_report`` where the
+    params file has one (the tool task's answers repeat more), every other section ``data_report``."""
+    from rlhf_core.config import read_params
+
+    prefix = section.rpartition("_")[0]
+    own = f"{prefix}_data_report"
+    if prefix and own in SECTIONS and Path(params).exists() and own in read_params(params):
+        return own
+    return "data_report"
 
 
 def _register(name: str, result: Any, tracking: TrackingConfig, guards: GuardsConfig) -> dict[str, Any]:

@@ -16,13 +16,28 @@ A cycle run or a stage run logs few params of its own: the flow's config sits on
 run. So params and data tags are read from the run and every run above it (the run's own value
 wins); the header names those parent runs. Metrics and code tags are the run's own.
 
-The error of a difference. Two models evaluated on the same items are best compared with the
-paired standard error, from each item's correct/incorrect under both models (issue 20); the
-runs log only the accuracy, its standard error and a few sample rows (``eval_samples.json``),
-not per-item results. So the error printed for B - A is the unpaired one,
-``sqrt(se_A^2 + se_B^2)``, labelled ``unpaired``: exact for independent eval sets; on the same
-items it overstates the paired error whenever the two models' per-item results correlate
-positively, as they usually do. No paired error is printed, because none can be computed.
+The error of a difference. Two models evaluated on the same items are compared with the *paired*
+standard error (issue 20): ``sd(d) / sqrt(n)`` over the per-item differences ``d_i`` (B's result on item i
+minus A's; :func:`rlhf_core.guards.paired_delta`), not ``sqrt(se_A^2 + se_B^2)``, which treats the two
+runs as independent and, on positively correlated results, overstates the error several times. The
+per-item results are the ``guards/per_item.json`` every guarded policy stage run logs (dpo, kto, raft,
+distill, rl and the cycles' stages: its eval items with the parent's and the trained model's correct and
+reward). Each side's is found by one rule: the run itself when it logged one (a stage run, or the stage run
+a model version was logged from), else the latest-started run below it that did (a cycle run: its stage
+run; a flow run: its last guarded stage -- name a stage run to compare another). Then, in this order:
+
+- both sides have per-item results on the same items (same ``eval_md5``, same prompts in the same order):
+  A's trained-model results against B's;
+- B was trained from A's model (B's ``guard.parent_md5`` is A's ``dvc.md5.output_model``, e.g. an sft run
+  against the dpo or cycle run trained from it): B's file alone holds both sides, parent against child
+  (and the other way round when A was trained from B's model);
+- otherwise the error is unpaired, and the footnote says why (no per-item results, different items).
+
+Paired, the diff adds ``per_item/accuracy`` and ``per_item/reward`` rows (means over the items, each with
+its own error, and B - A with the paired error), and a logged ``eval/accuracy`` or ``cycle/accuracy`` gets
+the paired error too when both sides' values are the per-item means (else it was measured on other items
+or settings and keeps the unpaired error). Every error is labelled ``(paired)`` or ``(unpaired)`` in the
+text, and ``delta_stderr_kind`` in ``--json`` (per row, and for the comparison with ``pairing``).
 
 Run: ``alignflow diff RUN_A RUN_B [--all] [--json] [--exit-code] [--tracking-uri URI]``.
 Exit codes: 0 printed (``--exit-code``: 1 when anything differs, as ``git diff --exit-code``);
@@ -33,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 from dataclasses import asdict, dataclass, field
@@ -41,6 +55,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from rlhf_core.config import TrackingConfig, load_config
+from rlhf_core.guards import mean_and_se, paired_delta, unpaired_se
 from rlhf_core.tracking import resolve_tracking_uri
 
 SECTIONS = ("code", "data", "params", "metrics")
@@ -52,6 +67,13 @@ STATUS_TITLES = {"changed": "changed", "only_a": "only in A", "only_b": "only in
 MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[^/@]+))$")
 BARE_ALIAS = re.compile(r"^(?P<name>[^/@:]+)@(?P<alias>[^/@]+)$")
 PARENT_TAG = "mlflow.parentRunId"
+PER_ITEM = "guards/per_item.json"
+MODEL_TAG = "dvc.md5.output_model"
+PARENT_MODEL_TAG = "guard.parent_md5"
+PAIRED_METRICS = {"accuracy": ("eval/accuracy", "cycle/accuracy"), "reward": ()}
+"""Logged metrics that are the per-item mean of each quantity: their B - A gets the paired error when both
+sides' values equal the per-item means (else the logged value was measured on other items or settings)."""
+SEARCH_DEPTH = 3  # flow run -> cycle run -> stage run
 MAX_SHOWN = 60  # characters of a value in the text view; --json carries the full value
 
 
@@ -71,6 +93,7 @@ class RunView:
     metrics: dict[str, float]
     model_version: str | None = None
     inherited_from: list[str] = field(default_factory=list)
+    per_item_run: str | None = None  # the run whose guards/per_item.json this side's per-item results came from
 
 
 @dataclass
@@ -85,7 +108,8 @@ class Row:
     a_stderr: float | None = None
     b_stderr: float | None = None
     delta: float | None = None
-    delta_stderr: float | None = None  # unpaired: sqrt(se_a^2 + se_b^2); see the module docstring
+    delta_stderr: float | None = None  # see delta_stderr_kind and the module docstring
+    delta_stderr_kind: str | None = None  # "paired": sd(d) / sqrt(n) over per-item d; "unpaired": sqrt(se_a^2 + se_b^2)
 
 
 # --------------------------------------------------------------------------------------
@@ -126,7 +150,8 @@ def _metric_row(key: str, values: tuple[dict, dict], errors: tuple[dict, dict]) 
     if a is not None and b is not None:
         row.delta = b - a
         if row.a_stderr is not None and row.b_stderr is not None:
-            row.delta_stderr = math.sqrt(row.a_stderr ** 2 + row.b_stderr ** 2)
+            row.delta_stderr = unpaired_se(row.a_stderr, row.b_stderr)
+            row.delta_stderr_kind = "unpaired"
     return row
 
 
@@ -152,6 +177,114 @@ def has_differences(rows: list[Row]) -> bool:
 
 
 # --------------------------------------------------------------------------------------
+# Paired errors from per-item results (pure: dicts in, rows out)
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class ItemSource:
+    """One side's per-item results: the run that logged ``guards/per_item.json`` (None: none found) and its
+    content, the md5 of the side's model and of the model it was trained from (``guard.parent_md5``)."""
+
+    run_id: str | None = None
+    per_item: dict[str, Any] | None = None
+    model_md5: str | None = None
+    parent_md5: str | None = None
+
+
+@dataclass
+class Pairing:
+    """How the two sides' per-item results were paired, or why they were not (``kind`` "unpaired").
+
+    ``a`` and ``b``: quantity ("accuracy", "reward") -> ``(n,)`` per-item values of A's and B's model on the
+    same items in the same order."""
+
+    kind: str
+    reason: str
+    a: dict[str, list[float]] = field(default_factory=dict)
+    b: dict[str, list[float]] = field(default_factory=dict)
+    n: int = 0
+    items_differ: bool = False  # both sides have per-item results, on different items: unpaired is right
+
+
+def _column(items: list[dict[str, Any]], key: str) -> list[float] | None:
+    values = [item.get(key) for item in items]
+    return None if not values or any(v is None for v in values) else [float(v) for v in values]
+
+
+def _pair(items: list[dict[str, Any]], a_prefix: str, b_prefix: str, reason: str) -> Pairing:
+    """A pairing from one or two per-item lists: A's values from ``<a_prefix>_correct``/``_reward``, B's likewise."""
+    pairing = Pairing("paired", reason, n=len(items))
+    for quantity, suffix in (("accuracy", "correct"), ("reward", "reward")):
+        a = _column(items, f"{a_prefix}_{suffix}")
+        b = _column(items, f"{b_prefix}_{suffix}")
+        if a is not None and b is not None:
+            pairing.a[quantity], pairing.b[quantity] = a, b
+    if not pairing.a:
+        return Pairing("unpaired", reason + ", but its items carry no correctness or reward")
+    return pairing
+
+
+def _same_items(pa: dict[str, Any], pb: dict[str, Any]) -> str | None:
+    """None when two per_item.json hold the same eval items in the same order, else why not."""
+    if pa.get("eval_md5") != pb.get("eval_md5"):
+        return f"the eval sets differ (eval_md5 {pa.get('eval_md5')} vs {pb.get('eval_md5')})"
+    prompts_a, prompts_b = [i["prompt"] for i in pa["items"]], [i["prompt"] for i in pb["items"]]
+    if prompts_a != prompts_b:
+        return f"the runs answered different items of the eval set ({len(prompts_a)} vs {len(prompts_b)} items)"
+    return None
+
+
+def pair_items(a: ItemSource, b: ItemSource) -> Pairing:
+    """Pair A's and B's per-item results, in this order of rules:
+
+    1. both sides logged per-item results on the same items (same ``eval_md5``, same prompts in order):
+       A's ``child_*`` against B's ``child_*``;
+    2. B was trained from A's model (B's ``guard.parent_md5`` is A's model md5): B's own file holds both,
+       ``parent_*`` (A's model) against ``child_*``; likewise A trained from B's model, with the sides swapped;
+    3. otherwise unpaired, with the reason."""
+    mismatch = None
+    if a.per_item is not None and b.per_item is not None:
+        mismatch = _same_items(a.per_item, b.per_item)
+        if mismatch is None:
+            items = [{"a_correct": x.get("child_correct"), "a_reward": x.get("child_reward"),
+                      "b_correct": y.get("child_correct"), "b_reward": y.get("child_reward")}
+                     for x, y in zip(a.per_item["items"], b.per_item["items"])]
+            return _pair(items, "a", "b", f"per-item results of run {a.run_id} and run {b.run_id} on the same "
+                                          f"{len(items)} eval items")
+    if b.per_item is not None and b.parent_md5 and b.parent_md5 == a.model_md5:
+        return _pair(b.per_item["items"], "parent", "child",
+                     f"B was trained from A's model: run {b.run_id}'s per-item results hold both")
+    if a.per_item is not None and a.parent_md5 and a.parent_md5 == b.model_md5:
+        return _pair(a.per_item["items"], "child", "parent",
+                     f"A was trained from B's model: run {a.run_id}'s per-item results hold both")
+    if mismatch is not None:
+        return Pairing("unpaired", mismatch, items_differ=True)
+    missing = [label for label, src in (("A", a), ("B", b)) if src.per_item is None]
+    return Pairing("unpaired", f"no per-item results ({PER_ITEM}) for {' and '.join(missing)}, and neither "
+                               "model is the other's parent")
+
+
+def apply_pairing(rows: list[Row], pairing: Pairing) -> list[Row]:
+    """Add a ``per_item/<quantity>`` row per paired quantity (means, their errors, B - A with the paired error)
+    and give the paired error to each logged metric of :data:`PAIRED_METRICS` whose A and B values are the
+    per-item means. Returns the rows in :func:`compare`'s order."""
+    if pairing.kind != "paired":
+        return rows
+    for quantity, a_values in pairing.a.items():
+        b_values = pairing.b[quantity]
+        (mean_a, se_a), (mean_b, se_b) = mean_and_se(a_values), mean_and_se(b_values)
+        d = paired_delta(a_values, b_values)
+        rows.append(Row("metrics", f"per_item/{quantity}", _status(mean_a, mean_b), mean_a, mean_b, se_a, se_b,
+                        d.delta, d.se, "paired"))
+        for row in rows:
+            if (row.key in PAIRED_METRICS[quantity] and row.delta is not None
+                    and abs(row.a - mean_a) <= 1e-9 and abs(row.b - mean_b) <= 1e-9):
+                row.delta_stderr, row.delta_stderr_kind = d.se, "paired"
+    return sorted(rows, key=lambda r: (STATUS_ORDER.index(r.status), SECTIONS.index(r.section), r.key))
+
+
+# --------------------------------------------------------------------------------------
 # Rendering
 # --------------------------------------------------------------------------------------
 
@@ -172,7 +305,8 @@ def _cells(row: Row) -> list[str]:
         return [row.section, row.key, _short(row.a), _short(row.b), ""]
     delta = ""
     if row.delta is not None and row.status == "changed":
-        delta = f"{row.delta:+.4g}" + ("" if row.delta_stderr is None else f" ± {row.delta_stderr:.2g} (unpaired)")
+        delta = f"{row.delta:+.4g}" + ("" if row.delta_stderr is None
+                                        else f" ± {row.delta_stderr:.2g} ({row.delta_stderr_kind})")
     return [row.section, row.key, _number(row.a, row.a_stderr), _number(row.b, row.b_stderr), delta]
 
 
@@ -182,22 +316,33 @@ def _describe(label: str, view: RunView) -> str:
         line += f", model version {view.model_version}"
     if view.inherited_from:
         line += f"; params and data include parent run(s) {', '.join(view.inherited_from)}"
+    if view.per_item_run and view.per_item_run != view.run_id:
+        line += f"; per-item results from run {view.per_item_run} below it"
     return line
 
 
-def _error_note(rows: list[Row]) -> str:
-    """What the ``± (unpaired)`` of a difference is, given whether both runs used the same eval set."""
+def _error_notes(rows: list[Row], pairing: Pairing) -> list[str]:
+    """What the ``± (paired)`` and ``± (unpaired)`` of the differences shown are, and why a difference is unpaired."""
+    shown = {r.delta_stderr_kind for r in rows if r.delta_stderr is not None and r.status == "changed"}
+    notes = []
+    if "paired" in shown:
+        notes.append(f"± (paired) = sd(d) / sqrt(n), d_i = B's result on eval item i minus A's (n = {pairing.n}): "
+                     f"{pairing.reason}.")
+    if "unpaired" not in shown:
+        return notes
+    note = "± (unpaired) = sqrt(se_A^2 + se_B^2)"
+    note += "." if pairing.kind == "paired" else f"; no paired error: {pairing.reason}."
     eval_set = next((r for r in rows if r.section == "data" and r.key == "dvc.md5.eval"), None)
-    note = "± (unpaired) = sqrt(se_A^2 + se_B^2). "
-    if eval_set is not None and eval_set.status == "changed":
-        return note + "The eval sets differ (dvc.md5.eval), so the unpaired error is the right one."
-    return note + ("On the same eval items the right error is the paired one, from per-item results, which "
-                   "these runs do not log; it is smaller whenever the two models' per-item results correlate "
-                   "positively, as they usually do, so read this as an upper bound.")
+    if pairing.items_differ or (eval_set is not None and eval_set.status == "changed"):
+        return notes + [note + " The eval items differ, so the unpaired error is the right one."]
+    return notes + [note + " On the same eval items the right error is the paired one, from per-item results "
+                           f"({PER_ITEM}); it is smaller whenever the two models' per-item results correlate "
+                           "positively, as they usually do, so read this as an upper bound."]
 
 
-def render(a: RunView, b: RunView, rows: list[Row], show_all: bool = False) -> str:
+def render(a: RunView, b: RunView, rows: list[Row], show_all: bool = False, pairing: Pairing | None = None) -> str:
     """The text report: A and B, then one block per status, differences first."""
+    pairing = pairing or Pairing("unpaired", "per-item results not looked up")
     lines = [_describe("A", a), _describe("B", b), ""]
     shown = [r for r in rows if show_all or r.status != "same"]
     table = [_cells(r) for r in shown]
@@ -217,8 +362,7 @@ def render(a: RunView, b: RunView, rows: list[Row], show_all: bool = False) -> s
         lines.append("no differences in code, data, params or metrics")
     if same and not show_all:
         lines.append(f"{same} unchanged rows not shown (--all shows them)")
-    if any(r.delta_stderr is not None and r.status == "changed" for r in rows):
-        lines.append(_error_note(rows))
+    lines.extend(_error_notes(rows, pairing))
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -226,10 +370,13 @@ def _header(view: RunView) -> dict[str, Any]:
     return {k: v for k, v in asdict(view).items() if k not in ("params", "tags", "metrics")}
 
 
-def to_json(a: RunView, b: RunView, rows: list[Row]) -> dict[str, Any]:
-    """The whole comparison for scripts: both runs' headers, whether anything differs, every row."""
+def to_json(a: RunView, b: RunView, rows: list[Row], pairing: Pairing | None = None) -> dict[str, Any]:
+    """The whole comparison for scripts: both runs' headers, whether anything differs, how (and whether) the
+    per-item results were paired, every row (each difference's error kind in ``delta_stderr_kind``)."""
+    pairing = pairing or Pairing("unpaired", "per-item results not looked up")
     return {"a": _header(a), "b": _header(b),
-            "different": has_differences(rows), "delta_stderr_kind": "unpaired",
+            "different": has_differences(rows), "delta_stderr_kind": pairing.kind,
+            "pairing": {"kind": pairing.kind, "reason": pairing.reason, "n": pairing.n},
             "rows": [asdict(r) for r in rows]}
 
 
@@ -294,6 +441,45 @@ def load_view(client: Any, ref: str) -> RunView:
     return RunView(ref, run_id, run.info.run_name or "", params, tags, dict(run.data.metrics), version, inherited)
 
 
+def _has_per_item(client: Any, run_id: str) -> bool:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return any(f.path == PER_ITEM for f in client.list_artifacts(run_id, PER_ITEM.rsplit("/", 1)[0]))
+    except (MlflowException, OSError):  # an artifact store that cannot be listed: no per-item results
+        return False
+
+
+def _descendants(client: Any, run: Any) -> list[Any]:
+    """The runs below ``run`` (children, theirs, ... down :data:`SEARCH_DEPTH` levels), latest started first."""
+    found, level = [], [run.info.run_id]
+    for _ in range(SEARCH_DEPTH):
+        children = [child for parent_id in level for child in client.search_runs(
+            [run.info.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_id}'")]
+        found.extend(children)
+        level = [child.info.run_id for child in children]
+    return sorted(found, key=lambda r: r.info.start_time or 0, reverse=True)
+
+
+def item_source(client: Any, run_id: str) -> ItemSource:
+    """Where the per-item results of the run ``run_id`` are: the run itself when it logged ``guards/per_item.json``
+    (a guarded stage run: dpo, kto, raft, distill, rl), else the latest-started run below it that did (a cycle
+    run's stage run; a flow run's last guarded stage -- name the stage run to compare another one). The model
+    md5 is the run's own ``dvc.md5.output_model`` tag (stage and cycle runs set it), else that source run's."""
+    import tempfile
+
+    run = _get_run(client, run_id, run_id)
+    own_md5 = run.data.tags.get(MODEL_TAG)
+    for candidate in [run] + _descendants(client, run):
+        if not _has_per_item(client, candidate.info.run_id):
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            per_item = json.loads(Path(client.download_artifacts(candidate.info.run_id, PER_ITEM, tmp)).read_text())
+        return ItemSource(candidate.info.run_id, per_item, own_md5 or candidate.data.tags.get(MODEL_TAG),
+                          candidate.data.tags.get(PARENT_MODEL_TAG))
+    return ItemSource(None, None, own_md5, None)
+
+
 def open_store(uri: str) -> Any:
     """An MlflowClient on ``uri``; a sqlite file that does not exist is an error, not a new empty store."""
     from mlflow.tracking import MlflowClient
@@ -328,14 +514,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         client = open_store(uri)
         a, b = load_view(client, args.a), load_view(client, args.b)
+        sources = item_source(client, a.run_id), item_source(client, b.run_id)
     except DiffError as exc:
         print(f"alignflow diff: {exc} (tracking store: {uri})", file=sys.stderr)
         return 2
-    rows = compare(asdict(a), asdict(b))
+    a.per_item_run, b.per_item_run = sources[0].run_id, sources[1].run_id
+    pairing = pair_items(*sources)
+    rows = apply_pairing(compare(asdict(a), asdict(b)), pairing)
     if args.json:
-        print(json.dumps(to_json(a, b, rows), indent=2, default=str))
+        print(json.dumps(to_json(a, b, rows, pairing), indent=2, default=str))
     else:
-        print(render(a, b, rows, show_all=args.all), end="")
+        print(render(a, b, rows, show_all=args.all, pairing=pairing), end="")
     return 1 if args.exit_code and has_differences(rows) else 0
 
 

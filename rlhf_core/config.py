@@ -1050,8 +1050,9 @@ ALIGNMENT_STAGES = ("reward", "dpo", "kto", "rejection", "raft", "distill", "rl"
 
 @dataclass
 class DataReportConfig:
-    """``data_report``: near-duplicate, eval-contamination and drift checks on every dataset a flow
-    trains on (rlhf_core/data/report.py); a check over its threshold stops the flow before training."""
+    """``data_report``: near-duplicate, eval-contamination and drift checks on every dataset a flow or a
+    training stage command trains on (rlhf_core/data/report.py); a check over its threshold stops it before
+    training. ``tool_data_report``: the same for the tool task's stage commands (``--section tool_*``)."""
 
     max_duplicate_prompt_rate: float = 0.25
     """Most rows whose normalised prompt repeats an earlier row's (embedded default: 0)."""
@@ -1268,7 +1269,7 @@ class ToolEvalConfig:
 
 # The repository's embedded tool task (rlhf_core/tool_task.py): its own sections beside the default's. Not in
 # the `alignflow init` template (flows/project_template/params.yaml): a user's project gets the default task only.
-TOOL_TASK_SECTIONS = ("tool_generate", "tool_model", "tool_sft", "tool_rl", "tool_evaluate")
+TOOL_TASK_SECTIONS = ("tool_generate", "tool_model", "tool_sft", "tool_data_report", "tool_rl", "tool_evaluate")
 
 SECTIONS: dict[str, type] = {
     "generate": GenerateConfig,
@@ -1290,6 +1291,7 @@ SECTIONS: dict[str, type] = {
     "tool_generate": ToolGenerateConfig,
     "tool_model": ModelConfig,
     "tool_sft": SFTConfig,
+    "tool_data_report": DataReportConfig,
     "tool_rl": RLConfig,
     "tool_evaluate": ToolEvalConfig,
 }

@@ -214,18 +214,24 @@ def _data_report(path: str | Path, kind: str, fields: DataFields | None, cfg: Da
     """Run the data report, log its page, JSON and rates; raise ``ValidationFailed`` if it fails."""
     from rlhf_core.data.report import data_report
     from rlhf_core.data.validate import ValidationFailed
-    from rlhf_core.redact import redact_secrets
 
     report = data_report(path, kind, cfg, fields, eval_file, previous)
     if run is not None:
         runs = [run] + ([type(run)(run.client, parent_run_id)] if parent_run_id and hasattr(run, "client") else [])
         for target in runs:
-            target.log_text(redact_secrets(report.html), f"data_report/{name}.html")
-            target.log_dict(report.to_dict(), f"data_report/{name}.json")
+            _log_report_files(target, name, report.html, report.to_dict())
         run.log_metrics({**report.stats, "data/report_failed_expectations": float(len(report.failures))}, 0)
     if not report.success:
         raise ValidationFailed(report)
     return report.stats
+
+
+def _log_report_files(run: Any, name: str, html: str, report: dict[str, Any]) -> None:
+    """The data report's page (secrets redacted) and JSON, as ``data_report/<name>.html`` / ``.json``."""
+    from rlhf_core.redact import redact_secrets
+
+    run.log_text(redact_secrets(html), f"data_report/{name}.html")
+    run.log_dict(report, f"data_report/{name}.json")
 
 
 # --------------------------------------------------------------------------------------
@@ -287,6 +293,52 @@ def gate_datasets(fields: DataFields, datasets: dict[str, tuple[str, str]],
         _remember_pass(path, kind, fields, report.n_rows)
 
 
+def _report_key(path: str | Path, kind: str, fields: DataFields, cfg: DataReportConfig, eval_file: str) -> str:
+    """What a passed data report depends on: the gate's key (file content, kind, fields, validator code),
+    the thresholds, the eval set's content and the report's own code (changed checks must not trust old passes)."""
+    import hashlib
+
+    from rlhf_core.data import quality
+    from rlhf_core.data import report as reporter
+
+    code = [hashlib.sha256(Path(m.__file__).read_bytes()).hexdigest() for m in (reporter, quality)]
+    blob = json.dumps({"gate": _gate_key(path, kind, fields), "thresholds": config_to_dict(cfg),
+                       "eval_md5": dvc_md5(eval_file) if eval_file else None, "report": code}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def report_datasets(fields: DataFields, datasets: dict[str, tuple[str, str]], kinds: dict[str, str] | None,
+                    cfg: DataReportConfig, eval_file: str) -> dict[str, dict[str, Any]]:
+    """The data report (:mod:`rlhf_core.data.report`) of a stage's training datasets -- those whose context is
+    ``training`` -- against ``eval_file`` (``""``: no contamination check), before anything trains: what the
+    flows run after their gate, so ``dvc repro``'s stage commands refuse the same data (``ValidationFailed``
+    with file, line and field). Returns ``name -> {"stats", "report", "html"}`` for the stage's run to log.
+
+    A passed report is kept under ``.alignflow/data_reports/`` keyed on :func:`_report_key` (as the gate's
+    passes are), so a repeated stage reads it instead of running the report again. No drift check here:
+    a stage command has no previous cycle to compare with."""
+    from rlhf_core.data.report import data_report
+    from rlhf_core.data.validate import ValidationFailed
+    from rlhf_core.tracking import project_root
+
+    out: dict[str, dict[str, Any]] = {}
+    for name, (path, context) in datasets.items():
+        kind = (kinds or {}).get(name) or _GATE_KINDS.get(name)
+        if context != "training" or kind is None or not path:
+            continue
+        record = (project_root() / ".alignflow" / "data_reports" /
+                  f"{_report_key(path, kind, fields, cfg, eval_file)}.json")
+        if record.exists():
+            out[name] = json.loads(record.read_text())
+            continue
+        report = data_report(path, kind, cfg, fields, eval_file or None)
+        if not report.success:
+            raise ValidationFailed(report)
+        out[name] = {"stats": report.stats, "report": report.to_dict(), "html": report.html}
+        _write_json_atomic(out[name], record)
+    return out
+
+
 def _launcher(train_fn: Any, cfg: Any) -> Any:
     """``train_fn`` itself, or the Ray launcher that runs it on several workers / role actors."""
     if getattr(cfg, "placement", "none") != "none":
@@ -306,7 +358,7 @@ def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: s
                  train_fn: Any, datasets: dict[str, tuple[str, str]], metrics_file: str | Path | None,
                  register_as: str | None = None, show_progress: bool = True,
                  extra_inputs: dict[str, str] | None = None, gate_kinds: dict[str, str] | None = None,
-                 guards: GuardsConfig | None = None) -> StageResult:
+                 guards: GuardsConfig | None = None, data_report: DataReportConfig | None = None) -> StageResult:
     """Run a trainer inside one (nested) MLflow run: params, lineage tags, inputs, metrics, model.
 
     ``datasets`` maps a dataset name to ``(path, context)``; ``train_fn(cfg, sink=, show_progress=)``
@@ -316,6 +368,9 @@ def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: s
     ``guards``: a policy stage's guards against its parent model (:func:`check_stage_guards`), logged to the run.
     The ``eval`` dataset is gated as ``prompts`` when every item has a label and ``prompt-only`` when none has
     (:func:`rlhf_core.data.validate.eval_kind`; a mix is a ``DataError`` naming file, line and field).
+    ``data_report``: run the data report on the training datasets against ``cfg.eval_file`` before training
+    (:func:`report_datasets`; the stage commands give it, the flows ran it in their validate step); its page,
+    JSON and ``data/*`` metrics go to the run, never to ``metrics_file`` (the report does not change training).
 
     The trainer's checkpoints and its finished record are cleared last, once the model is tracked and
     registered: a stage that fails before that (the tracking server went away) and is retried reuses the
@@ -332,6 +387,8 @@ def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: s
 
         kinds["eval"] = eval_kind(datasets["eval"][0], cfg.label_field)
     gate_datasets(cfg, datasets, kinds)
+    reports = (report_datasets(cfg, datasets, kinds, data_report, getattr(cfg, "eval_file", "") or "")
+               if data_report is not None else {})
     inputs = {"model": cfg.model_path, **{k: path for k, (path, _) in datasets.items()}}
     if getattr(cfg, "ref_model_path", ""):
         inputs["reference"] = cfg.ref_model_path
@@ -340,6 +397,9 @@ def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: s
         run.log_params(config_to_dict(cfg))
         for ds_name, (path, context) in datasets.items():
             run.log_input(path, ds_name, dvc_md5(path), context)
+        for ds_name, report in reports.items():
+            _log_report_files(run, ds_name, report["html"], report["report"])
+            run.log_metrics({**report["stats"], "data/report_failed_expectations": 0.0}, 0)
         from rlhf_core.plots import RecordingSink, curves_figure
 
         sink = RecordingSink(run)
@@ -528,30 +588,33 @@ def _metric_command_scores(cfg: Any, guards: GuardsConfig, child_dir: Path,
 
 
 def sft(cfg: SFTConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
-        metrics_file: str | Path | None = None, show_progress: bool = True) -> StageResult:
+        metrics_file: str | Path | None = None, show_progress: bool = True,
+        data_report: DataReportConfig | None = None) -> StageResult:
     """Supervised fine-tuning, tracked with lineage; the model is logged and registered."""
     from rlhf_core.trainers.sft import train_sft
 
     return _train_stage("sft", cfg, tracking, parent_run_id, train_fn=train_sft,
                         datasets={"sft_train": (cfg.train_file, "training"), "eval": (cfg.eval_file, "evaluation")},
-                        metrics_file=metrics_file, show_progress=show_progress,
+                        metrics_file=metrics_file, show_progress=show_progress, data_report=data_report,
                         register_as=tracking.registered_model if tracking.log_model else None)
 
 
 def dpo(cfg: DPOConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
         metrics_file: str | Path | None = None, show_progress: bool = True,
-        guards: GuardsConfig | None = None) -> StageResult:
+        guards: GuardsConfig | None = None,
+        data_report: DataReportConfig | None = None) -> StageResult:
     """DPO/IPO/cDPO on preference pairs, tracked with lineage."""
     from rlhf_core.trainers.dpo import train_dpo
 
     return _train_stage("dpo", cfg, tracking, parent_run_id, train_fn=train_dpo,
                         datasets={"preferences": (cfg.train_file, "training"),
                                   "eval": (cfg.eval_file, "evaluation")},
-                        metrics_file=metrics_file, show_progress=show_progress, guards=guards)
+                        metrics_file=metrics_file, show_progress=show_progress, data_report=data_report, guards=guards)
 
 
 def reward(cfg: RewardConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
-           metrics_file: str | Path | None = None, show_progress: bool = True) -> StageResult:
+           metrics_file: str | Path | None = None, show_progress: bool = True,
+        data_report: DataReportConfig | None = None) -> StageResult:
     """Reward-model training, tracked with lineage; held-out pairwise accuracy and margin."""
     from rlhf_core.trainers.reward import train_reward_model
 
@@ -559,47 +622,52 @@ def reward(cfg: RewardConfig, tracking: TrackingConfig, parent_run_id: str | Non
     if cfg.eval_file:
         datasets["eval_preferences"] = (cfg.eval_file, "evaluation")
     return _train_stage("reward", cfg, tracking, parent_run_id, train_fn=train_reward_model, datasets=datasets,
-                        metrics_file=metrics_file, show_progress=show_progress)
+                        metrics_file=metrics_file, show_progress=show_progress, data_report=data_report)
 
 
 def kto(cfg: KTOConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
         metrics_file: str | Path | None = None, show_progress: bool = True,
-        guards: GuardsConfig | None = None) -> StageResult:
+        guards: GuardsConfig | None = None,
+        data_report: DataReportConfig | None = None) -> StageResult:
     """KTO on unpaired (or split preference) examples, tracked with lineage."""
     from rlhf_core.trainers.kto import train_kto
 
     return _train_stage("kto", cfg, tracking, parent_run_id, train_fn=train_kto,
                         datasets={"kto_train": (cfg.train_file, "training"), "eval": (cfg.eval_file, "evaluation")},
-                        metrics_file=metrics_file, show_progress=show_progress, guards=guards)
+                        metrics_file=metrics_file, show_progress=show_progress, data_report=data_report, guards=guards)
 
 
 def distill(cfg: DistillConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
             metrics_file: str | Path | None = None, show_progress: bool = True,
-        guards: GuardsConfig | None = None) -> StageResult:
+        guards: GuardsConfig | None = None,
+        data_report: DataReportConfig | None = None) -> StageResult:
     """Knowledge distillation from ``cfg.teacher_path``, tracked with lineage (the teacher is an input)."""
     from rlhf_core.trainers.distill import train_distill
 
     return _train_stage("distill", cfg, tracking, parent_run_id, train_fn=train_distill,
                         datasets={"distill_train": (cfg.train_file, "training"),
                                   "eval": (cfg.eval_file, "evaluation")},
-                        metrics_file=metrics_file, show_progress=show_progress, guards=guards, extra_inputs={"teacher": cfg.teacher_path})
+                        metrics_file=metrics_file, show_progress=show_progress, data_report=data_report, guards=guards,
+                        extra_inputs={"teacher": cfg.teacher_path})
 
 
 def raft(cfg: RaftConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
          metrics_file: str | Path | None = None, show_progress: bool = True,
-        guards: GuardsConfig | None = None) -> StageResult:
+        guards: GuardsConfig | None = None,
+        data_report: DataReportConfig | None = None) -> StageResult:
     """SFT of the policy on its own kept best-of-n samples (one RAFT round), tracked with lineage."""
     from rlhf_core.trainers.sft import train_sft
 
     return _train_stage("raft", cfg, tracking, parent_run_id, train_fn=train_sft,
                         datasets={"kept_samples": (cfg.train_file, "training"),
                                   "eval": (cfg.eval_file, "evaluation")},
-                        metrics_file=metrics_file, show_progress=show_progress, guards=guards)
+                        metrics_file=metrics_file, show_progress=show_progress, data_report=data_report, guards=guards)
 
 
 def rl(cfg: RLConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
        metrics_file: str | Path | None = None, show_progress: bool = True,
-        guards: GuardsConfig | None = None) -> StageResult:
+        guards: GuardsConfig | None = None,
+        data_report: DataReportConfig | None = None) -> StageResult:
     """Online RL (PPO, REINFORCE++, RLOO, GRPO, Dr.GRPO) from the policy's own samples, tracked with lineage.
 
     The reward model (reward_kind model) and a critic start other than the policy are lineage inputs;
@@ -621,7 +689,7 @@ def rl(cfg: RLConfig, tracking: TrackingConfig, parent_run_id: str | None = None
     return _train_stage("rl", cfg, tracking, parent_run_id, train_fn=train_rl,
                         datasets={"prompts": (cfg.prompts_file, "training"),
                                   "eval": (cfg.eval_file, "evaluation")},
-                        metrics_file=metrics_file, show_progress=show_progress, guards=guards, extra_inputs=extra,
+                        metrics_file=metrics_file, show_progress=show_progress, data_report=data_report, guards=guards, extra_inputs=extra,
                         gate_kinds={"prompts": prompts_kind(RewardKind(cfg.reward_kind).reads_labels)})
 
 
