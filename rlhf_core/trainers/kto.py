@@ -160,5 +160,4 @@ def train_kto(cfg: KTOConfig, sink: MetricSink | None = None, show_progress: boo
                         step_metrics=step_metrics, show_progress=show_progress)
     rendered = [{**rendered_row(tokenizer, matched[i]), "desirable": examples[i].desirable}
                 for i in range(min(SAMPLE_ROWS, len(examples)))]
-    return KTOResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples, rendered,
-                     loop.eval_answers)
+    return KTOResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples, rendered, loop.eval_answers)
