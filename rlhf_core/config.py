@@ -566,6 +566,12 @@ class RLConfig(TrainerConfig):
     rollout engine share each worker's bundle) or disaggregated (each role its own bundles)."""
     rollout_workers: int = 1
     """Rollout engine replicas under Ray (prompts are split across them); ignored with placement none."""
+    weight_sync: str = "auto"
+    """How Ray rollout replicas get the learner's weights after an update (rlhf_core/weight_sync.py): object_store
+    (rank 0's weights as one Ray object to every replica; works anywhere), collective (policy rank 0 and the
+    replicas in a torch.distributed group of their own, weights broadcast in 1 GiB buckets: NCCL on GPUs,
+    gloo on CPUs; replicas must not share rank 0's GPU) or auto (GPUs: CUDA IPC for colocated replicas,
+    collective for replicas on GPUs of their own with the hf/static engines; CPUs: object_store)."""
     max_steps: int = 40
     """Rollout/update iterations (each samples prompts_per_step x group_size responses)."""
     num_threads: int = 1
@@ -796,6 +802,22 @@ class RLConfig(TrainerConfig):
         _check(self.rollout_workers >= 1, s, "rollout_workers", f"must be >= 1, got {self.rollout_workers}")
         _check(self.num_workers == 1 or self.placement != "none", s, "num_workers",
                f"{self.num_workers} policy workers need Ray: set placement to colocated or disaggregated")
+        self._check_weight_sync()
+
+    def _check_weight_sync(self) -> None:
+        """rl.weight_sync: a known path, and collective only where it can work."""
+        from rlhf_core.weight_sync import WeightSync
+
+        s, values = self.section, [e.value for e in WeightSync]
+        _check(self.weight_sync in values, s, "weight_sync", f"must be one of {values}, got {self.weight_sync!r}")
+        if self.weight_sync != WeightSync.COLLECTIVE.value:
+            return
+        _check(self.placement != "none", s, "weight_sync",
+               "collective broadcasts to Ray rollout replicas; with placement none the engine samples from the "
+               "trained policy in this process (set placement disaggregated, or weight_sync auto)")
+        _check(not self.lora_rank, s, "weight_sync",
+               "collective broadcasts the policy's parameters, and a LoRA policy (lora_rank > 0) needs its adapters "
+               "merged first; use weight_sync auto or object_store")
 
     def _check_async(self) -> None:
         """Asynchronous training and sequence-level masking: both compare pi_old with the engine's log-probs."""

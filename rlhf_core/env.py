@@ -25,6 +25,13 @@ OFFLINE_ENV: dict[str, str] = {
 }
 
 
+# NVLink multicast (NCCL's NVLS, torch symmetric memory) off in every Ray actor unless the user sets these
+# (rlhf_core.ray_launcher.connect; the weight-sync group sets them again before NCCL starts): on shared
+# multi-GPU hosts it has taken GPUs out of service, and data parallelism gains little from it.
+NO_MULTICAST_ENV: dict[str, str] = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                                    "NVSHMEM_DISABLE_NVLS": "1"}
+
+
 # The CUDA caching allocator with expandable segments: batches of varying length otherwise fragment
 # its cache until it frees and re-allocates (a device sync); measured on an H100, SFT steps of ~2 s
 # among 0.2-0.5 s ones, gone with it (bench/results/side_by_side_gpu_h100_sft_alloc_*.json). Read by

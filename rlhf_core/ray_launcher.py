@@ -41,7 +41,7 @@ import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlhf_core.env import OFFLINE_ENV, STACK_DUMP_ENV
+from rlhf_core.env import NO_MULTICAST_ENV, OFFLINE_ENV, STACK_DUMP_ENV
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +52,8 @@ _COLOCATED_SHARE = 0.25
 # gather() below tears the group down within seconds. Long enough for a 7B checkpoint gather.
 COLLECTIVE_TIMEOUT_ENV = "ALIGNFLOW_COLLECTIVE_TIMEOUT_S"
 _DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
-# NVLink multicast (NCCL's NVLS, torch symmetric memory) off in every actor unless the user sets these:
-# on shared multi-GPU hosts it has taken GPUs out of service, and data parallelism gains little from it.
-_NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# NVLink multicast off in every actor unless the user sets these (rlhf_core.env.NO_MULTICAST_ENV says why).
+_NO_MULTICAST = NO_MULTICAST_ENV
 # Test hooks (rlhf_core.trainers.loop.inject_fault) reach the actors through their runtime env.
 # Test and diagnostic hooks each actor inherits from the driver's environment (rlhf_core.env.STACK_DUMP_ENV:
 # periodic stack dumps of a run that hangs).
@@ -398,12 +397,11 @@ class RemoteLearner:
 
     def engine_weights(self, engine: Any = None) -> Any:
         """Rank 0's weights as a Ray object (every rank takes part: ZeRO-3 gathers them), in the
-        engine's compute dtype when it samples in one."""
-        from rlhf_core.models import pick_device
-        from rlhf_core.precision import Precision
-
-        dtype = Precision.resolve(self.cfg.precision, pick_device()).compute_dtype \
-            if isinstance(engine, RemoteRollout) else None
+        engine's compute dtype when it samples in one; for replicas in a weight-sync group, the
+        :class:`CollectiveSync` that :meth:`RemoteRollout.update_weights` runs."""
+        if isinstance(engine, RemoteRollout) and engine.collective is not None:
+            return engine.collective
+        dtype = _engine_dtype(self.cfg) if isinstance(engine, RemoteRollout) else None
         if isinstance(engine, RemoteRollout) and engine.beside_ranks:
             # replica i shares rank i's GPU: CUDA IPC handles, one per rank (None where it cannot work)
             handles = self.group.call_all("share_weights", dtype)
@@ -472,16 +470,40 @@ class ZeroBuckets:
     dtype: torch.dtype | None
 
 
+def _engine_dtype(cfg: Any) -> torch.dtype | None:
+    """The dtype rollout replicas hold their weights in (the compute dtype; ``None``: the policy's own)."""
+    from rlhf_core.models import pick_device
+    from rlhf_core.precision import Precision
+
+    return Precision.resolve(cfg.precision, pick_device()).compute_dtype
+
+
+@dataclass
+class CollectiveSync:
+    """``rl.weight_sync`` collective (:mod:`rlhf_core.weight_sync`): policy rank 0 and ``replicas`` form a group
+    of their own. Per sync every learner rank walks the buckets (ZeRO-3: each gathered by all of them), rank 0
+    broadcasts each, and the replicas receive it into their engines; the first actor to fail fails the sync."""
+
+    learners: ActorGroup
+    replicas: list[Any]
+
+    def run(self) -> None:
+        refs = [a.call.remote("broadcast_weights") for a in self.learners.actors]
+        gather(refs + [r.call.remote("receive_weights") for r in self.replicas], "weight sync (collective)")
+
+
 class RemoteRollout:
     """A :class:`rlhf_core.rollout.RolloutEngine` over rollout replicas: prompts split, batches joined.
 
     ``beside_ranks``: replica ``i`` runs on policy rank ``i``'s GPU (colocated, one replica per rank),
     so weights can move GPU to GPU through CUDA IPC (:meth:`PolicyLearner.share_weights`).
+    ``collective``: the replicas are in a weight-sync group with policy rank 0 (:func:`_open_weight_sync`).
     """
 
-    def __init__(self, group: ActorGroup, pad_id: int, inner_name: str, beside_ranks: bool = False):
+    def __init__(self, group: ActorGroup, pad_id: int, inner_name: str, beside_ranks: bool = False,
+                 collective: CollectiveSync | None = None):
         self.group, self.pad_id, self.inner_name = group, pad_id, inner_name
-        self.beside_ranks = beside_ranks
+        self.beside_ranks, self.collective = beside_ranks, collective
 
     @property
     def name(self) -> str:
@@ -499,7 +521,10 @@ class RemoteRollout:
 
     def update_weights(self, weights: Any) -> None:
         """Push weights (a Ray object reference, fetched once per node, a state dict, or one CUDA IPC
-        payload per replica) to every replica."""
+        payload per replica) to every replica, or broadcast them through the weight-sync group."""
+        if isinstance(weights, CollectiveSync):
+            weights.run()
+            return
         if isinstance(weights, PerReplica):
             gather([a.call.remote("update_weights", w) for a, w in zip(self.group.actors, weights)], "weight sync")
             return
@@ -573,7 +598,52 @@ class RolloutReplica:
         if payload["last"] and getattr(self.engine, "sampler", None) is not None:
             self.engine.update_weights(self.engine.model)
 
+    # ---- rl.weight_sync collective: a receiver of the weight-sync group (rlhf_core.weight_sync) ------
+
+    def join_weight_sync(self, addr: str, port: int, rank: int, size: int, timeout_s: float, layout: Any) -> None:
+        """Rank ``rank`` (>= 1) of the weight-sync group. The layout must name every parameter of the engine's
+        model, in the dtype it holds them (a mismatch would leave weights stale without a word)."""
+        from rlhf_core.models import pick_device
+        from rlhf_core.weight_sync import SyncGroup
+
+        model = getattr(self.engine, "model", None)  # vLLM's lives in its workers: names mapped by load_weights
+        if model is not None:
+            params = dict(model.named_parameters())
+            sent = {spec.name: spec for bucket in layout for spec in bucket}
+            missing = sorted(set(params) - set(sent))
+            wrong = sorted(n for n, s in sent.items() if n not in params or params[n].dtype != s.dtype)
+            if missing or wrong:
+                raise ValueError(f"weight sync: the learner's layout does not fit this replica's model: "
+                                 f"missing {missing[:5]}, unknown or of another dtype {wrong[:5]}")
+        self._sync_layout = layout
+        self._sync_group = SyncGroup(addr, port, rank, size, timeout_s, pick_device())
+        self._sync_group.allocate(layout)
+
+    def receive_weights(self) -> None:
+        """One sync: each bucket broadcast from policy rank 0 into the flat buffers, handed to the engine as
+        named views (:class:`rlhf_core.rollout.LoadsWeightBuckets`: copied in place), or, for an engine without
+        that seam, gathered into one state dict for its ``update_weights``."""
+        from rlhf_core.rollout import LoadsWeightBuckets
+        from rlhf_core.weight_sync import bucket_views, unflatten_bucket
+
+        group, layout = self._sync_group, self._sync_layout
+        whole: dict[str, torch.Tensor] = {}
+        for i, bucket in enumerate(layout):
+            flats = bucket_views(bucket, group.buffers)
+            group.broadcast(flats)
+            named = unflatten_bucket(flats, bucket)
+            if isinstance(self.engine, LoadsWeightBuckets):
+                self.engine.load_weight_bucket(named, last=i == len(layout) - 1)
+            else:
+                whole.update({k: v.clone() for k, v in named.items()})
+        if whole:
+            self.engine.update_weights(whole)
+        if group.device.type == "cuda":
+            torch.cuda.synchronize()  # the sync's time is its real end; the next bucket's buffer is free
+
     def close(self) -> None:
+        if getattr(self, "_sync_group", None) is not None:
+            self._sync_group.close()
         if hasattr(self.engine, "close"):
             self.engine.close()
 
@@ -605,10 +675,30 @@ def _learner(cfg: Any) -> Any:
     return PolicyLearner(cfg)
 
 
+def _open_weight_sync(cfg: Any, policy: ActorGroup, rollout: ActorGroup, beside_rank0: Sequence[int]) -> CollectiveSync:
+    """``rl.weight_sync`` collective: the buckets planned on every learner rank, then policy rank 0 (group rank
+    0, hosting the group's store) and every replica (ranks 1..) join a group of their own."""
+    if beside_rank0:
+        raise ValueError(f"rl.weight_sync collective: rollout replica(s) {list(beside_rank0)} share policy rank 0's "
+                         f"GPU (colocated placement), and NCCL cannot put two ranks of one group on one GPU; use "
+                         f"weight_sync auto (CUDA IPC to colocated replicas) or placement disaggregated")
+    layout = policy.call_all("sync_layout", SYNC_BUCKET_BYTES, _engine_dtype(cfg))[0]
+    addr, port = ray.get(policy.actors[0].rendezvous.remote())
+    size, timeout = len(rollout) + 1, collective_timeout_s()
+    refs = [policy.actors[0].call.remote("join_weight_sync", addr, port, size, timeout)]
+    refs += [a.call.remote("join_weight_sync", addr, port, i + 1, size, timeout, layout)
+             for i, a in enumerate(rollout.actors)]
+    gather(refs, "weight sync group")
+    log.warning("ray: weight sync through a %s group of policy rank 0 and %d replica(s), %d bucket(s)",
+                "nccl" if cluster_has_gpus() else "gloo", len(rollout), len(layout))
+    return CollectiveSync(policy, list(rollout.actors))
+
+
 def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> Any:
     """:func:`rlhf_core.trainers.rl.train_rl` with its models in Ray actors placed as ``cfg.placement`` says."""
     from rlhf_core.models import load_tokenizer
     from rlhf_core.trainers.rl import train_rl
+    from rlhf_core.weight_sync import SyncPath, WeightSync, resolve_path
 
     if cfg.placement not in ("colocated", "disaggregated"):
         raise ValueError(f"rl.placement must be colocated or disaggregated to run on Ray, got {cfg.placement!r}")
@@ -656,7 +746,15 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
                     cfg.placement, workers, n_refs, replicas, " and a reward model" if reward_model else "",
                     time.perf_counter() - started)
         tokenizer = load_tokenizer(cfg.model_path)
-        engine = RemoteRollout(rollout, tokenizer.pad_token_id, cfg.rollout_engine,
-                               beside_ranks=colocated and replicas == workers and launcher.use_gpus)
+        path = resolve_path(WeightSync(cfg.weight_sync), gpus=launcher.use_gpus, colocated=colocated,
+                            lora=bool(cfg.lora_rank), engine=cfg.rollout_engine)
+        collective = None
+        if path is SyncPath.COLLECTIVE:
+            (policy_pg, policy_bundles), (rollout_pg, rollout_bundles) = pgs["policy"], pgs["rollout"]
+            beside_rank0 = [i for i, b in enumerate(rollout_bundles)
+                            if launcher.use_gpus and rollout_pg is policy_pg and b == list(policy_bundles)[0]]
+            collective = _open_weight_sync(cfg, policy, rollout, beside_rank0)
+        engine = RemoteRollout(rollout, tokenizer.pad_token_id, cfg.rollout_engine, collective=collective,
+                               beside_ranks=path is SyncPath.BESIDE and replicas == workers)
         return train_rl(cfg, sink, show_progress, engine=engine, reward_source=reward_source,
                         learner=RemoteLearner(policy, cfg), reference=RemoteReference(reference))

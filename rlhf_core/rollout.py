@@ -163,6 +163,18 @@ class RolloutEngine(Protocol):
         ...
 
 
+@runtime_checkable
+class LoadsWeightBuckets(Protocol):
+    """An engine that takes new weights a bucket at a time (``rl.weight_sync`` collective, :mod:`rlhf_core.weight_sync`):
+    the seam a Ray rollout replica hands each broadcast bucket through."""
+
+    def load_weight_bucket(self, weights: Mapping[str, torch.Tensor], last: bool) -> None:
+        """Copy ``weights`` (named tensors by the policy's parameter names, on the engine's device, valid only
+        during the call) into the engine's model in place; ``last``: the sync's final bucket (refresh whatever
+        derives from the weights: a sampling copy, a prefix cache)."""
+        ...
+
+
 # --------------------------------------------------------------------------------------
 # Hugging Face generate
 # --------------------------------------------------------------------------------------
@@ -306,6 +318,18 @@ class HFGenerateEngine:
             weights = weights.state_dict()
         self.model.load_state_dict(weights, strict=True)
         if self.sampler is not None:
+            self.update_weights(self.model)
+
+    def load_weight_bucket(self, weights: Mapping[str, torch.Tensor], last: bool) -> None:
+        """One bucket of a collective sync (:class:`LoadsWeightBuckets`), copied into the model's parameters in
+        place (captured CUDA graphs stay valid); the last one refreshes the sampling copy."""
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                if name not in params:
+                    raise KeyError(f"{type(self).__name__}.load_weight_bucket: the model has no parameter {name!r}")
+                params[name].copy_(tensor)
+        if last and self.sampler is not None:
             self.update_weights(self.model)
 
     @property

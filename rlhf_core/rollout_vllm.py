@@ -71,6 +71,13 @@ class WeightSyncExtension:
             dispatch_cpu_unquantized_gemm(head, remove_weight=False)
 
 
+    def alignflow_load_bucket(self, weights: dict[str, torch.Tensor]) -> None:
+        """One bucket of a collective sync (``rl.weight_sync`` collective), by HF parameter names: vLLM's own
+        ``load_weights`` maps them onto its fused layers (qkv, gate/up) and copies in place. Untested: CUDA vLLM
+        is not installed on the GPU machines here."""
+        self.model_runner.get_model().load_weights(weights=list(weights.items()))  # type: ignore[attr-defined]
+
+
 class VLLMEngine:
     """Rollouts from a vLLM ``LLM`` started on ``model_path`` (an HF directory)."""
 
@@ -119,6 +126,19 @@ class VLLMEngine:
         # Prefix caching would otherwise serve prompts' KV blocks computed with the old weights,
         # and a rollout would mix two policies.
         if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vllm engine: could not reset the prefix cache after a weight update")
+
+    def load_weight_bucket(self, weights: Mapping[str, torch.Tensor], last: bool) -> None:
+        """One bucket of a collective sync (:class:`rlhf_core.rollout.LoadsWeightBuckets`), handed to every worker's
+        :meth:`WeightSyncExtension.alignflow_load_bucket`; the last one drops the prefix cache.
+
+        Untested (CUDA vLLM is not on the GPU machines here; ``rl.weight_sync: auto`` never picks this path
+        for vLLM). The tensors pass by reference only when the engine core runs in this process
+        (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one GPU): in multiprocess mode the RPC pickles its arguments
+        (see the module docstring), and there the workers would have to join the weight-sync group themselves.
+        """
+        self.llm.collective_rpc("alignflow_load_bucket", kwargs={"weights": dict(weights)})
+        if last and not self.llm.reset_prefix_cache():
             raise RuntimeError("vllm engine: could not reset the prefix cache after a weight update")
 
     # ---- sampling -----------------------------------------------------------------------

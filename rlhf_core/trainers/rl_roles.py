@@ -33,6 +33,7 @@ from rlhf_core.rl_math import (AdvantageEstimator, LossAggregation, PolicyObject
                                aggregation_units, clipped_value_loss, entropy_from_logits, kl_penalty, masked_mean,
                                policy_loss)
 from rlhf_core.trainers.loop import build_optimizer, build_scheduler, check_finite, inject_fault
+from rlhf_core.weight_sync import Layout, SyncGroup, flatten_bucket, plan_layout
 
 log = logging.getLogger(__name__)
 
@@ -595,6 +596,40 @@ class PolicyLearner:
                 offset += p.numel()
         torch.cuda.synchronize(self.device)  # the replica copies after this call returns
         return {"cuda_ipc": reduce_tensor(self._staging), "layout": layout, "last": index == len(self._buckets) - 1}
+
+    # ---- rl.weight_sync collective: rank 0 broadcasts to replicas on other GPUs (rlhf_core.weight_sync) ----
+
+    def sync_layout(self, max_bytes: int, dtype: torch.dtype | None = None) -> Layout:
+        """Every rank: plan the collective sync's buckets (parameters in order, at most ``max_bytes`` each in
+        ``dtype``, the replicas' dtype); returns the layout, the same on every rank."""
+        named = list(self.policy.named_parameters())
+        self._sync_params = [p for _, p in named]
+        self._sync_layout = plan_layout([(n, tuple(getattr(p, "ds_shape", p.shape)), p.dtype) for n, p in named],
+                                        max_bytes, dtype)
+        return self._sync_layout
+
+    def join_weight_sync(self, addr: str, port: int, size: int, timeout_s: float) -> None:
+        """Rank 0 only: rank 0 of the weight-sync group (it hosts the group's store at ``addr:port``)."""
+        self._sync_group = SyncGroup(addr, port, 0, size, timeout_s, self.device)
+        self._sync_group.allocate(self._sync_layout)
+
+    def broadcast_weights(self) -> None:
+        """Every rank: each bucket whole (gathered under ZeRO-3, where every rank takes part), flattened into one
+        buffer per dtype and broadcast by rank 0 to the replicas; the other ranks only help gather."""
+        start = 0
+        for bucket in self._sync_layout:
+            params = self._sync_params[start:start + len(bucket)]
+            start += len(bucket)
+            with torch.no_grad(), self.strategy.gathered(params):
+                if self.world.is_main:
+                    group = self._sync_group
+                    group.broadcast(flatten_bucket([p.data for p in params], bucket, group.buffers))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the sync's time is its real end
+
+    def close(self) -> None:
+        if getattr(self, "_sync_group", None) is not None:
+            self._sync_group.close()
 
     def masters_into_model(self) -> None:
         """End of training: the policy holds its fp32 master weights (mixed precision) for the final save;
