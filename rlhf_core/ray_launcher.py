@@ -641,6 +641,10 @@ class RolloutReplica:
         if group.device.type == "cuda":
             torch.cuda.synchronize()  # the sync's time is its real end; the next bucket's buffer is free
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights the engine samples from, on the CPU (a check that a sync arrived; vLLM's are in its workers)."""
+        return {k: v.detach().cpu().clone() for k, v in self.engine.model.state_dict().items()}
+
     def close(self) -> None:
         if getattr(self, "_sync_group", None) is not None:
             self._sync_group.close()
