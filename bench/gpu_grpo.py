@@ -20,6 +20,25 @@ generates; ``rlhf_core/ray_launcher.py``); read ``perf/overlap_s``, ``perf/rollo
 reference, replica: 3 GPUs), so the 2-GPU synchronous baseline is ``--placement colocated --workers 2``
 (both GPUs data-parallel) or, for the same split of roles, three GPUs with ``--max-staleness 0``.
 
+Weight sync by NCCL broadcast (issue 19 item 5: seconds per sync <= 0.1 s for the 0.5B model, and
+``rollout/logprob_mismatch`` unchanged): one policy rank on one GPU, one rollout replica on the other, weights
+from rank 0 to the replica through a group of their own (``rl.weight_sync``, ``rlhf_core/weight_sync.py``). On 2
+GPUs, the collective and the object store in one call (same machine, same seed), reading ``phase_s`` ->
+``perf/weight_sync_s`` and ``logprob_mismatch`` of the two summaries::
+
+    for sync in collective object_store; do
+      PYTHONPATH=/tmp/site:. python bench/gpu_grpo.py --placement disaggregated --workers 1 --rollout-workers 1 \
+          --max-staleness 1 --engine static --weight-sync $sync --steps 6 \
+          --out $OUT/gpu_grpo_2gpu_sync_$sync.json
+    done
+
+Asynchronous (``--max-staleness 1``) because 1 + 1 bundles fit 2 GPUs (synchronous disaggregated placement needs
+a third bundle for the reference); it syncs at every launch from the third batch on, while the learner is idle
+and before generation starts, so ``weight_sync_s_each`` lists one sync per step for steps 2..N-1 (the group and
+NCCL's communicator are set up before step 1, so the first is not a warm-up). ``perf/weight_sync_s`` is the
+controller's wall time of one sync (Ray calls, bucket gathers, broadcast, in-place loads, a device sync at the
+end on each side). ``logprob_mismatch`` includes the one-update staleness in both runs alike.
+
 Peak memory is the largest ``memory.used`` nvidia-smi saw on any GPU (every process on it), sampled
 every 200 ms.
 
@@ -113,6 +132,8 @@ def main() -> None:
     ap.add_argument("--max-staleness", type=int, default=0,
                     help="asynchronous training: 1 generates the next batch during the update (with "
                          "--placement disaggregated --workers 1: one GPU learns, the other generates)")
+    ap.add_argument("--weight-sync", choices=["auto", "object_store", "collective"], default="auto",
+                    help="rl.weight_sync: how rollout replicas get the weights (collective: NCCL broadcast from rank 0)")
     ap.add_argument("--small", action="store_true", help="a micro model and short rows (CPU smoke test)")
     ap.add_argument("--sampling", choices=["copy", "master"], default="copy",
                     help="copy: the HF engine samples with a bf16 copy of the policy (default); master: with the "
@@ -150,7 +171,8 @@ def main() -> None:
                    ppo_epochs=1, kl_coef=args.kl, lr=1e-6, warmup_steps=0, eval_items=1, eval_at_start=False,
                    save_every=0, log_rollouts_every=0, precision="auto", placement=args.placement,
                    num_workers=args.workers, rollout_workers=args.rollout_workers or args.workers,
-                   parallel=args.parallel, gradient_checkpointing=args.grad_ckpt, max_staleness=args.max_staleness)
+                   parallel=args.parallel, gradient_checkpointing=args.grad_ckpt, max_staleness=args.max_staleness,
+                   weight_sync=args.weight_sync)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -185,7 +207,8 @@ def main() -> None:
         "prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens, "mini_batch": args.mini,
         "median_step_s": round(step_s, 3), "samples_per_s": round(args.prompts * args.group / step_s, 1),
         "generated_tokens_per_s": round(gen_tokens / step_s, 1),
-        "max_staleness": args.max_staleness,
+        "max_staleness": args.max_staleness, "weight_sync": args.weight_sync,
+        "weight_sync_s_each": [round(m["perf/weight_sync_s"], 4) for m in steps if "perf/weight_sync_s" in m],
         # medians over the timed steps that logged each (asynchronous runs sync weights only at some launches)
         "phase_s": {k: round(statistics.median(m[k] for m in timed if k in m), 3)
                     for k in ("perf/rollout_s", "perf/reward_s", "perf/logprob_s", "perf/update_s",

@@ -178,6 +178,9 @@ class SyncGroup:
         else:
             self.backend = torch.distributed.ProcessGroupGloo(self.store, rank, size, timeout)
         self.buffers: dict[torch.dtype, torch.Tensor] = {}
+        # one element now: NCCL builds its communicator at the first collective, and a peer that cannot join
+        # fails the run's start instead of its first sync
+        self.broadcast({torch.float32: torch.zeros(1, device=device)})
 
     def allocate(self, layout: Layout) -> None:
         """The flat buffers, once: as large as the largest bucket, per dtype."""
