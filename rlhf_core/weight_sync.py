@@ -21,7 +21,7 @@ collective timeout (``ALIGNFLOW_COLLECTIVE_TIMEOUT_S``) for a peer; a peer that 
 fails at once) and Ray reports the dead actor to the controller, which fails the step within seconds.
 
 Only torch here (no Ray): the flatten/unflatten helpers are tested with hand-made tensors
-(``tests/unit/test_weight_sync.py``), the group with real Ray actors on CPU (``tests/model/test_weight_sync.py``).
+(``tests/unit/test_weight_buckets.py``), the group with real Ray actors on CPU (``tests/model/test_weight_sync.py``).
 """
 
 from __future__ import annotations
