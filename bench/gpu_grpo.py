@@ -37,7 +37,9 @@ a third bundle for the reference); it syncs at every launch from the third batch
 and before generation starts, so ``weight_sync_s_each`` lists one sync per step for steps 2..N-1 (the group and
 NCCL's communicator are set up before step 1, so the first is not a warm-up). ``perf/weight_sync_s`` is the
 controller's wall time of one sync (Ray calls, bucket gathers, broadcast, in-place loads, a device sync at the
-end on each side). ``logprob_mismatch`` includes the one-update staleness in both runs alike.
+end on each side). ``logprob_mismatch`` includes the one-update staleness in both runs alike. If the collective is slower
+than expected, rerun it with ``NCCL_DEBUG=INFO``: the transport line of the weight-sync communicator should say
+``P2P`` (GPU to GPU), not ``SHM`` (through host memory; each actor sees only its own GPU).
 
 Peak memory is the largest ``memory.used`` nvidia-smi saw on any GPU (every process on it), sampled
 every 200 ms.
