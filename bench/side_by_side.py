@@ -453,6 +453,9 @@ class _Sink:
 
     def log_metrics(self, metrics: dict, step: int) -> None:
         self.rows.append((step, dict(metrics)))
+        if "perf/step_s" in metrics:  # as it happens: a child cut off at its limit keeps its steps (run_child)
+            print(json.dumps({"partial_step": {k: v for k, v in metrics.items() if k.startswith("perf/")}}),
+                  flush=True)
 
 
 TRAINERS = {"sft": "rlhf_core.trainers.sft:train_sft", "dpo": "rlhf_core.trainers.dpo:train_dpo",
@@ -576,6 +579,8 @@ def trl_side(task: dict) -> dict:
             now = time.perf_counter()
             times.append(now - self.t)
             self.t = now
+            if rank == 0:  # as it happens: a child cut off at its limit keeps its steps (run_child)
+                print(json.dumps({"partial_step": {"perf/step_s": times[-1]}}), flush=True)
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "completions/mean_length" in logs:
@@ -773,7 +778,11 @@ def run_child(kind: str, task: dict, timeout_s: float) -> dict:
         label = "-".join(str(x) for x in (kind, task.get("bench", ""), task.get("row", ""), task.get("round", "")) if x)
         (log_dir / f"{label}-{int(started)}.log").write_text(stderr)
     if rc != 0 or not lines:
-        return {"error": f"exit {rc}: {stderr[-4000:]}", "wall_s": round(wall, 1)}
+        # the steps it printed before it failed or was cut off (never summarised as a row: the bench's own
+        # figures need a finished child; these are for reading what happened)
+        partial = [json.loads(ln)["partial_step"] for ln in stdout.splitlines() if ln.startswith("{\"partial_step\"")]
+        return {"error": f"exit {rc}: {stderr[-4000:]}", "wall_s": round(wall, 1),
+                **({"partial_steps": partial} if partial else {})}
     result = json.loads(lines[-1])["result"]
     result["wall_s"] = round(wall, 1)
     if kind in ("alignflow", "trl"):
