@@ -26,8 +26,7 @@ from rlhf_core.config import RLConfig
 from rlhf_core.lm_head import LMHead, _head_bypassed, bypasses_head, head_logprobs, prepare_kernels
 from rlhf_core.models import export_state_dict, has_lora, load_causal_lm, pick_device, prepare_for_training, \
     resolve_checkpointing
-from rlhf_core.parallel import (LocalStrategy, World, build_strategy, current_world, disable_dropout, plan_buckets,
-                                train_mode)
+from rlhf_core.parallel import (LocalStrategy, World, build_strategy, current_world, disable_dropout, train_mode)
 from rlhf_core.precision import Precision
 from rlhf_core.rl_math import (AdvantageEstimator, LossAggregation, PolicyObjective, aggregate_loss,
                                aggregation_units, clipped_value_loss, entropy_from_logits, kl_penalty, masked_mean,
@@ -570,13 +569,12 @@ class PolicyLearner:
 
     def weight_buckets(self, max_bytes: int, dtype: torch.dtype | None = None) -> int:
         """Plan the buckets (parameters in order, at most ``max_bytes`` each in ``dtype``); returns their count."""
-        named = list(self.policy.named_parameters())
-        numels = [int(getattr(p, "ds_numel", p.numel())) for _, p in named]
-        itemsize = torch.empty((), dtype=dtype or named[0][1].dtype).element_size()
-        plan = plan_buckets(numels, max(1, max_bytes // itemsize))
-        self._buckets = [[named[i] for i in idx] for idx in plan]
+        params = dict(self.policy.named_parameters())
+        layout = plan_layout([(n, tuple(getattr(p, "ds_shape", p.shape)), p.dtype) for n, p in params.items()],
+                             max_bytes, dtype)  # the collective sync's planning (rlhf_core.weight_sync)
+        self._buckets = [[(spec.name, params[spec.name]) for spec in bucket] for bucket in layout]
         self._staging = None
-        self._staging_numel = max(sum(numels[i] for i in idx) for idx in plan)
+        self._staging_numel = max(sum(spec.numel for spec in bucket) for bucket in layout)
         return len(self._buckets)
 
     def share_bucket(self, index: int, dtype: torch.dtype | None = None) -> dict[str, Any]:
