@@ -14,11 +14,9 @@ controller here and the models in actors, N policy ranks on N GPUs::
         --out $OUT/gpu_grpo_2gpu_zero2.json
 
 Asynchronous training on two GPUs (issue 19 item 3: async step <= 0.8 x sync step): ``--placement
-disaggregated --workers 1 --max-staleness 1`` (one GPU learns with the reference beside it, the other
-generates; ``rlhf_core/ray_launcher.py``); read ``perf/overlap_s``, ``perf/rollout_wait_s`` and the per-step
-``perf/*_ts`` timestamps in the steps. Synchronous disaggregated placement keeps a bundle per role (policy,
-reference, replica: 3 GPUs), so the 2-GPU synchronous baseline is ``--placement colocated --workers 2``
-(both GPUs data-parallel) or, for the same split of roles, three GPUs with ``--max-staleness 0``.
+disaggregated --workers 1 --rollout-workers 1`` with ``--max-staleness 0`` (synchronous) and ``1`` (one GPU learns
+with the reference beside it, the other generates; ``rlhf_core/ray_launcher.py``), the same two GPUs in both;
+read ``perf/overlap_s``, ``perf/rollout_wait_s`` and the per-step ``perf/*_ts`` timestamps in the steps.
 
 Weight sync by NCCL broadcast (issue 19 item 5: seconds per sync <= 0.1 s for the 0.5B model, and
 ``rollout/logprob_mismatch`` unchanged): one policy rank on one GPU, one rollout replica on the other, weights
@@ -32,8 +30,7 @@ GPUs, the collective and the object store in one call (same machine, same seed),
           --out $OUT/gpu_grpo_2gpu_sync_$sync.json
     done
 
-Asynchronous (``--max-staleness 1``) because 1 + 1 bundles fit 2 GPUs (synchronous disaggregated placement needs
-a third bundle for the reference); it syncs at every launch from the third batch on, while the learner is idle
+Asynchronous (``--max-staleness 1``), it syncs at every launch from the third batch on, while the learner is idle
 and before generation starts, so ``weight_sync_s_each`` lists one sync per step for steps 2..N-1 (the group and
 NCCL's communicator are set up before step 1, so the first is not a warm-up). ``perf/weight_sync_s`` is the
 controller's wall time of one sync (Ray calls, bucket gathers, broadcast, in-place loads, a device sync at the
@@ -110,7 +107,7 @@ class Sink:
         self.rows.append((step, dict(metrics)))
         if "perf/step_s" in metrics:
             print(json.dumps({"step": step, **{k: round(v, 4) for k, v in metrics.items()
-                                               if k.startswith(("perf/", "rollout/response_length"))}}),
+                                               if k.startswith(("perf/", "rollout/response_length", "rollout/logprob_mismatch"))}}),
                   flush=True)
 
 

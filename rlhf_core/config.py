@@ -718,8 +718,6 @@ class RLConfig(TrainerConfig):
             file_part, _, func = spec.rpartition(":")
             _check(file_part.endswith(".py") and func.isidentifier(), s, "environment",
                    f"must be path/to/env.py:function or an http(s):// URL, got {spec!r}")
-        _check(self.placement == "none", s, "placement",
-               "multi-turn rollouts (rl.environment) run in one process for now; set placement none")
         _check(self.max_length >= self.max_trajectory_tokens + 1, s, "max_trajectory_tokens",
                f"must leave room for a prompt within max_length ({self.max_length}), got {self.max_trajectory_tokens}")
         _check(not self.overlong_max_len or self.overlong_max_len <= self.max_trajectory_tokens, s, "overlong_max_len",

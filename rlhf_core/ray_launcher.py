@@ -15,11 +15,13 @@ Everything Ray-specific lives here; the trainers and roles it hosts (:mod:`rlhf_
 Placement groups are made only by :class:`Launcher`. *Colocated*: one bundle per policy rank and
 every role takes a fraction of it (reference rank i, rollout replica i and the reward model
 share policy rank i's device; each role hands its cached memory back after its phase).
-*Disaggregated*: each role gets bundles of its own. With asynchronous training (``max_staleness >= 1``)
-only generation overlaps the update, so disaggregated placement splits the devices in two sides: the
-learning side (policy ranks, each with a reference rank on its bundle, as colocated) and the generating
-side (rollout replicas, with the reward model on replica 0's bundle, since rewards are scored as batches
-are generated): one policy rank and one replica run on two GPUs.
+*Disaggregated*: the devices split in two sides, the learning side (policy ranks, each with a reference
+rank on its bundle, as colocated) and the generating side (rollout replicas, with the reward model on
+replica 0's bundle, since rewards are scored as batches are generated): one policy rank and one replica
+run on two GPUs. Only generation can overlap the update (asynchronous training, ``max_staleness >= 1``);
+the reference's pass and the update run one after the other on the learning side in either mode, so a
+bundle of its own would sit idle. Synchronous and asynchronous runs therefore use the same devices, and
+``max_staleness`` 0 against 1 compares like with like.
 
 The cluster: :func:`connect` attaches to the one ``RAY_ADDRESS`` names (``ray start --head``
 on the head node; see README "Scale out with Ray"), or starts a local instance.
@@ -510,13 +512,27 @@ class RemoteRollout:
         return f"ray[{len(self.group)}x{self.inner_name}]"
 
     def generate(self, prompts: Sequence[str], params: Any) -> Any:
+        return self._split("generate", list(prompts), params)
+
+    def generate_ids(self, encoded: Sequence[list[int]], params: Any, prompts: Sequence[str] | None = None) -> Any:
+        """One turn of a multi-turn rollout (:func:`rlhf_core.environments.rollout_with_environment`): each
+        trajectory's exact ids go to a replica and come back with the turn appended. The environment itself
+        stays in this process (the controller), so a Python-file or HTTP environment needs nothing of Ray."""
+        labels = list(prompts) if prompts is not None else [""] * len(encoded)
+        return self._split("generate_ids", [list(ids) for ids in encoded], params, labels)
+
+    def _split(self, method: str, rows: list[Any], params: Any, labels: list[str] | None = None) -> Any:
+        """``method`` on contiguous chunks of ``rows``, a chunk per replica (replica i's seed: the seed + i), the
+        batches joined in order."""
         from rlhf_core.trainers.rl import _concat
 
-        k = min(len(self.group), len(prompts))
-        size = -(-len(prompts) // k)
-        chunks = [list(prompts[i:i + size]) for i in range(0, len(prompts), size)]
-        refs = [a.call.remote("generate", chunk, replace(params, seed=None if params.seed is None else params.seed + i))
-                for i, (a, chunk) in enumerate(zip(self.group.actors, chunks))]
+        k = min(len(self.group), len(rows))
+        size = -(-len(rows) // k)
+        refs = []
+        for i, start in enumerate(range(0, len(rows), size)):
+            args = (rows[start:start + size],) + (() if labels is None else (labels[start:start + size],))
+            seeded = replace(params, seed=None if params.seed is None else params.seed + i)
+            refs.append(self.group.actors[i].call.remote(method, args[0], seeded, *args[1:]))
         return _concat(gather(refs, "rollout"), self.pad_id)
 
     def update_weights(self, weights: Any) -> None:
@@ -571,6 +587,13 @@ class RolloutReplica:
 
         batch = self.engine.generate(prompts, params)
         release_memory()  # colocated: the KV cache's blocks go back before the learner's phase
+        return batch
+
+    def generate_ids(self, encoded: Sequence[list[int]], params: Any, prompts: Sequence[str]) -> Any:
+        from rlhf_core.trainers.rl_roles import release_memory
+
+        batch = self.engine.generate_ids(encoded, params, prompts)
+        release_memory()
         return batch
 
     def update_weights(self, weights: Any) -> None:
@@ -709,9 +732,8 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
     workers, replicas = cfg.num_workers, cfg.rollout_workers
     reward_model = cfg.reward_kind == "model"
     colocated = cfg.placement == "colocated"
-    two_sided = not colocated and cfg.max_staleness > 0  # learning side and generating side (module docstring)
-    n_refs = workers if colocated or two_sided else 1
-    bundles = workers if colocated else workers + replicas if two_sided else workers + n_refs + replicas + reward_model
+    n_refs = workers  # a reference rank beside each policy rank, in either placement (module docstring)
+    bundles = workers if colocated else workers + replicas
     connect(min_cpus=bundles)
     launcher = Launcher(cluster_has_gpus())
     started = time.perf_counter()
@@ -722,18 +744,11 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
             pgs = {"policy": (pg, ranks), "reference": (pg, ranks),
                    "rollout": (pg, [i % workers for i in range(replicas)]), "reward": (pg, [0])}
             share = _COLOCATED_SHARE
-        elif two_sided:
+        else:  # two sides: learning (policy + reference ranks) and generating (replicas + reward model)
             learning, generating = launcher.bundles(workers), launcher.bundles(replicas)
             pgs = {"policy": (learning, range(workers)), "reference": (learning, range(workers)),
                    "rollout": (generating, range(replicas)), "reward": (generating, [0])}
             share = 0.5  # two roles a bundle at most
-        else:
-            pgs = {"policy": (launcher.bundles(workers), range(workers)),
-                   "reference": (launcher.bundles(n_refs), range(n_refs)),
-                   "rollout": (launcher.bundles(replicas), range(replicas))}
-            if reward_model:
-                pgs["reward"] = (launcher.bundles(1), [0])
-            share = 1.0
         threads = cfg.num_threads
         policy = launcher.group(TrainerActor, "policy", *pgs["policy"], share=share, num_threads=threads, world=True)
         policy.build(_learner, cfg)

@@ -192,3 +192,39 @@ def test_an_environment_server_that_is_down_stops_the_run_with_a_clear_error_and
     assert not (tmp_path / "rl").exists()
     written = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "ckpt").rglob("*") if p.is_file())
     assert written == ["ckpt/.lock"], written  # the run lock only: no checkpoint, no model
+
+
+@pytest.mark.slow
+def test_multi_turn_rollouts_run_on_ray_replicas_with_the_environment_in_the_controller(
+        ray_local, tool_model, scripted_env, micro_data, tmp_path):
+    """Disaggregated placement, one policy rank and two rollout replicas: each turn's trajectories are split
+    across the replicas (``RemoteRollout.generate_ids``), the environment runs in this process between turns,
+    and the learner trains on the trajectories with observations outside the loss. (Slow tier: a minute of
+    Ray start-up and actor loading on 2 CPU cores.)"""
+    from safetensors.torch import load_file
+
+    from rlhf_core.ray_launcher import train_rl_on_ray
+
+    cfg = RLConfig(model_path=str(tool_model), prompts_file=str(micro_data["prompts"]),
+                   eval_file=str(micro_data["eval"]), output_dir=str(tmp_path / "rl"),
+                   checkpoint_dir=str(tmp_path / "ckpt"), reward_function=str(REPO / "rlhf_core/tool_task.py:reward"),
+                   environment=scripted_env, max_turns=3, max_trajectory_tokens=20, max_new_tokens=6,
+                   max_steps=2, prompts_per_step=4, group_size=4, batch_size=64, mini_batch_size=16, lr=3e-3,
+                   warmup_steps=0, eval_items=8, eval_at_start=False, log_rollouts_every=1, num_threads=1,
+                   rollout_engine="hf", placement="disaggregated", num_workers=1, rollout_workers=2,
+                   precision="fp32")
+    sink = Recorder()
+    result = train_rl_on_ray(cfg, sink, show_progress=False)
+    assert len(sink.series("rollout/tool_call_rate")) == 2 and sink.series("rollout/tool_call_rate")[0] > 0
+    assert sink.series("rollout/observation_tokens")[0] > 0
+    rows = result.rollout_table
+    assert len(rows) > 0 and all(set(r["action_mask"]) <= {"0", "1"} for r in rows)
+    # a trajectory that called the tool holds the observation's text, as observation tokens (mask 0)
+    called = [r for r in rows if r["tool_calls"] > 0]
+    assert called and all(OBS in r["text"] and "0" in r["action_mask"] for r in called)
+    assert any(seg["source"] == "observation" and seg["text"] == OBS
+               for r in called for seg in json.loads(r["segments"]))
+    start = load_file(str(tool_model / "model.safetensors"))
+    after = load_file(str(result.output_dir / "model.safetensors"))
+    assert any(not torch.equal(start[k], after[k]) for k in start)
+    assert {"eval/accuracy_tool", "eval/tool_call_rate"} <= set(result.metrics)
