@@ -143,11 +143,12 @@ def _tracked_stage(stage: str, cls: type, section: str):
         tracking = load_config(TrackingConfig, "tracking", args.params)
         extra: dict[str, Any] = {}
         if stage in GUARDED_STAGES:
-            extra["guards"] = load_config(GuardsConfig, "guards", args.params, guard_overrides)
+            extra["guards"] = load_config(GuardsConfig, _task_section(cfg_section, "guards", args.params),
+                                          args.params, guard_overrides)
         elif guard_overrides:
             raise ConfigError(f"{section}: guards.* overrides apply to policy stages only ({', '.join(GUARDED_STAGES)})")
         if stage in TRAINING_STAGES:  # the flows' data report, thresholds from params.yaml's data_report
-            report_section = _report_section(cfg_section, args.params)
+            report_section = _task_section(cfg_section, "data_report", args.params)
             extra["data_report"] = load_config(DataReportConfig, report_section, args.params, report_overrides)
         elif report_overrides:
             raise ConfigError(f"{section}: data_report.* overrides apply to training stages only "
@@ -171,16 +172,17 @@ TRAINING_STAGES = ("sft", "reward", "dpo", "kto", "raft", "distill", "rl")
 on its training data against its eval set before training, as the flows do (exit 1 when a check fails)."""
 
 
-def _report_section(section: str, params: str) -> str:
-    """The data report's params section of a stage section: ``tool_sft`` reads ``tool_data_report`` where the
-    params file has one (the tool task's answers repeat more), every other section ``data_report``."""
+def _task_section(section: str, shared: str, params: str) -> str:
+    """The params section of a stage section's data report or guards (``shared``: ``data_report``, ``guards``):
+    ``tool_sft`` reads ``tool_data_report`` and ``tool_rl`` ``tool_guards`` where the params file has them (the tool
+    task's answers repeat more; a tool call legitimately lengthens its answers), every other section ``shared``."""
     from rlhf_core.config import read_params
 
     prefix = section.rpartition("_")[0]
-    own = f"{prefix}_data_report"
+    own = f"{prefix}_{shared}"
     if prefix and own in SECTIONS and Path(params).exists() and own in read_params(params):
         return own
-    return "data_report"
+    return shared
 
 
 def _register(name: str, result: Any, tracking: TrackingConfig, guards: GuardsConfig) -> dict[str, Any]:

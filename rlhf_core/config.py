@@ -1149,7 +1149,8 @@ GUARD_NAMES = ("reward_hacking", "reward_disagreement", "kl", "length", "entropy
 @dataclass
 class GuardsConfig:
     """``guards``: checks on every policy stage's model against the model it was trained from, and the registry's
-    promotion gate (rlhf_core/guards.py; README "Guards and the promotion gate")."""
+    promotion gate (rlhf_core/guards.py; README "Guards and the promotion gate"). ``tool_guards``: the same for
+    the tool task's rl stage command (``--section tool_rl``)."""
 
     enabled: bool = True
     """Compute the guards after every policy stage (rl, dpo, kto, raft, distill, each cycle) and log them to its
@@ -1289,7 +1290,8 @@ class ToolEvalConfig:
 
 # The repository's embedded tool task (rlhf_core/tool_task.py): its own sections beside the default's. Not in
 # the `alignflow init` template (flows/project_template/params.yaml): a user's project gets the default task only.
-TOOL_TASK_SECTIONS = ("tool_generate", "tool_model", "tool_sft", "tool_data_report", "tool_rl", "tool_evaluate")
+TOOL_TASK_SECTIONS = ("tool_generate", "tool_model", "tool_sft", "tool_data_report", "tool_rl", "tool_guards",
+                      "tool_evaluate")
 
 SECTIONS: dict[str, type] = {
     "generate": GenerateConfig,
@@ -1313,6 +1315,7 @@ SECTIONS: dict[str, type] = {
     "tool_sft": SFTConfig,
     "tool_data_report": DataReportConfig,
     "tool_rl": RLConfig,
+    "tool_guards": GuardsConfig,
     "tool_evaluate": ToolEvalConfig,
 }
 

@@ -7,13 +7,22 @@ its length in characters and its slice (skill), and, along the child's answer, t
 ``KL(child || reference)`` summed over the answer's tokens (its eos included), computed exactly over the
 vocabulary. :mod:`rlhf_core.guards` turns the two records into guards.
 
+A stage with an environment (``rl.environment``: multi-turn tool use) is probed as its own eval answers
+(:func:`probe_with_environment`): greedily multi-turn with the same environment, turn limit and token budgets,
+correct where the reward of the trajectory (the rule reward reads the final answer) is 1; length, entropy and KL
+count the policy's own tokens, never the tool's observations (the training loss's mask). A single-turn probe of
+such a model measures a task it was not trained for (after RL the tool model always calls the tool, and
+single-turn, without the tool's reply, it answers nothing right).
+
 The parent's record is cached under ``<project>/.alignflow/probes/`` keyed on the DVC md5s of the model and
-eval file, the settings and the reward's identity: in a cycle flow each child becomes the next parent, and
-every stage of the align flow shares the SFT parent, so the parent is answered once.
+eval file, the settings, the reward's identity and, for a multi-turn probe, the environment's (so a single-turn
+record never stands in for a multi-turn one): in a cycle flow each child becomes the next parent, and every stage
+of the align flow shares the SFT parent, so the parent is answered once.
 
 The child's greedy answers are not generated again when the stage's final eval already made them with the same
 settings (:func:`reusable_answers`: same eval file, items, token budget, batch size, device and fp32 weights):
-the probe then only scores them (entropy, KL, reward).
+the probe then only scores them (entropy, KL, reward). A multi-turn probe generates its own: the stage's eval keeps
+only its first trajectories.
 
 Run: called by :func:`rlhf_core.stages.check_stage_guards` after every policy stage.
 """
@@ -33,6 +42,7 @@ from rlhf_core.atomic_io import write_text_atomic
 from rlhf_core.data.formats import prompt_text, read_prompt_examples
 from rlhf_core.data.io import read_records
 from rlhf_core.data.tokenize import encode_prompt
+from rlhf_core.environments import OBSERVATION
 from rlhf_core.evaluate import _question, greedy_answers
 from rlhf_core.guards import ProbeRecord
 from rlhf_core.synthetic import is_correct, parse_prompt
@@ -70,6 +80,37 @@ def read_eval_items(eval_file: str | Path, tokenizer: Any, *, prompt_field: str,
 
 
 @torch.no_grad()
+def scored_statistics(model: Any, seqs: Sequence[list[int]], positions: Sequence[list[int]], pad_id: int, *,
+                      reference: Any = None, batch_size: int = 16) -> tuple[float, int, list[float]]:
+    """Over the listed ``positions`` of each token sequence (position t predicts token t+1): the summed next-token
+    entropy of ``model`` and how many positions that is, and per sequence the summed ``KL(model || reference)``
+    (empty without ``reference``); both exact over the vocabulary."""
+    device = next(model.parameters()).device
+    kls: list[float] = []
+    entropy_sum, count = 0.0, 0
+    for start in range(0, len(seqs), batch_size):
+        chunk = seqs[start:start + batch_size]
+        width = max(len(s) for s in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for i, s in enumerate(chunk):  # right padding: positions keep their meaning
+            ids[i, :len(s)] = torch.tensor(s)
+            mask[i, :len(s)] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
+        ref_logp = (torch.log_softmax(reference(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
+                    if reference is not None else None)
+        for i, where in enumerate(positions[start:start + batch_size]):
+            at = torch.tensor(where, dtype=torch.long, device=device)
+            lp = logp[i, at]  # (scored positions, vocab)
+            entropy_sum += float(-(lp.exp() * lp).sum())
+            count += len(where)
+            if ref_logp is not None:
+                # KL(p || q) = sum_v p_v (log p_v - log q_v), per position, summed over the scored positions
+                kls.append(float((lp.exp() * (lp - ref_logp[i, at])).sum()))
+    return entropy_sum, count, kls
+
+
 def answer_statistics(model: Any, tokenizer: Any, prompts: Sequence[str], answers: Sequence[str], *,
                       reference: Any = None, batch_size: int = 64) -> tuple[list[float], float, list[float] | None]:
     """Per answer: its length in characters (what a reader sees, and free of any decode/re-encode round trip);
@@ -79,37 +120,16 @@ def answer_statistics(model: Any, tokenizer: Any, prompts: Sequence[str], answer
     Each sequence is ``prompt + answer + eos``; position t predicts token t+1, so the answer's positions are
     ``len(prompt) - 1 .. len(prompt) + len(answer) - 1`` (the last one predicts eos): every answer, even an
     empty one, has at least one."""
-    device = next(model.parameters()).device
-    lengths: list[float] = []
-    kls: list[float] = []
-    entropy_sum, positions = 0.0, 0
-    eos = tokenizer.eos_token_id
-    for start in range(0, len(prompts), batch_size):
-        seqs, spans = [], []
-        for prompt, answer in zip(prompts[start:start + batch_size], answers[start:start + batch_size]):
-            p_ids = encode_prompt(tokenizer, prompt)
-            a_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
-            lengths.append(float(len(answer)))
-            seqs.append(p_ids + a_ids + [eos])
-            spans.append((len(p_ids) - 1, len(p_ids) + len(a_ids)))  # [first, last) positions scored
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):  # right padding: positions keep their meaning
-            ids[i, :len(s)] = torch.tensor(s)
-            mask[i, :len(s)] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
-        ref_logp = (torch.log_softmax(reference(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
-                    if reference is not None else None)
-        for i, (lo, hi) in enumerate(spans):
-            lp = logp[i, lo:hi]  # (answer positions, vocab)
-            entropy_sum += float(-(lp.exp() * lp).sum())
-            positions += hi - lo
-            if ref_logp is not None:
-                # KL(p || q) = sum_v p_v (log p_v - log q_v), per position, summed over the answer
-                kls.append(float((lp.exp() * (lp - ref_logp[i, lo:hi])).sum()))
-    return lengths, entropy_sum / max(positions, 1), (kls if reference is not None else None)
+    seqs, positions = [], []
+    for prompt, answer in zip(prompts, answers):
+        p_ids = encode_prompt(tokenizer, prompt)
+        a_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+        seqs.append(p_ids + a_ids + [tokenizer.eos_token_id])
+        positions.append(list(range(len(p_ids) - 1, len(p_ids) + len(a_ids))))
+    entropy_sum, count, kls = scored_statistics(model, seqs, positions, tokenizer.pad_token_id, reference=reference,
+                                                batch_size=batch_size)
+    lengths = [float(len(answer)) for answer in answers]
+    return lengths, entropy_sum / max(count, 1), (kls if reference is not None else None)
 
 
 PROBE_BATCH_SIZE = 256
@@ -136,6 +156,87 @@ def probe(model: Any, tokenizer: Any, items: EvalItems, *, reward_fn: RewardFn |
     model.train(was_training)
     kl = sum(kls) / len(kls) if kls else None
     return ProbeRecord(correct, reward, lengths, entropy, kl, list(items.slices)), answers
+
+
+@dataclass(frozen=True)
+class ProbeEnvironment:
+    """The multi-turn setting of a stage with an environment (``rl.environment``): the probe answers with the same
+    environment, turn limit and token budgets as the stage's own eval
+    (:func:`rlhf_core.environments.evaluate_with_environment`)."""
+
+    make_env: Callable[[], Any]
+    """A fresh environment per trajectory (:func:`rlhf_core.environments.environment_factory`)."""
+    identity: dict[str, Any] | None
+    """What the answers depend on besides the model (spec, its file's md5, limits): a part of the parent probe
+    cache's key; None (an environment server, whose replies may change): never cache."""
+    max_turns: int
+    max_trajectory_tokens: int
+    max_new_tokens: int
+
+
+def policy_spans(actions: Sequence[int]) -> list[tuple[int, int]]:
+    """The ``[start, end)`` runs of the policy's own tokens (``actions`` 1; observation tokens 0)."""
+    spans, start = [], None
+    for j, a in enumerate([*actions, OBSERVATION]):
+        if a != OBSERVATION and start is None:
+            start = j
+        elif a == OBSERVATION and start is not None:
+            spans.append((start, j))
+            start = None
+    return spans
+
+
+def trajectory_statistics(model: Any, tokenizer: Any, batch: Any, *, reference: Any = None,
+                          batch_size: int = 16) -> tuple[list[float], float, list[float] | None]:
+    """:func:`answer_statistics` of multi-turn trajectories (a :class:`rlhf_core.rollout.RolloutBatch` with
+    ``action_mask``), over the policy's own tokens only, as the training loss counts them: per trajectory the
+    characters of its policy spans (a tool call counts, the tool's observation does not); the mean entropy over
+    the positions that predict a policy token; per trajectory the KL summed over those positions.
+
+    The sequence is ``prompt + response`` exactly as sampled (no re-tokenisation); response token j sits at
+    ``len(prompt) + j`` and is predicted at the position before it. The eos is scored where the trajectory
+    sampled one (a trajectory cut by the budget has none)."""
+    seqs, positions, lengths = [], [], []
+    for i in range(len(batch)):
+        prompt = batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist()
+        k = int(batch.response_mask[i].sum())
+        ids, actions = batch.response_ids[i, :k].tolist(), batch.action_mask[i, :k].tolist()
+        spans = policy_spans(actions)
+        seqs.append(prompt + ids)
+        positions.append([len(prompt) + j - 1 for lo, hi in spans for j in range(lo, hi)])
+        lengths.append(float(sum(len(tokenizer.decode(ids[lo:hi], skip_special_tokens=True)) for lo, hi in spans)))
+    entropy_sum, count, kls = scored_statistics(model, seqs, positions, tokenizer.pad_token_id, reference=reference,
+                                                batch_size=batch_size)
+    return lengths, entropy_sum / max(count, 1), (kls if reference is not None else None)
+
+
+def probe_with_environment(model: Any, tokenizer: Any, items: EvalItems, env: ProbeEnvironment, *,
+                           reward_fn: RewardFn, reference: Any = None,
+                           batch_size: int = PROBE_BATCH_SIZE) -> tuple[ProbeRecord, list[str]]:
+    """One model's :class:`ProbeRecord` on ``items`` answered greedily multi-turn with ``env``'s tool, and its
+    trajectories' text (observations included). The answers are generated here (the stage's final eval keeps
+    only a few trajectories); generation and scoring are :func:`rlhf_core.environments.evaluate_with_environment`'s
+    (HF engine, same batch size, greedy): per item the reward of the trajectory plus the environment's own, correct
+    where that is >= 1 (the rule reward's 0/1 on the final answer). Length, entropy and KL count the policy's
+    tokens only (:func:`trajectory_statistics`)."""
+    from rlhf_core.environments import rollout_with_environment
+    from rlhf_core.rollout import HFGenerateEngine, SamplingParams
+
+    labels = [None if y is None else str(y) for y in items.labels]
+    was_training = model.training
+    model.eval()
+    batch, env_rewards = rollout_with_environment(
+        HFGenerateEngine(model, tokenizer, batch_size=batch_size), tokenizer, items.prompts, labels,
+        SamplingParams(n=1, temperature=0.0, max_new_tokens=env.max_new_tokens), env.make_env,
+        max_turns=env.max_turns, max_trajectory_tokens=env.max_trajectory_tokens)
+    scores = [float(r) + float(e) for r, e in zip(reward_fn(list(items.prompts), batch.completions, labels),
+                                                  env_rewards)]
+    correct = [float(s >= 1.0) for s in scores] if items.has_labels else None
+    lengths, entropy, kls = trajectory_statistics(model, tokenizer, batch, reference=reference,
+                                                  batch_size=min(batch_size, 16))  # whole-vocab log-probs
+    model.train(was_training)
+    kl = sum(kls) / len(kls) if kls else None
+    return ProbeRecord(correct, scores, lengths, entropy, kl, list(items.slices)), list(batch.completions)
 
 
 def reusable_answers(record: dict[str, Any] | None, model: Any, *, eval_file: str | Path, max_items: int,

@@ -465,12 +465,14 @@ def check_stage_guards(stage: str, cfg: Any, child_dir: Path, guards: GuardsConf
     (both models' per-item results on the same items: what a paired comparison needs). Returns the metrics.
 
     ``eval_answers``: the stage's final eval's greedy answers (:class:`rlhf_core.evaluate.GreedyAnswers`), reused
-    for the child when their settings are the probe's (:func:`rlhf_core.guard_probe.reusable_answers`). With
-    ``guards.gate_metric: command`` the user's metric command scores both models first
+    for the child when their settings are the probe's (:func:`rlhf_core.guard_probe.reusable_answers`). A stage with
+    an environment (``rl.environment``) is probed multi-turn with it, as its own eval answers
+    (:func:`_probe_environment`; tag ``guard.probe``). With ``guards.gate_metric: command`` the user's metric command scores both models first
     (:func:`_metric_command_scores`); any fault there fails the stage before its model is registered."""
     from rlhf_core.guard_probe import read_eval_items
     from rlhf_core.guards import check_guards, gate
     from rlhf_core.models import load_tokenizer, pick_device
+    from rlhf_core.redact import redact_secrets
 
     metric = _metric_command_scores(cfg, guards, child_dir, run) if guards.gate_metric == "command" else None
     device = pick_device()
@@ -478,8 +480,12 @@ def check_stage_guards(stage: str, cfg: Any, child_dir: Path, guards: GuardsConf
     items = read_eval_items(cfg.eval_file, tokenizer, prompt_field=cfg.prompt_field, label_field=cfg.label_field,
                             slice_field=guards.slice_field, max_items=getattr(cfg, "eval_items", 1000))
     reward_fn, reward_id = _reward_for_guards(stage, cfg, guards, device)
-    parent, parent_answers = _probe_parent(cfg, guards, items, reward_fn, reward_id, device)
-    child, child_answers = _probe_child(cfg, child_dir, tokenizer, items, reward_fn, device, eval_answers, run)
+    env = _probe_environment(stage, cfg)
+    run.set_tags({"guard.probe": "single-turn" if env is None else
+                  f"multi-turn with the environment {redact_secrets(cfg.environment)} (max_turns {env.max_turns}, "
+                  f"max_trajectory_tokens {env.max_trajectory_tokens}, max_new_tokens {env.max_new_tokens})"})
+    parent, parent_answers = _probe_parent(cfg, guards, items, reward_fn, reward_id, device, env)
+    child, child_answers = _probe_child(cfg, child_dir, tokenizer, items, reward_fn, device, eval_answers, run, env)
     report = check_guards(parent, child, guards, metric)
     decision = gate(report, guards)
     metrics = report.metrics()
@@ -504,29 +510,61 @@ def check_stage_guards(stage: str, cfg: Any, child_dir: Path, guards: GuardsConf
     return metrics
 
 
-def _probe_settings(cfg: Any, guards: GuardsConfig, reward_id: Any) -> dict[str, Any]:
-    """What the parent's probe depends on besides the model and the eval file (its cache key's settings)."""
-    return {"max_items": getattr(cfg, "eval_items", 1000), "max_new_tokens": getattr(cfg, "max_new_tokens", 12),
-            "reward": reward_id, "fields": [cfg.prompt_field, cfg.label_field, guards.slice_field], "probe": 1}
+def _probe_environment(stage: str, cfg: Any) -> Any:
+    """The multi-turn probe setting of an rl stage with an environment (the environment, turn limit and token
+    budgets of its own eval, :func:`rlhf_core.environments.evaluate_with_environment`), else None (single-turn)."""
+    from rlhf_core.environments import environment_factory
+    from rlhf_core.guard_probe import ProbeEnvironment
+    from rlhf_core.rewards import resolve_reward_file
+
+    if stage != "rl" or not getattr(cfg, "environment", ""):
+        return None
+    spec = cfg.environment
+    make_env = environment_factory(spec, stop_tokens=cfg.environment_stop_tokens, timeout_s=cfg.reward_timeout_s,
+                                   retries=cfg.reward_retries, backoff_cap_s=cfg.reward_backoff_cap_s,
+                                   deadline_s=cfg.reward_deadline_s, token_env=cfg.environment_token_env)
+    limits = {"max_turns": cfg.max_turns, "max_trajectory_tokens": cfg.max_trajectory_tokens,
+              "max_new_tokens": cfg.max_new_tokens}
+    identity = None  # a server's replies may change: never cache them
+    if not spec.startswith(("http://", "https://")):
+        file, fn = spec.rsplit(":", 1)
+        identity = {"file": dvc_md5(resolve_reward_file(file)), "name": fn, **limits}
+    return ProbeEnvironment(make_env, identity, **limits)
+
+
+def _probe_settings(cfg: Any, guards: GuardsConfig, reward_id: Any, env: Any = None) -> dict[str, Any]:
+    """What the parent's probe depends on besides the model and the eval file (its cache key's settings); a
+    multi-turn probe adds its environment's identity, so it never reads a single-turn record (and single-turn keys
+    stay what they were)."""
+    settings = {"max_items": getattr(cfg, "eval_items", 1000), "max_new_tokens": getattr(cfg, "max_new_tokens", 12),
+                "reward": reward_id, "fields": [cfg.prompt_field, cfg.label_field, guards.slice_field], "probe": 1}
+    if env is not None:
+        settings["environment"] = env.identity
+    return settings
 
 
 def _probe_parent(cfg: Any, guards: GuardsConfig, items: Any, reward_fn: Any, reward_id: Any,
-                  device: Any) -> tuple[Any, list[str]]:
+                  device: Any, env: Any = None) -> tuple[Any, list[str]]:
     """The parent's probe record and answers: from the cache under ``.alignflow/probes/`` when there (never for a
-    reward without an identity, a server), else answered now and cached."""
-    from rlhf_core.guard_probe import load_cached, probe, probe_key, save_cached
+    reward or an environment without an identity, a server), else answered now (multi-turn with ``env`` when
+    given) and cached."""
+    from rlhf_core.guard_probe import load_cached, probe, probe_key, probe_with_environment, save_cached
     from rlhf_core.models import load_causal_lm, load_tokenizer
     from rlhf_core.tracking import project_root
 
     parent_dir = Path(cfg.model_path)
-    settings = _probe_settings(cfg, guards, reward_id)
+    settings = _probe_settings(cfg, guards, reward_id, env)
+    cacheable = reward_id and (env is None or env.identity is not None)
     cache = (project_root() / ".alignflow" / "probes" /
-             f"{probe_key(dvc_md5(parent_dir), dvc_md5(cfg.eval_file), settings)}.json") if reward_id else None
+             f"{probe_key(dvc_md5(parent_dir), dvc_md5(cfg.eval_file), settings)}.json") if cacheable else None
     cached = load_cached(cache) if cache is not None else None
     if cached is None:
         parent_model = load_causal_lm(parent_dir, device)
-        cached = probe(parent_model, load_tokenizer(parent_dir), items, reward_fn=reward_fn,
-                       max_new_tokens=settings["max_new_tokens"])
+        if env is not None:
+            cached = probe_with_environment(parent_model, load_tokenizer(parent_dir), items, env, reward_fn=reward_fn)
+        else:
+            cached = probe(parent_model, load_tokenizer(parent_dir), items, reward_fn=reward_fn,
+                           max_new_tokens=settings["max_new_tokens"])
         del parent_model
         if cache is not None:
             save_cached(cache, *cached)
@@ -534,14 +572,21 @@ def _probe_parent(cfg: Any, guards: GuardsConfig, items: Any, reward_fn: Any, re
 
 
 def _probe_child(cfg: Any, child_dir: Path, tokenizer: Any, items: Any, reward_fn: Any, device: Any,
-                 eval_answers: dict[str, Any] | None, run: Any) -> tuple[Any, list[str]]:
+                 eval_answers: dict[str, Any] | None, run: Any, env: Any = None) -> tuple[Any, list[str]]:
     """The trained model's probe record (KL against ``cfg.ref_model_path``, else the parent) and answers; the
-    stage's final-eval answers stand in for generating them again when they match (tag ``guard.child_answers``)."""
-    from rlhf_core.guard_probe import probe, reusable_answers
+    stage's final-eval answers stand in for generating them again when they match (tag ``guard.child_answers``).
+    With ``env`` the child answers multi-turn, afresh (the stage's eval keeps only its first trajectories)."""
+    from rlhf_core.guard_probe import probe, probe_with_environment, reusable_answers
     from rlhf_core.models import load_causal_lm
 
     reference_dir = Path(getattr(cfg, "ref_model_path", "") or cfg.model_path)
     child_model = load_causal_lm(child_dir, device)
+    if env is not None:
+        run.set_tags({"guard.child_answers": "generated by the probe (multi-turn, with the environment)"})
+        reference = load_causal_lm(reference_dir, device)
+        out = probe_with_environment(child_model, tokenizer, items, env, reward_fn=reward_fn, reference=reference)
+        del child_model, reference
+        return out
     answers = reusable_answers(eval_answers, child_model, eval_file=cfg.eval_file,
                                max_items=getattr(cfg, "eval_items", 1000),
                                max_new_tokens=getattr(cfg, "max_new_tokens", 12), prompt_field=cfg.prompt_field,

@@ -89,3 +89,18 @@ def test_every_template_file_is_package_data():
     shipped = {p.name for g in globs for p in (REPO / "flows").glob(g) if p.is_file()}
     assert set(FILES) <= shipped and not any(name.startswith(".") for name in FILES)
     assert {p.name for p in TEMPLATE.iterdir()} == set(FILES)
+
+
+def test_tool_stage_commands_read_the_tool_tasks_guards_and_data_report():
+    """``--section tool_rl`` reads ``tool_guards`` (its length and entropy guards advisory: a tool call lengthens
+    the policy's answers by design), ``tool_sft`` ``tool_data_report``; every other section the shared one."""
+    from flows.cli import _task_section
+
+    params = str(REPO / "params.yaml")
+    assert _task_section("tool_rl", "guards", params) == "tool_guards"
+    assert _task_section("tool_sft", "data_report", params) == "tool_data_report"
+    assert _task_section("rl", "guards", params) == "guards"
+    assert _task_section("rl", "guards", str(TEMPLATE / "params.yaml")) == "guards"
+    tool = load_config(SECTIONS["tool_guards"], "tool_guards", params)
+    assert {"length", "entropy_collapse"} <= set(tool.advisory_guards)
+    assert tool.max_kl == load_config(SECTIONS["guards"], "guards", params).max_kl  # the rest: the defaults
