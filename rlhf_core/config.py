@@ -554,6 +554,11 @@ class RLConfig(TrainerConfig):
     max_trajectory_tokens: int = 32
     """With an environment: response tokens per trajectory, model turns and observations together
     (each turn is also capped at max_new_tokens)."""
+    tool_messages: str = "auto"
+    """With an environment: how an observation joins a trajectory (environments.ToolMessages): chat (a chat-template
+    tool message, then the next assistant turn's generation prompt; a turn ending at eos is a step too), text (its
+    text appended inside the model's turn) or auto (chat where prompts_file holds conversations and the tokenizer
+    has a chat template of its own that renders tool turns, else text)."""
     rollout_engine: str = "static"
     """static (our decode loop, rlhf_core/rollout_static.py: static KV cache, prompts prefilled once per group,
     CUDA graphs on a GPU; Llama-family models, falls back to hf with a warning otherwise), hf (transformers
@@ -709,6 +714,8 @@ class RLConfig(TrainerConfig):
         if not self.environment:
             _check(not self.environment_stop_tokens, s, "environment_stop_tokens",
                    "is only used with an environment (rl.environment is empty)")
+            _check(self.tool_messages == "auto", s, "tool_messages",
+                   "is only used with an environment (rl.environment is empty)")
             return
         spec = self.environment
         if spec.startswith(("http://", "https://")):
@@ -726,6 +733,7 @@ class RLConfig(TrainerConfig):
     def _check_choices(self) -> tuple[AdvantageEstimator, RewardKind]:
         """Check the enum-valued fields; return the (AdvantageEstimator, RewardKind) they name."""
         # Local imports: rewards and rl_math import torch, and ``import rlhf_core.config`` stays torch-free.
+        from rlhf_core.environments import ToolMessages
         from rlhf_core.rewards import RewardKind
         from rlhf_core.rl_math import AdvantageEstimator, KLEstimator, LossAggregation, PolicyObjective
 
@@ -740,6 +748,7 @@ class RLConfig(TrainerConfig):
         one_of("kl_estimator", KLEstimator)
         one_of("loss_aggregation", LossAggregation)
         one_of("policy_objective", PolicyObjective)
+        one_of("tool_messages", ToolMessages)
         return AdvantageEstimator(self.estimator), RewardKind(self.reward_kind)
 
     def _check_inputs(self) -> None:

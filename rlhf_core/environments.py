@@ -1,8 +1,8 @@
 """Multi-turn environments for RL: a tool the policy calls mid-answer, and the rollout loop that runs it.
 
 An :class:`Environment` sees one trajectory: :meth:`~Environment.reset` with the prompt and label,
-then :meth:`~Environment.step` with the text of each model turn, which ends at one of the
-environment's ``stop_tokens`` (a tool call's closing tag, e.g. ``</calc>``) or at eos. A step
+then :meth:`~Environment.step` with the text of each model turn that ends at one of the
+environment's ``stop_tokens`` (a tool call's closing tag, e.g. ``</calc>``), or in chat mode at eos. A step
 returns an observation (the tool's reply, e.g. ``<result>84</result>``), whether the episode is
 over and an optional reward. :func:`rollout_with_environment` alternates engine turns and
 environment steps:
@@ -15,6 +15,17 @@ environment steps:
   GAE and the returns skip interior masked tokens, :func:`rlhf_core.rl_math.gae_advantages`);
 * ``max_turns`` bounds the model's turns and ``max_trajectory_tokens`` the response (turns and
   observations together); a trajectory that reaches either ends where it is.
+
+How an observation joins the trajectory is ``rl.tool_messages`` (:class:`ToolMessages`). ``text``: its text's
+ids right after the turn, inside the model's turn, and a turn that ends at eos ends the episode (the embedded
+tool task: text prompts, no chat template). ``chat``: a turn ends at eos as well as at a stop token and either
+is a step (the environment parses a tool call from the turn's text and ends the episode, ``done``, where there
+is none: a final answer); the observation is rendered by the model's chat template as a ``tool`` message
+followed by the next assistant turn's generation prompt (:func:`tool_turn_text`; after the end-of-turn eos,
+masked too, where the turn stopped at a stop token rather than eos), so prompt + trajectory decode
+to what the template renders for the conversation (user..., assistant, tool, assistant...), sampled tokens kept
+as sampled. ``auto`` (the default): chat where the prompts are conversations and the tokenizer has a chat
+template of its own that renders tool turns (:func:`tool_conversations`), else text.
 
 Each turn is one engine call from token ids (``generate_ids``: HF, our static-cache engine and vLLM
 all have it), so the engines need nothing multi-turn of their own. Our engine prefills each turn
@@ -29,8 +40,10 @@ deadline and bearer-token handling (:class:`HttpEnvironment`).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -39,8 +52,21 @@ from rlhf_core.redact import redact_secrets
 from rlhf_core.rewards import HttpRewardSource, RewardError, load_function
 from rlhf_core.rollout import RolloutBatch, SamplingParams, _left_pad
 
+log = logging.getLogger(__name__)
+
 # the value a trajectory's observation tokens carry in action_mask (the policy's own tokens: 1)
 OBSERVATION = 0
+
+
+class ToolMessages(str, Enum):
+    """How an observation joins a trajectory (``rl.tool_messages``)."""
+
+    AUTO = "auto"
+    """chat where the prompts are conversations and the tokenizer has a chat template of its own, else text."""
+    TEXT = "text"
+    """The observation's text appended as is, inside the model's turn; a turn that ends at eos ends the episode."""
+    CHAT = "chat"
+    """The observation as a chat-template ``tool`` message, then the next assistant turn's generation prompt."""
 
 
 class EnvironmentFailure(RewardError):
@@ -161,6 +187,85 @@ def environment_factory(spec: str, *, stop_tokens: Sequence[str] = (), timeout_s
 
 
 # --------------------------------------------------------------------------------------
+# Tool turns as chat-template messages
+# --------------------------------------------------------------------------------------
+
+
+def tool_turn_text(tokenizer: Any, history: Sequence[dict[str, Any]], assistant: str, observation: str) -> str:
+    """What ``tokenizer``'s chat template writes after an assistant turn's end-of-turn token (its eos) when a
+    ``tool`` message holding ``observation`` follows: the tool message and the next assistant turn's header.
+
+    ``render(history + [assistant, tool], add_generation_prompt=True)`` minus ``render(history + [assistant])``
+    up to and including its last eos text, so whatever the template writes after the eos (ChatML's newline) is
+    part of it. ChatML (``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, eos ``<|im_end|>``, generation
+    prompt ``<|im_start|>assistant\\n``) and observation ``84`` give
+    ``"\\n<|im_start|>tool\\n84<|im_end|>\\n<|im_start|>assistant\\n"``. Raises ValueError where the assistant
+    turn holds no eos or the template is not prefix-stable (a later message re-renders an earlier one).
+    """
+    from rlhf_core.data.tokenize import ensure_chat_template
+
+    ensure_chat_template(tokenizer)
+
+    def render(messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    head = render(list(history), True)
+    turn = [*history, {"role": "assistant", "content": assistant}]
+    upto = render(turn, False)
+    full = render([*turn, {"role": "tool", "content": observation}], True)
+    eos = tokenizer.eos_token or ""
+    if not upto.startswith(head):
+        raise ValueError("chat template is not prefix-stable: the conversation rendered with its generation prompt "
+                         "is not a prefix of it rendered with an assistant turn added")
+    end = upto.rfind(eos) if eos else -1
+    if end < len(head):
+        raise ValueError(f"chat template: an assistant turn does not end with the tokenizer's eos token {eos!r}, so "
+                         "a model turn cannot end where the template ends it (make the end-of-turn token the eos, "
+                         "or use rl.tool_messages: text)")
+    cut = upto[:end + len(eos)]
+    if not full.startswith(cut):
+        raise ValueError("chat template is not prefix-stable: a tool message after an assistant turn changes how "
+                         f"the turn renders ({cut[len(head):][-40:]!r} is not followed by the tool message)")
+    return full[len(cut):]
+
+
+def tool_conversations(mode: str, tokenizer: Any, examples: Sequence[Any], path: str,
+                       prompt_field: str = "prompt") -> list[list[dict[str, Any]]] | None:
+    """Each prompt's conversation, into which chat mode renders tool turns; ``None``: text mode.
+
+    ``mode`` is a :class:`ToolMessages` value; ``auto`` is chat where every prompt of ``examples``
+    (:class:`rlhf_core.data.formats.PromptExample` of ``path``) is a conversation and the tokenizer has a chat
+    template of its own (the plain fallback template counts as none) that renders tool turns, else text. Chat
+    is checked here, before any rollout, by rendering one tool turn after the first prompt
+    (:func:`tool_turn_text`): an error for ``chat``; for ``auto``, text and a warning saying why.
+    """
+    from rlhf_core.data.formats import is_conversational
+    from rlhf_core.data.io import DataError
+    from rlhf_core.data.tokenize import PLAIN_CHAT_TEMPLATE
+
+    chosen = ToolMessages(mode)
+    text = next((e for e in examples if not is_conversational(e.prompt)), None)
+    own = getattr(tokenizer, "chat_template", None)
+    if chosen is ToolMessages.TEXT or (chosen is ToolMessages.AUTO and (
+            text is not None or not examples or not own or own == PLAIN_CHAT_TEMPLATE)):
+        return None
+    if text is not None:
+        raise DataError(path, text.line, "is text, and tool_messages chat renders tool turns into conversations "
+                        "(a list of messages); give conversations or set tool_messages: text", prompt_field)
+    conversations = [list(e.prompt) for e in examples]
+    try:
+        if conversations:
+            tool_turn_text(tokenizer, conversations[0], "", "")
+    except ValueError as exc:
+        if chosen is ToolMessages.CHAT:
+            raise ValueError(f"tool_messages chat: {exc}") from None
+        # a template that worked with text observations keeps working: auto never turns a run into an error
+        log.warning("tool_messages auto: observations appended as text, not as chat-template tool messages: %s", exc)
+        return None
+    return conversations
+
+
+# --------------------------------------------------------------------------------------
 # The multi-turn rollout
 # --------------------------------------------------------------------------------------
 
@@ -184,6 +289,7 @@ class _Trajectory:
     logprobs: list[float]
     actions: list[int]  # 1 the policy's token, OBSERVATION the environment's
     env: Any
+    messages: list[dict[str, Any]] | None = None  # chat mode: the conversation so far; None: text mode
     tool_calls: int = 0
     reward: float = 0.0
     done: bool = False
@@ -191,7 +297,9 @@ class _Trajectory:
 
 def rollout_with_environment(engine: Any, tokenizer: Any, prompts: Sequence[str], labels: Sequence[str | None],
                              params: SamplingParams, make_env: Callable[[], Environment], *, max_turns: int,
-                             max_trajectory_tokens: int) -> tuple[RolloutBatch, torch.Tensor]:
+                             max_trajectory_tokens: int,
+                             conversations: Sequence[Sequence[dict[str, Any]]] | None = None,
+                             ) -> tuple[RolloutBatch, torch.Tensor]:
     """``params.n`` multi-turn trajectories per prompt, grouped contiguously, and each one's environment reward
     ``(B*n,)`` (0 where the environment gave none).
 
@@ -202,25 +310,17 @@ def rollout_with_environment(engine: Any, tokenizer: Any, prompts: Sequence[str]
     sampling log-prob 0. Returns a :class:`RolloutBatch` whose ``response_ids`` are the trajectories (turns and
     observations), ``response_mask`` 1 on all of them, ``action_mask`` 1 on the sampled tokens only, and
     ``tool_calls`` the environment steps of each.
+
+    ``conversations`` (chat mode, :class:`ToolMessages`): each prompt's messages, ``prompts[i]`` being their
+    rendering with the generation prompt. A turn that ends at eos is then a step too (a final answer is one the
+    environment ends with ``done``, not counted in ``tool_calls``), and an observation is a ``tool`` message:
+    the ids of :func:`tool_turn_text`, after the end-of-turn eos where the turn stopped at a stop token instead.
     """
     if max_turns < 1 or max_trajectory_tokens < 1:
         raise ValueError(f"rollout_with_environment: max_turns ({max_turns}) and max_trajectory_tokens "
                          f"({max_trajectory_tokens}) must be >= 1")
-    from rlhf_core.data.tokenize import encode_prompt
-
-    n, pad = params.n, tokenizer.pad_token_id
-    rows: list[_Trajectory] = []
-    for prompt, label in zip(prompts, labels, strict=True):
-        encoded = encode_prompt(tokenizer, prompt)
-        for _ in range(n):
-            env = make_env()
-            try:
-                env.reset(prompt, label)
-            except RewardError:
-                raise
-            except Exception as exc:  # a user's environment file: name it and keep the cause
-                raise EnvironmentFailure(f"environment reset failed: {type(exc).__name__}: {exc}") from exc
-            rows.append(_Trajectory(list(encoded), [], [], [], env))
+    chat, eos = conversations is not None, tokenizer.eos_token_id
+    rows = _start_trajectories(tokenizer, prompts, labels, params.n, make_env, conversations)
     stops = stop_token_ids(tokenizer, rows[0].env.stop_tokens) if rows else ()
     for turn in range(max_turns):
         live = [r for r in rows if not r.done]
@@ -237,22 +337,20 @@ def rollout_with_environment(engine: Any, tokenizer: Any, prompts: Sequence[str]
             r.logprobs += batch.sampling_logprobs[i, :k].tolist()
             r.actions += [1] * k
             r.context += new
-            ended_at_stop = bool(new) and new[-1] in stops
-            if not ended_at_stop or turn == max_turns - 1 or len(r.ids) >= max_trajectory_tokens:
+            # chat: eos ends the assistant turn, not the episode; the environment reads it (a call or an answer)
+            closed = chat and bool(new) and new[-1] == eos
+            if not (closed or (new and new[-1] in stops)) or turn == max_turns - 1 \
+                    or len(r.ids) >= max_trajectory_tokens:
                 r.done = True  # eos, the turn's token cap, the turn limit or the budget
                 continue
-            try:
-                result = _check_result(r.env.step(tokenizer.decode(new, skip_special_tokens=True)), "environment")
-            except RewardError:
-                raise
-            except Exception as exc:
-                raise EnvironmentFailure(f"environment step failed: {type(exc).__name__}: {exc}") from exc
-            r.tool_calls += 1
+            result = _step(r.env, tokenizer.decode(new, skip_special_tokens=True))
+            r.tool_calls += not (closed and result.done)
             r.reward += result.reward or 0.0
             if result.done:
                 r.done = True
                 continue
-            obs = tokenizer.encode(result.observation, add_special_tokens=False) if result.observation else []
+            obs = (_chat_observation_ids(tokenizer, r, new, result.observation) if chat
+                   else tokenizer.encode(result.observation, add_special_tokens=False) if result.observation else [])
             obs = obs[:max(max_trajectory_tokens - len(r.ids), 0)]
             r.ids += obs
             r.logprobs += [0.0] * len(obs)
@@ -260,7 +358,54 @@ def rollout_with_environment(engine: Any, tokenizer: Any, prompts: Sequence[str]
             r.context += obs
             if len(r.ids) >= max_trajectory_tokens:
                 r.done = True
-    return _to_batch(tokenizer, prompts, n, rows, pad)
+    return _to_batch(tokenizer, prompts, params.n, rows, tokenizer.pad_token_id)
+
+
+def _start_trajectories(tokenizer: Any, prompts: Sequence[str], labels: Sequence[str | None], n: int,
+                        make_env: Callable[[], Environment],
+                        conversations: Sequence[Sequence[dict[str, Any]]] | None) -> list[_Trajectory]:
+    """``n`` trajectories per prompt, each with a fresh environment reset on the prompt and its label."""
+    from rlhf_core.data.tokenize import encode_prompt
+
+    if conversations is not None and len(conversations) != len(prompts):
+        raise ValueError(f"rollout_with_environment: {len(conversations)} conversations for {len(prompts)} prompts")
+    rows: list[_Trajectory] = []
+    for j, (prompt, label) in enumerate(zip(prompts, labels, strict=True)):
+        encoded = encode_prompt(tokenizer, prompt)
+        for _ in range(n):
+            env = make_env()
+            try:
+                env.reset(prompt, label)
+            except RewardError:
+                raise
+            except Exception as exc:  # a user's environment file: name it and keep the cause
+                raise EnvironmentFailure(f"environment reset failed: {type(exc).__name__}: {exc}") from exc
+            messages = None if conversations is None else [dict(m) for m in conversations[j]]
+            rows.append(_Trajectory(list(encoded), [], [], [], env, messages))
+    return rows
+
+
+def _step(env: Environment, action: str) -> StepResult:
+    """``env``'s checked reply to one model turn; a user's exception becomes an :class:`EnvironmentFailure`."""
+    try:
+        return _check_result(env.step(action), "environment")
+    except RewardError:
+        raise
+    except Exception as exc:
+        raise EnvironmentFailure(f"environment step failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _chat_observation_ids(tokenizer: Any, r: _Trajectory, turn: list[int], observation: str) -> list[int]:
+    """Chat mode's observation ids after the model turn ``turn``: the end-of-turn eos where the turn stopped at a
+    stop token instead (the template closes every assistant turn), then :func:`tool_turn_text`'s ids; the turn
+    and the tool message join ``r.messages``."""
+    eos = tokenizer.eos_token_id
+    closed = turn[-1] == eos
+    content = tokenizer.decode(turn[:-1] if closed else turn, skip_special_tokens=False)
+    text = tool_turn_text(tokenizer, r.messages or [], content, observation)
+    r.messages = [*(r.messages or []), {"role": "assistant", "content": content},
+                  {"role": "tool", "content": observation}]
+    return ([] if closed else [eos]) + tokenizer.encode(text, add_special_tokens=False)
 
 
 def _to_batch(tokenizer: Any, prompts: Sequence[str], n: int, rows: list[_Trajectory],
@@ -321,9 +466,10 @@ def trajectory_rows(tokenizer: Any, batch: RolloutBatch, rewards: torch.Tensor, 
 def evaluate_with_environment(model: Any, tokenizer: Any, eval_file: str, make_env: Callable[[], Environment],
                               reward_fn: Callable[..., Sequence[float]], *, max_items: int, max_turns: int,
                               max_trajectory_tokens: int, max_new_tokens: int, batch_size: int = 256,
-                              prompt_field: str = "prompt",
-                              label_field: str = "label") -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Greedy multi-turn answers to the first ``max_items`` items of ``eval_file``, scored by ``reward_fn``.
+                              prompt_field: str = "prompt", label_field: str = "label",
+                              tool_messages: str = "text") -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Greedy multi-turn answers to the first ``max_items`` items of ``eval_file``, scored by ``reward_fn``;
+    observations join as ``tool_messages`` says (:func:`tool_conversations`).
 
     Metrics (binomial standard errors ``sqrt(p (1-p) / n)`` beside each): ``eval/accuracy_tool`` (mean reward:
     the share exactly right for a 0/1 rule reward), ``eval/accuracy_<skill>_tool`` per skill of the embedded
@@ -338,12 +484,13 @@ def evaluate_with_environment(model: Any, tokenizer: Any, eval_file: str, make_e
 
     examples = read_prompt_examples(read_records(eval_file, limit=max_items), eval_file, prompt_field=prompt_field,
                                     label_field=label_field)
+    conversations = tool_conversations(tool_messages, tokenizer, examples, eval_file, prompt_field)
     prompts = [prompt_text(tokenizer, e.prompt) for e in examples]
     labels = [None if e.label is None else str(e.label) for e in examples]
     engine = HFGenerateEngine(model, tokenizer, batch_size=batch_size)
     batch, env_rewards = rollout_with_environment(
         engine, tokenizer, prompts, labels, SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens),
-        make_env, max_turns=max_turns, max_trajectory_tokens=max_trajectory_tokens)
+        make_env, max_turns=max_turns, max_trajectory_tokens=max_trajectory_tokens, conversations=conversations)
     scores = [float(r) + float(e) for r, e in zip(reward_fn(prompts, batch.completions, labels), env_rewards)]
     correct = [s >= 1.0 for s in scores]
     called = [int(c) > 0 for c in batch.tool_calls]

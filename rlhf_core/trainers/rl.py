@@ -64,7 +64,7 @@ from rlhf_core.data.io import DataError, read_records
 from rlhf_core.data.sequences import SAMPLE_ROWS, rendered_row
 from rlhf_core.data.tokenize import IGNORE_INDEX, TokenizedExample, encode_prompt
 from rlhf_core.environments import (environment_factory, evaluate_with_environment, rollout_with_environment,
-                                    trajectory_rows)
+                                    tool_conversations, trajectory_rows)
 from rlhf_core.evaluate import evaluate_exact_match
 from rlhf_core.models import load_causal_lm, load_tokenizer, merged_model, pick_device
 from rlhf_core.precision import Precision
@@ -102,16 +102,19 @@ class RLResult:
     """The final eval's every greedy answer and their settings (the guard probe reuses them)."""
 
 
-def read_prompts(cfg: RLConfig, tokenizer: Any) -> tuple[list[str], list[str | None]]:
+def read_prompts(cfg: RLConfig, tokenizer: Any) -> tuple[list[str], list[str | None], list[list[dict]] | None]:
     """Prompts of ``cfg.prompts_file`` as the policy reads them (a conversation rendered with its chat
-    template and generation prompt, :func:`rlhf_core.data.formats.prompt_text`; standard text as it is)
-    and their labels (``None`` where a record has none)."""
+    template and generation prompt, :func:`rlhf_core.data.formats.prompt_text`; standard text as it is),
+    their labels (``None`` where a record has none) and, where an environment's observations are chat-template
+    tool messages (``rl.tool_messages``), the conversations they are rendered into (else ``None``)."""
     records = read_records(cfg.prompts_file)
     if not records:
         raise DataError(cfg.prompts_file, 0, "no prompts")
     examples = read_prompt_examples(records, cfg.prompts_file, prompt_field=cfg.prompt_field,
                                     label_field=cfg.label_field)
-    return [prompt_text(tokenizer, e.prompt) for e in examples], [e.label for e in examples]
+    conversations = (tool_conversations(cfg.tool_messages, tokenizer, examples, cfg.prompts_file, cfg.prompt_field)
+                     if cfg.environment else None)
+    return [prompt_text(tokenizer, e.prompt) for e in examples], [e.label for e in examples], conversations
 
 
 def rendered_rollout_rows(tokenizer: Any, batch: RolloutBatch, rewards: torch.Tensor,
@@ -312,7 +315,7 @@ class RLTrainer:
                                              backoff_cap_s=cfg.reward_backoff_cap_s, deadline_s=cfg.reward_deadline_s,
                                              token_env=cfg.environment_token_env)
                          if cfg.environment else None)
-        self.prompts, self.labels = read_prompts(cfg, self.tokenizer)
+        self.prompts, self.labels, self.conversations = read_prompts(cfg, self.tokenizer)
         _check_prompt_lengths(cfg, self.tokenizer, self.prompts)
         self.sampler = EpochSampler(len(self.prompts), cfg.prompts_per_step, cfg.seed)
         # the KL controller; the learner owns the optimisers (its schedule advances once per iteration)
@@ -461,9 +464,11 @@ class RLTrainer:
                                 seed=cfg.seed * 1_000_003 + step * 101 + round_)
         row_labels = [self.labels[i] for i in idx for _ in range(n)]
         if self.make_env is not None:  # multi-turn: engine turns and environment steps, then the reward source
+            conversations = None if self.conversations is None else [self.conversations[i] for i in idx]
             batch, env_rewards = perf.time("perf/rollout_s", lambda: rollout_with_environment(
                 self.engine, self.tokenizer, [self.prompts[i] for i in idx], [self.labels[i] for i in idx], params,
-                self.make_env, max_turns=cfg.max_turns, max_trajectory_tokens=cfg.max_trajectory_tokens))
+                self.make_env, max_turns=cfg.max_turns, max_trajectory_tokens=cfg.max_trajectory_tokens,
+                conversations=conversations))
             rewards = perf.time("perf/reward_s", self.reward_source, batch.prompts, batch.completions, row_labels)
             return batch, torch.tensor(rewards, dtype=torch.float32) + env_rewards, len(idx)
         batch = perf.time("perf/rollout_s", self.engine.generate, [self.prompts[i] for i in idx], params)
@@ -656,7 +661,8 @@ class RLTrainer:
             tool_metrics, trajectories = evaluate_with_environment(
                 self.learner.view(), self.tokenizer, cfg.eval_file, self.make_env, reward_fn,
                 max_items=cfg.eval_items, max_turns=cfg.max_turns, max_trajectory_tokens=cfg.max_trajectory_tokens,
-                max_new_tokens=cfg.max_new_tokens, prompt_field=cfg.prompt_field, label_field=cfg.label_field)
+                max_new_tokens=cfg.max_new_tokens, prompt_field=cfg.prompt_field, label_field=cfg.label_field,
+                tool_messages=cfg.tool_messages)
             metrics.update({k: v for k, v in tool_metrics.items() if k != "eval/n_items"})
             samples = [{k: str(v) for k, v in t.items()} for t in trajectories]
         if self.kind is RewardKind.MODEL:
