@@ -251,10 +251,14 @@ class ActorGroup:
         """Leave the world and stop the actors; after a failure (``clean=False``) kill them at once: a
         survivor blocked in a collective would not answer ``leave_world`` before its timeout."""
         if clean:
+            started = time.perf_counter()
             try:
                 ray.get([a.leave_world.remote() for a in self.actors], timeout=60)
             except Exception as exc:  # noqa: BLE001 - best effort: the actors are killed next either way
                 log.warning("ray: %s did not leave cleanly: %s", self.name, exc)
+            took = time.perf_counter() - started
+            if took > 5:  # a slow exit is a teardown that waits on a peer: say which group
+                log.warning("ray: %s took %.1f s to leave", self.name, took)
         for a in self.actors:
             ray.kill(a, no_restart=True)
 
@@ -493,6 +497,13 @@ class CollectiveSync:
         refs = [a.call.remote("broadcast_weights") for a in self.learners.actors]
         gather(refs + [r.call.remote("receive_weights") for r in self.replicas], "weight sync (collective)")
 
+    def close(self) -> None:
+        """Every member closes its side at once. One at a time (as each actor group is shut down in turn) an
+        NCCL member blocks in its communicator's teardown until its peers reach theirs, which they never do
+        before the first one's leave times out: on two H100s each run's exit took minutes."""
+        gather([self.learners.actors[0].call.remote("leave_weight_sync")]
+               + [r.call.remote("leave_weight_sync") for r in self.replicas], "weight sync group close")
+
 
 class RemoteRollout:
     """A :class:`rlhf_core.rollout.RolloutEngine` over rollout replicas: prompts split, batches joined.
@@ -668,9 +679,14 @@ class RolloutReplica:
         """The weights the engine samples from, on the CPU (a check that a sync arrived; vLLM's are in its workers)."""
         return {k: v.detach().cpu().clone() for k, v in self.engine.model.state_dict().items()}
 
+    def leave_weight_sync(self) -> None:
+        """Close this replica's side of the weight-sync group (once; see :meth:`CollectiveSync.close`)."""
+        group, self._sync_group = getattr(self, "_sync_group", None), None
+        if group is not None:
+            group.close()
+
     def close(self) -> None:
-        if getattr(self, "_sync_group", None) is not None:
-            self._sync_group.close()
+        self.leave_weight_sync()
         if hasattr(self.engine, "close"):
             self.engine.close()
 
@@ -775,5 +791,8 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
             collective = _open_weight_sync(cfg, policy, rollout, beside_rank0)
         engine = RemoteRollout(rollout, tokenizer.pad_token_id, cfg.rollout_engine, collective=collective,
                                beside_ranks=path is SyncPath.BESIDE and replicas == workers)
-        return train_rl(cfg, sink, show_progress, engine=engine, reward_source=reward_source,
-                        learner=RemoteLearner(policy, cfg), reference=RemoteReference(reference))
+        result = train_rl(cfg, sink, show_progress, engine=engine, reward_source=reward_source,
+                          learner=RemoteLearner(policy, cfg), reference=RemoteReference(reference))
+        if collective is not None:  # after a failure the launcher kills every actor instead
+            collective.close()
+        return result

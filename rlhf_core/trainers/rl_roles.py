@@ -625,9 +625,14 @@ class PolicyLearner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the sync's time is its real end
 
+    def leave_weight_sync(self) -> None:
+        """Close this rank's side of the weight-sync group (once; the replicas close theirs at the same time)."""
+        group, self._sync_group = getattr(self, "_sync_group", None), None
+        if group is not None:
+            group.close()
+
     def close(self) -> None:
-        if getattr(self, "_sync_group", None) is not None:
-            self._sync_group.close()
+        self.leave_weight_sync()
 
     def masters_into_model(self) -> None:
         """End of training: the policy holds its fp32 master weights (mixed precision) for the final save;

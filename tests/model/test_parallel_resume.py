@@ -52,7 +52,10 @@ def _state(ckpt) -> tuple[dict, dict]:
     return weights, torch.load(ckpt / "trainer_state.pt", weights_only=True)["optimizer"]
 
 
-@pytest.mark.parametrize("parallel", ["ddp", pytest.param("zero2", marks=pytest.mark.slow),
+# Slow tier, all three (30 s or more each): the default tier's two-rank exact resumes are
+# test_precision_tiny's (DDP and ZeRO-2 under mixed precision) and test_rank_failure's (a killed rank's retry).
+@pytest.mark.parametrize("parallel", [pytest.param("ddp", marks=pytest.mark.slow),
+                                      pytest.param("zero2", marks=pytest.mark.slow),
                                       pytest.param("zero3", marks=pytest.mark.slow)])
 def test_two_rank_checkpoint_resumes_exactly_and_on_one_rank(ray_local, micro_model, micro_data, tmp_path,
                                                              monkeypatch, parallel):
