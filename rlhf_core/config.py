@@ -923,8 +923,6 @@ class RLConfig(TrainerConfig):
         _check(not self.dynamic_sampling, s, "dynamic_sampling",
                "drops groups whose sequence rewards tie, but distill learns from the teacher on every token; "
                "set it false")
-        _check(self.placement == "none", s, "placement",
-               "estimator distill runs in one process for now (no teacher actors under Ray); set placement none")
 
 
 @dataclass

@@ -13,8 +13,9 @@ Everything Ray-specific lives here; the trainers and roles it hosts (:mod:`rlhf_
   reward model. ``alignflow rl --set placement=colocated --set num_workers=2``.
 
 Placement groups are made only by :class:`Launcher`. *Colocated*: one bundle per policy rank and
-every role takes a fraction of it (reference rank i, rollout replica i and the reward model
-share policy rank i's device; each role hands its cached memory back after its phase).
+every role takes a fraction of it (reference rank i, rollout replica i, the reward model and, for
+on-policy distillation, teacher rank i share policy rank i's device; each role hands its cached memory
+back after its phase).
 *Disaggregated*: the devices split in two sides, the learning side (policy ranks, each with a reference
 rank on its bundle, as colocated) and the generating side (rollout replicas, with the reward model on
 replica 0's bundle, since rewards are scored as batches are generated): one policy rank and one replica
@@ -47,8 +48,6 @@ from rlhf_core.env import NO_MULTICAST_ENV, OFFLINE_ENV, STACK_DUMP_ENV
 
 log = logging.getLogger(__name__)
 
-# A colocated bundle is shared by up to four roles (policy, reference, rollout, reward model).
-_COLOCATED_SHARE = 0.25
 # How long a rank waits in a collective for a peer that stopped answering (gloo's and NCCL's own
 # default is 30 minutes). A peer that *died* is noticed sooner: Ray reports the dead actor and
 # gather() below tears the group down within seconds. Long enough for a 7B checkpoint gather.
@@ -705,11 +704,11 @@ def _reward_model(cfg: Any) -> Any:
     return build_reward_source("model", path=cfg.reward_model_path, device=pick_device(), batch_size=cfg.batch_size)
 
 
-def _reference(cfg: Any, rank: int, size: int) -> Any:
+def _reference(cfg: Any, rank: int, size: int, model_path: str | None = None) -> Any:
     from rlhf_core.parallel import World
     from rlhf_core.trainers.rl_roles import ReferenceScorer
 
-    return ReferenceScorer(cfg, world=World(rank, size))
+    return ReferenceScorer(cfg, world=World(rank, size), model_path=model_path)
 
 
 def _learner(cfg: Any) -> Any:
@@ -740,6 +739,7 @@ def _open_weight_sync(cfg: Any, policy: ActorGroup, rollout: ActorGroup, beside_
 def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> Any:
     """:func:`rlhf_core.trainers.rl.train_rl` with its models in Ray actors placed as ``cfg.placement`` says."""
     from rlhf_core.models import load_tokenizer
+    from rlhf_core.rl_math import AdvantageEstimator
     from rlhf_core.trainers.rl import train_rl
     from rlhf_core.weight_sync import SyncPath, WeightSync, resolve_path
 
@@ -747,6 +747,7 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
         raise ValueError(f"rl.placement must be colocated or disaggregated to run on Ray, got {cfg.placement!r}")
     workers, replicas = cfg.num_workers, cfg.rollout_workers
     reward_model = cfg.reward_kind == "model"
+    teacher = AdvantageEstimator(cfg.estimator).needs_teacher  # on-policy distillation: teacher ranks beside the references
     colocated = cfg.placement == "colocated"
     n_refs = workers  # a reference rank beside each policy rank, in either placement (module docstring)
     bundles = workers if colocated else workers + replicas
@@ -759,12 +760,12 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
             ranks = list(range(workers))
             pgs = {"policy": (pg, ranks), "reference": (pg, ranks),
                    "rollout": (pg, [i % workers for i in range(replicas)]), "reward": (pg, [0])}
-            share = _COLOCATED_SHARE
+            share = 1.0 / (3 + reward_model + teacher)  # every role on each rank's bundle takes a fraction of it
         else:  # two sides: learning (policy + reference ranks) and generating (replicas + reward model)
             learning, generating = launcher.bundles(workers), launcher.bundles(replicas)
             pgs = {"policy": (learning, range(workers)), "reference": (learning, range(workers)),
                    "rollout": (generating, range(replicas)), "reward": (generating, [0])}
-            share = 0.5  # two roles a bundle at most
+            share = 1.0 / (2 + teacher)  # policy + reference (+ teacher) | replica + reward model
         threads = cfg.num_threads
         policy = launcher.group(TrainerActor, "policy", *pgs["policy"], share=share, num_threads=threads, world=True)
         policy.build(_learner, cfg)
@@ -772,6 +773,12 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
         reference.build(_reference, cfg, per_rank=lambda i: {"rank": i, "size": n_refs})
         rollout = launcher.group(RolloutActor, "rollout", *pgs["rollout"], share=share, num_threads=threads)
         rollout.build(RolloutReplica, cfg)
+        teacher_scorer = None
+        if teacher:  # the reference's machinery on the teacher's weights, rows split across its ranks the same way
+            teachers = launcher.group(ReferenceActor, "teacher", *pgs["reference"], share=share, num_threads=threads)
+            teachers.build(_reference, cfg, per_rank=lambda i: {"rank": i, "size": n_refs,
+                                                                "model_path": cfg.teacher_model_path})
+            teacher_scorer = RemoteReference(teachers)
         reward_source = None
         if reward_model:
             rm = launcher.group(RewardModelActor, "reward", *pgs["reward"], share=share, num_threads=threads)
@@ -792,7 +799,8 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
         engine = RemoteRollout(rollout, tokenizer.pad_token_id, cfg.rollout_engine, collective=collective,
                                beside_ranks=path is SyncPath.BESIDE and replicas == workers)
         result = train_rl(cfg, sink, show_progress, engine=engine, reward_source=reward_source,
-                          learner=RemoteLearner(policy, cfg), reference=RemoteReference(reference))
+                          learner=RemoteLearner(policy, cfg), reference=RemoteReference(reference),
+                          teacher=teacher_scorer)
         if collective is not None:  # after a failure the launcher kills every actor instead
             collective.close()
         return result

@@ -136,6 +136,38 @@ def test_grpo_runs_on_ray_with_either_placement(ray_local, micro_model, micro_da
     assert all(pg["state"] == "REMOVED" for pg in ray_local.util.placement_group_table().values())
 
 
+@pytest.mark.slow
+def test_on_policy_distillation_on_ray_scores_with_teacher_actors(ray_local, micro_model, micro_data, tmp_path,
+                                                                   length_reward, monkeypatch):
+    """estimator distill with colocated placement (2 policy ranks, each with a reference and a teacher rank
+    beside it): the teacher's per-token reverse KL and the update match the one-process run on the same rollouts
+    (one replica, same seed), so the rows reach the teacher ranks and come back in order. The teacher is the
+    micro model with its weights scaled (same tokenizer, other log-probs). (Slow tier: about a minute.)"""
+    import shutil
+
+    from rlhf_core.ray_launcher import train_rl_on_ray
+    from rlhf_core.trainers.rl import train_rl
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(micro_model, teacher)
+    model = load_causal_lm(teacher)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    model.save_pretrained(str(teacher), safe_serialization=True)
+    kw = dict(estimator="distill", teacher_model_path=str(teacher), kl_coef=0.0)
+    local, remote = Recorder(), Recorder()
+    train_rl(_rl(micro_model, micro_data, tmp_path / "local", length_reward, **kw), local, show_progress=False)
+    # under Ray the controller loads no scorer of its own: the teacher's log-probs come from the actors
+    monkeypatch.setattr("rlhf_core.trainers.rl.ReferenceScorer", lambda *a, **k: pytest.fail("scored in-process"))
+    train_rl_on_ray(_rl(micro_model, micro_data, tmp_path / "ray", length_reward, placement="colocated",
+                        num_workers=2, **kw), remote, show_progress=False)
+    assert len(local.series("rollout/teacher_reverse_kl")) == 2
+    for key in ("rollout/teacher_reverse_kl", "train/policy_loss", "train/grad_norm"):
+        for x, y in zip(local.series(key), remote.series(key), strict=True):
+            assert abs(x - y) <= 1e-4 * max(abs(x), 1e-6) + 1e-7, (key, local.series(key), remote.series(key))
+
+
 def test_lora_trains_merges_and_reloads_as_a_plain_model(micro_model, micro_data, tmp_path):
     """peft adapters: the merged export is a plain HF directory whose logits equal the adapted model's;
     the state dict a rollout engine gets (merged, adapter-free names) is the same weights; and an SFT

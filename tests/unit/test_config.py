@@ -150,7 +150,7 @@ def test_async_training_and_sequence_masking_fields_are_checked():
 
 def test_on_policy_distillation_fields_are_checked():
     """estimator distill needs teacher_model_path; the teacher's fields need distill; distill refuses
-    dynamic sampling (a reward tie says nothing of the teacher's signal) and Ray placement (no teacher actors)."""
+    dynamic sampling (a reward tie says nothing of the teacher's signal); it runs under Ray placement too."""
     from rlhf_core.config import ConfigError, RLConfig
 
     cfg = RLConfig(estimator="distill", teacher_model_path="models/teacher", distill_reward_coef=0.5,
@@ -166,5 +166,4 @@ def test_on_policy_distillation_fields_are_checked():
         RLConfig(estimator="distill", teacher_model_path="t", distill_reward_coef=-1.0)
     with pytest.raises(ConfigError, match=r"rl.dynamic_sampling: drops groups"):
         RLConfig(estimator="distill", teacher_model_path="t", dynamic_sampling=True)
-    with pytest.raises(ConfigError, match=r"rl.placement: estimator distill runs in one process"):
-        RLConfig(estimator="distill", teacher_model_path="t", placement="colocated")
+    assert RLConfig(estimator="distill", teacher_model_path="t", placement="colocated").placement == "colocated"
