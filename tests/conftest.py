@@ -57,6 +57,31 @@ def micro_model(tmp_path_factory, micro_tokenizer) -> Path:
     return build_tiny_model(micro_tokenizer, tmp_path_factory.mktemp("models") / "qwen2", arch="qwen2", **MICRO_MODEL)
 
 
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory, micro_tokenizer) -> Path:
+    """A micro Qwen2 with the tool task's tags as tokens; ``</calc>`` sampled about half the time at T = 1 and
+    the greedy first token.
+
+    Every embedding gets 4.0 in dimension 0 (``</calc>``'s 4.8), which dominates the residual stream, so
+    the final hidden state points along dimension 0 and ``</calc>``'s logit leads every other by a margin
+    of the order of log(vocab)."""
+    import torch
+
+    from rlhf_core.embedded import build_tiny_model
+    from rlhf_core.models import load_causal_lm, load_tokenizer
+    from rlhf_core.tool_task import TAGS
+
+    out = build_tiny_model(micro_tokenizer, tmp_path_factory.mktemp("tool") / "model", added_tokens=TAGS,
+                           **MICRO_MODEL)
+    model, tokenizer = load_causal_lm(out), load_tokenizer(out)
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[:, 0] = 4.0
+        emb[tokenizer.convert_tokens_to_ids("</calc>"), 0] = 4.8
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
 LLAMA_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

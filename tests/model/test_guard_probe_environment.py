@@ -10,11 +10,9 @@ per-item correctness varies and must come out of the environment's reward plus t
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import MICRO_MODEL
 
 from rlhf_core.config import GuardsConfig, RLConfig
 from rlhf_core.environments import evaluate_with_environment
@@ -22,28 +20,11 @@ from rlhf_core.guard_probe import (ProbeEnvironment, load_cached, probe_key, pro
                                    trajectory_statistics)
 from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.rewards import load_function
-from rlhf_core.tool_task import TAGS, reward
+from rlhf_core.tool_task import reward
 
 OBS = "<result>7</result>"
 LIMITS = dict(max_turns=2, max_trajectory_tokens=16, max_new_tokens=8)
 N_ITEMS = 24
-
-
-@pytest.fixture(scope="module")
-def tool_model(tmp_path_factory, micro_tokenizer) -> Path:
-    """A micro Qwen2 with the tool tags as tokens whose greedy first token is ``</calc>``: every embedding gets 4.0
-    in dimension 0, ``</calc>``'s 4.8 (see tests/model/test_tool_rollout.py's fixture)."""
-    from rlhf_core.embedded import build_tiny_model
-
-    out = build_tiny_model(micro_tokenizer, tmp_path_factory.mktemp("tool") / "model", added_tokens=TAGS,
-                           **MICRO_MODEL)
-    model, tokenizer = load_causal_lm(out), load_tokenizer(out)
-    with torch.no_grad():
-        emb = model.get_input_embeddings().weight
-        emb[:, 0] = 4.0
-        emb[tokenizer.convert_tokens_to_ids("</calc>"), 0] = 4.8
-    model.save_pretrained(str(out), safe_serialization=True)
-    return out
 
 
 @pytest.fixture(scope="module")

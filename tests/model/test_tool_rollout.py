@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MICRO_MODEL, Recorder
+from conftest import Recorder
 
 from rlhf_core.config import RLConfig
 from rlhf_core.environments import rollout_with_environment
@@ -22,31 +22,9 @@ from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.rl_math import policy_loss
 from rlhf_core.rollout import HFGenerateEngine, SamplingParams
 from rlhf_core.rollout_static import StaticCacheEngine
-from rlhf_core.tool_task import TAGS
 
 REPO = Path(__file__).resolve().parents[2]
 OBS = "<result>7</result>"
-
-
-@pytest.fixture(scope="module")
-def tool_model(tmp_path_factory, micro_tokenizer) -> Path:
-    """A micro Qwen2 with the tool tags as tokens; ``</calc>`` sampled about half the time at T = 1.
-
-    Every embedding gets 4.0 in dimension 0 (``</calc>``'s 4.8), which dominates the residual stream, so
-    the final hidden state points along dimension 0 and ``</calc>``'s logit leads every other by a margin
-    of the order of log(vocab)."""
-    from rlhf_core.embedded import build_tiny_model
-
-    out = build_tiny_model(micro_tokenizer, tmp_path_factory.mktemp("tool") / "model", added_tokens=TAGS,
-                           **MICRO_MODEL)
-    model, tokenizer = load_causal_lm(out), load_tokenizer(out)
-    stop = tokenizer.convert_tokens_to_ids("</calc>")
-    with torch.no_grad():
-        emb = model.get_input_embeddings().weight
-        emb[:, 0] = 4.0
-        emb[stop, 0] = 4.8
-    model.save_pretrained(str(out), safe_serialization=True)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +44,17 @@ def _rollout(engine, tokenizer, params, **kw):
     make_env = load_function(kw.pop("env"))[2]
     return rollout_with_environment(engine, tokenizer, ["12+3=", "4*5=", "77-9="], ["15", "20", "68"], params,
                                     make_env, **kw)
+
+
+def _two_iterations(tool_model, env, micro_data, tmp_path, **kw) -> RLConfig:
+    """Two RL iterations of 4 prompts x 4 trajectories with ``env``, up to 3 turns, on the HF engine."""
+    return RLConfig(**{**dict(
+        model_path=str(tool_model), prompts_file=str(micro_data["prompts"]), eval_file=str(micro_data["eval"]),
+        output_dir=str(tmp_path / "rl"), checkpoint_dir=str(tmp_path / "ckpt"),
+        reward_function=str(REPO / "rlhf_core/tool_task.py:reward"), environment=env, max_turns=3,
+        max_trajectory_tokens=20, max_new_tokens=6, max_steps=2, prompts_per_step=4, group_size=4, batch_size=64,
+        mini_batch_size=16, lr=3e-3, warmup_steps=0, eval_items=8, eval_at_start=False, log_rollouts_every=1,
+        num_threads=1, rollout_engine="hf"), **kw})
 
 
 def test_trajectory_is_the_sampled_ids_plus_the_observation_ids(tool_model, scripted_env):
@@ -134,13 +123,7 @@ def test_trainer_trains_on_the_sampled_ids_and_gives_observations_no_loss_and_no
     (text, action mask, tool calls) and the greedy multi-turn eval."""
     from rlhf_core.trainers.rl import RLTrainer, _PhaseTimes, train_rl
 
-    cfg = RLConfig(model_path=str(tool_model), prompts_file=str(micro_data["prompts"]),
-                   eval_file=str(micro_data["eval"]), output_dir=str(tmp_path / "rl"),
-                   checkpoint_dir=str(tmp_path / "ckpt"), reward_function=str(REPO / "rlhf_core/tool_task.py:reward"),
-                   environment=scripted_env, max_turns=3, max_trajectory_tokens=20, max_new_tokens=6,
-                   max_steps=2, prompts_per_step=4, group_size=4, batch_size=64, mini_batch_size=16, lr=3e-3,
-                   warmup_steps=0, eval_items=8, eval_at_start=False, log_rollouts_every=1, num_threads=1,
-                   rollout_engine="hf")
+    cfg = _two_iterations(tool_model, scripted_env, micro_data, tmp_path)
     trainer = RLTrainer(cfg, Recorder())
     sampled = trainer.generate(1, _PhaseTimes())
     batch = sampled.batch
@@ -205,14 +188,8 @@ def test_multi_turn_rollouts_run_on_ray_replicas_with_the_environment_in_the_con
 
     from rlhf_core.ray_launcher import train_rl_on_ray
 
-    cfg = RLConfig(model_path=str(tool_model), prompts_file=str(micro_data["prompts"]),
-                   eval_file=str(micro_data["eval"]), output_dir=str(tmp_path / "rl"),
-                   checkpoint_dir=str(tmp_path / "ckpt"), reward_function=str(REPO / "rlhf_core/tool_task.py:reward"),
-                   environment=scripted_env, max_turns=3, max_trajectory_tokens=20, max_new_tokens=6,
-                   max_steps=2, prompts_per_step=4, group_size=4, batch_size=64, mini_batch_size=16, lr=3e-3,
-                   warmup_steps=0, eval_items=8, eval_at_start=False, log_rollouts_every=1, num_threads=1,
-                   rollout_engine="hf", placement="disaggregated", num_workers=1, rollout_workers=2,
-                   precision="fp32")
+    cfg = _two_iterations(tool_model, scripted_env, micro_data, tmp_path, placement="disaggregated",
+                          num_workers=1, rollout_workers=2, precision="fp32")
     sink = Recorder()
     result = train_rl_on_ray(cfg, sink, show_progress=False)
     assert len(sink.series("rollout/tool_call_rate")) == 2 and sink.series("rollout/tool_call_rate")[0] > 0
