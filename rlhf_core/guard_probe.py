@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,11 @@ class EvalItems:
     prompts: list[str]
     labels: list[Any]
     slices: list[str | None]
+    examples: list[Any] = field(default_factory=list)
+    """The items as read (:class:`rlhf_core.data.formats.PromptExample`: a conversation stays a list of messages,
+    which a multi-turn probe in chat mode renders tool turns into)."""
+    source: str = ""
+    """The eval file they come from (named in errors)."""
 
     @property
     def has_labels(self) -> bool:
@@ -76,7 +81,8 @@ def read_eval_items(eval_file: str | Path, tokenizer: Any, *, prompt_field: str,
         else:
             problem = parse_prompt(_question(example.prompt))
             slices.append(problem.skill if problem is not None else None)
-    return EvalItems([prompt_text(tokenizer, e.prompt) for e in examples], [e.label for e in examples], slices)
+    return EvalItems([prompt_text(tokenizer, e.prompt) for e in examples], [e.label for e in examples], slices,
+                     list(examples), str(eval_file))
 
 
 @torch.no_grad()
@@ -172,6 +178,9 @@ class ProbeEnvironment:
     max_turns: int
     max_trajectory_tokens: int
     max_new_tokens: int
+    tool_messages: str = "text"
+    """How observations join a trajectory (``rl.tool_messages``; :class:`rlhf_core.environments.ToolMessages`)."""
+    prompt_field: str = "prompt"
 
 
 def policy_spans(actions: Sequence[int]) -> list[tuple[int, int]]:
@@ -219,16 +228,18 @@ def probe_with_environment(model: Any, tokenizer: Any, items: EvalItems, env: Pr
     (HF engine, same batch size, greedy): per item the reward of the trajectory plus the environment's own, correct
     where that is >= 1 (the rule reward's 0/1 on the final answer). Length, entropy and KL count the policy's
     tokens only (:func:`trajectory_statistics`)."""
-    from rlhf_core.environments import rollout_with_environment
+    from rlhf_core.environments import rollout_with_environment, tool_conversations
     from rlhf_core.rollout import HFGenerateEngine, SamplingParams
 
     labels = [None if y is None else str(y) for y in items.labels]
+    # chat mode renders tool turns into the conversations, as the stage's eval does
+    conversations = tool_conversations(env.tool_messages, tokenizer, items.examples, items.source, env.prompt_field)
     was_training = model.training
     model.eval()
     batch, env_rewards = rollout_with_environment(
         HFGenerateEngine(model, tokenizer, batch_size=batch_size), tokenizer, items.prompts, labels,
         SamplingParams(n=1, temperature=0.0, max_new_tokens=env.max_new_tokens), env.make_env,
-        max_turns=env.max_turns, max_trajectory_tokens=env.max_trajectory_tokens)
+        max_turns=env.max_turns, max_trajectory_tokens=env.max_trajectory_tokens, conversations=conversations)
     scores = [float(r) + float(e) for r, e in zip(reward_fn(list(items.prompts), batch.completions, labels),
                                                   env_rewards)]
     correct = [float(s >= 1.0) for s in scores] if items.has_labels else None

@@ -524,12 +524,12 @@ def _probe_environment(stage: str, cfg: Any) -> Any:
                                    retries=cfg.reward_retries, backoff_cap_s=cfg.reward_backoff_cap_s,
                                    deadline_s=cfg.reward_deadline_s, token_env=cfg.environment_token_env)
     limits = {"max_turns": cfg.max_turns, "max_trajectory_tokens": cfg.max_trajectory_tokens,
-              "max_new_tokens": cfg.max_new_tokens}
+              "max_new_tokens": cfg.max_new_tokens, "tool_messages": cfg.tool_messages}
     identity = None  # a server's replies may change: never cache them
     if not spec.startswith(("http://", "https://")):
         file, fn = spec.rsplit(":", 1)
         identity = {"file": dvc_md5(resolve_reward_file(file)), "name": fn, **limits}
-    return ProbeEnvironment(make_env, identity, **limits)
+    return ProbeEnvironment(make_env, identity, **limits, prompt_field=cfg.prompt_field)
 
 
 def _probe_settings(cfg: Any, guards: GuardsConfig, reward_id: Any, env: Any = None) -> dict[str, Any]:

@@ -181,3 +181,34 @@ def test_trainer_renders_tool_messages_for_conversation_prompts(chat_tool_model,
     with pytest.raises(DataError, match=r"text.jsonl:1: field 'prompt': is text, and tool_messages chat"):
         read_prompts(RLConfig(**{**cfg.__dict__, "prompts_file": str(text), "tool_messages": "chat"}),
                      trainer.tokenizer)
+
+
+def test_the_guard_probe_renders_tool_messages_as_the_stage_eval_does(chat_tool_model, tmp_path):
+    """The guards' multi-turn probe on a conversations eval file, tool_messages auto: its trajectories hold the
+    template's tool messages and are the greedy multi-turn eval's (same engine, batch and limits); with the
+    default, text, they hold the bare observation instead."""
+    import json
+
+    from rlhf_core.environments import evaluate_with_environment
+    from rlhf_core.guard_probe import ProbeEnvironment, probe_with_environment, read_eval_items
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"prompt": c, "label": "15"}) + "\n" for c in CHATS * 2))
+    model, tokenizer = load_causal_lm(chat_tool_model), load_tokenizer(chat_tool_model)
+    items = read_eval_items(chats, tokenizer, prompt_field="prompt", label_field="label", slice_field="slice",
+                            max_items=4)
+    limits = dict(max_turns=2, max_trajectory_tokens=80, max_new_tokens=6)
+    reward = lambda prompts, completions, labels: [0.0] * len(prompts)  # noqa: E731
+    _, answers = probe_with_environment(model, tokenizer, items, ProbeEnvironment(lambda: _Echo(), {}, **limits,
+                                                                                  tool_messages="auto"),
+                                        reward_fn=reward)
+    _, rows = evaluate_with_environment(model, tokenizer, str(chats), lambda: _Echo(), reward, max_items=4,
+                                        tool_messages="auto", **limits)
+    # the same greedy trajectories: each eval row's text (special tokens kept) holds its probe answer's words
+    assert any(f"<tool_response>\n{OBS}\n</tool_response>" in a for a in answers)
+    for row, answer in zip(rows, answers, strict=False):
+        assert tokenizer.decode(tokenizer.encode(row["text"], add_special_tokens=False),
+                                skip_special_tokens=True) == answer
+    _, plain = probe_with_environment(model, tokenizer, items, ProbeEnvironment(lambda: _Echo(), {}, **limits),
+                                      reward_fn=reward)
+    assert not any("<tool_response>" in a for a in plain)
