@@ -146,3 +146,67 @@ def test_grpo_with_a_vllm_replica_in_a_ray_actor(vllm_model, micro_data, tmp_pat
     mismatch = sink.series("rollout/logprob_mismatch")
     assert len(mismatch) == 3 and max(mismatch) < 0.02, mismatch
     assert min(sink.series("perf/weight_sync_s")) > 0
+
+
+@pytest.mark.slow  # a second vLLM engine start-up (about a minute on 2 cores): `make test-slow`
+def test_multi_turn_tool_rollout_on_the_vllm_engine(micro_tokenizer, tmp_path):
+    """rollout_with_environment on vLLM (``generate_ids``: the trajectory's exact ids in, the environment's stop
+    token as a stop id): each trajectory is the engine's samples plus the observation's ids after each closing
+    tag, and the trainer's log-prob of every sampled token is the engine's (within 0.02 nats on average).
+    The model is nudged as tests/conftest.py's tool_model so that ``</calc>`` is sampled often (head_dim 32 for
+    vLLM's CPU kernels)."""
+    from rlhf_core.embedded import build_tiny_model
+    from rlhf_core.environments import StepResult, rollout_with_environment
+    from rlhf_core.tool_task import TAGS
+
+    out = build_tiny_model(micro_tokenizer, tmp_path / "model", arch="qwen2", hidden_size=64, num_layers=2,
+                           num_heads=2, num_kv_heads=1, intermediate_size=128, max_positions=64, seed=0,
+                           added_tokens=TAGS)
+    model, tokenizer = load_causal_lm(out, torch.device("cpu")), load_tokenizer(out)
+    stop = tokenizer.convert_tokens_to_ids("</calc>")
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[:, 0] = 4.0
+        emb[stop, 0] = 4.8
+    model.save_pretrained(str(out), safe_serialization=True)
+    model.eval()
+
+    class Echo:
+        stop_tokens = ("</calc>",)
+
+        def reset(self, prompt, label):
+            pass
+
+        def step(self, action):
+            return StepResult("<result>7</result>")
+
+    engine = VLLMEngine(out, tokenizer, seed=0, memory_fraction=0.2)
+    try:
+        batch, _ = rollout_with_environment(engine, tokenizer, PROMPTS, ["42", "123", "56"],
+                                            SamplingParams(n=4, temperature=1.0, max_new_tokens=6, seed=3),
+                                            lambda: Echo(), max_turns=3, max_trajectory_tokens=30)
+    finally:
+        engine.close()
+    obs = tokenizer.encode("<result>7</result>", add_special_tokens=False)
+    calls = batch.tool_calls.tolist()
+    assert sum(calls) > 0, calls
+    for i in range(len(batch)):
+        k = int(batch.response_mask[i].sum())
+        ids, actions = batch.response_ids[i, :k].tolist(), batch.action_mask[i, :k].tolist()
+        expected, seen = [], 0
+        for tok, own in zip(ids, actions):
+            if own:
+                expected.append(tok)
+                if tok == stop and seen < calls[i]:
+                    expected += obs
+                    seen += 1
+        assert ids == expected[:k], (ids, actions)
+    seqs, attention = batch.sequences()
+    exp = {"input_ids": seqs, "attention_mask": attention, "position_ids": batch.position_ids(),
+           "response_ids": batch.response_ids}
+    with torch.no_grad():
+        trainer, _ = token_logprobs(model, exp, batch.prompt_ids.shape[1], 1.0)
+    own = batch.loss_mask().bool()
+    assert not batch.sampling_logprobs[~own].any()
+    mismatch = float((trainer[own] - batch.sampling_logprobs[own]).abs().mean())
+    assert mismatch < 0.02, mismatch
