@@ -8,6 +8,8 @@ is appended to the copy's ``rlhf_core/trainers/sft.py``, the third run trains SF
 
 from __future__ import annotations
 
+import pytest
+
 import asyncio
 import json
 import subprocess
@@ -53,6 +55,7 @@ def _sft_state(states: dict[str, str]) -> str:
     return states[name]
 
 
+@pytest.mark.slow  # two flow runs of a stage (about 50 s); the default tier keeps test_flow's cache check
 def test_editing_core_source_reruns_the_cached_stage(tmp_path, prefect_api):
     project = _fresh_copy(tmp_path / "proj")
     params = yaml.safe_load((project / "params.yaml").read_text())

@@ -113,8 +113,9 @@ def _ddp(micro_model, micro_data, folder, **kw) -> SFTConfig:
 
 
 # ZeRO-2 on DeepSpeed's CPU accelerator takes about 40 s here: in the default tier, the only one to run
-# DeepSpeed's bf16 mode (the fp32 ZeRO cases of test_parallel*.py are in the slow tier).
-@pytest.mark.parametrize("parallel", ["ddp", "zero2"])
+# DeepSpeed's bf16 mode (the fp32 ZeRO cases of test_parallel*.py are in the slow tier). DDP (30 s) in the slow
+# tier: two DDP ranks resume exactly in the default tier's test_rank_failure (a killed rank's retry).
+@pytest.mark.parametrize("parallel", [pytest.param("ddp", marks=pytest.mark.slow), "zero2"])
 def test_two_ranks_under_mixed_resume_exactly(ray_local, micro_model, micro_data, tmp_path, monkeypatch, parallel):
     """Two ranks under mixed: DDP (bf16 gradients accumulated under no_sync and all-reduced by DDP, cast into
     the fp32 masters at the step) or ZeRO-2 (DeepSpeed's bf16 mode, fp32 gradient accumulation). The

@@ -86,6 +86,7 @@ def test_collective_sync_gives_every_replica_rank0s_weights_and_a_dead_replica_f
         launcher.shutdown(clean=False)
 
 
+@pytest.mark.slow  # two Ray GRPO runs (about 45 s); the default tier's test above checks the sync itself
 def test_grpo_logs_the_same_metrics_through_the_collective_as_through_the_object_store(
         ray_local, micro_model, micro_data, tmp_path):
     """Same seed, same placement (disaggregated: a policy rank, 2 replicas, a reference): the collective only
