@@ -8,13 +8,12 @@ is appended to the copy's ``rlhf_core/trainers/sft.py``, the third run trains SF
 
 from __future__ import annotations
 
-import pytest
-
 import asyncio
 import json
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from helpers import cli_env
