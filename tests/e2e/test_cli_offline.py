@@ -18,6 +18,8 @@ def sft_project(tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow  # an SFT run and three stage commands (about 80 s): the default tier runs `alignflow dpo`
+# through test_stage_data_report and test_unlabelled_gate
 def test_reward_dpo_rejection_commands(sft_project):
     proc = run_cli(["reward", "--set", "max_steps=10", "--set", "batch_size=16",
                     "--metrics-file", "metrics/reward.json"], sft_project)

@@ -127,6 +127,7 @@ def test_bad_data_stops_flow_before_training(project, tmp_path):
     assert not {name for name, _ in status} & {"build-model", "sft", "evaluate-base"}  # nothing downstream ran
 
 
+@pytest.mark.slow  # a flow run up to its validation (about 30 s): test_bad_inputs checks each stage's bad files
 def test_cli_flow_with_bad_file_exits_nonzero(project, tmp_path):
     bad = tmp_path / "bad_prefs.jsonl"
     bad.write_text(json.dumps({"prompt": "1+2=", "rejected": "4"}) + "\n")
