@@ -57,6 +57,20 @@ def micro_model(tmp_path_factory, micro_tokenizer) -> Path:
     return build_tiny_model(micro_tokenizer, tmp_path_factory.mktemp("models") / "qwen2", arch="qwen2", **MICRO_MODEL)
 
 
+def recomputed_logprobs(model, batch, temperature: float = 1.0):
+    """The trainer's ``(B, R)`` log-probs of ``batch``'s response tokens (a :class:`rlhf_core.rollout.RolloutBatch`),
+    recomputed from its sequences as the learner scores them, to compare with the engine's sampling log-probs."""
+    import torch
+
+    from rlhf_core.trainers.rl_roles import token_logprobs
+
+    ids, attention = batch.sequences()
+    exp = {"input_ids": ids, "attention_mask": attention, "position_ids": batch.position_ids(),
+           "response_ids": batch.response_ids}
+    with torch.no_grad():
+        return token_logprobs(model, exp, batch.prompt_ids.shape[1], temperature)[0]
+
+
 @pytest.fixture(scope="session")
 def tool_model(tmp_path_factory, micro_tokenizer) -> Path:
     """A micro Qwen2 with the tool task's tags as tokens; ``</calc>`` sampled about half the time at T = 1 and

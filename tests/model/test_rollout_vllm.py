@@ -155,6 +155,8 @@ def test_multi_turn_tool_rollout_on_the_vllm_engine(micro_tokenizer, tmp_path):
     tag, and the trainer's log-prob of every sampled token is the engine's (within 0.02 nats on average).
     The model is nudged as tests/conftest.py's tool_model so that ``</calc>`` is sampled often (head_dim 32 for
     vLLM's CPU kernels)."""
+    from conftest import recomputed_logprobs
+
     from rlhf_core.embedded import build_tiny_model
     from rlhf_core.environments import StepResult, rollout_with_environment
     from rlhf_core.tool_task import TAGS
@@ -201,11 +203,7 @@ def test_multi_turn_tool_rollout_on_the_vllm_engine(micro_tokenizer, tmp_path):
                     expected += obs
                     seen += 1
         assert ids == expected[:k], (ids, actions)
-    seqs, attention = batch.sequences()
-    exp = {"input_ids": seqs, "attention_mask": attention, "position_ids": batch.position_ids(),
-           "response_ids": batch.response_ids}
-    with torch.no_grad():
-        trainer, _ = token_logprobs(model, exp, batch.prompt_ids.shape[1], 1.0)
+    trainer = recomputed_logprobs(model, batch)
     own = batch.loss_mask().bool()
     assert not batch.sampling_logprobs[~own].any()
     mismatch = float((trainer[own] - batch.sampling_logprobs[own]).abs().mean())

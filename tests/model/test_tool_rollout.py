@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Recorder
+from conftest import Recorder, recomputed_logprobs
 
 from rlhf_core.config import RLConfig
 from rlhf_core.environments import rollout_with_environment
@@ -61,8 +61,6 @@ def test_trajectory_is_the_sampled_ids_plus_the_observation_ids(tool_model, scri
     """Each turn's tokens are the engine's samples, unchanged; between turns the observation's own ids; the
     learner's recomputed log-prob of every sampled token equals the engine's (so it scores the same tokens in
     the same contexts); limits hold."""
-    from rlhf_core.trainers.rl_roles import token_logprobs
-
     model, tokenizer = load_causal_lm(tool_model), load_tokenizer(tool_model)
     engine = HFGenerateEngine(model, tokenizer)
     turns: list = []
@@ -95,11 +93,7 @@ def test_trajectory_is_the_sampled_ids_plus_the_observation_ids(tool_model, scri
                 expected += obs_ids
         assert ids == expected
     assert torch.equal(batch.sampling_logprobs * (1 - batch.action_mask), torch.zeros_like(batch.sampling_logprobs))
-    ids, attention = batch.sequences()
-    exp = {"input_ids": ids, "attention_mask": attention, "position_ids": batch.position_ids(),
-           "response_ids": batch.response_ids}
-    with torch.no_grad():
-        logp, _ = token_logprobs(model, exp, batch.prompt_ids.shape[1], 1.0)
+    logp = recomputed_logprobs(model, batch)
     mask = batch.loss_mask().float()
     assert torch.allclose(logp * mask, batch.sampling_logprobs, atol=1e-4)
 
