@@ -35,13 +35,14 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--engines", default="hf_generate,static_eager,static_cuda_graphs",
-                    help="comma-separated; add static_cuda_graphs_one_width for the width-bucket A/B")
+                    help="comma-separated; add static_cuda_graphs_one_width for the width-bucket A/B, "
+                         "static_cuda_graphs_{efficient_attention,math,cudnn_attention} for the decode SDPA backend")
     ap.add_argument("--small", action="store_true", help="micro model (a CPU smoke test)")
     ap.add_argument("--out", default="bench/out/gpu_engine.json")
     args = ap.parse_args()
 
     from gpu_grpo import build_model, build_tokenizer
-    from side_by_side import SMALL
+    from side_by_side import SMALL_SHAPE as SMALL
 
     from rlhf_core.models import load_causal_lm, load_tokenizer
     from rlhf_core.rollout import HFGenerateEngine, SamplingParams
@@ -65,7 +66,10 @@ def main() -> None:
                "static_eager": StaticCacheEngine(model, tok, batch_size=rows, cuda_graphs=False),
                "static_cuda_graphs": StaticCacheEngine(model, tok, batch_size=rows, cuda_graphs=True),
                # the same engine with one graph over the whole cache width (before width buckets)
-               "static_cuda_graphs_one_width": StaticCacheEngine(model, tok, batch_size=rows, cuda_graphs=True)}
+               "static_cuda_graphs_one_width": StaticCacheEngine(model, tok, batch_size=rows, cuda_graphs=True),
+               # the decode step's SDPA backend forced (torch's own choice is cuDNN on an H100)
+               **{f"static_cuda_graphs_{b.lower()}": StaticCacheEngine(model, tok, batch_size=rows, cuda_graphs=True)
+                  for b in ("EFFICIENT_ATTENTION", "MATH", "CUDNN_ATTENTION")}}
     engines = {k: v for k, v in engines.items() if k in args.engines.split(",") or k == "static_cuda_graphs"}
     report: dict = {"gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "rows": rows, "new_tokens": args.new_tokens, "engines": {}}
@@ -74,12 +78,18 @@ def main() -> None:
     bucket = static._WIDTH_BUCKET
     times_of: dict[str, list[float]] = {k: [] for k in engines}
     lengths_of: dict[str, list[float]] = {k: [] for k in engines}
+    def backend(name: str) -> tuple[str, ...] | None:
+        suffix = name.removeprefix("static_cuda_graphs_").upper()
+        return (suffix,) if suffix in ("EFFICIENT_ATTENTION", "MATH", "CUDNN_ATTENTION") else None
+
     for name, engine in engines.items():
         static._WIDTH_BUCKET = 10**9 if name.endswith("one_width") else bucket
+        static._DECODE_SDPA = backend(name)
         engine.generate(prompts[:8], SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=0))  # warm-up
     for rep in range(args.reps):  # engines interleaved, order reversed every other rep (ABBA)
         for name in (list(engines) if rep % 2 == 0 else list(engines)[::-1]):
             static._WIDTH_BUCKET = 10**9 if name.endswith("one_width") else bucket
+            static._DECODE_SDPA = backend(name)
             sync()
             t = time.perf_counter()
             batch = engines[name].generate(prompts, SamplingParams(n=args.group, temperature=1.0,
@@ -88,7 +98,7 @@ def main() -> None:
             times_of[name].append(time.perf_counter() - t)
             lengths_of[name].append(float(batch.response_lengths().float().mean()))
             steps_of = batch.response_ids.shape[1]
-    static._WIDTH_BUCKET = bucket
+    static._WIDTH_BUCKET, static._DECODE_SDPA = bucket, None
     for name in engines:
         times, lengths, steps = times_of[name], lengths_of[name], steps_of
         med = statistics.median(times)

@@ -17,9 +17,10 @@ On a lent GPU (``.devwheels`` carried, liger-kernel in it: ``bench/device_wheels
 
     source bench/device_setup.sh && python bench/gpu_lm_head_check.py --out $OUT/gpu_lm_head_check.json
 
-* ``packed``: 32 sequences of 128-511 tokens as one padding-free row through flex attention (what
-  ``packing: true`` loads on a GPU) against padded rows through SDPA, each against fp32 padded rows:
-  per-sequence log-prob sums and gradients, time and memory.
+* ``packed``: 32 sequences of 128-511 tokens as one padding-free row, through torch's variable-length
+  flash kernel (``rlhf_core.attention``, what ``packing: true`` gets on a GPU) and through SDPA's dense
+  block-diagonal mask, against padded rows through SDPA, each against fp32 padded rows: per-sequence
+  log-prob sums and gradients, time and memory (``--parts packed`` runs this part alone).
 
 ``--small`` runs every part at toy sizes (CPU: the liger rows are skipped).
 """
@@ -167,12 +168,17 @@ def model_part(small: bool, device: torch.device, reps: int) -> dict:
 
 
 def packed_part(small: bool, device: torch.device, reps: int) -> dict:
-    """Padding-free rows through flex attention (what ``packing: true`` loads on a GPU) against padded rows
-    through SDPA: per-sequence log-prob sums and parameter gradients, bf16, signed per-sequence weights."""
+    """Padding-free rows against padded rows through SDPA: per-sequence log-prob sums and parameter
+    gradients, bf16, signed per-sequence weights, each against fp32 padded rows. Packed rows run through
+    both attention paths (``ALIGNFLOW_ATTENTION``): ``varlen`` (torch's flash varlen kernel, what
+    ``packing: true`` gets on a GPU) and ``sdpa`` (transformers' dense block-diagonal mask)."""
+    import os
+
     from gpu_grpo import build_model, build_tokenizer
+    from rlhf_core import attention
     from rlhf_core.data.tokenize import TokenizedExample, collate_packed, collate_padded
     from rlhf_core.logprobs import sequence_sums
-    from rlhf_core.models import load_causal_lm
+    from rlhf_core.models import ATTENTION_ENV, load_causal_lm
 
     work = Path(tempfile.mkdtemp(prefix="packed-"))
     dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
@@ -189,10 +195,20 @@ def packed_part(small: bool, device: torch.device, reps: int) -> dict:
     weights = (torch.randn(rows, generator=g) * 2).to(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out: dict = {"rows": rows, "tokens": sum(lengths), "padded_tokens": rows * max(lengths), "dtype": str(dtype)}
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+        import inspect
+
+        out["varlen_attn_signature"] = str(inspect.signature(varlen_attn))
+    except ImportError:
+        out["varlen_attn_signature"] = None
     results = {}
-    for name, packed, model_dtype in (("fp32-padded", False, torch.float32), ("padded-sdpa", False, dtype),
-                                      ("packed", True, dtype)):
-        model = load_causal_lm(model_dir, device, packed=packed).to(model_dtype)
+    for name, packed, model_dtype, impl in (("fp32-padded", False, torch.float32, "sdpa"),
+                                            ("padded-sdpa", False, dtype, "sdpa"),
+                                            ("packed-sdpa", True, dtype, "sdpa"),
+                                            ("packed-varlen", True, dtype, "varlen")):
+        os.environ[ATTENTION_ENV] = impl
+        model = load_causal_lm(model_dir, device).to(model_dtype)
         batch = collate_packed(examples) if packed else collate_padded(examples, 0)
 
         def step():
@@ -201,6 +217,7 @@ def packed_part(small: bool, device: torch.device, reps: int) -> dict:
             (sums * weights).sum().backward()
             return sums.detach().float()
 
+        before = dict(attention.calls)
         sums = step()
         grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
         if name == "fp32-padded":
@@ -208,11 +225,14 @@ def packed_part(small: bool, device: torch.device, reps: int) -> dict:
             continue
         times, peak = _timed(step, reps)
         results[name] = {"attention": model.config._attn_implementation,
+                         "layer_calls": {k: attention.calls[k] - before[k] for k in before},
                          "max_abs_dsum_vs_fp32": float((sums - exact[0]).abs().max()),
                          "grad_rel_err_median_vs_fp32": statistics.median(_rel(grads[k], exact[1][k]) for k in grads),
+                         "grad_rel_err_max_vs_fp32": max(_rel(grads[k], exact[1][k]) for k in grads),
                          "seconds_median": statistics.median(times), "seconds_min": min(times),
                          "seconds_max": max(times), "peak_gb": round(peak, 3)}
         model = None  # freed before the next variant loads
+    os.environ.pop(ATTENTION_ENV, None)
     out["results"] = results
     return out
 
@@ -221,18 +241,23 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_lm_head_check.json")
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--parts", default="head,model,packed", help="comma-separated: head, model, packed")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     reps = 2 if args.small else 5
     import transformers
 
     out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "transformers": transformers.__version__, "small": args.small,
-           # a token count not divisible by 16: liger_token_logprobs pads it
-           "head": head_part(509 if args.small else 16381, 64 if args.small else 1536,
-                             1000 if args.small else 151936, device, reps),
-           "model": model_part(args.small, device, reps),
-           "packed": packed_part(args.small, device, reps)}
+           "parts": sorted(parts)}
+    if "head" in parts:  # a token count not divisible by 16: liger_token_logprobs pads it
+        out["head"] = head_part(509 if args.small else 16381, 64 if args.small else 1536,
+                                1000 if args.small else 151936, device, reps)
+    if "model" in parts:
+        out["model"] = model_part(args.small, device, reps)
+    if "packed" in parts:
+        out["packed"] = packed_part(args.small, device, reps)
     try:
         import liger_kernel  # noqa: F401
         from importlib.metadata import version

@@ -1,4 +1,4 @@
-"""Where a GRPO step's GPU time goes: torch.profiler over one captured decode step of the static engine
+"""Where a GRPO step's GPU time goes: torch.profiler over one captured decode iteration of the static engine
 and over one update micro-batch (forward + backward, gradient checkpointing, bf16 autocast), on the
 GRPO benchmark's model (Qwen2-0.5B-shaped, 32k vocab) and shapes (512 rows, prompt ~20 + 256 tokens).
 
@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--out", default="bench/out/gpu_profile.json")
+    ap.add_argument("--decode-only", action="store_true", help="profile the decode iteration only")
     args = ap.parse_args()
     from gpu_grpo import build_model, build_tokenizer
 
@@ -62,36 +63,46 @@ def main() -> None:
     model_dir = build_model(build_tokenizer(32000, work / "tok"), work / "model")
     report: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
 
-    # ---- decode: one step of the static engine, graph replay vs eager ------------------------------
+    # ---- decode: one iteration of the static engine (decode + sample + record), graph replay vs eager ----
+    from rlhf_core.rollout import SamplingParams
+    from rlhf_core.rollout_static import _Sampler, _sample
+
     sampler = load_causal_lm(model_dir, dev).to(torch.bfloat16).eval()
     P = 20
     ids = torch.randint(5, 30000, (args.rows // 8, P), device=dev)
     mask = torch.ones_like(ids)
+    params = SamplingParams(n=8, temperature=1.0, max_new_tokens=args.new_tokens)
     with torch.no_grad():
         dec = _Decoder(sampler, ids, mask, args.new_tokens, 8)
         dec.prefill()
-        dec.capture()
-        token = torch.randint(5, 30000, (args.rows,), device=dev)
-        for _ in range(100):  # fill the cache halfway, as the mean decode step sees it
-            dec.step(token, graph=True)
-        report["decode_step_ms_graph"] = round(1000 * timed(lambda: dec.graph.replay(), 20), 3)
+        state = _Sampler(params, args.rows, args.new_tokens, eos=-1, pad=0, device=dev)  # eos -1: no row ends
+        state.uniforms.uniform_()
+        dec.capture(state)
+        for _ in range(100):  # fill the cache about halfway, as the mean decode step sees it
+            dec.replay()
+        report["iteration_ms_graph"] = round(1000 * timed(dec.replay, 20), 3)
         report["decode_step_ms_eager"] = round(1000 * timed(lambda: dec._step(), 5), 3)
-        logits = dec.logits
-
-        def sample() -> None:
-            logp = torch.log_softmax(logits.float(), -1)
-            noise = torch.empty_like(logp).exponential_()
-            tok_ = (logp - noise.log()).argmax(-1)
-            logp.gather(-1, tok_[:, None])
-
-        report["sample_ms"] = round(1000 * timed(sample, 20), 3)
+        logits = dec._step()
+        uniform = state.uniforms[0]
+        report["sample_ms_eager"] = round(1000 * timed(lambda: _sample(logits, params, uniform=uniform), 20), 3)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             dec._step()
+            _sample(logits, params, uniform=uniform)
             torch.cuda.synchronize()
-        report["decode_eager_top"] = top(prof)
+        report["iteration_eager_top"] = top(prof)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                dec.replay()
+            torch.cuda.synchronize()
+        report["iteration_graph_top_5_replays"] = top(prof)
         dec.release()
     del sampler
     torch.cuda.empty_cache()
+    if args.decode_only:
+        _print(report)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        return
 
     # ---- update: one micro-batch forward + backward --------------------------------------------------
     policy = load_causal_lm(model_dir, dev).eval()
@@ -126,15 +137,19 @@ def main() -> None:
         update()
         torch.cuda.synchronize()
     report["update_top"] = top(prof, 30)
+    _print(report)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _print(report: dict) -> None:
     for k, v in report.items():
-        if not k.endswith("_top"):
+        if "_top" not in k:
             print(k, v)
-    for k in ("decode_eager_top", "update_top"):
+    for k in [k for k in report if "_top" in k]:
         print(k)
         for r in report[k]:
             print("  ", r)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -530,8 +530,13 @@ def ours(task: dict) -> dict:
     else:
         _rank_main(TRAINERS[name], "", cfg, sink)
     elapsed = [m["perf/elapsed_s"] for _, m in sink.rows if "perf/elapsed_s" in m]
+    from rlhf_core import attention
+
     return {"step_s": [b2 - a for a, b2 in zip([0.0] + elapsed, elapsed)], "peak_memory_gb": _peak_memory_gb(),
             "launch": f"Ray, {gpus} ranks, {inputs['parallel']}" if gpus > 1 else "one process",
+            # decoder-layer attention calls by path in this process (packed rows on a GPU: varlen); one rank's
+            # under Ray ranks live in other processes, so both stay 0 there
+            "attention_layer_calls": dict(attention.calls),
             "settings": {k: getattr(cfg, k) for k in ("precision", "gradient_checkpointing", "fused_kernels", "lm_head",
                                                       "packing", "micro_batch_tokens", "num_workers", "parallel",
                                                       "batch_size", "max_length", "weight_decay")},

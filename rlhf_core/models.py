@@ -35,6 +35,40 @@ def load_tokenizer(path: str | Path, padding_side: str = "right") -> Any:
     return ensure_chat_template(tok)
 
 
+# Attention for the training and scoring passes: auto (torch's variable-length flash kernel on a GPU,
+# rlhf_core.attention; SDPA elsewhere), sdpa, or varlen (forced; its torch reference on a CPU: tests, A/B).
+ATTENTION_ENV = "ALIGNFLOW_ATTENTION"
+
+
+def attn_implementation(path: Path, device: torch.device) -> str:
+    """The ``attn_implementation`` a model directory loads with on ``device`` (see :data:`ATTENTION_ENV`).
+
+    SDPA serves padded rows everywhere and packed rows on a CPU (a dense block-diagonal mask; correct,
+    but no faster than padding). On a GPU packed rows go through flash attention's variable-length
+    kernel (``rlhf_core.attention``), which skips the masked blocks: that is what makes packing pay.
+    Flex attention was tried for packed rows before: no backward on a CPU, slower than padded SDPA on an
+    H200 once compiled, and a compile per packed length (BENCHMARKS.md).
+    """
+    import os
+
+    from transformers import AutoConfig
+
+    from rlhf_core import attention
+
+    choice = os.environ.get(ATTENTION_ENV, "auto")
+    if choice == "sdpa":
+        return "sdpa"
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: cannot read config.json: {exc}") from None
+    try:
+        varlen = attention.use_varlen(config, device, choice)
+    except ValueError as exc:
+        raise ValueError(f"{ATTENTION_ENV}: {exc}") from None
+    return attention.register() if varlen else "sdpa"
+
+
 def load_causal_lm(path: str | Path, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> Any:
     """An ``AutoModelForCausalLM`` from a local directory, its parameters in ``dtype`` on ``device``.
 
@@ -47,15 +81,13 @@ def load_causal_lm(path: str | Path, device: torch.device | None = None, dtype: 
     path = Path(path)
     if not (path / "config.json").exists():
         raise ModelLoadError(f"{path}: not a Hugging Face model directory (no config.json)")
+    device = device or pick_device()
+    implementation = attn_implementation(path, device)
     try:
-        # SDPA for padded and packed rows alike: a packed row gets a dense block-diagonal mask (correct;
-        # packing pays only with variable-length flash attention, not installed here). Flex attention was
-        # tried for packed rows: no backward on a CPU, slower than padded SDPA on an H200 once compiled,
-        # and a compile per packed length (bench/results/gpu_lm_head_check_h200.json, BENCHMARKS.md).
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=implementation)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{path}: cannot load as a causal LM: {exc}") from None
-    return model.to(device or pick_device())
+    return model.to(device)
 
 
 # --------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import torch
 from rlhf_core.data.tokenize import collate_padded, tokenize_prompt_completion
 from rlhf_core.logprobs import is_packed
 from rlhf_core.losses import segment_last_index
-from rlhf_core.models import ModelLoadError, pick_device
+from rlhf_core.models import ModelLoadError, attn_implementation, pick_device
 
 MEAN_KEY, STD_KEY = "alignflow_reward_mean", "alignflow_reward_std"
 
@@ -32,10 +32,12 @@ def load_reward_model(path: str | Path, device: torch.device | None = None, dtyp
     path = Path(path)
     if not (path / "config.json").exists():
         raise ModelLoadError(f"{path}: not a Hugging Face model directory (no config.json)")
-    model = AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1, dtype=dtype)
+    device = device or pick_device()
+    model = AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1, dtype=dtype,
+                                                               attn_implementation=attn_implementation(path, device))
     if model.config.pad_token_id is None:
         raise ModelLoadError(f"{path}: config has no pad_token_id; the reward head needs it to find the last token")
-    return model.to(device or pick_device())
+    return model.to(device)
 
 
 def pair_rewards(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:

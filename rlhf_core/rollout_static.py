@@ -15,9 +15,10 @@ does for one fixed batch, in plain torch:
 * grouped-query attention needs no copy of the shared K/V heads: at one query position, the
   ``G = H / H_kv`` query heads of a KV head are the ``G`` query rows of one SDPA call over that
   head's cache (``q: (B, H_kv, G, D)``), exact and memory-bound;
-* sampling (temperature, top-k, top-p; Gumbel-max with the call's own generator) runs after
-  each replay, and the loop stops once every row has emitted eos (checked every few steps so
-  the host does not wait on the GPU each step).
+* sampling (temperature, top-k, top-p; inverse-CDF with the call's own generator, every step's
+  uniforms drawn up front) and the eos bookkeeping are captured with the decode step, so a step is
+  one replay; the loop stops once every row has emitted eos (checked every few steps so the host
+  does not wait on the GPU each step).
 
 It runs the model's own modules (projections, norms, MLP, rotary embedding), so it holds no
 weights of its own: :meth:`update_weights` copies into the model in place and captured graphs
@@ -52,6 +53,9 @@ _EOS_CHECK_EVERY = {"cuda": 16}
 # 32-column graphs 1.67 s against one graph 1.35 s: graphs are captured per generate call, and the
 # extra captures cost more than the narrower attention saves. Kept for graphs kept across calls.
 _WIDTH_BUCKET = 0
+# SDPA backends a decode step may use (None: torch's choice, cuDNN on an H100), by name of
+# torch.nn.attention.SDPBackend; bench/gpu_engine.py's static_cuda_graphs_<backend> engines A/B them.
+_DECODE_SDPA: tuple[str, ...] | None = None
 
 
 def supports(model: Any) -> str | None:
@@ -145,29 +149,18 @@ class StaticCacheEngine(HFGenerateEngine):
         decoder = _Decoder(self._sampling_model, ids.to(device), mask.to(device), params.max_new_tokens, params.n)
         logits = decoder.prefill()
         ids, mask = ids.repeat_interleave(params.n, dim=0), mask.repeat_interleave(params.n, dim=0)
-        use_graph = self.cuda_graphs and device.type == "cuda"
-        if use_graph:
+        sampler = _Sampler(params, ids.shape[0], params.max_new_tokens, eos, pad, device)
+        if self.cuda_graphs and device.type == "cuda":
             try:
-                decoder.capture()
+                decoder.capture(sampler)  # restores every buffer it touched, also when it fails
             except RuntimeError as err:  # e.g. an op of this model/torch that graphs cannot capture
                 log.warning("StaticCacheEngine: CUDA graph capture failed (%s); decoding eagerly from now on", err)
-                self.cuda_graphs = use_graph = False
-        R = params.max_new_tokens
-        out_ids = torch.full((ids.shape[0], R), pad, dtype=torch.long, device=device)
-        out_logp = torch.zeros((ids.shape[0], R), dtype=torch.float32, device=device)
-        finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
-        steps, check_every = R, _EOS_CHECK_EVERY.get(device.type, 1)
-        for t in range(R):
-            token, logp = _sample(logits, params, generator)
-            token = token.masked_fill(finished, pad)  # rows past their eos only pad
-            out_ids[:, t], out_logp[:, t] = token, logp
-            finished |= token == eos
-            for stop in params.stop_token_ids:  # a tool call's closing tag ends the turn like eos
-                finished |= token == stop
-            if t == R - 1 or ((t + 1) % check_every == 0 and bool(finished.all())):
-                steps = t + 1
-                break
-            logits = decoder.step(token, graph=use_graph)
+                self.cuda_graphs = False
+        if decoder.graphs:
+            steps = _decode_in_graphs(decoder, logits, sampler, generator)
+        else:
+            steps = _decode_eagerly(decoder, logits, sampler, generator)
+        out_ids, out_logp = sampler.out_ids, sampler.out_logp
         decoder.release()
         response = out_ids[:, :steps].cpu()
         logprobs = out_logp[:, :steps].cpu()
@@ -200,8 +193,13 @@ def _rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
     return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
 
 
-def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ``(rows,)`` and its ``log_softmax(logits / T)`` ``(rows,)`` from ``(rows, V)`` logits."""
+def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+            uniform: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ``(rows,)`` and its ``log_softmax(logits / T)`` ``(rows,)`` from ``(rows, V)`` logits.
+
+    ``uniform`` ``(rows, 1)``: the rows' U(0, 1) draws, given (a captured graph cannot draw from a
+    generator it does not own); else drawn from ``generator``.
+    """
     logits = logits.float()
     if params.greedy:
         logp = torch.log_softmax(logits, dim=-1)
@@ -222,9 +220,66 @@ def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Gener
     # softmax(s). Exact like Gumbel-max, but draws B numbers instead of B x V (profiled on an H100 at
     # B = 512, V = 32k: the per-element noise cost as much as a third of the decode step).
     cdf = (scores - scores.amax(-1, keepdim=True)).exp_().cumsum_(-1)
-    u = torch.rand((cdf.shape[0], 1), device=cdf.device, generator=generator) * cdf[:, -1:]
+    if uniform is None:
+        uniform = torch.rand((cdf.shape[0], 1), device=cdf.device, generator=generator)
+    u = uniform * cdf[:, -1:]
     token = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
+class _Sampler:
+    """A chunk's sampling state on the device: the sampled tokens and log-probs so far, which rows have
+    finished, the next column ``t``, and (graph path) every step's uniforms. ``B`` rows, ``R`` new tokens."""
+
+    def __init__(self, params: SamplingParams, rows: int, R: int, eos: int, pad: int, device: torch.device):
+        self.params, self.eos, self.pad = params, eos, pad
+        self.out_ids = torch.full((rows, R), pad, dtype=torch.long, device=device)
+        self.out_logp = torch.zeros((rows, R), dtype=torch.float32, device=device)
+        self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.t = torch.zeros(1, dtype=torch.long, device=device)
+        self.uniforms = torch.zeros((R, rows, 1), dtype=torch.float32, device=device)
+
+    def record(self, token: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+        """Write column ``t`` (rows past their eos get pad), update ``finished``, advance ``t``; the token
+        ``(B,)`` the next decode step feeds. Device ops only, so a captured graph can run it."""
+        token = token.masked_fill(self.finished, self.pad)
+        self.out_ids.index_copy_(1, self.t, token[:, None])
+        self.out_logp.index_copy_(1, self.t, logp[:, None])
+        self.finished |= token == self.eos
+        for stop in self.params.stop_token_ids:  # a tool call's closing tag ends the turn like eos
+            self.finished |= token == stop
+        self.t += 1
+        return token
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        return self.out_ids, self.out_logp, self.finished, self.t
+
+
+def _decode_eagerly(decoder: "_Decoder", logits: torch.Tensor, sampler: _Sampler,
+                    generator: torch.Generator) -> int:
+    """Sample, record and decode step by step (the CPU path; a uniform drawn per step); the steps run."""
+    R, check_every = sampler.out_ids.shape[1], _EOS_CHECK_EVERY.get(logits.device.type, 1)
+    for t in range(R):
+        token = sampler.record(*_sample(logits, sampler.params, generator))
+        if t == R - 1 or ((t + 1) % check_every == 0 and bool(sampler.finished.all())):
+            return t + 1
+        logits = decoder.step(token, graph=False)
+    return R
+
+
+def _decode_in_graphs(decoder: "_Decoder", logits: torch.Tensor, sampler: _Sampler,
+                      generator: torch.Generator) -> int:
+    """The captured path: every step's uniforms drawn at once, the prefill's token sampled eagerly, then
+    one replay per new token, each a whole iteration (decode, sample, record) with no host work between;
+    the host reads ``finished`` every few steps only. The steps run."""
+    R, check_every = sampler.out_ids.shape[1], _EOS_CHECK_EVERY.get(logits.device.type, 1)
+    sampler.uniforms.copy_(torch.rand(sampler.uniforms.shape, device=logits.device, generator=generator))
+    decoder.token.copy_(sampler.record(*_sample(logits, sampler.params, uniform=sampler.uniforms[0])))
+    for t in range(1, R):
+        if t % check_every == 0 and bool(sampler.finished.all()):
+            return t
+        decoder.replay()
+    return R
 
 
 class _Decoder:
@@ -266,7 +321,7 @@ class _Decoder:
         self.pos = (row_mask.sum(-1) - 1).clamp(min=0)  # position of the last prompt token; advanced before a step
         self.col = torch.tensor([P - 1], dtype=torch.long, device=device)
         self.decode_steps, self.step_index = max_new_tokens, 0
-        self.graphs: list[tuple[int, Any, torch.Tensor]] = []  # (cache width, CUDA graph, its logits buffer)
+        self.graphs: list[tuple[int, Any]] = []  # (cache width, CUDA graph of a whole iteration)
         self.fused = self._fuse_weights()
 
     def _fuse_weights(self) -> list[dict[str, Any]] | None:
@@ -377,6 +432,14 @@ class _Decoder:
         Attention reads cache columns ``0 .. width-1`` only (default: all ``W``); any ``width > col``
         gives the same result, since later columns are masked out.
         """
+        if _DECODE_SDPA is not None:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel([getattr(SDPBackend, name) for name in _DECODE_SDPA]):
+                return self._decode(width)
+        return self._decode(width)
+
+    def _decode(self, width: int | None) -> torch.Tensor:
         s = self.shape
         B, G = s.rows, s.heads // s.kv_heads
         width = width or s.width
@@ -403,26 +466,34 @@ class _Decoder:
             x = self._layer(i, x, cos, sin, write, attend)
         return self._head(x[:, 0])
 
-    def _advance(self, token: torch.Tensor) -> None:
-        self.token.copy_(token)
+    def _advance(self) -> None:
         self.pos += 1
         self.col += 1
         self.valid.index_fill_(1, self.col, True)
 
-    def step(self, token: torch.Tensor, graph: bool) -> torch.Tensor:
-        """Feed ``token (B,)``; the next ``(B, V)`` logits (a view of a static buffer when ``graph``).
-
-        ``self.step_index`` counts steps on the host (the column is a device tensor a graph reads), so
-        the graph of the narrowest width bucket that covers this step's column is picked without a sync.
-        """
-        self._advance(token)
+    def step(self, token: torch.Tensor, graph: bool = False) -> torch.Tensor:
+        """Feed ``token (B,)``; the next ``(B, V)`` logits (eager decode: the CPU path, and the fallback when
+        graphs cannot be captured; the captured path is :meth:`replay`)."""
+        self.token.copy_(token)
+        self._advance()
         self.step_index += 1
-        if graph:
-            needed = self.shape.width - self.decode_steps + self.step_index  # columns 0 .. col (col = P - 1 + steps)
-            width, g, logits = next(entry for entry in self.graphs if entry[0] >= needed)
-            g.replay()
-            return logits
         return self._step()
+
+    def _iteration(self, sampler: _Sampler, width: int) -> None:
+        """One whole decode iteration on device buffers (what a graph captures): feed ``token``, decode,
+        sample with this column's uniforms, record, and leave the sampled token in ``token``."""
+        self._advance()
+        logits = self._step(width)
+        uniform = sampler.uniforms.index_select(0, sampler.t)[0]  # (B, 1): column t's draws
+        self.token.copy_(sampler.record(*_sample(logits, sampler.params, uniform=uniform)))
+
+    def replay(self) -> None:
+        """Replay the captured iteration for the next column. ``self.step_index`` counts steps on the host
+        (the column is a device tensor a graph reads), so the graph of the narrowest width bucket that
+        covers this step's column is picked without a sync."""
+        self.step_index += 1
+        needed = self.shape.width - self.decode_steps + self.step_index  # columns 0 .. col (col = P - 1 + steps)
+        next(graph for width, graph in self.graphs if width >= needed).replay()
 
     def width_buckets(self) -> list[int]:
         """Cache widths of the captured decode graphs: every :data:`_WIDTH_BUCKET` columns past the prompt,
@@ -433,33 +504,40 @@ class _Decoder:
             return [W]
         return sorted({min(W, P + b) for b in range(_WIDTH_BUCKET, self.decode_steps + _WIDTH_BUCKET, _WIDTH_BUCKET)})
 
-    def capture(self) -> None:
-        """Capture :meth:`_step` into one CUDA graph per width bucket (after warm-up runs on a side stream,
-        as torch requires), sharing one memory pool: they replay one at a time, in capture order.
+    def capture(self, sampler: _Sampler) -> None:
+        """Capture :meth:`_iteration` into one CUDA graph per width bucket (after warm-up runs on a side
+        stream, as torch requires), sharing one memory pool: they replay one at a time, in capture order.
 
-        Warm-up and capture write cache column ``P`` and advance nothing: the buffers are restored, and
-        the first real step rewrites that column.
+        Sampling, recording and the eos bookkeeping are inside the graph, so a decode step is one replay
+        with no host work between steps (the sampling's dozen kernels used to be launched from Python
+        after each replay). Warm-up and capture write cache column ``P`` and the sampler's buffers: every
+        buffer they touch is restored afterwards, also when capture fails, and the first real step
+        rewrites that column.
         """
-        saved = (self.token.clone(), self.pos.clone(), self.col.clone(), self.valid.clone())
-        self.pos += 1
-        self.col += 1
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        widths = self.width_buckets()
-        with torch.cuda.stream(stream):
+        buffers = (self.token, self.pos, self.col, self.valid, *sampler.buffers())
+        saved = [b.clone() for b in buffers]
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            widths = self.width_buckets()
+            with torch.cuda.stream(stream):
+                for width in widths:
+                    for _ in range(2):
+                        self._iteration(sampler, width)
+            torch.cuda.current_stream().wait_stream(stream)
+            pool = torch.cuda.graph_pool_handle()
+            self.graphs = []
             for width in widths:
-                for _ in range(2):
-                    self._step(width)
-        torch.cuda.current_stream().wait_stream(stream)
-        pool = torch.cuda.graph_pool_handle()
-        self.graphs = []
-        for width in widths:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._step(width)
-            self.graphs.append((width, graph, logits))
-        for buf, value in zip((self.token, self.pos, self.col, self.valid), saved):
-            buf.copy_(value)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._iteration(sampler, width)
+                self.graphs.append((width, graph))
+        except RuntimeError:
+            self.graphs = []
+            raise
+        finally:
+            for buf, value in zip(buffers, saved):
+                buf.copy_(value)
 
     def release(self) -> None:
         self.graphs, self.fused = [], None

@@ -152,8 +152,8 @@ def test_decode_over_the_filled_prefix_equals_the_whole_cache(micro_model, monke
         logits = decoder.prefill()
         P = ids.shape[1]
         for t in range(40):
-            token = logits.argmax(-1)
-            decoder._advance(token)
+            decoder.token.copy_(logits.argmax(-1))
+            decoder._advance()
             decoder.step_index += 1
             col = P - 1 + decoder.step_index
             full = decoder._step()
@@ -165,3 +165,42 @@ def test_decode_over_the_filled_prefix_equals_the_whole_cache(micro_model, monke
     buckets = decoder.width_buckets()
     assert buckets[-1] == P + R and buckets[0] == P + bucket
     assert all(b - a <= bucket for a, b in zip(buckets, buckets[1:]))
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,stop", [(1.0, 0, 1.0, False), (0.7, 5, 0.9, True), (0, 0, 1.0, False)])
+def test_captured_iteration_equals_the_stepwise_loop(temperature, top_k, top_p, stop, micro_model):
+    """The body a CUDA graph captures (decode, sample with given uniforms, record, eos bookkeeping;
+    ``_decode_in_graphs``) run eagerly here, one iteration per replay, gives the stepwise loop's tokens,
+    log-probs and stop step exactly: on a CPU one draw of every step's uniforms equals the per-step draws,
+    so both see the same numbers. Rows finish at different steps (eos-biased model; a stop token too)."""
+    from rlhf_core.data.tokenize import encode_prompt
+    from rlhf_core.rollout import _left_pad
+    from rlhf_core.rollout_static import _decode_eagerly, _decode_in_graphs, _Decoder, _Sampler
+
+    model, tok = _eos_biased(micro_model)
+    ids, mask = _left_pad([encode_prompt(tok, p) for p in PROMPTS], tok.pad_token_id)
+    R = 24
+    stops = (tok.convert_tokens_to_ids("1"),) if stop else ()
+    params = SamplingParams(n=3, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=R,
+                            stop_token_ids=stops)
+    runs = []
+    for path in ("stepwise", "captured body"):
+        with torch.no_grad():
+            decoder = _Decoder(model, ids, mask, max_new_tokens=R, n=3)
+            sampler = _Sampler(params, ids.shape[0] * 3, R, tok.eos_token_id, tok.pad_token_id, torch.device("cpu"))
+            generator = torch.Generator().manual_seed(11)
+            logits = decoder.prefill()
+            if path == "stepwise":
+                steps = _decode_eagerly(decoder, logits, sampler, generator)
+            else:
+                def replay():  # what graph.replay() runs
+                    decoder.step_index += 1
+                    decoder._iteration(sampler, decoder.shape.width)
+                decoder.replay = replay
+                steps = _decode_in_graphs(decoder, logits, sampler, generator)
+        runs.append((steps, sampler.out_ids[:, :steps], sampler.out_logp[:, :steps], sampler.finished))
+    (s0, ids0, lp0, f0), (s1, ids1, lp1, f1) = runs
+    assert s0 == s1 and torch.equal(ids0, ids1) and torch.equal(f0, f1)
+    torch.testing.assert_close(lp0, lp1, atol=0, rtol=0)
+    ended = (ids0 == tok.eos_token_id).any(-1)
+    assert 0 < int(ended.sum()) and (s0 < R or not bool(f0.all()))  # rows ended at different steps

@@ -1,0 +1,179 @@
+"""Variable-length attention for packed rows (``rlhf_core.attention``) against today's padded SDPA path.
+
+On a CPU the varlen path runs its torch reference (causal SDPA per sequence) through the same
+transformers dispatch, segment bookkeeping and mask rule the GPU kernel runs behind; the GPU kernel's
+own comparison is ``bench/gpu_lm_head_check.py --parts packed`` (result under ``bench/results/``). Models load with it
+here by ``ALIGNFLOW_ATTENTION=varlen``. Tolerances: fp32, only summation order differs (1e-4 relative,
+1e-6 absolute on values and gradients); upstream gradients are per-sequence weights of both signs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from conftest import Recorder
+from rlhf_core import attention
+from rlhf_core.config import DPOConfig, RewardConfig
+from rlhf_core.data.io import read_records
+from rlhf_core.data.sequences import tokenize_preference_records
+from rlhf_core.data.tokenize import collate_pairs
+from rlhf_core.logprobs import response_logprobs
+from rlhf_core.models import ATTENTION_ENV, load_causal_lm, load_tokenizer
+from rlhf_core.reward_model import load_reward_model, pair_rewards
+from rlhf_core.trainers.dpo import train_dpo
+from rlhf_core.trainers.reward import train_reward_model
+
+CPU = torch.device("cpu")
+
+
+# --------------------------------------------------------------------------------------
+# The pieces, by hand
+# --------------------------------------------------------------------------------------
+
+def test_segment_bounds_by_hand():
+    """Positions 0 1 2 | 0 1 | 0 1 2 3 in one row: sequences start at 0, 3, 5 and the row ends at 9, the
+    longest is 4. Three unpadded rows sharing one (1, 4) arange are three sequences of 4."""
+    cu, longest = attention.segment_bounds(torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]]), rows=1)
+    assert cu.tolist() == [0, 3, 5, 9] and cu.dtype == torch.int32 and longest == 4
+    cu, longest = attention.segment_bounds(torch.arange(4)[None], rows=3)
+    assert cu.tolist() == [0, 4, 8, 12] and longest == 4
+    # a row that does not start at position 0 still starts a sequence
+    cu, _ = attention.segment_bounds(torch.tensor([[5, 6, 0, 1], [0, 1, 2, 0]]), rows=2)
+    assert cu.tolist() == [0, 2, 4, 7, 8]
+
+
+def test_varlen_reference_equals_block_diagonal_sdpa():
+    """Grouped-query heads (4 query heads over 2 KV heads), sequences of 3, 1 and 5 tokens: the
+    reference equals one SDPA call under the dense block-diagonal causal mask transformers builds."""
+    torch.manual_seed(0)
+    T, H, H_kv, D = 9, 4, 2, 8
+    q, k, v = torch.randn(T, H, D), torch.randn(T, H_kv, D), torch.randn(T, H_kv, D)
+    cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
+    got = attention.varlen_attention(q, k, v, cu, 5, scale=0.3)
+    seg = torch.repeat_interleave(torch.arange(3), torch.tensor([3, 1, 5]))
+    allowed = (seg[:, None] == seg[None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
+    dense = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], attn_mask=allowed, scale=0.3,
+                                           enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(got, dense, atol=1e-6, rtol=1e-5)
+
+
+def test_use_varlen_rule():
+    """auto: only where the kernel runs (CUDA) and for models without a sliding window; explicit choices win."""
+    from transformers import Qwen2Config
+
+    plain, sliding = Qwen2Config(), Qwen2Config(use_sliding_window=True, sliding_window=64)
+    assert not attention.use_varlen(plain, CPU)  # no kernel on a CPU
+    assert attention.use_varlen(plain, CPU, "varlen") and not attention.use_varlen(plain, CPU, "sdpa")
+    gpu = torch.device("cuda")
+    assert attention.use_varlen(plain, gpu) == (attention._kernel() is not None)
+    assert not attention.use_varlen(sliding, gpu)
+    with pytest.raises(ValueError, match="auto, varlen or sdpa"):
+        attention.use_varlen(plain, CPU, "flash")
+
+
+# --------------------------------------------------------------------------------------
+# A micro model: packed rows through varlen == padded rows through SDPA
+# --------------------------------------------------------------------------------------
+
+def _pairs(micro_model, micro_data, n=6):
+    tok = load_tokenizer(micro_model)
+    recs = read_records(micro_data["preferences"])[:n]
+    return tok, tokenize_preference_records(tok, recs, path="p", prompt_field="prompt", chosen_field="chosen",
+                                            rejected_field="rejected", max_length=64)
+
+
+def _value_and_grads(model, fn, batch):
+    model.zero_grad(set_to_none=True)
+    out = fn(model, batch)
+    weights = torch.linspace(-1.0, 1.5, out.numel())  # signed per-sequence weights, as advantages are
+    (out * weights).sum().backward()
+    return out.detach(), {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same(a, b):
+    (va, ga), (vb, gb) = a, b
+    torch.testing.assert_close(va, vb, rtol=1e-4, atol=1e-6)
+    assert ga.keys() == gb.keys() and ga
+    for k in ga:
+        torch.testing.assert_close(ga[k], gb[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_packed_varlen_logprobs_rewards_and_gradients_equal_padded_sdpa(micro_model, micro_data, monkeypatch):
+    """12 sequences in one packed row through the varlen model: every layer takes the varlen path, and
+    the per-sequence log-probs (sum and mean), rewards and their gradients equal the padded batch's under
+    SDPA. A padded batch on the varlen model takes SDPA, as before."""
+    tok, pairs = _pairs(micro_model, micro_data)
+    padded, packed = collate_pairs(pairs, tok.pad_token_id), collate_pairs(pairs, tok.pad_token_id, packed=True)
+    torch.manual_seed(0)  # the same random score head on both reward models
+    sdpa_lm, sdpa_rm = load_causal_lm(micro_model, CPU), load_reward_model(micro_model, CPU)
+    monkeypatch.setenv(ATTENTION_ENV, "varlen")
+    torch.manual_seed(0)
+    lm, rm = load_causal_lm(micro_model, CPU), load_reward_model(micro_model, CPU)
+    assert lm.config._attn_implementation == rm.config._attn_implementation == attention.VARLEN
+    assert sdpa_lm.config._attn_implementation == "sdpa"
+    layers = lm.config.num_hidden_layers
+    for average in (False, True):
+        fn = lambda m, b: response_logprobs(m, b, average=average)  # noqa: E731
+        before = dict(attention.calls)
+        got = _value_and_grads(lm, fn, packed)
+        assert attention.calls["varlen"] - before["varlen"] == layers and attention.calls["sdpa"] == before["sdpa"]
+        _assert_same(_value_and_grads(sdpa_lm, fn, padded), got)
+        before = dict(attention.calls)
+        _assert_same(_value_and_grads(sdpa_lm, fn, padded), _value_and_grads(lm, fn, padded))
+        assert attention.calls["sdpa"] - before["sdpa"] == layers and attention.calls["varlen"] == before["varlen"]
+    _assert_same(_value_and_grads(sdpa_rm, pair_rewards, padded), _value_and_grads(rm, pair_rewards, packed))
+
+
+def test_varlen_model_generates_and_saves_like_sdpa(micro_model, micro_data, monkeypatch, tmp_path):
+    """Generation (left-padded prompts, a KV cache) on the varlen model is SDPA's, token for token; a model
+    saved from it names no alignflow attention in its config, so plain transformers loads it."""
+    from transformers import AutoModelForCausalLM
+
+    tok = load_tokenizer(micro_model, padding_side="left")
+    prompts = [r["prompt"] for r in read_records(micro_data["eval"])[:4]]
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    sdpa_lm = load_causal_lm(micro_model, CPU)
+    monkeypatch.setenv(ATTENTION_ENV, "varlen")
+    lm = load_causal_lm(micro_model, CPU)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert torch.equal(lm.generate(**enc, **kw), sdpa_lm.generate(**enc, **kw))
+    lm.save_pretrained(tmp_path / "saved")
+    assert attention.VARLEN not in (tmp_path / "saved" / "config.json").read_text()
+    monkeypatch.delenv(ATTENTION_ENV)
+    AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))
+
+
+@pytest.mark.parametrize("stage", ["dpo_live", "reward"])
+def test_packed_varlen_training_equals_padded_sdpa(stage, micro_model, micro_data, tmp_path, monkeypatch):
+    """3 steps padded (SDPA) and packed under a token budget (varlen): the same per-step loss and gradient
+    norm (1e-4 relative) and final weights within 1e-3 of the update (test_packing_tiny's criterion)."""
+    step = dict(max_steps=3, batch_size=6, grad_accum=2, lr=3e-3, warmup_steps=0, num_threads=1,
+                precision="fp32", log_every=1, save_every=0)
+
+    def run(name, **kw):
+        out, sink = tmp_path / name, Recorder()
+        common = dict(model_path=str(micro_model), train_file=str(micro_data["preferences"]),
+                      output_dir=str(out / "model"), checkpoint_dir=str(out / "ckpt"), **step, **kw)
+        if stage == "reward":
+            result = train_reward_model(RewardConfig(eval_file="", **common), sink, show_progress=False)
+        else:
+            result = train_dpo(DPOConfig(eval_file=str(micro_data["eval"]), eval_items=2, beta=0.5, nll_weight=0.3,
+                                         precompute_reference=False, **common), sink, show_progress=False)
+        return sink, load_file(str(result.output_dir / "model.safetensors"))
+
+    base, w0 = run("padded")
+    monkeypatch.setenv(ATTENTION_ENV, "varlen")
+    before = attention.calls["varlen"]
+    sink, w = run("varlen", packing=True, micro_batch_tokens=40)
+    assert attention.calls["varlen"] > before
+    for metric in ("train/loss", "train/grad_norm"):
+        assert base.series(metric) == pytest.approx(sink.series(metric), rel=1e-4), metric
+    start = load_file(str(micro_model / "model.safetensors"))
+    keys = [k for k in w0 if k in start and w0[k].shape == start[k].shape]
+    gap = sum(float((w0[k] - w[k]).double().pow(2).sum()) for k in keys) ** 0.5
+    update = sum(float((w0[k] - start[k]).double().pow(2).sum()) for k in keys) ** 0.5
+    assert update > 0 and gap / update <= 1e-3, gap / update
