@@ -205,13 +205,14 @@ ROWS = {
     # padded rows (what ours-mixed / ours-bf16 now run; the names of the 2026-11-27 result files)
     "ours-mixed-padded": dict(side="alignflow", precision="mixed", regime="mixed", packing=False),
     "ours-bf16-padded": dict(side="alignflow", precision="bf16", regime="bf16", packing=False),
-    # padding-free rows: SDPA with a dense block-diagonal mask per packed row (slower than padding until
-    # variable-length flash attention is available; BENCHMARKS.md)
+    # padding-free rows: on a GPU through torch's variable-length flash kernel (rlhf_core.attention)
     "ours-mixed-packed": dict(side="alignflow", precision="mixed", regime="mixed", packing=True),
     "ours-bf16-packed": dict(side="alignflow", precision="bf16", regime="bf16", packing=True),
     "trl-default": dict(side="trl", model_dtype="bfloat16", bf16=True, best=False, regime="bf16"),
     "trl-mixed": dict(side="trl", model_dtype="float32", bf16=True, best=False, regime="mixed"),
     "trl-best": dict(side="trl", model_dtype="bfloat16", bf16=True, best=True, regime="bf16"),
+    # TRL at its best in the mixed regime: an fp32 model under bf16 autocast, liger + padding-free
+    "trl-mixed-best": dict(side="trl", model_dtype="float32", bf16=True, best=True, regime="mixed"),
     "trl-fp32": dict(side="trl", model_dtype="float32", bf16=False, best=False, regime="fp32"),
 }
 DEFAULT_ROWS = {"cpu": "ours-fp32,trl-fp32"}
@@ -220,6 +221,7 @@ GPU_ROWS = "ours-mixed,ours-bf16,trl-default,trl-mixed,trl-best"
 PAIRS = (("ours-mixed", "trl-mixed"), ("ours-bf16", "trl-default"), ("ours-best", "trl-best"),
          ("ours-mixed-padded", "trl-mixed"), ("ours-bf16-padded", "trl-default"), ("ours-best", "trl-default"),
          ("ours-mixed-packed", "trl-mixed"), ("ours-bf16-packed", "trl-default"),
+         ("ours-mixed", "trl-mixed-best"), ("ours-mixed-packed", "trl-mixed-best"), ("ours-bf16-packed", "trl-best"),
          ("ours-fp32", "trl-fp32"))
 # Our "best" settings, passed through the config on every ours row
 OURS_BEST = dict(fused_kernels="auto", lm_head="auto", packing=False, gradient_checkpointing="auto")
