@@ -25,6 +25,7 @@ the kernel's comparison with padded SDPA (bf16 against fp32).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -37,6 +38,7 @@ __all__ = ["VARLEN", "register", "available", "use_varlen", "segment_bounds", "v
 VARLEN = "alignflow_varlen"
 
 
+@functools.cache
 def _kernel() -> Any | None:
     """torch's ``varlen_attn`` (torch >= 2.10 with CUDA), or ``None``."""
     try:
@@ -97,12 +99,17 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tens
     return torch.cat(out)
 
 
+@functools.cache
+def _kernel_params() -> frozenset[str]:
+    """The keyword parameters of this torch's ``varlen_attn`` (read once: it is called per layer)."""
+    return frozenset(inspect.signature(_kernel()).parameters)
+
+
 def _kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int,
                  scale: float) -> torch.Tensor:
     """``varlen_attn``, causal, across the torch releases' two signatures (``is_causal`` in 2.10-2.11,
     ``window_size`` later); K/V heads repeated for grouped-query models where ``enable_gqa`` is missing."""
-    fn = _kernel()
-    params = inspect.signature(fn).parameters
+    params = _kernel_params()
     kwargs: dict[str, Any] = {"scale": scale}
     if "window_size" in params:
         kwargs["window_size"] = (-1, 0)
@@ -114,7 +121,7 @@ def _kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Te
         else:
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return fn(q, k, v, cu, cu, longest, longest, **kwargs)
+    return _kernel()(q, k, v, cu, cu, longest, longest, **kwargs)
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int,

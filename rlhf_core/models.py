@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +50,6 @@ def attn_implementation(path: Path, device: torch.device) -> str:
     Flex attention was tried for packed rows before: no backward on a CPU, slower than padded SDPA on an
     H200 once compiled, and a compile per packed length (BENCHMARKS.md).
     """
-    import os
-
     from transformers import AutoConfig
 
     from rlhf_core import attention

@@ -263,7 +263,7 @@ def _decode_eagerly(decoder: "_Decoder", logits: torch.Tensor, sampler: _Sampler
         token = sampler.record(*_sample(logits, sampler.params, generator))
         if t == R - 1 or ((t + 1) % check_every == 0 and bool(sampler.finished.all())):
             return t + 1
-        logits = decoder.step(token, graph=False)
+        logits = decoder.step(token)
     return R
 
 
@@ -471,7 +471,7 @@ class _Decoder:
         self.col += 1
         self.valid.index_fill_(1, self.col, True)
 
-    def step(self, token: torch.Tensor, graph: bool = False) -> torch.Tensor:
+    def step(self, token: torch.Tensor) -> torch.Tensor:
         """Feed ``token (B,)``; the next ``(B, V)`` logits (eager decode: the CPU path, and the fallback when
         graphs cannot be captured; the captured path is :meth:`replay`)."""
         self.token.copy_(token)

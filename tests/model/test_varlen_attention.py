@@ -18,13 +18,13 @@ from conftest import Recorder
 from rlhf_core import attention
 from rlhf_core.config import DPOConfig, RewardConfig
 from rlhf_core.data.io import read_records
-from rlhf_core.data.sequences import tokenize_preference_records
 from rlhf_core.data.tokenize import collate_pairs
 from rlhf_core.logprobs import response_logprobs
 from rlhf_core.models import ATTENTION_ENV, load_causal_lm, load_tokenizer
 from rlhf_core.reward_model import load_reward_model, pair_rewards
 from rlhf_core.trainers.dpo import train_dpo
 from rlhf_core.trainers.reward import train_reward_model
+from test_packing_tiny import _pairs  # six tokenized preference pairs of the micro data
 
 CPU = torch.device("cpu")
 
@@ -78,13 +78,6 @@ def test_use_varlen_rule():
 # --------------------------------------------------------------------------------------
 # A micro model: packed rows through varlen == padded rows through SDPA
 # --------------------------------------------------------------------------------------
-
-def _pairs(micro_model, micro_data, n=6):
-    tok = load_tokenizer(micro_model)
-    recs = read_records(micro_data["preferences"])[:n]
-    return tok, tokenize_preference_records(tok, recs, path="p", prompt_field="prompt", chosen_field="chosen",
-                                            rejected_field="rejected", max_length=64)
-
 
 def _value_and_grads(model, fn, batch):
     model.zero_grad(set_to_none=True)
