@@ -22,6 +22,9 @@ On a lent GPU (``.devwheels`` carried, liger-kernel in it: ``bench/device_wheels
   block-diagonal mask, against padded rows through SDPA, each against fp32 padded rows: per-sequence
   log-prob sums and gradients, time and memory (``--parts packed`` runs this part alone).
 
+* ``nosync`` (``--parts nosync``): SFT, DPO and reward-model micro-batches, padded and packed, forward and
+  backward under ``torch.cuda.set_sync_debug_mode("error")``: no step of them waits for the device.
+
 ``--small`` runs every part at toy sizes (CPU: the liger rows are skipped).
 """
 
@@ -237,11 +240,84 @@ def packed_part(small: bool, device: torch.device, reps: int) -> dict:
     return out
 
 
+def nosync_part(small: bool, device: torch.device) -> dict:
+    """Whether a training micro-batch's forward and backward wait for the device anywhere: each trainer's
+    loss path (SFT's NLL, DPO's sequence log-probs with the reference, the reward model's pair rewards),
+    padded and packed rows, with the fused kernels and LM head as the trainers resolve them, run once to
+    warm up and once under ``torch.cuda.set_sync_debug_mode("error")`` (any host read of a device value, a
+    blocking copy, a ``nonzero`` on the device raises there). ``ok`` or the error's first line."""
+    import traceback
+
+    from gpu_grpo import build_model, build_tokenizer
+    from rlhf_core.data.tokenize import TokenizedExample, collate_pairs
+    from rlhf_core.lm_head import resolve_lm_head
+    from rlhf_core.logprobs import response_logprobs
+    from rlhf_core.models import load_causal_lm
+    from rlhf_core.reward_model import load_reward_model, pair_rewards
+    from rlhf_core.trainers.sft import nll_loss_fn
+
+    work = Path(tempfile.mkdtemp(prefix="nosync-"))
+    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1) if small else {}
+    vocab = 2000 if small else 32000
+    model_dir = build_model(build_tokenizer(vocab, work / "tok"), work / "model", **dims)
+    g = torch.Generator().manual_seed(3)
+    pairs = []
+    for _ in range(4 if small else 16):
+        prompt = torch.randint(0, vocab - 10, (int(torch.randint(8, 64, (1,), generator=g)),), generator=g).tolist()
+        pair = []
+        for _side in range(2):
+            answer = torch.randint(0, vocab - 10, (int(torch.randint(4, 200, (1,), generator=g)),), generator=g).tolist()
+            pair.append(TokenizedExample(prompt + answer, [-100] * len(prompt) + answer))
+        pairs.append(tuple(pair))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    fused = liger_available()
+    policy, reference = (load_causal_lm(model_dir, device).to(dtype) for _ in range(2))
+    reward = load_reward_model(model_dir, device).to(dtype)
+    if fused:
+        for m in (policy, reference, reward):
+            apply_fused_kernels(m)
+    head = resolve_lm_head("auto", 4096, fused=fused, head_whole=True)
+    sft_loss = nll_loss_fn(head)
+
+    def dpo(batch):
+        logps = response_logprobs(policy, batch, head=head)
+        with torch.no_grad():
+            ref = response_logprobs(reference, batch, head=head)
+        return torch.nn.functional.logsigmoid(0.1 * (logps - ref)).sum()
+
+    cases = {"sft": (policy, lambda b: sft_loss(policy, b)[0]), "dpo": (policy, dpo),
+             "rm": (reward, lambda b: pair_rewards(reward, b).sum())}
+    out: dict = {"attention": policy.config._attn_implementation, "fused_kernels": fused, "lm_head": head.kernel,
+                 "dtype": str(dtype), "cases": {}}
+    for name, (model, fn) in cases.items():
+        for packed in (False, True):
+            batch = collate_pairs(pairs, 0, packed=packed)
+            key = f"{name}-{'packed' if packed else 'padded'}"
+            fn(batch).backward()  # warm-up: kernels chosen, caches built
+            model.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                fn(batch).backward()
+                out["cases"][key] = "ok"
+            except RuntimeError as exc:
+                where = [f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}" for f in traceback.extract_tb(exc.__traceback__)]
+                out["cases"][key] = f"{str(exc).splitlines()[0][:200]} (at {' <- '.join(where[-3:][::-1])})"
+            finally:
+                if device.type == "cuda":
+                    torch.cuda.set_sync_debug_mode("default")
+                model.zero_grad(set_to_none=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_lm_head_check.json")
     ap.add_argument("--small", action="store_true")
-    ap.add_argument("--parts", default="head,model,packed", help="comma-separated: head, model, packed")
+    ap.add_argument("--parts", default="head,model,packed",
+                    help="comma-separated: head, model, packed, nosync")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -258,6 +334,8 @@ def main() -> None:
         out["model"] = model_part(args.small, device, reps)
     if "packed" in parts:
         out["packed"] = packed_part(args.small, device, reps)
+    if "nosync" in parts:
+        out["nosync"] = nosync_part(args.small, device)
     try:
         import liger_kernel  # noqa: F401
         from importlib.metadata import version

@@ -115,6 +115,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import random
 import re
@@ -195,6 +196,19 @@ def make_small(variant: str) -> None:
     s["grpo"].update(prompts_per_step=4, group_size=4, max_new_tokens=16, micro_rows=4, steps=3)
     for name in ("sft", "dpo", "rm"):
         s[name].update(batch=4, max_length=128, steps=3)
+
+
+def apply_global_batch(variant: str, global_batch: int) -> None:
+    """``--global-batch G`` (ours' offline rows, scaling runs): a step of G rows in every benchmark, each rank's
+    micro-batch the variant's own batch size (so one GPU accumulates G / batch micro-batches and N GPUs
+    G / (N x batch)); the figures count G rows a step."""
+    s = SETTINGS[variant]
+    for name in ("sft", "dpo", "rm"):
+        b = s[name]
+        micro = b.get("micro_rows_per_rank", b["batch"])
+        if global_batch % (micro * s["gpus"]):
+            raise SystemExit(f"--global-batch {global_batch}: not a multiple of {micro} rows x {s['gpus']} GPUs")
+        b.update(micro_rows_per_rank=micro, batch=global_batch, grad_accum=global_batch // (micro * s["gpus"]))
 
 
 # Rows: one side in one setting. ``regime`` pairs ours with TRL.
@@ -460,6 +474,108 @@ class _Sink:
                   flush=True)
 
 
+    def close(self) -> None:
+        pass
+
+
+class _ProfilingSink(_Sink):
+    """``--profile``: torch.profiler over ``active`` training steps after ``skip`` (a step ends when the loop
+    logs it, so ``prof.step()`` runs there). The summary: wall seconds per profiled step, the device's busy
+    seconds in them (sum of kernel and copy times, one stream at a time here) and the top ops by device and
+    by host time. A profiled row's step times carry the profiler's overhead: not for the figures."""
+
+    def __init__(self, spec: dict) -> None:
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        super().__init__()
+        self.active = int(spec.get("active", 3))
+        self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                            schedule=schedule(wait=int(spec.get("skip", 2)), warmup=1, active=self.active),
+                            on_trace_ready=self._ready)
+        self.summary: dict = {}
+        self.marks: list[float] = []
+        self.prof.start()
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        super().log_metrics(metrics, step)
+        if "perf/elapsed_s" in metrics:
+            self.marks.append(metrics["perf/elapsed_s"])
+            self.prof.step()
+
+    def _ready(self, prof) -> None:
+        try:
+            self._summarize(prof)
+        except Exception as exc:  # noqa: BLE001 -- a profile that cannot be read must not cost the row
+            self.summary = {"error": f"{type(exc).__name__}: {exc}"}
+
+    def _summarize(self, prof) -> None:
+        from torch.autograd import DeviceType
+
+        events = prof.key_averages()
+        # steps actually profiled (fewer than ``active`` when the run ends first: a short --small run)
+        n = next((e.count for e in events if e.key.startswith("ProfilerStep")), self.active) or self.active
+        # kernels (and copies); ops' own device time repeats these, annotations span them
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA and not _annotation(e.key)]
+        device_us = sum(e.self_device_time_total for e in kernels)
+        walls = [b - a for a, b in zip(self.marks, self.marks[1:])][-n:]
+        by_device = sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]
+        by_host = sorted(events, key=lambda e: -e.self_cpu_time_total)[:15]
+        self.summary = {
+            "active_steps": n, "step_wall_s": [round(w, 4) for w in walls],
+            "device_busy_s_per_step": round(device_us / 1e6 / n, 4),
+            "device_busy_share": round(device_us / 1e6 / max(sum(walls), 1e-9), 3),
+            "top_device_ops": [{"op": e.key[:90], "calls": e.count // n,
+                                "device_ms_per_step": round(e.self_device_time_total / 1e3 / n, 3)}
+                               for e in by_device],
+            "top_host_ops": [{"op": e.key[:90], "calls": e.count // n,
+                              "host_ms_per_step": round(e.self_cpu_time_total / 1e3 / n, 3)}
+                             for e in by_host],
+            "device_idle": _idle_gaps(prof.events(), n)}
+
+    def close(self) -> None:
+        self.prof.stop()
+
+
+def _annotation(name: str) -> bool:
+    """A profiler range drawn on the device timeline (``ProfilerStep#``, ``Optimizer.step#...``), not a kernel."""
+    return name.startswith("ProfilerStep") or "#" in name
+
+
+def _idle_gaps(events, steps: int, top: int = 12) -> dict:
+    """Where the device waited: gaps between consecutive kernels (their union) over the profiled steps, with
+    the host ops running during each of the largest (what the host was doing while the device sat idle)."""
+    from torch.autograd import DeviceType
+
+    kern = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                  if e.device_type == DeviceType.CUDA and not _annotation(e.name))
+    if not kern:
+        return {}
+    host = [(e.time_range.start, e.time_range.end, e.name) for e in events
+            if e.device_type == DeviceType.CPU and not e.name.startswith("ProfilerStep")]
+    gaps, end, before = [], kern[0][1], kern[0][2]
+    for start, stop, name in kern[1:]:
+        if start > end:
+            gaps.append((start - end, end, start, before, name))
+        if stop > end:
+            end, before = stop, name
+    span = kern[-1][1] - kern[0][0]
+    idle = sum(g[0] for g in gaps)
+
+    def during(a: float, b: float) -> list[str]:
+        overlap: dict[str, float] = {}
+        for s0, s1, name in host:
+            o = min(b, s1) - max(a, s0)
+            if o > 0.5 * (b - a):  # ran through most of the gap
+                overlap[name] = min(overlap.get(name, math.inf), s1 - s0)
+        return [k[:60] for k, _ in sorted(overlap.items(), key=lambda kv: kv[1])[:4]]  # innermost first
+
+    return {"span_ms_per_step": round(span / 1e3 / steps, 2), "idle_ms_per_step": round(idle / 1e3 / steps, 2),
+            "gaps_over_100us_per_step": round(sum(g[0] > 100 for g in gaps) / steps, 1),
+            "idle_in_gaps_over_1ms_per_step": round(sum(g[0] for g in gaps if g[0] > 1000) / 1e3 / steps, 2),
+            "largest": [{"ms": round(g[0] / 1e3, 2), "after": g[3][:60], "before": g[4][:60],
+                         "host_during": during(g[1], g[2])} for g in sorted(gaps, reverse=True)[:top]]}
+
+
 TRAINERS = {"sft": "rlhf_core.trainers.sft:train_sft", "dpo": "rlhf_core.trainers.dpo:train_dpo",
             "rm": "rlhf_core.trainers.reward:train_reward_model"}
 
@@ -481,7 +597,9 @@ def ours(task: dict) -> dict:
                   weight_decay=OPTIMIZER["weight_decay"], max_grad_norm=OPTIMIZER["max_grad_norm"],
                   num_workers=gpus, parallel=inputs["parallel"],
                   **{**OURS_BEST, "packing": row.get("packing", OURS_BEST["packing"]) and name != "grpo"})
-    sink = _Sink()
+    if common["packing"] and task.get("micro_batch_tokens"):
+        common["micro_batch_tokens"] = task["micro_batch_tokens"]
+    sink = _ProfilingSink(task["profile"]) if task.get("profile") and name != "grpo" and gpus == 1 else _Sink()
     peak_dir = os.environ.get("BENCH_PEAK_DIR", "")
     if name == "grpo":
         from rlhf_core.trainers.rl import train_rl
@@ -517,7 +635,9 @@ def ours(task: dict) -> dict:
                                                           "micro_batch_size", "mini_batch_size", "kl_coef")},
                 "threads": _threads()}
     held_out = _paths(inputs, "grpo")[1]  # prompt + label rows: the end-of-run eval (not timed) reads 1
-    shared = dict(model_path=model, train_file=data, eval_file=held_out, max_steps=b["steps"], batch_size=b["batch"],
+    accum = b.get("grad_accum", 1)  # --global-batch: a step of b["batch"] rows in accum draws
+    shared = dict(model_path=model, train_file=data, eval_file=held_out, max_steps=b["steps"],
+                  batch_size=b["batch"] // accum, grad_accum=accum,
                   max_length=b["max_length"], lr=b["lr"], warmup_steps=0, log_every=1, eval_items=1, **common)
     if name == "sft":
         cfg = SFTConfig(**shared)
@@ -534,14 +654,16 @@ def ours(task: dict) -> dict:
     elapsed = [m["perf/elapsed_s"] for _, m in sink.rows if "perf/elapsed_s" in m]
     from rlhf_core import attention
 
+    sink.close()
     return {"step_s": [b2 - a for a, b2 in zip([0.0] + elapsed, elapsed)], "peak_memory_gb": _peak_memory_gb(),
+            **({"profile": sink.summary} if isinstance(sink, _ProfilingSink) else {}),
             "launch": f"Ray, {gpus} ranks, {inputs['parallel']}" if gpus > 1 else "one process",
             # decoder-layer attention calls by path in this process (packed rows on a GPU: varlen); one rank's
             # under Ray ranks live in other processes, so both stay 0 there
             "attention_layer_calls": dict(attention.calls),
             "settings": {k: getattr(cfg, k) for k in ("precision", "gradient_checkpointing", "fused_kernels", "lm_head",
                                                       "packing", "micro_batch_tokens", "num_workers", "parallel",
-                                                      "batch_size", "max_length", "weight_decay")},
+                                                      "batch_size", "grad_accum", "max_length", "weight_decay")},
             "threads": _threads()}
 
 
@@ -1064,7 +1186,8 @@ def settings_record(variant: str, rows: list[str], args: argparse.Namespace) -> 
             "optimizer": {**OPTIMIZER, "ours": "torch.optim.AdamW (foreach), no decay on 1-D params",
                           "trl": "HF Trainer default optim (adamw_torch_fused), no decay on biases and norms"},
             "rounds": args.rounds, "order": "ABBA: the row list, reversed on even rounds", "warmup_steps": args.warmup,
-            "trl_grad_ckpt": args.trl_grad_ckpt,
+            "trl_grad_ckpt": args.trl_grad_ckpt, "ours_micro_batch_tokens": args.micro_batch_tokens,
+            "profiled": args.profile, "global_batch": args.global_batch,
             "differences": ["optimizer kernel: TRL fused AdamW, ours foreach AdamW",
                             "learning-rate schedule: ours cosine (warmup 0), TRL constant (timing only)",
                             "GRPO loss aggregation: ours token_mean with clip_high 0.28, TRL 1.16 defaults",
@@ -1094,6 +1217,14 @@ def main() -> None:
     ap.add_argument("--parallel", choices=["ddp", "zero2", "zero3"], default="",
                     help="ours' data parallelism on several GPUs (default: zero3)")
     ap.add_argument("--small", action="store_true", help="the variant's code paths on a micro model (smoke test)")
+    ap.add_argument("--global-batch", type=int, default=0,
+                    help="ours' offline rows: G rows a step, each rank's micro-batch the variant's batch (1 -> N "
+                         "scaling at a fixed global batch with the same per-GPU work)")
+    ap.add_argument("--micro-batch-tokens", type=int, default=0,
+                    help="ours' packed rows: token budget of a micro-batch (0: each draw is one micro-batch)")
+    ap.add_argument("--profile", action="store_true",
+                    help="ours' offline rows on one device under torch.profiler (steps 4-6): a where-the-time-goes "
+                         "run, its step times carry the profiler's overhead")
     ap.add_argument("--resummarize", metavar="FILE", help="recompute the summaries of a result file from its runs")
     ap.add_argument("--scaling", nargs=2, metavar=("ONE", "MANY"),
                     help="combine two result files (--gpus 1 and --gpus N) into the scaling summary at --out")
@@ -1108,6 +1239,8 @@ def main() -> None:
             make_small(task["inputs"]["variant"])
         if "gpus" in task.get("inputs", {}):
             SETTINGS[task["inputs"]["variant"]].update(gpus=task["inputs"]["gpus"], parallel=task["inputs"]["parallel"])
+        if task.get("inputs", {}).get("global_batch"):
+            apply_global_batch(task["inputs"]["variant"], task["inputs"]["global_batch"])
         child_main(args.child, task)
         return
     if args.small:
@@ -1115,6 +1248,8 @@ def main() -> None:
     if args.gpus or args.parallel:
         SETTINGS[args.variant].update(**({"gpus": args.gpus} if args.gpus else {}),
                                       **({"parallel": args.parallel} if args.parallel else {}))
+    if args.global_batch:
+        apply_global_batch(args.variant, args.global_batch)
     if args.resummarize:
         resummarize(Path(args.resummarize), args.warmup)
         return
@@ -1128,6 +1263,8 @@ def main() -> None:
     for r in rows:
         if r not in ROWS:
             ap.error(f"unknown row {r!r}; rows: {', '.join(ROWS)}")
+        if args.global_batch and ROWS[r]["side"] != "alignflow":
+            ap.error("--global-batch is for ours' rows (the scaling runs); TRL's rows keep the variant's batch")
     for b in benches:
         if b not in BENCHES:
             ap.error(f"unknown bench {b!r}; benches: {', '.join(BENCHES)}")
@@ -1136,6 +1273,7 @@ def main() -> None:
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix=f"bench-{args.variant}-"))
     work.mkdir(parents=True, exist_ok=True)
     inputs = build_inputs(args.variant, work, args.small)
+    inputs["global_batch"] = args.global_batch
     if args.cpu_root:
         if args.variant != "cpu":
             ap.error("--cpu-root is for the cpu variant; the GPU variants build their own model and data")
@@ -1192,7 +1330,8 @@ def main() -> None:
         results[name] = {"runs": runs}
         for rnd, row in schedule(rows, args.rounds):
             side = ROWS[row]["side"]
-            task = {"inputs": inputs, "bench": name, "row": row}
+            task = {"inputs": inputs, "bench": name, "row": row, "micro_batch_tokens": args.micro_batch_tokens,
+                    "profile": {"skip": 2, "active": 3} if args.profile else None}
             if side == "trl":
                 task["trl_grad_ckpt"] = trl_checkpointing(row, decided, args.trl_grad_ckpt)
             res = run_child(side, task, args.child_timeout)
@@ -1249,7 +1388,8 @@ def scaling(one: Path, many: Path, out: Path) -> dict:
                 "range_step_s": {ga: ra["range_step_s"], gb: rb["range_step_s"]},
                 "parallel": {ga: (ra.get("settings") or {}).get("parallel"), gb: (rb.get("settings") or {}).get("parallel")},
                 "peak_memory_gb": {ga: ra["peak_memory_gb"], gb: rb["peak_memory_gb"]},
-                "global_batch": (ra.get("settings") or {}).get("batch_size"),
+                "global_batch": {g: (r.get("settings") or {}).get("batch_size", 0) * (r.get("settings") or {}).get("grad_accum", 1)
+                                 for g, r in ((ga, ra), (gb, rb))},
                 "efficiency": round(rb["tokens_per_s"] / (ra["tokens_per_s"] * gb / ga), 3)}
     doc = {"variant": a["variant"], "gpus": [ga, gb], "files": [one.name, many.name], "rows": rows,
            "target": "scaling 1 -> 4 GPUs at a fixed global batch >= 85% (SFT and DPO tokens/s, ZeRO-2)",
@@ -1267,6 +1407,8 @@ def resummarize(path: Path, warmup: int) -> None:
         make_small(data["variant"])
     if data["settings"].get("gpus"):
         SETTINGS[data["variant"]]["gpus"] = data["settings"]["gpus"]
+    if data["settings"].get("global_batch"):
+        apply_global_batch(data["variant"], data["settings"]["global_batch"])
     c = data["ceiling"]
     ceiling = {"matmul_flops": c["matmul_flops"], "copy_bytes_per_s": c["copy_bytes_per_s"]}
     for name, res in data["results"].items():

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["VARLEN", "register", "available", "use_varlen", "segment_bounds", "varlen_attention",
-           "attention_forward"]
+           "attention_forward", "packed_forward_kwargs"]
 
 VARLEN = "alignflow_varlen"
 
@@ -156,6 +156,27 @@ def _bounds(position_ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
     return _bounds_cache["value"]
 
 
+def packed_forward_kwargs(model: Any, position_ids: torch.Tensor, device: torch.device) -> dict[str, Any]:
+    """Forward keyword arguments carrying a packed row's sequence bounds, worked out from ``position_ids``
+    where they live (the collated batch's CPU tensor), for a model that attends with :data:`VARLEN`.
+
+    Without them the first layer works the bounds out from the device's copy of the positions: a
+    ``nonzero`` and a host read of the longest sequence, two waits for the device in every forward
+    (on an H100 these, with the other host reads of a step, left the GPU idle a third of a 0.5B
+    training step: ``bench/results/prof_h100_0p5b_gaps.json``). transformers passes a model's extra
+    keyword arguments down to its attention function; the names are the ones its own flash-attention
+    path reads (``cu_seq_lens_q`` ...). ``{}`` for any other model (it may not take them).
+    """
+    base = model
+    while hasattr(base, "module"):  # DDP / DeepSpeed
+        base = base.module
+    if getattr(getattr(base, "config", None), "_attn_implementation", None) != VARLEN:
+        return {}
+    cu, longest = segment_bounds(position_ids, position_ids.shape[0])
+    cu = cu.to(device, non_blocking=True)  # from pageable memory: staged at once, no wait for the device
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -170,7 +191,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     calls["varlen"] += 1
-    cu, longest = _bounds(position_ids, B)
+    if kwargs.get("cu_seq_lens_q") is not None:  # worked out on the host (packed_forward_kwargs)
+        cu, longest = kwargs["cu_seq_lens_q"], int(kwargs["max_length_q"])
+    else:
+        cu, longest = _bounds(position_ids, B)
     flat = [t.transpose(1, 2).reshape(B * T, t.shape[1], D) for t in (query, key, value)]  # (B*T, heads, D)
     out = varlen_attention(*flat, cu, longest, scaling if scaling is not None else D ** -0.5)
     return out.view(B, T, H, D), None

@@ -179,16 +179,25 @@ def scored_logprobs(model: Any, inputs: dict[str, torch.Tensor], positions: torc
 
     Args:
         inputs: ``input_ids`` etc., ``(B, T)``, on the model's device.
-        positions: ``(B, T)`` bool mask of the positions whose next-token prediction is scored.
+        positions: ``(B, T)`` bool mask of the positions whose next-token prediction is scored, or ``(N,)``
+            their flat indices into ``B * T`` (increasing): selecting by index waits for nothing, where a
+            bool mask on the device makes forward and backward each wait for the device (``nonzero``).
         targets: ``(N,)`` the token each scored position predicts (N = ``positions.sum()``), row-major.
     """
     if not bypasses_head(model, head):
-        logits = model(**inputs, use_cache=False, **forward_kwargs).logits[positions]  # (N, V)
+        logits = _select(model(**inputs, use_cache=False, **forward_kwargs).logits, positions)  # (N, V)
         logp, entropy = _chunk_logprobs(torch.nn.Identity(), logits, targets, temperature, with_entropy)
         return logp, (entropy if with_entropy else None)
     with _head_bypassed(model) as lm_head:
-        hidden = model(**inputs, use_cache=False, **forward_kwargs).logits[positions]  # (N, H)
+        hidden = _select(model(**inputs, use_cache=False, **forward_kwargs).logits, positions)  # (N, H)
     return head_logprobs(lm_head, hidden, targets, head, temperature=temperature, with_entropy=with_entropy)
+
+
+def _select(out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rows of ``out`` ``(B, T, D)`` at ``positions`` (bool ``(B, T)`` or flat indices ``(N,)``): ``(N, D)``."""
+    if positions.dtype == torch.bool:
+        return out[positions]
+    return out.flatten(0, 1).index_select(0, positions)
 
 
 def bypasses_head(model: Any, head: LMHead) -> bool:
@@ -218,14 +227,24 @@ def labelled_token_logprobs(model: Any, batch: dict[str, torch.Tensor], head: LM
     """``(B, T-1)`` log-prob of each labelled next token (``labels[:, 1:] != -100``), 0 elsewhere.
 
     Column ``t`` scores ``labels[:, t+1]`` from position ``t`` (Hugging Face's shift by one).
+    The indices of the labelled positions are worked out where the batch was collated (the host) and
+    copied over with the inputs, so neither pass waits for the device (:func:`scored_logprobs`); the
+    packed-row bounds likewise (:func:`rlhf_core.attention.packed_forward_kwargs`).
     """
+    from rlhf_core.attention import packed_forward_kwargs
+
     device = next(unwrap(model).parameters()).device
-    inputs = {k: batch[k].to(device) for k in MODEL_INPUTS if k in batch}
-    labels = batch["labels"].to(device)[:, 1:]
-    scored = labels != -100
-    positions = torch.nn.functional.pad(scored, (0, 1))  # (B, T): the last position predicts nothing
-    logp, _ = scored_logprobs(model, inputs, positions, labels[scored], head)
-    return torch.zeros(labels.shape, dtype=logp.dtype, device=device).masked_scatter(scored, logp)
+    inputs = {k: batch[k].to(device, non_blocking=True) for k in MODEL_INPUTS if k in batch}
+    extra = packed_forward_kwargs(model, batch["position_ids"], device) if "attention_mask" not in batch \
+        and "position_ids" in batch else {}
+    labels = batch["labels"][:, 1:]  # (B, T-1) where it was collated
+    B, width = labels.shape
+    scored = (labels != -100).flatten().nonzero().squeeze(1)  # (N,) into B x (T-1), row-major
+    positions = scored + scored // width  # the same positions in B x T (the last column predicts nothing)
+    targets = labels.flatten().index_select(0, scored)
+    scored, positions, targets = (t.to(device, non_blocking=True) for t in (scored, positions, targets))
+    logp, _ = scored_logprobs(model, inputs, positions, targets, head, **extra)
+    return torch.zeros(B * width, dtype=logp.dtype, device=device).index_copy(0, scored, logp).view(B, width)
 
 
 # --------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def sequence_sums(values: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch
     """``(sequences,)`` sums of next-token ``values`` ``(rows, T-1)``: per row, or per packed sequence."""
     if not is_packed(batch):
         return values.sum(-1)
-    return segment_sums(values, batch["position_ids"].to(values.device))
+    return segment_sums(values, batch["position_ids"])  # bookkeeping on the collated (host) positions
 
 
 def response_token_counts(batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -132,11 +132,14 @@ def segment_sums(values: torch.Tensor, position_ids: torch.Tensor) -> torch.Tens
 
     Returns:
         ``(n_sequences,)`` in row-major order of the sequences' starts; differentiable in ``values``.
+
+    ``position_ids`` may stay where the batch was collated (the host) while ``values`` are on the device:
+    the segment count is then read without waiting for the device.
     """
     seg = segment_ids(position_ids)
     n = int(seg[-1, -1]) + 1
     out = torch.zeros(n, dtype=values.dtype, device=values.device)
-    return out.index_add(0, seg[:, 1:].reshape(-1), values.reshape(-1))
+    return out.index_add(0, seg[:, 1:].reshape(-1).to(values.device, non_blocking=True), values.reshape(-1))
 
 
 def segment_last_index(position_ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

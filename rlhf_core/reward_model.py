@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
+from rlhf_core.attention import packed_forward_kwargs
 from rlhf_core.data.tokenize import collate_padded, tokenize_prompt_completion
 from rlhf_core.logprobs import is_packed
 from rlhf_core.losses import segment_last_index
@@ -48,12 +49,18 @@ def pair_rewards(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """
     device = next(model.parameters()).device
     if not is_packed(batch):
-        return model(input_ids=batch["input_ids"].to(device),
-                     attention_mask=batch["attention_mask"].to(device)).logits.squeeze(-1).float()
-    return packed_rewards(model, batch["input_ids"].to(device), batch["position_ids"].to(device))
+        return model(input_ids=batch["input_ids"].to(device, non_blocking=True),
+                     attention_mask=batch["attention_mask"].to(device, non_blocking=True)).logits.squeeze(-1).float()
+    # the read positions and the attention bounds from the collated (host) tensors: no wait for the device
+    pad = getattr(model, "module", model).config.get_text_config().pad_token_id
+    index = segment_last_index(batch["position_ids"], batch["input_ids"] != pad).to(device, non_blocking=True)
+    extra = packed_forward_kwargs(model, batch["position_ids"], device)
+    return packed_rewards(model, batch["input_ids"].to(device, non_blocking=True),
+                          batch["position_ids"].to(device, non_blocking=True), index=index, **extra)
 
 
-def packed_rewards(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+def packed_rewards(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor, *,
+                   index: torch.Tensor | None = None, **forward_kwargs: Any) -> torch.Tensor:
     """``(sequences,)`` scores of packed rows ``(rows, T)``, each read at its sequence's last non-pad token.
 
     The HF forward pools one score per row (its rightmost non-pad token), so it cannot serve a row
@@ -61,18 +68,21 @@ def packed_rewards(model: Any, input_ids: torch.Tensor, position_ids: torch.Tens
     same forward with a hook instead, and pooled per sequence with transformers' rule
     (:func:`rlhf_core.losses.segment_last_index`). ``use_cache=False`` matters: with a cache
     transformers ignores ``position_ids`` when building the mask and the sequences would see
-    each other.
+    each other. ``index``: those positions, when the caller already has them; ``forward_kwargs`` go to the
+    model (:func:`rlhf_core.attention.packed_forward_kwargs`).
     """
     head = getattr(model, "module", model).score  # under DDP / DeepSpeed, the wrapped HF model's head
     captured: list[torch.Tensor] = []
     hook = head.register_forward_hook(lambda _module, _inputs, output: captured.append(output))
     try:
-        model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **forward_kwargs)
     finally:
         hook.remove()
     scores = captured[-1].squeeze(-1).float().reshape(-1)  # (rows * T,)
-    pad = getattr(model, "module", model).config.get_text_config().pad_token_id
-    return scores[segment_last_index(position_ids, input_ids != pad)]
+    if index is None:
+        pad = getattr(model, "module", model).config.get_text_config().pad_token_id
+        index = segment_last_index(position_ids, input_ids != pad)
+    return scores[index]
 
 
 def set_normalisation(model: Any, mean: float, std: float) -> None:

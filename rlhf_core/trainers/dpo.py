@@ -62,6 +62,27 @@ def precompute_reference_logps(reference: Any, pairs: list[tuple[TokenizedExampl
                         torch.cat([p[n:] for p, n in zip(per_chunk, sizes)])], dim=1)
 
 
+class _PairRewards:
+    """The implicit rewards of the pairs trained since the last logged step (per pair, so the logged means do
+    not depend on how pairs were grouped into micro-batches). Kept on the device and read once a logged step
+    is over: a read per micro-batch would make the host wait for each forward before queueing its backward."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, list[torch.Tensor]] = {"acc": [], "margin": [], "chosen": [], "rejected": []}
+
+    def add(self, chosen: torch.Tensor, rejected: torch.Tensor) -> None:
+        for key, value in (("acc", (chosen > rejected).float()), ("margin", chosen - rejected),
+                           ("chosen", chosen), ("rejected", rejected)):
+            self.seen[key].append(value.detach())
+
+    def means(self) -> dict[str, float]:
+        values = {k: torch.cat(v).tolist() if v else [] for k, v in self.seen.items()}
+        for v in self.seen.values():
+            v.clear()
+        return {f"train/reward_{k}" if k != "acc" else "train/reward_accuracy": sum(v) / max(len(v), 1)
+                for k, v in values.items()}
+
+
 def train_dpo(cfg: DPOConfig, sink: MetricSink | None = None, show_progress: bool = True) -> DPOResult:
     """Optimise ``cfg.model_path`` on preference pairs and save an HF directory at ``cfg.output_dir``."""
     sink = sink or NullSink()
@@ -98,7 +119,7 @@ def train_dpo(cfg: DPOConfig, sink: MetricSink | None = None, show_progress: boo
     batches = MicroBatches(draw=sampler.next, collate=collate, tokens=lambda i: len(pairs[i][0]) + len(pairs[i][1]))
 
     # ---- loss: pairwise on policy vs reference log-ratios ----------------------------------
-    seen: dict[str, list[float]] = {"acc": [], "margin": [], "chosen": [], "rejected": []}
+    seen = _PairRewards()
 
     def loss_fn(policy: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         n = int(batch["n_pairs"])
@@ -117,19 +138,8 @@ def train_dpo(cfg: DPOConfig, sink: MetricSink | None = None, show_progress: boo
             n_tok = response_token_counts(batch)[:n].clamp(min=1).to(logps.device)
             chosen_mean = logps[:n] if average else logps[:n] / n_tok
             loss_sum = loss_sum - cfg.nll_weight * chosen_mean.sum()
-        # per pair, so the logged means do not depend on how pairs were grouped into micro-batches
-        seen["acc"].extend((out.chosen_rewards > out.rejected_rewards).float().tolist())
-        seen["margin"].extend((out.chosen_rewards - out.rejected_rewards).tolist())
-        seen["chosen"].extend(out.chosen_rewards.tolist())
-        seen["rejected"].extend(out.rejected_rewards.tolist())
+        seen.add(out.chosen_rewards, out.rejected_rewards)
         return loss_sum, torch.tensor(n)
-
-    def step_metrics() -> dict[str, float]:
-        out = {f"train/reward_{k}" if k != "acc" else "train/reward_accuracy": sum(v) / max(len(v), 1)
-               for k, v in seen.items()}
-        for v in seen.values():
-            v.clear()
-        return out
 
     def evaluate() -> tuple[Any, ...]:
         result = evaluate_exact_match(model, tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
@@ -139,6 +149,6 @@ def train_dpo(cfg: DPOConfig, sink: MetricSink | None = None, show_progress: boo
     # ---- train, then save -----------------------------------------------------------------
     loop = run_training(cfg, "dpo", model, tokenizer, batches=batches, loss_fn=loss_fn,
                         evaluate=evaluate, sink=sink, state={"sampler": sampler}, units_fn=lambda b: int(b["n_pairs"]),
-                        step_metrics=step_metrics, show_progress=show_progress)
+                        step_metrics=seen.means, show_progress=show_progress)
     return DPOResult(Path(cfg.output_dir), loop.metrics, loop.eval_samples, rendered_pair_rows(tokenizer, pairs),
                      loop.eval_answers)

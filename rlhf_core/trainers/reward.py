@@ -102,7 +102,7 @@ def train_reward_model(cfg: RewardConfig, sink: MetricSink | None = None, show_p
     batches = MicroBatches(draw=sampler.next, collate=collate, tokens=lambda i: len(train[i][0]) + len(train[i][1]))
 
     # ---- loss: Bradley-Terry on the pair's scalar rewards ---------------------------------
-    seen: list[float] = []
+    seen: list[torch.Tensor] = []  # per pair, on the device until a logged step is over (as in dpo.py)
 
     def loss_fn(rm: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         n = int(batch["n_pairs"])
@@ -111,11 +111,12 @@ def train_reward_model(cfg: RewardConfig, sink: MetricSink | None = None, show_p
             losses = log_exp_loss(r[:n], r[n:])
         else:
             losses = bradley_terry_loss(r[:n], r[n:], batch["margin"].to(r.device) if cfg.use_margin else None)
-        seen.extend((r[:n] > r[n:]).float().tolist())  # per pair: independent of the grouping
+        seen.append((r[:n] > r[n:]).float().detach())  # per pair: independent of the grouping
         return losses.sum(), torch.tensor(n)
 
     def step_metrics() -> dict[str, float]:
-        out = {"train/reward_accuracy": sum(seen) / max(len(seen), 1)}
+        values = torch.cat(seen).tolist() if seen else []
+        out = {"train/reward_accuracy": sum(values) / max(len(values), 1)}
         seen.clear()
         return out
 

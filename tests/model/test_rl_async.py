@@ -49,12 +49,16 @@ def _cfg(micro_model, micro_data, root, **kw) -> RLConfig:
 
 def test_synchronous_default_logs_the_pre_async_metrics(micro_model, micro_data, tmp_path):
     """max_staleness 0 (the default) is the synchronous loop of before: the same samples, losses, KL and gradient
-    norms as commit c477fe8 logged (PRE_ASYNC; 1e-6 relative for other CPUs' rounding), no async/ metric, and
+    norms as commit c477fe8 logged (PRE_ASYNC; fp32 rounding for other CPUs, below), no async/ metric, and
     the new per-step timestamps say generation ends before the update starts (perf/overlap_s 0)."""
     sink = Recorder()
     train_rl(_cfg(micro_model, micro_data, tmp_path), sink, show_progress=False)
     for name, values in PRE_ASYNC.items():
-        assert sink.series(name) == pytest.approx(values, rel=1e-6, abs=1e-9), name
+        # The same samples (rewards exact); the policy loss, KL and log-prob mismatch are small differences of
+        # O(1) fp32 terms, so another CPU's kernels move them by fp32's absolute resolution of those terms, not
+        # by a relative 1e-6 of their small values (an AMD EPYC host, 2026-11-28: at most 3e-8 off, 2.4e-7 on
+        # the entropy and gradient norm). 1e-7 absolute holds that, and a changed sample or loss breaks it.
+        assert sink.series(name) == pytest.approx(values, rel=1e-6, abs=1e-7), name
     assert not [k for _, row in sink.rows for k in row if k.startswith("async/")]
     assert sink.series("perf/overlap_s") == [0.0] * 3
     for gen_end, upd_start in zip(sink.series("perf/rollout_end_ts"), sink.series("perf/update_start_ts")):

@@ -109,6 +109,8 @@ def test_packed_varlen_logprobs_rewards_and_gradients_equal_padded_sdpa(micro_mo
     assert lm.config._attn_implementation == rm.config._attn_implementation == attention.VARLEN
     assert sdpa_lm.config._attn_implementation == "sdpa"
     layers = lm.config.num_hidden_layers
+    worked_out_in_model = []  # the bounds come from the host's positions (packed_forward_kwargs), not layer 1
+    monkeypatch.setattr(attention, "_bounds", lambda *a: worked_out_in_model.append(a) or pytest.fail("bounds"))
     for average in (False, True):
         fn = lambda m, b: response_logprobs(m, b, average=average)  # noqa: E731
         before = dict(attention.calls)
@@ -119,6 +121,26 @@ def test_packed_varlen_logprobs_rewards_and_gradients_equal_padded_sdpa(micro_mo
         _assert_same(_value_and_grads(sdpa_lm, fn, padded), _value_and_grads(lm, fn, padded))
         assert attention.calls["sdpa"] - before["sdpa"] == layers and attention.calls["varlen"] == before["varlen"]
     _assert_same(_value_and_grads(sdpa_rm, pair_rewards, padded), _value_and_grads(rm, pair_rewards, packed))
+    assert not worked_out_in_model
+
+
+def test_host_bounds_equal_the_first_layers(micro_model, micro_data, monkeypatch):
+    """The packed row's bounds handed to the model as forward arguments (worked out from the collated
+    CPU positions) give exactly the logits of the model working them out itself from its own copy; a
+    model without varlen attention gets no such arguments."""
+    tok, pairs = _pairs(micro_model, micro_data)
+    packed = collate_pairs(pairs, tok.pad_token_id, packed=True)
+    assert attention.packed_forward_kwargs(load_causal_lm(micro_model, CPU), packed["position_ids"], CPU) == {}
+    monkeypatch.setenv(ATTENTION_ENV, "varlen")
+    lm = load_causal_lm(micro_model, CPU)
+    extra = attention.packed_forward_kwargs(lm, packed["position_ids"], CPU)
+    cu, longest = attention.segment_bounds(packed["position_ids"], 1)
+    assert torch.equal(extra["cu_seq_lens_q"], cu) and extra["max_length_q"] == longest == max(map(len, sum(pairs, ())))
+    inputs = {k: packed[k] for k in ("input_ids", "position_ids")}
+    with torch.no_grad():
+        own = lm(**inputs, use_cache=False).logits
+        given = lm(**inputs, use_cache=False, **extra).logits
+    assert torch.equal(own, given)
 
 
 def test_varlen_model_generates_and_saves_like_sdpa(micro_model, micro_data, monkeypatch, tmp_path):
