@@ -23,7 +23,7 @@ On a lent GPU (``.devwheels`` carried, liger-kernel in it: ``bench/device_wheels
   log-prob sums and gradients, time and memory (``--parts packed`` runs this part alone).
 
 * ``nosync`` (``--parts nosync``): SFT, DPO and reward-model micro-batches, padded and packed, forward and
-  backward under ``torch.cuda.set_sync_debug_mode("error")``: no step of them waits for the device.
+  backward under ``torch.cuda.set_sync_debug_mode("warn")``: how often and where each waits for the device.
 
 ``--small`` runs every part at toy sizes (CPU: the liger rows are skipped).
 """
@@ -244,9 +244,11 @@ def nosync_part(small: bool, device: torch.device) -> dict:
     """Whether a training micro-batch's forward and backward wait for the device anywhere: each trainer's
     loss path (SFT's NLL, DPO's sequence log-probs with the reference, the reward model's pair rewards),
     padded and packed rows, with the fused kernels and LM head as the trainers resolve them, run once to
-    warm up and once under ``torch.cuda.set_sync_debug_mode("error")`` (any host read of a device value, a
-    blocking copy, a ``nonzero`` on the device raises there). ``ok`` or the error's first line."""
-    import traceback
+    warm up and once under ``torch.cuda.set_sync_debug_mode("warn")`` (any host read of a device value, a
+    blocking copy, a ``nonzero`` on the device warns there): the number of waits and where (file:line of the
+    Python frame that made each; 2026-11-28's run used mode "error", which stops at the first)."""
+    import collections
+    import warnings
 
     from gpu_grpo import build_model, build_tokenizer
     from rlhf_core.data.tokenize import TokenizedExample, collate_pairs
@@ -298,17 +300,17 @@ def nosync_part(small: bool, device: torch.device) -> dict:
             model.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-                torch.cuda.set_sync_debug_mode("error")
+                torch.cuda.set_sync_debug_mode("warn")  # every wait warns (mode "error" would stop at the first)
             try:
-                fn(batch).backward()
-                out["cases"][key] = "ok"
-            except RuntimeError as exc:
-                where = [f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}" for f in traceback.extract_tb(exc.__traceback__)]
-                out["cases"][key] = f"{str(exc).splitlines()[0][:200]} (at {' <- '.join(where[-3:][::-1])})"
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    fn(batch).backward()
             finally:
                 if device.type == "cuda":
                     torch.cuda.set_sync_debug_mode("default")
                 model.zero_grad(set_to_none=True)
+            waits = [f"{w.filename.split('/')[-1]}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+            out["cases"][key] = {"waits": len(waits), "where": dict(collections.Counter(waits))}
     return out
 
 
