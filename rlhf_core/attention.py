@@ -161,9 +161,9 @@ def packed_forward_kwargs(model: Any, position_ids: torch.Tensor, device: torch.
     where they live (the collated batch's CPU tensor), for a model that attends with :data:`VARLEN`.
 
     Without them the first layer works the bounds out from the device's copy of the positions: a
-    ``nonzero`` and a host read of the longest sequence, two waits for the device in every forward
-    (on an H100 these, with the other host reads of a step, left the GPU idle a third of a 0.5B
-    training step: ``bench/results/prof_h100_0p5b_gaps.json``). transformers passes a model's extra
+    ``nonzero`` and a host read of the longest sequence, two waits for the device in every forward, each
+    stopping the host from queueing work ahead of the device (the gaps of
+    ``bench/results/prof_h100_0p5b_gaps.json``). transformers passes a model's extra
     keyword arguments down to its attention function; the names are the ones its own flash-attention
     path reads (``cu_seq_lens_q`` ...). ``{}`` for any other model (it may not take them).
     """
