@@ -108,14 +108,22 @@ def head_part(n: int, hidden_size: int, vocab: int, device: torch.device, reps: 
     return out
 
 
-def model_part(small: bool, device: torch.device, reps: int) -> dict:
+def _model_dir(small: bool, prefix: str) -> tuple[Path, int]:
+    """A random Qwen2-0.5B-shaped model (32k vocabulary; ``small``: a 2-layer micro model, 2k) in a new
+    temporary folder, and its vocabulary size."""
     from gpu_grpo import build_model, build_tokenizer
-    from rlhf_core.models import load_causal_lm
 
-    work = Path(tempfile.mkdtemp(prefix="lmhead-"))
+    work = Path(tempfile.mkdtemp(prefix=prefix))
     dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=1) if small else {}
-    model_dir = build_model(build_tokenizer(2000 if small else 32000, work / "tok"), work / "model", **dims)
+    vocab = 2000 if small else 32000
+    return build_model(build_tokenizer(vocab, work / "tok"), work / "model", **dims), vocab
+
+
+def model_part(small: bool, device: torch.device, reps: int) -> dict:
+    from rlhf_core.models import load_causal_lm
+
+    model_dir, _vocab = _model_dir(small, "lmhead-")
     rows, width, labelled = (2, 64, 48) if small else (8, 512, 384)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator().manual_seed(1)
@@ -177,17 +185,12 @@ def packed_part(small: bool, device: torch.device, reps: int) -> dict:
     ``packing: true`` gets on a GPU) and ``sdpa`` (transformers' dense block-diagonal mask)."""
     import os
 
-    from gpu_grpo import build_model, build_tokenizer
     from rlhf_core import attention
     from rlhf_core.data.tokenize import TokenizedExample, collate_packed, collate_padded
     from rlhf_core.logprobs import sequence_sums
     from rlhf_core.models import ATTENTION_ENV, load_causal_lm
 
-    work = Path(tempfile.mkdtemp(prefix="packed-"))
-    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1) if small else {}
-    vocab = 2000 if small else 32000
-    model_dir = build_model(build_tokenizer(vocab, work / "tok"), work / "model", **dims)
+    model_dir, vocab = _model_dir(small, "packed-")
     g = torch.Generator().manual_seed(2)
     rows = 4 if small else 32
     lengths = torch.randint(16 if small else 128, 64 if small else 512, (rows,), generator=g).tolist()
@@ -250,7 +253,6 @@ def nosync_part(small: bool, device: torch.device) -> dict:
     import collections
     import warnings
 
-    from gpu_grpo import build_model, build_tokenizer
     from rlhf_core.data.tokenize import TokenizedExample, collate_pairs
     from rlhf_core.lm_head import resolve_lm_head
     from rlhf_core.logprobs import response_logprobs
@@ -258,11 +260,7 @@ def nosync_part(small: bool, device: torch.device) -> dict:
     from rlhf_core.reward_model import load_reward_model, pair_rewards
     from rlhf_core.trainers.sft import nll_loss_fn
 
-    work = Path(tempfile.mkdtemp(prefix="nosync-"))
-    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1) if small else {}
-    vocab = 2000 if small else 32000
-    model_dir = build_model(build_tokenizer(vocab, work / "tok"), work / "model", **dims)
+    model_dir, vocab = _model_dir(small, "nosync-")
     g = torch.Generator().manual_seed(3)
     pairs = []
     for _ in range(4 if small else 16):
