@@ -71,6 +71,19 @@ On a lent GPU: once here, ``bash bench/device_wheels.sh`` (Ray, DeepSpeed, TRL 1
         --parallel zero2 --work /tmp/bw15 --out $OUT/scaling_4gpu.json && \
       python bench/side_by_side.py --scaling $OUT/scaling_1gpu.json $OUT/scaling_4gpu.json --out $OUT/scaling.json
 
+Options for ours' rows: ``--micro-batch-tokens N`` (packed rows: a token budget per micro-batch; at 1.5B 8,192 lets
+``gradient_checkpointing: auto`` choose off), ``--global-batch G`` (a step of G rows, each rank's micro-batch the
+variant's batch: the 1 -> N scaling pair at a fixed global batch with the same work per GPU), ``--profile``
+(torch.profiler over steps 4-6 of each offline row: device busy time, the idle gaps between kernels and what
+the host ran during the largest; a where-the-time-goes run, not a timing)::
+
+    source bench/device_setup.sh && python bench/side_by_side.py --variant gpu-1.5b --rounds 2 --bench dpo,rm \
+        --rows ours-mixed-packed --micro-batch-tokens 8192 --out $OUT/side_by_side_1p5b_packed.json
+    source bench/device_setup.sh && python bench/side_by_side.py --variant gpu --rounds 1 --bench sft \
+        --rows ours-mixed-packed --profile --out $OUT/prof_0p5b_sft.json
+
+A device call returns at most 8 files from ``$OUT``: keep a call's outputs under that.
+
 Ratios are only quoted between rows of one call (one machine). The result file is rewritten after every
 child, so a call cut off at its limit keeps what ran; ``--resummarize FILE`` recomputes its summaries.
 
