@@ -72,8 +72,9 @@ On a lent GPU: once here, ``bash bench/device_wheels.sh`` (Ray, DeepSpeed, TRL 1
       python bench/side_by_side.py --scaling $OUT/scaling_1gpu.json $OUT/scaling_4gpu.json --out $OUT/scaling.json
 
 Options for ours' rows: ``--micro-batch-tokens N`` (packed rows: a token budget per micro-batch; at 1.5B 8,192 lets
-``gradient_checkpointing: auto`` choose off), ``--global-batch G`` (a step of G rows, each rank's micro-batch the
-variant's batch: the 1 -> N scaling pair at a fixed global batch with the same work per GPU), ``--profile``
+``gradient_checkpointing: auto`` choose off), ``--lm-head`` (ours' ``lm_head``, default auto), ``--global-batch G``
+(a step of G rows, each rank's micro-batch the variant's batch: the 1 -> N scaling pair at a fixed global batch
+with the same work per GPU), ``--profile``
 (torch.profiler over steps 4-6 of each offline row: device busy time, the idle gaps between kernels and what
 the host ran during the largest; a where-the-time-goes run, not a timing)::
 
@@ -610,6 +611,8 @@ def ours(task: dict) -> dict:
                   weight_decay=OPTIMIZER["weight_decay"], max_grad_norm=OPTIMIZER["max_grad_norm"],
                   num_workers=gpus, parallel=inputs["parallel"],
                   **{**OURS_BEST, "packing": row.get("packing", OURS_BEST["packing"]) and name != "grpo"})
+    if task.get("lm_head"):
+        common["lm_head"] = task["lm_head"]
     if common["packing"] and task.get("micro_batch_tokens"):
         common["micro_batch_tokens"] = task["micro_batch_tokens"]
     sink = _ProfilingSink(task["profile"]) if task.get("profile") and name != "grpo" and gpus == 1 else _Sink()
@@ -1200,7 +1203,7 @@ def settings_record(variant: str, rows: list[str], args: argparse.Namespace) -> 
                           "trl": "HF Trainer default optim (adamw_torch_fused), no decay on biases and norms"},
             "rounds": args.rounds, "order": "ABBA: the row list, reversed on even rounds", "warmup_steps": args.warmup,
             "trl_grad_ckpt": args.trl_grad_ckpt, "ours_micro_batch_tokens": args.micro_batch_tokens,
-            "profiled": args.profile, "global_batch": args.global_batch,
+            "profiled": args.profile, "global_batch": args.global_batch, "ours_lm_head": args.lm_head or "auto",
             "differences": ["optimizer kernel: TRL fused AdamW, ours foreach AdamW",
                             "learning-rate schedule: ours cosine (warmup 0), TRL constant (timing only)",
                             "GRPO loss aggregation: ours token_mean with clip_high 0.28, TRL 1.16 defaults",
@@ -1233,6 +1236,8 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, default=0,
                     help="ours' offline rows: G rows a step, each rank's micro-batch the variant's batch (1 -> N "
                          "scaling at a fixed global batch with the same per-GPU work)")
+    ap.add_argument("--lm-head", choices=["auto", "chunked", "liger", "full"], default="",
+                    help="ours' rows: the lm_head setting (default: auto, as OURS_BEST)")
     ap.add_argument("--micro-batch-tokens", type=int, default=0,
                     help="ours' packed rows: token budget of a micro-batch (0: each draw is one micro-batch)")
     ap.add_argument("--profile", action="store_true",
@@ -1344,6 +1349,7 @@ def main() -> None:
         for rnd, row in schedule(rows, args.rounds):
             side = ROWS[row]["side"]
             task = {"inputs": inputs, "bench": name, "row": row, "micro_batch_tokens": args.micro_batch_tokens,
+                    "lm_head": args.lm_head,
                     "profile": {"skip": 2, "active": 3} if args.profile else None}
             if side == "trl":
                 task["trl_grad_ckpt"] = trl_checkpointing(row, decided, args.trl_grad_ckpt)
