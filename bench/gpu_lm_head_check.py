@@ -4,7 +4,8 @@
 Three parts, written to ``$OUT/gpu_lm_head_check.json``:
 
 * ``head``: one LM head of the 1.5B shape (16,381 tokens x 1,536 -> 151,936, bf16 weights and hidden
-  states), per-token log-probs by ``full`` (whole float32 logits), ``chunked`` and ``liger``, against
+  states), per-token log-probs by ``full`` (whole float32 logits), ``chunked``, ``liger`` (chunks of about
+  4,096 rows, as ``lm_head: liger`` runs it) and ``liger-default`` (liger's own chunking), against
   an fp32 reference; upstream gradient non-uniform (random signed per-token weights, as advantages are).
   Reports max |delta log p|, relative gradient error (hidden, weight), median time of forward +
   backward over 5 runs, and peak memory.
@@ -21,6 +22,9 @@ On a lent GPU (``.devwheels`` carried, liger-kernel in it: ``bench/device_wheels
   flash kernel (``rlhf_core.attention``, what ``packing: true`` gets on a GPU) and through SDPA's dense
   block-diagonal mask, against padded rows through SDPA, each against fp32 padded rows: per-sequence
   log-prob sums and gradients, time and memory (``--parts packed`` runs this part alone).
+
+* ``heads`` (``--parts heads``): the same comparison at a 1.5B DPO micro-batch's 5,501 scored tokens and at
+  the 0.5B shape (14,901 x 896 -> 32,000).
 
 * ``nosync`` (``--parts nosync``): SFT, DPO and reward-model micro-batches, padded and packed, forward and
   backward under ``torch.cuda.set_sync_debug_mode("warn")``: how often and where each waits for the device.
@@ -91,14 +95,14 @@ def head_part(n: int, hidden_size: int, vocab: int, device: torch.device, reps: 
             logp = torch.log_softmax((h @ head.weight.T).float(), -1).gather(-1, y[:, None]).squeeze(-1)
         elif path == "chunked":
             logp, _ = chunked_token_logprobs(head, h, y, chunk_tokens=4096)
-        else:
-            logp = liger_token_logprobs(head.weight, h, y)
+        else:  # liger: chunks of about 4,096 rows (what lm_head gets); liger-default: liger's own chunking
+            logp = liger_token_logprobs(head.weight, h, y, chunk_rows=0 if path == "liger-default" else 4096)
         (logp * adv).sum().backward()
         return logp.detach(), h.grad, head.weight.grad
 
     ref = run("full", w32, h32)  # fp32 reference
     out = {"tokens": n, "hidden": hidden_size, "vocab": vocab, "dtype": str(dtype), "paths": {}}
-    for path in ("full", "chunked") + (("liger",) if liger_available() else ()):
+    for path in ("full", "chunked") + (("liger-default", "liger") if liger_available() else ()):
         got = run(path, w32.to(dtype), h32.to(dtype))
         times, peak = _timed(lambda: run(path, w32.to(dtype), h32.to(dtype)), reps)
         out["paths"][path] = {"max_abs_dlogp_vs_fp32": float((got[0] - ref[0]).abs().max()),
@@ -317,7 +321,7 @@ def main() -> None:
     ap.add_argument("--out", default="gpu_lm_head_check.json")
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--parts", default="head,model,packed",
-                    help="comma-separated: head, model, packed, nosync")
+                    help="comma-separated: head, heads, model, packed, nosync")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -327,9 +331,12 @@ def main() -> None:
     out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "transformers": transformers.__version__, "small": args.small,
            "parts": sorted(parts)}
-    if "head" in parts:  # a token count not divisible by 16: liger_token_logprobs pads it
+    if "head" in parts:  # token counts not divisible by 16: liger_token_logprobs pads them
         out["head"] = head_part(509 if args.small else 16381, 64 if args.small else 1536,
                                 1000 if args.small else 151936, device, reps)
+    if "heads" in parts:  # a 1.5B DPO micro-batch's scored tokens (8k-token packed rows), and 0.5B SFT's
+        out["heads"] = [head_part(n, h, v, device, reps) for n, h, v in
+                        ([(301, 64, 1000), (509, 32, 3000)] if args.small else [(5501, 1536, 151936), (14901, 896, 32000)])]
     if "model" in parts:
         out["model"] = model_part(args.small, device, reps)
     if "packed" in parts:

@@ -238,9 +238,11 @@ class TrainerConfig(DataFields):
     lm_head: str = "auto"
     """How log-probs leave the LM head: chunked (no [tokens x vocab] tensor is kept; each chunk is recomputed
     in backward), liger (its fused linear cross-entropy), full (whole logits: the reference path) or auto
-    (liger where fused kernels are on and every rank holds the whole head, else chunked)."""
+    (the labelled positions' logits whole while they stay under 2 GiB in float32; past that liger where fused
+    kernels are on and every rank holds the whole head, else chunked)."""
     logit_chunk_tokens: int = 4096
-    """Tokens per LM-head chunk on the chunked path (bounds its float32 [chunk x vocab] logits)."""
+    """Rows per LM-head chunk on the chunked and liger paths (bounds a chunk's [chunk x vocab] logits: float32
+    on the chunked path, the weights' dtype in liger's kernel)."""
     packing: bool = False
     """Padding-free micro-batches: sequences concatenated, position ids restarting per sequence."""
     micro_batch_tokens: int = 0

@@ -5,8 +5,9 @@ DPO/KTO sequence sums, RL's per-token ratios. The plain path (``full``) runs the
 keeps float32 logits of every position for backward (16k tokens x 152k vocabulary = 10 GB, twice
 in backward) and then reads one entry per row. The alternatives, chosen by ``lm_head``:
 
-* ``auto`` (the default): only the labelled positions go through the head, their logits whole while
-  they stay small (fastest), else one of the two below (:class:`LMHead`).
+* ``auto`` (the default): only the labelled positions go through the head: by ``liger`` where it can
+  run and no entropy is asked, else their logits whole while they stay small, else ``chunked``
+  (:class:`LMHead`).
 
 * ``chunked`` (any device, any strategy): only the labelled positions go through the head, a chunk
   of ``chunk_tokens`` rows at a time, each chunk under activation checkpointing, so forward keeps
@@ -14,8 +15,8 @@ in backward) and then reads one entry per row. The alternatives, chosen by ``lm_
   per chunk (the recompute). It calls the head *module*, so DeepSpeed ZeRO-3's hooks gather its
   weight as for any layer; plain torch, so it is what the CPU tests run.
 * ``liger`` (CUDA, liger-kernel installed, head weight whole on this rank): liger-kernel's fused
-  linear cross-entropy (Triton; ``-loss`` with ``reduction='none'`` is the per-token log-prob).
-  Pinned at 0.8.5 or later: earlier versions scaled every token's gradient by the first token's
+  linear cross-entropy (Triton; ``-loss`` with ``reduction='none'`` is the per-token log-prob), in
+  chunks of about ``chunk_tokens`` rows (:func:`liger_chunk_mem_const`). Pinned at 0.8.5 or later: earlier versions scaled every token's gradient by the first token's
   upstream gradient under ``reduction='none'`` (linkedin/Liger-Kernel PR #1298), which an
   advantage-weighted loss would have silently broken.
 
@@ -47,14 +48,16 @@ class LMHead:
     kernel: str = "chunked"
     """auto, chunked, liger or full (see the module docstring)."""
     chunk_tokens: int = 4096
-    """Rows of the head per chunk on the chunked path."""
-    fallback: str = "chunked"
-    """What auto runs when the scored positions' logits would exceed ``whole_bytes``: liger or chunked."""
+    """Rows of the head per chunk on the chunked and liger paths."""
+    prefer_liger: bool = False
+    """auto: liger's kernel wherever it runs (fused kernels on, the whole head on this rank) and no entropy is
+    asked (it returns none). In chunks of 4,096 rows it beat whole logits at every size measured, in time and
+    memory: on an H200, forward + backward of 16,381 x 1,536 -> 151,936 took 57.5 ms (3.3 GB) against 63.4 ms
+    (28.3 GB) whole and 120.9 ms chunked, 5,501 such rows 20.3 against 21.8 ms, and 14,901 x 896 -> 32,000
+    8.2 against 9.7 ms (``bench/results/gpu_lm_head_check_h200_liger_chunks.json``)."""
     whole_bytes: int = 2 * 2**30
-    """auto: float32 logits of the scored positions up to this size are made whole (one matmul, kept for
-    backward: fastest where memory allows; an H200 ran the 0.5B model's step in 87 ms this way against
-    89 ms chunked and 113 ms liger, and a 16k x 152k head in 64 ms against 74 ms liger and 120 ms chunked,
-    but with 28 GB against liger's 1.2 GB)."""
+    """auto without liger: float32 logits of the scored positions up to this size are made whole (one matmul,
+    kept for backward: faster than chunked, whose recompute costs 2x at these sizes), past it chunked."""
 
 
 # --------------------------------------------------------------------------------------
@@ -113,14 +116,34 @@ def chunked_token_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden:
     return torch.cat(logps), (torch.cat(entropies) if with_entropy else None)
 
 
+def liger_chunk_mem_const(rows: int, hidden: int, vocab: int, chunk_rows: int) -> int:
+    """liger's ``chunk_mem_const`` that splits ``rows`` scored tokens into chunks of about ``chunk_rows`` rows.
+
+    liger-kernel 0.8.5 cuts the ``(rows, hidden)`` input into chunks of
+    ``next_pow2(ceil(rows / ceil(vocab / (C * hidden))))`` rows (at most ``rows``). Its default ``C = 1``
+    bounds a chunk's logits by the hidden states' size, which at a large vocabulary makes chunks tiny: 64
+    rows for a 1.5B DPO micro-batch's 5.5k scored tokens at vocab 151,936 and hidden 1,536, so each of
+    86 chunks runs four GEMMs that each stream the whole 467 MB head weight for 64 rows of work (on an
+    H100 about 300 of the step's 756 ms device time, ``bench/results/prof_h100_1p5b_dpo_gaps.json``).
+    Asking for ``k = ceil(rows / chunk_rows)`` chunks, ``C = ceil(vocab / (k * hidden))`` gives
+    ``ceil(vocab / (C * hidden)) <= k``: chunks of at least ``rows / k`` rows and at most twice ``chunk_rows``
+    after the power-of-two rounding, or liger's default chunk where that is larger (``C`` cannot go below 1:
+    a small vocabulary over many rows); ``tests/unit/test_lm_head.py`` checks both bounds.
+    """
+    chunks = max(1, -(-rows // max(1, chunk_rows)))
+    return max(1, -(-vocab // (chunks * hidden)))
+
+
 def liger_token_logprobs(weight: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor, *,
-                         temperature: float = 1.0) -> torch.Tensor:
+                         temperature: float = 1.0, chunk_rows: int = 4096) -> torch.Tensor:
     """``(N,)`` log-probs of ``targets`` under ``hidden @ weight.T / temperature`` by liger's fused kernel.
 
     ``weight`` is ``(V, H)``; ``hidden`` ``(N, H)`` is cast to its dtype (the kernel wants one dtype).
-    Dividing the hidden state by T divides the logits by T.
+    Dividing the hidden state by T divides the logits by T. ``chunk_rows``: rows of the head per chunk
+    (:func:`liger_chunk_mem_const`; a chunk's transient logits are ``chunk x V`` in the weight's dtype);
+    0 keeps liger's own default chunking.
     """
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     x = hidden.to(weight.dtype)
     if temperature != 1.0:
@@ -135,7 +158,11 @@ def liger_token_logprobs(weight: torch.Tensor, hidden: torch.Tensor, targets: to
     if pad:
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
         targets = torch.cat([targets, targets.new_zeros(pad)])
-    loss = LigerFusedLinearCrossEntropyLoss(reduction="none", ignore_index=-100)(weight, x, targets)
+    const = liger_chunk_mem_const(x.shape[0], x.shape[1], weight.shape[0], chunk_rows) if chunk_rows else 1
+    # reduction="none": liger 0.8.5 keeps no gradient from forward and recomputes each chunk in backward,
+    # where the per-token upstream gradient is known (linkedin/Liger-Kernel PR #1298)
+    loss = liger_fused_linear_cross_entropy(x, weight, targets, ignore_index=-100, reduction="none",
+                                            chunk_mem_const=const)
     return -loss[:n].float()
 
 
@@ -212,13 +239,17 @@ def head_logprobs(lm_head: Any, hidden: torch.Tensor, targets: torch.Tensor, hea
     ``lm_head`` by ``head.kernel`` (liger has no entropy: the chunked path gives it when asked)."""
     kernel = head.kernel
     if kernel == "auto":
-        whole = hidden.shape[0] * lm_head.out_features * 4 <= head.whole_bytes
-        kernel = "whole" if whole else head.fallback
+        if head.prefer_liger and not with_entropy:
+            kernel = "liger"
+        else:
+            whole = hidden.shape[0] * lm_head.out_features * 4 <= head.whole_bytes
+            kernel = "whole" if whole else "chunked"
     if kernel == "whole":  # only the scored positions, one matmul; autograd keeps their (N, V) logits
         logp, entropy = _chunk_logprobs(lm_head, hidden, targets, temperature, with_entropy, entropy_grad)
         return logp, (entropy if with_entropy else None)
     if kernel == "liger" and not with_entropy:
-        return liger_token_logprobs(lm_head.weight, hidden, targets, temperature=temperature), None
+        return liger_token_logprobs(lm_head.weight, hidden, targets, temperature=temperature,
+                                    chunk_rows=head.chunk_tokens), None
     return chunked_token_logprobs(lm_head, hidden, targets, temperature=temperature, with_entropy=with_entropy,
                                   entropy_grad=entropy_grad, chunk_tokens=head.chunk_tokens)
 
@@ -278,13 +309,13 @@ def apply_fused_kernels(model: Any) -> None:
 
 
 def resolve_lm_head(setting: str, chunk_tokens: int, *, fused: bool, head_whole: bool) -> LMHead:
-    """Resolve ``lm_head`` (auto, chunked, liger, full). auto scores the labelled positions with whole logits
-    while those stay under :attr:`LMHead.whole_bytes`, past it liger where fused kernels are on and this rank
-    holds the whole head (not ZeRO-3), else chunked; liger where it cannot run is an error."""
+    """Resolve ``lm_head`` (auto, chunked, liger, full). auto scores the labelled positions by liger where fused
+    kernels are on and this rank holds the whole head (not ZeRO-3), else with whole logits while those stay
+    under :attr:`LMHead.whole_bytes`, past it chunked; liger where it cannot run is an error."""
     if setting == "liger" and not (liger_available() and head_whole):
         raise RuntimeError("lm_head: liger needs CUDA, liger-kernel, and the whole head on each rank "
                            "(not parallel: zero3); use chunked")
-    return LMHead(setting, chunk_tokens, fallback="liger" if fused and head_whole else "chunked")
+    return LMHead(setting, chunk_tokens, prefer_liger=fused and head_whole)
 
 
 def prepare_kernels(cfg: Any, *models: Any) -> LMHead:
@@ -294,8 +325,9 @@ def prepare_kernels(cfg: Any, *models: Any) -> LMHead:
     head_whole = not (getattr(cfg, "num_workers", 1) > 1 and getattr(cfg, "parallel", "ddp") == "zero3")
     head = resolve_lm_head(cfg.lm_head, cfg.logit_chunk_tokens, fused=fused, head_whole=head_whole)
     log.info("%s: fused kernels %s, LM head %s%s", cfg.section, "on (liger-kernel)" if fused else "off", head.kernel,
-             f" (whole logits up to {head.whole_bytes / 2**30:.0f} GiB, else {head.fallback})"
-             if head.kernel == "auto" else "")
+             (" (liger, in chunks of %d rows; whole logits up to %.0f GiB or chunked where an entropy is asked)"
+              % (head.chunk_tokens, head.whole_bytes / 2**30) if head.prefer_liger else
+              f" (whole logits up to {head.whole_bytes / 2**30:.0f} GiB, else chunked)") if head.kernel == "auto" else "")
     return head
 
 

@@ -97,15 +97,45 @@ def test_no_grad_and_empty_inputs():
 
 
 def test_kernel_choice_on_a_cpu():
-    """Without CUDA: auto resolves to chunked, an explicit liger or fused_kernels: on is a clear error."""
+    """Without CUDA: auto never prefers liger (whole logits, else chunked); an explicit liger or fused_kernels: on
+    is a clear error."""
     cpu = torch.device("cpu")
     assert use_fused_kernels("auto", cpu) is False
-    assert resolve_lm_head("auto", 4096, fused=False, head_whole=True) == LMHead("auto", 4096, "chunked")
+    assert resolve_lm_head("auto", 4096, fused=False, head_whole=True) == LMHead("auto", 4096, prefer_liger=False)
     assert resolve_lm_head("full", 64, fused=False, head_whole=True).kernel == "full"
     with pytest.raises(RuntimeError, match="fused_kernels: on needs a CUDA device"):
         use_fused_kernels("on", cpu)
     with pytest.raises(RuntimeError, match="lm_head: liger needs CUDA"):
         resolve_lm_head("liger", 4096, fused=False, head_whole=True)
-    assert resolve_lm_head("auto", 4096, fused=True, head_whole=False).fallback == "chunked"  # ZeRO-3
-    assert resolve_lm_head("auto", 4096, fused=True, head_whole=True).fallback == "liger"
+    assert resolve_lm_head("auto", 4096, fused=True, head_whole=False).prefer_liger is False  # ZeRO-3
+    assert resolve_lm_head("auto", 4096, fused=True, head_whole=True).prefer_liger is True
 
+
+
+def _liger_chunk_rows(rows: int, hidden: int, vocab: int, const: int) -> int:
+    """liger-kernel 0.8.5's chunk size (``fused_linear_cross_entropy_forward``), written out: liger itself
+    needs Triton and CUDA, so the CPU suite checks our choice of its ``chunk_mem_const`` against the formula."""
+    inc = -(-vocab // (const * hidden))
+    per = -(-rows // inc)
+    return min(1 << (per - 1).bit_length(), rows)
+
+
+@pytest.mark.parametrize("hidden,vocab", [(1536, 151_936), (896, 32_000), (3584, 151_936), (64, 1000)])
+@pytest.mark.parametrize("rows", [16, 64, 1008, 5504, 16384, 40_000])
+@pytest.mark.parametrize("chunk_rows", [512, 4096])
+def test_liger_chunks_are_about_the_asked_rows(hidden, vocab, rows, chunk_rows):
+    from rlhf_core.lm_head import liger_chunk_mem_const
+
+    const = liger_chunk_mem_const(rows, hidden, vocab, chunk_rows)
+    chunk = _liger_chunk_rows(rows, hidden, vocab, const)
+    assert const >= 1
+    assert chunk >= min(rows, -(-rows // -(-rows // chunk_rows)))  # no more chunks than asked for
+    assert chunk <= max(2 * chunk_rows, _liger_chunk_rows(rows, hidden, vocab, 1))  # pow2 rounding at most doubles
+
+
+def test_liger_default_chunks_are_tiny_at_a_large_vocabulary():
+    """Why the constant is ours: liger's default at the 1.5B shape gives 64-row chunks for a DPO micro-batch."""
+    from rlhf_core.lm_head import liger_chunk_mem_const
+
+    assert _liger_chunk_rows(5504, 1536, 151_936, 1) == 64
+    assert _liger_chunk_rows(5504, 1536, 151_936, liger_chunk_mem_const(5504, 1536, 151_936, 4096)) == 4096
