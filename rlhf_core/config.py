@@ -238,8 +238,8 @@ class TrainerConfig(DataFields):
     lm_head: str = "auto"
     """How log-probs leave the LM head: chunked (no [tokens x vocab] tensor is kept; each chunk is recomputed
     in backward), liger (its fused linear cross-entropy), full (whole logits: the reference path) or auto
-    (the labelled positions' logits whole while they stay under 2 GiB in float32; past that liger where fused
-    kernels are on and every rank holds the whole head, else chunked)."""
+    (liger where fused kernels are on, every rank holds the whole head and no entropy is asked; else the
+    labelled positions' logits whole while they stay under 2 GiB in float32, past that chunked)."""
     logit_chunk_tokens: int = 4096
     """Rows per LM-head chunk on the chunked and liger paths (bounds a chunk's [chunk x vocab] logits: float32
     on the chunked path, the weights' dtype in liger's kernel)."""

@@ -16,9 +16,10 @@ in backward) and then reads one entry per row. The alternatives, chosen by ``lm_
   weight as for any layer; plain torch, so it is what the CPU tests run.
 * ``liger`` (CUDA, liger-kernel installed, head weight whole on this rank): liger-kernel's fused
   linear cross-entropy (Triton; ``-loss`` with ``reduction='none'`` is the per-token log-prob), in
-  chunks of about ``chunk_tokens`` rows (:func:`liger_chunk_mem_const`). Pinned at 0.8.5 or later: earlier versions scaled every token's gradient by the first token's
-  upstream gradient under ``reduction='none'`` (linkedin/Liger-Kernel PR #1298), which an
-  advantage-weighted loss would have silently broken.
+  chunks of about ``chunk_tokens`` rows (:func:`liger_chunk_mem_const`). Pinned at 0.8.5 or later:
+  earlier versions scaled every token's gradient by the first token's upstream gradient under
+  ``reduction='none'`` (linkedin/Liger-Kernel PR #1298), which an advantage-weighted loss would have
+  silently broken.
 
 Why not liger everywhere: it needs the head's weight as a tensor (ZeRO-3 holds shards), returns no
 entropy (RL logs it), and does not run on a CPU. The decoder's own fused kernels (RMSNorm, RoPE,
@@ -324,10 +325,11 @@ def prepare_kernels(cfg: Any, *models: Any) -> LMHead:
     fused = prepare_decoder_kernels(cfg, *models)
     head_whole = not (getattr(cfg, "num_workers", 1) > 1 and getattr(cfg, "parallel", "ddp") == "zero3")
     head = resolve_lm_head(cfg.lm_head, cfg.logit_chunk_tokens, fused=fused, head_whole=head_whole)
+    rule = f"whole logits up to {head.whole_bytes / 2**30:.0f} GiB, else chunked"
+    if head.prefer_liger:
+        rule = f"liger in chunks of {head.chunk_tokens} rows; where an entropy is asked {rule}"
     log.info("%s: fused kernels %s, LM head %s%s", cfg.section, "on (liger-kernel)" if fused else "off", head.kernel,
-             (" (liger, in chunks of %d rows; whole logits up to %.0f GiB or chunked where an entropy is asked)"
-              % (head.chunk_tokens, head.whole_bytes / 2**30) if head.prefer_liger else
-              f" (whole logits up to {head.whole_bytes / 2**30:.0f} GiB, else chunked)") if head.kernel == "auto" else "")
+             f" ({rule})" if head.kernel == "auto" else "")
     return head
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.lm_head import LMHead, chunked_token_logprobs, resolve_lm_head, use_fused_kernels
+from rlhf_core.lm_head import (LMHead, chunked_token_logprobs, liger_chunk_mem_const, resolve_lm_head,
+                               use_fused_kernels)
 from rlhf_core.rl_math import entropy_from_logits
 
 N, H, V = 37, 16, 50
@@ -111,7 +112,6 @@ def test_kernel_choice_on_a_cpu():
     assert resolve_lm_head("auto", 4096, fused=True, head_whole=True).prefer_liger is True
 
 
-
 def _liger_chunk_rows(rows: int, hidden: int, vocab: int, const: int) -> int:
     """liger-kernel 0.8.5's chunk size (``fused_linear_cross_entropy_forward``), written out: liger itself
     needs Triton and CUDA, so the CPU suite checks our choice of its ``chunk_mem_const`` against the formula."""
@@ -124,8 +124,6 @@ def _liger_chunk_rows(rows: int, hidden: int, vocab: int, const: int) -> int:
 @pytest.mark.parametrize("rows", [16, 64, 1008, 5504, 16384, 40_000])
 @pytest.mark.parametrize("chunk_rows", [512, 4096])
 def test_liger_chunks_are_about_the_asked_rows(hidden, vocab, rows, chunk_rows):
-    from rlhf_core.lm_head import liger_chunk_mem_const
-
     const = liger_chunk_mem_const(rows, hidden, vocab, chunk_rows)
     chunk = _liger_chunk_rows(rows, hidden, vocab, const)
     assert const >= 1
@@ -135,7 +133,5 @@ def test_liger_chunks_are_about_the_asked_rows(hidden, vocab, rows, chunk_rows):
 
 def test_liger_default_chunks_are_tiny_at_a_large_vocabulary():
     """Why the constant is ours: liger's default at the 1.5B shape gives 64-row chunks for a DPO micro-batch."""
-    from rlhf_core.lm_head import liger_chunk_mem_const
-
     assert _liger_chunk_rows(5504, 1536, 151_936, 1) == 64
     assert _liger_chunk_rows(5504, 1536, 151_936, liger_chunk_mem_const(5504, 1536, 151_936, 4096)) == 4096
