@@ -26,6 +26,12 @@ On a lent GPU (``.devwheels`` carried, liger-kernel in it: ``bench/device_wheels
 * ``heads`` (``--parts heads``): the same comparison at a 1.5B DPO micro-batch's 5,501 scored tokens and at
   the 0.5B shape (14,901 x 896 -> 32,000).
 
+* ``rlhead`` (``--parts rlhead``): the RL update's LM head, which logs each token's entropy: ``head_logprobs``
+  with ``with_entropy`` and no entropy gradient, by ``auto`` as a CPU resolves it (whole logits under 2 GiB,
+  else chunked with the entropy in each chunk) and as a GPU with liger does (liger's log-probs, the entropy
+  beside them without a gradient), at a 0.5B GRPO micro-batch (128 rows x 256 tokens over 32,000) and a 1.5B
+  one (32 x 256 over 151,936): log-prob and entropy deltas against fp32, gradient error, time and memory.
+
 * ``nosync`` (``--parts nosync``): SFT, DPO and reward-model micro-batches, padded and packed, forward and
   backward under ``torch.cuda.set_sync_debug_mode("warn")``: how often and where each waits for the device.
 
@@ -107,6 +113,42 @@ def head_part(n: int, hidden_size: int, vocab: int, device: torch.device, reps: 
         times, peak = _timed(lambda: run(path, w32.to(dtype), h32.to(dtype)), reps)
         out["paths"][path] = {"max_abs_dlogp_vs_fp32": float((got[0] - ref[0]).abs().max()),
                               "grad_hidden_rel_err": _rel(got[1], ref[1]), "grad_weight_rel_err": _rel(got[2], ref[2]),
+                              "seconds_median": statistics.median(times), "seconds_min": min(times),
+                              "seconds_max": max(times), "peak_gb": round(peak, 3)}
+    return out
+
+
+def rl_head_part(n: int, hidden_size: int, vocab: int, device: torch.device, reps: int) -> dict:
+    """RL update's head: log-probs with an advantage-weighted gradient and a logged (gradient-free) entropy."""
+    from rlhf_core.lm_head import head_logprobs, resolve_kernel
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    w32 = (torch.randn(vocab, hidden_size, generator=g) / hidden_size**0.5).to(device)
+    h32 = torch.randn(n, hidden_size, generator=g).to(device)
+    y = torch.randint(0, vocab, (n,), generator=g).to(device)
+    adv = (torch.randn(n, generator=g) * torch.rand(n, generator=g) * 3).to(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def run(head_cfg: LMHead, w: torch.Tensor, h: torch.Tensor):
+        h = h.detach().clone().requires_grad_(True)
+        head = torch.nn.Linear(hidden_size, vocab, bias=False, device=device, dtype=w.dtype)
+        head.weight = torch.nn.Parameter(w.detach().clone())
+        logp, entropy = head_logprobs(head, h, y, head_cfg, temperature=0.9, with_entropy=True, entropy_grad=False)
+        (logp * adv).sum().backward()
+        return logp.detach(), entropy, h.grad, head.weight.grad
+
+    ref = run(LMHead(kernel="whole"), w32, h32)
+    out = {"tokens": n, "hidden": hidden_size, "vocab": vocab, "dtype": str(dtype), "paths": {}}
+    configs = {"auto-no-liger": LMHead(kernel="auto")}
+    if liger_available():
+        configs["auto-liger"] = LMHead(kernel="auto", prefer_liger=True)
+    for name, cfg in configs.items():
+        got = run(cfg, w32.to(dtype), h32.to(dtype))
+        times, peak = _timed(lambda: run(cfg, w32.to(dtype), h32.to(dtype)), reps)
+        out["paths"][name] = {"resolved": resolve_kernel(cfg, n, vocab, needs_entropy_grad=False),
+                              "max_abs_dlogp_vs_fp32": float((got[0] - ref[0]).abs().max()),
+                              "max_abs_dentropy_vs_fp32": float((got[1] - ref[1]).abs().max()),
+                              "grad_hidden_rel_err": _rel(got[2], ref[2]), "grad_weight_rel_err": _rel(got[3], ref[3]),
                               "seconds_median": statistics.median(times), "seconds_min": min(times),
                               "seconds_max": max(times), "peak_gb": round(peak, 3)}
     return out
@@ -321,7 +363,7 @@ def main() -> None:
     ap.add_argument("--out", default="gpu_lm_head_check.json")
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--parts", default="head,model,packed",
-                    help="comma-separated: head, heads, model, packed, nosync")
+                    help="comma-separated: head, heads, rlhead, model, packed, nosync")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -337,6 +379,9 @@ def main() -> None:
     if "heads" in parts:  # a 1.5B DPO micro-batch's scored tokens (8k-token packed rows), and 0.5B SFT's
         out["heads"] = [head_part(n, h, v, device, reps) for n, h, v in
                         ([(301, 64, 1000), (509, 32, 3000)] if args.small else [(5501, 1536, 151936), (14901, 896, 32000)])]
+    if "rlhead" in parts:  # a 0.5B GRPO update micro-batch (128 x 256 tokens) and a 1.5B one (32 x 256)
+        out["rlhead"] = [rl_head_part(n, h, v, device, reps) for n, h, v in
+                         ([(301, 64, 1000), (509, 32, 3000)] if args.small else [(32768, 896, 32000), (8192, 1536, 151936)])]
     if "model" in parts:
         out["model"] = model_part(args.small, device, reps)
     if "packed" in parts:

@@ -236,10 +236,11 @@ class TrainerConfig(DataFields):
     """auto, on or off (YAML's bare on/off are booleans: read as on/off): liger-kernel's Triton RMSNorm, RoPE and SwiGLU in the decoder; auto uses them on a CUDA
     device when liger-kernel is installed (the ``gpu`` extra), on fails if they cannot be used."""
     lm_head: str = "auto"
-    """How log-probs leave the LM head: chunked (no [tokens x vocab] tensor is kept; each chunk is recomputed
-    in backward), liger (its fused linear cross-entropy), full (whole logits: the reference path) or auto
-    (liger where fused kernels are on, every rank holds the whole head and no entropy is asked; else the
-    labelled positions' logits whole while they stay under 2 GiB in float32, past that chunked)."""
+    """How log-probs leave the LM head: chunked (no [tokens x vocab] tensor is kept; each chunk is recomputed in
+    backward), liger (its fused linear cross-entropy), full (whole logits: the reference path) or auto (liger where
+    fused kernels are on, every rank holds the whole head and no entropy gradient is asked: RL's logged entropy is
+    computed beside it without one; else the labelled positions' logits whole while they stay under 2 GiB in
+    float32, past that chunked)."""
     logit_chunk_tokens: int = 4096
     """Rows per LM-head chunk on the chunked and liger paths (bounds a chunk's [chunk x vocab] logits: float32
     on the chunked path, the weights' dtype in liger's kernel)."""

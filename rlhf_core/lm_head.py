@@ -6,8 +6,8 @@ keeps float32 logits of every position for backward (16k tokens x 152k vocabular
 in backward) and then reads one entry per row. The alternatives, chosen by ``lm_head``:
 
 * ``auto`` (the default): only the labelled positions go through the head: by ``liger`` where it can
-  run and no entropy is asked, else their logits whole while they stay small, else ``chunked``
-  (:class:`LMHead`).
+  run and no entropy gradient is asked (a logged entropy is computed beside it, without one), else their
+  logits whole while they stay small, else ``chunked`` (:class:`LMHead`).
 
 * ``chunked`` (any device, any strategy): only the labelled positions go through the head, a chunk
   of ``chunk_tokens`` rows at a time, each chunk under activation checkpointing, so forward keeps
@@ -22,7 +22,8 @@ in backward) and then reads one entry per row. The alternatives, chosen by ``lm_
   silently broken.
 
 Why not liger everywhere: it needs the head's weight as a tensor (ZeRO-3 holds shards), returns no
-entropy (RL logs it), and does not run on a CPU. The decoder's own fused kernels (RMSNorm, RoPE,
+entropy (RL logs one: computed beside it without a gradient, :func:`resolve_kernel`; an entropy bonus in the
+loss needs its gradient and so the chunked path), and does not run on a CPU. The decoder's own fused kernels (RMSNorm, RoPE,
 SwiGLU) are applied by :func:`apply_fused_kernels`.
 """
 
@@ -51,11 +52,12 @@ class LMHead:
     chunk_tokens: int = 4096
     """Rows of the head per chunk on the chunked and liger paths."""
     prefer_liger: bool = False
-    """auto: liger's kernel wherever it runs (fused kernels on, the whole head on this rank) and no entropy is
-    asked (it returns none). In chunks of 4,096 rows it beat whole logits at every size measured, in time and
-    memory: on an H200, forward + backward of 16,381 x 1,536 -> 151,936 took 57.5 ms (3.3 GB) against 63.4 ms
-    (28.3 GB) whole and 120.9 ms chunked, 5,501 such rows 20.3 against 21.8 ms, and 14,901 x 896 -> 32,000
-    8.2 against 9.7 ms (``bench/results/gpu_lm_head_check_h200_liger_chunks.json``)."""
+    """auto: liger's kernel wherever it runs (fused kernels on, the whole head on this rank) and no entropy gradient
+    is asked (it returns no entropy; a logged one is computed beside it, :func:`resolve_kernel`). In chunks of 4,096
+    rows it beat whole logits at every size measured, in time and memory: on an H200, forward + backward of 16,381 x
+    1,536 -> 151,936 took 57.5 ms (3.3 GB) against 63.4 ms (28.3 GB) whole and 120.9 ms chunked, 5,501 such rows
+    20.3 against 21.8 ms, and 14,901 x 896 -> 32,000 8.2 against 9.7 ms
+    (``bench/results/gpu_lm_head_check_h200_liger_chunks.json``)."""
     whole_bytes: int = 2 * 2**30
     """auto without liger: float32 logits of the scored positions up to this size are made whole (one matmul,
     kept for backward: faster than chunked, whose recompute costs 2x at these sizes), past it chunked."""
@@ -237,22 +239,47 @@ def bypasses_head(model: Any, head: LMHead) -> bool:
 def head_logprobs(lm_head: Any, hidden: torch.Tensor, targets: torch.Tensor, head: LMHead, *, temperature: float = 1.0,
                   with_entropy: bool = False, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(N,)`` log-probs (and entropies) of ``targets`` from final hidden states ``(N, H)`` through
-    ``lm_head`` by ``head.kernel`` (liger has no entropy: the chunked path gives it when asked)."""
-    kernel = head.kernel
-    if kernel == "auto":
-        if head.prefer_liger and not with_entropy:
-            kernel = "liger"
-        else:
-            whole = hidden.shape[0] * lm_head.out_features * 4 <= head.whole_bytes
-            kernel = "whole" if whole else "chunked"
+    ``lm_head`` by ``head.kernel`` (:func:`resolve_kernel`)."""
+    needs_entropy_grad = with_entropy and entropy_grad and torch.is_grad_enabled()
+    kernel = resolve_kernel(head, hidden.shape[0], lm_head.out_features, needs_entropy_grad)
     if kernel == "whole":  # only the scored positions, one matmul; autograd keeps their (N, V) logits
         logp, entropy = _chunk_logprobs(lm_head, hidden, targets, temperature, with_entropy, entropy_grad)
         return logp, (entropy if with_entropy else None)
-    if kernel == "liger" and not with_entropy:
-        return liger_token_logprobs(lm_head.weight, hidden, targets, temperature=temperature,
-                                    chunk_rows=head.chunk_tokens), None
+    if kernel == "liger":
+        logp = liger_token_logprobs(lm_head.weight, hidden, targets, temperature=temperature,
+                                    chunk_rows=head.chunk_tokens)
+        return logp, (detached_entropy(lm_head, hidden, temperature, head.chunk_tokens) if with_entropy else None)
     return chunked_token_logprobs(lm_head, hidden, targets, temperature=temperature, with_entropy=with_entropy,
                                   entropy_grad=entropy_grad, chunk_tokens=head.chunk_tokens)
+
+
+def resolve_kernel(head: LMHead, rows: int, vocab: int, needs_entropy_grad: bool) -> str:
+    """The path :func:`head_logprobs` takes for ``rows`` scored tokens over ``vocab``: whole, chunked or liger.
+
+    liger returns log-probs only; an entropy that is merely logged (RL's diagnostic, no entropy bonus) is
+    computed beside it without a gradient (:func:`detached_entropy`: one more head matmul in forward, none in
+    backward). On an H100 at 0.5B shape, forward + backward of 15k rows took 21.5 ms chunked with entropy
+    against 8.2 ms by liger without (``bench/results/gpu_lm_head_check_h100_*.json``). An entropy that enters
+    the loss needs its gradient, which liger cannot give: the whole/chunked paths.
+    """
+    if head.kernel == "liger":
+        return "chunked" if needs_entropy_grad else "liger"
+    if head.kernel != "auto":
+        return head.kernel
+    if head.prefer_liger and not needs_entropy_grad:
+        return "liger"
+    return "whole" if rows * vocab * 4 <= head.whole_bytes else "chunked"
+
+
+@torch.no_grad()
+def detached_entropy(lm_head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, temperature: float,
+                     chunk_tokens: int) -> torch.Tensor:
+    """``(N,)`` entropy of ``softmax(head(h) / T)`` per row of ``hidden`` ``(N, H)``, without a gradient,
+    ``chunk_tokens`` rows at a time (a chunk's float32 logits are the only ``V``-wide tensor alive)."""
+    targets = torch.zeros(hidden.shape[0], dtype=torch.long, device=hidden.device)  # unused: entropy only
+    _, entropy = chunked_token_logprobs(lm_head, hidden.detach(), targets, temperature=temperature,
+                                        with_entropy=True, chunk_tokens=chunk_tokens)
+    return entropy
 
 
 def labelled_token_logprobs(model: Any, batch: dict[str, torch.Tensor], head: LMHead) -> torch.Tensor:
@@ -327,7 +354,8 @@ def prepare_kernels(cfg: Any, *models: Any) -> LMHead:
     head = resolve_lm_head(cfg.lm_head, cfg.logit_chunk_tokens, fused=fused, head_whole=head_whole)
     rule = f"whole logits up to {head.whole_bytes / 2**30:.0f} GiB, else chunked"
     if head.prefer_liger:
-        rule = f"liger in chunks of {head.chunk_tokens} rows; where an entropy is asked {rule}"
+        rule = (f"liger in chunks of {head.chunk_tokens} rows, a logged entropy beside it without gradient; "
+                f"where an entropy gradient is asked {rule}")
     log.info("%s: fused kernels %s, LM head %s%s", cfg.section, "on (liger-kernel)" if fused else "off", head.kernel,
              f" ({rule})" if head.kernel == "auto" else "")
     return head

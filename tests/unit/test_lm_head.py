@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.lm_head import (LMHead, chunked_token_logprobs, liger_chunk_mem_const, resolve_lm_head,
-                               use_fused_kernels)
+from rlhf_core.lm_head import (LMHead, chunked_token_logprobs, detached_entropy, head_logprobs, liger_chunk_mem_const,
+                               resolve_kernel, resolve_lm_head, use_fused_kernels)
 from rlhf_core.rl_math import entropy_from_logits
 
 N, H, V = 37, 16, 50
@@ -110,6 +110,49 @@ def test_kernel_choice_on_a_cpu():
         resolve_lm_head("liger", 4096, fused=False, head_whole=True)
     assert resolve_lm_head("auto", 4096, fused=True, head_whole=False).prefer_liger is False  # ZeRO-3
     assert resolve_lm_head("auto", 4096, fused=True, head_whole=True).prefer_liger is True
+
+
+def test_kernel_route_for_an_entropy():
+    """liger (preferred by auto, or asked for) serves a logged entropy, computed beside it without a gradient;
+    an entropy gradient (an entropy bonus in the loss) takes whole logits or chunks, which carry it."""
+    liger_auto, plain_auto = LMHead("auto", 4096, prefer_liger=True), LMHead("auto", 4096)
+    small, large = (100, 50), (600_000, 1000)  # float32 logits of 20 kB and 2.4 GB (whole_bytes: 2 GiB)
+    assert resolve_kernel(liger_auto, *small, needs_entropy_grad=False) == "liger"
+    assert resolve_kernel(liger_auto, *large, needs_entropy_grad=False) == "liger"
+    assert resolve_kernel(liger_auto, *small, needs_entropy_grad=True) == "whole"
+    assert resolve_kernel(liger_auto, *large, needs_entropy_grad=True) == "chunked"
+    assert resolve_kernel(plain_auto, *small, needs_entropy_grad=False) == "whole"
+    assert resolve_kernel(plain_auto, *large, needs_entropy_grad=False) == "chunked"
+    assert resolve_kernel(LMHead("liger"), *small, needs_entropy_grad=False) == "liger"
+    assert resolve_kernel(LMHead("liger"), *small, needs_entropy_grad=True) == "chunked"
+    assert resolve_kernel(LMHead("chunked"), *small, needs_entropy_grad=False) == "chunked"
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_detached_entropy_is_the_entropy_without_a_gradient(temperature):
+    """The entropy liger's path logs equals the whole logits' entropy at any chunking, and holds no graph."""
+    head, hidden, targets, _ = _setup(2)
+    _, ref = _reference(head, hidden, targets, temperature)
+    for chunk in (1, 7, 4 * N):
+        got = detached_entropy(head, hidden, temperature, chunk)
+        torch.testing.assert_close(got, ref.detach(), atol=1e-5, rtol=0)
+        assert not got.requires_grad and got.grad_fn is None
+
+
+def test_whole_and_chunked_routes_give_the_same_logprobs_entropy_and_gradients():
+    """head_logprobs with a logged entropy (RL's update) by whole logits and by chunks: equal log-probs, entropies
+    and advantage-weighted gradients; the entropy carries a gradient only when asked."""
+    outs = []
+    for cfg in (LMHead("auto", 5), LMHead("auto", 5, whole_bytes=0), LMHead("chunked", 5)):
+        head, hidden, targets, weights = _setup(3)
+        logp, entropy = head_logprobs(head, hidden, targets, cfg, temperature=0.8, with_entropy=True,
+                                      entropy_grad=False)
+        assert not entropy.requires_grad
+        (logp * weights).sum().backward()
+        outs.append((logp.detach(), entropy, hidden.grad, head.weight.grad))
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def _liger_chunk_rows(rows: int, hidden: int, vocab: int, const: int) -> int:
