@@ -84,13 +84,19 @@ def _timed(fn, reps: int) -> tuple[list[float], float]:
     return times, peak
 
 
-def head_part(n: int, hidden_size: int, vocab: int, device: torch.device, reps: int) -> dict:
+def _random_head(n: int, hidden_size: int, vocab: int, device: torch.device):
+    """fp32 head weight ``(V, H)``, hidden states ``(n, H)``, targets ``(n,)``, signed non-uniform per-token
+    upstream weights ``(n,)`` (as advantages are), and the dtype the card runs (bf16 on CUDA)."""
     g = torch.Generator(device="cpu").manual_seed(0)
     w32 = (torch.randn(vocab, hidden_size, generator=g) / hidden_size**0.5).to(device)
     h32 = torch.randn(n, hidden_size, generator=g).to(device)
     y = torch.randint(0, vocab, (n,), generator=g).to(device)
     adv = (torch.randn(n, generator=g) * torch.rand(n, generator=g) * 3).to(device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return w32, h32, y, adv, torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def head_part(n: int, hidden_size: int, vocab: int, device: torch.device, reps: int) -> dict:
+    w32, h32, y, adv, dtype = _random_head(n, hidden_size, vocab, device)
 
     def run(path: str, w: torch.Tensor, h: torch.Tensor):
         w = w.detach().clone().requires_grad_(True)
@@ -122,12 +128,7 @@ def rl_head_part(n: int, hidden_size: int, vocab: int, device: torch.device, rep
     """RL update's head: log-probs with an advantage-weighted gradient and a logged (gradient-free) entropy."""
     from rlhf_core.lm_head import head_logprobs, resolve_kernel
 
-    g = torch.Generator(device="cpu").manual_seed(0)
-    w32 = (torch.randn(vocab, hidden_size, generator=g) / hidden_size**0.5).to(device)
-    h32 = torch.randn(n, hidden_size, generator=g).to(device)
-    y = torch.randint(0, vocab, (n,), generator=g).to(device)
-    adv = (torch.randn(n, generator=g) * torch.rand(n, generator=g) * 3).to(device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    w32, h32, y, adv, dtype = _random_head(n, hidden_size, vocab, device)
 
     def run(head_cfg: LMHead, w: torch.Tensor, h: torch.Tensor):
         h = h.detach().clone().requires_grad_(True)
