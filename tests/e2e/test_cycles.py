@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 
 import pytest
@@ -13,16 +14,27 @@ from rlhf_core.lineage import dvc_md5
 pytestmark = pytest.mark.usefixtures("prefect_server")
 
 
-@pytest.fixture()
-def project(isolated_project, tmp_path_factory):
-    """A git + DVC project (local remote) with micro data, a micro SFT model and reward model.
-
-    The micro policy is almost always wrong, so rule scores tie and give no pairs (the gate
-    then stops the flow, as it should); the reward model separates the samples."""
-    root = isolated_project
+@pytest.fixture(scope="session")
+def seeded_project(tmp_path_factory):
+    """A git + DVC project (local remote) with micro data, a micro SFT model and reward model, made once per
+    session (five CLI processes, about 85 s on 2 cores) and copied for each test."""
+    root = tmp_path_factory.mktemp("seeded") / "project"
+    root.mkdir()
     write_micro_params(root)
     seed_versioned_project(root, tmp_path_factory.mktemp("dvc-remote"))
     return root
+
+
+@pytest.fixture()
+def project(isolated_project, seeded_project):
+    """A copy of the seeded project (git history, DVC cache and remote settings included) as this test's own
+    root, with an empty MLflow store: the flows' runs are the only ones the test sees.
+
+    The micro policy is almost always wrong, so rule scores tie and give no pairs (the gate
+    then stops the flow, as it should); the reward model separates the samples."""
+    shutil.copytree(seeded_project, isolated_project, symlinks=True, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("mlflow.db", "mlruns", ".prefect"))
+    return isolated_project
 
 
 def _client(project):
