@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from rlhf_core.config import RLConfig
-from rlhf_core.lm_head import LMHead, _head_bypassed, bypasses_head, head_logprobs, prepare_kernels
+from rlhf_core.lm_head import LMHead, _head_bypassed, bypasses_head, head_logprobs, prepare_kernels, unwrap
 from rlhf_core.models import export_state_dict, has_lora, load_causal_lm, pick_device, prepare_for_training, \
     resolve_checkpointing
 from rlhf_core.parallel import (LocalStrategy, World, build_strategy, current_world, disable_dropout, train_mode)
@@ -236,26 +236,45 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-# No-grad log-prob passes keep a chunk's float32 logits (rows x R x V) under this many bytes: at
-# 512 rows x 256 tokens x 32k vocabulary one pass would otherwise hold 17 GB (measured: 46 GB peak).
-_LOGITS_BYTES = 2 * 2**30
+# A no-grad log-prob pass keeps a chunk's largest transient tensor under this many bytes. Where the model's
+# own head runs, that is the chunk's float32 logits (rows x R x V): at 512 rows x 256 tokens x 32k vocabulary
+# one pass would otherwise hold 17 GB (measured: 46 GB peak). Where the head is bypassed (chunked, liger:
+# :func:`rlhf_core.lm_head.head_logprobs` bounds its own logits), it is the decoder's MLP projection
+# (rows x width x 2 intermediate, in the weights' dtype). Counting V there split a 1.5B GRPO reference
+# pass (V = 151,936) into 38 forwards of 13-14 rows, which also split prompt groups across chunks.
+_CHUNK_BYTES = 2 * 2**30
+
+
+def chunk_bytes_per_row(model: Any, head: LMHead, width: int, response_len: int) -> int:
+    """Bytes of a no-grad log-prob chunk's largest transient per row of ``width`` tokens (``response_len``
+    of them scored): float32 logits over the vocabulary with the model's own head, else the decoder's MLP
+    projection (:data:`_CHUNK_BYTES`). 0 for a model without a config (nothing to bound)."""
+    config = getattr(unwrap(model), "config", None)
+    if config is None:
+        return 0
+    if not bypasses_head(model, head):
+        return response_len * (getattr(config, "vocab_size", 0) or 0) * 4
+    hidden = getattr(config, "hidden_size", 0) or 0
+    intermediate = getattr(config, "intermediate_size", 0) or 4 * hidden
+    itemsize = next(unwrap(model).parameters()).element_size()
+    return width * 2 * intermediate * itemsize
 
 
 class _Sharded:
     """Rows of this rank and the chunking every rank agrees on."""
 
-    def __init__(self, world: World, rows: int, batch_size: int, response_len: int = 0, vocab: int = 0):
+    def __init__(self, world: World, rows: int, batch_size: int, row_bytes: int = 0):
         self.rows = torch.arange(rows)[world.rows(rows)]
         by_rows = -(-rows // (batch_size * world.size))
         per_rank = -(-rows // world.size)
-        by_bytes = -(-per_rank * response_len * vocab * 4 // _LOGITS_BYTES)
+        by_bytes = -(-per_rank * row_bytes // _CHUNK_BYTES)
         self.n_chunks = max(1, by_rows, by_bytes)
 
 
-def _sharded(world: World, exp: dict[str, torch.Tensor], prompt_width: int, batch_size: int, model: Any) -> _Sharded:
+def _sharded(world: World, exp: dict[str, torch.Tensor], prompt_width: int, batch_size: int, model: Any,
+             head: LMHead) -> _Sharded:
     rows, width = exp["input_ids"].shape
-    vocab = getattr(getattr(model, "config", None), "vocab_size", 0) or 0
-    return _Sharded(world, rows, batch_size, width - prompt_width, vocab)
+    return _Sharded(world, rows, batch_size, chunk_bytes_per_row(model, head, width, width - prompt_width))
 
 
 # --------------------------------------------------------------------------------------
@@ -279,7 +298,7 @@ class ReferenceScorer:
     def logprobs(self, exp: dict[str, torch.Tensor], prompt_width: int) -> torch.Tensor:
         """``(my_rows, R)`` log-probs of this rank's rows (``log_softmax(logits / T)``, as the policy's)."""
         exp = _to(exp, self.device)
-        shard = _sharded(self.world, exp, prompt_width, self.cfg.batch_size, self.model)
+        shard = _sharded(self.world, exp, prompt_width, self.cfg.batch_size, self.model, self.head)
         out = _in_chunks(lambda e, p: token_logprobs(self.model, e, p, self.cfg.temperature, share_prompts=True,
                                                   head=self.head)[0],
                          exp, prompt_width, shard.rows.to(self.device), shard.n_chunks)
@@ -359,7 +378,7 @@ class PolicyLearner:
     def score(self, exp: dict[str, torch.Tensor], prompt_width: int) -> dict[str, torch.Tensor]:
         """``old_logp`` (and ``old_values`` with a critic) of this rank's rows, each ``(my_rows, R)``."""
         exp = _to(exp, self.device)
-        shard = _sharded(self.world, exp, prompt_width, self.cfg.batch_size, self.policy)
+        shard = _sharded(self.world, exp, prompt_width, self.cfg.batch_size, self.policy, self.head)
         rows = shard.rows.to(self.device)
         out = {}
         out["old_logp"] = _in_chunks(

@@ -141,3 +141,38 @@ def test_rl_token_logprobs_chunked_equal_full(micro_model, micro_data, share):
     torch.testing.assert_close(lp1, lp0, atol=1e-5, rtol=0)
     torch.testing.assert_close(e1, e0, atol=1e-5, rtol=0)
     _assert_grads_close(g1, g0)
+
+
+def test_no_grad_chunks_count_vocabulary_logits_only_where_the_model_makes_them(micro_model, micro_data):
+    """A no-grad log-prob pass (reference, pi_old) is split by its largest transient: float32 logits
+    ``R x V`` a row with the model's own head, the decoder's MLP projection ``width x 2I`` with a bypassed
+    head, which bounds its own logits; any split gives the same log-probs."""
+    from rlhf_core.rollout import HFGenerateEngine, SamplingParams
+    from rlhf_core.trainers.rl_roles import _CHUNK_BYTES, _in_chunks, _Sharded, chunk_bytes_per_row, token_logprobs
+    from rlhf_core.parallel import World
+
+    model = load_causal_lm(micro_model, torch.device("cpu")).eval()
+    cfg = model.config
+    full = chunk_bytes_per_row(model, LMHead("full"), width=40, response_len=30)
+    assert full == 30 * cfg.vocab_size * 4
+    assert chunk_bytes_per_row(model, CHUNK, width=40, response_len=30) == 40 * 2 * cfg.intermediate_size * 4
+    # 1.5B GRPO reference pass (512 rows, 19 + 256 tokens, V = 151,936, I = 8,960, bf16): 38 chunks by
+    # the logits it never makes, 3 by its MLP projection
+    logits_row, mlp_row = 256 * 151_936 * 4, 275 * 2 * 8_960 * 2
+    assert _Sharded(World(), 512, 512, logits_row).n_chunks == 38
+    assert _Sharded(World(), 512, 512, mlp_row).n_chunks == 3 == -(-512 * mlp_row // _CHUNK_BYTES)
+    assert _Sharded(World(), 512, 32, mlp_row).n_chunks == 16  # the micro-batch rows, where fewer
+
+    tok = load_tokenizer(micro_model)
+    batch = HFGenerateEngine(model, tok).generate(["12+30=", "7*8=", "sort 321=", "1+1="],
+                                                  SamplingParams(n=3, max_new_tokens=6, seed=2))
+    ids, attention = batch.sequences()
+    exp = {"input_ids": ids, "attention_mask": attention, "position_ids": batch.position_ids(),
+           "response_ids": batch.response_ids}
+    p, mask = batch.prompt_ids.shape[1], batch.response_mask.float()
+    rows = torch.arange(len(ids))
+    with torch.no_grad():
+        by = {n: _in_chunks(lambda e, w: token_logprobs(model, e, w, 1.0, share_prompts=True, head=CHUNK)[0],
+                            exp, p, rows, n) * mask for n in (1, 3, 12)}
+    torch.testing.assert_close(by[3], by[1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(by[12], by[1], atol=1e-5, rtol=0)
