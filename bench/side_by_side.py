@@ -75,8 +75,9 @@ Options for ours' rows: ``--micro-batch-tokens N`` (packed rows: a token budget 
 ``gradient_checkpointing: auto`` choose off), ``--lm-head`` (ours' ``lm_head``, default auto), ``--global-batch G``
 (a step of G rows, each rank's micro-batch the variant's batch: the 1 -> N scaling pair at a fixed global batch
 with the same work per GPU), ``--profile``
-(torch.profiler over steps 4-6 of each offline row: device busy time, the idle gaps between kernels and what
-the host ran during the largest; a where-the-time-goes run, not a timing)::
+(torch.profiler over steps 4-6 of each offline row, and over the third policy update of the grpo bench on one
+device: device busy time, the idle gaps between kernels and what the host ran during the largest; a
+where-the-time-goes run, not a timing)::
 
     source bench/device_setup.sh && python bench/side_by_side.py --variant gpu-1.5b --rounds 2 --bench dpo,rm \
         --rows ours-mixed-packed --micro-batch-tokens 8192 --out $OUT/side_by_side_1p5b_packed.json
@@ -523,19 +524,28 @@ class _ProfilingSink(_Sink):
             self.summary = {"error": f"{type(exc).__name__}: {exc}"}
 
     def _summarize(self, prof) -> None:
-        from torch.autograd import DeviceType
-
         events = prof.key_averages()
         # steps actually profiled (fewer than ``active`` when the run ends first: a short --small run)
         n = next((e.count for e in events if e.key.startswith("ProfilerStep")), self.active) or self.active
-        # kernels (and copies); ops' own device time repeats these, annotations span them
-        kernels = [e for e in events if e.device_type == DeviceType.CUDA and not _annotation(e.key)]
-        device_us = sum(e.self_device_time_total for e in kernels)
         walls = [b - a for a, b in zip(self.marks, self.marks[1:])][-n:]
-        by_device = sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]
-        by_host = sorted(events, key=lambda e: -e.self_cpu_time_total)[:15]
-        self.summary = {
-            "active_steps": n, "step_wall_s": [round(w, 4) for w in walls],
+        self.summary = {"active_steps": n, **_profile_summary(prof, walls, n)}
+
+    def close(self) -> None:
+        self.prof.stop()
+
+
+def _profile_summary(prof, walls: list[float], n: int) -> dict:
+    """A profile of ``n`` steps of wall seconds ``walls``: the device's busy seconds a step (kernels and
+    copies, annotations left out), the top ops by device and by host time, and the idle gaps."""
+    from torch.autograd import DeviceType
+
+    events = prof.key_averages()
+    # kernels (and copies); ops' own device time repeats these, annotations span them
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and not _annotation(e.key)]
+    device_us = sum(e.self_device_time_total for e in kernels)
+    by_device = sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]
+    by_host = sorted(events, key=lambda e: -e.self_cpu_time_total)[:15]
+    return {"step_wall_s": [round(w, 4) for w in walls],
             "device_busy_s_per_step": round(device_us / 1e6 / n, 4),
             "device_busy_share": round(device_us / 1e6 / max(sum(walls), 1e-9), 3),
             "top_device_ops": [{"op": e.key[:90], "calls": e.count // n,
@@ -546,8 +556,43 @@ class _ProfilingSink(_Sink):
                              for e in by_host],
             "device_idle": _idle_gaps(prof.events(), n)}
 
-    def close(self) -> None:
-        self.prof.stop()
+
+class _UpdateProfile:
+    """``--profile`` on the grpo bench: torch.profiler over one ``PolicyLearner.update`` call (the ``skip + 1``-th,
+    past compiles and warm-up), summarised as the offline rows' steps are. One process (no Ray ranks). The
+    profiled step's times carry the profiler's overhead: not for the figures."""
+
+    def __init__(self, spec: dict) -> None:
+        self.at = int(spec.get("skip", 2)) + 1
+        self.summary: dict = {}
+
+    def install(self) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        from rlhf_core.trainers import rl_roles
+
+        original, calls = rl_roles.PolicyLearner.update, [0]
+
+        def update(learner, *args, **kwargs):
+            calls[0] += 1
+            if calls[0] != self.at:
+                return original(learner, *args, **kwargs)
+            cuda = torch.cuda.is_available()
+            sync = torch.cuda.synchronize if cuda else (lambda: None)
+            sync()
+            start = time.perf_counter()
+            with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+                out = original(learner, *args, **kwargs)
+                sync()
+            wall = time.perf_counter() - start
+            try:
+                self.summary = {"update_call": self.at, **_profile_summary(prof, [wall], 1)}
+            except Exception as exc:  # noqa: BLE001 -- a profile that cannot be read must not cost the row
+                self.summary = {"error": f"{type(exc).__name__}: {exc}"}
+            return out
+
+        rl_roles.PolicyLearner.update = update
 
 
 def _annotation(name: str) -> bool:
@@ -629,6 +674,9 @@ def ours(task: dict) -> dict:
                        eval_items=1, eval_at_start=False, log_rollouts_every=0, rollout_engine="static",
                        placement="colocated" if gpus > 1 else "none", rollout_workers=gpus, **common)
         _sync()
+        update_profile = _UpdateProfile(task["profile"]) if task.get("profile") and gpus == 1 else None
+        if update_profile is not None:
+            update_profile.install()
         if gpus > 1:
             from rlhf_core import ray_launcher
 
@@ -649,6 +697,7 @@ def ours(task: dict) -> dict:
                 "settings": {k: getattr(cfg, k) for k in ("precision", "gradient_checkpointing", "fused_kernels",
                                                           "lm_head", "packing", "num_workers", "parallel",
                                                           "micro_batch_size", "mini_batch_size", "kl_coef")},
+                **({"update_profile": update_profile.summary} if update_profile is not None else {}),
                 "threads": _threads()}
     held_out = _paths(inputs, "grpo")[1]  # prompt + label rows: the end-of-run eval (not timed) reads 1
     accum = b.get("grad_accum", 1)  # --global-batch: a step of b["batch"] rows in accum draws
@@ -1241,7 +1290,8 @@ def main() -> None:
     ap.add_argument("--micro-batch-tokens", type=int, default=0,
                     help="ours' packed rows: token budget of a micro-batch (0: each draw is one micro-batch)")
     ap.add_argument("--profile", action="store_true",
-                    help="ours' offline rows on one device under torch.profiler (steps 4-6): a where-the-time-goes "
+                    help="ours' offline rows (steps 4-6) and grpo's third update on one device under torch.profiler: a "
+                         "where-the-time-goes "
                          "run, its step times carry the profiler's overhead")
     ap.add_argument("--resummarize", metavar="FILE", help="recompute the summaries of a result file from its runs")
     ap.add_argument("--scaling", nargs=2, metavar=("ONE", "MANY"),
