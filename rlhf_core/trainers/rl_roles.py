@@ -311,6 +311,28 @@ class ReferenceScorer:
 # --------------------------------------------------------------------------------------
 
 
+def _step_diagnostics(share: float, weighted: tuple[torch.Tensor, ...], m: dict[str, torch.Tensor],
+                      fused_old_logp: torch.Tensor | None, n_seq: float, n_tok: float) -> torch.Tensor:
+    """``(8,)`` float64, on the device: one micro-batch's share of the update's diagnostics (``weighted``: loss,
+    pg, kl_loss, clip_frac, approx_kl, entropy, each times ``share``), then, where pi_old is the update's own
+    log-prob (``fused_old_logp``), what the controller logs from pi_old when it computes it itself: the
+    per-sequence k3 KL to the reference (summed over the mini-batch's ``n_seq`` rows) and the mean engine/learner
+    log-prob mismatch over its ``n_tok`` tokens. No value is read on the host here.
+
+    train/kl is uncapped (no kl_k3_cap), as the controller's: it measures the drift, including the tokens the
+    cap stops pulling back, the same whatever the penalty's settings, and the adaptive KL controller must see
+    it whole."""
+    values = [v.detach().to(torch.float64).reshape(()) * share for v in weighted]
+    device = values[0].device
+    if fused_old_logp is None:
+        values += [torch.zeros((), dtype=torch.float64, device=device)] * 2
+    else:
+        seq_kl = (kl_penalty(fused_old_logp, m["ref_logp"], "k3", clamp=KL_CLAMP) * m["mask"]).sum(-1)
+        mismatch = ((m["sampling_logp"] - fused_old_logp).abs() * m["mask"]).sum()
+        values += [seq_kl.sum().to(torch.float64) / n_seq, mismatch.to(torch.float64) / max(n_tok, 1.0)]
+    return torch.stack([v.to(device) for v in values])
+
+
 class PolicyLearner:
     """The trained policy (and the critic, for ``gae``) with their optimizers; one data-parallel rank."""
 
@@ -441,7 +463,10 @@ class PolicyLearner:
         units = [float(aggregation_units(m["mask"], agg)) for m, _ in micro]
         total_units, n_seq, n_tok = self.world.all_reduce_sum([sum(units), float(len(rows)), float(mb["mask"].sum())])
         total_units = max(total_units, 1.0)
-        acc = torch.zeros(8, dtype=torch.float64)  # loss, pg, kl_loss, clip_frac, approx_kl, entropy, seq_kl, mismatch
+        # loss, pg, kl_loss, clip_frac, approx_kl, entropy, seq_kl, mismatch: summed on the device and read once
+        # after the last micro-batch, so no micro-batch waits for the device (a read per micro-batch drained the
+        # queue before the next forward was launched)
+        acc = torch.zeros(8, dtype=torch.float64, device=mb["mask"].device)
         for i, (m, width) in enumerate(micro):
             with self.strategy.accumulating(last=i == len(micro) - 1):
                 logp, entropy = token_logprobs(self.strategy.module, m, width, cfg.temperature,
@@ -465,18 +490,9 @@ class PolicyLearner:
                 self.strategy.backward(loss * share * self.strategy.grad_scale)
                 if hasattr(self.strategy, "last_grad_norm"):  # DeepSpeed steps inside its own accumulation count
                     self.strategy.step()
-            extra = (0.0, 0.0)
-            if fused_old:  # what the controller logs from pi_old when it computes it itself
-                # train/kl is uncapped (no kl_k3_cap), as the controller's: it measures the drift, including
-                # the tokens the cap stops pulling back, the same whatever the penalty's settings, and the
-                # adaptive KL controller must see it whole
-                seq_kl = (kl_penalty(old_logp, m["ref_logp"], "k3", clamp=KL_CLAMP) * m["mask"]).sum(-1)
-                extra = (float(seq_kl.sum()) / n_seq,
-                         float(((m["sampling_logp"] - old_logp).abs() * m["mask"]).sum()) / max(n_tok, 1.0))
-            acc += torch.tensor([share * float(v) for v in (loss.detach(), pg_loss.detach(), kl_loss.detach(),
-                                                            stats.clip_frac, stats.approx_kl,
-                                                            masked_mean(entropy.detach(), m["mask"]))] + list(extra),
-                                dtype=torch.float64)
+            acc += _step_diagnostics(share, (loss, pg_loss, kl_loss, stats.clip_frac, stats.approx_kl,
+                                             masked_mean(entropy.detach(), m["mask"])),
+                                     m, old_logp if fused_old else None, n_seq, n_tok).to(acc.device)
         # diagnostics as the whole mini-batch's (unit-weighted means over ranks); finiteness checked by all
         sums = self.world.all_reduce_sum(acc.tolist())
         _check_finite(sums[0], "policy loss", step)
