@@ -655,10 +655,10 @@ def ours(task: dict) -> dict:
                   precision=row["precision"], num_threads=s["threads"], seed=s["seed"],
                   weight_decay=OPTIMIZER["weight_decay"], max_grad_norm=OPTIMIZER["max_grad_norm"],
                   num_workers=gpus, parallel=inputs["parallel"],
-                  **{**OURS_BEST, "packing": row.get("packing", OURS_BEST["packing"]) and name != "grpo"})
+                  **{**OURS_BEST, "packing": row.get("packing", OURS_BEST["packing"])})
     if task.get("lm_head"):
         common["lm_head"] = task["lm_head"]
-    if common["packing"] and task.get("micro_batch_tokens"):
+    if common["packing"] and task.get("micro_batch_tokens") and name != "grpo":  # rl packs micro_batch_size rows
         common["micro_batch_tokens"] = task["micro_batch_tokens"]
     sink = _ProfilingSink(task["profile"]) if task.get("profile") and name != "grpo" and gpus == 1 else _Sink()
     peak_dir = os.environ.get("BENCH_PEAK_DIR", "")

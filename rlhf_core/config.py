@@ -699,8 +699,10 @@ class RLConfig(TrainerConfig):
         self._check_inputs()
         self._check_reward(kind)
         self._check_rollout()
-        _check(not self.packing, self.section, "packing",
-               "not for rl yet: its update trims each micro-batch's padding columns instead")
+        # packing: each micro-batch (and no-grad chunk) runs as one padding-free row; its rows stay
+        # micro_batch_size rows, so a token budget has no meaning here
+        _check(self.micro_batch_tokens == 0, self.section, "micro_batch_tokens",
+               "not for rl: its micro-batches are micro_batch_size rows (packed into one row with packing: true)")
         self._check_batches(estimator)
         self._check_update()
         self._check_kl(estimator)

@@ -103,9 +103,45 @@ def _shared_prompt_logits(model: Any, exp: dict[str, torch.Tensor], prompt_width
     return torch.cat([last, rest], dim=1)
 
 
-def _response_logits(model: Any, exp: dict[str, torch.Tensor], prompt_width: int, share_prompts: bool) -> torch.Tensor:
+def _packed_response_logits(model: Any, exp: dict[str, torch.Tensor], prompt_width: int) -> torch.Tensor:
     """``(rows, R, V)`` logits (hidden states ``(rows, R, H)`` with the head bypassed) of the positions that
-    predict the response tokens."""
+    predict the response tokens, from one padding-free row: each row's attended tokens back to back, its
+    ``position_ids`` restarting at 0, so attention stays within each row (the varlen flash kernel on a GPU,
+    :mod:`rlhf_core.attention`; a block-diagonal SDPA mask elsewhere) and no padded column is computed.
+
+    The packing indices are worked out on the host from one copy of the mask and positions (one wait for
+    the device a call); the head runs on the scored positions only (``logits_to_keep`` as indices). Rows
+    are left-padded prompts and right-padded responses; a padded response column maps to its row's last
+    real token, and its log-prob is masked by the caller as on the padded path.
+    """
+    rows, W = exp["attention_mask"].shape
+    device = exp["input_ids"].device
+    host = torch.stack([exp["attention_mask"].long(), exp["position_ids"].long()]).cpu()  # (2, rows, W)
+    keep = host[0].flatten().bool()
+    index = keep.nonzero().squeeze(-1)  # (N,) padded flat position of each packed token
+    positions = host[1].flatten()[index][None]  # (1, N): restart at 0 at each row's first real token
+    at = (keep.cumsum(0) - 1).clamp(min=0).view(rows, W)  # padded column -> packed position
+    scored = at[:, prompt_width - 1:W - 1].reshape(-1)  # (rows * R,) the positions predicting response tokens
+    from rlhf_core.attention import packed_forward_kwargs
+
+    inputs = {"input_ids": exp["input_ids"].flatten()[index.to(device, non_blocking=True)][None],
+              "position_ids": positions.to(device, non_blocking=True)}
+    scored_dev = scored.to(device, non_blocking=True)
+    kwargs = packed_forward_kwargs(model, positions, device)
+    if _keeps_logits(model):
+        out = model(**inputs, use_cache=False, logits_to_keep=scored_dev, **kwargs).logits[0]
+    else:
+        out = model(**inputs, use_cache=False, **kwargs).logits[0][scored_dev]
+    return out.view(rows, W - prompt_width, -1)
+
+
+def _response_logits(model: Any, exp: dict[str, torch.Tensor], prompt_width: int, share_prompts: bool,
+                     packed: bool = False) -> torch.Tensor:
+    """``(rows, R, V)`` logits (hidden states ``(rows, R, H)`` with the head bypassed) of the positions that
+    predict the response tokens: one padding-free row (``packed``), the distinct prompts once
+    (``share_prompts``), or the padded rows."""
+    if packed:
+        return _packed_response_logits(model, exp, prompt_width)
     logits = _shared_prompt_logits(model, exp, prompt_width) if share_prompts else None
     if logits is None:
         width = exp["input_ids"].shape[1]
@@ -116,7 +152,8 @@ def _response_logits(model: Any, exp: dict[str, torch.Tensor], prompt_width: int
 
 def token_logprobs(model: Any, exp: dict[str, torch.Tensor], prompt_width: int, temperature: float,
                    with_entropy: bool = False, entropy_grad: bool = False,
-                   share_prompts: bool = False, head: LMHead = LMHead()) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   share_prompts: bool = False, head: LMHead = LMHead(),
+                   packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(rows, R)`` ``log_softmax(logits / T)`` of each response token, and optionally its entropy.
 
     The logits at position ``t`` predict token ``t + 1``, so the response tokens (columns
@@ -124,7 +161,8 @@ def token_logprobs(model: Any, exp: dict[str, torch.Tensor], prompt_width: int, 
     positions only (``logits_to_keep``), never on the prompt. Dividing by the sampling temperature
     matches the engine's ``sampling_logprobs`` (see :mod:`rlhf_core.rollout`), so on-policy ratios are 1.
     The entropy (a diagnostic unless it enters the loss) carries a gradient only with ``entropy_grad``.
-    ``share_prompts`` runs each distinct prompt once (:func:`_shared_prompt_logits`).
+    ``share_prompts`` runs each distinct prompt once (:func:`_shared_prompt_logits`); ``packed`` runs the rows
+    as one padding-free row instead (:func:`_packed_response_logits`, ``rl.packing``).
 
     ``log_softmax(z)[y] = z_y - logsumexp(z)``: gathering before normalising keeps no ``(rows, R, V)``
     log-softmax tensor alive for backward. With ``head`` chunked or liger (:mod:`rlhf_core.lm_head`) the
@@ -132,12 +170,12 @@ def token_logprobs(model: Any, exp: dict[str, torch.Tensor], prompt_width: int, 
     """
     if bypasses_head(model, head):
         with _head_bypassed(model) as lm_head:
-            hidden = _response_logits(model, exp, prompt_width, share_prompts)  # (rows, R, H): hidden states
+            hidden = _response_logits(model, exp, prompt_width, share_prompts, packed)  # (rows, R, H): hidden states
         rows, R = exp["response_ids"].shape
         logp, entropy = head_logprobs(lm_head, hidden.reshape(rows * R, -1), exp["response_ids"].reshape(-1), head,
                                       temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
         return logp.view(rows, R), (entropy.view(rows, R) if entropy is not None else None)
-    logits = _response_logits(model, exp, prompt_width, share_prompts).float()
+    logits = _response_logits(model, exp, prompt_width, share_prompts, packed).float()
     if temperature != 1.0:
         logits = logits / temperature
     logp = logits.gather(-1, exp["response_ids"].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
@@ -299,8 +337,9 @@ class ReferenceScorer:
         """``(my_rows, R)`` log-probs of this rank's rows (``log_softmax(logits / T)``, as the policy's)."""
         exp = _to(exp, self.device)
         shard = _sharded(self.world, exp, prompt_width, self.cfg.batch_size, self.model, self.head)
-        out = _in_chunks(lambda e, p: token_logprobs(self.model, e, p, self.cfg.temperature, share_prompts=True,
-                                                  head=self.head)[0],
+        packed = self.cfg.packing
+        out = _in_chunks(lambda e, p: token_logprobs(self.model, e, p, self.cfg.temperature, share_prompts=not packed,
+                                                  head=self.head, packed=packed)[0],
                          exp, prompt_width, shard.rows.to(self.device), shard.n_chunks)
         release_memory()
         return out.cpu()
@@ -405,7 +444,7 @@ class PolicyLearner:
         out = {}
         out["old_logp"] = _in_chunks(
             lambda e, p: token_logprobs(self.strategy.module, e, p, self.cfg.temperature, head=self.head,
-                                        share_prompts=self.share_prompts_scoring)[0],
+                                        share_prompts=self.share_prompts_scoring, packed=self.cfg.packing)[0],
             exp, prompt_width, rows, shard.n_chunks).cpu()
         if self.critic is not None:
             out["old_values"] = _in_chunks(lambda e, p: token_values(self.critic, e, p), exp, prompt_width, rows,
@@ -471,7 +510,8 @@ class PolicyLearner:
             with self.strategy.accumulating(last=i == len(micro) - 1):
                 logp, entropy = token_logprobs(self.strategy.module, m, width, cfg.temperature,
                                                with_entropy=True, entropy_grad=cfg.entropy_coef != 0,
-                                               share_prompts=self.share_prompts, head=self.head)
+                                               share_prompts=self.share_prompts, head=self.head,
+                                               packed=cfg.packing)
                 old_logp = logp.detach() * m["mask"] if fused_old else m["old_logp"]
                 pg_loss, stats = policy_loss(self.objective, logp, old_logp, m["advantages"], m["mask"],
                                              clip_low=self.clip[0], clip_high=self.clip[1],

@@ -176,3 +176,34 @@ def test_no_grad_chunks_count_vocabulary_logits_only_where_the_model_makes_them(
                             exp, p, rows, n) * mask for n in (1, 3, 12)}
     torch.testing.assert_close(by[3], by[1], atol=1e-5, rtol=0)
     torch.testing.assert_close(by[12], by[1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("head", [LMHead("full"), CHUNK], ids=["full", "chunked"])
+def test_rl_token_logprobs_packed_equal_padded(micro_model, micro_data, head):
+    """``rl.packing``: the rows as one padding-free row (left-padded prompts of three lengths, responses
+    of several) give the padded pass's log-probs, entropies and advantage-weighted gradients."""
+    from rlhf_core.rollout import HFGenerateEngine, SamplingParams
+    from rlhf_core.trainers.rl_roles import token_logprobs
+
+    tok = load_tokenizer(micro_model)
+    model = load_causal_lm(micro_model, torch.device("cpu")).eval()
+    batch = HFGenerateEngine(model, tok).generate(["12+30=", "7*8=", "sort 321="],
+                                                  SamplingParams(n=3, max_new_tokens=6, seed=4))
+    ids, attention = batch.sequences()
+    assert (attention == 0).any(), "no padding: the test would not exercise packing"
+    exp = {"input_ids": ids, "attention_mask": attention, "position_ids": batch.position_ids(),
+           "response_ids": batch.response_ids}
+    p, mask = batch.prompt_ids.shape[1], batch.response_mask.float()
+    adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(5)) * mask
+    results = []
+    for packed in (False, True):
+        model.zero_grad()
+        logp, entropy = token_logprobs(model, exp, p, 0.7, with_entropy=True, entropy_grad=True, head=head,
+                                       packed=packed)
+        assert logp.shape == mask.shape
+        ((logp * adv).sum() + 0.1 * (entropy * mask).sum()).backward()
+        results.append((logp.detach() * mask, entropy.detach() * mask, _grads(model)))
+    (lp0, e0, g0), (lp1, e1, g1) = results
+    torch.testing.assert_close(lp1, lp0, atol=1e-5, rtol=0)
+    torch.testing.assert_close(e1, e0, atol=1e-5, rtol=0)
+    _assert_grads_close(g1, g0)
