@@ -115,26 +115,30 @@ def test_lora_model_through_the_bypassed_head(micro_model, micro_data):
                                                                         torch.nn.Identity)
 
 
-@pytest.mark.parametrize("share", [False, True], ids=["one-pass", "shared-prompts"])
-def test_rl_token_logprobs_chunked_equal_full(micro_model, micro_data, share):
-    """RL's response-token log-probs and entropies (temperature 0.7), chunked vs full logits, with
-    advantage-weighted gradients, with and without prompts shared across a group."""
+def _rl_rows(micro_model, prompts: list[str], seed: int):
+    """The micro model and 3 sampled rows a prompt of ``prompts``: ``(model, exp, prompt width, response mask)``."""
     from rlhf_core.rollout import HFGenerateEngine, SamplingParams
-    from rlhf_core.trainers.rl_roles import token_logprobs
 
-    tok = load_tokenizer(micro_model)
     model = load_causal_lm(micro_model, torch.device("cpu")).eval()
-    batch = HFGenerateEngine(model, tok).generate(["12+30=", "7*8=", "sort 321="],
-                                                  SamplingParams(n=3, max_new_tokens=6, seed=1))
+    batch = HFGenerateEngine(model, load_tokenizer(micro_model)).generate(
+        prompts, SamplingParams(n=3, max_new_tokens=6, seed=seed))
     ids, attention = batch.sequences()
     exp = {"input_ids": ids, "attention_mask": attention, "position_ids": batch.position_ids(),
            "response_ids": batch.response_ids}
-    p, mask = batch.prompt_ids.shape[1], batch.response_mask.float()
-    adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(3)) * mask
+    return model, exp, batch.prompt_ids.shape[1], batch.response_mask.float()
+
+
+def _assert_rl_logprobs_agree(model, exp, p, mask, adv_seed: int, ways: list[dict]) -> None:
+    """RL's response-token log-probs and entropies (temperature 0.7, the entropy with its gradient) and the
+    gradients of an advantage-weighted loss agree between two ``token_logprobs`` keyword sets ``ways``."""
+    from rlhf_core.trainers.rl_roles import token_logprobs
+
+    adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(adv_seed)) * mask
     results = []
-    for head in (LMHead("full"), CHUNK):
-        logp, entropy = token_logprobs(model, exp, p, 0.7, with_entropy=True, entropy_grad=True,
-                                       share_prompts=share, head=head)
+    for way in ways:
+        model.zero_grad()
+        logp, entropy = token_logprobs(model, exp, p, 0.7, with_entropy=True, entropy_grad=True, **way)
+        assert logp.shape == mask.shape
         ((logp * adv).sum() + 0.1 * (entropy * mask).sum()).backward()
         results.append((logp.detach() * mask, entropy.detach() * mask, _grads(model)))
     (lp0, e0, g0), (lp1, e1, g1) = results
@@ -143,11 +147,19 @@ def test_rl_token_logprobs_chunked_equal_full(micro_model, micro_data, share):
     _assert_grads_close(g1, g0)
 
 
+@pytest.mark.parametrize("share", [False, True], ids=["one-pass", "shared-prompts"])
+def test_rl_token_logprobs_chunked_equal_full(micro_model, micro_data, share):
+    """RL's response-token log-probs and entropies (temperature 0.7), chunked vs full logits, with
+    advantage-weighted gradients, with and without prompts shared across a group."""
+    model, exp, p, mask = _rl_rows(micro_model, ["12+30=", "7*8=", "sort 321="], seed=1)
+    _assert_rl_logprobs_agree(model, exp, p, mask, 3, [dict(share_prompts=share, head=LMHead("full")),
+                                                      dict(share_prompts=share, head=CHUNK)])
+
+
 def test_no_grad_chunks_count_vocabulary_logits_only_where_the_model_makes_them(micro_model, micro_data):
     """A no-grad log-prob pass (reference, pi_old) is split by its largest transient: float32 logits
     ``R x V`` a row with the model's own head, the decoder's MLP projection ``width x 2I`` with a bypassed
     head, which bounds its own logits; any split gives the same log-probs."""
-    from rlhf_core.rollout import HFGenerateEngine, SamplingParams
     from rlhf_core.trainers.rl_roles import _CHUNK_BYTES, _in_chunks, _Sharded, chunk_bytes_per_row, token_logprobs
     from rlhf_core.parallel import World
 
@@ -163,14 +175,8 @@ def test_no_grad_chunks_count_vocabulary_logits_only_where_the_model_makes_them(
     assert _Sharded(World(), 512, 512, mlp_row).n_chunks == 3 == -(-512 * mlp_row // _CHUNK_BYTES)
     assert _Sharded(World(), 512, 32, mlp_row).n_chunks == 16  # the micro-batch rows, where fewer
 
-    tok = load_tokenizer(micro_model)
-    batch = HFGenerateEngine(model, tok).generate(["12+30=", "7*8=", "sort 321=", "1+1="],
-                                                  SamplingParams(n=3, max_new_tokens=6, seed=2))
-    ids, attention = batch.sequences()
-    exp = {"input_ids": ids, "attention_mask": attention, "position_ids": batch.position_ids(),
-           "response_ids": batch.response_ids}
-    p, mask = batch.prompt_ids.shape[1], batch.response_mask.float()
-    rows = torch.arange(len(ids))
+    model, exp, p, mask = _rl_rows(micro_model, ["12+30=", "7*8=", "sort 321=", "1+1="], seed=2)
+    rows = torch.arange(len(mask))
     with torch.no_grad():
         by = {n: _in_chunks(lambda e, w: token_logprobs(model, e, w, 1.0, share_prompts=True, head=CHUNK)[0],
                             exp, p, rows, n) * mask for n in (1, 3, 12)}
@@ -182,28 +188,6 @@ def test_no_grad_chunks_count_vocabulary_logits_only_where_the_model_makes_them(
 def test_rl_token_logprobs_packed_equal_padded(micro_model, micro_data, head):
     """``rl.packing``: the rows as one padding-free row (left-padded prompts of three lengths, responses
     of several) give the padded pass's log-probs, entropies and advantage-weighted gradients."""
-    from rlhf_core.rollout import HFGenerateEngine, SamplingParams
-    from rlhf_core.trainers.rl_roles import token_logprobs
-
-    tok = load_tokenizer(micro_model)
-    model = load_causal_lm(micro_model, torch.device("cpu")).eval()
-    batch = HFGenerateEngine(model, tok).generate(["12+30=", "7*8=", "sort 321="],
-                                                  SamplingParams(n=3, max_new_tokens=6, seed=4))
-    ids, attention = batch.sequences()
-    assert (attention == 0).any(), "no padding: the test would not exercise packing"
-    exp = {"input_ids": ids, "attention_mask": attention, "position_ids": batch.position_ids(),
-           "response_ids": batch.response_ids}
-    p, mask = batch.prompt_ids.shape[1], batch.response_mask.float()
-    adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(5)) * mask
-    results = []
-    for packed in (False, True):
-        model.zero_grad()
-        logp, entropy = token_logprobs(model, exp, p, 0.7, with_entropy=True, entropy_grad=True, head=head,
-                                       packed=packed)
-        assert logp.shape == mask.shape
-        ((logp * adv).sum() + 0.1 * (entropy * mask).sum()).backward()
-        results.append((logp.detach() * mask, entropy.detach() * mask, _grads(model)))
-    (lp0, e0, g0), (lp1, e1, g1) = results
-    torch.testing.assert_close(lp1, lp0, atol=1e-5, rtol=0)
-    torch.testing.assert_close(e1, e0, atol=1e-5, rtol=0)
-    _assert_grads_close(g1, g0)
+    model, exp, p, mask = _rl_rows(micro_model, ["12+30=", "7*8=", "sort 321="], seed=4)
+    assert (exp["attention_mask"] == 0).any(), "no padding: the test would not exercise packing"
+    _assert_rl_logprobs_agree(model, exp, p, mask, 5, [dict(head=head), dict(head=head, packed=True)])
