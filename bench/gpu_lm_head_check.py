@@ -32,6 +32,11 @@ On a lent GPU (``.devwheels`` carried, liger-kernel in it: ``bench/device_wheels
   beside them without a gradient), at a 0.5B GRPO micro-batch (128 rows x 256 tokens over 32,000) and a 1.5B
   one (32 x 256 over 151,936): log-prob and entropy deltas against fp32, gradient error, time and memory.
 
+* ``rlpacked`` (``--parts rlpacked``): RL's response-token log-probs on rollout-shaped rows (64 rows, prompts of
+  12-39 tokens shared by groups of 8, responses of 64-255) by padded rows, shared prompts (the default) and
+  ``rl.packing`` (one padding-free row, varlen on a GPU), bf16 against fp32 padded rows, with an
+  advantage-weighted backward: log-prob deltas, gradient error, time and memory.
+
 * ``nosync`` (``--parts nosync``): SFT, DPO and reward-model micro-batches, padded and packed, forward and
   backward under ``torch.cuda.set_sync_debug_mode("warn")``: how often and where each waits for the device.
 
@@ -290,6 +295,69 @@ def packed_part(small: bool, device: torch.device, reps: int) -> dict:
     return out
 
 
+def rl_packed_part(small: bool, device: torch.device, reps: int) -> dict:
+    """RL's response-token log-probs (``rl_roles.token_logprobs``, temperature 0.9, the entropy logged) on rows
+    laid out as the rollout leaves them, left-padded prompts shared by groups of 8 and right-padded responses,
+    by the three layouts the trainer has: padded rows, each distinct prompt once (the default), and one
+    padding-free row (``rl.packing``, torch's varlen flash kernel on a GPU); bf16, advantage-weighted backward,
+    each against fp32 padded rows: log-prob deltas, gradient error, time and peak memory."""
+    import os
+
+    from rlhf_core.models import ATTENTION_ENV, load_causal_lm
+    from rlhf_core.trainers.rl_roles import token_logprobs
+
+    model_dir, vocab = _model_dir(small, "rlpacked-")
+    g = torch.Generator().manual_seed(3)
+    prompts, group = (2, 4) if small else (8, 8)
+    rows = prompts * group
+    p_len = torch.randint(6 if small else 12, 12 if small else 40, (prompts,), generator=g).repeat_interleave(group)
+    r_len = torch.randint(4 if small else 64, 16 if small else 256, (rows,), generator=g)
+    P, R = int(p_len.max()), int(r_len.max())
+    ids = torch.randint(0, vocab - 10, (prompts, P + R), generator=g).repeat_interleave(group, dim=0)
+    ids[:, P:] = torch.randint(0, vocab - 10, (rows, R), generator=g)  # the group's samples differ
+    cols = torch.arange(P + R)
+    attention = ((cols >= P - p_len[:, None]) & (cols < P + r_len[:, None])).long()
+    exp = {"input_ids": ids * attention, "attention_mask": attention,
+           "position_ids": (attention.cumsum(-1) - 1).clamp(min=0), "response_ids": (ids * attention)[:, P:]}
+    exp = {k: v.to(device) for k, v in exp.items()}
+    mask = attention[:, P:].float().to(device)
+    adv = (torch.randn(rows, R, generator=g) * 2).to(device) * mask
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out = {"rows": rows, "prompt_width": P, "response_width": R, "tokens": int(attention.sum()),
+           "padded_tokens": rows * (P + R), "dtype": str(dtype)}
+    results, exact = {}, None
+    for name, model_dtype, way, impl in (("fp32-padded", torch.float32, {}, "sdpa"),
+                                         ("padded", dtype, {}, "sdpa"),
+                                         ("shared-prompts", dtype, {"share_prompts": True}, "auto"),
+                                         ("packed-varlen", dtype, {"packed": True}, "auto")):
+        os.environ[ATTENTION_ENV] = impl
+        model = load_causal_lm(model_dir, device).to(model_dtype).eval()
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            logp, _ = token_logprobs(model, exp, P, 0.9, with_entropy=True, head=LMHead("chunked", 4096), **way)
+            (logp * adv).sum().backward()
+            return logp.detach().float() * mask
+
+        logp = step()
+        grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+        if exact is None:
+            exact = (logp, grads)
+            continue
+        times, peak = _timed(step, reps)
+        results[name] = {"attention": model.config._attn_implementation,
+                         "max_abs_dlogp_vs_fp32": float((logp - exact[0]).abs().max()),
+                         "mean_abs_dlogp_vs_fp32": float((logp - exact[0]).abs().sum() / mask.sum()),
+                         "grad_rel_err_median_vs_fp32": statistics.median(_rel(grads[k], exact[1][k]) for k in grads),
+                         "grad_rel_err_max_vs_fp32": max(_rel(grads[k], exact[1][k]) for k in grads),
+                         "seconds_median": statistics.median(times), "seconds_min": min(times),
+                         "seconds_max": max(times), "peak_gb": round(peak, 3)}
+        model = None  # freed before the next variant loads
+    os.environ.pop(ATTENTION_ENV, None)
+    out["results"] = results
+    return out
+
+
 def nosync_part(small: bool, device: torch.device) -> dict:
     """Whether a training micro-batch's forward and backward wait for the device anywhere: each trainer's
     loss path (SFT's NLL, DPO's sequence log-probs with the reference, the reward model's pair rewards),
@@ -364,7 +432,7 @@ def main() -> None:
     ap.add_argument("--out", default="gpu_lm_head_check.json")
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--parts", default="head,model,packed",
-                    help="comma-separated: head, heads, rlhead, model, packed, nosync")
+                    help="comma-separated: head, heads, rlhead, model, packed, rlpacked, nosync")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -387,6 +455,8 @@ def main() -> None:
         out["model"] = model_part(args.small, device, reps)
     if "packed" in parts:
         out["packed"] = packed_part(args.small, device, reps)
+    if "rlpacked" in parts:
+        out["rlpacked"] = rl_packed_part(args.small, device, reps)
     if "nosync" in parts:
         out["nosync"] = nosync_part(args.small, device)
     try:
