@@ -136,6 +136,27 @@ def test_grpo_runs_on_ray_with_either_placement(ray_local, micro_model, micro_da
     assert all(pg["state"] == "REMOVED" for pg in ray_local.util.placement_group_table().values())
 
 
+@pytest.mark.slow  # two GRPO runs, one on Ray (about 30 s); the padded/packed equality itself is in the default tier
+def test_packed_grpo_on_two_ray_ranks_takes_the_padded_one_process_update(ray_local, micro_model, micro_data, tmp_path,
+                                                                          length_reward):
+    """``rl.packing`` under DDP: 2 policy ranks each packing its rows of every micro-batch into one row (one
+    forward per micro-batch on every rank), with the reference packed too, take the padded one-process run's
+    update on the same rollouts (KL loss on, so the reference log-probs enter it)."""
+    from rlhf_core.ray_launcher import train_rl_on_ray
+    from rlhf_core.trainers.rl import train_rl
+
+    local, remote = Recorder(), Recorder()
+    train_rl(_rl(micro_model, micro_data, tmp_path / "local", length_reward, kl_coef=0.05), local,
+             show_progress=False)
+    train_rl_on_ray(_rl(micro_model, micro_data, tmp_path / "ray", length_reward, kl_coef=0.05, num_workers=2,
+                        placement="colocated", packing=True), remote, show_progress=False)
+    assert local.series("rollout/reward_mean") == remote.series("rollout/reward_mean")
+    for key in ("train/policy_loss", "train/kl_loss", "train/kl", "train/grad_norm"):
+        assert len(local.series(key)) == 2, key
+        for x, y in zip(local.series(key), remote.series(key)):
+            assert abs(x - y) <= 1e-4 * max(abs(x), 1e-6) + 1e-7, (key, local.series(key), remote.series(key))
+
+
 @pytest.mark.slow
 def test_on_policy_distillation_on_ray_scores_with_teacher_actors(ray_local, micro_model, micro_data, tmp_path,
                                                                    length_reward, monkeypatch):
