@@ -230,6 +230,15 @@ def model_part(small: bool, device: torch.device, reps: int) -> dict:
     return {"rows": rows, "width": width, "labelled": labelled, "dtype": str(dtype), "results": results}
 
 
+def _grads_and_cost_vs_fp32(grads: dict, exact: dict, times: list[float], peak: float) -> dict:
+    """A variant's parameter-gradient error against the fp32 run's (median and max over parameters), and its
+    time (median and range of ``times``) and peak memory."""
+    return {"grad_rel_err_median_vs_fp32": statistics.median(_rel(grads[k], exact[k]) for k in grads),
+            "grad_rel_err_max_vs_fp32": max(_rel(grads[k], exact[k]) for k in grads),
+            "seconds_median": statistics.median(times), "seconds_min": min(times),
+            "seconds_max": max(times), "peak_gb": round(peak, 3)}
+
+
 def packed_part(small: bool, device: torch.device, reps: int) -> dict:
     """Padding-free rows against padded rows through SDPA: per-sequence log-prob sums and parameter
     gradients, bf16, signed per-sequence weights, each against fp32 padded rows. Packed rows run through
@@ -285,10 +294,7 @@ def packed_part(small: bool, device: torch.device, reps: int) -> dict:
         results[name] = {"attention": model.config._attn_implementation,
                          "layer_calls": {k: attention.calls[k] - before[k] for k in before},
                          "max_abs_dsum_vs_fp32": float((sums - exact[0]).abs().max()),
-                         "grad_rel_err_median_vs_fp32": statistics.median(_rel(grads[k], exact[1][k]) for k in grads),
-                         "grad_rel_err_max_vs_fp32": max(_rel(grads[k], exact[1][k]) for k in grads),
-                         "seconds_median": statistics.median(times), "seconds_min": min(times),
-                         "seconds_max": max(times), "peak_gb": round(peak, 3)}
+                         **_grads_and_cost_vs_fp32(grads, exact[1], times, peak)}
         model = None  # freed before the next variant loads
     os.environ.pop(ATTENTION_ENV, None)
     out["results"] = results
@@ -348,10 +354,7 @@ def rl_packed_part(small: bool, device: torch.device, reps: int) -> dict:
         results[name] = {"attention": model.config._attn_implementation,
                          "max_abs_dlogp_vs_fp32": float((logp - exact[0]).abs().max()),
                          "mean_abs_dlogp_vs_fp32": float((logp - exact[0]).abs().sum() / mask.sum()),
-                         "grad_rel_err_median_vs_fp32": statistics.median(_rel(grads[k], exact[1][k]) for k in grads),
-                         "grad_rel_err_max_vs_fp32": max(_rel(grads[k], exact[1][k]) for k in grads),
-                         "seconds_median": statistics.median(times), "seconds_min": min(times),
-                         "seconds_max": max(times), "peak_gb": round(peak, 3)}
+                         **_grads_and_cost_vs_fp32(grads, exact[1], times, peak)}
         model = None  # freed before the next variant loads
     os.environ.pop(ATTENTION_ENV, None)
     out["results"] = results

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from rlhf_core.attention import packed_forward_kwargs
 from rlhf_core.config import RLConfig
 from rlhf_core.lm_head import LMHead, _head_bypassed, bypasses_head, head_logprobs, prepare_kernels, unwrap
 from rlhf_core.models import export_state_dict, has_lora, load_causal_lm, pick_device, prepare_for_training, \
@@ -122,8 +123,6 @@ def _packed_response_logits(model: Any, exp: dict[str, torch.Tensor], prompt_wid
     positions = host[1].flatten()[index][None]  # (1, N): restart at 0 at each row's first real token
     at = (keep.cumsum(0) - 1).clamp(min=0).view(rows, W)  # padded column -> packed position
     scored = at[:, prompt_width - 1:W - 1].reshape(-1)  # (rows * R,) the positions predicting response tokens
-    from rlhf_core.attention import packed_forward_kwargs
-
     inputs = {"input_ids": exp["input_ids"].flatten()[index.to(device, non_blocking=True)][None],
               "position_ids": positions.to(device, non_blocking=True)}
     scored_dev = scored.to(device, non_blocking=True)
@@ -532,7 +531,7 @@ class PolicyLearner:
                     self.strategy.step()
             acc += _step_diagnostics(share, (loss, pg_loss, kl_loss, stats.clip_frac, stats.approx_kl,
                                              masked_mean(entropy.detach(), m["mask"])),
-                                     m, old_logp if fused_old else None, n_seq, n_tok).to(acc.device)
+                                     m, old_logp if fused_old else None, n_seq, n_tok)
         # diagnostics as the whole mini-batch's (unit-weighted means over ranks); finiteness checked by all
         sums = self.world.all_reduce_sum(acc.tolist())
         _check_finite(sums[0], "policy loss", step)
