@@ -562,37 +562,95 @@ class _UpdateProfile:
     past compiles and warm-up), summarised as the offline rows' steps are. One process (no Ray ranks). The
     profiled step's times carry the profiler's overhead: not for the figures."""
 
+    key = "update_profile"
+
     def __init__(self, spec: dict) -> None:
         self.at = int(spec.get("skip", 2)) + 1
         self.summary: dict = {}
 
     def install(self) -> None:
+        _wrap_update(self.at, self._profiled)
+
+    def _profiled(self, run):
         import torch
         from torch.profiler import ProfilerActivity, profile
 
-        from rlhf_core.trainers import rl_roles
-
-        original, calls = rl_roles.PolicyLearner.update, [0]
-
-        def update(learner, *args, **kwargs):
-            calls[0] += 1
-            if calls[0] != self.at:
-                return original(learner, *args, **kwargs)
-            cuda = torch.cuda.is_available()
-            sync = torch.cuda.synchronize if cuda else (lambda: None)
+        cuda = torch.cuda.is_available()
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            out = run()
             sync()
-            start = time.perf_counter()
-            with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-                out = original(learner, *args, **kwargs)
-                sync()
-            wall = time.perf_counter() - start
-            try:
-                self.summary = {"update_call": self.at, **_profile_summary(prof, [wall], 1)}
-            except Exception as exc:  # noqa: BLE001 -- a profile that cannot be read must not cost the row
-                self.summary = {"error": f"{type(exc).__name__}: {exc}"}
-            return out
+        wall = time.perf_counter() - start
+        try:
+            self.summary = {"update_call": self.at, **_profile_summary(prof, [wall], 1)}
+        except Exception as exc:  # noqa: BLE001 -- a profile that cannot be read must not cost the row
+            self.summary = {"error": f"{type(exc).__name__}: {exc}"}
+        return out
 
-        rl_roles.PolicyLearner.update = update
+
+class _UpdateSyncCensus:
+    """``--sync-census`` on the grpo bench: every wait of the host for the device during one
+    ``PolicyLearner.update`` call (the ``skip + 1``-th), counted by where it was made. Runs the call under
+    ``torch.cuda.set_sync_debug_mode("warn")`` (a host read of a device value, a blocking copy, a ``nonzero``
+    warns) and keeps, for each warning, the innermost frames outside torch's own files. One process, GPU only
+    (a CPU never waits); the row's times then carry the warnings' cost: not for the figures."""
+
+    key = "update_sync_census"
+
+    def __init__(self, spec: dict) -> None:
+        self.at = int(spec.get("skip", 2)) + 1
+        self.summary: dict = {}
+
+    def install(self) -> None:
+        _wrap_update(self.at, self._counted)
+
+    def _counted(self, run):
+        import collections
+        import traceback
+        import warnings
+
+        import torch
+
+        if not torch.cuda.is_available():
+            self.summary = {"error": "no CUDA device: a CPU run has no waits to count"}
+            return run()
+        where: collections.Counter = collections.Counter()
+
+        def record(message, category, filename, lineno, file=None, line=None):
+            if "synchroniz" not in str(message):
+                return
+            frames = [f for f in traceback.extract_stack()[:-1]
+                      if "/torch/" not in f.filename and "/warnings.py" not in f.filename]
+            where[" < ".join(f"{f.filename.split('/')[-1]}:{f.lineno}" for f in frames[-3:][::-1])] += 1
+
+        torch.cuda.synchronize()
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = run()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        self.summary = {"update_call": self.at, "waits": sum(where.values()),
+                        "where": dict(where.most_common())}
+        return out
+
+
+def _wrap_update(at: int, around) -> None:
+    """Run the ``at``-th ``PolicyLearner.update`` call of this process as ``around(run)``, ``run`` the call."""
+    from rlhf_core.trainers import rl_roles
+
+    original, calls = rl_roles.PolicyLearner.update, [0]
+
+    def update(learner, *args, **kwargs):
+        calls[0] += 1
+        run = functools.partial(original, learner, *args, **kwargs)
+        return around(run) if calls[0] == at else run()
+
+    rl_roles.PolicyLearner.update = update
 
 
 def _annotation(name: str) -> bool:
@@ -675,6 +733,8 @@ def ours(task: dict) -> dict:
                        placement="colocated" if gpus > 1 else "none", rollout_workers=gpus, **common)
         _sync()
         update_profile = _UpdateProfile(task["profile"]) if task.get("profile") and gpus == 1 else None
+        if update_profile is None and task.get("sync_census") and gpus == 1:
+            update_profile = _UpdateSyncCensus({"skip": 2})
         if update_profile is not None:
             update_profile.install()
         if gpus > 1:
@@ -697,7 +757,7 @@ def ours(task: dict) -> dict:
                 "settings": {k: getattr(cfg, k) for k in ("precision", "gradient_checkpointing", "fused_kernels",
                                                           "lm_head", "packing", "num_workers", "parallel",
                                                           "micro_batch_size", "mini_batch_size", "kl_coef")},
-                **({"update_profile": update_profile.summary} if update_profile is not None else {}),
+                **({update_profile.key: update_profile.summary} if update_profile is not None else {}),
                 "threads": _threads()}
     held_out = _paths(inputs, "grpo")[1]  # prompt + label rows: the end-of-run eval (not timed) reads 1
     accum = b.get("grad_accum", 1)  # --global-batch: a step of b["batch"] rows in accum draws
@@ -1293,6 +1353,9 @@ def main() -> None:
                     help="ours' offline rows (steps 4-6) and grpo's third update on one device under torch.profiler: a "
                          "where-the-time-goes "
                          "run, its step times carry the profiler's overhead")
+    ap.add_argument("--sync-census", action="store_true",
+                    help="grpo on one GPU: count where the third policy update waits for the device (sync debug "
+                         "mode); its step times carry the warnings' cost")
     ap.add_argument("--resummarize", metavar="FILE", help="recompute the summaries of a result file from its runs")
     ap.add_argument("--scaling", nargs=2, metavar=("ONE", "MANY"),
                     help="combine two result files (--gpus 1 and --gpus N) into the scaling summary at --out")
@@ -1400,7 +1463,7 @@ def main() -> None:
             side = ROWS[row]["side"]
             task = {"inputs": inputs, "bench": name, "row": row, "micro_batch_tokens": args.micro_batch_tokens,
                     "lm_head": args.lm_head,
-                    "profile": {"skip": 2, "active": 3} if args.profile else None}
+                    "profile": {"skip": 2, "active": 3} if args.profile else None, "sync_census": args.sync_census}
             if side == "trl":
                 task["trl_grad_ckpt"] = trl_checkpointing(row, decided, args.trl_grad_ckpt)
             res = run_child(side, task, args.child_timeout)
