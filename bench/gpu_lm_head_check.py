@@ -37,6 +37,12 @@ On a lent GPU (``.devwheels`` carried, liger-kernel in it: ``bench/device_wheels
   ``rl.packing`` (one padding-free row, varlen on a GPU), bf16 against fp32 padded rows, with an
   advantage-weighted backward: log-prob deltas, gradient error, time and memory.
 
+* ``rmsnorm`` (``--parts rmsnorm``): one Llama-family RMSNorm at a 0.5B GRPO micro-batch's shape (35,200 x 896)
+  and a 1.5B one's (8,800 x 1,536), bf16, forward + backward with a random upstream gradient, by the module
+  itself, liger-kernel's ``LigerRMSNorm`` and torch's fused ``rms_norm`` (what ``apply_fused_kernels`` now
+  uses): error against the fp32 module, device time a call (median of 5 runs of 200 calls, CUDA events) and
+  host time a call (the same loop's wall time with the device kept ahead: launches only).
+
 * ``nosync`` (``--parts nosync``): SFT, DPO and reward-model micro-batches, padded and packed, forward and
   backward under ``torch.cuda.set_sync_debug_mode("warn")``: how often and where each waits for the device.
 
@@ -361,6 +367,79 @@ def rl_packed_part(small: bool, device: torch.device, reps: int) -> dict:
     return out
 
 
+def rms_norm_part(small: bool, device: torch.device) -> list[dict]:
+    """RMSNorm by the Llama-family module, liger's kernel and torch's fused ``rms_norm``: error against the fp32
+    module (output and the input and weight gradients), and per call (forward + backward) the device's time
+    and the host's (a ``torch.cuda._sleep`` ahead of the loop keeps the device busy, so the loop's wall
+    time is what launching costs)."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    from rlhf_core.lm_head import use_torch_rms_norm
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    calls = 20 if small else 200
+    out = []
+    for rows, width in ([(64, 32)] if small else [(35200, 896), (8800, 1536)]):
+        g = torch.Generator().manual_seed(5)
+        x0 = torch.randn(rows, width, generator=g).to(device)
+        w0 = (1 + 0.1 * torch.randn(width, generator=g)).to(device)
+        up = torch.randn(rows, width, generator=g).to(device)
+
+        def module(kind: str, mdtype: torch.dtype) -> torch.nn.Module:
+            m = Qwen2RMSNorm(width, eps=1e-6).to(device)
+            m.weight.data.copy_(w0)
+            m = m.to(mdtype)
+            if kind == "torch":
+                use_torch_rms_norm(m)
+            elif kind == "liger":
+                from liger_kernel.transformers.rms_norm import LigerRMSNorm
+
+                lm = LigerRMSNorm(width, eps=1e-6).to(device)  # liger's defaults for Llama: casting_mode "llama"
+                lm.weight.data.copy_(w0)
+                m = lm.to(mdtype)
+            return m
+
+        def run(m: torch.nn.Module, mdtype: torch.dtype):
+            x = x0.to(mdtype).requires_grad_(True)
+            m.zero_grad(set_to_none=True)
+            y = m(x)
+            y.backward(up.to(y.dtype))
+            return y.detach().float(), x.grad.float(), m.weight.grad.float()
+
+        exact = run(module("module", torch.float32), torch.float32)
+        row = {"rows": rows, "width": width, "dtype": str(dtype), "paths": {}}
+        kinds = ["module", "torch"] + (["liger"] if liger_available() else [])
+        for kind in kinds:
+            m = module(kind, dtype)
+            got = run(m, dtype)
+            res = {"out_rel_err": _rel(got[0], exact[0]), "grad_input_rel_err": _rel(got[1], exact[1]),
+                   "grad_weight_rel_err": _rel(got[2], exact[2])}
+            if device.type == "cuda":
+                x = x0.to(dtype).requires_grad_(True)
+                g_up = up.to(dtype)
+                dev, host = [], []
+                for _ in range(5):
+                    torch.cuda.synchronize()
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    for _ in range(calls):
+                        m(x).backward(g_up)
+                    end.record()
+                    torch.cuda.synchronize()
+                    dev.append(start.elapsed_time(end) / calls)
+                    torch.cuda._sleep(2_000_000_000)  # ~1 s of device time: the loop below only launches
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        m(x).backward(g_up)
+                    host.append((time.perf_counter() - t0) * 1e3 / calls)
+                    torch.cuda.synchronize()
+                res.update({"device_ms_per_call": statistics.median(dev), "host_ms_per_call": statistics.median(host),
+                            "host_ms_range": [min(host), max(host)]})
+            row["paths"][kind] = res
+        out.append(row)
+    return out
+
+
 def nosync_part(small: bool, device: torch.device) -> dict:
     """Whether a training micro-batch's forward and backward wait for the device anywhere: each trainer's
     loss path (SFT's NLL, DPO's sequence log-probs with the reference, the reward model's pair rewards),
@@ -435,7 +514,7 @@ def main() -> None:
     ap.add_argument("--out", default="gpu_lm_head_check.json")
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--parts", default="head,model,packed",
-                    help="comma-separated: head, heads, rlhead, model, packed, rlpacked, nosync")
+                    help="comma-separated: head, heads, rlhead, model, packed, rlpacked, rmsnorm, nosync")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -460,6 +539,8 @@ def main() -> None:
         out["packed"] = packed_part(args.small, device, reps)
     if "rlpacked" in parts:
         out["rlpacked"] = rl_packed_part(args.small, device, reps)
+    if "rmsnorm" in parts:
+        out["rmsnorm"] = rms_norm_part(args.small, device)
     if "nosync" in parts:
         out["nosync"] = nosync_part(args.small, device)
     try:

@@ -24,7 +24,8 @@ in backward) and then reads one entry per row. The alternatives, chosen by ``lm_
 Why not liger everywhere: it needs the head's weight as a tensor (ZeRO-3 holds shards), returns no
 entropy (RL logs one: computed beside it without a gradient, :func:`resolve_kernel`; an entropy bonus in
 the loss needs its gradient and so the chunked path), and does not run on a CPU. The decoder's own fused
-kernels (RMSNorm, RoPE, SwiGLU) are applied by :func:`apply_fused_kernels`.
+kernels (RMSNorm: torch's own for the Llama family; RoPE, SwiGLU: liger's) are applied by
+:func:`apply_fused_kernels`.
 """
 
 from __future__ import annotations
@@ -327,13 +328,59 @@ def use_fused_kernels(setting: str, device: torch.device) -> bool:
     return usable
 
 
+# Decoders whose RMSNorm is ``weight * normalize(x)`` (no offset on the weight, unlike Gemma's ``1 + weight``),
+# where torch's own fused RMSNorm kernel replaces liger's (:func:`apply_fused_kernels`).
+TORCH_RMS_NORM_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+# ``liger`` keeps liger's RMSNorm on those too (the A/B in bench/side_by_side.py compares the two).
+RMS_NORM_ENV = "ALIGNFLOW_RMS_NORM"
+
+
 def apply_fused_kernels(model: Any) -> None:
-    """liger-kernel's RMSNorm, RoPE and SwiGLU in ``model``'s decoder (its LM head is left alone: the loss
-    functions above decide how logits are made). A model type liger does not know is left as it is."""
+    """Fused RMSNorm, RoPE and SwiGLU in ``model``'s decoder (its LM head is left alone: the loss functions
+    above decide how logits are made): liger-kernel's RoPE and SwiGLU, and torch's own fused RMSNorm
+    (:func:`use_torch_rms_norm`) where the model type is one of :data:`TORCH_RMS_NORM_TYPES`, else liger's.
+    A model type liger does not know is left as it is.
+
+    Why not liger's RMSNorm everywhere: each call of it costs about 0.2 ms of host time (Triton's Python
+    launcher; forward and backward alike, ``bench/results/prof_h200_1p5b_grpo_update.json``) against
+    0.01-0.03 ms of device time, so a 28-layer decoder's 57 norms spend ~23 ms of host time a micro-batch
+    on them; torch's ``rms_norm`` is one ATen op with a fused CUDA kernel forward and backward."""
+    import os
+
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
-    _apply_liger_kernel_to_instance(model=unwrap(model), rope=True, rms_norm=True, swiglu=True,
+    base = unwrap(model)
+    torch_norm = (getattr(getattr(base, "config", None), "model_type", None) in TORCH_RMS_NORM_TYPES
+                  and os.environ.get(RMS_NORM_ENV, "torch") != "liger")
+    _apply_liger_kernel_to_instance(model=base, rope=True, rms_norm=not torch_norm, swiglu=True,
                                     cross_entropy=False, fused_linear_cross_entropy=False)
+    if torch_norm:
+        use_torch_rms_norm(base)
+
+
+def _torch_rms_norm(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """``weight * x / rms(x)`` by ``torch.nn.functional.rms_norm`` (one fused kernel on CUDA, forward and
+    backward). The Llama-family module computes in float32 and rounds the normalised value to the input's
+    dtype before the weight multiplies it; the fused kernel rounds once, after the product: the two differ
+    by bf16 rounding (what liger's kernel differs by too). Mixed dtypes promote as the module does."""
+    dtype = torch.promote_types(hidden_states.dtype, self.weight.dtype)
+    return torch.nn.functional.rms_norm(hidden_states.to(dtype), self.weight.shape, self.weight.to(dtype),
+                                        self.variance_epsilon)
+
+
+def use_torch_rms_norm(model: Any) -> int:
+    """Route every Llama-family RMSNorm module in ``model`` (``weight`` and ``variance_epsilon``, class
+    name ending in ``RMSNorm``) through :func:`_torch_rms_norm`; returns how many. Parameters and their
+    names stay as they are (only the instance's ``forward`` is replaced), so checkpoints do not change."""
+    import types
+
+    count = 0
+    for module in unwrap(model).modules():
+        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon") \
+                and isinstance(getattr(module, "weight", None), torch.nn.Parameter):
+            module.forward = types.MethodType(_torch_rms_norm, module)
+            count += 1
+    return count
 
 
 def resolve_lm_head(setting: str, chunk_tokens: int, *, fused: bool, head_whole: bool) -> LMHead:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -104,43 +105,71 @@ def _shared_prompt_logits(model: Any, exp: dict[str, torch.Tensor], prompt_width
     return torch.cat([last, rest], dim=1)
 
 
-def _packed_response_logits(model: Any, exp: dict[str, torch.Tensor], prompt_width: int) -> torch.Tensor:
-    """``(rows, R, V)`` logits (hidden states ``(rows, R, H)`` with the head bypassed) of the positions that
-    predict the response tokens, from one padding-free row: each row's attended tokens back to back, its
-    ``position_ids`` restarting at 0, so attention stays within each row (the varlen flash kernel on a GPU,
-    :mod:`rlhf_core.attention`; a block-diagonal SDPA mask elsewhere) and no padded column is computed.
+@dataclass
+class PackedRows:
+    """Where a chunk of rows' attended tokens sit in one padding-free row (:func:`pack_rows`), on the device.
 
-    The packing indices are worked out on the host from one copy of the mask and positions (one wait for
-    the device a call); the head runs on the scored positions only (``logits_to_keep`` as indices). Rows
-    are left-padded prompts and right-padded responses; a padded response column maps to its row's last
-    real token, and its log-prob is masked by the caller as on the padded path.
+    ``index (N,)``: the padded flat position of each packed token; ``positions (1, N)``: its position id
+    (restarting at 0 at each row's first real token); ``scored (rows * R,)``: the packed position predicting
+    each response column (a padded column maps to its row's last real token; the caller masks it);
+    ``forward_kwargs``: the sequence bounds for the varlen attention (:func:`packed_forward_kwargs`).
     """
+
+    index: torch.Tensor
+    positions: torch.Tensor
+    scored: torch.Tensor
+    forward_kwargs: dict[str, Any]
+
+
+def pack_rows(model: Any, exp: dict[str, torch.Tensor], prompt_width: int) -> PackedRows:
+    """The :class:`PackedRows` of ``exp``'s rows (left-padded prompts of width ``prompt_width``, right-padded
+    responses), worked out on the host from one copy of the mask and positions: this waits for the device
+    once. The policy update calls it for every micro-batch before the first forward, so no micro-batch
+    waits for the one before it (a wait there drained the queue of launched work at each micro-batch)."""
     rows, W = exp["attention_mask"].shape
     device = exp["input_ids"].device
     host = torch.stack([exp["attention_mask"].long(), exp["position_ids"].long()]).cpu()  # (2, rows, W)
     keep = host[0].flatten().bool()
     index = keep.nonzero().squeeze(-1)  # (N,) padded flat position of each packed token
-    positions = host[1].flatten()[index][None]  # (1, N): restart at 0 at each row's first real token
+    positions = host[1].flatten()[index][None]  # (1, N)
     at = (keep.cumsum(0) - 1).clamp(min=0).view(rows, W)  # padded column -> packed position
-    scored = at[:, prompt_width - 1:W - 1].reshape(-1)  # (rows * R,) the positions predicting response tokens
-    inputs = {"input_ids": exp["input_ids"].flatten()[index.to(device, non_blocking=True)][None],
-              "position_ids": positions.to(device, non_blocking=True)}
-    scored_dev = scored.to(device, non_blocking=True)
-    kwargs = packed_forward_kwargs(model, positions, device)
+    scored = at[:, prompt_width - 1:W - 1].reshape(-1)  # (rows * R,)
+
+    def to_device(t: torch.Tensor) -> torch.Tensor:  # from pinned memory: queued, no wait for the device
+        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+    return PackedRows(to_device(index), to_device(positions), to_device(scored),
+                      packed_forward_kwargs(model, positions, device))
+
+
+def _packed_response_logits(model: Any, exp: dict[str, torch.Tensor], prompt_width: int,
+                            packed: PackedRows | None = None) -> torch.Tensor:
+    """``(rows, R, V)`` logits (hidden states ``(rows, R, H)`` with the head bypassed) of the positions that
+    predict the response tokens, from one padding-free row: each row's attended tokens back to back, its
+    ``position_ids`` restarting at 0, so attention stays within each row (the varlen flash kernel on a GPU,
+    :mod:`rlhf_core.attention`; a block-diagonal SDPA mask elsewhere) and no padded column is computed.
+
+    ``packed``: the rows' layout (:func:`pack_rows`), worked out here when not given. The head runs on the
+    scored positions only (``logits_to_keep`` as indices). A padded response column's log-prob is masked by
+    the caller as on the padded path.
+    """
+    rows, W = exp["attention_mask"].shape
+    packed = packed if packed is not None else pack_rows(model, exp, prompt_width)
+    inputs = {"input_ids": exp["input_ids"].flatten()[packed.index][None], "position_ids": packed.positions}
     if _keeps_logits(model):
-        out = model(**inputs, use_cache=False, logits_to_keep=scored_dev, **kwargs).logits[0]
+        out = model(**inputs, use_cache=False, logits_to_keep=packed.scored, **packed.forward_kwargs).logits[0]
     else:
-        out = model(**inputs, use_cache=False, **kwargs).logits[0][scored_dev]
+        out = model(**inputs, use_cache=False, **packed.forward_kwargs).logits[0][packed.scored]
     return out.view(rows, W - prompt_width, -1)
 
 
 def _response_logits(model: Any, exp: dict[str, torch.Tensor], prompt_width: int, share_prompts: bool,
-                     packed: bool = False) -> torch.Tensor:
+                     packed: bool | PackedRows = False) -> torch.Tensor:
     """``(rows, R, V)`` logits (hidden states ``(rows, R, H)`` with the head bypassed) of the positions that
     predict the response tokens: one padding-free row (``packed``), the distinct prompts once
     (``share_prompts``), or the padded rows."""
     if packed:
-        return _packed_response_logits(model, exp, prompt_width)
+        return _packed_response_logits(model, exp, prompt_width, packed if isinstance(packed, PackedRows) else None)
     logits = _shared_prompt_logits(model, exp, prompt_width) if share_prompts else None
     if logits is None:
         width = exp["input_ids"].shape[1]
@@ -152,7 +181,7 @@ def _response_logits(model: Any, exp: dict[str, torch.Tensor], prompt_width: int
 def token_logprobs(model: Any, exp: dict[str, torch.Tensor], prompt_width: int, temperature: float,
                    with_entropy: bool = False, entropy_grad: bool = False,
                    share_prompts: bool = False, head: LMHead = LMHead(),
-                   packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   packed: bool | PackedRows = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(rows, R)`` ``log_softmax(logits / T)`` of each response token, and optionally its entropy.
 
     The logits at position ``t`` predict token ``t + 1``, so the response tokens (columns
@@ -161,7 +190,8 @@ def token_logprobs(model: Any, exp: dict[str, torch.Tensor], prompt_width: int, 
     matches the engine's ``sampling_logprobs`` (see :mod:`rlhf_core.rollout`), so on-policy ratios are 1.
     The entropy (a diagnostic unless it enters the loss) carries a gradient only with ``entropy_grad``.
     ``share_prompts`` runs each distinct prompt once (:func:`_shared_prompt_logits`); ``packed`` runs the rows
-    as one padding-free row instead (:func:`_packed_response_logits`, ``rl.packing``).
+    as one padding-free row instead (:func:`_packed_response_logits`, ``rl.packing``; their layout from
+    :func:`pack_rows` where already worked out).
 
     ``log_softmax(z)[y] = z_y - logsumexp(z)``: gathering before normalising keeps no ``(rows, R, V)``
     log-softmax tensor alive for backward. With ``head`` chunked or liger (:mod:`rlhf_core.lm_head`) the
@@ -476,7 +506,8 @@ class PolicyLearner:
             for order in orders:
                 for start in range(0, len(order), cfg.mini_batch_size):
                     mb_rows = order[start:start + cfg.mini_batch_size]
-                    mb = {k: v[mb_rows[world.rows(len(mb_rows))].to(self.device)] for k, v in exp.items()}
+                    index = mb_rows[world.rows(len(mb_rows))].to(self.device)  # one copy, not one a key
+                    mb = {k: v[index] for k, v in exp.items()}
                     self._policy_step(mb, prompt_width, kl_coef, step, seen)
                     if self.critic is not None:
                         self._critic_step(mb, prompt_width, step, seen)
@@ -505,12 +536,13 @@ class PolicyLearner:
         # after the last micro-batch, so no micro-batch waits for the device (a read per micro-batch drained the
         # queue before the next forward was launched)
         acc = torch.zeros(8, dtype=torch.float64, device=mb["mask"].device)
+        packed = [pack_rows(self.strategy.module, m, width) if cfg.packing else False for m, width in micro]
         for i, (m, width) in enumerate(micro):
             with self.strategy.accumulating(last=i == len(micro) - 1):
                 logp, entropy = token_logprobs(self.strategy.module, m, width, cfg.temperature,
                                                with_entropy=True, entropy_grad=cfg.entropy_coef != 0,
                                                share_prompts=self.share_prompts, head=self.head,
-                                               packed=cfg.packing)
+                                               packed=packed[i])
                 old_logp = logp.detach() * m["mask"] if fused_old else m["old_logp"]
                 pg_loss, stats = policy_loss(self.objective, logp, old_logp, m["advantages"], m["mask"],
                                              clip_low=self.clip[0], clip_high=self.clip[1],

@@ -191,3 +191,40 @@ def test_rl_token_logprobs_packed_equal_padded(micro_model, micro_data, head):
     model, exp, p, mask = _rl_rows(micro_model, ["12+30=", "7*8=", "sort 321="], seed=4)
     assert (exp["attention_mask"] == 0).any(), "no padding: the test would not exercise packing"
     _assert_rl_logprobs_agree(model, exp, p, mask, 5, [dict(head=head), dict(head=head, packed=True)])
+
+
+def test_rl_packed_layout_worked_out_ahead_gives_the_same_pass(micro_model, micro_data):
+    """The policy update works out each micro-batch's packed layout before its first forward
+    (``rl_roles.pack_rows``, so no micro-batch waits for the device): passing that layout gives the pass
+    that works it out itself, and it holds one entry per attended token and one per response column."""
+    from rlhf_core.trainers.rl_roles import pack_rows
+
+    model, exp, p, mask = _rl_rows(micro_model, ["12+30=", "7*8=", "sort 321="], seed=6)
+    rows = pack_rows(model, exp, p)
+    assert rows.index.shape == (int(exp["attention_mask"].sum()),) and rows.positions.shape == (1, len(rows.index))
+    assert rows.scored.shape == (mask.numel(),)
+    _assert_rl_logprobs_agree(model, exp, p, mask, 7, [dict(head=CHUNK, packed=True), dict(head=CHUNK, packed=rows)])
+
+
+def test_torch_rms_norm_gives_the_modules_values_and_gradients(micro_model, micro_data):
+    """``lm_head.use_torch_rms_norm`` (torch's fused RMSNorm in place of the Llama-family module's, which
+    ``apply_fused_kernels`` takes on a GPU): every norm routed, parameter names unchanged, and the same
+    log-probs and gradients under a signed per-row upstream gradient (fp32: summation order only)."""
+    from rlhf_core.lm_head import use_torch_rms_norm
+
+    torch.manual_seed(0)
+    tok, examples = _examples(micro_model, micro_data)
+    batch = collate_padded(examples, tok.pad_token_id)
+    weights = torch.randn(len(examples)) * 2
+    results = []
+    for routed in (False, True):
+        model = load_causal_lm(micro_model, torch.device("cpu"))
+        names = [n for n, _ in model.named_parameters()]
+        if routed:
+            assert use_torch_rms_norm(model) == 2 * model.config.num_hidden_layers + 1
+            assert [n for n, _ in model.named_parameters()] == names
+        logps = response_logprobs(model, batch, head=CHUNK)
+        (logps * weights).sum().backward()
+        results.append((logps.detach(), _grads(model)))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=0)
+    _assert_grads_close(results[1][1], results[0][1])

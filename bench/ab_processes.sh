@@ -1,0 +1,24 @@
+# A/B between source trees (and environment settings), one side_by_side.py process each, in the order given
+# (write them ABBA). Source bench/device_setup.sh first (it puts /tmp/site on PYTHONPATH).
+#
+#   bash bench/ab_processes.sh OUTDIR PREFIX "SIDE_BY_SIDE ARGS" LABEL=TREE[,VAR=VALUE...] ...
+#
+# TREE is a checkout root (`.` for this one; an older commit: `mkdir .abold && git archive REV rlhf_core bench |
+# tar -x -C .abold`, carried to the device with `carry: [".devwheels", ".abold"]`). Process i writes
+# OUTDIR/PREFIX_i_LABEL.json (one round of the args' rows) and appends its summary line to OUTDIR/PREFIX.log.
+set -u
+out=$1 prefix=$2 args=$3
+shift 3
+mkdir -p "$out"
+i=0
+for spec in "$@"; do
+  i=$((i + 1))
+  label=${spec%%=*} rest=${spec#*=}
+  tree=${rest%%,*} envs=""
+  [ "$tree" != "$rest" ] && envs=$(echo "${rest#*,}" | tr ',' ' ')
+  tree=$(cd "$tree" && pwd)
+  echo "== $i $label tree=$tree env=$envs" >> "$out/$prefix.log"
+  # shellcheck disable=SC2086  # args and envs are word lists
+  env $envs PYTHONPATH="/tmp/site:$tree" python3 "$tree/bench/side_by_side.py" $args --rounds 1 \
+    --out "$out/${prefix}_${i}_${label}.json" 2>&1 | grep -E '"row"|Error|error' | cut -c1-400 >> "$out/$prefix.log"
+done
