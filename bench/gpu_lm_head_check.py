@@ -400,7 +400,7 @@ def rms_norm_part(small: bool, device: torch.device) -> list[dict]:
             return m
 
         def run(m: torch.nn.Module, mdtype: torch.dtype):
-            x = x0.to(mdtype).requires_grad_(True)
+            x = x0.to(mdtype).detach().requires_grad_(True)  # a leaf of its own (x0.to(fp32) is x0 itself)
             m.zero_grad(set_to_none=True)
             y = m(x)
             y.backward(up.to(y.dtype))
@@ -415,7 +415,7 @@ def rms_norm_part(small: bool, device: torch.device) -> list[dict]:
             res = {"out_rel_err": _rel(got[0], exact[0]), "grad_input_rel_err": _rel(got[1], exact[1]),
                    "grad_weight_rel_err": _rel(got[2], exact[2])}
             if device.type == "cuda":
-                x = x0.to(dtype).requires_grad_(True)
+                x = x0.to(dtype).detach().requires_grad_(True)
                 g_up = up.to(dtype)
                 dev, host = [], []
                 for _ in range(5):
