@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from rlhf_core.attention import packed_forward_kwargs
+from rlhf_core.attention import VARLEN, packed_forward_kwargs
 from rlhf_core.config import RLConfig
 from rlhf_core.lm_head import LMHead, _head_bypassed, bypasses_head, head_logprobs, prepare_kernels, unwrap
 from rlhf_core.models import export_state_dict, has_lora, load_causal_lm, pick_device, prepare_for_training, \
@@ -140,6 +140,15 @@ def pack_rows(model: Any, exp: dict[str, torch.Tensor], prompt_width: int) -> Pa
 
     return PackedRows(to_device(index), to_device(positions), to_device(scored),
                       packed_forward_kwargs(model, positions, device))
+
+
+def resolve_packing(setting: bool | str, model: Any) -> bool:
+    """``rl.packing``: true or false as set; auto packs where ``model`` attends with the variable-length flash
+    kernel (:data:`rlhf_core.attention.VARLEN`, chosen at load on a CUDA device) and pads elsewhere."""
+    if setting != "auto":
+        return bool(setting)
+    base = unwrap(model)
+    return getattr(getattr(base, "config", None), "_attn_implementation", None) == VARLEN
 
 
 def _packed_response_logits(model: Any, exp: dict[str, torch.Tensor], prompt_width: int,
@@ -361,12 +370,13 @@ class ReferenceScorer:
         self.model = load_causal_lm(model_path or cfg.ref_model_path or cfg.model_path, self.device, dtype)
         self.model.eval().requires_grad_(False)
         self.head = prepare_kernels(cfg, self.model)
+        self.packing = resolve_packing(cfg.packing, self.model)
 
     def logprobs(self, exp: dict[str, torch.Tensor], prompt_width: int) -> torch.Tensor:
         """``(my_rows, R)`` log-probs of this rank's rows (``log_softmax(logits / T)``, as the policy's)."""
         exp = _to(exp, self.device)
         shard = _sharded(self.world, exp, prompt_width, self.cfg.batch_size, self.model, self.head)
-        packed = self.cfg.packing
+        packed = self.packing
         out = _in_chunks(lambda e, p: token_logprobs(self.model, e, p, self.cfg.temperature, share_prompts=not packed,
                                                   head=self.head, packed=packed)[0],
                          exp, prompt_width, shard.rows.to(self.device), shard.n_chunks)
@@ -419,6 +429,10 @@ class PolicyLearner:
         self.policy = load_causal_lm(cfg.model_path, self.device, self.precision.load_dtype).eval()
         disable_dropout(self.policy)
         self.head = prepare_kernels(cfg, self.policy)
+        self.packing = resolve_packing(cfg.packing, self.policy)
+        log.info("rl: packing %s%s", "on" if self.packing else "off",
+                 " (auto: varlen attention)" if cfg.packing == "auto" and self.packing else
+                 " (auto: no varlen attention here)" if cfg.packing == "auto" else "")
         # gradient_checkpointing auto: from the update's largest micro-batch (rows x max_length)
         rows = cfg.micro_batch_size or -(-cfg.mini_batch_size // self.world.size)
         self.checkpointing, why = resolve_checkpointing(cfg.gradient_checkpointing, self.policy,
@@ -473,7 +487,7 @@ class PolicyLearner:
         out = {}
         out["old_logp"] = _in_chunks(
             lambda e, p: token_logprobs(self.strategy.module, e, p, self.cfg.temperature, head=self.head,
-                                        share_prompts=self.share_prompts_scoring, packed=self.cfg.packing)[0],
+                                        share_prompts=self.share_prompts_scoring, packed=self.packing)[0],
             exp, prompt_width, rows, shard.n_chunks).cpu()
         if self.critic is not None:
             out["old_values"] = _in_chunks(lambda e, p: token_values(self.critic, e, p), exp, prompt_width, rows,
@@ -536,7 +550,7 @@ class PolicyLearner:
         # after the last micro-batch, so no micro-batch waits for the device (a read per micro-batch drained the
         # queue before the next forward was launched)
         acc = torch.zeros(8, dtype=torch.float64, device=mb["mask"].device)
-        packed = [pack_rows(self.strategy.module, m, width) if cfg.packing else False for m, width in micro]
+        packed = [pack_rows(self.strategy.module, m, width) if self.packing else False for m, width in micro]
         for i, (m, width) in enumerate(micro):
             with self.strategy.accumulating(last=i == len(micro) - 1):
                 logp, entropy = token_logprobs(self.strategy.module, m, width, cfg.temperature,

@@ -195,9 +195,9 @@ def test_packed_varlen_training_equals_padded_sdpa(stage, micro_model, micro_dat
 
 
 def test_packed_rl_training_on_varlen_equals_padded_sdpa(micro_model, micro_data, tmp_path, monkeypatch):
-    """``rl.packing``: 3 GRPO steps (KL loss, pi_old fused into the update, 4 micro-batches, the reference in
-    no-grad chunks) with every micro-batch one padding-free row through the varlen path equal the padded run
-    on SDPA: the same rollouts (engine untouched), per-step losses and KL (1e-4 relative) and final weights
+    """``rl.packing`` (auto: on where the model attends with varlen, off on SDPA): 3 GRPO steps (KL loss, pi_old
+    fused into the update, 4 micro-batches, the reference in no-grad chunks) with every micro-batch one
+    padding-free row through the varlen path equal the padded run on SDPA: the same rollouts (engine untouched), per-step losses and KL (1e-4 relative) and final weights
     within 1e-3 of the update. A token budget is refused for rl (its micro-batches are rows)."""
     from rlhf_core.config import ConfigError, RLConfig
     from rlhf_core.trainers.rl import train_rl
@@ -216,10 +216,11 @@ def test_packed_rl_training_on_varlen_equals_padded_sdpa(micro_model, micro_data
         train_rl(cfg, sink, show_progress=False)
         return sink, load_file(str(out / "rl" / "model.safetensors"))
 
-    base, w0 = run("padded")
-    monkeypatch.setenv(ATTENTION_ENV, "varlen")
     before = attention.calls["varlen"]
-    sink, w = run("packed", packing=True)
+    base, w0 = run("padded")  # packing auto (the default) on SDPA: padded rows
+    assert attention.calls["varlen"] == before
+    monkeypatch.setenv(ATTENTION_ENV, "varlen")
+    sink, w = run("packed")  # packing auto where the model attends with varlen (a GPU's choice): packed
     assert attention.calls["varlen"] > before
     assert base.series("rollout/response_length") == sink.series("rollout/response_length")
     for metric in ("train/policy_loss", "train/kl_loss", "train/kl"):
@@ -232,3 +233,5 @@ def test_packed_rl_training_on_varlen_equals_padded_sdpa(micro_model, micro_data
     assert update > 0 and gap / update <= 1e-3, gap / update
     with pytest.raises(ConfigError, match="micro_batch_tokens"):
         RLConfig(packing=True, micro_batch_tokens=64)
+    with pytest.raises(ConfigError, match=r"rl.packing: must be auto, true or false, got 'sometimes'"):
+        RLConfig(packing="sometimes")
