@@ -156,6 +156,19 @@ def _bounds(position_ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
     return _bounds_cache["value"]
 
 
+# Decoders (``config.model_type``) whose forward takes an already prepared mask per attention type as
+# ``attention_mask`` (a dict; transformers then builds none): what :func:`packed_forward_kwargs` hands them.
+MASK_MAPPING_TYPES = ("qwen2", "qwen3")
+
+
+def _takes_no_mask_mapping(config: Any) -> bool:
+    """Whether a packed row of this model may skip transformers' mask preparation: a decoder that takes a
+    mask mapping, every layer full attention (a sliding window would be dropped with the mask)."""
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    return (getattr(config, "model_type", None) in MASK_MAPPING_TYPES and not getattr(config, "use_sliding_window", False)
+            and set(layer_types) == {"full_attention"})
+
+
 def packed_forward_kwargs(model: Any, position_ids: torch.Tensor, device: torch.device) -> dict[str, Any]:
     """Forward keyword arguments carrying a packed row's sequence bounds, worked out from ``position_ids``
     where they live (the collated batch's CPU tensor), for a model that attends with :data:`VARLEN`.
@@ -166,6 +179,12 @@ def packed_forward_kwargs(model: Any, position_ids: torch.Tensor, device: torch.
     ``bench/results/prof_h100_0p5b_gaps.json``). transformers passes a model's extra
     keyword arguments down to its attention function; the names are the ones its own flash-attention
     path reads (``cu_seq_lens_q`` ...). ``{}`` for any other model (it may not take them).
+
+    For a decoder of :data:`MASK_MAPPING_TYPES` it also passes ``attention_mask`` as ``{attention type: None}``:
+    the varlen kernel needs no mask, and building one for a packed row reads its positions on the host
+    (transformers' ``find_packed_sequence_indices`` ends in a Python ``if (...).all()``), the one wait for the
+    device left in such a forward (``bench/results/census_h200_0p5b_grpo_after.json``). Other decoders (Llama,
+    Mistral in transformers 5) build their mask themselves and keep that wait.
     """
     base = model
     while hasattr(base, "module"):  # DDP / DeepSpeed
@@ -174,7 +193,10 @@ def packed_forward_kwargs(model: Any, position_ids: torch.Tensor, device: torch.
         return {}
     cu, longest = segment_bounds(position_ids, position_ids.shape[0])
     cu = cu.to(device, non_blocking=True)  # from pageable memory: staged at once, no wait for the device
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+    out = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+    if _takes_no_mask_mapping(base.config):
+        out["attention_mask"] = {"full_attention": None}
+    return out
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -143,6 +143,35 @@ def test_host_bounds_equal_the_first_layers(micro_model, micro_data, monkeypatch
     assert torch.equal(own, given)
 
 
+def test_packed_row_skips_mask_preparation_where_the_decoder_takes_a_mapping(micro_model, llama_chat_model,
+                                                                          micro_data, monkeypatch):
+    """A Qwen2 packed row gets ``attention_mask={"full_attention": None}``: transformers builds no mask, so
+    ``find_packed_sequence_indices`` (whose ``.all()`` waits for the device) never runs, and the logits are
+    those of the forward that builds it. A Llama row (no mapping in its forward) keeps transformers' path."""
+    from transformers import masking_utils
+
+    tok, pairs = _pairs(micro_model, micro_data)
+    packed = collate_pairs(pairs, tok.pad_token_id, packed=True)
+    inputs = {k: packed[k] for k in ("input_ids", "position_ids")}
+    calls = []
+    original = masking_utils.find_packed_sequence_indices
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda p: calls.append(1) or original(p))
+    monkeypatch.setenv(ATTENTION_ENV, "varlen")
+    for path, maps in ((micro_model, True), (llama_chat_model, False)):
+        lm = load_causal_lm(path, CPU)
+        extra = attention.packed_forward_kwargs(lm, packed["position_ids"], CPU)
+        assert ("attention_mask" in extra) == maps, path
+        with torch.no_grad():
+            own = lm(**inputs, use_cache=False).logits
+            calls.clear()
+            given = lm(**inputs, use_cache=False, **extra).logits
+        assert (len(calls) == 0) == maps, (path, calls)
+        torch.testing.assert_close(given, own, rtol=1e-5, atol=1e-6)
+    from transformers import Qwen2Config
+
+    assert not attention._takes_no_mask_mapping(Qwen2Config(use_sliding_window=True, sliding_window=64))
+
+
 def test_varlen_model_generates_and_saves_like_sdpa(micro_model, micro_data, monkeypatch, tmp_path):
     """Generation (left-padded prompts, a KV cache) on the varlen model is SDPA's, token for token; a model
     saved from it names no alignflow attention in its config, so plain transformers loads it."""
