@@ -30,7 +30,8 @@ Variants (model shapes; random weights built on the device, no download):
 Rows (``--rows``, comma-separated; default: all five on a GPU variant):
 
 * ``ours-mixed`` / ``ours-bf16``: ``precision: mixed`` / ``bf16`` with our best settings
-  (``fused_kernels: auto, lm_head: auto``, padded batches; ``ours-*-packed``: ``packing: true``, not for GRPO),
+  (``fused_kernels: auto, lm_head: auto``, padded batches; ``ours-*-packed``: ``packing: true``, for GRPO each
+  update micro-batch and log-prob chunk one padding-free row, what rl's ``packing: auto`` does on a GPU),
   ``gradient_checkpointing: auto``; its logged choice is captured per row).
 * ``trl-default``: a bf16 model, ``bf16=True`` (compare with ours-bf16). NB TRL 1.16 given a model *path*
   loads fp32 (``model_init_kwargs`` dtype defaults to float32): that is our ``trl-mixed`` row.
@@ -77,7 +78,9 @@ Options for ours' rows: ``--micro-batch-tokens N`` (packed rows: a token budget 
 with the same work per GPU), ``--profile``
 (torch.profiler over steps 4-6 of each offline row, and over the third policy update of the grpo bench on one
 device: device busy time, the idle gaps between kernels and what the host ran during the largest; a
-where-the-time-goes run, not a timing)::
+where-the-time-goes run, not a timing), ``--sync-census`` (grpo on one GPU: every wait of the host for the device
+in the third policy update, counted by where it was made; ``bench/ab_processes.sh`` runs old and new trees in
+turn)::
 
     source bench/device_setup.sh && python bench/side_by_side.py --variant gpu-1.5b --rounds 2 --bench dpo,rm \
         --rows ours-mixed-packed --micro-batch-tokens 8192 --out $OUT/side_by_side_1p5b_packed.json
