@@ -560,21 +560,39 @@ def _profile_summary(prof, walls: list[float], n: int) -> dict:
             "device_idle": _idle_gaps(prof.events(), n)}
 
 
-class _UpdateProfile:
-    """``--profile`` on the grpo bench: torch.profiler over one ``PolicyLearner.update`` call (the ``skip + 1``-th,
-    past compiles and warm-up), summarised as the offline rows' steps are. One process (no Ray ranks). The
-    profiled step's times carry the profiler's overhead: not for the figures."""
+class _UpdateWatch:
+    """Something run around one ``PolicyLearner.update`` call of this process (the ``skip + 1``-th, past compiles
+    and warm-up): :meth:`around` gets the call as ``run`` and leaves its findings in ``summary`` under ``key``."""
 
-    key = "update_profile"
+    key = ""
 
     def __init__(self, spec: dict) -> None:
         self.at = int(spec.get("skip", 2)) + 1
         self.summary: dict = {}
 
     def install(self) -> None:
-        _wrap_update(self.at, self._profiled)
+        from rlhf_core.trainers import rl_roles
 
-    def _profiled(self, run):
+        original, calls, around = rl_roles.PolicyLearner.update, [0], self.around
+
+        def update(learner, *args, **kwargs):
+            calls[0] += 1
+            run = functools.partial(original, learner, *args, **kwargs)
+            return around(run) if calls[0] == self.at else run()
+
+        rl_roles.PolicyLearner.update = update
+
+    def around(self, run):
+        raise NotImplementedError
+
+
+class _UpdateProfile(_UpdateWatch):
+    """``--profile`` on the grpo bench: torch.profiler over one update call, summarised as the offline rows' steps
+    are. One process (no Ray ranks). The profiled step's times carry the profiler's overhead: not for the figures."""
+
+    key = "update_profile"
+
+    def around(self, run):
         import torch
         from torch.profiler import ProfilerActivity, profile
 
@@ -593,23 +611,17 @@ class _UpdateProfile:
         return out
 
 
-class _UpdateSyncCensus:
-    """``--sync-census`` on the grpo bench: every wait of the host for the device during one
-    ``PolicyLearner.update`` call (the ``skip + 1``-th), counted by where it was made. Runs the call under
-    ``torch.cuda.set_sync_debug_mode("warn")`` (a host read of a device value, a blocking copy, a ``nonzero``
-    warns) and keeps, for each warning, the innermost frames outside torch's own files. One process, GPU only
-    (a CPU never waits); the row's times then carry the warnings' cost: not for the figures."""
+class _UpdateSyncCensus(_UpdateWatch):
+    """``--sync-census`` on the grpo bench: every wait of the host for the device during one update call, counted
+    by where it was made. Runs the call under ``torch.cuda.set_sync_debug_mode("warn")`` (a host read of a device
+    value, a blocking copy, a ``nonzero`` warns) and keeps, for each warning, the innermost frames outside torch's
+    own files (no transformers frame shows in the lent image's census: its files seem to sit under a ``/torch/``
+    path there, so a wait inside transformers is named by the caller of the model). One process, GPU only (a CPU never waits); the row's times then carry the warnings' cost: not
+    for the figures."""
 
     key = "update_sync_census"
 
-    def __init__(self, spec: dict) -> None:
-        self.at = int(spec.get("skip", 2)) + 1
-        self.summary: dict = {}
-
-    def install(self) -> None:
-        _wrap_update(self.at, self._counted)
-
-    def _counted(self, run):
+    def around(self, run):
         import collections
         import traceback
         import warnings
@@ -640,20 +652,6 @@ class _UpdateSyncCensus:
         self.summary = {"update_call": self.at, "waits": sum(where.values()),
                         "where": dict(where.most_common())}
         return out
-
-
-def _wrap_update(at: int, around) -> None:
-    """Run the ``at``-th ``PolicyLearner.update`` call of this process as ``around(run)``, ``run`` the call."""
-    from rlhf_core.trainers import rl_roles
-
-    original, calls = rl_roles.PolicyLearner.update, [0]
-
-    def update(learner, *args, **kwargs):
-        calls[0] += 1
-        run = functools.partial(original, learner, *args, **kwargs)
-        return around(run) if calls[0] == at else run()
-
-    rl_roles.PolicyLearner.update = update
 
 
 def _annotation(name: str) -> bool:
