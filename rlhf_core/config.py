@@ -501,7 +501,8 @@ class RLConfig(TrainerConfig):
     model_path: str = "models/sft"
     """Policy to start from (usually the SFT model)."""
     ref_model_path: str = ""
-    """Frozen reference model of the KL term; empty means the starting policy."""
+    """Frozen reference model of the KL term; empty means the starting policy. With lora_rank > 0 that is the
+    policy's own frozen base, scored with its adapters switched off: no reference model is loaded."""
     critic_model_path: str = ""
     """Critic backbone (estimator gae only), loaded with a scalar head via load_reward_model; empty
     means model_path (the policy's backbone, fresh zero-mean head). Name the reward model

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -168,6 +169,31 @@ def prepare_for_training(model: Any, *, gradient_checkpointing: bool = False, lo
 
 def has_lora(model: Any) -> bool:
     return any("lora_A" in name for name, _ in model.named_parameters())
+
+
+@contextmanager
+def adapters_off(model: Any) -> Iterator[None]:
+    """Within the block ``model``'s LoRA adapters are switched off (peft's per-layer switch), so it computes
+    its frozen base: the reference of a LoRA run that started from that base. Which parameters require a
+    gradient is put back as it was (peft's switch also clears and resets it)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    base = model
+    while hasattr(base, "module"):  # DDP / DeepSpeed
+        base = base.module
+    layers = [m for m in base.modules() if isinstance(m, BaseTunerLayer)]
+    if not layers:
+        raise ValueError("adapters_off: the model carries no LoRA adapters")
+    grads = {p: p.requires_grad for p in base.parameters()}
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+        for p, wanted in grads.items():
+            p.requires_grad_(wanted)
 
 
 def merged_model(model: Any) -> Any:

@@ -397,6 +397,12 @@ class RemoteLearner:
         exp = {k: v.cpu() for k, v in exp.items()}
         return self.group.call_all("update", exp, prompt_width, orders, kl_coef, step)[0]
 
+    def reference_logprobs(self, exp: dict[str, torch.Tensor], prompt_width: int) -> torch.Tensor:
+        """The LoRA policy's base as the reference (:class:`rlhf_core.trainers.rl_roles.BaseReference`): rows
+        split across the policy ranks as the reference ranks split them."""
+        exp = {k: v.cpu() for k, v in exp.items()}
+        return _interleave(self.group.call_all("reference_logprobs", exp, prompt_width))
+
     def end_iteration(self) -> float:
         return self.group.call_all("end_iteration")[0]
 
@@ -741,6 +747,7 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
     from rlhf_core.models import load_tokenizer
     from rlhf_core.rl_math import AdvantageEstimator
     from rlhf_core.trainers.rl import train_rl
+    from rlhf_core.trainers.rl_roles import BaseReference, base_is_reference
     from rlhf_core.weight_sync import SyncPath, WeightSync, resolve_path
 
     if cfg.placement not in ("colocated", "disaggregated"):
@@ -749,7 +756,10 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
     reward_model = cfg.reward_kind == "model"
     teacher = AdvantageEstimator(cfg.estimator).needs_teacher  # on-policy distillation: teacher ranks beside the references
     colocated = cfg.placement == "colocated"
-    n_refs = workers  # a reference rank beside each policy rank, in either placement (module docstring)
+    # a reference rank beside each policy rank, in either placement (module docstring); none where a LoRA
+    # policy's frozen base is the reference (the policy ranks score it with their adapters off)
+    base_ref = base_is_reference(cfg)
+    n_refs = 0 if base_ref else workers
     bundles = workers if colocated else workers + replicas
     connect(min_cpus=bundles)
     launcher = Launcher(cluster_has_gpus())
@@ -760,23 +770,28 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
             ranks = list(range(workers))
             pgs = {"policy": (pg, ranks), "reference": (pg, ranks),
                    "rollout": (pg, [i % workers for i in range(replicas)]), "reward": (pg, [0])}
-            share = 1.0 / (3 + reward_model + teacher)  # every role on each rank's bundle takes a fraction of it
+            share = 1.0 / (3 + reward_model + teacher - base_ref)  # every role on a rank's bundle takes a fraction
         else:  # two sides: learning (policy + reference ranks) and generating (replicas + reward model)
             learning, generating = launcher.bundles(workers), launcher.bundles(replicas)
             pgs = {"policy": (learning, range(workers)), "reference": (learning, range(workers)),
                    "rollout": (generating, range(replicas)), "reward": (generating, [0])}
-            share = 1.0 / (2 + teacher)  # policy + reference (+ teacher) | replica + reward model
+            share = 1.0 / (2 + teacher - base_ref)  # policy + reference (+ teacher) | replica + reward model
         threads = cfg.num_threads
         policy = launcher.group(TrainerActor, "policy", *pgs["policy"], share=share, num_threads=threads, world=True)
         policy.build(_learner, cfg)
-        reference = launcher.group(ReferenceActor, "reference", *pgs["reference"], share=share, num_threads=threads)
-        reference.build(_reference, cfg, per_rank=lambda i: {"rank": i, "size": n_refs})
+        learner = RemoteLearner(policy, cfg)
+        if base_ref:
+            reference_scorer: Any = BaseReference(learner)
+        else:
+            reference = launcher.group(ReferenceActor, "reference", *pgs["reference"], share=share, num_threads=threads)
+            reference.build(_reference, cfg, per_rank=lambda i: {"rank": i, "size": n_refs})
+            reference_scorer = RemoteReference(reference)
         rollout = launcher.group(RolloutActor, "rollout", *pgs["rollout"], share=share, num_threads=threads)
         rollout.build(RolloutReplica, cfg)
         teacher_scorer = None
         if teacher:  # the reference's machinery on the teacher's weights, rows split across its ranks the same way
             teachers = launcher.group(ReferenceActor, "teacher", *pgs["reference"], share=share, num_threads=threads)
-            teachers.build(_reference, cfg, per_rank=lambda i: {"rank": i, "size": n_refs,
+            teachers.build(_reference, cfg, per_rank=lambda i: {"rank": i, "size": workers,
                                                                 "model_path": cfg.teacher_model_path})
             teacher_scorer = RemoteReference(teachers)
         reward_source = None
@@ -799,7 +814,7 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
         engine = RemoteRollout(rollout, tokenizer.pad_token_id, cfg.rollout_engine, collective=collective,
                                beside_ranks=path is SyncPath.BESIDE and replicas == workers)
         result = train_rl(cfg, sink, show_progress, engine=engine, reward_source=reward_source,
-                          learner=RemoteLearner(policy, cfg), reference=RemoteReference(reference),
+                          learner=learner, reference=reference_scorer,
                           teacher=teacher_scorer)
         if collective is not None:  # after a failure the launcher kills every actor instead
             collective.close()

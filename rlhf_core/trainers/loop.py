@@ -76,6 +76,11 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, prec
             continue
         (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if parallel.startswith("zero"):
+        # DeepSpeed drops a group without parameters (a LoRA model's no-decay group: every adapter is a matrix),
+        # and a schedule built on this optimizer would then set one learning rate too many (a ValueError at its
+        # first step). Elsewhere the empty group stays, so checkpoints of LoRA runs keep loading.
+        groups = [g for g in groups if g["params"]]
     precision = precision or Precision.FP32
     if precision is Precision.FP32 or parallel.startswith("zero"):
         return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)

@@ -79,7 +79,8 @@ from rlhf_core.checkpoint import Checkpoint, Checkpointer, read_weights, run_fin
 from rlhf_core.trainers.loop import (EpochSampler, LoopClock, LoopPlan, MetricSink, NullSink, Timer, run_checkpointed,
                                      save_hf_dir, seed_everything)
 from rlhf_core.trainers.rl_roles import KL_CLAMP as _KL_CLAMP
-from rlhf_core.trainers.rl_roles import PolicyLearner, ReferenceScorer, token_logprobs, token_values  # noqa: F401
+from rlhf_core.trainers.rl_roles import (BaseReference, PolicyLearner, ReferenceScorer, base_is_reference,  # noqa: F401
+                                         token_logprobs, token_values)
 
 # Rollout tables show whole groups, so a reader sees what the group baseline compared.
 _TABLE_GROUPS = 4
@@ -296,7 +297,9 @@ class RLTrainer:
         if self.estimator.needs_teacher:  # before any model loads: a mismatched teacher fails in seconds
             _check_teacher_tokenizer(cfg, self.tokenizer)
         self.learner = learner or PolicyLearner(cfg, self.device)
-        self.reference = reference or ReferenceScorer(cfg, self.device)
+        # a LoRA policy's frozen base is its reference when it started from it: no second model (BaseReference)
+        self.reference = reference or (BaseReference(self.learner) if base_is_reference(cfg)
+                                       else ReferenceScorer(cfg, self.device))
         # on-policy distillation's teacher: the reference's machinery (frozen, compute dtype, same placement)
         self.teacher = (teacher or ReferenceScorer(cfg, self.device, model_path=cfg.teacher_model_path)
                         if self.estimator.needs_teacher else None)

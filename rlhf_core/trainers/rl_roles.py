@@ -26,8 +26,8 @@ import torch
 from rlhf_core.attention import VARLEN, packed_forward_kwargs
 from rlhf_core.config import RLConfig
 from rlhf_core.lm_head import LMHead, _head_bypassed, bypasses_head, head_logprobs, prepare_kernels, unwrap
-from rlhf_core.models import export_state_dict, has_lora, load_causal_lm, pick_device, prepare_for_training, \
-    resolve_checkpointing
+from rlhf_core.models import adapters_off, export_state_dict, has_lora, load_causal_lm, pick_device, \
+    prepare_for_training, resolve_checkpointing
 from rlhf_core.parallel import (LocalStrategy, World, build_strategy, current_world, disable_dropout, train_mode)
 from rlhf_core.precision import Precision
 from rlhf_core.rl_math import (AdvantageEstimator, LossAggregation, PolicyObjective, aggregate_loss,
@@ -384,6 +384,25 @@ class ReferenceScorer:
         return out.cpu()
 
 
+def base_is_reference(cfg: RLConfig) -> bool:
+    """Whether the reference is the LoRA policy's own base: adapters on every linear layer of ``model_path``,
+    which stays frozen, and no other reference named. Then :class:`BaseReference` scores with the adapters
+    switched off and no reference model is loaded (a whole model's memory on each rank: 65 GB at 32B)."""
+    return cfg.lora_rank > 0 and cfg.ref_model_path in ("", cfg.model_path)
+
+
+class BaseReference:
+    """The reference of a LoRA run that starts from ``model_path`` (:func:`base_is_reference`): the learner's
+    (or, under Ray, the learner ranks') :meth:`PolicyLearner.reference_logprobs`, with the
+    :class:`ReferenceScorer` method the controller calls."""
+
+    def __init__(self, learner: Any):
+        self.learner = learner
+
+    def logprobs(self, exp: dict[str, torch.Tensor], prompt_width: int) -> torch.Tensor:
+        return self.learner.reference_logprobs(exp, prompt_width)
+
+
 # --------------------------------------------------------------------------------------
 # Policy learner: policy (+ critic for gae), optimizers, schedules, the PPO update
 # --------------------------------------------------------------------------------------
@@ -494,6 +513,20 @@ class PolicyLearner:
                                            shard.n_chunks).cpu()
         release_memory()
         return out
+
+    def reference_logprobs(self, exp: dict[str, torch.Tensor], prompt_width: int) -> torch.Tensor:
+        """``(my_rows, R)`` log-probs of this rank's rows under the policy's frozen base, its LoRA adapters
+        switched off: the reference of a LoRA run whose reference is its starting model (:func:`base_is_reference`),
+        with no second copy of the weights. Every rank takes part (ZeRO-3 gathers in each forward)."""
+        exp = _to(exp, self.device)
+        shard = _sharded(self.world, exp, prompt_width, self.cfg.batch_size, self.policy, self.head)
+        with adapters_off(self.strategy.module):
+            out = _in_chunks(
+                lambda e, p: token_logprobs(self.strategy.module, e, p, self.cfg.temperature, head=self.head,
+                                            share_prompts=self.share_prompts_scoring, packed=self.packing)[0],
+                exp, prompt_width, shard.rows.to(self.device), shard.n_chunks)
+        release_memory()
+        return out.cpu()
 
     # ---- update: ppo_epochs x mini-batches of the policy (and critic) ------------------------
 

@@ -136,6 +136,66 @@ def test_grpo_runs_on_ray_with_either_placement(ray_local, micro_model, micro_da
     assert all(pg["state"] == "REMOVED" for pg in ray_local.util.placement_group_table().values())
 
 
+def test_lora_policy_takes_its_own_base_as_the_reference(ray_local, micro_model, micro_data, tmp_path, length_reward,
+                                                        caplog):
+    """A LoRA run whose reference is its starting model scores the reference with the policy's adapters off
+    (``rl_roles.BaseReference``) and loads no reference model: in one process it gives the run with a separate
+    reference scorer exactly (KL loss on, so the reference enters the update: same KL, losses and weights); on
+    Ray, 2 policy ranks score it with no reference ranks. (Ray's replicas sample from merged weights where one
+    process samples through the adapters, so their rollouts differ: the check there is the KL's, below.)"""
+    import logging
+    from dataclasses import replace
+
+    from rlhf_core.ray_launcher import train_rl_on_ray
+    from rlhf_core.trainers.rl import train_rl
+    from rlhf_core.trainers.rl_roles import ReferenceScorer, base_is_reference
+
+    def cfg(name, **kw):
+        return _rl(micro_model, micro_data, tmp_path / name, length_reward, kl_coef=0.05, lora_rank=4,
+                   lora_alpha=8.0, **kw)
+
+    separate, base, remote = Recorder(), Recorder(), Recorder()
+    with_scorer = cfg("separate")
+    assert base_is_reference(with_scorer) and not base_is_reference(replace(with_scorer, lora_rank=0))
+    assert not base_is_reference(replace(with_scorer, ref_model_path=str(tmp_path / "another")))
+    a = train_rl(with_scorer, separate, show_progress=False,
+                 reference=ReferenceScorer(with_scorer, torch.device("cpu")))
+    b = train_rl(cfg("base"), base, show_progress=False)
+    for key in ("train/kl", "train/kl_loss", "train/policy_loss", "train/grad_norm"):
+        assert len(separate.series(key)) == 2 and separate.series(key) == base.series(key), key
+    assert separate.series("train/kl")[-1] > 0
+    wa, wb = load_file(str(a.output_dir / "model.safetensors")), load_file(str(b.output_dir / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    with caplog.at_level(logging.WARNING, logger="rlhf_core.ray_launcher"):
+        train_rl_on_ray(cfg("ray", num_workers=2, placement="colocated"), remote, show_progress=False)
+    assert "2 policy rank(s), 0 reference" in caplog.text
+    # LoRA's B starts at zero: before the first update the policy is its base, so a reference scored on the
+    # wrong rows (or with the adapters on) would show as KL; after it, the adapters have moved the policy
+    for run in (separate, base, remote):
+        kl = run.series("train/kl")
+        assert len(kl) == 2 and abs(kl[0]) <= 1e-7 and kl[1] > 0, kl
+
+
+@pytest.mark.slow  # DeepSpeed's CPU op build (about 60 s on a fresh machine)
+def test_lora_grpo_under_zero3_scores_the_base_on_the_policy_ranks(ray_local, micro_model, micro_data, tmp_path,
+                                                                   length_reward, caplog):
+    """LoRA adapters over a ZeRO-3 base (the large-model setting): the run completes (before, DeepSpeed dropped
+    the empty no-decay group and the schedule's first step failed), no reference ranks are started, and the
+    reference, the base scored on the policy ranks with the adapters off, gives a KL of 0 before the first
+    update and above 0 after it."""
+    import logging
+
+    from rlhf_core.ray_launcher import train_rl_on_ray
+
+    sink = Recorder()
+    with caplog.at_level(logging.WARNING, logger="rlhf_core.ray_launcher"):
+        train_rl_on_ray(_rl(micro_model, micro_data, tmp_path, length_reward, kl_coef=0.05, lora_rank=4, lora_alpha=8.0,
+                            num_workers=2, placement="colocated", parallel="zero3"), sink, show_progress=False)
+    assert "2 policy rank(s), 0 reference" in caplog.text
+    kl = sink.series("train/kl")
+    assert len(kl) == 2 and abs(kl[0]) <= 1e-7 and kl[1] > 0, kl
+
+
 @pytest.mark.slow  # two GRPO runs, one on Ray (about 30 s); the padded/packed equality itself is in the default tier
 def test_packed_grpo_on_two_ray_ranks_takes_the_padded_one_process_update(ray_local, micro_model, micro_data, tmp_path,
                                                                           length_reward):
