@@ -20,6 +20,9 @@ Variants (model shapes; random weights built on the device, no download):
 * ``gpu-1.5b``: Qwen2.5-1.5B shape (28 layers, hidden 1536, MLP 8960, 12 heads, 2 KV heads) with the real
   Qwen vocabulary size, 151,936 (the 32k tokenizer's ids are a subset: the LM head and softmax cost what
   Qwen2.5's do). GRPO 64 x 8 x 256; SFT 16 x 1024; DPO / RM 16 pairs x 1024.
+* ``gpu-32b-lora`` (issue 22; ours, grpo only): Qwen2.5-32B shape (64 layers, hidden 5120, MLP 27648, 40 heads,
+  8 KV heads, untied head, vocab 152,064) on eight GPUs: LoRA r 16 on every linear layer over a frozen ZeRO-3
+  base, the reference the base with the adapters off, one rollout replica beside rank 0. GRPO 8 x 4 x 128.
 * ``gpu-7b``: Qwen2-7B shape (28 layers, hidden 3584, MLP 18944, 28 heads, 4 KV heads, untied head,
   vocab 151,936) on four GPUs, saved as a sharded safetensors directory both sides load. Ours: the Ray
   launcher, ``num_workers=4, parallel=zero3`` (GRPO: colocated placement, 4 policy ranks and 4 rollout
@@ -166,6 +169,8 @@ QWEN25_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=2
                    num_key_value_heads=2)
 QWEN2_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                 num_key_value_heads=4)
+QWEN25_32B = dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                  num_key_value_heads=8)
 SMALL_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                    num_key_value_heads=1)
 
@@ -200,6 +205,17 @@ SETTINGS = {
                    sft=dict(data="sft.jsonl", batch=32, max_length=512, lr=1e-5, steps=4),
                    dpo=dict(data="pairs.jsonl", batch=16, max_length=512, lr=1e-6, steps=4, beta=0.1),
                    rm=dict(data="pairs.jsonl", batch=16, max_length=512, lr=1e-6, steps=4)),
+    # issue 22: one GRPO step of a 32B-shaped policy, LoRA adapters (r 16) over a frozen ZeRO-3 base on eight GPUs;
+    # the reference is the base itself (adapters off, no reference model), one rollout replica beside rank 0
+    # takes merged weights (BENCHMARKS.md, "32B-shaped LoRA GRPO: the memory plan"). Ours only, grpo only.
+    "gpu-32b-lora": dict(model="Qwen2.5-32B shape, vocab 152,064, sharded safetensors, LoRA r 16 over ZeRO-3",
+                         shape=QWEN25_32B, vocab=152_064, tie=False, shard="5GB", threads=8, seed=0, gpus=8, rounds=1,
+                         words=dict(prompt=64, completion=192, response=128), lora_rank=16, rollout_workers=1,
+                         grpo=dict(prompts="prompts.jsonl", prompts_per_step=8, group_size=4, max_new_tokens=128,
+                                   temperature=1.0, beta=0.04, lr=1e-5, micro_rows=4, steps=2),  # 1 timed step
+                         sft=dict(data="sft.jsonl", batch=8, max_length=512, lr=1e-5, steps=3),
+                         dpo=dict(data="pairs.jsonl", batch=8, max_length=512, lr=1e-6, steps=3, beta=0.1),
+                         rm=dict(data="pairs.jsonl", batch=8, max_length=512, lr=1e-6, steps=3)),
 }
 
 
@@ -731,7 +747,8 @@ def ours(task: dict) -> dict:
                        kl_coef=b["beta"], lr=b["lr"], mini_batch_size=rows, micro_batch_size=b["micro_rows"],
                        ppo_epochs=1, batch_size=rows, max_length=b["max_new_tokens"] + 64, warmup_steps=0,
                        eval_items=1, eval_at_start=False, log_rollouts_every=0, rollout_engine="static",
-                       placement="colocated" if gpus > 1 else "none", rollout_workers=gpus, **common)
+                       placement="colocated" if gpus > 1 else "none", rollout_workers=s.get("rollout_workers", gpus),
+                       lora_rank=s.get("lora_rank", 0), **common)
         _sync()
         update_profile = _UpdateProfile(task["profile"]) if task.get("profile") and gpus == 1 else None
         if update_profile is None and task.get("sync_census") and gpus == 1:
@@ -757,7 +774,8 @@ def ours(task: dict) -> dict:
                 "launch": f"Ray, colocated, {inputs['parallel']}" if gpus > 1 else "one process",
                 "settings": {k: getattr(cfg, k) for k in ("precision", "gradient_checkpointing", "fused_kernels",
                                                           "lm_head", "packing", "num_workers", "parallel",
-                                                          "micro_batch_size", "mini_batch_size", "kl_coef")},
+                                                          "micro_batch_size", "mini_batch_size", "kl_coef",
+                                                          "lora_rank", "rollout_workers")},
                 **({update_profile.key: update_profile.summary} if update_profile is not None else {}),
                 "threads": _threads()}
     held_out = _paths(inputs, "grpo")[1]  # prompt + label rows: the end-of-run eval (not timed) reads 1
