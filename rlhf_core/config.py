@@ -518,7 +518,7 @@ class RLConfig(TrainerConfig):
     """Unused by rl (prompts come from prompts_file); must stay empty."""
     prompts_file: str = "data/embedded/prompts.jsonl"
     """Prompts to sample from, with a label per prompt when the reward needs one."""
-    packing: bool | str = "auto"
+    packing: str | bool = "auto"
     """auto, true or false: each update micro-batch and each no-grad log-prob chunk runs as one padding-free row
     (in place of prompt sharing; its rows stay micro_batch_size rows, so micro_batch_tokens is refused). auto
     packs where the model attends with the variable-length flash kernel (a CUDA device, rlhf_core.attention:

@@ -85,6 +85,15 @@ def test_gpu_speed_switches_are_checked():
     with pytest.raises(ConfigError, match=r"sft.micro_batch_tokens: a token budget needs packing: true"):
         build_config(SFTConfig, "sft", {"micro_batch_tokens": 4096})
     assert build_config(SFTConfig, "sft", {"micro_batch_tokens": 4096, "packing": True}).micro_batch_tokens == 4096
+    # rl.packing also takes auto, its default, from a params file or --set (parse_overrides) as from Python
+    from rlhf_core.config import RLConfig, parse_overrides
+
+    assert build_config(RLConfig, "rl", {}).packing == "auto"
+    assert build_config(RLConfig, "rl", parse_overrides(["packing=auto"])).packing == "auto"
+    assert build_config(RLConfig, "rl", parse_overrides(["packing=true"])).packing is True
+    assert build_config(RLConfig, "rl", {"packing": False}).packing is False
+    with pytest.raises(ConfigError, match=r"rl.packing: must be auto, true or false, got 'sometimes'"):
+        build_config(RLConfig, "rl", {"packing": "sometimes"})
 
 
 def test_broken_yaml_names_line(tmp_path):
