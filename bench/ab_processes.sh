@@ -16,9 +16,9 @@ for spec in "$@"; do
   label=${spec%%=*} rest=${spec#*=}
   tree=${rest%%,*} envs=""
   [ "$tree" != "$rest" ] && envs=$(echo "${rest#*,}" | tr ',' ' ')
-  tree=$(cd "$tree" && pwd)
-  echo "== $i $label tree=$tree env=$envs" >> "$out/$prefix.log"
+  echo "== $i $label tree=$tree env=$envs" >> "$out/$prefix.log"  # the tree as given (relative): no host paths
+  root=$(cd "$tree" && pwd)
   # shellcheck disable=SC2086  # args and envs are word lists
-  env $envs PYTHONPATH="/tmp/site:$tree" python3 "$tree/bench/side_by_side.py" $args --rounds 1 \
+  env $envs PYTHONPATH="/tmp/site:$root" python3 "$root/bench/side_by_side.py" $args --rounds 1 \
     --out "$out/${prefix}_${i}_${label}.json" 2>&1 | grep -E '"row"|Error|error' | cut -c1-400 >> "$out/$prefix.log"
 done
