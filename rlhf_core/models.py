@@ -174,17 +174,15 @@ def has_lora(model: Any) -> bool:
 @contextmanager
 def adapters_off(model: Any) -> Iterator[None]:
     """Within the block ``model``'s LoRA adapters are switched off (peft's per-layer switch), so it computes
-    its frozen base: the reference of a LoRA run that started from that base. Which parameters require a
-    gradient is put back as it was (peft's switch also clears and resets it)."""
+    its frozen base: the reference of a LoRA run that started from that base. ``model`` is the model itself (a
+    DDP or DeepSpeed wrapper holds the same object). Which parameters require a gradient is put back as it
+    was (peft's switch also clears and resets it)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    base = model
-    while hasattr(base, "module"):  # DDP / DeepSpeed
-        base = base.module
-    layers = [m for m in base.modules() if isinstance(m, BaseTunerLayer)]
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
     if not layers:
         raise ValueError("adapters_off: the model carries no LoRA adapters")
-    grads = {p: p.requires_grad for p in base.parameters()}
+    grads = {p: p.requires_grad for p in model.parameters()}
     for layer in layers:
         layer.enable_adapters(False)
     try:

@@ -503,11 +503,7 @@ class PolicyLearner:
         exp = _to(exp, self.device)
         shard = _sharded(self.world, exp, prompt_width, self.cfg.batch_size, self.policy, self.head)
         rows = shard.rows.to(self.device)
-        out = {}
-        out["old_logp"] = _in_chunks(
-            lambda e, p: token_logprobs(self.strategy.module, e, p, self.cfg.temperature, head=self.head,
-                                        share_prompts=self.share_prompts_scoring, packed=self.packing)[0],
-            exp, prompt_width, rows, shard.n_chunks).cpu()
+        out = {"old_logp": self._chunked_logprobs(exp, prompt_width, shard).cpu()}
         if self.critic is not None:
             out["old_values"] = _in_chunks(lambda e, p: token_values(self.critic, e, p), exp, prompt_width, rows,
                                            shard.n_chunks).cpu()
@@ -520,13 +516,17 @@ class PolicyLearner:
         with no second copy of the weights. Every rank takes part (ZeRO-3 gathers in each forward)."""
         exp = _to(exp, self.device)
         shard = _sharded(self.world, exp, prompt_width, self.cfg.batch_size, self.policy, self.head)
-        with adapters_off(self.strategy.module):
-            out = _in_chunks(
-                lambda e, p: token_logprobs(self.strategy.module, e, p, self.cfg.temperature, head=self.head,
-                                            share_prompts=self.share_prompts_scoring, packed=self.packing)[0],
-                exp, prompt_width, shard.rows.to(self.device), shard.n_chunks)
+        with adapters_off(self.policy):  # the object the strategy wraps
+            out = self._chunked_logprobs(exp, prompt_width, shard)
         release_memory()
         return out.cpu()
+
+    def _chunked_logprobs(self, exp: dict[str, torch.Tensor], prompt_width: int, shard: _Sharded) -> torch.Tensor:
+        """``(my_rows, R)`` the policy's log-probs of this rank's rows, no gradient, in ``shard``'s chunks."""
+        return _in_chunks(
+            lambda e, p: token_logprobs(self.strategy.module, e, p, self.cfg.temperature, head=self.head,
+                                        share_prompts=self.share_prompts_scoring, packed=self.packing)[0],
+            exp, prompt_width, shard.rows.to(self.device), shard.n_chunks)
 
     # ---- update: ppo_epochs x mini-batches of the policy (and critic) ------------------------
 
