@@ -161,7 +161,7 @@ def _bounds(position_ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
 MASK_MAPPING_TYPES = ("qwen2", "qwen3")
 
 
-def _takes_no_mask_mapping(config: Any) -> bool:
+def _skips_mask_preparation(config: Any) -> bool:
     """Whether a packed row of this model may skip transformers' mask preparation: a decoder that takes a
     mask mapping, every layer full attention (a sliding window would be dropped with the mask)."""
     layer_types = getattr(config, "layer_types", None) or ["full_attention"]
@@ -194,7 +194,7 @@ def packed_forward_kwargs(model: Any, position_ids: torch.Tensor, device: torch.
     cu, longest = segment_bounds(position_ids, position_ids.shape[0])
     cu = cu.to(device, non_blocking=True)  # from pageable memory: staged at once, no wait for the device
     out = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
-    if _takes_no_mask_mapping(base.config):
+    if _skips_mask_preparation(base.config):
         out["attention_mask"] = {"full_attention": None}
     return out
 

@@ -169,7 +169,7 @@ def test_packed_row_skips_mask_preparation_where_the_decoder_takes_a_mapping(mic
         torch.testing.assert_close(given, own, rtol=1e-5, atol=1e-6)
     from transformers import Qwen2Config
 
-    assert not attention._takes_no_mask_mapping(Qwen2Config(use_sliding_window=True, sliding_window=64))
+    assert not attention._skips_mask_preparation(Qwen2Config(use_sliding_window=True, sliding_window=64))
 
 
 def test_varlen_model_generates_and_saves_like_sdpa(micro_model, micro_data, monkeypatch, tmp_path):
