@@ -35,8 +35,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--engines", default="hf_generate,static_eager,static_cuda_graphs",
-                    help="comma-separated; add static_cuda_graphs_one_width for the width-bucket A/B, "
-                         "static_cuda_graphs_{efficient_attention,math,cudnn_attention} for the decode SDPA backend")
+                    help="comma-separated; static_sdpa / static_uncompiled / static_before (neither) for the flash "
+                         "decode attention and compiled layer halves A/B, static_cuda_graphs_one_width for the "
+                         "width-bucket A/B, static_cuda_graphs_{efficient_attention,math,cudnn_attention} for the "
+                         "masked decode attention's SDPA backend")
     ap.add_argument("--small", action="store_true", help="micro model (a CPU smoke test)")
     ap.add_argument("--out", default="bench/out/gpu_engine.json")
     args = ap.parse_args()
@@ -62,34 +64,53 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    engines = {"hf_generate": HFGenerateEngine(model, tok, batch_size=rows),
-               "static_eager": StaticCacheEngine(model, tok, batch_size=rows, cuda_graphs=False),
-               "static_cuda_graphs": StaticCacheEngine(model, tok, batch_size=rows, cuda_graphs=True),
-               # the same engine with one graph over the whole cache width (before width buckets)
-               "static_cuda_graphs_one_width": StaticCacheEngine(model, tok, batch_size=rows, cuda_graphs=True),
-               # the decode step's SDPA backend forced (torch's own choice is cuDNN on an H100)
-               **{f"static_cuda_graphs_{b.lower()}": StaticCacheEngine(model, tok, batch_size=rows, cuda_graphs=True)
-                  for b in ("EFFICIENT_ATTENTION", "MATH", "CUDNN_ATTENTION")}}
-    engines = {k: v for k, v in engines.items() if k in args.engines.split(",") or k == "static_cuda_graphs"}
-    report: dict = {"gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-                    "torch": torch.__version__, "rows": rows, "new_tokens": args.new_tokens, "engines": {}}
+    # Static engines: name -> (compile_layers, decode attention, forced SDPA backend, width bucket). The default
+    # (static_cuda_graphs) is what an RL run gets; static_before is the engine before flash decode attention and
+    # compiled layer halves (2026-11-29).
     import rlhf_core.rollout_static as static
 
     bucket = static._WIDTH_BUCKET
+    variants = {"static_cuda_graphs": (None, "auto", None, bucket),
+                "static_sdpa": (None, "sdpa", None, bucket),
+                "static_uncompiled": (False, "auto", None, bucket),
+                "static_before": (False, "sdpa", None, bucket),
+                # one graph over the whole cache width (before width buckets), SDPA
+                "static_cuda_graphs_one_width": (False, "sdpa", None, 10**9),
+                # the masked SDPA path's backend forced (torch's own choice is cuDNN on an H100)
+                **{f"static_cuda_graphs_{b.lower()}": (False, "sdpa", (b,), bucket)
+                   for b in ("EFFICIENT_ATTENTION", "MATH", "CUDNN_ATTENTION")}}
+    chosen = [k for k in args.engines.split(",") if k in variants or k in ("hf_generate", "static_eager")]
+    if "static_cuda_graphs" not in chosen:
+        chosen.append("static_cuda_graphs")
+    engines = {}
+    for name in chosen:
+        if name == "hf_generate":
+            engines[name] = HFGenerateEngine(model, tok, batch_size=rows)
+        elif name == "static_eager":
+            engines[name] = StaticCacheEngine(model, tok, batch_size=rows, cuda_graphs=False)
+        else:
+            engines[name] = StaticCacheEngine(model, tok, batch_size=rows, cuda_graphs=True,
+                                              compile_layers=variants[name][0])
+    report: dict = {"gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+                    "torch": torch.__version__, "rows": rows, "new_tokens": args.new_tokens, "engines": {},
+                    "first_call_s": {}}
+
+    def configure(name: str) -> None:
+        _, attention, backend, width_bucket = variants.get(name, (None, "auto", None, bucket))
+        static._DECODE_ATTENTION, static._DECODE_SDPA, static._WIDTH_BUCKET = attention, backend, width_bucket
+
     times_of: dict[str, list[float]] = {k: [] for k in engines}
     lengths_of: dict[str, list[float]] = {k: [] for k in engines}
-    def backend(name: str) -> tuple[str, ...] | None:
-        suffix = name.removeprefix("static_cuda_graphs_").upper()
-        return (suffix,) if suffix in ("EFFICIENT_ATTENTION", "MATH", "CUDNN_ATTENTION") else None
-
-    for name, engine in engines.items():
-        static._WIDTH_BUCKET = 10**9 if name.endswith("one_width") else bucket
-        static._DECODE_SDPA = backend(name)
-        engine.generate(prompts[:8], SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=0))  # warm-up
+    for name, engine in engines.items():  # warm-up (the compiled halves compile in the first call)
+        configure(name)
+        sync()
+        t = time.perf_counter()
+        engine.generate(prompts[:8], SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=0))
+        sync()
+        report["first_call_s"][name] = round(time.perf_counter() - t, 2)
     for rep in range(args.reps):  # engines interleaved, order reversed every other rep (ABBA)
         for name in (list(engines) if rep % 2 == 0 else list(engines)[::-1]):
-            static._WIDTH_BUCKET = 10**9 if name.endswith("one_width") else bucket
-            static._DECODE_SDPA = backend(name)
+            configure(name)
             sync()
             t = time.perf_counter()
             batch = engines[name].generate(prompts, SamplingParams(n=args.group, temperature=1.0,
@@ -98,7 +119,10 @@ def main() -> None:
             times_of[name].append(time.perf_counter() - t)
             lengths_of[name].append(float(batch.response_lengths().float().mean()))
             steps_of = batch.response_ids.shape[1]
-    static._WIDTH_BUCKET, static._DECODE_SDPA = bucket, None
+    configure("static_cuda_graphs")
+    report["compiled_layers"] = engines["static_cuda_graphs"].compile_layers and device.type == "cuda"
+    report["flash_decode_attention"] = static._use_flash(device, dtype, model.config.hidden_size
+                                                         // model.config.num_attention_heads)
     for name in engines:
         times, lengths, steps = times_of[name], lengths_of[name], steps_of
         med = statistics.median(times)

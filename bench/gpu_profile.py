@@ -72,30 +72,34 @@ def main() -> None:
     ids = torch.randint(5, 30000, (args.rows // 8, P), device=dev)
     mask = torch.ones_like(ids)
     params = SamplingParams(n=8, temperature=1.0, max_new_tokens=args.new_tokens)
-    with torch.no_grad():
-        dec = _Decoder(sampler, ids, mask, args.new_tokens, 8)
-        dec.prefill()
-        state = _Sampler(params, args.rows, args.new_tokens, eos=-1, pad=0, device=dev)  # eos -1: no row ends
-        state.uniforms.uniform_()
-        dec.capture(state)
-        for _ in range(100):  # fill the cache about halfway, as the mean decode step sees it
-            dec.replay()
-        report["iteration_ms_graph"] = round(1000 * timed(dec.replay, 20), 3)
-        report["decode_step_ms_eager"] = round(1000 * timed(lambda: dec._step(), 5), 3)
-        logits = dec._step()
-        uniform = state.uniforms[0]
-        report["sample_ms_eager"] = round(1000 * timed(lambda: _sample(logits, params, uniform=uniform), 20), 3)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            dec._step()
-            _sample(logits, params, uniform=uniform)
-            torch.cuda.synchronize()
-        report["iteration_eager_top"] = top(prof)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
+    import rlhf_core.rollout_static as static
+
+    # "before": masked SDPA over the whole cache, plain layer halves; "default": what the engine runs now on a
+    # GPU (flash over each row's filled keys, compiled halves). Keys of the second carry no prefix.
+    for variant, attention, compiled in (("before_", "sdpa", False), ("", "auto", True)):
+        static._DECODE_ATTENTION = attention
+        with torch.no_grad():
+            dec = _Decoder(sampler, ids, mask, args.new_tokens, 8, compiled=compiled)
+            dec.prefill()
+            state = _Sampler(params, args.rows, args.new_tokens, eos=-1, pad=0, device=dev)  # eos -1: no row ends
+            state.uniforms.uniform_()
+            t = time.perf_counter()
+            dec.capture(state)
+            report[variant + "capture_s"] = round(time.perf_counter() - t, 2)
+            for _ in range(100):  # fill the cache about halfway, as the mean decode step sees it
                 dec.replay()
-            torch.cuda.synchronize()
-        report["iteration_graph_top_5_replays"] = top(prof)
-        dec.release()
+            report[variant + "iteration_ms_graph"] = round(1000 * timed(dec.replay, 20), 3)
+            report[variant + "decode_step_ms_eager"] = round(1000 * timed(lambda: dec._step(), 5), 3)
+            logits = dec._step()
+            uniform = state.uniforms[0]
+            report[variant + "sample_ms_eager"] = round(1000 * timed(lambda: _sample(logits, params, uniform=uniform), 20), 3)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    dec.replay()
+                torch.cuda.synchronize()
+            report[variant + "iteration_graph_top_5_replays"] = top(prof)
+            dec.release()
+    static._DECODE_ATTENTION = "auto"
     del sampler
     torch.cuda.empty_cache()
     if args.decode_only:

@@ -15,6 +15,12 @@ does for one fixed batch, in plain torch:
 * grouped-query attention needs no copy of the shared K/V heads: at one query position, the
   ``G = H / H_kv`` query heads of a KV head are the ``G`` query rows of one SDPA call over that
   head's cache (``q: (B, H_kv, G, D)``), exact and memory-bound;
+* on a GPU (bf16/fp16), attention reads each row's filled keys only, through torch's flash kernel
+  (varlen, with a per-row count of used keys the graph advances in place): one graph serves every step
+  and a step's attention grows with its column instead of always reading the whole cache;
+* on a GPU the decoder layer's pieces around attention (norm, fused projections, rotary; residual, norm,
+  gated MLP) are compiled with ``torch.compile`` (inductor fuses their ~20 small elementwise kernels a
+  layer into a few) and captured like the rest, compiled once per process and reused by every layer;
 * sampling (temperature, top-k, top-p; inverse-CDF with the call's own generator, every step's
   uniforms drawn up front) and the eos bookkeeping are captured with the decode step, so a step is
   one replay; the loop stops once every row has emitted eos (checked every few steps so the host
@@ -32,7 +38,9 @@ sampled token, before top-k / top-p filtering.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -56,6 +64,13 @@ _WIDTH_BUCKET = 0
 # SDPA backends a decode step may use (None: torch's choice, cuDNN on an H100), by name of
 # torch.nn.attention.SDPBackend; bench/gpu_engine.py's static_cuda_graphs_<backend> engines A/B them.
 _DECODE_SDPA: tuple[str, ...] | None = None
+# The decode step's attention: flash (torch's flash kernel over each row's filled keys: a GPU, bf16/fp16),
+# sdpa (SDPA over the whole cache with a key mask) or auto (flash where it can run). Environment override
+# ALIGNFLOW_DECODE_ATTENTION, for A/Bs; bench/gpu_engine.py sets it per engine.
+_DECODE_ATTENTION = os.environ.get("ALIGNFLOW_DECODE_ATTENTION", "auto")
+# Whether the decode step's layer pieces are compiled (torch.compile): auto (with CUDA graphs on a GPU),
+# on, off. Environment override ALIGNFLOW_DECODE_COMPILE (auto / 1 / 0), for A/Bs.
+_DECODE_COMPILE = os.environ.get("ALIGNFLOW_DECODE_COMPILE", "auto")
 
 
 def supports(model: Any) -> str | None:
@@ -93,12 +108,19 @@ class StaticCacheEngine(HFGenerateEngine):
     """
 
     def __init__(self, model: Any, tokenizer: Any, batch_size: int = 256, autocast_dtype: torch.dtype | None = None,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, compile_layers: bool | None = None):
+        """``compile_layers``: compile the decode layer's halves (:func:`_compiled_layer_halves`) where CUDA
+        graphs are captured; ``None`` reads :data:`_DECODE_COMPILE` (auto: yes)."""
         reason = supports(model)
         if reason:
             raise ValueError(f"StaticCacheEngine: cannot run this model: {reason}")
         super().__init__(model, tokenizer, batch_size=batch_size, autocast_dtype=autocast_dtype)
         self.cuda_graphs = cuda_graphs
+        if compile_layers is None:
+            if _DECODE_COMPILE not in ("auto", "1", "0"):
+                raise ValueError(f"ALIGNFLOW_DECODE_COMPILE must be auto, 1 or 0, got {_DECODE_COMPILE!r}")
+            compile_layers = _DECODE_COMPILE != "0"
+        self.compile_layers = compile_layers
         cfg = model.config
         self._window = getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
 
@@ -146,16 +168,14 @@ class StaticCacheEngine(HFGenerateEngine):
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         ids, mask = _left_pad(encoded, pad)
         # Each prompt is prefilled once and its cache shared by its n samples (rows i*n .. i*n+n-1).
-        decoder = _Decoder(self._sampling_model, ids.to(device), mask.to(device), params.max_new_tokens, params.n)
+        graphs = self.cuda_graphs and device.type == "cuda"
+        decoder = _Decoder(self._sampling_model, ids.to(device), mask.to(device), params.max_new_tokens, params.n,
+                           compiled=graphs and self.compile_layers)
         logits = decoder.prefill()
         ids, mask = ids.repeat_interleave(params.n, dim=0), mask.repeat_interleave(params.n, dim=0)
         sampler = _Sampler(params, ids.shape[0], params.max_new_tokens, eos, pad, device)
-        if self.cuda_graphs and device.type == "cuda":
-            try:
-                decoder.capture(sampler)  # restores every buffer it touched, also when it fails
-            except RuntimeError as err:  # e.g. an op of this model/torch that graphs cannot capture
-                log.warning("StaticCacheEngine: CUDA graph capture failed (%s); decoding eagerly from now on", err)
-                self.cuda_graphs = False
+        if graphs:
+            self._capture(decoder, sampler)
         if decoder.graphs:
             steps = _decode_in_graphs(decoder, logits, sampler, generator)
         else:
@@ -169,6 +189,25 @@ class StaticCacheEngine(HFGenerateEngine):
         response, response_mask, logprobs = response[:, :longest], response_mask[:, :longest], logprobs[:, :longest]
         response = response.masked_fill(response_mask == 0, pad)
         return ids, mask, response, response_mask, logprobs.masked_fill(response_mask == 0, 0.0)
+
+    def _capture(self, decoder: "_Decoder", sampler: "_Sampler") -> None:
+        """Capture the decode graphs (each attempt restores every buffer it touched); when the compiled layer
+        halves fail (compilation, or capturing their kernels), once more with the plain ones; when capture
+        fails too (e.g. an op of this model/torch that graphs cannot capture), decode eagerly from now on."""
+        if decoder.compiled:
+            try:
+                decoder.capture(sampler)
+                return
+            except Exception as err:  # noqa: BLE001 - inductor/triton raise many kinds; all mean "not here"
+                log.warning("StaticCacheEngine: the compiled decode layers failed (%s); using the plain ones from "
+                            "now on", err)
+                self.compile_layers = decoder.compiled = False
+                decoder.halves = (_attention_inputs, _output_and_mlp)
+        try:
+            decoder.capture(sampler)
+        except RuntimeError as err:
+            log.warning("StaticCacheEngine: CUDA graph capture failed (%s); decoding eagerly from now on", err)
+            self.cuda_graphs = False
 
 
 def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,9 +227,101 @@ def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-def _rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The Llama-family RMSNorm (statistics in float32, scaled in the input dtype) as one fused op."""
-    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+# ---- the decode step's layer, as pure functions of tensors (what torch.compile compiles on a GPU) ------------
+
+def _attention_inputs(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: torch.Tensor,
+                      qkv_b: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                      kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pre-attention half of a Llama-family layer at one decode position: RMS norm, Q/K/V as one GEMM,
+    rotary on the Q and K heads at once.
+
+    ``x (B, 1, hidden)``, ``qkv_w ((H + 2 H_kv) D, hidden)``, ``cos``/``sin (B, 1, D)``; returns
+    ``q (B, H, 1, D)``, ``k``, ``v (B, H_kv, 1, D)``.
+    """
+    B, D = x.shape[0], cos.shape[-1]
+    qkv = F.linear(_rms_norm(x, norm_w, eps), qkv_w, qkv_b).view(B, heads + 2 * kv_heads, 1, D)
+    qk, _ = _rotate(qkv[:, :heads + kv_heads], qkv[:, :0], cos, sin)
+    return qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
+
+
+def _output_and_mlp(x: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None,
+                    norm_w: torch.Tensor, eps: float, gate_up_w: torch.Tensor, gate_up_b: torch.Tensor | None,
+                    down_w: torch.Tensor, down_b: torch.Tensor | None) -> torch.Tensor:
+    """Post-attention half: output projection and residual, RMS norm, the gated SiLU MLP (Shazeer 2020) with
+    gate and up as one GEMM, residual. ``x (B, 1, hidden)``, ``o (B, 1, H D)``; returns ``(B, 1, hidden)``."""
+    x = x + F.linear(o, o_w, o_b)
+    gate, up = F.linear(_rms_norm(x, norm_w, eps), gate_up_w, gate_up_b).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, down_w, down_b)
+
+
+def _cat_biases(linears: Sequence[Any]) -> torch.Tensor | None:
+    """The biases of ``linears`` concatenated as their weights are; ``None`` when none has one (ValueError
+    when only some do: that layout is left to the model's modules)."""
+    biases = [m.bias for m in linears]
+    if all(b is None for b in biases):
+        return None
+    if any(b is None for b in biases):
+        raise ValueError("some projections have a bias and some do not")
+    return torch.cat(biases)
+
+
+@functools.cache
+def _compiled_layer_halves() -> tuple[Any, Any]:
+    """:func:`_attention_inputs` and :func:`_output_and_mlp` through ``torch.compile`` (inductor), built once
+    per process: every layer has the same shapes, so one compiled graph each serves all of them (recompiled
+    only for a new row count). Why compile rather than hand-written kernels: the halves are chains of small
+    elementwise ops around GEMMs (profiled on an H100: ~120 elementwise kernels of a decode iteration's ~4.8
+    ms, bench/results/gpu_profile_decode_h100.json) that inductor fuses; the attention in between stays a
+    kernel call of its own, outside the compiled graphs, and every cache write with it."""
+    return (torch.compile(_attention_inputs, fullgraph=True), torch.compile(_output_and_mlp, fullgraph=True))
+
+
+def _use_flash(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the decode step attends through torch's flash kernel (:data:`_DECODE_ATTENTION`; auto: a CUDA
+    device of compute capability 8.0 or later, a bf16/fp16 cache, a head size the kernel takes)."""
+    choice = _DECODE_ATTENTION
+    if choice not in ("auto", "flash", "sdpa"):
+        raise ValueError(f"ALIGNFLOW_DECODE_ATTENTION must be auto, flash or sdpa, got {choice!r}")
+    if choice != "auto":
+        return choice == "flash"  # flash on a CPU: the reference in _decode_attention (tests)
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
+            and head_dim <= 256 and torch.cuda.get_device_capability(device)[0] >= 8 and _flash_takes_used_keys())
+
+
+@functools.cache
+def _flash_takes_used_keys() -> bool:
+    """Whether this torch's flash op takes a per-row count of used keys (``seqused_k``)."""
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    return op is not None and "seqused_k" in str(op.default._schema)
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                      width: int, used: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query a row over that row's filled keys only (flash attention's variable-length form, Dao 2023).
+
+    ``q (B, H, D)``; ``k``, ``v (B W, H_kv, D)``: the rows' caches laid end to end, row ``b``'s keys
+    ``k[cu_k[b] : cu_k[b] + used[b]]``; ``cu_q (B + 1,)`` = ``0 .. B``, ``cu_k (B + 1,)``, ``used (B,)``
+    int32 on the device (``used`` grows in place each step, so one captured graph serves every step);
+    ``width`` = ``W``, the most keys a row has. Returns ``(B, H, D)``; query head ``h`` reads KV head
+    ``h // (H / H_kv)``. On a CPU (tests) the same keys go through SDPA with a mask.
+    """
+    if q.is_cuda:
+        return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, 1, width, 0.0, False, False,
+                                                       scale=scale, seqused_k=used)[0]
+    B, H, D = q.shape
+    kv_heads = k.shape[1]
+    cols = torch.arange(width, device=q.device)
+    index = (cu_k[:-1, None].long() + cols).clamp(max=k.shape[0] - 1)  # (B, W)
+    keys, values = k[index].transpose(1, 2), v[index].transpose(1, 2)  # (B, H_kv, W, D)
+    mask = (cols < used[:, None])[:, None, None]  # (B, 1, 1, W)
+    o = F.scaled_dot_product_attention(q.view(B, kv_heads, H // kv_heads, D), keys, values, attn_mask=mask,
+                                       scale=scale)
+    return o.reshape(B, H, D)
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
@@ -289,7 +420,8 @@ class _Decoder:
     ``D`` head size, ``V`` vocabulary.
     """
 
-    def __init__(self, model: Any, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, n: int):
+    def __init__(self, model: Any, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, n: int,
+                 compiled: bool = False):
         cfg = model.config
         self.model, self.inner = model, model.model
         self.layers = list(self.inner.layers)
@@ -306,8 +438,11 @@ class _Decoder:
         dtype = next(model.parameters()).dtype
         device = ids.device
         W = self.shape.width
-        self.k = [torch.zeros(B, kv_heads, W, head_dim, dtype=dtype, device=device) for _ in self.layers]
-        self.v = [torch.zeros(B, kv_heads, W, head_dim, dtype=dtype, device=device) for _ in self.layers]
+        # Cache layout: (B, W, H_kv, D) for the flash kernel (a row's keys contiguous), else (B, H_kv, W, D).
+        self.flash = _use_flash(device, dtype, head_dim)
+        layout = (B, W, kv_heads, head_dim) if self.flash else (B, kv_heads, W, head_dim)
+        self.k = [torch.zeros(layout, dtype=dtype, device=device) for _ in self.layers]
+        self.v = [torch.zeros(layout, dtype=dtype, device=device) for _ in self.layers]
         # rotary tables for positions 0 .. W-1, from the model's own rotary module (any rope scaling)
         probe = torch.zeros(1, W, head_dim, dtype=dtype, device=device)
         cos, sin = self.inner.rotary_emb(probe, torch.arange(W, device=device)[None])
@@ -320,9 +455,17 @@ class _Decoder:
         self.token = torch.zeros(B, dtype=torch.long, device=device)
         self.pos = (row_mask.sum(-1) - 1).clamp(min=0)  # position of the last prompt token; advanced before a step
         self.col = torch.tensor([P - 1], dtype=torch.long, device=device)
+        # flash: row b's keys start at its first prompt token (left padding) and run ``used[b]`` columns
+        start = P - row_mask.sum(-1)
+        self.cu_q = torch.arange(B + 1, dtype=torch.int32, device=device)
+        self.cu_k = torch.cat([torch.arange(B, device=device) * W + start,
+                               torch.tensor([B * W], device=device)]).to(torch.int32)
+        self.used = (P - start).to(torch.int32)
         self.decode_steps, self.step_index = max_new_tokens, 0
         self.graphs: list[tuple[int, Any]] = []  # (cache width, CUDA graph of a whole iteration)
         self.fused = self._fuse_weights()
+        self.compiled = compiled and self.fused is not None
+        self.halves = _compiled_layer_halves() if self.compiled else (_attention_inputs, _output_and_mlp)
 
     def _fuse_weights(self) -> list[dict[str, Any]] | None:
         """Per layer, Q/K/V and gate/up projections concatenated into one matrix each (decode only).
@@ -341,14 +484,18 @@ class _Decoder:
                                                                          layer.post_attention_layernorm)):
                 return None
             projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-            biases = [p.bias for p in projections]
-            fused.append({
-                "qkv": torch.cat([p.weight for p in projections]),
-                "qkv_bias": torch.cat(biases) if all(b is not None for b in biases) else None,
-                "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-            })
-            if any(b is not None for b in biases) and fused[-1]["qkv_bias"] is None:
+            try:
+                qkv_bias, gate_up_bias = _cat_biases(projections), _cat_biases((mlp.gate_proj, mlp.up_proj))
+            except ValueError:
                 return None  # some projections biased, some not
+            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+            fused.append({  # the model's own tensors, except the two concatenations
+                "ln1": ln1.weight, "eps1": ln1.variance_epsilon, "ln2": ln2.weight, "eps2": ln2.variance_epsilon,
+                "qkv": torch.cat([p.weight for p in projections]), "qkv_bias": qkv_bias,
+                "o": attn.o_proj.weight, "o_bias": attn.o_proj.bias,
+                "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), "gate_up_bias": gate_up_bias,
+                "down": mlp.down_proj.weight, "down_bias": mlp.down_proj.bias,
+            })
         return fused
 
     # ---- the math -----------------------------------------------------------------------------
@@ -392,8 +539,12 @@ class _Decoder:
 
         def write(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
             kv[i] = (k, v)
-            self.k[i][:, :, :P] = k.repeat_interleave(self.n, dim=0)
-            self.v[i][:, :, :P] = v.repeat_interleave(self.n, dim=0)
+            if self.flash:
+                self.k[i][:, :P] = k.transpose(1, 2).repeat_interleave(self.n, dim=0)
+                self.v[i][:, :P] = v.transpose(1, 2).repeat_interleave(self.n, dim=0)
+            else:
+                self.k[i][:, :, :P] = k.repeat_interleave(self.n, dim=0)
+                self.v[i][:, :, :P] = v.repeat_interleave(self.n, dim=0)
 
         def attend(i: int, q: torch.Tensor) -> torch.Tensor:
             k, v = kv.pop(i)
@@ -408,23 +559,40 @@ class _Decoder:
 
     # ---- decode: one new token per row, fixed shapes -----------------------------------------------
 
-    def _fused_layer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     key_mask: torch.Tensor, width: int) -> torch.Tensor:
-        """:meth:`_layer` for one decode position ``x (B, 1, hidden)`` with the fused projections."""
-        layer, w, s = self.layers[i], self.fused[i], self.shape
+    def _write(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write one decode position's ``k``, ``v (B, H_kv, 1, D)`` into layer ``i``'s cache at column ``col``."""
+        if self.flash:
+            self.k[i].index_copy_(1, self.col, k.transpose(1, 2))
+            self.v[i].index_copy_(1, self.col, v.transpose(1, 2))
+        else:
+            self.k[i].index_copy_(2, self.col, k)
+            self.v[i].index_copy_(2, self.col, v)
+
+    def _attend(self, i: int, q: torch.Tensor, key_mask: torch.Tensor | None, width: int) -> torch.Tensor:
+        """Layer ``i``'s attention of ``q (B, H, 1, D)`` over the cache; ``(B, 1, H D)``."""
+        s = self.shape
         B, G, D = s.rows, s.heads // s.kv_heads, s.head_dim
-        h = _rms_norm(x, layer.input_layernorm)
-        qkv = F.linear(h, w["qkv"], w["qkv_bias"]).view(B, s.heads + 2 * s.kv_heads, 1, D)  # (B, H + 2 H_kv, 1, D)
-        qk, _ = self.rope(qkv[:, :s.heads + s.kv_heads], qkv[:, :0], cos, sin)  # rotary on Q and K heads at once
-        q, k = qk[:, :s.heads], qk[:, s.heads:]
-        v = qkv[:, s.heads + s.kv_heads:]
-        self.k[i].index_copy_(2, self.col, k)
-        self.v[i].index_copy_(2, self.col, v)
-        o = F.scaled_dot_product_attention(q.reshape(B, s.kv_heads, G, D), self.k[i][:, :, :width],
-                                           self.v[i][:, :, :width], attn_mask=key_mask, scale=self.scaling)
-        x = x + layer.self_attn.o_proj(o.reshape(B, 1, s.heads * D))
-        gate, up = F.linear(_rms_norm(x, layer.post_attention_layernorm), w["gate_up"]).chunk(2, dim=-1)
-        return x + layer.mlp.down_proj(F.silu(gate) * up)
+        if self.flash:
+            o = _decode_attention(q.reshape(B, s.heads, D), self.k[i].view(-1, s.kv_heads, D),
+                                  self.v[i].view(-1, s.kv_heads, D), self.cu_q, self.cu_k, s.width, self.used,
+                                  self.scaling)
+        else:  # the G query heads of each KV head as G query rows over that head's cache: no K/V copies
+            o = F.scaled_dot_product_attention(q.reshape(B, s.kv_heads, G, D), self.k[i][:, :, :width],
+                                               self.v[i][:, :, :width], attn_mask=key_mask, scale=self.scaling)
+        return o.reshape(B, 1, s.heads * D)
+
+    def _fused_layer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     key_mask: torch.Tensor | None, width: int) -> torch.Tensor:
+        """:meth:`_layer` for one decode position ``x (B, 1, hidden)`` with the fused projections: the two
+        halves around attention (compiled on a GPU, see :func:`_compiled_layer_halves`), the cache write and
+        attention between them."""
+        w, s = self.fused[i], self.shape
+        attention_inputs, output_and_mlp = self.halves
+        q, k, v = attention_inputs(x, w["ln1"], w["eps1"], w["qkv"], w["qkv_bias"], cos, sin, s.heads, s.kv_heads)
+        self._write(i, k, v)
+        o = self._attend(i, q, key_mask, width)
+        return output_and_mlp(x, o, w["o"], w["o_bias"], w["ln2"], w["eps2"], w["gate_up"], w["gate_up_bias"],
+                              w["down"], w["down_bias"])
 
     def _step(self, width: int | None = None) -> torch.Tensor:
         """Reads ``token``, ``pos``, ``col``, ``valid``; writes the cache at ``col``; ``(B, V)`` logits.
@@ -440,36 +608,24 @@ class _Decoder:
         return self._decode(width)
 
     def _decode(self, width: int | None) -> torch.Tensor:
-        s = self.shape
-        B, G = s.rows, s.heads // s.kv_heads
-        width = width or s.width
+        width = width or self.shape.width
         cos, sin = self.cos[self.pos][:, None], self.sin[self.pos][:, None]  # (B, 1, D)
-        key_mask = self.valid[:, None, None, :width]  # (B, 1, 1, width)
-        if self.fused is not None:
-            x = self.inner.embed_tokens(self.token[:, None])
-            for i in range(len(self.layers)):
-                x = self._fused_layer(i, x, cos, sin, key_mask, width)
-            return self._head(x[:, 0])
-
-        def write(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            self.k[i].index_copy_(2, self.col, k)
-            self.v[i].index_copy_(2, self.col, v)
-
-        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
-            # the G query heads of each KV head as G query rows over that head's cache: no K/V copies
-            o = F.scaled_dot_product_attention(q.reshape(B, s.kv_heads, G, s.head_dim), self.k[i][:, :, :width],
-                                               self.v[i][:, :, :width], attn_mask=key_mask, scale=self.scaling)
-            return o.reshape(B, 1, s.heads * s.head_dim)
-
+        key_mask = None if self.flash else self.valid[:, None, None, :width]  # (B, 1, 1, width)
         x = self.inner.embed_tokens(self.token[:, None])
         for i in range(len(self.layers)):
-            x = self._layer(i, x, cos, sin, write, attend)
+            if self.fused is not None:
+                x = self._fused_layer(i, x, cos, sin, key_mask, width)
+            else:
+                x = self._layer(i, x, cos, sin, self._write, lambda i, q: self._attend(i, q, key_mask, width))
         return self._head(x[:, 0])
 
     def _advance(self) -> None:
         self.pos += 1
         self.col += 1
-        self.valid.index_fill_(1, self.col, True)
+        if self.flash:
+            self.used += 1
+        else:
+            self.valid.index_fill_(1, self.col, True)
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Feed ``token (B,)``; the next ``(B, V)`` logits (eager decode: the CPU path, and the fallback when
@@ -514,7 +670,7 @@ class _Decoder:
         buffer they touch is restored afterwards, also when capture fails, and the first real step
         rewrites that column.
         """
-        buffers = (self.token, self.pos, self.col, self.valid, *sampler.buffers())
+        buffers = (self.token, self.pos, self.col, self.valid, self.used, *sampler.buffers())
         saved = [b.clone() for b in buffers]
         try:
             stream = torch.cuda.Stream()

@@ -204,3 +204,85 @@ def test_captured_iteration_equals_the_stepwise_loop(temperature, top_k, top_p, 
     torch.testing.assert_close(lp0, lp1, atol=0, rtol=0)
     ended = (ids0 == tok.eos_token_id).any(-1)
     assert 0 < int(ended.sum()) and (s0 < R or not bool(f0.all()))  # rows ended at different steps
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_flash_layout_steps_equal_the_masked_cache(fused, micro_model, monkeypatch):
+    """The flash layout's bookkeeping (cache ``(B, W, H_kv, D)``, each row's keys from its first prompt token,
+    a count of used keys advanced in place, no mask) gives the masked whole-cache step's logits at every
+    step, with the fused projections and with the model's own modules. On a CPU its attention is the
+    reference inside ``_decode_attention`` (the same keys through SDPA); the flash kernel itself is checked on
+    a GPU by bench/gpu_engine.py (greedy tokens against HF generate, log-probs against the trainer's)."""
+    from rlhf_core.data.tokenize import encode_prompt
+    from rlhf_core.rollout import _left_pad
+    import rlhf_core.rollout_static as static
+
+    model, tok = _eos_biased(micro_model)
+    ids, mask = _left_pad([encode_prompt(tok, p) for p in PROMPTS], tok.pad_token_id)
+    assert len(set(mask.sum(-1).tolist())) > 1  # rows start at different columns
+    if not fused:
+        monkeypatch.setattr(static._Decoder, "_fuse_weights", lambda self: None)
+    decoders = {}
+    with torch.no_grad():
+        for choice in ("sdpa", "flash"):
+            monkeypatch.setattr(static, "_DECODE_ATTENTION", choice)
+            decoders[choice] = static._Decoder(model, ids, mask, max_new_tokens=20, n=2)
+        masked, flash = decoders["sdpa"], decoders["flash"]
+        assert flash.flash and not masked.flash and (flash.fused is not None) == fused
+        assert flash.k[0].shape == (masked.shape.rows, masked.shape.width, masked.shape.kv_heads, masked.shape.head_dim)
+        logits = masked.prefill()
+        torch.testing.assert_close(flash.prefill(), logits, atol=1e-5, rtol=0)
+        for _ in range(19):
+            token = logits.argmax(-1)
+            expected = masked.step(token)
+            torch.testing.assert_close(flash.step(token), expected, atol=1e-5, rtol=0)
+            logits = expected
+        assert torch.equal(flash.used, (mask.sum(-1) + 19).repeat_interleave(2).int())
+
+
+def test_compiled_layer_halves_trace_whole_and_equal_the_plain_ones(micro_model):
+    """Both halves a GPU compiles trace into one graph each (``fullgraph``: no break, so inductor sees the
+    whole chain), and the traced graphs give the plain functions' values exactly (``aot_eager``: the traced
+    aten graph run eagerly; inductor's fused kernels are checked on a GPU by bench/gpu_engine.py)."""
+    from rlhf_core.data.tokenize import encode_prompt
+    from rlhf_core.rollout import _left_pad
+    import rlhf_core.rollout_static as static
+
+    model, tok = _eos_biased(micro_model)
+    ids, mask = _left_pad([encode_prompt(tok, p) for p in PROMPTS], tok.pad_token_id)
+    traced = tuple(torch.compile(fn, backend="aot_eager", fullgraph=True)
+                   for fn in (static._attention_inputs, static._output_and_mlp))
+    runs = []
+    with torch.no_grad():
+        for halves in ((static._attention_inputs, static._output_and_mlp), traced):
+            decoder = static._Decoder(model, ids, mask, max_new_tokens=6, n=2)
+            decoder.halves = halves
+            logits = [decoder.prefill()]
+            for _ in range(5):
+                logits.append(decoder.step(logits[-1].argmax(-1)))
+            runs.append(torch.stack(logits))
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_biased_projections_decode_as_the_model(llama_chat_model, micro_tokenizer):
+    """Llama with ``attention_bias`` and ``mlp_bias``: the fused Q/K/V and gate/up GEMMs carry the biases
+    (the gate/up biases were once dropped), so greedy tokens and log-probs match HF generate."""
+    from transformers import LlamaForCausalLM
+
+    base = load_causal_lm(llama_chat_model, torch.device("cpu"))
+    cfg = base.config
+    cfg.attention_bias, cfg.mlp_bias = True, True
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    model.load_state_dict(base.state_dict(), strict=False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)
+    tok = load_tokenizer(llama_chat_model)
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=10)
+    ours = StaticCacheEngine(model, tok, batch_size=64).generate(PROMPTS, params)
+    ref = HFGenerateEngine(model, tok, batch_size=64).generate(PROMPTS, params)
+    assert all(b is not None for b in (model.model.layers[0].mlp.gate_proj.bias, model.model.layers[0].self_attn.q_proj.bias))
+    assert torch.equal(ours.response_ids, ref.response_ids)
+    torch.testing.assert_close(ours.sampling_logprobs, ref.sampling_logprobs, atol=1e-5, rtol=0)
