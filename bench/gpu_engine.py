@@ -64,21 +64,27 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    # Static engines: name -> (compile_layers, decode attention, forced SDPA backend, width bucket). The default
-    # (static_cuda_graphs) is what an RL run gets; static_before is the engine before flash decode attention and
-    # compiled layer halves (2026-11-29).
+    # Static engines: name -> the module settings it runs under (compile_layers is the engine's own argument).
+    # The default (static_cuda_graphs) is what an RL run gets; static_before is the engine before flash decode
+    # attention and compiled layer halves (2026-11-29).
     import rlhf_core.rollout_static as static
 
-    bucket = static._WIDTH_BUCKET
-    variants = {"static_cuda_graphs": (None, "auto", None, bucket),
-                "static_sdpa": (None, "sdpa", None, bucket),
-                "static_uncompiled": (False, "auto", None, bucket),
-                "static_before": (False, "sdpa", None, bucket),
-                # one graph over the whole cache width (before width buckets), SDPA
-                "static_cuda_graphs_one_width": (False, "sdpa", None, 10**9),
-                # the masked SDPA path's backend forced (torch's own choice is cuDNN on an H100)
-                **{f"static_cuda_graphs_{b.lower()}": (False, "sdpa", (b,), bucket)
-                   for b in ("EFFICIENT_ATTENTION", "MATH", "CUDNN_ATTENTION")}}
+    default = dict(compile_layers=None, _DECODE_ATTENTION="auto", _DECODE_SDPA=None,
+                   _WIDTH_BUCKET=static._WIDTH_BUCKET, _FLASH_GROUPED=True, _COMPILE_SAMPLER=True)
+    changes = {"static_cuda_graphs": {},
+               "static_sdpa": dict(_DECODE_ATTENTION="sdpa"),  # masked SDPA over the whole cache, compiled
+               "static_flash_rows": dict(_FLASH_GROUPED=False),  # one query row per cache row and query head
+               "static_sampler_uncompiled": dict(_COMPILE_SAMPLER=False),
+               "static_uncompiled": dict(compile_layers=False),
+               "static_before": dict(compile_layers=False, _DECODE_ATTENTION="sdpa"),
+               # one graph over the whole cache width (before width buckets), SDPA
+               "static_cuda_graphs_one_width": dict(compile_layers=False, _DECODE_ATTENTION="sdpa",
+                                                    _WIDTH_BUCKET=10**9),
+               # the masked SDPA path's backend forced (torch's own choice is cuDNN on an H100)
+               **{f"static_cuda_graphs_{b.lower()}": dict(compile_layers=False, _DECODE_ATTENTION="sdpa",
+                                                          _DECODE_SDPA=(b,))
+                  for b in ("EFFICIENT_ATTENTION", "MATH", "CUDNN_ATTENTION")}}
+    variants = {name: {**default, **change} for name, change in changes.items()}
     chosen = [k for k in args.engines.split(",") if k in variants or k in ("hf_generate", "static_eager")]
     if "static_cuda_graphs" not in chosen:
         chosen.append("static_cuda_graphs")
@@ -90,14 +96,15 @@ def main() -> None:
             engines[name] = StaticCacheEngine(model, tok, batch_size=rows, cuda_graphs=False)
         else:
             engines[name] = StaticCacheEngine(model, tok, batch_size=rows, cuda_graphs=True,
-                                              compile_layers=variants[name][0])
+                                              compile_layers=variants[name]["compile_layers"])
     report: dict = {"gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "rows": rows, "new_tokens": args.new_tokens, "engines": {},
                     "first_call_s": {}}
 
     def configure(name: str) -> None:
-        _, attention, backend, width_bucket = variants.get(name, (None, "auto", None, bucket))
-        static._DECODE_ATTENTION, static._DECODE_SDPA, static._WIDTH_BUCKET = attention, backend, width_bucket
+        for key, value in variants.get(name, default).items():
+            if key.startswith("_"):
+                setattr(static, key, value)
 
     times_of: dict[str, list[float]] = {k: [] for k in engines}
     lengths_of: dict[str, list[float]] = {k: [] for k in engines}
@@ -139,31 +146,37 @@ def main() -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
         return
-    # greedy agreement with HF generate, and the log-prob contract in bf16
+    # greedy agreement with HF generate, and the log-prob contract in bf16, for every engine (HF generate's own
+    # sampling log-probs against the trainer's: the bf16 baseline the others are read against)
     greedy = SamplingParams(n=1, temperature=0, max_new_tokens=64)
+    configure("hf_generate")
     a = engines["hf_generate"].generate(prompts, greedy)
-    b = engines["static_cuda_graphs"].generate(prompts, greedy)
-    width = min(a.response_ids.shape[1], b.response_ids.shape[1])
-    same_rows = (a.response_ids[:, :width] == b.response_ids[:, :width]).all(-1).float().mean().item()
-    first_diff = [(ra != rb).nonzero()[0].item() if (ra != rb).any() else width
-                  for ra, rb in zip(a.response_ids[:, :width], b.response_ids[:, :width])]
-    batch = engines["static_cuda_graphs"].generate(prompts[:16], SamplingParams(n=4, temperature=1.0,
-                                                                               max_new_tokens=128, seed=9))
-    ids, mask = batch.sequences()
-    exp = {"input_ids": ids.to(device), "attention_mask": mask.to(device),
-           "position_ids": batch.position_ids().to(device), "response_ids": batch.response_ids.to(device)}
-    with torch.no_grad():
-        lp, _ = token_logprobs(model, exp, batch.prompt_ids.shape[1], 1.0)
-    m = batch.response_mask.bool()
-    diff = (lp.float().cpu()[m] - batch.sampling_logprobs[m]).abs()
-    report["checks"] = {"greedy_rows_identical_to_hf_generate": same_rows,
-                        "greedy_first_divergence_median_token": statistics.median(first_diff),
-                        "greedy_tokens_compared": width,
-                        "sampling_logprob_vs_trainer_abs_diff_mean": round(diff.mean().item(), 5),
-                        "sampling_logprob_vs_trainer_abs_diff_max": round(diff.max().item(), 5)}
+    report["checks_by_engine"] = {}
+    for name in engines:
+        configure(name)
+        b = engines[name].generate(prompts, greedy)
+        width = min(a.response_ids.shape[1], b.response_ids.shape[1])
+        same_rows = (a.response_ids[:, :width] == b.response_ids[:, :width]).all(-1).float().mean().item()
+        first_diff = [(ra != rb).nonzero()[0].item() if (ra != rb).any() else width
+                      for ra, rb in zip(a.response_ids[:, :width], b.response_ids[:, :width])]
+        batch = engines[name].generate(prompts[:16], SamplingParams(n=4, temperature=1.0, max_new_tokens=128, seed=9))
+        ids, mask = batch.sequences()
+        exp = {"input_ids": ids.to(device), "attention_mask": mask.to(device),
+               "position_ids": batch.position_ids().to(device), "response_ids": batch.response_ids.to(device)}
+        with torch.no_grad():
+            lp, _ = token_logprobs(model, exp, batch.prompt_ids.shape[1], 1.0)
+        m = batch.response_mask.bool()
+        diff = (lp.float().cpu()[m] - batch.sampling_logprobs[m]).abs()
+        report["checks_by_engine"][name] = {
+            "greedy_rows_identical_to_hf_generate": same_rows,
+            "greedy_first_divergence_median_token": statistics.median(first_diff), "greedy_tokens_compared": width,
+            "sampling_logprob_vs_trainer_abs_diff_mean": round(diff.mean().item(), 5),
+            "sampling_logprob_vs_trainer_abs_diff_max": round(diff.max().item(), 5)}
+        print(json.dumps({name: report["checks_by_engine"][name]}), flush=True)
+    configure("static_cuda_graphs")
+    report["checks"] = report["checks_by_engine"]["static_cuda_graphs"]
     hf, graphs = report["engines"]["hf_generate"]["median_s"], report["engines"]["static_cuda_graphs"]["median_s"]
     report["speedup_static_graphs_over_hf_generate"] = round(hf / graphs, 2)
-    print(json.dumps(report["checks"]), flush=True)
     print(json.dumps({"speedup_static_graphs_over_hf_generate": report["speedup_static_graphs_over_hf_generate"]}))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

@@ -71,6 +71,11 @@ _DECODE_ATTENTION = os.environ.get("ALIGNFLOW_DECODE_ATTENTION", "auto")
 # Whether the decode step's layer pieces are compiled (torch.compile): auto (with CUDA graphs on a GPU),
 # on, off. Environment override ALIGNFLOW_DECODE_COMPILE (auto / 1 / 0), for A/Bs.
 _DECODE_COMPILE = os.environ.get("ALIGNFLOW_DECODE_COMPILE", "auto")
+# With compiled layers, whether sampling (log-softmax, filters, the inverse CDF) is compiled too; and whether the
+# flash call folds each KV head's query heads into its query rows (the kernel then reads a row's keys once per
+# KV head, not once per query head). bench/gpu_engine.py A/Bs both.
+_COMPILE_SAMPLER = True
+_FLASH_GROUPED = True
 
 
 def supports(model: Any) -> str | None:
@@ -202,7 +207,7 @@ class StaticCacheEngine(HFGenerateEngine):
                 log.warning("StaticCacheEngine: the compiled decode layers failed (%s); using the plain ones from "
                             "now on", err)
                 self.compile_layers = decoder.compiled = False
-                decoder.halves = (_attention_inputs, _output_and_mlp)
+                decoder.halves, decoder.sample = (_attention_inputs, _output_and_mlp), _sample
         try:
             decoder.capture(sampler)
         except RuntimeError as err:
@@ -236,17 +241,19 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 def _attention_inputs(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: torch.Tensor,
                       qkv_b: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-                      kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      kv_heads: int, contiguous_q: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pre-attention half of a Llama-family layer at one decode position: RMS norm, Q/K/V as one GEMM,
     rotary on the Q and K heads at once.
 
     ``x (B, 1, hidden)``, ``qkv_w ((H + 2 H_kv) D, hidden)``, ``cos``/``sin (B, 1, D)``; returns
-    ``q (B, H, 1, D)``, ``k``, ``v (B, H_kv, 1, D)``.
+    ``q (B, H, 1, D)`` (``contiguous_q``: laid out contiguously, as the flash call takes it), ``k``,
+    ``v (B, H_kv, 1, D)``.
     """
     B, D = x.shape[0], cos.shape[-1]
     qkv = F.linear(_rms_norm(x, norm_w, eps), qkv_w, qkv_b).view(B, heads + 2 * kv_heads, 1, D)
     qk, _ = _rotate(qkv[:, :heads + kv_heads], qkv[:, :0], cos, sin)
-    return qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
+    q = qk[:, :heads]
+    return q.contiguous() if contiguous_q else q, qk[:, heads:], qkv[:, heads + kv_heads:]
 
 
 def _output_and_mlp(x: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None,
@@ -281,6 +288,13 @@ def _compiled_layer_halves() -> tuple[Any, Any]:
     return (torch.compile(_attention_inputs, fullgraph=True), torch.compile(_output_and_mlp, fullgraph=True))
 
 
+@functools.cache
+def _compiled_sample() -> Any:
+    """:func:`_sample` through ``torch.compile`` (its float log-softmax, exp and running sum over ``(B, V)``
+    logits fuse into a few kernels)."""
+    return torch.compile(_sample, fullgraph=True)
+
+
 def _use_flash(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the decode step attends through torch's flash kernel (:data:`_DECODE_ATTENTION`; auto: a CUDA
     device of compute capability 8.0 or later, a bf16/fp16 cache, a head size the kernel takes)."""
@@ -302,26 +316,30 @@ def _flash_takes_used_keys() -> bool:
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
                       width: int, used: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query a row over that row's filled keys only (flash attention's variable-length form, Dao 2023).
+    """Each cache row's queries over that row's filled keys only (flash attention's variable-length form,
+    Dao 2023).
 
-    ``q (B, H, D)``; ``k``, ``v (B W, H_kv, D)``: the rows' caches laid end to end, row ``b``'s keys
-    ``k[cu_k[b] : cu_k[b] + used[b]]``; ``cu_q (B + 1,)`` = ``0 .. B``, ``cu_k (B + 1,)``, ``used (B,)``
+    ``q (B Q, H_q, D)``: ``Q`` query rows a cache row (1: one per decode position, ``H_q = H``; or the ``G``
+    query heads of each KV head folded into rows, ``H_q = H_kv``, so the kernel reads a row's keys once per KV
+    head); ``k``, ``v (B W, H_kv, D)``: the rows' caches laid end to end, row ``b``'s keys
+    ``k[cu_k[b] : cu_k[b] + used[b]]``; ``cu_q (B + 1,)`` = ``0, Q, 2Q ..``, ``cu_k (B + 1,)``, ``used (B,)``
     int32 on the device (``used`` grows in place each step, so one captured graph serves every step);
-    ``width`` = ``W``, the most keys a row has. Returns ``(B, H, D)``; query head ``h`` reads KV head
-    ``h // (H / H_kv)``. On a CPU (tests) the same keys go through SDPA with a mask.
+    ``width`` = ``W``, the most keys a row has. Returns ``(B Q, H_q, D)``; query head ``h`` reads KV head
+    ``h // (H_q / H_kv)``. On a CPU (tests) the same keys go through SDPA with a mask.
     """
+    rows, heads, D = q.shape
+    B = cu_k.shape[0] - 1
+    Q = rows // B
     if q.is_cuda:
-        return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, 1, width, 0.0, False, False,
+        return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, Q, width, 0.0, False, False,
                                                        scale=scale, seqused_k=used)[0]
-    B, H, D = q.shape
-    kv_heads = k.shape[1]
     cols = torch.arange(width, device=q.device)
     index = (cu_k[:-1, None].long() + cols).clamp(max=k.shape[0] - 1)  # (B, W)
     keys, values = k[index].transpose(1, 2), v[index].transpose(1, 2)  # (B, H_kv, W, D)
     mask = (cols < used[:, None])[:, None, None]  # (B, 1, 1, W)
-    o = F.scaled_dot_product_attention(q.view(B, kv_heads, H // kv_heads, D), keys, values, attn_mask=mask,
-                                       scale=scale)
-    return o.reshape(B, H, D)
+    o = F.scaled_dot_product_attention(q.view(B, Q, heads, D).transpose(1, 2), keys, values, attn_mask=mask,
+                                       scale=scale, enable_gqa=heads != k.shape[1])  # (B, H_q, Q, D)
+    return o.transpose(1, 2).reshape(rows, heads, D)
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
@@ -405,7 +423,7 @@ def _decode_in_graphs(decoder: "_Decoder", logits: torch.Tensor, sampler: _Sampl
     the host reads ``finished`` every few steps only. The steps run."""
     R, check_every = sampler.out_ids.shape[1], _EOS_CHECK_EVERY.get(logits.device.type, 1)
     sampler.uniforms.copy_(torch.rand(sampler.uniforms.shape, device=logits.device, generator=generator))
-    decoder.token.copy_(sampler.record(*_sample(logits, sampler.params, uniform=sampler.uniforms[0])))
+    decoder.token.copy_(sampler.record(*decoder.sample(logits, sampler.params, uniform=sampler.uniforms[0])))
     for t in range(1, R):
         if t % check_every == 0 and bool(sampler.finished.all()):
             return t
@@ -457,15 +475,29 @@ class _Decoder:
         self.col = torch.tensor([P - 1], dtype=torch.long, device=device)
         # flash: row b's keys start at its first prompt token (left padding) and run ``used[b]`` columns
         start = P - row_mask.sum(-1)
-        self.cu_q = torch.arange(B + 1, dtype=torch.int32, device=device)
+        # flash, grouped (_FLASH_GROUPED): KV head j's G query heads are G query rows; the fused weights then put
+        # Q's heads (and o_proj's columns) in (g, j) order, so the projection writes those rows directly
+        self.grouped = self.flash and _FLASH_GROUPED and heads > kv_heads
+        self.cu_q = torch.arange(B + 1, dtype=torch.int32, device=device) * (heads // kv_heads if self.grouped else 1)
         self.cu_k = torch.cat([torch.arange(B, device=device) * W + start,
                                torch.tensor([B * W], device=device)]).to(torch.int32)
         self.used = (P - start).to(torch.int32)
         self.decode_steps, self.step_index = max_new_tokens, 0
         self.graphs: list[tuple[int, Any]] = []  # (cache width, CUDA graph of a whole iteration)
         self.fused = self._fuse_weights()
+        self.heads_regrouped = self.grouped and self.fused is not None
         self.compiled = compiled and self.fused is not None
         self.halves = _compiled_layer_halves() if self.compiled else (_attention_inputs, _output_and_mlp)
+        self.sample = _compiled_sample() if self.compiled and _COMPILE_SAMPLER else _sample
+
+    def _grouped_q(self, w: torch.Tensor) -> torch.Tensor:
+        """Q projection rows ``(H D, ..)`` from head order ``h = j G + g`` to ``(g, j)`` order (grouped flash
+        layout); unchanged otherwise."""
+        if not self.grouped:
+            return w
+        s = self.shape
+        G = s.heads // s.kv_heads
+        return w.reshape(s.kv_heads, G, s.head_dim, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
 
     def _fuse_weights(self) -> list[dict[str, Any]] | None:
         """Per layer, Q/K/V and gate/up projections concatenated into one matrix each (decode only).
@@ -491,8 +523,11 @@ class _Decoder:
             ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
             fused.append({  # the model's own tensors, except the two concatenations
                 "ln1": ln1.weight, "eps1": ln1.variance_epsilon, "ln2": ln2.weight, "eps2": ln2.variance_epsilon,
-                "qkv": torch.cat([p.weight for p in projections]), "qkv_bias": qkv_bias,
-                "o": attn.o_proj.weight, "o_bias": attn.o_proj.bias,
+                "qkv": torch.cat([self._grouped_q(attn.q_proj.weight), attn.k_proj.weight, attn.v_proj.weight]),
+                "qkv_bias": None if qkv_bias is None else torch.cat([self._grouped_q(attn.q_proj.bias),
+                                                                     attn.k_proj.bias, attn.v_proj.bias]),
+                "o": self._grouped_q(attn.o_proj.weight.T).T.contiguous() if self.grouped else attn.o_proj.weight,
+                "o_bias": attn.o_proj.bias,
                 "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), "gate_up_bias": gate_up_bias,
                 "down": mlp.down_proj.weight, "down_bias": mlp.down_proj.bias,
             })
@@ -573,9 +608,14 @@ class _Decoder:
         s = self.shape
         B, G, D = s.rows, s.heads // s.kv_heads, s.head_dim
         if self.flash:
-            o = _decode_attention(q.reshape(B, s.heads, D), self.k[i].view(-1, s.kv_heads, D),
-                                  self.v[i].view(-1, s.kv_heads, D), self.cu_q, self.cu_k, s.width, self.used,
-                                  self.scaling)
+            regroup = self.grouped and not self.heads_regrouped  # the model's own q_proj: heads in (j, g) order
+            if regroup:
+                q = q.reshape(B, s.kv_heads, G, D).transpose(1, 2)
+            rows = q.reshape(B * G, s.kv_heads, D) if self.grouped else q.reshape(B, s.heads, D)
+            o = _decode_attention(rows, self.k[i].view(-1, s.kv_heads, D), self.v[i].view(-1, s.kv_heads, D),
+                                  self.cu_q, self.cu_k, s.width, self.used, self.scaling)
+            if regroup:
+                o = o.view(B, G, s.kv_heads, D).transpose(1, 2)
         else:  # the G query heads of each KV head as G query rows over that head's cache: no K/V copies
             o = F.scaled_dot_product_attention(q.reshape(B, s.kv_heads, G, D), self.k[i][:, :, :width],
                                                self.v[i][:, :, :width], attn_mask=key_mask, scale=self.scaling)
@@ -588,7 +628,8 @@ class _Decoder:
         attention between them."""
         w, s = self.fused[i], self.shape
         attention_inputs, output_and_mlp = self.halves
-        q, k, v = attention_inputs(x, w["ln1"], w["eps1"], w["qkv"], w["qkv_bias"], cos, sin, s.heads, s.kv_heads)
+        q, k, v = attention_inputs(x, w["ln1"], w["eps1"], w["qkv"], w["qkv_bias"], cos, sin, s.heads, s.kv_heads,
+                                   self.flash)
         self._write(i, k, v)
         o = self._attend(i, q, key_mask, width)
         return output_and_mlp(x, o, w["o"], w["o_bias"], w["ln2"], w["eps2"], w["gate_up"], w["gate_up_bias"],
@@ -641,7 +682,7 @@ class _Decoder:
         self._advance()
         logits = self._step(width)
         uniform = sampler.uniforms.index_select(0, sampler.t)[0]  # (B, 1): column t's draws
-        self.token.copy_(sampler.record(*_sample(logits, sampler.params, uniform=uniform)))
+        self.token.copy_(sampler.record(*self.sample(logits, sampler.params, uniform=uniform)))
 
     def replay(self) -> None:
         """Replay the captured iteration for the next column. ``self.step_index`` counts steps on the host

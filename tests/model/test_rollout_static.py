@@ -206,11 +206,12 @@ def test_captured_iteration_equals_the_stepwise_loop(temperature, top_k, top_p, 
     assert 0 < int(ended.sum()) and (s0 < R or not bool(f0.all()))  # rows ended at different steps
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_flash_layout_steps_equal_the_masked_cache(fused, micro_model, monkeypatch):
+@pytest.mark.parametrize("fused,grouped", [(True, True), (True, False), (False, True)])
+def test_flash_layout_steps_equal_the_masked_cache(fused, grouped, micro_model, monkeypatch):
     """The flash layout's bookkeeping (cache ``(B, W, H_kv, D)``, each row's keys from its first prompt token,
-    a count of used keys advanced in place, no mask) gives the masked whole-cache step's logits at every
-    step, with the fused projections and with the model's own modules. On a CPU its attention is the
+    a count of used keys advanced in place, no mask; grouped: each KV head's query heads folded into query
+    rows, with Q's heads and o_proj's columns reordered in the fused weights, or regrouped around the call
+    with the model's own modules) gives the masked whole-cache step's logits at every step. On a CPU its attention is the
     reference inside ``_decode_attention`` (the same keys through SDPA); the flash kernel itself is checked on
     a GPU by bench/gpu_engine.py (greedy tokens against HF generate, log-probs against the trainer's)."""
     from rlhf_core.data.tokenize import encode_prompt
@@ -222,6 +223,7 @@ def test_flash_layout_steps_equal_the_masked_cache(fused, micro_model, monkeypat
     assert len(set(mask.sum(-1).tolist())) > 1  # rows start at different columns
     if not fused:
         monkeypatch.setattr(static._Decoder, "_fuse_weights", lambda self: None)
+    monkeypatch.setattr(static, "_FLASH_GROUPED", grouped)
     decoders = {}
     with torch.no_grad():
         for choice in ("sdpa", "flash"):
@@ -229,6 +231,8 @@ def test_flash_layout_steps_equal_the_masked_cache(fused, micro_model, monkeypat
             decoders[choice] = static._Decoder(model, ids, mask, max_new_tokens=20, n=2)
         masked, flash = decoders["sdpa"], decoders["flash"]
         assert flash.flash and not masked.flash and (flash.fused is not None) == fused
+        assert flash.grouped == grouped and flash.heads_regrouped == (grouped and fused)
+        assert masked.shape.heads > masked.shape.kv_heads  # the micro model has grouped-query attention
         assert flash.k[0].shape == (masked.shape.rows, masked.shape.width, masked.shape.kv_heads, masked.shape.head_dim)
         logits = masked.prefill()
         torch.testing.assert_close(flash.prefill(), logits, atol=1e-5, rtol=0)
@@ -240,7 +244,8 @@ def test_flash_layout_steps_equal_the_masked_cache(fused, micro_model, monkeypat
         assert torch.equal(flash.used, (mask.sum(-1) + 19).repeat_interleave(2).int())
 
 
-def test_compiled_layer_halves_trace_whole_and_equal_the_plain_ones(micro_model):
+@pytest.mark.parametrize("attention", ["sdpa", "flash"])
+def test_compiled_layer_halves_trace_whole_and_equal_the_plain_ones(attention, micro_model, monkeypatch):
     """Both halves a GPU compiles trace into one graph each (``fullgraph``: no break, so inductor sees the
     whole chain), and the traced graphs give the plain functions' values exactly (``aot_eager``: the traced
     aten graph run eagerly; inductor's fused kernels are checked on a GPU by bench/gpu_engine.py)."""
@@ -248,6 +253,7 @@ def test_compiled_layer_halves_trace_whole_and_equal_the_plain_ones(micro_model)
     from rlhf_core.rollout import _left_pad
     import rlhf_core.rollout_static as static
 
+    monkeypatch.setattr(static, "_DECODE_ATTENTION", attention)
     model, tok = _eos_biased(micro_model)
     ids, mask = _left_pad([encode_prompt(tok, p) for p in PROMPTS], tok.pad_token_id)
     traced = tuple(torch.compile(fn, backend="aot_eager", fullgraph=True)
@@ -286,3 +292,18 @@ def test_biased_projections_decode_as_the_model(llama_chat_model, micro_tokenize
     assert all(b is not None for b in (model.model.layers[0].mlp.gate_proj.bias, model.model.layers[0].self_attn.q_proj.bias))
     assert torch.equal(ours.response_ids, ref.response_ids)
     torch.testing.assert_close(ours.sampling_logprobs, ref.sampling_logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9), (0, 0, 1.0)])
+def test_compiled_sampler_traces_whole_and_equals_the_plain_one(temperature, top_k, top_p):
+    """Sampling as a GPU compiles it (``fullgraph``; ``aot_eager`` here) draws the plain function's tokens and
+    log-probs from the same logits and uniforms."""
+    from rlhf_core.rollout_static import _sample
+
+    torch.manual_seed(0)
+    logits, uniform = torch.randn(12, 50) * 3, torch.rand(12, 1)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    traced = torch.compile(_sample, backend="aot_eager", fullgraph=True)
+    token, logp = _sample(logits, params, uniform=uniform)
+    token_c, logp_c = traced(logits, params, uniform=uniform)
+    assert torch.equal(token, token_c) and torch.equal(logp, logp_c)
