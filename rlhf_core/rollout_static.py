@@ -290,9 +290,10 @@ def _compiled_layer_halves() -> tuple[Any, Any]:
 
 @functools.cache
 def _compiled_sample() -> Any:
-    """:func:`_sample` through ``torch.compile`` (its float log-softmax, exp and running sum over ``(B, V)``
-    logits fuse into a few kernels)."""
-    return torch.compile(_sample, fullgraph=True)
+    """:func:`_sample` with :func:`_sampling_weights` through ``torch.compile``: the float cast, log-softmax,
+    top-k mask and exponential over ``(B, V)`` logits fuse into one kernel; the running sum, the search
+    and the gather stay torch's (see :func:`_sample` on why the scan is not compiled)."""
+    return functools.partial(_sample, weights_fn=torch.compile(_sampling_weights, fullgraph=True))
 
 
 def _use_flash(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -342,19 +343,11 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
     return o.transpose(1, 2).reshape(rows, heads, D)
 
 
-def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
-            uniform: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ``(rows,)`` and its ``log_softmax(logits / T)`` ``(rows,)`` from ``(rows, V)`` logits.
-
-    ``uniform`` ``(rows, 1)``: the rows' U(0, 1) draws, given (a captured graph cannot draw from a
-    generator it does not own); else drawn from ``generator``.
-    """
-    logits = logits.float()
-    if params.greedy:
-        logp = torch.log_softmax(logits, dim=-1)
-        token = logits.argmax(-1)
-        return token, logp.gather(-1, token[:, None]).squeeze(-1)
-    logp = torch.log_softmax(logits / params.temperature, dim=-1)
+def _sampling_weights(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log_softmax(logits / T)`` ``(rows, V)`` and the unnormalised probabilities ``exp(s - max s)``
+    ``(rows, V)`` of the top-k / top-p filtered scores ``s``, whose running sum is the sampling CDF
+    (temperature > 0)."""
+    logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
     scores = logp
     if params.top_k:  # keep the k largest (ties at the k-th kept, as HF's TopKLogitsWarper)
         kth = torch.topk(scores, min(params.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
@@ -365,10 +358,29 @@ def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Gener
         drop_sorted = cum <= 1 - params.top_p
         drop_sorted[:, -1] = False
         scores = scores.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
+    return logp, (scores - scores.amax(-1, keepdim=True)).exp_()
+
+
+def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+            uniform: torch.Tensor | None = None, weights_fn: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ``(rows,)`` and its ``log_softmax(logits / T)`` ``(rows,)`` from ``(rows, V)`` logits.
+
+    ``uniform`` ``(rows, 1)``: the rows' U(0, 1) draws, given (a captured graph cannot draw from a
+    generator it does not own); else drawn from ``generator``. ``weights_fn``: :func:`_sampling_weights`
+    compiled (:func:`_compiled_sample`), used without top-p (its running sum is a scan, which inductor of
+    torch 2.11 failed to generate for a few rows: ``SplitScan`` codegen, bench/results/gpu_engine_h200_decode_ab.log).
+    """
+    if params.greedy:
+        logits = logits.float()
+        logp = torch.log_softmax(logits, dim=-1)
+        token = logits.argmax(-1)
+        return token, logp.gather(-1, token[:, None]).squeeze(-1)
+    weigh = weights_fn if weights_fn is not None and params.top_p == 1.0 else _sampling_weights
+    logp, weights = weigh(logits, params)
     # Inverse-CDF sampling: one uniform per row, u * total mass located in the running sum of
     # softmax(s). Exact like Gumbel-max, but draws B numbers instead of B x V (profiled on an H100 at
     # B = 512, V = 32k: the per-element noise cost as much as a third of the decode step).
-    cdf = (scores - scores.amax(-1, keepdim=True)).exp_().cumsum_(-1)
+    cdf = weights.cumsum_(-1)
     if uniform is None:
         uniform = torch.rand((cdf.shape[0], 1), device=cdf.device, generator=generator)
     u = uniform * cdf[:, -1:]

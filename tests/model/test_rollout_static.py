@@ -294,16 +294,19 @@ def test_biased_projections_decode_as_the_model(llama_chat_model, micro_tokenize
     torch.testing.assert_close(ours.sampling_logprobs, ref.sampling_logprobs, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9), (0, 0, 1.0)])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 5, 1.0), (0.7, 5, 0.9), (0, 0, 1.0)])
 def test_compiled_sampler_traces_whole_and_equals_the_plain_one(temperature, top_k, top_p):
-    """Sampling as a GPU compiles it (``fullgraph``; ``aot_eager`` here) draws the plain function's tokens and
-    log-probs from the same logits and uniforms."""
-    from rlhf_core.rollout_static import _sample
+    """Sampling as a GPU compiles it (its weights ``fullgraph``; ``aot_eager`` here) draws the plain function's
+    tokens and log-probs from the same logits and uniforms (top-p takes the plain weights)."""
+    import functools
+
+    from rlhf_core.rollout_static import _sample, _sampling_weights
 
     torch.manual_seed(0)
     logits, uniform = torch.randn(12, 50) * 3, torch.rand(12, 1)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    traced = torch.compile(_sample, backend="aot_eager", fullgraph=True)
+    traced = functools.partial(_sample, weights_fn=torch.compile(_sampling_weights, backend="aot_eager",
+                                                                 fullgraph=True))
     token, logp = _sample(logits, params, uniform=uniform)
     token_c, logp_c = traced(logits, params, uniform=uniform)
     assert torch.equal(token, token_c) and torch.equal(logp, logp_c)
