@@ -277,6 +277,13 @@ def _cat_biases(linears: Sequence[Any]) -> torch.Tensor | None:
     return torch.cat(biases)
 
 
+# Inductor compiles these few kernels in this process: its default pool of compile workers (one per core) is
+# started at the first compile and, each worker importing torch, held every core busy through the next steps
+# (H200: a 0.5B GRPO step's log-prob and update phases 2x slower for two steps after the compile,
+# bench/results/ab_h200_0p5b_grpo_decode2_*.json), while the compile itself needs only seconds.
+_INDUCTOR_OPTIONS = {"compile_threads": 1}
+
+
 @functools.cache
 def _compiled_layer_halves() -> tuple[Any, Any]:
     """:func:`_attention_inputs` and :func:`_output_and_mlp` through ``torch.compile`` (inductor), built once
@@ -285,7 +292,8 @@ def _compiled_layer_halves() -> tuple[Any, Any]:
     elementwise ops around GEMMs (profiled on an H100: ~120 elementwise kernels of a decode iteration's ~4.8
     ms, bench/results/gpu_profile_decode_h100.json) that inductor fuses; the attention in between stays a
     kernel call of its own, outside the compiled graphs, and every cache write with it."""
-    return (torch.compile(_attention_inputs, fullgraph=True), torch.compile(_output_and_mlp, fullgraph=True))
+    return (torch.compile(_attention_inputs, fullgraph=True, options=_INDUCTOR_OPTIONS),
+            torch.compile(_output_and_mlp, fullgraph=True, options=_INDUCTOR_OPTIONS))
 
 
 @functools.cache
@@ -293,7 +301,8 @@ def _compiled_sample() -> Any:
     """:func:`_sample` with :func:`_sampling_weights` through ``torch.compile``: the float cast, log-softmax,
     top-k mask and exponential over ``(B, V)`` logits fuse into one kernel; the running sum, the search
     and the gather stay torch's (see :func:`_sample` on why the scan is not compiled)."""
-    return functools.partial(_sample, weights_fn=torch.compile(_sampling_weights, fullgraph=True))
+    return functools.partial(_sample, weights_fn=torch.compile(_sampling_weights, fullgraph=True,
+                                                               options=_INDUCTOR_OPTIONS))
 
 
 def _use_flash(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
