@@ -71,7 +71,7 @@ _DECODE_ATTENTION = os.environ.get("ALIGNFLOW_DECODE_ATTENTION", "auto")
 # Whether the decode step's layer pieces are compiled (torch.compile): auto (with CUDA graphs on a GPU),
 # on, off. Environment override ALIGNFLOW_DECODE_COMPILE (auto / 1 / 0), for A/Bs.
 _DECODE_COMPILE = os.environ.get("ALIGNFLOW_DECODE_COMPILE", "auto")
-# With compiled layers, whether sampling (log-softmax, filters, the inverse CDF) is compiled too; and whether the
+# With compiled layers, whether sampling's weights (log-softmax, filters, exponential) are compiled too; and whether the
 # flash call folds each KV head's query heads into its query rows (the kernel then reads a row's keys once per
 # KV head, not once per query head). bench/gpu_engine.py A/Bs both.
 _COMPILE_SAMPLER = True
