@@ -28,6 +28,119 @@ import torch  # noqa: E402
 import rlhf_core  # noqa: E402,F401  (offline switches)
 
 
+import rlhf_core.rollout_static as static  # noqa: E402
+from rlhf_core.rollout import HFGenerateEngine, SamplingParams  # noqa: E402
+from rlhf_core.rollout_static import StaticCacheEngine  # noqa: E402
+
+# Static engines: name -> the settings it runs under (compile_layers is the engine's own argument, the rest
+# rollout_static's module switches). static_cuda_graphs is what an RL run gets; static_before is the engine before
+# flash decode attention and compiled layer halves (2026-11-29).
+DEFAULT = dict(compile_layers=None, _DECODE_ATTENTION="auto", _DECODE_SDPA=None, _WIDTH_BUCKET=static._WIDTH_BUCKET,
+               _FLASH_GROUPED=True, _COMPILE_SAMPLER=True)
+VARIANTS = {name: {**DEFAULT, **change} for name, change in {
+    "static_cuda_graphs": {},
+    "static_sdpa": dict(_DECODE_ATTENTION="sdpa"),  # masked SDPA over the whole cache, compiled
+    "static_flash_rows": dict(_FLASH_GROUPED=False),  # one query row per cache row and query head
+    "static_sampler_uncompiled": dict(_COMPILE_SAMPLER=False),
+    "static_uncompiled": dict(compile_layers=False),
+    "static_before": dict(compile_layers=False, _DECODE_ATTENTION="sdpa"),
+    # one graph over the whole cache width (before width buckets), SDPA
+    "static_cuda_graphs_one_width": dict(compile_layers=False, _DECODE_ATTENTION="sdpa", _WIDTH_BUCKET=10**9),
+    # the masked SDPA path's backend forced (torch's own choice is cuDNN on an H100)
+    **{f"static_cuda_graphs_{b.lower()}": dict(compile_layers=False, _DECODE_ATTENTION="sdpa", _DECODE_SDPA=(b,))
+       for b in ("EFFICIENT_ATTENTION", "MATH", "CUDNN_ATTENTION")}}.items()}
+
+
+def configure(name: str) -> None:
+    """Set rollout_static's switches to engine ``name``'s."""
+    for key, value in VARIANTS.get(name, DEFAULT).items():
+        if key.startswith("_"):
+            setattr(static, key, value)
+
+
+def build_engines(names: list[str], model, tok, rows: int) -> dict:
+    """The engines named (always static_cuda_graphs), in the order given."""
+    chosen = [k for k in names if k in VARIANTS or k in ("hf_generate", "static_eager")]
+    if "static_cuda_graphs" not in chosen:
+        chosen.append("static_cuda_graphs")
+    engines = {}
+    for name in chosen:
+        if name == "hf_generate":
+            engines[name] = HFGenerateEngine(model, tok, batch_size=rows)
+        elif name == "static_eager":
+            engines[name] = StaticCacheEngine(model, tok, batch_size=rows, cuda_graphs=False)
+        else:
+            engines[name] = StaticCacheEngine(model, tok, batch_size=rows, cuda_graphs=True,
+                                              compile_layers=VARIANTS[name]["compile_layers"])
+    return engines
+
+
+def time_engines(engines: dict, prompts: list[str], args, sync, report: dict) -> None:
+    """A warm-up call each (the compiled pieces compile there), then ``args.reps`` timed calls each, engines
+    interleaved and the order reversed every other rep (ABBA); figures into ``report``."""
+    rows = len(prompts) * args.group
+    times_of: dict[str, list[float]] = {k: [] for k in engines}
+    lengths_of: dict[str, list[float]] = {k: [] for k in engines}
+    for name, engine in engines.items():
+        configure(name)
+        sync()
+        t = time.perf_counter()
+        engine.generate(prompts[:8], SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=0))
+        sync()
+        report["first_call_s"][name] = round(time.perf_counter() - t, 2)
+    for rep in range(args.reps):
+        for name in (list(engines) if rep % 2 == 0 else list(engines)[::-1]):
+            configure(name)
+            sync()
+            t = time.perf_counter()
+            batch = engines[name].generate(prompts, SamplingParams(n=args.group, temperature=1.0,
+                                                                   max_new_tokens=args.new_tokens, seed=rep))
+            sync()
+            times_of[name].append(time.perf_counter() - t)
+            lengths_of[name].append(float(batch.response_lengths().float().mean()))
+            steps = batch.response_ids.shape[1]
+    for name in engines:
+        med = statistics.median(times_of[name])
+        report["engines"][name] = {"seconds": [round(x, 3) for x in times_of[name]], "median_s": round(med, 3),
+                                   "ms_per_decode_step": round(1000 * med / steps, 3),
+                                   "generated_tokens_per_s": round(rows * statistics.median(lengths_of[name]) / med, 1),
+                                   "mean_response_len": statistics.median(lengths_of[name])}
+        print(json.dumps({name: report["engines"][name]}), flush=True)
+
+
+def check_numerics(engines: dict, model, prompts: list[str], device) -> dict:
+    """Per engine: greedy tokens against HF generate's, and sampling log-probs against the trainer's
+    recomputation (bf16; HF generate's own log-probs are the baseline the others are read against)."""
+    from rlhf_core.trainers.rl_roles import token_logprobs
+
+    greedy = SamplingParams(n=1, temperature=0, max_new_tokens=64)
+    configure("hf_generate")
+    a = engines["hf_generate"].generate(prompts, greedy)
+    checks = {}
+    for name in engines:
+        configure(name)
+        b = engines[name].generate(prompts, greedy)
+        width = min(a.response_ids.shape[1], b.response_ids.shape[1])
+        same_rows = (a.response_ids[:, :width] == b.response_ids[:, :width]).all(-1).float().mean().item()
+        first_diff = [(ra != rb).nonzero()[0].item() if (ra != rb).any() else width
+                      for ra, rb in zip(a.response_ids[:, :width], b.response_ids[:, :width])]
+        batch = engines[name].generate(prompts[:16], SamplingParams(n=4, temperature=1.0, max_new_tokens=128, seed=9))
+        ids, mask = batch.sequences()
+        exp = {"input_ids": ids.to(device), "attention_mask": mask.to(device),
+               "position_ids": batch.position_ids().to(device), "response_ids": batch.response_ids.to(device)}
+        with torch.no_grad():
+            lp, _ = token_logprobs(model, exp, batch.prompt_ids.shape[1], 1.0)
+        m = batch.response_mask.bool()
+        diff = (lp.float().cpu()[m] - batch.sampling_logprobs[m]).abs()
+        checks[name] = {
+            "greedy_rows_identical_to_hf_generate": same_rows,
+            "greedy_first_divergence_median_token": statistics.median(first_diff), "greedy_tokens_compared": width,
+            "sampling_logprob_vs_trainer_abs_diff_mean": round(diff.mean().item(), 5),
+            "sampling_logprob_vs_trainer_abs_diff_max": round(diff.max().item(), 5)}
+        print(json.dumps({name: checks[name]}), flush=True)
+    return checks
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=64)
@@ -47,9 +160,6 @@ def main() -> None:
     from side_by_side import SMALL_SHAPE as SMALL
 
     from rlhf_core.models import load_causal_lm, load_tokenizer
-    from rlhf_core.rollout import HFGenerateEngine, SamplingParams
-    from rlhf_core.rollout_static import StaticCacheEngine
-    from rlhf_core.trainers.rl_roles import token_logprobs
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     work = Path(tempfile.mkdtemp(prefix="gpu-engine-"))
@@ -58,126 +168,30 @@ def main() -> None:
     model = load_causal_lm(model_dir, device).to(dtype).eval()
     tok = load_tokenizer(model_dir, padding_side="left")
     prompts = [f"Question {i}: compute {i}*{i + 3} and explain" for i in range(args.prompts)]
-    rows = args.prompts * args.group
 
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    # Static engines: name -> the module settings it runs under (compile_layers is the engine's own argument).
-    # The default (static_cuda_graphs) is what an RL run gets; static_before is the engine before flash decode
-    # attention and compiled layer halves (2026-11-29).
-    import rlhf_core.rollout_static as static
-
-    default = dict(compile_layers=None, _DECODE_ATTENTION="auto", _DECODE_SDPA=None,
-                   _WIDTH_BUCKET=static._WIDTH_BUCKET, _FLASH_GROUPED=True, _COMPILE_SAMPLER=True)
-    changes = {"static_cuda_graphs": {},
-               "static_sdpa": dict(_DECODE_ATTENTION="sdpa"),  # masked SDPA over the whole cache, compiled
-               "static_flash_rows": dict(_FLASH_GROUPED=False),  # one query row per cache row and query head
-               "static_sampler_uncompiled": dict(_COMPILE_SAMPLER=False),
-               "static_uncompiled": dict(compile_layers=False),
-               "static_before": dict(compile_layers=False, _DECODE_ATTENTION="sdpa"),
-               # one graph over the whole cache width (before width buckets), SDPA
-               "static_cuda_graphs_one_width": dict(compile_layers=False, _DECODE_ATTENTION="sdpa",
-                                                    _WIDTH_BUCKET=10**9),
-               # the masked SDPA path's backend forced (torch's own choice is cuDNN on an H100)
-               **{f"static_cuda_graphs_{b.lower()}": dict(compile_layers=False, _DECODE_ATTENTION="sdpa",
-                                                          _DECODE_SDPA=(b,))
-                  for b in ("EFFICIENT_ATTENTION", "MATH", "CUDNN_ATTENTION")}}
-    variants = {name: {**default, **change} for name, change in changes.items()}
-    chosen = [k for k in args.engines.split(",") if k in variants or k in ("hf_generate", "static_eager")]
-    if "static_cuda_graphs" not in chosen:
-        chosen.append("static_cuda_graphs")
-    engines = {}
-    for name in chosen:
-        if name == "hf_generate":
-            engines[name] = HFGenerateEngine(model, tok, batch_size=rows)
-        elif name == "static_eager":
-            engines[name] = StaticCacheEngine(model, tok, batch_size=rows, cuda_graphs=False)
-        else:
-            engines[name] = StaticCacheEngine(model, tok, batch_size=rows, cuda_graphs=True,
-                                              compile_layers=variants[name]["compile_layers"])
+    engines = build_engines(args.engines.split(","), model, tok, args.prompts * args.group)
     report: dict = {"gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-                    "torch": torch.__version__, "rows": rows, "new_tokens": args.new_tokens, "engines": {},
-                    "first_call_s": {}}
-
-    def configure(name: str) -> None:
-        for key, value in variants.get(name, default).items():
-            if key.startswith("_"):
-                setattr(static, key, value)
-
-    times_of: dict[str, list[float]] = {k: [] for k in engines}
-    lengths_of: dict[str, list[float]] = {k: [] for k in engines}
-    for name, engine in engines.items():  # warm-up (the compiled halves compile in the first call)
-        configure(name)
-        sync()
-        t = time.perf_counter()
-        engine.generate(prompts[:8], SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=0))
-        sync()
-        report["first_call_s"][name] = round(time.perf_counter() - t, 2)
-    for rep in range(args.reps):  # engines interleaved, order reversed every other rep (ABBA)
-        for name in (list(engines) if rep % 2 == 0 else list(engines)[::-1]):
-            configure(name)
-            sync()
-            t = time.perf_counter()
-            batch = engines[name].generate(prompts, SamplingParams(n=args.group, temperature=1.0,
-                                                                   max_new_tokens=args.new_tokens, seed=rep))
-            sync()
-            times_of[name].append(time.perf_counter() - t)
-            lengths_of[name].append(float(batch.response_lengths().float().mean()))
-            steps_of = batch.response_ids.shape[1]
+                    "torch": torch.__version__, "rows": args.prompts * args.group, "new_tokens": args.new_tokens,
+                    "engines": {}, "first_call_s": {}}
+    time_engines(engines, prompts, args, sync, report)
     configure("static_cuda_graphs")
     report["compiled_layers"] = engines["static_cuda_graphs"].compile_layers and device.type == "cuda"
     report["flash_decode_attention"] = static._use_flash(device, dtype, model.config.hidden_size
                                                          // model.config.num_attention_heads)
-    for name in engines:
-        times, lengths, steps = times_of[name], lengths_of[name], steps_of
-        med = statistics.median(times)
-        report["engines"][name] = {"seconds": [round(x, 3) for x in times], "median_s": round(med, 3),
-                                   "ms_per_decode_step": round(1000 * med / steps, 3),
-                                   "generated_tokens_per_s": round(rows * statistics.median(lengths) / med, 1),
-                                   "mean_response_len": statistics.median(lengths)}
-        print(json.dumps({name: report["engines"][name]}), flush=True)
-
     if "static_cuda_graphs_one_width" in engines:
         one, buckets = (report["engines"][k]["median_s"] for k in ("static_cuda_graphs_one_width", "static_cuda_graphs"))
         report["speedup_width_buckets_over_one_width"] = round(one / buckets, 3)
-    if "hf_generate" not in engines:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-        return
-    # greedy agreement with HF generate, and the log-prob contract in bf16, for every engine (HF generate's own
-    # sampling log-probs against the trainer's: the bf16 baseline the others are read against)
-    greedy = SamplingParams(n=1, temperature=0, max_new_tokens=64)
-    configure("hf_generate")
-    a = engines["hf_generate"].generate(prompts, greedy)
-    report["checks_by_engine"] = {}
-    for name in engines:
-        configure(name)
-        b = engines[name].generate(prompts, greedy)
-        width = min(a.response_ids.shape[1], b.response_ids.shape[1])
-        same_rows = (a.response_ids[:, :width] == b.response_ids[:, :width]).all(-1).float().mean().item()
-        first_diff = [(ra != rb).nonzero()[0].item() if (ra != rb).any() else width
-                      for ra, rb in zip(a.response_ids[:, :width], b.response_ids[:, :width])]
-        batch = engines[name].generate(prompts[:16], SamplingParams(n=4, temperature=1.0, max_new_tokens=128, seed=9))
-        ids, mask = batch.sequences()
-        exp = {"input_ids": ids.to(device), "attention_mask": mask.to(device),
-               "position_ids": batch.position_ids().to(device), "response_ids": batch.response_ids.to(device)}
-        with torch.no_grad():
-            lp, _ = token_logprobs(model, exp, batch.prompt_ids.shape[1], 1.0)
-        m = batch.response_mask.bool()
-        diff = (lp.float().cpu()[m] - batch.sampling_logprobs[m]).abs()
-        report["checks_by_engine"][name] = {
-            "greedy_rows_identical_to_hf_generate": same_rows,
-            "greedy_first_divergence_median_token": statistics.median(first_diff), "greedy_tokens_compared": width,
-            "sampling_logprob_vs_trainer_abs_diff_mean": round(diff.mean().item(), 5),
-            "sampling_logprob_vs_trainer_abs_diff_max": round(diff.max().item(), 5)}
-        print(json.dumps({name: report["checks_by_engine"][name]}), flush=True)
-    configure("static_cuda_graphs")
-    report["checks"] = report["checks_by_engine"]["static_cuda_graphs"]
-    hf, graphs = report["engines"]["hf_generate"]["median_s"], report["engines"]["static_cuda_graphs"]["median_s"]
-    report["speedup_static_graphs_over_hf_generate"] = round(hf / graphs, 2)
-    print(json.dumps({"speedup_static_graphs_over_hf_generate": report["speedup_static_graphs_over_hf_generate"]}))
+    if "hf_generate" in engines:
+        report["checks_by_engine"] = check_numerics(engines, model, prompts, device)
+        configure("static_cuda_graphs")
+        report["checks"] = report["checks_by_engine"]["static_cuda_graphs"]
+        hf, graphs = (report["engines"][k]["median_s"] for k in ("hf_generate", "static_cuda_graphs"))
+        report["speedup_static_graphs_over_hf_generate"] = round(hf / graphs, 2)
+        print(json.dumps({"speedup_static_graphs_over_hf_generate": report["speedup_static_graphs_over_hf_generate"]}))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 

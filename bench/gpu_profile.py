@@ -43,39 +43,23 @@ def timed(fn, reps: int = 5) -> float:
     return (time.perf_counter() - t) / reps
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, default=512)
-    ap.add_argument("--micro", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--out", default="bench/out/gpu_profile.json")
-    ap.add_argument("--decode-only", action="store_true", help="profile the decode iteration only")
-    args = ap.parse_args()
-    from gpu_grpo import build_model, build_tokenizer
+P = 20  # prompt tokens of the profiled rows
 
-    from rlhf_core.models import load_causal_lm, prepare_for_training
-    from rlhf_core.parallel import train_mode
-    from rlhf_core.rollout_static import _Decoder
-    from rlhf_core.trainers.rl_roles import token_logprobs
+
+def profile_decode(model_dir: Path, args, report: dict) -> None:
+    """One captured decode iteration of the static engine (decode + sample + record), before (masked SDPA over
+    the whole cache, plain layer halves; keys prefixed ``before_``) and as the engine runs now on a GPU (flash
+    over each row's filled keys, compiled halves; no prefix): capture time, replay and eager times, top kernels."""
+    import rlhf_core.rollout_static as static
+    from rlhf_core.models import load_causal_lm
+    from rlhf_core.rollout import SamplingParams
+    from rlhf_core.rollout_static import _Decoder, _Sampler, _sample
 
     dev = torch.device("cuda")
-    work = Path(tempfile.mkdtemp())
-    model_dir = build_model(build_tokenizer(32000, work / "tok"), work / "model")
-    report: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
-
-    # ---- decode: one iteration of the static engine (decode + sample + record), graph replay vs eager ----
-    from rlhf_core.rollout import SamplingParams
-    from rlhf_core.rollout_static import _Sampler, _sample
-
     sampler = load_causal_lm(model_dir, dev).to(torch.bfloat16).eval()
-    P = 20
     ids = torch.randint(5, 30000, (args.rows // 8, P), device=dev)
     mask = torch.ones_like(ids)
     params = SamplingParams(n=8, temperature=1.0, max_new_tokens=args.new_tokens)
-    import rlhf_core.rollout_static as static
-
-    # "before": masked SDPA over the whole cache, plain layer halves; "default": what the engine runs now on a
-    # GPU (flash over each row's filled keys, compiled halves). Keys of the second carry no prefix.
     for variant, attention, compiled in (("before_", "sdpa", False), ("", "auto", True)):
         static._DECODE_ATTENTION = attention
         with torch.no_grad():
@@ -102,13 +86,16 @@ def main() -> None:
     static._DECODE_ATTENTION = "auto"
     del sampler
     torch.cuda.empty_cache()
-    if args.decode_only:
-        _print(report)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-        return
 
-    # ---- update: one micro-batch forward + backward --------------------------------------------------
+
+def profile_update(model_dir: Path, args, report: dict) -> None:
+    """One update micro-batch (forward + backward, gradient checkpointing, bf16 autocast) and one no-grad
+    log-prob forward: times, peak memory, TFLOP/s by 6NT / 2NT, top kernels of the update."""
+    from rlhf_core.models import load_causal_lm, prepare_for_training
+    from rlhf_core.parallel import train_mode
+    from rlhf_core.trainers.rl_roles import token_logprobs
+
+    dev = torch.device("cuda")
     policy = load_causal_lm(model_dir, dev).eval()
     prepare_for_training(policy, gradient_checkpointing=True)
     W = P + args.new_tokens
@@ -141,6 +128,24 @@ def main() -> None:
         update()
         torch.cuda.synchronize()
     report["update_top"] = top(prof, 30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=512)
+    ap.add_argument("--micro", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--out", default="bench/out/gpu_profile.json")
+    ap.add_argument("--decode-only", action="store_true", help="profile the decode iteration only")
+    args = ap.parse_args()
+    from gpu_grpo import build_model, build_tokenizer
+
+    work = Path(tempfile.mkdtemp())
+    model_dir = build_model(build_tokenizer(32000, work / "tok"), work / "model")
+    report: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    profile_decode(model_dir, args, report)
+    if not args.decode_only:
+        profile_update(model_dir, args, report)
     _print(report)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
