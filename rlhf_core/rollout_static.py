@@ -29,8 +29,10 @@ does for one fixed batch, in plain torch:
 It runs the model's own modules (projections, norms, MLP, rotary embedding), so it holds no
 weights of its own: :meth:`update_weights` copies into the model in place and captured graphs
 stay valid. Architectures: the Llama family's decoder layer (``llama``, ``qwen2``, ``qwen3``
-with its q/k norms, ``mistral`` within its sliding window); :func:`supports` says why a model is
-refused, and :func:`rlhf_core.trainers.rl.build_rollout_engine` then falls back to HF ``generate``.
+with its q/k norms, ``mistral`` within its sliding window), with or without peft LoRA adapters (a LoRA
+policy's projections are merged, ``W + s B A``, into the per-call copies the decode step reads; the
+prefill runs peft's own layers); :func:`supports` says why a model is refused, and
+:func:`rlhf_core.trainers.rl.build_rollout_engine` then falls back to HF ``generate``.
 
 Log-probs follow the contract of :mod:`rlhf_core.rollout`: ``log_softmax(logits / T)`` of the
 sampled token, before top-k / top-p filtering.
@@ -85,7 +87,9 @@ def supports(model: Any) -> str | None:
     if kind not in SUPPORTED:
         return f"model_type {kind!r} is not one of {SUPPORTED}"
     if hasattr(model, "peft_config"):
-        return "the model carries LoRA adapters (the HF engine samples through them)"
+        reason = _adapter_reason(model)
+        if reason:
+            return reason
     inner = getattr(model, "model", None)
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return "the model does not have the Llama-family layout (model.embed_tokens/layers/norm/rotary_emb)"
@@ -94,6 +98,47 @@ def supports(model: Any) -> str | None:
     if kind == "qwen2" and getattr(cfg, "use_sliding_window", False):
         return "Qwen2 sliding-window attention"
     return None
+
+
+def _adapter_reason(model: Any) -> str | None:
+    """``None`` when every adapter layer peft injected into ``model`` is a LoRA linear or embedding layer
+    without DoRA or a LoRA bias (what :func:`_weight` merges, or a module the decode step calls as is);
+    otherwise why not."""
+    try:
+        from peft.tuners import lora
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return "the model carries peft adapters and peft cannot be imported"
+    for name, module in model.named_modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        if not isinstance(module, (lora.Linear, lora.Embedding)):
+            return f"adapter layer {name} is a {type(module).__name__} (LoRA linear and embedding layers only)"
+        for adapter in module.active_adapters:
+            for flag in ("use_dora", "lora_bias"):
+                if getattr(module, flag, {}).get(adapter):
+                    return f"adapter layer {name} uses {flag} (plain LoRA only)"
+    return None
+
+
+def _weight(linear: Any) -> torch.Tensor:
+    """A projection's weight as the layer applies it: a LoRA layer's base weight plus each active adapter's
+    ``s B A`` (peft's ``get_delta_weight``, Hu et al. 2021 Eq. 3) unless the adapters are off or already merged;
+    a plain layer's own weight (the same tensor, no copy)."""
+    if not hasattr(linear, "get_base_layer"):
+        return linear.weight
+    weight = linear.get_base_layer().weight
+    if linear.disable_adapters or linear.merged:
+        return weight
+    for adapter in linear.active_adapters:
+        if adapter in linear.lora_A:
+            weight = weight + linear.get_delta_weight(adapter)
+    return weight
+
+
+def _bias(linear: Any) -> torch.Tensor | None:
+    """A projection's bias (a LoRA layer's base layer's: plain LoRA adds none)."""
+    return linear.get_base_layer().bias if hasattr(linear, "get_base_layer") else linear.bias
 
 
 @dataclass
@@ -269,7 +314,7 @@ def _output_and_mlp(x: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, o_b: to
 def _cat_biases(linears: Sequence[Any]) -> torch.Tensor | None:
     """The biases of ``linears`` concatenated as their weights are; ``None`` when none has one (ValueError
     when only some do: that layout is left to the model's modules)."""
-    biases = [m.bias for m in linears]
+    biases = [_bias(m) for m in linears]
     if all(b is None for b in biases):
         return None
     if any(b is None for b in biases):
@@ -542,15 +587,15 @@ class _Decoder:
             except ValueError:
                 return None  # some projections biased, some not
             ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-            fused.append({  # the model's own tensors, except the two concatenations
+            o_proj = _weight(attn.o_proj)
+            fused.append({  # the model's own tensors (LoRA: merged copies), except the two concatenations
                 "ln1": ln1.weight, "eps1": ln1.variance_epsilon, "ln2": ln2.weight, "eps2": ln2.variance_epsilon,
-                "qkv": torch.cat([self._grouped_q(attn.q_proj.weight), attn.k_proj.weight, attn.v_proj.weight]),
-                "qkv_bias": None if qkv_bias is None else torch.cat([self._grouped_q(attn.q_proj.bias),
-                                                                     attn.k_proj.bias, attn.v_proj.bias]),
-                "o": self._grouped_q(attn.o_proj.weight.T).T.contiguous() if self.grouped else attn.o_proj.weight,
-                "o_bias": attn.o_proj.bias,
-                "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), "gate_up_bias": gate_up_bias,
-                "down": mlp.down_proj.weight, "down_bias": mlp.down_proj.bias,
+                "qkv": torch.cat([self._grouped_q(_weight(attn.q_proj)), _weight(attn.k_proj), _weight(attn.v_proj)]),
+                "qkv_bias": None if qkv_bias is None else torch.cat([self._grouped_q(_bias(attn.q_proj)),
+                                                                     _bias(attn.k_proj), _bias(attn.v_proj)]),
+                "o": self._grouped_q(o_proj.T).T.contiguous() if self.grouped else o_proj, "o_bias": _bias(attn.o_proj),
+                "gate_up": torch.cat([_weight(mlp.gate_proj), _weight(mlp.up_proj)]), "gate_up_bias": gate_up_bias,
+                "down": _weight(mlp.down_proj), "down_bias": _bias(mlp.down_proj),
             })
         return fused
 

@@ -123,6 +123,10 @@ def test_rl_config_picks_it_and_falls_back_for_models_it_cannot_run(micro_model,
                    output_dir=str(tmp_path / "o"), checkpoint_dir=str(tmp_path / "c"))
     model, tok = load_causal_lm(micro_model, torch.device("cpu")), load_tokenizer(micro_model)
     assert build_rollout_engine(cfg, model, tok).name == "static"
+    from rlhf_core.models import prepare_for_training
+
+    lora = prepare_for_training(load_causal_lm(micro_model, torch.device("cpu")), lora_rank=4)
+    assert build_rollout_engine(cfg, lora, tok).name == "static"  # a LoRA policy too (it once fell back)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=16, n_layer=1, n_head=2, n_positions=64))
@@ -310,3 +314,41 @@ def test_compiled_sampler_traces_whole_and_equals_the_plain_one(temperature, top
     token, logp = _sample(logits, params, uniform=uniform)
     token_c, logp_c = traced(logits, params, uniform=uniform)
     assert torch.equal(token, token_c) and torch.equal(logp, logp_c)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_lora_policy_decodes_through_its_adapters(fused, micro_model, monkeypatch):
+    """A policy with peft LoRA adapters (as the RL trainer injects them) runs on this engine: the fused
+    projections carry the merged ``W + s B A`` (the model's own modules otherwise), so greedy tokens and
+    log-probs match HF generate through the adapters, and with the adapters switched off (the policy's base,
+    a LoRA run's reference) match it there too. DoRA is refused with the reason."""
+    from peft import LoraConfig, get_peft_model
+
+    import rlhf_core.rollout_static as static
+    from rlhf_core.models import adapters_off, prepare_for_training
+
+    if not fused:
+        monkeypatch.setattr(static._Decoder, "_fuse_weights", lambda self: None)
+    model = prepare_for_training(load_causal_lm(micro_model, torch.device("cpu")), lora_rank=4, lora_alpha=8.0).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():  # peft starts B at zero: move it, so the adapters change the outputs
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    tok = load_tokenizer(micro_model)
+    assert supports(model) is None
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=10)
+    ours = StaticCacheEngine(model, tok, batch_size=64).generate(PROMPTS, params)
+    ref = HFGenerateEngine(model, tok, batch_size=64).generate(PROMPTS, params)
+    assert torch.equal(ours.response_ids, ref.response_ids)
+    torch.testing.assert_close(ours.sampling_logprobs, ref.sampling_logprobs, atol=1e-5, rtol=0)
+    with adapters_off(model):
+        base = StaticCacheEngine(model, tok, batch_size=64).generate(PROMPTS, params)
+        base_ref = HFGenerateEngine(model, tok, batch_size=64).generate(PROMPTS, params)
+    assert torch.equal(base.response_ids, base_ref.response_ids)
+    torch.testing.assert_close(base.sampling_logprobs, base_ref.sampling_logprobs, atol=1e-5, rtol=0)
+    assert not torch.equal(base.sampling_logprobs, ours.sampling_logprobs)
+
+    dora = get_peft_model(load_causal_lm(micro_model, torch.device("cpu")),
+                          LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    assert "use_dora" in supports(dora.get_base_model())
