@@ -409,7 +409,8 @@ class RemoteLearner:
     def engine_weights(self, engine: Any = None) -> Any:
         """Rank 0's weights as a Ray object (every rank takes part: ZeRO-3 gathers them), in the
         engine's compute dtype when it samples in one; for replicas in a weight-sync group, the
-        :class:`CollectiveSync` that :meth:`RemoteRollout.update_weights` runs."""
+        :class:`CollectiveSync` that :meth:`RemoteRollout.update_weights` runs; for replicas holding a LoRA
+        policy's base and adapters (:func:`replicas_hold_adapters`), the adapters alone."""
         if isinstance(engine, RemoteRollout) and engine.collective is not None:
             return engine.collective
         dtype = _engine_dtype(self.cfg) if isinstance(engine, RemoteRollout) else None
@@ -422,7 +423,8 @@ class RemoteLearner:
                 if self._buckets is None:  # planned once: the parameters never change
                     self._buckets = self.group.call_all("weight_buckets", SYNC_BUCKET_BYTES, dtype)[0]
                 return ZeroBuckets(self.group, self._buckets, dtype)
-        refs = [a.call.remote("engine_weights", None, dtype) for a in self.group.actors]
+        adapters_only = isinstance(engine, RemoteRollout) and replicas_hold_adapters(self.cfg)
+        refs = [a.call.remote("engine_weights", None, dtype, adapters_only) for a in self.group.actors]
         return gather(refs, "policy.engine_weights", fetch_first=not isinstance(engine, RemoteRollout))[0]
 
     def view(self) -> Any:
@@ -479,6 +481,14 @@ class ZeroBuckets:
     learners: ActorGroup
     count: int
     dtype: torch.dtype | None
+
+
+def replicas_hold_adapters(cfg: Any) -> bool:
+    """Whether rollout replicas hold a LoRA policy as the learner does, the frozen base with adapters injected,
+    so each sync sends the adapters alone (the static and HF engines sample through them; vLLM takes merged
+    weights). Without this a 32B LoRA policy's sync was its whole merged model, 65.5 GB through the object
+    store, for ~0.3 GB of adapters (BENCHMARKS.md, issue 22's memory plan)."""
+    return bool(cfg.lora_rank) and cfg.rollout_engine != "vllm"
 
 
 def _engine_dtype(cfg: Any) -> torch.dtype | None:
@@ -588,14 +598,18 @@ class RolloutReplica:
     """
 
     def __init__(self, cfg: Any):
-        from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
+        from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device, prepare_for_training
         from rlhf_core.precision import Precision
         from rlhf_core.trainers.rl import build_rollout_engine
 
         device = pick_device()
         self.dtype = Precision.resolve(cfg.precision, device).compute_dtype
         # loaded in the compute dtype directly: parameters bf16, buffers (RoPE's inv_freq) fp32, as the learner's
-        policy = load_causal_lm(cfg.model_path, device, self.dtype or torch.float32).eval().requires_grad_(False)
+        policy = load_causal_lm(cfg.model_path, device, self.dtype or torch.float32)
+        if replicas_hold_adapters(cfg):  # the learner's adapter layout: each sync sends the adapters alone
+            prepare_for_training(policy, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                                 lora_dropout=cfg.lora_dropout)
+        policy.eval().requires_grad_(False)
         self.engine = build_rollout_engine(cfg, policy, load_tokenizer(cfg.model_path), self.dtype)
 
     def generate(self, prompts: Sequence[str], params: Any) -> Any:

@@ -303,7 +303,9 @@ class HFGenerateEngine:
         return "hf"
 
     def update_weights(self, weights: Mapping[str, torch.Tensor] | torch.nn.Module | str | Path) -> None:
-        """Load a state dict, another model's weights or an HF directory into the engine's model."""
+        """Load a state dict, another model's weights or an HF directory into the engine's model; for a model
+        carrying LoRA adapters, also exactly its adapter tensors (:meth:`PolicyLearner.engine_weights` with
+        ``adapters_only``), copied in place."""
         if weights is self.model:  # the trainer's model itself: already current, or refresh the copy
             if self.sampler is not None:
                 with torch.no_grad():
@@ -316,7 +318,14 @@ class HFGenerateEngine:
             weights = load_causal_lm(weights, torch.device("cpu"))
         if isinstance(weights, torch.nn.Module):
             weights = weights.state_dict()
-        self.model.load_state_dict(weights, strict=True)
+        own = dict(self.model.named_parameters())
+        adapters = {name for name in own if "lora_" in name}
+        if adapters and set(weights) == adapters:  # a LoRA policy's adapters only: the frozen base is here already
+            with torch.no_grad():
+                for name, tensor in weights.items():
+                    own[name].copy_(tensor)
+        else:
+            self.model.load_state_dict(weights, strict=True)
         if self.sampler is not None:
             self.update_weights(self.model)
 

@@ -132,7 +132,8 @@ def _weight(linear: Any) -> torch.Tensor:
         return weight
     for adapter in linear.active_adapters:
         if adapter in linear.lora_A:
-            weight = weight + linear.get_delta_weight(adapter)
+            # peft keeps adapters in fp32 over a bf16 base (autocast_adapter_dtype): the sum stays the base's dtype
+            weight = weight + linear.get_delta_weight(adapter).to(weight.dtype)
     return weight
 
 
@@ -565,6 +566,28 @@ class _Decoder:
         G = s.heads // s.kv_heads
         return w.reshape(s.kv_heads, G, s.head_dim, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
 
+    def _copies_fit(self) -> bool:
+        """Whether the fused copies (Q/K/V and gate/up always; the output projection in the grouped layout; all
+        seven projections, merged, for a LoRA policy) fit in half of the GPU's free memory. A 32B policy's
+        replica holding the base and adapters would copy every projection, 62 GB beside its 65.5 GB base on a
+        141 GB H200 (BENCHMARKS.md, issue 22's plan): there the model's own modules (peft's for the adapters)
+        run instead, slower but without copies. Always on a CPU."""
+        device = self.cos.device
+        if device.type != "cuda":
+            return True
+        lora = any(hasattr(m, "get_base_layer") for m in self.layers[0].modules())
+        names = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj") + (("o_proj",) if self.grouped or lora else ()) \
+            + (("down_proj",) if lora else ())
+        need = len(self.layers) * self.cos.element_size() * sum(
+            (m.get_base_layer() if hasattr(m, "get_base_layer") else m).weight.numel()
+            for name, m in self.layers[0].named_modules() if name.rsplit(".", 1)[-1] in names)
+        free, _ = torch.cuda.mem_get_info(device)
+        if need <= free // 2:
+            return True
+        log.warning("StaticCacheEngine: the fused projection copies (%.1f GB) exceed half the free GPU memory "
+                    "(%.1f GB); decoding through the model's own modules", need / 2**30, free / 2**30)
+        return False
+
     def _fuse_weights(self) -> list[dict[str, Any]] | None:
         """Per layer, Q/K/V and gate/up projections concatenated into one matrix each (decode only).
 
@@ -572,8 +595,11 @@ class _Decoder:
         bench/results/gpu_profile_h100.json); one GEMM for Q, K and V, one for gate and up, rotary
         embedding applied once to the Q and K heads together and a fused RMS norm cut that chain by
         about a third. Copies of this call's weights, so they are rebuilt with the decoder (per call).
-        ``None`` (use the model's modules) for layouts this does not cover (Qwen3's q/k norms).
+        ``None`` (use the model's modules) for layouts this does not cover (Qwen3's q/k norms), and on a GPU
+        where the copies would take more than half the free memory (:meth:`_copies_fit`).
         """
+        if not self._copies_fit():
+            return None
         fused = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp

@@ -141,8 +141,8 @@ def test_lora_policy_takes_its_own_base_as_the_reference(ray_local, micro_model,
     """A LoRA run whose reference is its starting model scores the reference with the policy's adapters off
     (``rl_roles.BaseReference``) and loads no reference model: in one process it gives the run with a separate
     reference scorer exactly (KL loss on, so the reference enters the update: same KL, losses and weights); on
-    Ray, 2 policy ranks score it with no reference ranks. (Ray's replicas sample from merged weights where one
-    process samples through the adapters, so their rollouts differ: the check there is the KL's, below.)"""
+    Ray, 2 policy ranks score it with no reference ranks. (Ray's two ranks split the batch and its replicas
+    sample with seeds of their own, so their rollouts differ from one process's: the check there is the KL's.)"""
     import logging
     from dataclasses import replace
 
@@ -174,6 +174,45 @@ def test_lora_policy_takes_its_own_base_as_the_reference(ray_local, micro_model,
     for run in (separate, base, remote):
         kl = run.series("train/kl")
         assert len(kl) == 2 and abs(kl[0]) <= 1e-7 and kl[1] > 0, kl
+
+
+def test_a_lora_replica_takes_the_adapters_alone_and_samples_as_the_merged_weights(micro_model, micro_data, tmp_path,
+                                                                                  length_reward):
+    """Issue 22's sync: a rollout replica of a LoRA policy holds the frozen base with adapters injected, as the
+    learner does, and each sync sends the adapters alone (``engine_weights(adapters_only=True)``, what
+    ``PolicyGroup.engine_weights`` asks of rank 0 for such replicas). Loaded into the replica they give the
+    greedy tokens and log-probs of a plain replica loaded with the merged weights, for a fraction of the bytes;
+    a sync whose names are not exactly the adapters' is refused by the strict load."""
+    from rlhf_core.ray_launcher import RolloutReplica, replicas_hold_adapters
+    from rlhf_core.rollout import SamplingParams
+    from rlhf_core.trainers.rl_roles import PolicyLearner
+
+    cfg = _rl(micro_model, micro_data, tmp_path, length_reward, lora_rank=4, lora_alpha=8.0)
+    assert replicas_hold_adapters(cfg) and not replicas_hold_adapters(_rl(micro_model, micro_data, tmp_path,
+                                                                          length_reward, lora_rank=4,
+                                                                          rollout_engine="vllm"))
+    learner = PolicyLearner(cfg, torch.device("cpu"))
+    torch.manual_seed(0)
+    with torch.no_grad():  # trained adapters: B away from its zero start
+        for name, p in learner.policy.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.3)
+    adapters = learner.engine_weights(adapters_only=True)
+    merged = learner.engine_weights()
+    assert adapters and all("lora_" in k for k in adapters) and not any("lora_" in k for k in merged)
+    assert sum(t.numel() for t in adapters.values()) < 0.2 * sum(t.numel() for t in merged.values())
+
+    holding, plain = RolloutReplica(cfg), RolloutReplica(_rl(micro_model, micro_data, tmp_path, length_reward))
+    assert holding.engine.name == "static"
+    holding.update_weights(adapters)
+    plain.update_weights(merged)
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=8)
+    prompts = ["12+30=", "sort 321=", "7*8="]
+    a, b = holding.generate(prompts, params), plain.generate(prompts, params)
+    assert torch.equal(a.response_ids, b.response_ids)
+    torch.testing.assert_close(a.sampling_logprobs, b.sampling_logprobs, atol=1e-5, rtol=0)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        holding.update_weights(dict(list(adapters.items())[:-1]))
 
 
 @pytest.mark.slow  # DeepSpeed's CPU op build (about 60 s on a fresh machine)
