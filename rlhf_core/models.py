@@ -171,6 +171,12 @@ def has_lora(model: Any) -> bool:
     return any("lora_A" in name for name, _ in model.named_parameters())
 
 
+def adapter_parameters(model: Any) -> dict[str, torch.nn.Parameter]:
+    """``model``'s LoRA adapter parameters by name (peft's ``lora_A`` / ``lora_B``): what a LoRA policy trains, and
+    all a rollout replica holding the same frozen base needs at each sync."""
+    return {name: p for name, p in model.named_parameters() if "lora_" in name}
+
+
 @contextmanager
 def adapters_off(model: Any) -> Iterator[None]:
     """Within the block ``model``'s LoRA adapters are switched off (peft's per-layer switch), so it computes

@@ -318,12 +318,13 @@ class HFGenerateEngine:
             weights = load_causal_lm(weights, torch.device("cpu"))
         if isinstance(weights, torch.nn.Module):
             weights = weights.state_dict()
-        own = dict(self.model.named_parameters())
-        adapters = {name for name in own if "lora_" in name}
-        if adapters and set(weights) == adapters:  # a LoRA policy's adapters only: the frozen base is here already
+        from rlhf_core.models import adapter_parameters
+
+        adapters = adapter_parameters(self.model)
+        if adapters and set(weights) == set(adapters):  # a LoRA policy's adapters only: the frozen base is here already
             with torch.no_grad():
                 for name, tensor in weights.items():
-                    own[name].copy_(tensor)
+                    adapters[name].copy_(tensor)
         else:
             self.model.load_state_dict(weights, strict=True)
         if self.sampler is not None:

@@ -49,6 +49,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from rlhf_core.models import has_lora
 from rlhf_core.rollout import (HFGenerateEngine, RolloutBatch, SamplingParams, _left_pad, assemble_batch,
                                response_mask_from_ids)
 
@@ -135,11 +136,6 @@ def _weight(linear: Any) -> torch.Tensor:
             # peft keeps adapters in fp32 over a bf16 base (autocast_adapter_dtype): the sum stays the base's dtype
             weight = weight + linear.get_delta_weight(adapter).to(weight.dtype)
     return weight
-
-
-def _bias(linear: Any) -> torch.Tensor | None:
-    """A projection's bias (a LoRA layer's base layer's: plain LoRA adds none)."""
-    return linear.get_base_layer().bias if hasattr(linear, "get_base_layer") else linear.bias
 
 
 @dataclass
@@ -312,15 +308,15 @@ def _output_and_mlp(x: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, o_b: to
     return x + F.linear(F.silu(gate) * up, down_w, down_b)
 
 
-def _cat_biases(linears: Sequence[Any]) -> torch.Tensor | None:
-    """The biases of ``linears`` concatenated as their weights are; ``None`` when none has one (ValueError
-    when only some do: that layout is left to the model's modules)."""
-    biases = [_bias(m) for m in linears]
+def _biases(linears: Sequence[Any]) -> list[torch.Tensor] | None:
+    """The biases of ``linears`` (a LoRA layer's: its base layer's, peft's ``bias``; plain LoRA adds none);
+    ``None`` when none has one (ValueError when only some do: that layout is left to the model's modules)."""
+    biases = [m.bias for m in linears]
     if all(b is None for b in biases):
         return None
     if any(b is None for b in biases):
         raise ValueError("some projections have a bias and some do not")
-    return torch.cat(biases)
+    return biases
 
 
 # Inductor compiles these few kernels in this process: its default pool of compile workers (one per core) is
@@ -575,7 +571,7 @@ class _Decoder:
         device = self.cos.device
         if device.type != "cuda":
             return True
-        lora = any(hasattr(m, "get_base_layer") for m in self.layers[0].modules())
+        lora = has_lora(self.layers[0])
         names = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj") + (("o_proj",) if self.grouped or lora else ()) \
             + (("down_proj",) if lora else ())
         need = len(self.layers) * self.cos.element_size() * sum(
@@ -609,7 +605,7 @@ class _Decoder:
                 return None
             projections = (attn.q_proj, attn.k_proj, attn.v_proj)
             try:
-                qkv_bias, gate_up_bias = _cat_biases(projections), _cat_biases((mlp.gate_proj, mlp.up_proj))
+                qkv_bias, gate_up_bias = _biases(projections), _biases((mlp.gate_proj, mlp.up_proj))
             except ValueError:
                 return None  # some projections biased, some not
             ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
@@ -617,11 +613,11 @@ class _Decoder:
             fused.append({  # the model's own tensors (LoRA: merged copies), except the two concatenations
                 "ln1": ln1.weight, "eps1": ln1.variance_epsilon, "ln2": ln2.weight, "eps2": ln2.variance_epsilon,
                 "qkv": torch.cat([self._grouped_q(_weight(attn.q_proj)), _weight(attn.k_proj), _weight(attn.v_proj)]),
-                "qkv_bias": None if qkv_bias is None else torch.cat([self._grouped_q(_bias(attn.q_proj)),
-                                                                     _bias(attn.k_proj), _bias(attn.v_proj)]),
-                "o": self._grouped_q(o_proj.T).T.contiguous() if self.grouped else o_proj, "o_bias": _bias(attn.o_proj),
-                "gate_up": torch.cat([_weight(mlp.gate_proj), _weight(mlp.up_proj)]), "gate_up_bias": gate_up_bias,
-                "down": _weight(mlp.down_proj), "down_bias": _bias(mlp.down_proj),
+                "qkv_bias": None if qkv_bias is None else torch.cat([self._grouped_q(qkv_bias[0]), *qkv_bias[1:]]),
+                "o": self._grouped_q(o_proj.T).T.contiguous() if self.grouped else o_proj, "o_bias": attn.o_proj.bias,
+                "gate_up": torch.cat([_weight(mlp.gate_proj), _weight(mlp.up_proj)]),
+                "gate_up_bias": None if gate_up_bias is None else torch.cat(gate_up_bias),
+                "down": _weight(mlp.down_proj), "down_bias": mlp.down_proj.bias,
             })
         return fused
 
@@ -745,11 +741,15 @@ class _Decoder:
         cos, sin = self.cos[self.pos][:, None], self.sin[self.pos][:, None]  # (B, 1, D)
         key_mask = None if self.flash else self.valid[:, None, None, :width]  # (B, 1, 1, width)
         x = self.inner.embed_tokens(self.token[:, None])
-        for i in range(len(self.layers)):
-            if self.fused is not None:
+        if self.fused is not None:
+            for i in range(len(self.layers)):
                 x = self._fused_layer(i, x, cos, sin, key_mask, width)
-            else:
-                x = self._layer(i, x, cos, sin, self._write, lambda i, q: self._attend(i, q, key_mask, width))
+        else:
+            def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+                return self._attend(i, q, key_mask, width)
+
+            for i in range(len(self.layers)):
+                x = self._layer(i, x, cos, sin, self._write, attend)
         return self._head(x[:, 0])
 
     def _advance(self) -> None:

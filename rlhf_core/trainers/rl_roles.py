@@ -26,8 +26,8 @@ import torch
 from rlhf_core.attention import VARLEN, packed_forward_kwargs
 from rlhf_core.config import RLConfig
 from rlhf_core.lm_head import LMHead, _head_bypassed, bypasses_head, head_logprobs, prepare_kernels, unwrap
-from rlhf_core.models import adapters_off, export_state_dict, has_lora, load_causal_lm, pick_device, \
-    prepare_for_training, resolve_checkpointing
+from rlhf_core.models import adapter_parameters, adapters_off, export_state_dict, has_lora, load_causal_lm, \
+    pick_device, prepare_for_training, resolve_checkpointing
 from rlhf_core.parallel import (LocalStrategy, World, build_strategy, current_world, disable_dropout, train_mode)
 from rlhf_core.precision import Precision
 from rlhf_core.rl_math import (AdvantageEstimator, LossAggregation, PolicyObjective, aggregate_loss,
@@ -671,20 +671,17 @@ class PolicyLearner:
         where the merged weights are the whole model (a 32B policy: ~0.3 GB of r-16 adapters against 65.5 GB)."""
         if engine is not None and getattr(engine, "model", None) is self.policy:
             return self.policy  # the HF engine holds this very model (adapters and all)
-        if adapters_only:
-            adapters = {name: p for name, p in self.policy.named_parameters() if "lora_" in name}
-            if not adapters:
-                raise ValueError("engine_weights: adapters_only, but the policy carries no LoRA adapters")
-            with self.strategy.gathered(list(adapters.values())):  # ZeRO-3: only the adapters are gathered
-                if not self.world.is_main:
-                    return None
-                on_cpu = next(self.policy.parameters()).device.type == "cpu"
-                return {k: _cpu_copy(v.detach(), on_cpu) for k, v in adapters.items()}  # their own dtype
-        with self.strategy.gathered():  # every rank takes part (ZeRO-3 gathers); rank 0 answers
+        adapters = adapter_parameters(self.policy) if adapters_only else None
+        if adapters_only and not adapters:
+            raise ValueError("engine_weights: adapters_only, but the policy carries no LoRA adapters")
+        # every rank takes part (ZeRO-3 gathers: everything, or the adapters alone); rank 0 answers
+        with self.strategy.gathered(list(adapters.values()) if adapters else None):
             if not self.world.is_main:
                 return None
-            weights = export_state_dict(self.policy) if has_lora(self.policy) else self.policy.state_dict()
             on_cpu = next(self.policy.parameters()).device.type == "cpu"
+            if adapters:  # in their own dtype
+                return {k: _cpu_copy(v.detach(), on_cpu) for k, v in adapters.items()}
+            weights = export_state_dict(self.policy) if has_lora(self.policy) else self.policy.state_dict()
             return {k: _cpu_copy(v.detach().to(dtype or v.dtype), on_cpu) for k, v in weights.items()}
 
     def share_weights(self, dtype: torch.dtype | None = None) -> dict[str, Any] | None:
