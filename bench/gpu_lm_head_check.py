@@ -46,6 +46,10 @@ On a lent GPU (``.devwheels`` carried, liger-kernel in it: ``bench/device_wheels
 * ``nosync`` (``--parts nosync``): SFT, DPO and reward-model micro-batches, padded and packed, forward and
   backward under ``torch.cuda.set_sync_debug_mode("warn")``: how often and where each waits for the device.
 
+* ``compiled`` (``--parts compiled``): the decoder layers through ``torch.compile`` (``compile_layers: on``) against
+  the eager layers with liger's kernels, padded and packed rows, bf16 against fp32: log-prob sums, gradients, the
+  first call's seconds (the compile), steady-state time, memory, and the graphs compiled.
+
 ``--small`` runs every part at toy sizes (CPU: the liger rows are skipped).
 """
 
@@ -307,6 +311,93 @@ def packed_part(small: bool, device: torch.device, reps: int) -> dict:
     return out
 
 
+def _examples(lengths: list[int], vocab: int, g: torch.Generator) -> list:
+    """Token lists of the given lengths, the first quarter of each unlabelled."""
+    from rlhf_core.data.tokenize import TokenizedExample
+
+    out = []
+    for n in lengths:
+        ids = torch.randint(0, vocab - 10, (n,), generator=g).tolist()
+        out.append(TokenizedExample(input_ids=ids, labels=[-100] * (n // 4) + ids[n // 4:]))
+    return out
+
+
+def compiled_part(small: bool, device: torch.device, reps: int) -> dict:
+    """Decoder layers through ``torch.compile`` (``compile_layers: on``, :mod:`rlhf_core.layer_compile`) against
+    the eager layers with liger's kernels (what ``fused_kernels: auto`` runs without it), for padded rows (SDPA
+    with a mask inside the graph) and packed rows (torch's varlen flash kernel on a GPU), each set up by the
+    trainers' own ``prepare_decoder_kernels``: per-sequence log-prob sums and gradients against fp32 padded rows,
+    signed per-sequence weights; the first call's seconds (it compiles), steady-state time, peak memory; and
+    the graphs compiled in all (one symbolic graph is meant to serve every layer and every length: a second
+    batch of other lengths runs after the timing)."""
+    import types
+
+    from torch._dynamo.utils import counters
+
+    from rlhf_core import layer_compile
+    from rlhf_core.data.tokenize import collate_packed, collate_padded
+    from rlhf_core.lm_head import prepare_decoder_kernels
+    from rlhf_core.logprobs import sequence_sums
+    from rlhf_core.models import load_causal_lm
+
+    model_dir, vocab = _model_dir(small, "compiled-")
+    g = torch.Generator().manual_seed(3)
+    rows = 4 if small else 32
+    lo, hi = (16, 64) if small else (128, 512)
+    first = _examples(torch.randint(lo, hi, (rows,), generator=g).tolist(), vocab, g)
+    second = _examples(torch.randint(lo, hi, (rows,), generator=g).tolist(), vocab, g)
+    weights = (torch.randn(rows, generator=g) * 2).to(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out: dict = {"rows": rows, "tokens": sum(len(e.input_ids) for e in first), "dtype": str(dtype),
+                 "backend": layer_compile.BACKEND}
+    results, exact = {}, None
+    # compiled variants first: liger's RoPE patch (the eager variants' fused kernels) replaces a module-level
+    # function of the model's file for every model loaded after it, compiled ones included
+    for name, packed, model_dtype, compiled in (("fp32-padded", False, torch.float32, "off"),
+                                                ("compiled-padded", False, dtype, "on"),
+                                                ("compiled-packed", True, dtype, "on"),
+                                                ("eager-padded", False, dtype, "off"),
+                                                ("eager-packed", True, dtype, "off")):
+        model = load_causal_lm(model_dir, device).to(model_dtype)
+        reference = name.startswith("fp32")
+        if not reference:
+            cfg = types.SimpleNamespace(section=name, fused_kernels="auto", compile_layers=compiled, num_workers=1,
+                                        parallel="ddp", lora_rank=0)
+            prepare_decoder_kernels(cfg, model)
+        collate = (lambda ex: collate_packed(ex)) if packed else (lambda ex: collate_padded(ex, 0))
+        batch = collate(first)
+
+        def step(batch=batch):
+            model.zero_grad(set_to_none=True)
+            sums = sequence_sums(labelled_token_logprobs(model, batch, LMHead("chunked", 4096)), batch)
+            (sums * weights).sum().backward()
+            return sums.detach().float()
+
+        graphs = counters["stats"]["unique_graphs"]
+        t = time.perf_counter()
+        sums = step()
+        _sync()
+        first_s = time.perf_counter() - t
+        grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+        if reference:  # the packed rows' sequences in the same order: one fp32 padded reference serves both
+            exact = (sums, grads)
+            model = None
+            continue
+        times, peak = _timed(step, reps)
+        step(collate(second))  # other lengths: a recompile here would show in the graph count
+        failed = [c.failed for c in layer_compile._COMPILED.values() if c.failed]
+        results[name] = {"first_call_s": round(first_s, 2), "graphs_compiled": counters["stats"]["unique_graphs"] - graphs,
+                         "compile_failed": failed,
+                         "max_abs_dsum_vs_fp32": float((sums - exact[0]).abs().max()),
+                         **_grads_and_cost_vs_fp32(grads, exact[1], times, peak)}
+        print(name, json.dumps(results[name]), flush=True)
+        model = None  # freed before the next variant loads
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    out["results"] = results
+    return out
+
+
 def rl_packed_part(small: bool, device: torch.device, reps: int) -> dict:
     """RL's response-token log-probs (``rl_roles.token_logprobs``, temperature 0.9, the entropy logged) on rows
     laid out as the rollout leaves them, left-padded prompts shared by groups of 8 and right-padded responses,
@@ -516,7 +607,7 @@ def main() -> None:
     ap.add_argument("--out", default="gpu_lm_head_check.json")
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--parts", default="head,model,packed",
-                    help="comma-separated: head, heads, rlhead, model, packed, rlpacked, rmsnorm, nosync")
+                    help="comma-separated: head, heads, rlhead, model, packed, rlpacked, rmsnorm, nosync, compiled")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -545,6 +636,8 @@ def main() -> None:
         out["rmsnorm"] = rms_norm_part(args.small, device)
     if "nosync" in parts:
         out["nosync"] = nosync_part(args.small, device)
+    if "compiled" in parts:
+        out["compiled"] = compiled_part(args.small, device, reps)
     try:
         import liger_kernel  # noqa: F401
         from importlib.metadata import version

@@ -733,6 +733,8 @@ def ours(task: dict) -> dict:
                   **{**OURS_BEST, "packing": row.get("packing", OURS_BEST["packing"])})
     if task.get("lm_head"):
         common["lm_head"] = task["lm_head"]
+    if task.get("compile_layers"):
+        common["compile_layers"] = task["compile_layers"]
     if common["packing"] and task.get("micro_batch_tokens") and name != "grpo":  # rl packs micro_batch_size rows
         common["micro_batch_tokens"] = task["micro_batch_tokens"]
     sink = _ProfilingSink(task["profile"]) if task.get("profile") and name != "grpo" and gpus == 1 else _Sink()
@@ -773,7 +775,7 @@ def ours(task: dict) -> dict:
                 "engine": "alignflow StaticCacheEngine" + (" + CUDA graphs" if torch.cuda.is_available() else ""),
                 "launch": f"Ray, colocated, {inputs['parallel']}" if gpus > 1 else "one process",
                 "settings": {k: getattr(cfg, k) for k in ("precision", "gradient_checkpointing", "fused_kernels",
-                                                          "lm_head", "packing", "num_workers", "parallel",
+                                                          "compile_layers", "lm_head", "packing", "num_workers", "parallel",
                                                           "micro_batch_size", "mini_batch_size", "kl_coef",
                                                           "lora_rank", "rollout_workers")},
                 **({update_profile.key: update_profile.summary} if update_profile is not None else {}),
@@ -805,8 +807,8 @@ def ours(task: dict) -> dict:
             # decoder-layer attention calls by path in this process (packed rows on a GPU: varlen); one rank's
             # under Ray ranks live in other processes, so both stay 0 there
             "attention_layer_calls": dict(attention.calls),
-            "settings": {k: getattr(cfg, k) for k in ("precision", "gradient_checkpointing", "fused_kernels", "lm_head",
-                                                      "packing", "micro_batch_tokens", "num_workers", "parallel",
+            "settings": {k: getattr(cfg, k) for k in ("precision", "gradient_checkpointing", "fused_kernels",
+                                                      "compile_layers", "lm_head", "packing", "micro_batch_tokens", "num_workers", "parallel",
                                                       "batch_size", "grad_accum", "max_length", "weight_decay")},
             "threads": _threads()}
 
@@ -1332,6 +1334,7 @@ def settings_record(variant: str, rows: list[str], args: argparse.Namespace) -> 
             "rounds": args.rounds, "order": "ABBA: the row list, reversed on even rounds", "warmup_steps": args.warmup,
             "trl_grad_ckpt": args.trl_grad_ckpt, "ours_micro_batch_tokens": args.micro_batch_tokens,
             "profiled": args.profile, "global_batch": args.global_batch, "ours_lm_head": args.lm_head or "auto",
+            "ours_compile_layers": args.compile_layers or "auto",
             "differences": ["optimizer kernel: TRL fused AdamW, ours foreach AdamW",
                             "learning-rate schedule: ours cosine (warmup 0), TRL constant (timing only)",
                             "GRPO loss aggregation: ours token_mean with clip_high 0.28, TRL 1.16 defaults",
@@ -1366,6 +1369,8 @@ def main() -> None:
                          "scaling at a fixed global batch with the same per-GPU work)")
     ap.add_argument("--lm-head", choices=["auto", "chunked", "liger", "full"], default="",
                     help="ours' rows: the lm_head setting (default: auto, as OURS_BEST)")
+    ap.add_argument("--compile-layers", choices=["auto", "on", "off"], default="",
+                    help="ours' rows: the compile_layers setting (default: auto)")
     ap.add_argument("--micro-batch-tokens", type=int, default=0,
                     help="ours' packed rows: token budget of a micro-batch (0: each draw is one micro-batch)")
     ap.add_argument("--profile", action="store_true",
@@ -1481,7 +1486,7 @@ def main() -> None:
         for rnd, row in schedule(rows, args.rounds):
             side = ROWS[row]["side"]
             task = {"inputs": inputs, "bench": name, "row": row, "micro_batch_tokens": args.micro_batch_tokens,
-                    "lm_head": args.lm_head,
+                    "lm_head": args.lm_head, "compile_layers": args.compile_layers,
                     "profile": {"skip": 2, "active": 3} if args.profile else None, "sync_census": args.sync_census}
             if side == "trl":
                 task["trl_grad_ckpt"] = trl_checkpointing(row, decided, args.trl_grad_ckpt)

@@ -140,7 +140,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torc
     return _reference(q, k, v, cu, scale, q.shape[1] != k.shape[1])
 
 
-# Layer calls by path since import (a benchmark's check that packed rows took the varlen kernel).
+# Layer calls by path since import (a benchmark's check that packed rows took the varlen kernel); calls from
+# compiled layers (rlhf_core.layer_compile) are not counted.
 calls = {"varlen": 0, "sdpa": 0}
 
 # The bounds of the forward in progress: every layer gets the same position_ids tensor, so they are worked
@@ -208,11 +209,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
     position_ids = kwargs.get("position_ids")
     B, H, T, D = query.shape
+    counted = not torch.compiler.is_compiling()  # a counter a compiled layer bumped would be a guard on its value
     if attention_mask is not None or position_ids is None or key.shape[2] != T:
-        calls["sdpa"] += 1
+        calls["sdpa"] += counted
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    calls["varlen"] += 1
+    calls["varlen"] += counted
     if kwargs.get("cu_seq_lens_q") is not None:  # worked out on the host (packed_forward_kwargs)
         cu, longest = kwargs["cu_seq_lens_q"], int(kwargs["max_length_q"])
     else:

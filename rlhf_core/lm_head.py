@@ -39,6 +39,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from rlhf_core.layer_compile import compile_decoder_layers, use_compiled_layers
+
 log = logging.getLogger(__name__)
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
@@ -344,7 +346,11 @@ def apply_fused_kernels(model: Any) -> None:
     Why not liger's RMSNorm everywhere: each call of it costs about 0.2 ms of host time (Triton's Python
     launcher; forward and backward alike, ``bench/results/prof_h200_1p5b_grpo_update.json``) against
     0.01-0.03 ms of device time, so a 28-layer decoder's 57 norms spend ~23 ms of host time a micro-batch
-    on them; torch's ``rms_norm`` is one ATen op with a fused CUDA kernel forward and backward."""
+    on them; torch's ``rms_norm`` is one ATen op with a fused CUDA kernel forward and backward.
+
+    Not applied where the decoder layers are compiled (:mod:`rlhf_core.layer_compile`): inductor fuses a
+    layer's norms, rotary and SwiGLU itself, and a forward replaced on each module instance is a different
+    object in every layer, which the compiled graph's guards check by identity (a recompile per layer)."""
     import os
 
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
@@ -419,7 +425,13 @@ def prepare_decoder_kernels(cfg: Any, *models: Any) -> bool:
         # backend serves every length without a plan.
         torch.backends.cuda.enable_cudnn_sdp(False)
     fused = use_fused_kernels(cfg.fused_kernels, device)
-    if fused:
-        for model in models:
+    parallel = getattr(cfg, "parallel", "ddp") if getattr(cfg, "num_workers", 1) > 1 else "none"
+    compiled, why = use_compiled_layers(getattr(cfg, "compile_layers", "off"), device, parallel=parallel,
+                                        lora=getattr(cfg, "lora_rank", 0) > 0)
+    for model in models:
+        if fused and not compiled:  # compiled layers get inductor's fusions instead
             apply_fused_kernels(model)
+        if compiled:
+            compile_decoder_layers(model)
+    log.info("%s: decoder layers compiled: %s", cfg.section, why)
     return fused

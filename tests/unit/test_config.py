@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 import yaml
 
 from conftest import REPO
@@ -176,3 +177,24 @@ def test_on_policy_distillation_fields_are_checked():
     with pytest.raises(ConfigError, match=r"rl.dynamic_sampling: drops groups"):
         RLConfig(estimator="distill", teacher_model_path="t", dynamic_sampling=True)
     assert RLConfig(estimator="distill", teacher_model_path="t", placement="colocated").placement == "colocated"
+
+
+def test_compile_layers_switch_reads_yaml_booleans_and_resolves_by_setting():
+    """``compile_layers``: bare on/off read as on/off; auto compiles on CUDA for one process or DDP only;
+    on under ZeRO-3 is an error naming the field."""
+    from rlhf_core.layer_compile import use_compiled_layers
+
+    assert build_config(SFTConfig, "sft", {"compile_layers": yaml.safe_load("on")}).compile_layers == "on"
+    with pytest.raises(ConfigError, match=r"sft.compile_layers: must be one of auto, on, off"):
+        build_config(SFTConfig, "sft", {"compile_layers": "max"})
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert use_compiled_layers("auto", cuda, parallel="none", lora=False) == (True, "on (auto: CUDA)")
+    assert use_compiled_layers("auto", cuda, parallel="ddp", lora=False)[0]
+    assert use_compiled_layers("auto", cpu, parallel="none", lora=False) == (False, "off (auto: no CUDA device)")
+    assert use_compiled_layers("auto", cuda, parallel="zero2", lora=False) == (False, "off (auto: ZeRO-2)")
+    assert use_compiled_layers("auto", cuda, parallel="zero3", lora=False) == (False, "off (auto: ZeRO-3)")
+    assert use_compiled_layers("auto", cuda, parallel="none", lora=True) == (False, "off (auto: LoRA adapters)")
+    assert use_compiled_layers("on", cpu, parallel="zero2", lora=True) == (True, "on")
+    assert use_compiled_layers("off", cuda, parallel="none", lora=False) == (False, "off")
+    with pytest.raises(RuntimeError, match="compile_layers: on does not work with parallel: zero3"):
+        use_compiled_layers("on", cuda, parallel="zero3", lora=False)
