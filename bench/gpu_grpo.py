@@ -111,7 +111,7 @@ class Sink:
                   flush=True)
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/gpu_grpo.json")
     ap.add_argument("--steps", type=int, default=4)
@@ -137,18 +137,11 @@ def main() -> None:
     ap.add_argument("--sampling", choices=["copy", "master"], default="copy",
                     help="copy: the HF engine samples with a bf16 copy of the policy (default); master: with the "
                          "fp32 master weights (the engine before that change, for an A/B on one machine)")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    from rlhf_core.config import RLConfig
-    from rlhf_core.trainers import rl
-    from rlhf_core.trainers.rl import train_rl
 
-    if args.sampling == "master":
-        from rlhf_core.rollout import HFGenerateEngine
-
-        rl.build_rollout_engine = lambda cfg, policy, tok, dtype=None: HFGenerateEngine(policy, tok, cfg.batch_size)
-
-    work = Path(tempfile.mkdtemp(prefix="gpu-grpo-"))
+def _inputs(args: argparse.Namespace, work: Path) -> tuple[Path, Path, Path]:
+    """The random model (the 0.5B shape, or a micro one with --small), a prompts file and a length reward."""
     small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1) if args.small else {}
     model_dir = build_model(build_tokenizer(32000, work / "tok"), work / "model", **small)
@@ -160,7 +153,32 @@ def main() -> None:
                                  "label": "x"}) + "\n")
     reward = work / "reward.py"
     reward.write_text("def reward(prompts, completions, labels):\n    return [len(c) / 100 for c in completions]\n")
+    return model_dir, prompts, reward
 
+
+def _peak_by_gpu(smi: subprocess.Popen) -> dict[str, float]:
+    """The largest memory.used (GB) nvidia-smi sampled on each GPU while the run went."""
+    smi.terminate()
+    used = [line.split(",") for line in smi.communicate()[0].splitlines() if "," in line]
+    peak: dict[str, float] = {}
+    for idx, mib in used:
+        peak[idx.strip()] = max(peak.get(idx.strip(), 0.0), float(mib) / 1024)
+    return peak
+
+
+def main() -> None:
+    args = _args()
+    from rlhf_core.config import RLConfig
+    from rlhf_core.trainers import rl
+    from rlhf_core.trainers.rl import train_rl
+
+    if args.sampling == "master":
+        from rlhf_core.rollout import HFGenerateEngine
+
+        rl.build_rollout_engine = lambda cfg, policy, tok, dtype=None: HFGenerateEngine(policy, tok, cfg.batch_size)
+
+    work = Path(tempfile.mkdtemp(prefix="gpu-grpo-"))
+    model_dir, prompts, reward = _inputs(args, work)
     cfg = RLConfig(model_path=str(model_dir), prompts_file=str(prompts), eval_file=str(prompts),
                    output_dir=str(work / "out"), checkpoint_dir=str(work / "ckpt"),
                    reward_function=f"{reward}:reward", estimator="grpo", max_steps=args.steps,
@@ -186,11 +204,7 @@ def main() -> None:
 
         train_rl_on_ray(cfg, sink, show_progress=False)
     total = time.perf_counter() - started
-    smi.terminate()
-    used = [line.split(",") for line in smi.communicate()[0].splitlines() if "," in line]
-    peak_by_gpu: dict[str, float] = {}
-    for idx, mib in used:
-        peak_by_gpu[idx.strip()] = max(peak_by_gpu.get(idx.strip(), 0.0), float(mib) / 1024)
+    peak_by_gpu = _peak_by_gpu(smi)
     steps = [m for _, m in sink.rows if "perf/step_s" in m]
     timed = steps[1:] if len(steps) > 1 else steps
     step_s = statistics.median(m["perf/step_s"] for m in timed)

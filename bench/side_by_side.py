@@ -150,6 +150,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -714,72 +715,98 @@ TRAINERS = {"sft": "rlhf_core.trainers.sft:train_sft", "dpo": "rlhf_core.trainer
             "rm": "rlhf_core.trainers.reward:train_reward_model"}
 
 
-def ours(task: dict) -> dict:
-    import torch
-
-    from rlhf_core.config import DPOConfig, RLConfig, RewardConfig, SFTConfig
-
+def _ours_settings(task: dict, work: Path) -> dict:
+    """The config fields every ours row shares: paths, precision, threads, optimizer, ranks, OURS_BEST and the
+    command line's overrides (lm_head, compile_layers, micro_batch_tokens)."""
     inputs, name, row = task["inputs"], task["bench"], ROWS[task["row"]]
     s = SETTINGS[inputs["variant"]]
-    b = s[name]
-    gpus = inputs["gpus"]
-    torch.manual_seed(s["seed"])
-    model, data = _paths(inputs, name)
-    work = Path(tempfile.mkdtemp(prefix=f"bench-ours-{name}-"))
     common = dict(output_dir=str(work / "out"), checkpoint_dir=str(work / "ckpt"), save_every=0,
                   precision=row["precision"], num_threads=s["threads"], seed=s["seed"],
                   weight_decay=OPTIMIZER["weight_decay"], max_grad_norm=OPTIMIZER["max_grad_norm"],
-                  num_workers=gpus, parallel=inputs["parallel"],
+                  num_workers=inputs["gpus"], parallel=inputs["parallel"],
                   **{**OURS_BEST, "packing": row.get("packing", OURS_BEST["packing"])})
-    if task.get("lm_head"):
-        common["lm_head"] = task["lm_head"]
-    if task.get("compile_layers"):
-        common["compile_layers"] = task["compile_layers"]
+    for key in ("lm_head", "compile_layers"):
+        if task.get(key):
+            common[key] = task[key]
     if common["packing"] and task.get("micro_batch_tokens") and name != "grpo":  # rl packs micro_batch_size rows
         common["micro_batch_tokens"] = task["micro_batch_tokens"]
+    return common
+
+
+def ours(task: dict) -> dict:
+    import torch
+
+    inputs, name = task["inputs"], task["bench"]
+    s = SETTINGS[inputs["variant"]]
+    gpus = inputs["gpus"]
+    torch.manual_seed(s["seed"])
+    work = Path(tempfile.mkdtemp(prefix=f"bench-ours-{name}-"))
+    common = _ours_settings(task, work)
     sink = _ProfilingSink(task["profile"]) if task.get("profile") and name != "grpo" and gpus == 1 else _Sink()
-    peak_dir = os.environ.get("BENCH_PEAK_DIR", "")
-    if name == "grpo":
-        from rlhf_core.trainers.rl import train_rl
+    run = _ours_grpo if name == "grpo" else _ours_offline
+    return run(task, common, sink, work)
 
-        rows = b["prompts_per_step"] * b["group_size"]
-        cfg = RLConfig(model_path=model, prompts_file=data, eval_file=data, reward_function=_reward_file(work),
-                       estimator="grpo", max_steps=b["steps"], prompts_per_step=b["prompts_per_step"],
-                       group_size=b["group_size"], max_new_tokens=b["max_new_tokens"], temperature=b["temperature"],
-                       kl_coef=b["beta"], lr=b["lr"], mini_batch_size=rows, micro_batch_size=b["micro_rows"],
-                       ppo_epochs=1, batch_size=rows, max_length=b["max_new_tokens"] + 64, warmup_steps=0,
-                       eval_items=1, eval_at_start=False, log_rollouts_every=0, rollout_engine="static",
-                       placement="colocated" if gpus > 1 else "none", rollout_workers=s.get("rollout_workers", gpus),
-                       lora_rank=s.get("lora_rank", 0), **common)
-        _sync()
-        update_profile = _UpdateProfile(task["profile"]) if task.get("profile") and gpus == 1 else None
-        if update_profile is None and task.get("sync_census") and gpus == 1:
-            update_profile = _UpdateSyncCensus({"skip": 2})
-        if update_profile is not None:
-            update_profile.install()
-        if gpus > 1:
-            from rlhf_core import ray_launcher
 
-            for factory in ("_learner", "_reference", "RolloutReplica"):
-                setattr(ray_launcher, factory, functools.partial(_in_actor, factory, peak_dir))
-            ray_launcher.train_rl_on_ray(cfg, sink, show_progress=False)
-        else:
-            train_rl(cfg, sink, show_progress=False)
-        steps = [m for _, m in sink.rows if "perf/step_s" in m]
-        return {"step_s": [m["perf/step_s"] for m in steps],
-                "phase_s": {k: [m[k] for m in steps] for k in ("perf/rollout_s", "perf/reward_s", "perf/logprob_s",
-                                                             "perf/update_s", "perf/weight_sync_s")},
-                "response_len": [m["rollout/response_length"] for m in steps], "peak_memory_gb": _peak_memory_gb(),
-                # engine vs learner log-probs of the sampled tokens: a weight sync that scrambled weights shows here
-                "logprob_mismatch": [m.get("rollout/logprob_mismatch") for m in steps],
-                "engine": "alignflow StaticCacheEngine" + (" + CUDA graphs" if torch.cuda.is_available() else ""),
-                "launch": f"Ray, colocated, {inputs['parallel']}" if gpus > 1 else "one process",
-                "settings": {k: getattr(cfg, k) for k in ("precision", "gradient_checkpointing", "fused_kernels",
-                                                          "compile_layers", "lm_head", "packing", "num_workers", "parallel",
-                                                          "micro_batch_size", "mini_batch_size", "kl_coef",
-                                                          "lora_rank", "rollout_workers")},
-                **({update_profile.key: update_profile.summary} if update_profile is not None else {}),
-                "threads": _threads()}
+def _ours_grpo(task: dict, common: dict, sink: Any, work: Path) -> dict:
+    """One GRPO run of ours (one process, or Ray ranks with colocated replicas): its step times and phases."""
+    import torch
+
+    from rlhf_core.config import RLConfig
+    from rlhf_core.trainers.rl import train_rl
+
+    inputs = task["inputs"]
+    s, gpus, peak_dir = SETTINGS[inputs["variant"]], inputs["gpus"], os.environ.get("BENCH_PEAK_DIR", "")
+    b = s["grpo"]
+    model, data = _paths(inputs, "grpo")
+    rows = b["prompts_per_step"] * b["group_size"]
+    cfg = RLConfig(model_path=model, prompts_file=data, eval_file=data, reward_function=_reward_file(work),
+                   estimator="grpo", max_steps=b["steps"], prompts_per_step=b["prompts_per_step"],
+                   group_size=b["group_size"], max_new_tokens=b["max_new_tokens"], temperature=b["temperature"],
+                   kl_coef=b["beta"], lr=b["lr"], mini_batch_size=rows, micro_batch_size=b["micro_rows"],
+                   ppo_epochs=1, batch_size=rows, max_length=b["max_new_tokens"] + 64, warmup_steps=0,
+                   eval_items=1, eval_at_start=False, log_rollouts_every=0, rollout_engine="static",
+                   placement="colocated" if gpus > 1 else "none", rollout_workers=s.get("rollout_workers", gpus),
+                   lora_rank=s.get("lora_rank", 0), **common)
+    _sync()
+    update_profile = _UpdateProfile(task["profile"]) if task.get("profile") and gpus == 1 else None
+    if update_profile is None and task.get("sync_census") and gpus == 1:
+        update_profile = _UpdateSyncCensus({"skip": 2})
+    if update_profile is not None:
+        update_profile.install()
+    if gpus > 1:
+        from rlhf_core import ray_launcher
+
+        for factory in ("_learner", "_reference", "RolloutReplica"):
+            setattr(ray_launcher, factory, functools.partial(_in_actor, factory, peak_dir))
+        ray_launcher.train_rl_on_ray(cfg, sink, show_progress=False)
+    else:
+        train_rl(cfg, sink, show_progress=False)
+    steps = [m for _, m in sink.rows if "perf/step_s" in m]
+    return {"step_s": [m["perf/step_s"] for m in steps],
+            "phase_s": {k: [m[k] for m in steps] for k in ("perf/rollout_s", "perf/reward_s", "perf/logprob_s",
+                                                         "perf/update_s", "perf/weight_sync_s")},
+            "response_len": [m["rollout/response_length"] for m in steps], "peak_memory_gb": _peak_memory_gb(),
+            # engine vs learner log-probs of the sampled tokens: a weight sync that scrambled weights shows here
+            "logprob_mismatch": [m.get("rollout/logprob_mismatch") for m in steps],
+            "engine": "alignflow StaticCacheEngine" + (" + CUDA graphs" if torch.cuda.is_available() else ""),
+            "launch": f"Ray, colocated, {inputs['parallel']}" if gpus > 1 else "one process",
+            "settings": {k: getattr(cfg, k) for k in ("precision", "gradient_checkpointing", "fused_kernels",
+                                                      "compile_layers", "lm_head", "packing", "num_workers", "parallel",
+                                                      "micro_batch_size", "mini_batch_size", "kl_coef",
+                                                      "lora_rank", "rollout_workers")},
+            **({update_profile.key: update_profile.summary} if update_profile is not None else {}),
+            "threads": _threads()}
+
+
+def _ours_offline(task: dict, common: dict, sink: Any, work: Path) -> dict:
+    """One SFT, DPO or reward-model run of ours: the time between logged steps."""
+    from rlhf_core import attention
+    from rlhf_core.config import DPOConfig, RewardConfig, SFTConfig
+
+    inputs, name = task["inputs"], task["bench"]
+    gpus, peak_dir = inputs["gpus"], os.environ.get("BENCH_PEAK_DIR", "")
+    b = SETTINGS[inputs["variant"]][name]
+    model, data = _paths(inputs, name)
     held_out = _paths(inputs, "grpo")[1]  # prompt + label rows: the end-of-run eval (not timed) reads 1
     accum = b.get("grad_accum", 1)  # --global-batch: a step of b["batch"] rows in accum draws
     shared = dict(model_path=model, train_file=data, eval_file=held_out, max_steps=b["steps"],
@@ -798,8 +825,6 @@ def ours(task: dict) -> dict:
     else:
         _rank_main(TRAINERS[name], "", cfg, sink)
     elapsed = [m["perf/elapsed_s"] for _, m in sink.rows if "perf/elapsed_s" in m]
-    from rlhf_core import attention
-
     sink.close()
     return {"step_s": [b2 - a for a, b2 in zip([0.0] + elapsed, elapsed)], "peak_memory_gb": _peak_memory_gb(),
             **({"profile": sink.summary} if isinstance(sink, _ProfilingSink) else {}),
@@ -808,38 +833,16 @@ def ours(task: dict) -> dict:
             # under Ray ranks live in other processes, so both stay 0 there
             "attention_layer_calls": dict(attention.calls),
             "settings": {k: getattr(cfg, k) for k in ("precision", "gradient_checkpointing", "fused_kernels",
-                                                      "compile_layers", "lm_head", "packing", "micro_batch_tokens", "num_workers", "parallel",
-                                                      "batch_size", "grad_accum", "max_length", "weight_decay")},
+                                                      "compile_layers", "lm_head", "packing", "micro_batch_tokens",
+                                                      "num_workers", "parallel", "batch_size", "grad_accum",
+                                                      "max_length", "weight_decay")},
             "threads": _threads()}
 
 
-def trl_side(task: dict) -> dict:
-    import torch
-    import trl
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
-
-    from rlhf_core.data.io import read_records
-
-    inputs, name, row = task["inputs"], task["bench"], ROWS[task["row"]]
-    s = SETTINGS[inputs["variant"]]
-    b = s[name]
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # accelerate launch sets it on every rank
-    rank = int(os.environ.get("RANK", "0"))
-    torch.manual_seed(s["seed"])
-    torch.set_num_threads(s["threads"])
-    model_dir, data = _paths(inputs, name)
-    gpu = torch.cuda.is_available()
-    dtype = getattr(torch, row["model_dtype"])
-    # TRL 1.16's liger path patches the causal-LM forward: on the reward model's sequence-classification
-    # head it fails ("no attribute 'lm_head'", side_by_side_h200_0p5b_rm.json), so its best RM is its default
-    liger = bool(row["best"]) and gpu and name != "rm"
-    if liger:
-        import liger_kernel  # noqa: F401  (trl-best without it would not be TRL's best: fail, not fall back)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    work = tempfile.mkdtemp(prefix=f"bench-trl-{name}-")
-    times: list[float] = []
-    lengths: list[float] = []
+def _trl_timer(times: list[float], lengths: list[float], rank: int) -> Any:
+    """A TrainerCallback that appends each step's seconds to ``times`` and GRPO's mean completion length to
+    ``lengths``."""
+    from transformers import TrainerCallback
 
     class Timer(TrainerCallback):
         """Step end to step end (the first from the start of training), like ours' elapsed-time differences:
@@ -861,8 +864,87 @@ def trl_side(task: dict) -> dict:
             if logs and "completions/mean_length" in logs:
                 lengths.append(float(logs["completions/mean_length"]))
 
+    return Timer()
+
+
+def _trl_trainer(name: str, row: dict, b: dict, common: dict, settings: dict, records: list, model_dir: str,
+                 dtype: Any, tok: Any, world: int) -> Any:
+    """TRL's trainer for ``name`` (its config first, then the models: under ZeRO-3 ``from_pretrained`` then
+    partitions at load); adds what it chose to ``settings``."""
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    def causal_lm():
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+
+    pairs = [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in records] if name in ("dpo", "rm") else []
+    if name == "grpo":
+        rows = b["prompts_per_step"] * b["group_size"]
+        accum = rows // (b["micro_rows"] * world)
+
+        def reward(completions, **kw):
+            return [len(c) / 1000 for c in completions]
+
+        extra = {"cache_implementation": "static"} if row["best"] else {}
+        settings.update(extra, per_device_train_batch_size=b["micro_rows"], steps_per_generation=accum)
+        cfg = trl.GRPOConfig(**common, per_device_train_batch_size=b["micro_rows"], gradient_accumulation_steps=accum,
+                             steps_per_generation=accum, num_iterations=1, num_generations=b["group_size"],
+                             max_completion_length=b["max_new_tokens"], temperature=b["temperature"], beta=b["beta"],
+                             use_vllm=False, **extra)
+        return trl.GRPOTrainer(model=causal_lm(), reward_funcs=reward, args=cfg, processing_class=tok,
+                               train_dataset=Dataset.from_list([{"prompt": r["prompt"]} for r in records]))
+    if name == "sft":
+        ds = Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"]} for r in records])
+        # TRL 1.16 refuses padding_free without packing (max_length would not be enforced): packing with
+        # best-fit decreasing is its padding-free path. Rows here exceed or nearly fill max_length, so a
+        # block holds one truncated example and a step the same real tokens as ours.
+        pack = dict(packing=True, packing_strategy="bfd", padding_free=True) if row["best"] else {}
+        settings["padding_free"] = pack or False
+        cfg = trl.SFTConfig(**common, per_device_train_batch_size=b["batch"] // world, max_length=b["max_length"],
+                            **pack)
+        return trl.SFTTrainer(model=causal_lm(), args=cfg, train_dataset=ds, processing_class=tok)
+    if name == "dpo":
+        settings["padding_free"] = "not available in TRL 1.16's DPOTrainer (it falls back to padding)"
+        cfg = trl.DPOConfig(**common, per_device_train_batch_size=b["batch"] // world, max_length=b["max_length"],
+                            beta=b["beta"], precompute_ref_log_probs=False)
+        return trl.DPOTrainer(model=causal_lm(), ref_model=causal_lm(), args=cfg, train_dataset=Dataset.from_list(pairs),
+                              processing_class=tok)
+    settings["padding_free"] = "no such option in TRL 1.16's RewardConfig"
+    cfg = trl.RewardConfig(**common, per_device_train_batch_size=b["batch"] // world, max_length=b["max_length"])
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=dtype, num_labels=1,
+                                                               attn_implementation="sdpa")
+    model.config.pad_token_id = tok.pad_token_id
+    return trl.RewardTrainer(model=model, args=cfg, train_dataset=Dataset.from_list(pairs), processing_class=tok)
+
+
+def trl_side(task: dict) -> dict:
+    import torch
+    import trl
+    from transformers import AutoTokenizer
+
+    from rlhf_core.data.io import read_records
+
+    inputs, name, row = task["inputs"], task["bench"], ROWS[task["row"]]
+    s = SETTINGS[inputs["variant"]]
+    b = s[name]
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # accelerate launch sets it on every rank
+    rank = int(os.environ.get("RANK", "0"))
+    torch.manual_seed(s["seed"])
+    torch.set_num_threads(s["threads"])
+    model_dir, data = _paths(inputs, name)
+    gpu = torch.cuda.is_available()
+    # TRL 1.16's liger path patches the causal-LM forward: on the reward model's sequence-classification
+    # head it fails ("no attribute 'lm_head'", side_by_side_h200_0p5b_rm.json), so its best RM is its default
+    liger = bool(row["best"]) and gpu and name != "rm"
+    if liger:
+        import liger_kernel  # noqa: F401  (trl-best without it would not be TRL's best: fail, not fall back)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    times: list[float] = []
+    lengths: list[float] = []
     grad_ckpt = bool(task["trl_grad_ckpt"]["on"])
-    common = dict(output_dir=work, learning_rate=b["lr"], lr_scheduler_type="constant", warmup_steps=0,
+    common = dict(output_dir=tempfile.mkdtemp(prefix=f"bench-trl-{name}-"), learning_rate=b["lr"],
+                  lr_scheduler_type="constant", warmup_steps=0,
                   max_steps=b["steps"], use_cpu=not gpu, bf16=row["bf16"], logging_steps=1, report_to="none",
                   save_strategy="no", gradient_checkpointing=grad_ckpt, seed=s["seed"], dataloader_num_workers=0,
                   adam_beta1=OPTIMIZER["betas"][0], adam_beta2=OPTIMIZER["betas"][1], adam_epsilon=OPTIMIZER["eps"],
@@ -878,52 +960,9 @@ def trl_side(task: dict) -> dict:
         settings["use_liger_kernel_note"] = "off: no CUDA (CPU smoke)"
     elif row["best"] and name == "rm":
         settings["use_liger_kernel_note"] = "off: TRL 1.16's liger forward needs an LM head (the RM has none)"
-    records = read_records(data)
-    # The config first, then the models: under ZeRO-3 from_pretrained then partitions at load (zero.Init).
-    if name == "grpo":
-        rows = b["prompts_per_step"] * b["group_size"]
-        accum = rows // (b["micro_rows"] * world)
-        ds = Dataset.from_list([{"prompt": r["prompt"]} for r in records])
-
-        def reward(completions, **kw):
-            return [len(c) / 1000 for c in completions]
-
-        extra = {"cache_implementation": "static"} if row["best"] else {}
-        settings.update(extra, per_device_train_batch_size=b["micro_rows"], steps_per_generation=accum)
-        cfg = trl.GRPOConfig(**common, per_device_train_batch_size=b["micro_rows"], gradient_accumulation_steps=accum,
-                             steps_per_generation=accum, num_iterations=1, num_generations=b["group_size"],
-                             max_completion_length=b["max_new_tokens"], temperature=b["temperature"], beta=b["beta"],
-                             use_vllm=False, **extra)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
-        trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok)
-    elif name == "sft":
-        ds = Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"]} for r in records])
-        # TRL 1.16 refuses padding_free without packing (max_length would not be enforced): packing with
-        # best-fit decreasing is its padding-free path. Rows here exceed or nearly fill max_length, so a
-        # block holds one truncated example and a step the same real tokens as ours.
-        pack = dict(packing=True, packing_strategy="bfd", padding_free=True) if row["best"] else {}
-        settings["padding_free"] = pack or False
-        cfg = trl.SFTConfig(**common, per_device_train_batch_size=b["batch"] // world, max_length=b["max_length"],
-                            **pack)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
-        trainer = trl.SFTTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok)
-    elif name == "dpo":
-        ds = Dataset.from_list([{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in records])
-        settings["padding_free"] = "not available in TRL 1.16's DPOTrainer (it falls back to padding)"
-        cfg = trl.DPOConfig(**common, per_device_train_batch_size=b["batch"] // world, max_length=b["max_length"],
-                            beta=b["beta"], precompute_ref_log_probs=False)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
-        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
-        trainer = trl.DPOTrainer(model=model, ref_model=ref, args=cfg, train_dataset=ds, processing_class=tok)
-    else:
-        ds = Dataset.from_list([{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in records])
-        settings["padding_free"] = "no such option in TRL 1.16's RewardConfig"
-        cfg = trl.RewardConfig(**common, per_device_train_batch_size=b["batch"] // world, max_length=b["max_length"])
-        model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=dtype, num_labels=1,
-                                                                   attn_implementation="sdpa")
-        model.config.pad_token_id = tok.pad_token_id
-        trainer = trl.RewardTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok)
-    trainer.add_callback(Timer())
+    trainer = _trl_trainer(name, row, b, common, settings, read_records(data), model_dir,
+                           getattr(torch, row["model_dtype"]), tok, world)
+    trainer.add_callback(_trl_timer(times, lengths, rank))
     trainer.train()
     if name == "sft" and row["best"] and "seq_lengths" in trainer.train_dataset.column_names:
         blocks = trainer.train_dataset["seq_lengths"]  # bfd packing: the examples' lengths in each block
@@ -1344,7 +1383,7 @@ def settings_record(variant: str, rows: list[str], args: argparse.Namespace) -> 
                             "how far each is in effect is the trainers' business (recorded per row)"]}
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variant", choices=list(SETTINGS), default="cpu")
     ap.add_argument("--bench", default=",".join(BENCHES), help="comma-separated subset of " + ",".join(BENCHES))
@@ -1385,6 +1424,119 @@ def main() -> None:
                     help="combine two result files (--gpus 1 and --gpus N) into the scaling summary at --out")
     ap.add_argument("--child", choices=["alignflow", "trl", "ceiling", "build"], help=argparse.SUPPRESS)
     ap.add_argument("--task", default="{}", help=argparse.SUPPRESS)
+    return ap
+
+
+def _check_choices(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The rows and benchmarks asked for, each known (else the parser's error)."""
+    rows = (args.rows or DEFAULT_ROWS.get(args.variant, GPU_ROWS)).split(",")
+    benches = args.bench.split(",")
+    for r in rows:
+        if r not in ROWS:
+            ap.error(f"unknown row {r!r}; rows: {', '.join(ROWS)}")
+        if args.global_batch and ROWS[r]["side"] != "alignflow":
+            ap.error("--global-batch is for ours' rows (the scaling runs); TRL's rows keep the variant's batch")
+    for b in benches:
+        if b not in BENCHES:
+            ap.error(f"unknown bench {b!r}; benches: {', '.join(BENCHES)}")
+    if args.cpu_root and args.variant != "cpu":
+        ap.error("--cpu-root is for the cpu variant; the GPU variants build their own model and data")
+    return rows, benches
+
+
+def _prepare(args: argparse.Namespace, rows: list[str], work: Path) -> tuple[dict, dict]:
+    """The children's inputs (model, data, tokenizer; the GPU variants' model built once per --work) and the
+    result file's header (settings, environment, model facts, the starting matmul ceiling)."""
+    s = SETTINGS[args.variant]
+    inputs = build_inputs(args.variant, work, args.small)
+    inputs["global_batch"] = args.global_batch
+    if args.cpu_root:
+        root = Path(args.cpu_root).resolve()
+        inputs.update(root=str(root), model=str(root / s["model"]))
+    header: dict = {"variant": args.variant, "settings": settings_record(args.variant, rows, args),
+                    "environment": environment()}
+    if args.variant != "cpu":
+        record, key = work / "model_build.json", {"variant": args.variant, "small": args.small}
+        built = json.loads(record.read_text()) if record.exists() else {}
+        if built.get("key") == key and (Path(built.get("model", "/nonexistent")) / "config.json").exists():
+            built["reused"] = True  # the same seed and shape: the same weights, not built again
+        else:
+            built = run_child("build", {"inputs": inputs}, args.child_timeout)
+            if "error" in built:
+                sys.exit(f"model build failed: {built['error']}")
+            record.write_text(json.dumps({**built, "key": key}) + "\n")
+        inputs["model"] = built["model"]
+        header["model_build"] = built
+    if s["gpus"] > 1:
+        header["trl_launch"] = {"command": " ".join(trl_launch_command(inputs)[1:]) + " bench/side_by_side.py ...",
+                                "deepspeed_config": json.loads(Path(inputs["deepspeed_config"]).read_text()),
+                                "launched": not args.small}
+    header["model"] = model_facts(inputs)
+    header["ceilings"] = {"start": run_child("ceiling", {"inputs": inputs}, args.child_timeout)}
+    return inputs, header
+
+
+class _ResultFile:
+    """The result file at ``--out``, rewritten after every child (a call cut off at its limit keeps what ran)."""
+
+    def __init__(self, args: argparse.Namespace, header: dict, started: float):
+        self.args, self.header, self.started = args, header, started
+
+    def ceiling(self) -> dict:
+        """The matmul and copy ceilings: the max over every measurement so far (start, and end once run)."""
+        ceilings = self.header["ceilings"]
+        ms = [m for c in ceilings.values() if "error" not in c for m in c["matmul_flops"]]
+        bw = [m for c in ceilings.values() if "error" not in c for m in c["copy_bytes_per_s"]]
+        return {"matmul_flops": max(ms), "copy_bytes_per_s": max(bw), "measurements": len(ms),
+                "when": sorted(k for k, c in ceilings.items() if "error" not in c)}
+
+    def write(self, results: dict, final: bool) -> dict:
+        args, ceiling = self.args, self.ceiling()
+        for name, res in results.items():
+            res["summary"] = bench_summary(args.variant, name, res["runs"], args.warmup, ceiling, self.header["model"])
+        doc = {**self.header, "ceiling": {**ceiling, "matmul_tflops": round(ceiling["matmul_flops"] / 1e12, 2),
+                                          "copy_tb_per_s": round(ceiling["copy_bytes_per_s"] / 1e12, 3)},
+               "final": final, "results": results,
+               "summary": {"pairs": {n: r["summary"]["pairs"] for n, r in results.items()},
+                           "targets": targets(args.variant, results)},
+               "wall_s": round(time.perf_counter() - self.started, 1)}
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(portable(doc), indent=2) + "\n")
+        return doc
+
+
+def _run_bench(name: str, rows: list[str], args: argparse.Namespace, inputs: dict, results: dict,
+               out: _ResultFile) -> None:
+    """Every row of benchmark ``name`` in ABBA order, one child process a run; ``results[name]`` fills as
+    they end."""
+    runs: dict[str, list[dict]] = {row: [] for row in rows}
+    decided: dict[str, bool] = {}  # ours rows' logged gradient-checkpointing choice on this benchmark
+    results[name] = {"runs": runs}
+    for rnd, row in schedule(rows, args.rounds):
+        side = ROWS[row]["side"]
+        task = {"inputs": inputs, "bench": name, "row": row, "micro_batch_tokens": args.micro_batch_tokens,
+                "lm_head": args.lm_head, "compile_layers": args.compile_layers,
+                "profile": {"skip": 2, "active": 3} if args.profile else None, "sync_census": args.sync_census}
+        if side == "trl":
+            task["trl_grad_ckpt"] = trl_checkpointing(row, decided, args.trl_grad_ckpt)
+        res = run_child(side, task, args.child_timeout)
+        res["round"] = rnd
+        runs[row].append(res)
+        if side == "alignflow" and (res.get("gradient_checkpointing") or {}).get("on") is not None:
+            decided.setdefault(row, res["gradient_checkpointing"]["on"])
+        print(json.dumps({"bench": name, "round": rnd, "row": row, "wall_s": res.get("wall_s"),
+                          **({"error": res["error"][-800:]} if "error" in res else
+                             {"step_s": [round(x, 4) for x in res["step_s"]],
+                              "peak_memory_gb": round(res["peak_memory_gb"], 2),
+                              "gradient_checkpointing": (res.get("gradient_checkpointing") or
+                                                         task.get("trl_grad_ckpt"))})}), flush=True)
+        out.write(results, final=False)
+    print(json.dumps({"bench": name, "summary": results[name]["summary"]}), flush=True)
+
+
+def main() -> None:
+    ap = _parser()
     args = ap.parse_args()
     import rlhf_core  # noqa: F401  (offline switches)
 
@@ -1411,100 +1563,19 @@ def main() -> None:
     if args.scaling:
         scaling(Path(args.scaling[0]), Path(args.scaling[1]), Path(args.out))
         return
-    s = SETTINGS[args.variant]
-    args.rounds = args.rounds or s["rounds"]
-    rows = (args.rows or DEFAULT_ROWS.get(args.variant, GPU_ROWS)).split(",")
-    benches = args.bench.split(",")
-    for r in rows:
-        if r not in ROWS:
-            ap.error(f"unknown row {r!r}; rows: {', '.join(ROWS)}")
-        if args.global_batch and ROWS[r]["side"] != "alignflow":
-            ap.error("--global-batch is for ours' rows (the scaling runs); TRL's rows keep the variant's batch")
-    for b in benches:
-        if b not in BENCHES:
-            ap.error(f"unknown bench {b!r}; benches: {', '.join(BENCHES)}")
-
+    args.rounds = args.rounds or SETTINGS[args.variant]["rounds"]
+    rows, benches = _check_choices(ap, args)
     started = time.perf_counter()
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix=f"bench-{args.variant}-"))
     work.mkdir(parents=True, exist_ok=True)
-    inputs = build_inputs(args.variant, work, args.small)
-    inputs["global_batch"] = args.global_batch
-    if args.cpu_root:
-        if args.variant != "cpu":
-            ap.error("--cpu-root is for the cpu variant; the GPU variants build their own model and data")
-        root = Path(args.cpu_root).resolve()
-        inputs.update(root=str(root), model=str(root / s["model"]))
-    header: dict = {"variant": args.variant, "settings": settings_record(args.variant, rows, args),
-                    "environment": environment()}
-    if args.variant != "cpu":
-        record, key = work / "model_build.json", {"variant": args.variant, "small": args.small}
-        built = json.loads(record.read_text()) if record.exists() else {}
-        if built.get("key") == key and (Path(built.get("model", "/nonexistent")) / "config.json").exists():
-            built["reused"] = True  # the same seed and shape: the same weights, not built again
-        else:
-            built = run_child("build", {"inputs": inputs}, args.child_timeout)
-            if "error" in built:
-                sys.exit(f"model build failed: {built['error']}")
-            record.write_text(json.dumps({**built, "key": key}) + "\n")
-        inputs["model"] = built["model"]
-        header["model_build"] = built
-    if s["gpus"] > 1:
-        header["trl_launch"] = {"command": " ".join(trl_launch_command(inputs)[1:]) + " bench/side_by_side.py ...",
-                                "deepspeed_config": json.loads(Path(inputs["deepspeed_config"]).read_text()),
-                                "launched": not args.small}
-    header["model"] = model_facts(inputs)
-    ceilings = {"start": run_child("ceiling", {"inputs": inputs}, args.child_timeout)}
-    header["ceilings"] = ceilings
+    inputs, header = _prepare(args, rows, work)
     print(json.dumps({"settings": header}), flush=True)
-    out = Path(args.out)
-
-    def ceiling_now() -> dict:
-        ms = [m for c in ceilings.values() if "error" not in c for m in c["matmul_flops"]]
-        bw = [m for c in ceilings.values() if "error" not in c for m in c["copy_bytes_per_s"]]
-        return {"matmul_flops": max(ms), "copy_bytes_per_s": max(bw), "measurements": len(ms),
-                "when": sorted(k for k, c in ceilings.items() if "error" not in c)}
-
-    def write(results: dict, final: bool) -> dict:
-        ceiling = ceiling_now()
-        for name, res in results.items():
-            res["summary"] = bench_summary(args.variant, name, res["runs"], args.warmup, ceiling, header["model"])
-        doc = {**header, "ceiling": {**ceiling, "matmul_tflops": round(ceiling["matmul_flops"] / 1e12, 2),
-                                     "copy_tb_per_s": round(ceiling["copy_bytes_per_s"] / 1e12, 3)},
-               "final": final, "results": results,
-               "summary": {"pairs": {n: r["summary"]["pairs"] for n, r in results.items()},
-                           "targets": targets(args.variant, results)},
-               "wall_s": round(time.perf_counter() - started, 1)}
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(portable(doc), indent=2) + "\n")
-        return doc
-
+    out = _ResultFile(args, header, started)
     results: dict = {}
     for name in benches:
-        runs: dict[str, list[dict]] = {row: [] for row in rows}
-        decided: dict[str, bool] = {}  # ours rows' logged gradient-checkpointing choice on this benchmark
-        results[name] = {"runs": runs}
-        for rnd, row in schedule(rows, args.rounds):
-            side = ROWS[row]["side"]
-            task = {"inputs": inputs, "bench": name, "row": row, "micro_batch_tokens": args.micro_batch_tokens,
-                    "lm_head": args.lm_head, "compile_layers": args.compile_layers,
-                    "profile": {"skip": 2, "active": 3} if args.profile else None, "sync_census": args.sync_census}
-            if side == "trl":
-                task["trl_grad_ckpt"] = trl_checkpointing(row, decided, args.trl_grad_ckpt)
-            res = run_child(side, task, args.child_timeout)
-            res["round"] = rnd
-            runs[row].append(res)
-            if side == "alignflow" and (res.get("gradient_checkpointing") or {}).get("on") is not None:
-                decided.setdefault(row, res["gradient_checkpointing"]["on"])
-            print(json.dumps({"bench": name, "round": rnd, "row": row, "wall_s": res.get("wall_s"),
-                              **({"error": res["error"][-800:]} if "error" in res else
-                                 {"step_s": [round(x, 4) for x in res["step_s"]],
-                                  "peak_memory_gb": round(res["peak_memory_gb"], 2),
-                                  "gradient_checkpointing": (res.get("gradient_checkpointing") or
-                                                             task.get("trl_grad_ckpt"))})}), flush=True)
-            write(results, final=False)  # after every child: a call cut off at its limit keeps what ran
-        print(json.dumps({"bench": name, "summary": results[name]["summary"]}), flush=True)
-    ceilings["end"] = run_child("ceiling", {"inputs": inputs}, args.child_timeout)
-    doc = write(results, final=True)
+        _run_bench(name, rows, args, inputs, results, out)
+    header["ceilings"]["end"] = run_child("ceiling", {"inputs": inputs}, args.child_timeout)
+    doc = out.write(results, final=True)
     print(json.dumps({"ceiling": doc["ceiling"], "summary": doc["summary"]}), flush=True)
 
 

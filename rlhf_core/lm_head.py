@@ -428,10 +428,12 @@ def prepare_decoder_kernels(cfg: Any, *models: Any) -> bool:
     parallel = getattr(cfg, "parallel", "ddp") if getattr(cfg, "num_workers", 1) > 1 else "none"
     compiled, why = use_compiled_layers(getattr(cfg, "compile_layers", "off"), device, parallel=parallel,
                                         lora=getattr(cfg, "lora_rank", 0) > 0)
+    layers = 0
     for model in models:
         if fused and not compiled:  # compiled layers get inductor's fusions instead
             apply_fused_kernels(model)
         if compiled:
-            compile_decoder_layers(model)
-    log.info("%s: decoder layers compiled: %s", cfg.section, why)
+            layers += compile_decoder_layers(model)
+    log.info("%s: decoder layers compiled: %s%s", cfg.section, why,
+             f" ({layers} layers)" if compiled else "")
     return fused

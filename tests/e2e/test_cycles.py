@@ -56,9 +56,19 @@ def test_iterative_dpo_versions_every_cycle_and_tracks_lineage(project, chromium
     summary = iterative_dpo(params_file="params.yaml", overrides=MICRO)
     history = summary["cycles"]
     assert [h["cycle"] for h in history] == [1, 2]
-
-    # one commit per cycle, named after the flow and cycle, holding only .dvc/.gitignore files
     commits = [h["commit"] for h in history]
+    _assert_one_commit_per_cycle(project, head_before, commits)
+    _assert_cycle_data_restores(project, commits, history)
+    client = _client(project)
+    exp = client.get_experiment_by_name("alignflow-test")
+    cycles, dpo_runs = _assert_runs_nested(client, exp, commits)
+    champion = _assert_registry_versions(client, history, dpo_runs)
+    _assert_ui_shows_the_champion(project, chromium, client, exp, champion)
+    _assert_cycle_data_reports(project, chromium, client, exp, cycles)
+
+
+def _assert_one_commit_per_cycle(project, head_before, commits):
+    """One commit per cycle, named after the flow and cycle, holding only .dvc/.gitignore files."""
     assert len(set(commits)) == 2 and head_before not in commits
     subjects = git(project, "log", "--format=%s", f"{head_before}..HEAD").splitlines()
     assert len(subjects) == 2 and "cycle 2/2" in subjects[0] and "cycle 1/2" in subjects[1]
@@ -67,6 +77,9 @@ def test_iterative_dpo_versions_every_cycle_and_tracks_lineage(project, chromium
         assert files and all(f.endswith((".dvc", ".gitignore")) for f in files), files
     assert any(f.endswith("reward.dvc") for f in git(project, "show", "--name-only", "--format=", commits[1]).split())
 
+
+
+def _assert_cycle_data_restores(project, commits, history):
     # checking out cycle 1's commit restores its pairs byte for byte (from the DVC remote)
     pairs = project / "data/cycles/iterative_dpo/pairs.jsonl"
     git(project, "checkout", "-q", commits[0], "--", "data/cycles/iterative_dpo/pairs.jsonl.dvc")
@@ -83,9 +96,10 @@ def test_iterative_dpo_versions_every_cycle_and_tracks_lineage(project, chromium
     assert {key(json.loads(x)) for x in pairs.read_text().splitlines()} <= set(pool)
     git(project, "checkout", "-q", "HEAD", "--", "data/cycles/iterative_dpo/pairs.jsonl.dvc")
 
+
+
+def _assert_runs_nested(client, exp, commits):
     # MLflow: parent, cycles nested with their index and parent cycle, stages nested in cycles
-    client = _client(project)
-    exp = client.get_experiment_by_name("alignflow-test")
     runs = client.search_runs([exp.experiment_id])
     parent = next(r for r in runs if r.info.run_name == "iterative_dpo")
     cycles = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id
@@ -97,6 +111,10 @@ def test_iterative_dpo_versions_every_cycle_and_tracks_lineage(project, chromium
     assert {r.data.tags["mlflow.parentRunId"] for r in dpo_runs} == {c.info.run_id for c in cycles.values()}
     assert parent.data.tags["prefect.flow_run_id"]
 
+    return cycles, dpo_runs
+
+
+def _assert_registry_versions(client, history, dpo_runs):
     # registry: each cycle a version; candidate = the last; champion = the best so far
     versions = client.search_model_versions("name='alignflow-policy'")
     assert len(versions) == 2
@@ -108,6 +126,10 @@ def test_iterative_dpo_versions_every_cycle_and_tracks_lineage(project, chromium
     assert {v.run_id for v in versions} == {r.info.run_id for r in dpo_runs}
     assert "champion" in client.get_model_version("alignflow-policy", candidate.version).tags["promotion"]
 
+    return champion
+
+
+def _assert_ui_shows_the_champion(project, chromium, client, exp, champion):
     # the MLflow UI itself (headless Chromium): the champion, its source run, that run's
     # datasets and its parent (cycle) run
     from ui import mlflow_ui, page_text
@@ -133,6 +155,11 @@ def test_iterative_dpo_versions_every_cycle_and_tracks_lineage(project, chromium
     pairs_digest = source.data.tags["dvc.md5.preferences"]
     assert f"preferences ({pairs_digest[:36]})" in run_page
     assert (project / "mlflow_ui_champion.png").stat().st_size > 10_000
+
+
+
+def _assert_cycle_data_reports(project, chromium, client, exp, cycles):
+    from ui import mlflow_ui, page_text
 
     # --- issue 20.3: each cycle run holds its data report (GX data docs as HTML), shown by the MLflow UI ---
     for name, cycle in cycles.items():

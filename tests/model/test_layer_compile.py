@@ -135,7 +135,7 @@ def test_sft_with_compiled_layers_trains_as_eager(aot_eager, micro_model, micro_
 
     with caplog.at_level(logging.INFO, logger="rlhf_core.lm_head"):
         on = run("on")
-    assert "sft: decoder layers compiled: on" in caplog.text
+    assert "sft: decoder layers compiled: on (2 layers)" in caplog.text
     off = run("off")
     for metric in ("train/loss", "train/grad_norm"):
         assert on.series(metric) == off.series(metric) and len(on.series(metric)) == 3
