@@ -349,7 +349,7 @@ def compiled_part(small: bool, device: torch.device, reps: int) -> dict:
     weights = (torch.randn(rows, generator=g) * 2).to(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out: dict = {"rows": rows, "tokens": sum(len(e.input_ids) for e in first), "dtype": str(dtype),
-                 "backend": layer_compile.BACKEND}
+                 "backend": layer_compile.backend()}
     results, exact = {}, None
     # compiled variants first: liger's RoPE patch (the eager variants' fused kernels) replaces a module-level
     # function of the model's file for every model loaded after it, compiled ones included

@@ -22,6 +22,7 @@ and sequence count every step, and one symbolic graph serves them all instead of
 from __future__ import annotations
 
 import logging
+import os
 import types
 from typing import Any
 
@@ -29,16 +30,23 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["INDUCTOR_OPTIONS", "compile_decoder_layers", "decoder_layers", "use_compiled_layers"]
+__all__ = ["BACKEND_ENV", "INDUCTOR_OPTIONS", "backend", "compile_decoder_layers", "decoder_layers",
+           "use_compiled_layers"]
 
 # Inductor compiles in this process: its default pool (a worker a core), started by the first compile, kept
 # every core busy through the next training steps, and the host-bound ones ran ~2x slower there (GRPO on an
 # H200, BENCHMARKS.md "Rollout decode").
 INDUCTOR_OPTIONS = {"compile_threads": 1}
 
-# Backend of the compile; tests on a CPU use "aot_eager" (the same traced forward and backward graphs,
-# run by eager kernels) to check tracing and numerics without a C++ build per graph.
-BACKEND = "inductor"
+# Backend of the compile (default inductor). Tests on a CPU set "aot_eager" (the same traced forward and
+# backward graphs, run by eager kernels) to check tracing and numerics without a C++ build per graph; it is
+# also how to tell a numerics difference of inductor's kernels from one of the tracing. Ray actors inherit it.
+BACKEND_ENV = "ALIGNFLOW_COMPILE_BACKEND"
+
+
+def backend() -> str:
+    """The backend the layers compile with (:data:`BACKEND_ENV`, default inductor)."""
+    return os.environ.get(BACKEND_ENV, "") or "inductor"
 
 
 def decoder_layers(model: Any) -> list[torch.nn.Module]:
@@ -78,8 +86,9 @@ class _Compiled:
 
     def __init__(self, eager: Any):
         self.eager = eager
-        self.graph = torch.compile(eager, dynamic=True, fullgraph=True, backend=BACKEND,
-                                   options=INDUCTOR_OPTIONS if BACKEND == "inductor" else None)
+        name = backend()
+        self.graph = torch.compile(eager, dynamic=True, fullgraph=True, backend=name,
+                                   options=INDUCTOR_OPTIONS if name == "inductor" else None)
         self.failed: str | None = None
 
     def __call__(self, layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -45,6 +45,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlhf_core.env import NO_MULTICAST_ENV, OFFLINE_ENV, STACK_DUMP_ENV
+from rlhf_core.layer_compile import BACKEND_ENV as COMPILE_BACKEND_ENV
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +58,9 @@ _DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 _NO_MULTICAST = NO_MULTICAST_ENV
 # Test hooks (rlhf_core.trainers.loop.inject_fault) reach the actors through their runtime env.
 # Test and diagnostic hooks each actor inherits from the driver's environment (rlhf_core.env.STACK_DUMP_ENV:
-# periodic stack dumps of a run that hangs).
+# periodic stack dumps of a run that hangs; rlhf_core.layer_compile.BACKEND_ENV: the compiled layers' backend).
 _FAULT_ENV = ("ALIGNFLOW_FAULT", "ALIGNFLOW_FAULT_RANK", "ALIGNFLOW_FAULT_SIGNAL", COLLECTIVE_TIMEOUT_ENV,
-              STACK_DUMP_ENV)
+              STACK_DUMP_ENV, COMPILE_BACKEND_ENV)
 
 
 class RankFailed(RuntimeError):

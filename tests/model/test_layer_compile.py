@@ -31,7 +31,7 @@ CPU = torch.device("cpu")
 @pytest.fixture()
 def aot_eager(monkeypatch):
     """Compile through dynamo + AOTAutograd with eager kernels; a fresh compile cache before and after."""
-    monkeypatch.setattr(layer_compile, "BACKEND", "aot_eager")
+    monkeypatch.setenv(layer_compile.BACKEND_ENV, "aot_eager")
     monkeypatch.setattr(layer_compile, "_COMPILED", {})
     torch._dynamo.reset()
     yield
@@ -107,7 +107,7 @@ def _failing_backend(gm, example_inputs):
 def test_compile_failure_falls_back_to_eager(aot_eager, micro_model, micro_data, monkeypatch, caplog):
     """A backend that fails (here: one that raises): a warning naming the layer class and the cause, the
     eager layers from then on, the same values."""
-    monkeypatch.setattr(layer_compile, "BACKEND", _failing_backend)
+    monkeypatch.setattr(layer_compile, "backend", lambda: _failing_backend)
     tok, pairs = _pairs(micro_model, micro_data)
     eager, compiled = load_causal_lm(micro_model, CPU), load_causal_lm(micro_model, CPU)
     layer_compile.compile_decoder_layers(compiled)

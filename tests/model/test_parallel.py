@@ -55,6 +55,29 @@ def test_two_workers_take_the_step_one_worker_takes(ray_local, micro_model, micr
     assert json.loads((b.output_dir / "alignflow.json").read_text())["config"]["num_workers"] == 2
 
 
+def test_two_workers_with_compiled_layers_take_the_eager_step(ray_local, micro_model, micro_data, tmp_path,
+                                                               monkeypatch):
+    """``compile_layers: on`` under DDP (what ``auto`` picks on GPUs): two Ray workers whose decoder layers run
+    compiled (dynamo + AOTAutograd, eager kernels: ``ALIGNFLOW_COMPILE_BACKEND`` reaches the actors) take the
+    steps one eager process takes: losses within 1e-4 relative, final weights within 1e-3."""
+    from rlhf_core.layer_compile import BACKEND_ENV
+    from rlhf_core.ray_launcher import train_data_parallel
+
+    monkeypatch.setenv(BACKEND_ENV, "aot_eager")
+    one, two = Recorder(), Recorder()
+    a = train_sft(_sft(micro_model, micro_data, tmp_path / "one", max_steps=3), one, show_progress=False)
+    b = train_data_parallel(train_sft, _sft(micro_model, micro_data, tmp_path / "two", max_steps=3, num_workers=2,
+                                            compile_layers="on"), two, show_progress=False)
+    la, lb = one.series("train/loss"), two.series("train/loss")
+    assert len(la) == len(lb) == 3 and la[-1] != la[0]
+    for x, y in zip(la, lb):
+        assert abs(x - y) <= 1e-4 * abs(x), (la, lb)
+    wa, wb = load_file(str(a.output_dir / "model.safetensors")), load_file(str(b.output_dir / "model.safetensors"))
+    for k in wa:
+        assert torch.allclose(wa[k], wb[k], rtol=1e-3, atol=1e-5), k
+    assert json.loads((b.output_dir / "alignflow.json").read_text())["config"]["compile_layers"] == "on"
+
+
 # ZeRO-2 in the slow tier, as above: it checks that the loop, not DeepSpeed's own micro-step count, puts
 # the accumulation boundary where a step of a varying number of micro-batches ends.
 @pytest.mark.parametrize("parallel", ["ddp", pytest.param("zero2", marks=pytest.mark.slow)])
