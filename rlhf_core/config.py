@@ -239,8 +239,8 @@ class TrainerConfig(DataFields):
     """auto, on or off (bare on/off read as on/off): each decoder layer through ``torch.compile`` (inductor; one
     graph serves every layer) in the passes without a KV cache: training, reference and old log-probs, reward
     scores. auto compiles on a CUDA device for one process or DDP, not under ZeRO-2/3 or for LoRA; on fails under
-    ZeRO-3. The first step pays the compile (5-30 s on an H200); a compile failure falls back to the eager layers
-    with a warning."""
+    ZeRO-3. The first step pays the compile (5-30 s on an H200); a failure to trace or compile the forward falls back
+    to the eager layers with a warning (one in compiling the backward surfaces at the first backward: set off)."""
     lm_head: str = "auto"
     """How log-probs leave the LM head: chunked (no [tokens x vocab] tensor is kept; each chunk is recomputed in
     backward), liger (its fused linear cross-entropy), full (whole logits: the reference path) or auto (liger where
