@@ -33,9 +33,10 @@ log = logging.getLogger(__name__)
 __all__ = ["BACKEND_ENV", "INDUCTOR_OPTIONS", "backend", "compile_decoder_layers", "decoder_layers",
            "use_compiled_layers"]
 
-# Inductor compiles in this process: its default pool (a worker a core), started by the first compile, kept
-# every core busy through the next training steps, and the host-bound ones ran ~2x slower there (GRPO on an
-# H200, BENCHMARKS.md "Rollout decode").
+# Inductor compiles in this process (here and in rlhf_core.rollout_static's decode step): its default pool of
+# compile workers (one per core), started by the first compile, each importing torch, kept every core busy
+# through the next steps, and the host-bound ones ran ~2x slower there (H200: a 0.5B GRPO step's log-prob and
+# update phases for two steps, bench/results/ab_h200_0p5b_grpo_decode2_*.json); the compile needs only seconds.
 INDUCTOR_OPTIONS = {"compile_threads": 1}
 
 # Backend of the compile (default inductor). Tests on a CPU set "aot_eager" (the same traced forward and

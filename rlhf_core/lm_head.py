@@ -399,11 +399,16 @@ def resolve_lm_head(setting: str, chunk_tokens: int, *, fused: bool, head_whole:
     return LMHead(setting, chunk_tokens, prefer_liger=fused and head_whole)
 
 
+def _parallel(cfg: Any) -> str:
+    """How ``cfg``'s ranks share a step: ``none`` (one process), ``ddp``, ``zero2`` or ``zero3``."""
+    return getattr(cfg, "parallel", "ddp") if getattr(cfg, "num_workers", 1) > 1 else "none"
+
+
 def prepare_kernels(cfg: Any, *models: Any) -> LMHead:
     """Apply ``cfg.fused_kernels`` to each of ``models`` (policy, reference, teacher) and resolve
     ``cfg.lm_head``; logs both choices."""
     fused = prepare_decoder_kernels(cfg, *models)
-    head_whole = not (getattr(cfg, "num_workers", 1) > 1 and getattr(cfg, "parallel", "ddp") == "zero3")
+    head_whole = _parallel(cfg) != "zero3"
     head = resolve_lm_head(cfg.lm_head, cfg.logit_chunk_tokens, fused=fused, head_whole=head_whole)
     rule = f"whole logits up to {head.whole_bytes / 2**30:.0f} GiB, else chunked"
     if head.prefer_liger:
@@ -425,8 +430,7 @@ def prepare_decoder_kernels(cfg: Any, *models: Any) -> bool:
         # backend serves every length without a plan.
         torch.backends.cuda.enable_cudnn_sdp(False)
     fused = use_fused_kernels(cfg.fused_kernels, device)
-    parallel = getattr(cfg, "parallel", "ddp") if getattr(cfg, "num_workers", 1) > 1 else "none"
-    compiled, why = use_compiled_layers(getattr(cfg, "compile_layers", "off"), device, parallel=parallel,
+    compiled, why = use_compiled_layers(getattr(cfg, "compile_layers", "off"), device, parallel=_parallel(cfg),
                                         lora=getattr(cfg, "lora_rank", 0) > 0)
     layers = 0
     for model in models:

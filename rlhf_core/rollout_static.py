@@ -49,6 +49,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from rlhf_core.layer_compile import INDUCTOR_OPTIONS
 from rlhf_core.models import has_lora
 from rlhf_core.rollout import (HFGenerateEngine, RolloutBatch, SamplingParams, _left_pad, assemble_batch,
                                response_mask_from_ids)
@@ -319,13 +320,6 @@ def _biases(linears: Sequence[Any]) -> list[torch.Tensor] | None:
     return biases
 
 
-# Inductor compiles these few kernels in this process: its default pool of compile workers (one per core) is
-# started at the first compile and, each worker importing torch, held every core busy through the next steps
-# (H200: a 0.5B GRPO step's log-prob and update phases 2x slower for two steps after the compile,
-# bench/results/ab_h200_0p5b_grpo_decode2_*.json), while the compile itself needs only seconds.
-_INDUCTOR_OPTIONS = {"compile_threads": 1}
-
-
 @functools.cache
 def _compiled_layer_halves() -> tuple[Any, Any]:
     """:func:`_attention_inputs` and :func:`_output_and_mlp` through ``torch.compile`` (inductor), built once
@@ -334,8 +328,8 @@ def _compiled_layer_halves() -> tuple[Any, Any]:
     elementwise ops around GEMMs (profiled on an H100: ~120 elementwise kernels of a decode iteration's ~4.8
     ms, bench/results/gpu_profile_decode_h100.json) that inductor fuses; the attention in between stays a
     kernel call of its own, outside the compiled graphs, and every cache write with it."""
-    return (torch.compile(_attention_inputs, fullgraph=True, options=_INDUCTOR_OPTIONS),
-            torch.compile(_output_and_mlp, fullgraph=True, options=_INDUCTOR_OPTIONS))
+    return (torch.compile(_attention_inputs, fullgraph=True, options=INDUCTOR_OPTIONS),
+            torch.compile(_output_and_mlp, fullgraph=True, options=INDUCTOR_OPTIONS))
 
 
 @functools.cache
@@ -344,7 +338,7 @@ def _compiled_sample() -> Any:
     top-k mask and exponential over ``(B, V)`` logits fuse into one kernel; the running sum, the search
     and the gather stay torch's (see :func:`_sample` on why the scan is not compiled)."""
     return functools.partial(_sample, weights_fn=torch.compile(_sampling_weights, fullgraph=True,
-                                                               options=_INDUCTOR_OPTIONS))
+                                                               options=INDUCTOR_OPTIONS))
 
 
 def _use_flash(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
