@@ -11,8 +11,8 @@ recipe). The embedding, final norm and LM head stay eager: the head is ``rlhf_co
 (chunked, liger's fused cross-entropy).
 
 Scope: passes without a KV cache (training forward and backward, reference and old log-prob passes, reward
-scoring). A pass with a cache (HF ``generate``, the shared-prompt scoring path) runs the layers eagerly: its
-cache object would change the graph at every step. Attention stays what the model attends with; torch's
+scoring, the RL passes' shared-prompt prefix trees). A pass with a cache (HF ``generate``) runs the layers
+eagerly: its cache object would change the graph at every step. Attention stays what the model attends with; torch's
 variable-length flash kernel is a custom op (``torch_attn::_varlen_attn``) the graph calls as it is.
 
 Shapes are dynamic from the first compile (``dynamic=True``): packed micro-batches change their token count

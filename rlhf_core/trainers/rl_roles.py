@@ -33,7 +33,7 @@ from rlhf_core.precision import Precision
 from rlhf_core.rl_math import (AdvantageEstimator, LossAggregation, PolicyObjective, aggregate_loss,
                                aggregation_units, clipped_value_loss, entropy_from_logits, kl_penalty, masked_mean,
                                policy_loss)
-from rlhf_core.trainers.loop import build_optimizer, build_scheduler, check_finite, inject_fault
+from rlhf_core.trainers.loop import build_optimizer, build_scheduler, check_finite, group_by_tokens, inject_fault
 from rlhf_core.weight_sync import Layout, SyncGroup, flatten_bucket, plan_layout
 
 log = logging.getLogger(__name__)
@@ -73,36 +73,121 @@ def _forward_takes(cls: type, name: str) -> bool:
     return name in inspect.signature(cls.forward).parameters
 
 
-def _shared_prompt_logits(model: Any, exp: dict[str, torch.Tensor], prompt_width: int) -> torch.Tensor | None:
-    """``(rows, R, V)`` logits of the response positions with each distinct prompt run once; ``None`` if none repeats.
+@dataclass
+class PrefixTree:
+    """A chunk's rows laid out with each distinct prompt once (:func:`prefix_tree`), on the rows' device.
 
-    GRPO-style groups score ``n`` responses to one prompt, and on short answers the prompt is most
-    of the tokens (60% on the embedded default). The distinct prompts (ids and mask) run once with
-    a KV cache; the cache is gathered to every row (``index_select``, differentiable) and the
-    responses run on it. Same attention over the same keys as one full pass, so the same
-    log-probs to rounding (``tests/model/test_rl_tiny.py``).
+    A group is a prompt's attended tokens, then the attended response tokens of each row with that prompt, back
+    to back; groups are packed into tree rows of the longest group's length (first-fit decreasing), the rest of
+    a tree row padding. ``input_ids``, ``position_ids`` ``(B, L)``: the tokens and their positions as in the
+    padded rows; ``mask`` ``(B, 1, L, L)`` bool: a prompt token sees its prompt's earlier tokens, a response
+    token its prompt and its own row's earlier tokens, a padding token its own tree row's earlier prompt tokens
+    and itself (a query with no key would be NaN in forward and backward); ``scored`` ``(rows * R,)``: the flat
+    tree position whose output predicts each response column (a padded column maps to its row's last attended
+    token; the caller masks it); ``keep``: the last ``keep`` columns hold every scored position
+    (``logits_to_keep``).
     """
-    P, rows = prompt_width, exp["input_ids"].shape[0]
-    R = exp["input_ids"].shape[1] - P
-    prompt = torch.cat([exp["input_ids"][:, :P], exp["attention_mask"][:, :P]], dim=1)
-    distinct, inverse = torch.unique(prompt, dim=0, return_inverse=True)
-    if P == 0 or len(distinct) == rows:
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    mask: torch.Tensor
+    scored: torch.Tensor
+    keep: int
+
+
+def _tree_rows(group_len: list[int]) -> tuple[list[int], int, int]:
+    """Each group's flat start when groups are packed first-fit decreasing into rows of the longest group's
+    length; that length and the row count."""
+    L = max(group_len)
+    bins = group_by_tokens(group_len, L)
+    start = [0] * len(group_len)
+    for b, members in enumerate(bins):
+        at = b * L
+        for g in members:
+            start[g], at = at, at + group_len[g]
+    return start, L, len(bins)
+
+
+def prefix_tree(exp: dict[str, torch.Tensor], prompt_width: int) -> PrefixTree | None:
+    """The :class:`PrefixTree` of ``exp``'s rows (prompts left-padded to ``prompt_width``, responses right-padded),
+    or ``None`` if no prompt repeats. Index arithmetic on the rows' device; one read of the groups' lengths."""
+    ids, att = exp["input_ids"], exp["attention_mask"].bool()
+    P, (rows, W) = prompt_width, ids.shape
+    R, dev = W - P, ids.device
+    distinct, inverse = torch.unique(torch.cat([ids[:, :P], att[:, :P].long()], dim=1), dim=0, return_inverse=True)
+    G = len(distinct)
+    if P == 0 or G == rows:
         return None
-    first = torch.full((len(distinct),), rows, dtype=torch.long, device=inverse.device)
-    first = first.scatter_reduce(0, inverse, torch.arange(rows, device=inverse.device), reduce="amin")
-    kwargs = {"logits_to_keep": 1} if _keeps_logits(model) else {}
-    head = model(input_ids=exp["input_ids"][first, :P], attention_mask=exp["attention_mask"][first, :P],
-                 position_ids=exp["position_ids"][first, :P], use_cache=True, **kwargs)
-    if head.past_key_values is None:  # e.g. gradient checkpointing in train mode turns the cache off
+    first = torch.full((G,), rows, dtype=torch.long, device=dev)
+    first = first.scatter_reduce(0, inverse, torch.arange(rows, device=dev), reduce="amin")
+    prompt_len = att[first, :P].sum(-1)  # (G,)
+    resp_len = att[:, P:].sum(-1)  # (rows,)
+    # where each row's response starts in its group: after the prompt and the earlier rows of its group
+    order = torch.argsort(inverse, stable=True)
+    csum = torch.cumsum(resp_len[order], 0) - resp_len[order]  # over the rows sorted by group
+    group_first = torch.zeros(G, dtype=torch.long, device=dev).scatter_reduce(
+        0, inverse[order], csum, reduce="amin", include_self=False)
+    before = torch.empty_like(csum)
+    before[order] = csum - group_first[inverse[order]]
+    group_len = prompt_len + torch.zeros(G, dtype=torch.long, device=dev).index_add(0, inverse, resp_len)
+    host = torch.cat([group_len, prompt_len]).tolist()
+    starts, L, B = _tree_rows(host[:G])
+    base = torch.tensor(starts, device=dev)  # (G,) flat start of each group
+    # destination of every attended token: prompts from their first rows, responses from every row
+    p_att, r_att = att[first, :P], att[:, P:]
+    p_dest = base[:, None] + p_att.long().cumsum(-1) - 1  # (G, P)
+    r_rank = r_att.long().cumsum(-1)  # (rows, R): attended response tokens up to and including each column
+    r_dest = (base + prompt_len)[inverse][:, None] + before[:, None] + r_rank - 1  # (rows, R)
+    flat_ids = torch.zeros(B * L, dtype=ids.dtype, device=dev)
+    flat_pos = torch.zeros(B * L, dtype=exp["position_ids"].dtype, device=dev)
+    owner = torch.full((B * L,), -2, dtype=torch.long, device=dev)  # -2 padding, -1 prompt, else the row
+    group = torch.full((B * L,), -1, dtype=torch.long, device=dev)
+    row_ids = torch.arange(rows, device=dev)[:, None].expand(rows, R)
+    for dest, keep, src_ids, src_pos, who, grp in (
+            (p_dest, p_att, ids[first, :P], exp["position_ids"][first, :P], torch.full_like(p_dest, -1),
+             torch.arange(G, device=dev)[:, None].expand(G, P)),
+            (r_dest, r_att, ids[:, P:], exp["position_ids"][:, P:], row_ids, inverse[:, None].expand(rows, R))):
+        flat_ids[dest[keep]] = src_ids[keep]
+        flat_pos[dest[keep]] = src_pos[keep]
+        owner[dest[keep]] = who[keep]
+        group[dest[keep]] = grp[keep]
+    owner, group = owner.view(B, L), group.view(B, L)
+    causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
+    key_owner = owner[:, None, :]  # (B, 1, key) against (B, query, 1)
+    sees = (group[:, None, :] == group[:, :, None]) & ((key_owner == -1) | (key_owner == owner[:, :, None]))
+    pad_self = torch.eye(L, dtype=torch.bool, device=dev) & (owner == -2)[:, :, None]
+    mask = (causal & sees & (key_owner != -2)) | pad_self
+    # response column c is predicted by the row's attended token before it, or by its prompt's last token
+    earlier = r_rank - r_att.long()  # (rows, R) attended response tokens before column c
+    last_prompt = (base + prompt_len - 1)[inverse][:, None]
+    scored = torch.where(earlier > 0, r_dest - r_att.long(), last_prompt)
+    keep = L - int(min(host[G:])) + 1  # every group starts at or after its row's column 0
+    return PrefixTree(flat_ids.view(B, L), flat_pos.view(B, L), mask[:, None], scored.flatten(), keep)
+
+
+def _shared_prompt_logits(model: Any, exp: dict[str, torch.Tensor], prompt_width: int) -> torch.Tensor | None:
+    """``(rows, R, V)`` logits (hidden states with the head bypassed) of the response positions with each distinct
+    prompt run once; ``None`` if none repeats.
+
+    GRPO-style groups score ``n`` responses to one prompt, and on short answers the prompt is most of the
+    tokens (60% on the embedded default). One forward over the rows' prefix tree (:func:`prefix_tree`): a
+    row per distinct prompt, holding the prompt then its responses, each response attending to the prompt
+    and to itself. The same attention over the same keys as the padded rows, so the same log-probs and
+    gradients to rounding (``tests/model/test_rl_tiny.py``), with no response padding computed and one model
+    call (an earlier version ran the prompts with a KV cache, then the responses on it: two calls, the second
+    on padded responses; the tree took a CPU GRPO micro-batch's forward and backward from 54 to 40 ms).
+    """
+    tree = prefix_tree(exp, prompt_width)
+    if tree is None:
         return None
-    last = head.logits[:, -1:][inverse]  # (rows, 1, V): predicts response token 0
-    if R == 1:
-        return last
-    cache = head.past_key_values
-    cache.reorder_cache(inverse)  # every row gets its prompt's keys and values
-    rest = model(input_ids=exp["input_ids"][:, P:-1], attention_mask=exp["attention_mask"][:, :-1],
-                 position_ids=exp["position_ids"][:, P:-1], past_key_values=cache, use_cache=True).logits
-    return torch.cat([last, rest], dim=1)
+    kwargs = {"logits_to_keep": tree.keep} if _keeps_logits(model) else {}
+    out = model(input_ids=tree.input_ids, position_ids=tree.position_ids, attention_mask=tree.mask,
+                use_cache=False, **kwargs).logits
+    G, L = tree.input_ids.shape
+    drop = L - out.shape[1]  # the columns logits_to_keep left out, all left of every scored position
+    rows, R = exp["input_ids"].shape[0], exp["input_ids"].shape[1] - prompt_width
+    scored = (tree.scored // L) * out.shape[1] + tree.scored % L - drop  # positions in the kept columns
+    return out.flatten(0, 1)[scored].view(rows, R, -1)
 
 
 @dataclass
@@ -472,13 +557,12 @@ class PolicyLearner:
         self.strategy = build_strategy(cfg.parallel, self.policy, self.optimizer, None, self.world,
                                        grad_accum=self.micro_batches, max_grad_norm=cfg.max_grad_norm,
                                        offload_optimizer=cfg.offload_optimizer, precision=self.precision)
-        # Prompts shared across a group (token_logprobs) only on a plain model: whether a chunk has repeated
-        # prompts, hence one forward call or two, depends on its rows, and under DDP or DeepSpeed every call
-        # is a collective (buffer broadcast, ZeRO-3 gathers) that all ranks must make; in the update it is
-        # also two forwards before one backward. No cache under gradient checkpointing either.
+        # Prompts shared across a group (token_logprobs' prefix tree) on a plain model. Under DDP or DeepSpeed
+        # it would also be one forward call a chunk on every rank (a tree, or the padded rows where no prompt
+        # repeats), but it has not run there: those keep the padded rows. It needs no KV cache, so gradient
+        # checkpointing keeps it.
         local = type(self.strategy) is LocalStrategy  # DDPStrategy subclasses it
-        self.share_prompts = local and not self.checkpointing
-        self.share_prompts_scoring = local
+        self.share_prompts = local
         self.critic = self.critic_opt = self.critic_sched = self.critic_strategy = None
         if AdvantageEstimator(cfg.estimator).needs_critic:
             from rlhf_core.reward_model import load_reward_model
@@ -525,7 +609,7 @@ class PolicyLearner:
         """``(my_rows, R)`` the policy's log-probs of this rank's rows, no gradient, in ``shard``'s chunks."""
         return _in_chunks(
             lambda e, p: token_logprobs(self.strategy.module, e, p, self.cfg.temperature, head=self.head,
-                                        share_prompts=self.share_prompts_scoring, packed=self.packing)[0],
+                                        share_prompts=self.share_prompts, packed=self.packing)[0],
             exp, prompt_width, shard.rows.to(self.device), shard.n_chunks)
 
     # ---- update: ppo_epochs x mini-batches of the policy (and critic) ------------------------

@@ -8,6 +8,7 @@ a dense reward file (longer answer, higher reward) whose samples differ within e
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -398,23 +399,35 @@ def test_chunked_trimmed_logprobs_equal_one_full_pass(micro_model, micro_data, t
     torch.testing.assert_close(chunked * mask, full * mask, atol=1e-5, rtol=0)
 
 
-def test_prompts_shared_across_a_group_give_the_same_logprobs_and_gradients(micro_model, micro_data, tmp_path):
-    """Each distinct prompt run once, its KV cache gathered to its rows (rows shuffled, groups of 4):
-    the same log-probs and parameter gradients as one full pass."""
-    from rlhf_core.trainers.rl_roles import token_logprobs
+@pytest.mark.parametrize("checkpointing", ["off", "on"])
+def test_prompts_shared_across_a_group_give_the_same_logprobs_and_gradients(micro_model, micro_data, tmp_path,
+                                                                            checkpointing):
+    """Each distinct prompt run once, its responses after it in one prefix-tree row (rows shuffled, groups of
+    4, responses of several lengths): the same log-probs and parameter gradients as one full pass, with
+    gradient checkpointing too (no KV cache involved)."""
+    from rlhf_core.parallel import train_mode
+    from rlhf_core.trainers.rl_roles import prefix_tree, token_logprobs
 
-    learner, exp, p, _ = _learner_and_experience(micro_model, micro_data, tmp_path)
-    assert learner.share_prompts  # one process, no checkpointing
+    learner, exp, p, _ = _learner_and_experience(micro_model, micro_data, tmp_path,
+                                                 gradient_checkpointing=checkpointing)
+    assert learner.share_prompts and learner.checkpointing == (checkpointing == "on")  # one process
+    for row in range(len(exp["mask"])):  # responses of 4-6 tokens (the untrained model never stops early)
+        cut = exp["mask"].shape[1] - row % 3
+        for key, offset in (("attention_mask", p), ("input_ids", p), ("mask", 0), ("response_ids", 0)):
+            exp[key][row, offset + cut:] = 0
     mask = exp["mask"]
+    assert mask.sum(-1).min() < mask.sum(-1).max()  # tree rows of several lengths, padding in the tree
     shuffled = torch.randperm(len(mask), generator=torch.Generator().manual_seed(0))
     exp = {k: v[shuffled] for k, v in exp.items()}
     mask = mask[shuffled]
+    assert prefix_tree(exp, p).input_ids.shape[0] == 4
     model = learner.policy
     results = []
     for share in (False, True):
         model.zero_grad()
-        logp, _ = token_logprobs(model, exp, p, 0.7, share_prompts=share)
-        (logp * mask).sum().backward()
+        with train_mode(model) if learner.checkpointing else nullcontext():
+            logp, _ = token_logprobs(model, exp, p, 0.7, share_prompts=share)
+            (logp * mask).sum().backward()
         results.append((logp.detach(), {n: q.grad.clone() for n, q in model.named_parameters()}))
     (lp0, g0), (lp1, g1) = results
     torch.testing.assert_close(lp1 * mask, lp0 * mask, atol=1e-5, rtol=0)

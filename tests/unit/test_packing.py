@@ -93,3 +93,38 @@ def test_group_by_tokens_gives_each_oversized_example_its_own_bin(budget):
     """Every length exceeds a budget of 1; with 4, [5] and [6] are alone and 2 + 2 share: FFD order 6, 5, 2, 2."""
     groups = group_by_tokens([2, 5, 2, 6], budget)
     assert groups == ([[3], [1], [0], [2]] if budget == 1 else [[3], [1], [0, 2]])
+
+
+def test_prefix_tree_lays_each_prompt_out_once_with_its_responses():
+    """Prompt width 2, responses 2 wide. Row 0: prompt [5 6], response [7 8]; row 1: prompt [pad 9], response
+    [10 pad]; row 2: prompt [5 6], response [11 pad]; row 3: prompt [pad 4], response [12 pad]. Distinct prompts
+    sort as [0 4 | 0 1] < [0 9 | 0 1] < [5 6 | 1 1]: groups g0 = [4 12], g1 = [9 10], g2 = [5 6 7 8 11] (the prompt,
+    then row 0's response, then row 2's). Tree rows are as long as the longest group, L = 5; first-fit decreasing
+    puts g2 in row 0 and g0, g1 together in row 1 (starts 0, 5, 7 flat): [[5 6 7 8 11], [4 12 9 10 pad]].
+    Positions are the rows' own: [0 1 2 3 2] and [0 1 0 1 .]. Row 2's token 11 sees its prompt (columns 0-1) and
+    itself, not row 0's tokens; g1's tokens do not see g0's in the same tree row; padding sees itself.
+    Response column c is predicted by the row's last attended token before c, or by its prompt's last token
+    (flat index): row 0 -> [1, 2], row 1 -> [7, 8] (column 1 is padding: its row's last token), row 2 -> [1, 4],
+    row 3 -> [5, 6]. The last 5 - 1 + 1 = 5 columns hold every scored position (the shortest prompt: 1 token)."""
+    from rlhf_core.trainers.rl_roles import prefix_tree
+
+    ids = torch.tensor([[5, 6, 7, 8], [0, 9, 10, 0], [5, 6, 11, 0], [0, 4, 12, 0]])
+    att = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 0], [1, 1, 1, 0], [0, 1, 1, 0]])
+    exp = {"input_ids": ids, "attention_mask": att, "position_ids": (att.cumsum(1) - 1).clamp(min=0)}
+    tree = prefix_tree(exp, 2)
+    assert tree.input_ids.tolist() == [[5, 6, 7, 8, 11], [4, 12, 9, 10, 0]]
+    assert tree.position_ids.tolist() == [[0, 1, 2, 3, 2], [0, 1, 0, 1, 0]]
+    sees = [[[j for j in range(5) if tree.mask[b, 0, i, j]] for i in range(5)] for b in range(2)]
+    assert sees[0] == [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 4]]
+    assert sees[1] == [[0], [0, 1], [2], [2, 3], [4]]
+    assert tree.scored.tolist() == [1, 2, 7, 8, 1, 4, 5, 6]
+    assert tree.keep == 5
+
+
+def test_prefix_tree_is_none_when_no_prompt_repeats():
+    """Two rows with different prompts: nothing to share, the caller runs the padded rows."""
+    from rlhf_core.trainers.rl_roles import prefix_tree
+
+    ids = torch.tensor([[5, 6, 7], [5, 9, 7]])
+    att = torch.ones_like(ids)
+    assert prefix_tree({"input_ids": ids, "attention_mask": att, "position_ids": att.cumsum(1) - 1}, 2) is None
