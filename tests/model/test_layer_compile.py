@@ -100,6 +100,46 @@ def test_generation_runs_the_eager_layers(aot_eager, micro_model):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def _grouped_rows(tok):
+    """Two prompts, three rows each, responses of 2-4 tokens: left-padded prompts, right-padded responses."""
+    prompts = [tok(t)["input_ids"] for t in ("12+7=", "sort 3142=")]
+    answers = [tok(t)["input_ids"] for t in ("19", "1234", "9", "12", "1243", "3")]
+    P, R = max(map(len, prompts)), max(map(len, answers))
+    ids = torch.full((6, P + R), tok.pad_token_id)
+    att = torch.zeros_like(ids)
+    for row, answer in enumerate(answers):
+        prompt = prompts[row // 3]
+        ids[row, P - len(prompt):P], att[row, P - len(prompt):P] = torch.tensor(prompt), 1
+        ids[row, P:P + len(answer)], att[row, P:P + len(answer)] = torch.tensor(answer), 1
+    exp = {"input_ids": ids, "attention_mask": att, "position_ids": (att.cumsum(1) - 1).clamp(min=0),
+           "response_ids": ids[:, P:]}
+    return exp, P, att[:, P:].float()
+
+
+def test_rl_prefix_tree_runs_the_compiled_layers(aot_eager, micro_model):
+    """RL's shared-prompt pass (a prefix tree with a boolean mask, no KV cache) goes through the compiled layers:
+    graphs are compiled for it, and its log-probs and gradients under a non-uniform weight equal the eager
+    layers' exactly."""
+    from rlhf_core.trainers.rl_roles import token_logprobs
+
+    exp, P, mask = _grouped_rows(load_tokenizer(micro_model))
+    weights = torch.linspace(-1.0, 2.0, mask.numel()).view_as(mask) * mask
+    eager, compiled = load_causal_lm(micro_model, CPU), load_causal_lm(micro_model, CPU)
+    layer_compile.compile_decoder_layers(compiled)
+    graphs = counters["stats"]["unique_graphs"]
+    out = []
+    for model in (eager, compiled):
+        model.zero_grad(set_to_none=True)
+        logp, _ = token_logprobs(model, exp, P, 1.0, share_prompts=True)
+        (logp * weights).sum().backward()
+        out.append((logp.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}))
+    assert counters["stats"]["unique_graphs"] > graphs
+    (a, ga), (b, gb) = out
+    assert torch.equal(a * mask, b * mask)
+    assert ga.keys() == gb.keys() and all(torch.equal(ga[k], gb[k]) for k in ga)
+    assert not any(c.failed for c in layer_compile._COMPILED.values())
+
+
 def _failing_backend(gm, example_inputs):
     raise RuntimeError("this backend cannot compile")
 
