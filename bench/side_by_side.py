@@ -1225,7 +1225,7 @@ def floor(variant: str, name: str, ceiling: dict, facts: dict, response_len: flo
     return {"step_s": round(gen + ref + upd, 4), "generation_s": round(gen, 4), "reference_s": round(ref, 4),
             "update_s": round(upd, 4),
             "rule": "2 N prompts P / peak + R x max(bytes/BW, 2 N B / peak) + 2 N T / peak + 6 N T / peak, "
-                    "T = prompts P + rows R (prompts once per group), R the measured mean response"}
+                    "T = prompts P + rows R (prompts once per group), R our rows' measured median response"}
 
 
 def bench_summary(variant: str, name: str, runs: dict[str, list[dict]], warmup: int, ceiling: dict,
@@ -1250,7 +1250,10 @@ def bench_summary(variant: str, name: str, runs: dict[str, list[dict]], warmup: 
                 "like_with_like_checkpointing": ca.get("on") is not None and ca.get("on") == ct.get("on")}
     out["pairs"] = pairs
     if name == "grpo":
-        resp = rows.get("ours-best", {}).get("median_response_len")
+        # our rows' median response (any ours row: the CPU variant's only one, ours-fp32, is not an ours-best
+        # candidate); without one the floor assumes max_new_tokens
+        resp = next((r["median_response_len"] for k, r in sorted(rows.items(), key=lambda kv: kv[0] != "ours-best")
+                     if k.startswith("ours") and r.get("median_response_len")), None)
         out["floor"] = floor(variant, name, ceiling, facts, resp)
     else:
         out["floor"] = floor(variant, name, ceiling, facts)
