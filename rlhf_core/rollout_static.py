@@ -40,6 +40,7 @@ sampled token, before top-k / top-p filtering.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -60,6 +61,9 @@ SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 # How often (in decode steps) the host asks whether every row has finished: on a GPU each ask waits
 # for the device, so it asks every 16 steps there and every step on the CPU.
 _EOS_CHECK_EVERY = {"cuda": 16}
+# The eager decode (the CPU's) drops finished rows from its batch once this share or fewer of them still run
+# (_decode_eagerly): each drop copies the live rows' caches, so it waits for a quarter of the rows to finish.
+_COMPACT_BELOW = 0.75
 # Columns between the cache widths of the decode graphs (see _Decoder.width_buckets); 0: one graph over
 # the whole cache. Measured on an H100 (bench/results/gpu_engine_h100_width_ab.json, 512 x 256): eight
 # 32-column graphs 1.67 s against one graph 1.35 s: graphs are captured per generate call, and the
@@ -463,13 +467,35 @@ class _Sampler:
 
 def _decode_eagerly(decoder: "_Decoder", logits: torch.Tensor, sampler: _Sampler,
                     generator: torch.Generator) -> int:
-    """Sample, record and decode step by step (the CPU path; a uniform drawn per step); the steps run."""
+    """Sample, record and decode step by step (the CPU path; a uniform a row drawn per step); the steps run.
+
+    Where the decoder allows it (:attr:`_Decoder.compactable`), rows that have finished leave its batch once
+    they are more than ``1 - _COMPACT_BELOW`` of it, so later steps compute live rows only (a CPU GRPO step's
+    responses run 1-12 tokens around a median of 5: most of a fixed-batch decode's work went to finished rows).
+    Uniforms are still drawn for every row, in the same order, and a row's logits do not depend on the others,
+    so the samples are the whole batch's, their log-probs to an ulp (a smaller batch's GEMMs may round
+    differently; ``tests/model/test_rollout_static.py``).
+    """
     R, check_every = sampler.out_ids.shape[1], _EOS_CHECK_EVERY.get(logits.device.type, 1)
+    rows, device = sampler.out_ids.shape[0], logits.device
+    live = torch.arange(rows, device=device)  # the decoder's rows among all rows
     for t in range(R):
-        token = sampler.record(*_sample(logits, sampler.params, generator))
+        uniform = None if sampler.params.greedy else torch.rand((rows, 1), device=device, generator=generator)
+        token, logp = _sample(logits, sampler.params, uniform=None if uniform is None else uniform[live])
+        if len(live) < rows:  # rows gone from the decoder record pad (they have finished: record pads them)
+            token = torch.full((rows,), sampler.pad, dtype=token.dtype, device=device).index_copy_(0, live, token)
+            logp = torch.zeros(rows, dtype=logp.dtype, device=device).index_copy_(0, live, logp)
+        token = sampler.record(token, logp)
         if t == R - 1 or ((t + 1) % check_every == 0 and bool(sampler.finished.all())):
             return t + 1
-        logits = decoder.step(token)
+        if decoder.compactable and (t + 1) % check_every == 0:  # where the host reads ``finished`` anyway
+            running = ~sampler.finished[live]
+            kept = int(running.sum())
+            if kept <= _COMPACT_BELOW * len(live):
+                keep = running.nonzero().squeeze(-1)
+                decoder.keep(keep)
+                live = live[keep]
+        logits = decoder.step(token[live])
     return R
 
 
@@ -753,6 +779,21 @@ class _Decoder:
             self.used += 1
         else:
             self.valid.index_fill_(1, self.col, True)
+
+    @property
+    def compactable(self) -> bool:
+        """Whether :meth:`keep` may shrink the batch: the SDPA cache layout (not the flash one, whose sequence
+        bounds would need rebuilding) and no captured graphs (they hold the buffers)."""
+        return not self.flash and not self.graphs
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows ``rows`` (positions in the current batch): their caches and step buffers."""
+        if not self.compactable:
+            raise RuntimeError("the decode batch can shrink only in the SDPA layout without captured graphs")
+        self.k = [k.index_select(0, rows) for k in self.k]
+        self.v = [v.index_select(0, rows) for v in self.v]
+        self.valid, self.token, self.pos = (t.index_select(0, rows) for t in (self.valid, self.token, self.pos))
+        self.shape = dataclasses.replace(self.shape, rows=len(rows))
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Feed ``token (B,)``; the next ``(B, V)`` logits (eager decode: the CPU path, and the fallback when

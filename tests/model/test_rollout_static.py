@@ -10,7 +10,7 @@ import torch
 
 from rlhf_core.config import RLConfig
 from rlhf_core.models import load_causal_lm, load_tokenizer
-from rlhf_core.rollout import HFGenerateEngine, RolloutEngine, SamplingParams
+from rlhf_core.rollout import HFGenerateEngine, RolloutEngine, SamplingParams, response_mask_from_ids
 from rlhf_core.rollout_static import StaticCacheEngine, supports
 from rlhf_core.trainers.rl import build_rollout_engine
 from test_rollout_hf import forward_logprobs
@@ -172,15 +172,18 @@ def test_decode_over_the_filled_prefix_equals_the_whole_cache(micro_model, monke
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p,stop", [(1.0, 0, 1.0, False), (0.7, 5, 0.9, True), (0, 0, 1.0, False)])
-def test_captured_iteration_equals_the_stepwise_loop(temperature, top_k, top_p, stop, micro_model):
+def test_captured_iteration_equals_the_stepwise_loop(temperature, top_k, top_p, stop, micro_model, monkeypatch):
     """The body a CUDA graph captures (decode, sample with given uniforms, record, eos bookkeeping;
     ``_decode_in_graphs``) run eagerly here, one iteration per replay, gives the stepwise loop's tokens,
     log-probs and stop step exactly: on a CPU one draw of every step's uniforms equals the per-step draws,
-    so both see the same numbers. Rows finish at different steps (eos-biased model; a stop token too)."""
+    so both see the same numbers. Rows finish at different steps (eos-biased model; a stop token too). The
+    stepwise loop keeps its whole batch here (finished rows are not dropped), as the captured one does."""
+    from rlhf_core import rollout_static
     from rlhf_core.data.tokenize import encode_prompt
     from rlhf_core.rollout import _left_pad
     from rlhf_core.rollout_static import _decode_eagerly, _decode_in_graphs, _Decoder, _Sampler
 
+    monkeypatch.setattr(rollout_static, "_COMPACT_BELOW", 0.0)
     model, tok = _eos_biased(micro_model)
     ids, mask = _left_pad([encode_prompt(tok, p) for p in PROMPTS], tok.pad_token_id)
     R = 24
@@ -208,6 +211,35 @@ def test_captured_iteration_equals_the_stepwise_loop(temperature, top_k, top_p, 
     torch.testing.assert_close(lp0, lp1, atol=0, rtol=0)
     ended = (ids0 == tok.eos_token_id).any(-1)
     assert 0 < int(ended.sum()) and (s0 < R or not bool(f0.all()))  # rows ended at different steps
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (1.0, 5, 0.9)])
+def test_dropping_finished_rows_keeps_every_sample(temperature, top_k, top_p, micro_model, monkeypatch):
+    """The eager decode drops finished rows from its batch (``_COMPACT_BELOW``): the same tokens and stop step
+    as the whole batch to the end (never dropping), the response log-probs to an ulp (a smaller batch's GEMMs may
+    round differently), and the batch did shrink (rows of the eos-biased model end at different steps)."""
+    from rlhf_core import rollout_static
+    from rlhf_core.data.tokenize import encode_prompt
+    from rlhf_core.rollout import _left_pad
+    from rlhf_core.rollout_static import _decode_eagerly, _Decoder, _Sampler
+
+    model, tok = _eos_biased(micro_model)
+    ids, mask = _left_pad([encode_prompt(tok, p) for p in PROMPTS], tok.pad_token_id)
+    R, n = 24, 4
+    params = SamplingParams(n=n, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=R)
+    runs = []
+    for share in (0.0, 0.75):  # 0: never drop (kept <= 0 rows only once all have finished)
+        monkeypatch.setattr(rollout_static, "_COMPACT_BELOW", share)
+        with torch.no_grad():
+            decoder = _Decoder(model, ids, mask, max_new_tokens=R, n=n)
+            sampler = _Sampler(params, ids.shape[0] * n, R, tok.eos_token_id, tok.pad_token_id, torch.device("cpu"))
+            steps = _decode_eagerly(decoder, decoder.prefill(), sampler, torch.Generator().manual_seed(5))
+        kept = response_mask_from_ids(sampler.out_ids[:, :steps], tok.eos_token_id, ()).bool()
+        runs.append((steps, sampler.out_ids[:, :steps], sampler.out_logp[:, :steps][kept], decoder.shape.rows))
+    (s0, ids0, lp0, rows0), (s1, ids1, lp1, rows1) = runs
+    assert s0 == s1 and torch.equal(ids0, ids1)
+    torch.testing.assert_close(lp0, lp1, atol=1e-6, rtol=0)
+    assert rows0 == len(PROMPTS) * n and rows1 < rows0 / 2  # the second run's batch shrank
 
 
 @pytest.mark.parametrize("fused,grouped", [(True, True), (True, False), (False, True)])
