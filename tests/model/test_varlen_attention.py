@@ -264,3 +264,24 @@ def test_packed_rl_training_on_varlen_equals_padded_sdpa(micro_model, micro_data
         RLConfig(packing=True, micro_batch_tokens=64)
     with pytest.raises(ConfigError, match=r"rl.packing: must be auto, true or false, got 'sometimes'"):
         RLConfig(packing="sometimes")
+
+
+def test_rl_prefix_tree_on_a_varlen_model_takes_sdpa_with_its_mask(micro_model, monkeypatch):
+    """RL's shared-prompt pass hands the model a 4D tree mask: on a model loaded with varlen attention (a GPU's
+    default) every layer routes it to SDPA, and the log-probs equal the SDPA model's padded rows."""
+    from rlhf_core.models import load_tokenizer
+    from rlhf_core.trainers.rl_roles import token_logprobs
+    from test_layer_compile import _grouped_rows
+
+    exp, P, mask = _grouped_rows(load_tokenizer(micro_model))
+    sdpa_lm = load_causal_lm(micro_model, CPU)
+    monkeypatch.setenv(ATTENTION_ENV, "varlen")
+    lm = load_causal_lm(micro_model, CPU)
+    assert lm.config._attn_implementation == attention.VARLEN
+    with torch.no_grad():
+        padded, _ = token_logprobs(sdpa_lm, exp, P, 1.0)
+        before = dict(attention.calls)
+        tree, _ = token_logprobs(lm, exp, P, 1.0, share_prompts=True)
+    assert attention.calls["sdpa"] - before["sdpa"] == lm.config.num_hidden_layers
+    assert attention.calls["varlen"] == before["varlen"]
+    torch.testing.assert_close(tree * mask, padded * mask, atol=1e-5, rtol=0)
