@@ -81,8 +81,8 @@ class PrefixTree:
     to back; groups are packed into tree rows of the longest group's length (first-fit decreasing), the rest of
     a tree row padding. ``input_ids``, ``position_ids`` ``(B, L)``: the tokens and their positions as in the
     padded rows; ``mask`` ``(B, 1, L, L)`` bool: a prompt token sees its prompt's earlier tokens, a response
-    token its prompt and its own row's earlier tokens, a padding token its own tree row's earlier prompt tokens
-    and itself (a query with no key would be NaN in forward and backward); ``scored`` ``(rows * R,)``: the flat
+    token its prompt and its own row's earlier tokens, a padding token only itself (a query with no key would be
+    NaN in forward and backward); ``scored`` ``(rows * R,)``: the flat
     tree position whose output predicts each response column (a padded column maps to its row's last attended
     token; the caller masks it); ``keep``: the last ``keep`` columns hold every scored position
     (``logits_to_keep``).
@@ -170,12 +170,12 @@ def _shared_prompt_logits(model: Any, exp: dict[str, torch.Tensor], prompt_width
     prompt run once; ``None`` if none repeats.
 
     GRPO-style groups score ``n`` responses to one prompt, and on short answers the prompt is most of the
-    tokens (60% on the embedded default). One forward over the rows' prefix tree (:func:`prefix_tree`): a
-    row per distinct prompt, holding the prompt then its responses, each response attending to the prompt
-    and to itself. The same attention over the same keys as the padded rows, so the same log-probs and
+    tokens (60% on the embedded default). One forward over the rows' prefix tree (:func:`prefix_tree`): each
+    distinct prompt, then its responses, each response attending to the prompt and to itself, several such
+    groups to a tree row. The same attention over the same keys as the padded rows, so the same log-probs and
     gradients to rounding (``tests/model/test_rl_tiny.py``), with no response padding computed and one model
-    call (an earlier version ran the prompts with a KV cache, then the responses on it: two calls, the second
-    on padded responses; the tree took a CPU GRPO micro-batch's forward and backward from 54 to 40 ms).
+    call. An earlier version ran the prompts with a KV cache, then the responses on it: two calls, the second
+    on padded responses (a CPU GRPO step 0.514 s against the tree's 0.436 s, BENCHMARKS.md).
     """
     tree = prefix_tree(exp, prompt_width)
     if tree is None:
