@@ -1250,10 +1250,10 @@ def bench_summary(variant: str, name: str, runs: dict[str, list[dict]], warmup: 
                 "like_with_like_checkpointing": ca.get("on") is not None and ca.get("on") == ct.get("on")}
     out["pairs"] = pairs
     if name == "grpo":
-        # our rows' median response (any ours row: the CPU variant's only one, ours-fp32, is not an ours-best
-        # candidate); without one the floor assumes max_new_tokens
-        resp = next((r["median_response_len"] for k, r in sorted(rows.items(), key=lambda kv: kv[0] != "ours-best")
-                     if k.startswith("ours") and r.get("median_response_len")), None)
+        # our best row's median response, else any ours row's (the CPU variant's only one, ours-fp32, is not an
+        # ours-best candidate); without one the floor assumes max_new_tokens
+        ours = rows.get("ours-best") or next((r for k, r in rows.items() if k.startswith("ours")), {})
+        resp = ours.get("median_response_len")
         out["floor"] = floor(variant, name, ceiling, facts, resp)
     else:
         out["floor"] = floor(variant, name, ceiling, facts)

@@ -81,8 +81,8 @@ class PrefixTree:
     to back; groups are packed into tree rows of the longest group's length (first-fit decreasing), the rest of
     a tree row padding. ``input_ids``, ``position_ids`` ``(B, L)``: the tokens and their positions as in the
     padded rows; ``mask`` ``(B, 1, L, L)`` bool: a prompt token sees its prompt's earlier tokens, a response
-    token its prompt and its own row's earlier tokens, a padding token only itself (a query with no key would be
-    NaN in forward and backward); ``scored`` ``(rows * R,)``: the flat
+    token its prompt and its own row's earlier tokens, a padding token the padding before it and itself (padding
+    ends a tree row, so no real token sees it; a query with no key would be NaN in forward and backward); ``scored`` ``(rows * R,)``: the flat
     tree position whose output predicts each response column (a padded column maps to its row's last attended
     token; the caller masks it); ``keep``: the last ``keep`` columns hold every scored position
     (``logits_to_keep``).
@@ -153,10 +153,9 @@ def prefix_tree(exp: dict[str, torch.Tensor], prompt_width: int) -> PrefixTree |
         group[dest[keep]] = grp[keep]
     owner, group = owner.view(B, L), group.view(B, L)
     causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
-    key_owner = owner[:, None, :]  # (B, 1, key) against (B, query, 1)
+    key_owner = owner[:, None, :]  # (B, 1, key) against (B, query, 1); padding is group -1, owner -2
     sees = (group[:, None, :] == group[:, :, None]) & ((key_owner == -1) | (key_owner == owner[:, :, None]))
-    pad_self = torch.eye(L, dtype=torch.bool, device=dev) & (owner == -2)[:, :, None]
-    mask = (causal & sees & (key_owner != -2)) | pad_self
+    mask = causal & sees
     # response column c is predicted by the row's attended token before it, or by its prompt's last token
     earlier = r_rank - r_att.long()  # (rows, R) attended response tokens before column c
     last_prompt = (base + prompt_len - 1)[inverse][:, None]
@@ -183,7 +182,7 @@ def _shared_prompt_logits(model: Any, exp: dict[str, torch.Tensor], prompt_width
     kwargs = {"logits_to_keep": tree.keep} if _keeps_logits(model) else {}
     out = model(input_ids=tree.input_ids, position_ids=tree.position_ids, attention_mask=tree.mask,
                 use_cache=False, **kwargs).logits
-    G, L = tree.input_ids.shape
+    L = tree.input_ids.shape[1]
     drop = L - out.shape[1]  # the columns logits_to_keep left out, all left of every scored position
     rows, R = exp["input_ids"].shape[0], exp["input_ids"].shape[1] - prompt_width
     scored = (tree.scored // L) * out.shape[1] + tree.scored % L - drop  # positions in the kept columns
