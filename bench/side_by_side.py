@@ -79,8 +79,8 @@ Options for ours' rows: ``--micro-batch-tokens N`` (packed rows: a token budget 
 ``gradient_checkpointing: auto`` choose off), ``--lm-head`` (ours' ``lm_head``, default auto), ``--global-batch G``
 (a step of G rows, each rank's micro-batch the variant's batch: the 1 -> N scaling pair at a fixed global batch
 with the same work per GPU), ``--profile``
-(torch.profiler over steps 4-6 of each offline row, and over the third policy update of the grpo bench on one
-device: device busy time, the idle gaps between kernels and what the host ran during the largest; a
+(torch.profiler over steps 4-6 of each offline row, rank 0's under Ray ranks, and over the third policy update of
+the grpo bench on one device: device busy time, the idle gaps between kernels and what the host ran during the largest; a
 where-the-time-goes run, not a timing), ``--sync-census`` (grpo on one GPU: every wait of the host for the device
 in the third policy update, counted by where it was made; ``bench/ab_processes.sh`` runs old and new trees in
 turn)::
@@ -480,17 +480,27 @@ def _in_actor(factory: str, peak_dir: str, *args, **kwargs):
     return getattr(ray_launcher, factory)(*args, **kwargs)
 
 
-def _rank_main(train: str, peak_dir: str, cfg, sink=None, show_progress: bool = False):
-    """One data-parallel rank of an offline trainer (``module:function``), with log capture and peak writer."""
+RANK0_PROFILE = "rank0.profile"  # ``--profile`` under Ray ranks: rank 0's summary, in the child's peak folder
+
+
+def _rank_main(train: str, peak_dir: str, cfg, sink=None, show_progress: bool = False, profile: dict | None = None):
+    """One data-parallel rank of an offline trainer (``module:function``), with log capture and peak writer;
+    with ``profile`` (``--profile`` on several GPUs), rank 0 (the rank given a sink) runs under torch.profiler
+    and leaves its summary in ``peak_dir`` (:data:`RANK0_PROFILE`)."""
     import importlib
 
     _child_logging()
     flush = _peak_writer(peak_dir)
     module, fn = train.split(":")
+    if profile and sink is not None and peak_dir:
+        sink = _ForwardingProfiler(profile, sink)
     try:
         return getattr(importlib.import_module(module), fn)(cfg, sink=sink, show_progress=show_progress)
     finally:
         flush()
+        if isinstance(sink, _ForwardingProfiler):
+            sink.close()
+            (Path(peak_dir) / RANK0_PROFILE).write_text(json.dumps(sink.summary))
 
 
 # --------------------------------------------------------------------------------------
@@ -552,6 +562,21 @@ class _ProfilingSink(_Sink):
 
     def close(self) -> None:
         self.prof.stop()
+
+
+class _ForwardingProfiler(_ProfilingSink):
+    """:class:`_ProfilingSink` on rank 0 of Ray ranks: the metrics also go on to the rank's own sink (the queue
+    to the driver), and the partial-step lines are not printed (an actor's stdout is not the child's)."""
+
+    def __init__(self, spec: dict, inner) -> None:
+        super().__init__(spec)
+        self.inner = inner
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        self.inner.log_metrics(metrics, step)
+        if "perf/elapsed_s" in metrics:
+            self.marks.append(metrics["perf/elapsed_s"])
+            self.prof.step()
 
 
 def _profile_summary(prof, walls: list[float], n: int) -> dict:
@@ -818,16 +843,23 @@ def _ours_offline(task: dict, common: dict, sink: Any, work: Path) -> dict:
         cfg = DPOConfig(**shared, beta=b["beta"], precompute_reference=False, nll_weight=0.0)
     else:
         cfg = RewardConfig(**{**shared, "eval_file": data})  # pairs as the held-out file: no split of the train rows
+    profile: dict = {}
     if gpus > 1:
         from rlhf_core.ray_launcher import train_data_parallel
 
-        train_data_parallel(functools.partial(_rank_main, TRAINERS[name], peak_dir), cfg, sink, show_progress=False)
+        train_data_parallel(functools.partial(_rank_main, TRAINERS[name], peak_dir, profile=task.get("profile")),
+                            cfg, sink, show_progress=False)
+        written = Path(peak_dir) / RANK0_PROFILE if peak_dir else None
+        if written is not None and written.exists():
+            profile = {"rank": 0, **json.loads(written.read_text())}
     else:
         _rank_main(TRAINERS[name], "", cfg, sink)
     elapsed = [m["perf/elapsed_s"] for _, m in sink.rows if "perf/elapsed_s" in m]
     sink.close()
+    if isinstance(sink, _ProfilingSink):
+        profile = sink.summary
     return {"step_s": [b2 - a for a, b2 in zip([0.0] + elapsed, elapsed)], "peak_memory_gb": _peak_memory_gb(),
-            **({"profile": sink.summary} if isinstance(sink, _ProfilingSink) else {}),
+            **({"profile": profile} if profile else {}),
             "launch": f"Ray, {gpus} ranks, {inputs['parallel']}" if gpus > 1 else "one process",
             # decoder-layer attention calls by path in this process (packed rows on a GPU: varlen); one rank's
             # under Ray ranks live in other processes, so both stay 0 there
@@ -1416,7 +1448,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--micro-batch-tokens", type=int, default=0,
                     help="ours' packed rows: token budget of a micro-batch (0: each draw is one micro-batch)")
     ap.add_argument("--profile", action="store_true",
-                    help="ours' offline rows (steps 4-6) and grpo's third update on one device under torch.profiler: a "
+                    help="ours' offline rows (steps 4-6; rank 0 on several GPUs) and grpo's third update on one device under "
+                         "torch.profiler: a "
                          "where-the-time-goes "
                          "run, its step times carry the profiler's overhead")
     ap.add_argument("--sync-census", action="store_true",

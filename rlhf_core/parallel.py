@@ -442,8 +442,10 @@ class DeepSpeedStrategy:
 
         # Parameters the ZeRO-3 prefetcher fetched for a forward that did not run (the last eval pass's
         # look-ahead) are still in flight; gathering them and partitioning again on exit fails with
-        # "Cannot partition a param in flight" (a 7B DPO run's final save on 4 GPUs). Release them first.
-        self.engine.empty_partition_cache()
+        # "Cannot partition a param in flight" (a 7B DPO run's final save on 4 GPUs). Release them first,
+        # through the ZeRO optimizer's own call: the engine's ``empty_partition_cache`` adds a full
+        # ``gc.collect()`` and ``torch.cuda.empty_cache()``, and a bucketed weight sync gathers 15 times a step.
+        self.engine.optimizer.empty_partition_cache()
         if params is not None:  # read-only: nothing is broadcast back on exit
             return deepspeed.zero.GatheredParameters(list(params), modifier_rank=None)
         return deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=0)
