@@ -79,9 +79,9 @@ Options for ours' rows: ``--micro-batch-tokens N`` (packed rows: a token budget 
 ``gradient_checkpointing: auto`` choose off), ``--lm-head`` (ours' ``lm_head``, default auto), ``--global-batch G``
 (a step of G rows, each rank's micro-batch the variant's batch: the 1 -> N scaling pair at a fixed global batch
 with the same work per GPU), ``--profile``
-(torch.profiler over steps 4-6 of each offline row, rank 0's under Ray ranks, and over the third policy update of
-the grpo bench on one device: device busy time, the idle gaps between kernels and what the host ran during the largest; a
-where-the-time-goes run, not a timing), ``--sync-census`` (grpo on one GPU: every wait of the host for the device
+(torch.profiler over steps 4-6 of each offline row, rank 0's under Ray ranks, and over the third policy
+update of the grpo bench on one device: device busy time, the idle gaps between kernels and what the host ran during
+the largest; a where-the-time-goes run, not a timing), ``--sync-census`` (grpo on one GPU: every wait of the host for the device
 in the third policy update, counted by where it was made; ``bench/ab_processes.sh`` runs old and new trees in
 turn)::
 
@@ -1448,14 +1448,16 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--micro-batch-tokens", type=int, default=0,
                     help="ours' packed rows: token budget of a micro-batch (0: each draw is one micro-batch)")
     ap.add_argument("--profile", action="store_true",
-                    help="ours' offline rows (steps 4-6; rank 0 on several GPUs) and grpo's third update on one device under "
-                         "torch.profiler: a "
-                         "where-the-time-goes "
+                    help="ours' offline rows (steps 4-6; rank 0 on several GPUs) and grpo's third update on one "
+                         "device under torch.profiler: a where-the-time-goes "
                          "run, its step times carry the profiler's overhead")
     ap.add_argument("--sync-census", action="store_true",
                     help="grpo on one GPU: count where the third policy update waits for the device (sync debug "
                          "mode); its step times carry the warnings' cost")
     ap.add_argument("--resummarize", metavar="FILE", help="recompute the summaries of a result file from its runs")
+    ap.add_argument("--combine", nargs="+", metavar="FILE",
+                    help="one result file at --out from the rows of FILEs (the same variant's benchmarks, run in "
+                         "consecutive calls on one warm machine: the 7B variant's AB round)")
     ap.add_argument("--scaling", nargs=2, metavar=("ONE", "MANY"),
                     help="combine two result files (--gpus 1 and --gpus N) into the scaling summary at --out")
     ap.add_argument("--child", choices=["alignflow", "trl", "ceiling", "build"], help=argparse.SUPPRESS)
@@ -1599,6 +1601,9 @@ def main() -> None:
     if args.scaling:
         scaling(Path(args.scaling[0]), Path(args.scaling[1]), Path(args.out))
         return
+    if args.combine:
+        combine([Path(p) for p in args.combine], Path(args.out), args.warmup)
+        return
     args.rounds = args.rounds or SETTINGS[args.variant]["rounds"]
     rows, benches = _check_choices(ap, args)
     started = time.perf_counter()
@@ -1660,6 +1665,45 @@ def scaling(one: Path, many: Path, out: Path) -> dict:
            "device": a["results"][next(iter(a["results"]))]["summary"]["rows"].get("ours-best", {}).get("device")}
     out.write_text(json.dumps(portable(doc), indent=2) + "\n")
     print(json.dumps(doc), flush=True)
+    return doc
+
+
+def combine(paths: list[Path], out: Path, warmup: int) -> dict:
+    """One result file from the rows of several (``--combine A B ...``): the 7B variant's AB round split across
+    consecutive calls on one warm machine (the issue allows it; one call would not hold both sides). The files
+    must share the variant, GPU count and benchmarks; every row's runs are kept as run, the ceiling is the max over
+    all the calls' measurements (each call's own kept under ``combined_from``), and the summaries are recomputed."""
+    docs = [json.loads(p.read_text()) for p in paths]
+    first = docs[0]
+    for p, d in zip(paths[1:], docs[1:]):
+        for key in ("variant",):
+            if d[key] != first[key]:
+                raise SystemExit(f"--combine: {p.name} is {key} {d[key]!r}, {paths[0].name} {first[key]!r}")
+        if d["settings"].get("gpus") != first["settings"].get("gpus") or set(d["results"]) != set(first["results"]):
+            raise SystemExit(f"--combine: {p.name} has other GPUs or benchmarks than {paths[0].name}")
+    results: dict = {name: {"runs": {}} for name in first["results"]}
+    for p, d in zip(paths, docs):
+        for name, res in d["results"].items():
+            for row, runs in res["runs"].items():
+                if row in results[name]["runs"]:
+                    raise SystemExit(f"--combine: row {row} of {name} is in more than one file")
+                results[name]["runs"][row] = [{**r, "call": p.name} for r in runs]
+    c = {"matmul_flops": max(d["ceiling"]["matmul_flops"] for d in docs),
+         "copy_bytes_per_s": max(d["ceiling"]["copy_bytes_per_s"] for d in docs)}
+    if first["settings"].get("gpus"):
+        SETTINGS[first["variant"]]["gpus"] = first["settings"]["gpus"]
+    for name, res in results.items():
+        res["summary"] = bench_summary(first["variant"], name, res["runs"], warmup, c, first["model"])
+    doc = {**{k: v for k, v in first.items() if k not in ("results", "summary", "ceiling", "wall_s")},
+           "combined_from": [{"file": p.name, "ceiling": d["ceiling"], "wall_s": d.get("wall_s")}
+                             for p, d in zip(paths, docs)],
+           "ceiling": {**c, "matmul_tflops": round(c["matmul_flops"] / 1e12, 2),
+                       "copy_tb_per_s": round(c["copy_bytes_per_s"] / 1e12, 3), "rule": "max over the combined calls"},
+           "results": results,
+           "summary": {"pairs": {n: r["summary"]["pairs"] for n, r in results.items()},
+                       "targets": targets(first["variant"], results)}}
+    out.write_text(json.dumps(portable(doc), indent=2) + "\n")
+    print(json.dumps({"summary": doc["summary"]}), flush=True)
     return doc
 
 

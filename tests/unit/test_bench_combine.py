@@ -1,0 +1,51 @@
+"""``bench/side_by_side.py --combine``: one result file from the rows of consecutive calls (the 7B AB round).
+
+Run on two committed result files of a 4 x H200 run (ours in one call, TRL in the next on the same warm
+machine): the combined summary's ratio must be TRL's median over ours', each recomputed here from the raw
+per-step times with the first step left out, and the ceiling the larger of the two calls'.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "bench" / "results"
+OURS, TRL = RESULTS / "side_by_side_h200x4_7b_grpo_ours_c2.json", RESULTS / "side_by_side_h200x4_7b_grpo_trl_c3.json"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("side_by_side_under_test", REPO / "bench" / "side_by_side.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _timed_median(path: Path, row: str) -> float:
+    run = json.loads(path.read_text())["results"]["grpo"]["runs"][row][0]
+    return statistics.median(run["step_s"][1:])  # the bench's default --warmup 1
+
+
+def test_combined_ratio_is_trls_median_over_ours_from_the_raw_steps(bench, tmp_path):
+    out = tmp_path / "combined.json"
+    doc = bench.combine([OURS, TRL], out, warmup=1)
+    pair = doc["results"]["grpo"]["summary"]["pairs"]["ours-bf16 / trl-default"]
+    expected = _timed_median(TRL, "trl-default") / _timed_median(OURS, "ours-bf16")
+    assert pair["speedup_ours_over_trl"] == pytest.approx(expected, abs=1e-3)
+    ceilings = [json.loads(p.read_text())["ceiling"]["matmul_flops"] for p in (OURS, TRL)]
+    assert doc["ceiling"]["matmul_flops"] == max(ceilings)
+    assert [c["file"] for c in doc["combined_from"]] == [OURS.name, TRL.name]
+    runs = doc["results"]["grpo"]["runs"]
+    assert runs["ours-bf16"][0]["call"] == OURS.name and runs["trl-default"][0]["call"] == TRL.name
+    assert json.loads(out.read_text())["summary"] == json.loads(json.dumps(doc["summary"]))
+
+
+def test_a_row_in_two_files_is_refused(bench, tmp_path):
+    with pytest.raises(SystemExit, match="ours-bf16 of grpo is in more than one file"):
+        bench.combine([OURS, OURS], tmp_path / "twice.json", warmup=1)
