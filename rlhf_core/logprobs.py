@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from rlhf_core.lm_head import MODEL_INPUTS, LMHead, labelled_token_logprobs
+from rlhf_core.lm_head import MODEL_INPUTS, LMHead, labelled_token_logprobs, scored_logprobs, unwrap
 from rlhf_core.losses import IGNORE_INDEX, segment_sums
 
 __all__ = ["MODEL_INPUTS", "response_logprobs", "reference_logprobs", "is_packed", "sequence_sums",
@@ -27,10 +27,25 @@ def response_logprobs(model: Any, batch: dict[str, torch.Tensor], *, average: bo
 
     ``log pi(y | x) = sum_{t: y_t != -100} log p(y_t | x, y_{<t})`` (Rafailov et al. 2023, Eq. 7).
     """
-    logps = sequence_sums(labelled_token_logprobs(model, batch, head), batch)
+    if "scored_sequence" in batch:
+        logps = _tree_logprobs(model, batch, head)
+    else:
+        logps = sequence_sums(labelled_token_logprobs(model, batch, head), batch)
     if average:
         logps = logps / response_token_counts(batch).to(logps.device).clamp(min=1)
     return logps
+
+
+def _tree_logprobs(model: Any, batch: dict[str, torch.Tensor], head: LMHead) -> torch.Tensor:
+    """``(2B,)`` summed log-probs of pairs as prefix trees (:func:`rlhf_core.data.tokenize.collate_pair_tree`): one
+    forward under the tree mask, each labelled token scored at the position its collator named, summed per
+    sequence (a labelled token both sequences share is scored once a side)."""
+    device = next(unwrap(model).parameters()).device
+    inputs = {k: batch[k].to(device, non_blocking=True) for k in MODEL_INPUTS}
+    positions, targets, sequence = (batch[k].to(device, non_blocking=True)
+                                    for k in ("scored_positions", "scored_targets", "scored_sequence"))
+    logp, _ = scored_logprobs(model, inputs, positions, targets, head)
+    return torch.zeros(2 * int(batch["n_pairs"]), dtype=logp.dtype, device=device).index_add(0, sequence, logp)
 
 
 def is_packed(batch: dict[str, torch.Tensor]) -> bool:
@@ -48,6 +63,8 @@ def sequence_sums(values: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch
 
 def response_token_counts(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """``(sequences,)`` labelled next-token targets of each sequence (long)."""
+    if "scored_sequence" in batch:
+        return torch.bincount(batch["scored_sequence"], minlength=2 * int(batch["n_pairs"]))
     return sequence_sums((batch["labels"][:, 1:] != IGNORE_INDEX).long(), batch)
 
 

@@ -42,12 +42,18 @@ def load_reward_model(path: str | Path, device: torch.device | None = None, dtyp
 
 
 def pair_rewards(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``(2B,)`` raw rewards of a :func:`rlhf_core.data.tokenize.collate_pairs` batch, padded or packed.
+    """``(2B,)`` raw rewards of a :func:`rlhf_core.data.tokenize.collate_pairs` batch, padded or packed, or of a
+    :func:`rlhf_core.data.tokenize.collate_pair_tree` batch.
 
     ``model`` may be wrapped (DDP, a DeepSpeed engine): it is always called through the wrapper,
     so data-parallel gradient reduction sees the forward.
     """
     device = next(model.parameters()).device
+    if "last_index" in batch:  # pairs as prefix trees (collate_pair_tree): the tree mask, scores at each last token
+        return packed_rewards(model, batch["input_ids"].to(device, non_blocking=True),
+                              batch["position_ids"].to(device, non_blocking=True),
+                              index=batch["last_index"].to(device, non_blocking=True),
+                              attention_mask=batch["attention_mask"].to(device, non_blocking=True))
     if not is_packed(batch):
         return model(input_ids=batch["input_ids"].to(device, non_blocking=True),
                      attention_mask=batch["attention_mask"].to(device, non_blocking=True)).logits.squeeze(-1).float()

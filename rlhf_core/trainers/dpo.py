@@ -20,7 +20,7 @@ import torch
 from rlhf_core.config import DPOConfig
 from rlhf_core.data.io import read_records
 from rlhf_core.data.sequences import rendered_pair_rows, tokenize_preference_records
-from rlhf_core.data.tokenize import TokenizedExample, collate_pairs
+from rlhf_core.data.tokenize import TokenizedExample, collate_pair_batch
 from rlhf_core.evaluate import evaluate_exact_match
 from rlhf_core.lm_head import LMHead, prepare_kernels
 from rlhf_core.logprobs import reference_logprobs, response_logprobs, response_token_counts
@@ -50,11 +50,11 @@ def precompute_reference_logps(reference: Any, pairs: list[tuple[TokenizedExampl
     """The frozen reference's log-probs of every pair's chosen and rejected response, in one pass.
 
     ``pairs`` are tokenized preference records, collated ``batch_size`` at a time (each chunk holds
-    its chosen sequences before its rejected ones; padded rows, or one ``packed`` row); ``average``
+    its chosen sequences before its rejected ones; prefix trees, or one ``packed`` row); ``average``
     takes per-token means instead of sums.
     Returns ``(n_pairs, 2)``: column 0 chosen, column 1 rejected, rows in ``pairs`` order.
     """
-    chunks = [collate_pairs(pairs[i:i + batch_size], pad, packed=packed) for i in range(0, len(pairs), batch_size)]
+    chunks = [collate_pair_batch(pairs[i:i + batch_size], pad, packed) for i in range(0, len(pairs), batch_size)]
     flat = reference_logprobs(reference, chunks, average=average, head=head)
     sizes = [int(c["n_pairs"]) for c in chunks]
     per_chunk = torch.split(flat, [2 * n for n in sizes])
@@ -111,7 +111,7 @@ def train_dpo(cfg: DPOConfig, sink: MetricSink | None = None, show_progress: boo
     sampler = EpochSampler(len(pairs), cfg.batch_size, cfg.seed, current_world())
 
     def collate(idx: list[int]) -> dict[str, torch.Tensor]:
-        batch = collate_pairs([pairs[i] for i in idx], pad, packed=cfg.packing)
+        batch = collate_pair_batch([pairs[i] for i in idx], pad, cfg.packing)
         if ref_logps is not None:
             batch["ref_logps"] = ref_logps[idx]  # (B, 2)
         return batch

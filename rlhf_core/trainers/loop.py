@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from rlhf_core.data.tokenize import group_by_tokens
 from rlhf_core.precision import Precision
 
 log = logging.getLogger(__name__)
@@ -346,27 +347,6 @@ class MicroBatches:
     """an example's token count once collated packed (both sequences of a pair)"""
 
 
-def group_by_tokens(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Positions of ``lengths`` grouped into bins of at most ``budget`` tokens, first-fit decreasing.
-
-    Longest first (ties: the earlier position), each into the first bin it fits, else a new one;
-    an item longer than ``budget`` gets a bin of its own. FFD uses at most 11/9 OPT + 6/9 bins
-    (Dosa 2007). Deterministic, a function of ``lengths`` alone, so a resumed run regroups its steps
-    exactly. Each bin lists its positions in increasing order; bins come in the order they opened.
-    """
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
-        k = next((b for b, free in enumerate(room) if lengths[i] <= free), None)
-        if k is None:
-            bins.append([])
-            room.append(budget)
-            k = len(bins) - 1
-        bins[k].append(i)
-        room[k] -= lengths[i]
-    return [sorted(b) for b in bins]
-
-
 @dataclass
 class EmptyMicroBatch:
     """A micro-batch that adds nothing to a step: run so this rank joins a backward the others run.
@@ -384,6 +364,8 @@ def real_tokens(batch: Any) -> int:
     """Non-padding tokens of a micro-batch (``perf/tokens_per_s`` means the same padded or packed)."""
     if isinstance(batch, EmptyMicroBatch):
         return 0
+    if "n_tokens" in batch:  # pairs as prefix trees (collate_pair_tree): their sequences' tokens, as padded
+        return int(batch["n_tokens"])
     if "attention_mask" in batch:
         return int(batch["attention_mask"].sum())
     return int(batch["input_ids"].numel())
@@ -837,7 +819,10 @@ class _OfflineBody:
 
 
 def _count_sequences(batch: dict[str, torch.Tensor]) -> int:
-    """Sequences in a micro-batch: its rows, or where position ids restart in a packed row."""
+    """Sequences in a micro-batch: its rows, where position ids restart in a packed row, or a prefix-tree batch's
+    sequences (:func:`rlhf_core.data.tokenize.collate_pair_tree`)."""
+    if "last_index" in batch:
+        return int(batch["last_index"].numel())
     if "attention_mask" not in batch and "position_ids" in batch:
         return int((batch["position_ids"] == 0).sum())
     return int(batch["input_ids"].shape[0])

@@ -20,7 +20,7 @@ from rlhf_core.config import RewardConfig
 from rlhf_core.data.formats import PairExample, read_pair_examples
 from rlhf_core.data.io import read_records
 from rlhf_core.data.sequences import rendered_pair_rows, tokenize_pair_examples
-from rlhf_core.data.tokenize import TokenizedExample, collate_pairs
+from rlhf_core.data.tokenize import TokenizedExample, collate_pair_batch
 from rlhf_core.losses import bradley_terry_loss, log_exp_loss
 from rlhf_core.models import load_tokenizer, pick_device
 from rlhf_core.lm_head import prepare_decoder_kernels
@@ -55,14 +55,15 @@ def read_pairs(cfg: RewardConfig, path: str, limit: int | None = None) -> list[P
 
 
 @torch.no_grad()
-def pairwise_metrics(model: Any, pairs: list[Pair], pad_id: int, batch_size: int) -> dict[str, float]:
+def pairwise_metrics(model: Any, pairs: list[Pair], pad_id: int, batch_size: int,
+                     packed: bool = False) -> dict[str, float]:
     """Held-out pairwise accuracy (chosen scores higher) and mean margin r_c - r_r."""
     was_training = model.training
     model.eval()
     diffs = []
     for start in range(0, len(pairs), batch_size):
         chunk = pairs[start:start + batch_size]
-        r = pair_rewards(model, collate_pairs(chunk, pad_id))
+        r = pair_rewards(model, collate_pair_batch(chunk, pad_id, packed))
         diffs.append(r[:len(chunk)] - r[len(chunk):])
     model.train(was_training)
     d = torch.cat(diffs)
@@ -95,7 +96,7 @@ def train_reward_model(cfg: RewardConfig, sink: MetricSink | None = None, show_p
     sampler = EpochSampler(len(train), cfg.batch_size, cfg.seed, current_world())
 
     def collate(idx: list[int]) -> dict[str, torch.Tensor]:
-        batch = collate_pairs([train[i] for i in idx], pad, packed=cfg.packing)
+        batch = collate_pair_batch([train[i] for i in idx], pad, cfg.packing)
         batch["margin"] = margins[idx]
         return batch
 
@@ -121,13 +122,13 @@ def train_reward_model(cfg: RewardConfig, sink: MetricSink | None = None, show_p
         return out
 
     def evaluate() -> tuple[dict[str, float], list[dict[str, str]]]:
-        return pairwise_metrics(model, held_out, pad, cfg.batch_size), []
+        return pairwise_metrics(model, held_out, pad, cfg.batch_size, cfg.packing), []
 
     # ---- train; before the save, store the reward statistics used to normalise scores --------
     def store_normalisation() -> dict[str, float]:
         with torch.no_grad():
             model.eval()
-            all_r = torch.cat([pair_rewards(model, collate_pairs(train[i:i + cfg.batch_size], pad))
+            all_r = torch.cat([pair_rewards(model, collate_pair_batch(train[i:i + cfg.batch_size], pad, cfg.packing))
                                for i in range(0, len(train), cfg.batch_size)])
         set_normalisation(model, float(all_r.mean()), float(all_r.std()))
         return {"reward/mean": float(all_r.mean()), "reward/std": float(all_r.std())}

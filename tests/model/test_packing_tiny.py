@@ -18,8 +18,8 @@ from conftest import Recorder
 from rlhf_core.config import DistillConfig, DPOConfig, KTOConfig, RewardConfig
 from rlhf_core.data.io import read_records
 from rlhf_core.data.sequences import tokenize_preference_records
-from rlhf_core.data.tokenize import collate_packed, collate_padded, collate_pairs
-from rlhf_core.logprobs import MODEL_INPUTS, response_logprobs
+from rlhf_core.data.tokenize import collate_packed, collate_padded, collate_pair_tree, collate_pairs
+from rlhf_core.logprobs import MODEL_INPUTS, response_logprobs, response_token_counts
 from rlhf_core.losses import distillation_loss
 from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.reward_model import load_reward_model, pair_rewards
@@ -80,6 +80,31 @@ def test_packed_rewards_and_gradients_equal_padded(micro_model, micro_data):
     rm = load_reward_model(micro_model, CPU)
     padded, packed = collate_pairs(pairs, tok.pad_token_id), collate_pairs(pairs, tok.pad_token_id, packed=True)
     _assert_same(_value_and_grads(rm, pair_rewards, padded), _value_and_grads(rm, pair_rewards, packed))
+
+
+def test_pair_tree_logprobs_and_gradients_equal_padded(micro_model, micro_data):
+    """Pairs as prefix trees: each sequence's summed and mean response log-prob (a labelled token both answers
+    share is scored once a side, the rejected answer's first own token from the shared prefix's last position),
+    and the gradient of a weighted sum of them, equal the padded batch's."""
+    tok, pairs = _pairs(micro_model, micro_data)
+    model = load_causal_lm(micro_model, CPU)
+    padded, tree = collate_pairs(pairs, tok.pad_token_id), collate_pair_tree(pairs, tok.pad_token_id)
+    assert response_token_counts(tree).tolist() == response_token_counts(padded).tolist()
+    for average in (False, True):
+        fn = lambda m, b: response_logprobs(m, b, average=average)  # noqa: E731
+        _assert_same(_value_and_grads(model, fn, padded), _value_and_grads(model, fn, tree))
+
+
+def test_pair_tree_rewards_and_gradients_equal_padded(micro_model, micro_data):
+    """Pairs as prefix trees (each pair's shared prompt once, both answers after it, several pairs to a row under
+    a tree mask): each sequence's score and the gradient of a weighted sum of the scores equal the padded
+    batch's, and the tree holds fewer tokens than the padded rows."""
+    tok, pairs = _pairs(micro_model, micro_data)
+    rm = load_reward_model(micro_model, CPU)
+    padded, tree = collate_pairs(pairs, tok.pad_token_id), collate_pair_tree(pairs, tok.pad_token_id)
+    assert tree["input_ids"].numel() < padded["input_ids"].numel()
+    assert int(tree["n_tokens"]) == int(padded["attention_mask"].sum())
+    _assert_same(_value_and_grads(rm, pair_rewards, padded), _value_and_grads(rm, pair_rewards, tree))
 
 
 def test_packed_distillation_loss_and_gradients_equal_padded(micro_model, llama_chat_model, micro_data):

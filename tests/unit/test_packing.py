@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.data.tokenize import TokenizedExample, collate_packed, collate_padded
+from rlhf_core.data.tokenize import TokenizedExample, collate_packed, collate_padded, collate_pair_tree
 from rlhf_core.logprobs import response_token_counts, sequence_sums
 from rlhf_core.losses import segment_ids, segment_last_index, segment_sums
 from rlhf_core.trainers.loop import EmptyMicroBatch, group_by_tokens, real_tokens
@@ -128,3 +128,34 @@ def test_prefix_tree_is_none_when_no_prompt_repeats():
     ids = torch.tensor([[5, 6, 7], [5, 9, 7]])
     att = torch.ones_like(ids)
     assert prefix_tree({"input_ids": ids, "attention_mask": att, "position_ids": att.cumsum(1) - 1}, 2) is None
+
+
+def _example(ids):
+    return TokenizedExample(input_ids=list(ids), labels=list(ids))
+
+
+def test_pair_tree_lays_out_shared_tokens_once_and_masks_each_answer_from_the_other():
+    """Pair 0: chosen [5 6 7 8], rejected [5 6 9] share [5 6]: one group [5 6 | 7 8 | 9], 5 tokens, positions
+    [0 1 2 3 2]. Pair 1: chosen [3 4], rejected [3 5] share [3]: [3 | 4 | 5], positions [0 1 1]. First-fit
+    decreasing into rows of the longest group (5): pair 0 fills row 0, pair 1 takes row 1, padded by 2 (pad 0).
+    Last tokens, flat (row * 5 + column): chosen 3 and 6, rejected 4 and 7. Row 0's rejected token 9 (column 4)
+    sees columns 0, 1 (shared) and itself, not 7 8; row 1's padding (columns 3, 4) sees itself only."""
+    pairs = [(_example([5, 6, 7, 8]), _example([5, 6, 9])), (_example([3, 4]), _example([3, 5]))]
+    b = collate_pair_tree(pairs, pad_id=0)
+    assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9], [3, 4, 5, 0, 0]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 2], [0, 1, 1, 0, 0]]
+    assert b["last_index"].tolist() == [3, 6, 4, 7]
+    assert int(b["n_pairs"]) == 2 and int(b["n_tokens"]) == 4 + 3 + 2 + 2
+    mask = b["attention_mask"][:, 0].int().tolist()
+    assert mask[0] == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 1]]
+    assert mask[1] == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 0, 1]]
+
+
+def test_pair_tree_keeps_each_sequences_last_token_its_own():
+    """Identical sequences [1 2 3] share [1 2] only, so each keeps its last token: [1 2 | 3 | 3]; a chosen
+    [1 2] that is a prefix of the rejected [1 2 3] shares [1] and reads its score at its own 2."""
+    b = collate_pair_tree([(_example([1, 2, 3]), _example([1, 2, 3]))], pad_id=0)
+    assert b["input_ids"].tolist() == [[1, 2, 3, 3]] and b["last_index"].tolist() == [2, 3]
+    b = collate_pair_tree([(_example([1, 2]), _example([1, 2, 3]))], pad_id=0)
+    assert b["input_ids"].tolist() == [[1, 2, 2, 3]] and b["position_ids"].tolist() == [[0, 1, 1, 2]]
+    assert b["last_index"].tolist() == [1, 3]
