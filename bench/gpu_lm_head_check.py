@@ -37,6 +37,12 @@ On a lent GPU (``.devwheels`` carried, liger-kernel in it: ``bench/device_wheels
   ``rl.packing`` (one padding-free row, varlen on a GPU), bf16 against fp32 padded rows, with an
   advantage-weighted backward: log-prob deltas, gradient error, time and memory.
 
+* ``pairtree`` (``--parts pairtree``): preference pairs sharing their prompts (16 pairs, prompts of 64-199 tokens,
+  answers of 128-399) as padded rows, prefix trees (``collate_pair_tree``: what DPO and the reward model run when
+  ``packing`` is false) and one padding-free row (varlen on a GPU), bf16 against fp32 padded rows: DPO's response
+  log-prob sums and the reward model's scores, signed per-sequence weights in backward; deltas, gradient error,
+  time and memory.
+
 * ``rmsnorm`` (``--parts rmsnorm``): one Llama-family RMSNorm at a 0.5B GRPO micro-batch's shape (35,200 x 896)
   and a 1.5B one's (8,800 x 1,536), bf16, forward + backward with a random upstream gradient, by the module
   itself, liger-kernel's ``LigerRMSNorm`` and torch's fused ``rms_norm`` (what ``apply_fused_kernels`` now
@@ -602,12 +608,90 @@ def nosync_part(small: bool, device: torch.device) -> dict:
     return out
 
 
+def _pairs_sharing_prompts(n: int, small: bool, vocab: int, pad: int, g: torch.Generator) -> list:
+    """``n`` preference pairs whose two answers share a prompt (64-199 tokens; 8-23 small) and differ from their
+    first token (128-399 tokens each; 8-31 small), labels on the answers; no token is ``pad`` (a padded row's
+    score is pooled at its last non-pad token)."""
+    from rlhf_core.data.tokenize import TokenizedExample
+
+    def rand(lo: int, hi: int) -> list[int]:
+        ids = torch.randint(0, vocab - 10, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g)
+        return torch.where(ids == pad, (pad + 1) % (vocab - 10), ids).tolist()
+
+    pairs = []
+    for _ in range(n):
+        prompt = rand(8, 24) if small else rand(64, 200)
+        a, b = (rand(8, 32), rand(8, 32)) if small else (rand(128, 400), rand(128, 400))
+        b[0] = a[0] + 1 if a[0] + 1 not in (pad, vocab - 10) else a[0] - 1
+        pairs.append(tuple(TokenizedExample(input_ids=prompt + x, labels=[-100] * len(prompt) + x) for x in (a, b)))
+    return pairs
+
+
+def pair_tree_part(small: bool, device: torch.device, reps: int) -> dict:
+    """Pairs as prefix trees (``collate_pair_tree``, what DPO and the reward model run when ``packing`` is false)
+    against padded rows and one padding-free row (varlen on a GPU), bf16, each against fp32 padded rows: DPO's
+    per-sequence response log-prob sums and the reward model's scores, signed per-sequence weights in backward;
+    value deltas, gradient error, time and peak memory."""
+    import os
+
+    from rlhf_core.data.tokenize import collate_pair_tree, collate_pairs
+    from rlhf_core.logprobs import response_logprobs
+    from rlhf_core.models import ATTENTION_ENV, load_causal_lm
+    from rlhf_core.reward_model import load_reward_model, pair_rewards
+
+    from transformers import AutoConfig
+
+    model_dir, vocab = _model_dir(small, "pairtree-")
+    pad = AutoConfig.from_pretrained(model_dir).pad_token_id
+    g = torch.Generator().manual_seed(4)
+    pairs = _pairs_sharing_prompts(4 if small else 16, small, vocab, pad, g)
+    weights = (torch.randn(2 * len(pairs), generator=g) * 2).to(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    layouts = {"padded": collate_pairs(pairs, pad), "tree": collate_pair_tree(pairs, pad),
+               "packed": collate_pairs(pairs, pad, packed=True)}
+    out: dict = {"pairs": len(pairs), "dtype": str(dtype),
+                 "tokens": {k: int(b["input_ids"].numel()) for k, b in layouts.items()},
+                 "sequence_tokens": int(layouts["tree"]["n_tokens"])}
+    for what, load, fn in (("dpo_logprobs", load_causal_lm,
+                            lambda m, b: response_logprobs(m, b, head=LMHead("chunked", 4096))),
+                           ("reward_scores", load_reward_model, pair_rewards)):
+        results, exact = {}, None
+        for name, layout, model_dtype, impl in (("fp32-padded", "padded", torch.float32, "sdpa"),
+                                                ("padded", "padded", dtype, "sdpa"),
+                                                ("tree", "tree", dtype, "sdpa"),
+                                                ("packed-varlen", "packed", dtype, "auto")):
+            os.environ[ATTENTION_ENV] = impl
+            torch.manual_seed(0)  # the reward model's new score head: the same random init in every variant
+            model = load(model_dir, device).to(model_dtype)
+            batch = layouts[layout]
+
+            def step():
+                model.zero_grad(set_to_none=True)
+                values = fn(model, batch)
+                (values * weights).sum().backward()
+                return values.detach().float()
+
+            values = step()
+            grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+            if exact is None:
+                exact = (values, grads)
+                continue
+            times, peak = _timed(step, reps)
+            results[name] = {"max_abs_delta_vs_fp32": float((values - exact[0]).abs().max()),
+                             **_grads_and_cost_vs_fp32(grads, exact[1], times, peak)}
+            model = None  # freed before the next variant loads
+        out[what] = results
+    os.environ.pop(ATTENTION_ENV, None)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_lm_head_check.json")
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--parts", default="head,model,packed",
-                    help="comma-separated: head, heads, rlhead, model, packed, rlpacked, rmsnorm, nosync, compiled")
+                    help="comma-separated: head, heads, rlhead, model, packed, rlpacked, pairtree, rmsnorm, nosync, "
+                         "compiled")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -632,6 +716,8 @@ def main() -> None:
         out["packed"] = packed_part(args.small, device, reps)
     if "rlpacked" in parts:
         out["rlpacked"] = rl_packed_part(args.small, device, reps)
+    if "pairtree" in parts:
+        out["pairtree"] = pair_tree_part(args.small, device, reps)
     if "rmsnorm" in parts:
         out["rmsnorm"] = rms_norm_part(args.small, device)
     if "nosync" in parts:

@@ -251,7 +251,9 @@ class TrainerConfig(DataFields):
     """Rows per LM-head chunk on the chunked and liger paths (bounds a chunk's [chunk x vocab] logits: float32
     on the chunked path, the weights' dtype in liger's kernel)."""
     packing: bool = False
-    """Padding-free micro-batches: sequences concatenated, position ids restarting per sequence."""
+    """Padding-free micro-batches: sequences concatenated, position ids restarting per sequence (on a GPU through
+    torch's variable-length flash kernel). Without it SFT, KTO and distillation pad their rows, and DPO and the
+    reward model lay each pair out as a prefix tree, its shared prompt once (``collate_pair_tree``)."""
     micro_batch_tokens: int = 0
     """With packing: token budget of a micro-batch; a step's batch_size x grad_accum examples are split
     into as many micro-batches as that takes (0: batch_size examples per micro-batch)."""
