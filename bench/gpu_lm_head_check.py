@@ -246,6 +246,13 @@ def model_part(small: bool, device: torch.device, reps: int) -> dict:
     return {"rows": rows, "width": width, "labelled": labelled, "dtype": str(dtype), "results": results}
 
 
+def _values_and_grads(step, model) -> tuple[torch.Tensor, dict]:
+    """One call of ``step`` (a forward and a weighted backward): what it returns and every parameter's gradient in
+    float32."""
+    values = step()
+    return values, {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def _grads_and_cost_vs_fp32(grads: dict, exact: dict, times: list[float], peak: float) -> dict:
     """A variant's parameter-gradient error against the fp32 run's (median and max over parameters), and its
     time (median and range of ``times``) and peak memory."""
@@ -448,8 +455,7 @@ def rl_packed_part(small: bool, device: torch.device, reps: int) -> dict:
             (logp * adv).sum().backward()
             return logp.detach().float() * mask
 
-        logp = step()
-        grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+        logp, grads = _values_and_grads(step, model)
         if exact is None:
             exact = (logp, grads)
             continue
@@ -671,8 +677,7 @@ def pair_tree_part(small: bool, device: torch.device, reps: int) -> dict:
                 (values * weights).sum().backward()
                 return values.detach().float()
 
-            values = step()
-            grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+            values, grads = _values_and_grads(step, model)
             if exact is None:
                 exact = (values, grads)
                 continue
