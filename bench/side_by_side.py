@@ -543,6 +543,10 @@ class _ProfilingSink(_Sink):
 
     def log_metrics(self, metrics: dict, step: int) -> None:
         super().log_metrics(metrics, step)
+        self._mark(metrics)
+
+    def _mark(self, metrics: dict) -> None:
+        """A logged step ends the profiler's step (and its wall time is kept for the summary)."""
         if "perf/elapsed_s" in metrics:
             self.marks.append(metrics["perf/elapsed_s"])
             self.prof.step()
@@ -574,9 +578,7 @@ class _ForwardingProfiler(_ProfilingSink):
 
     def log_metrics(self, metrics: dict, step: int) -> None:
         self.inner.log_metrics(metrics, step)
-        if "perf/elapsed_s" in metrics:
-            self.marks.append(metrics["perf/elapsed_s"])
-            self.prof.step()
+        self._mark(metrics)
 
 
 def _profile_summary(prof, walls: list[float], n: int) -> dict:
@@ -1530,13 +1532,10 @@ class _ResultFile:
 
     def write(self, results: dict, final: bool) -> dict:
         args, ceiling = self.args, self.ceiling()
-        for name, res in results.items():
-            res["summary"] = bench_summary(args.variant, name, res["runs"], args.warmup, ceiling, self.header["model"])
+        summary = summarize(args.variant, results, args.warmup, ceiling, self.header["model"])
         doc = {**self.header, "ceiling": {**ceiling, "matmul_tflops": round(ceiling["matmul_flops"] / 1e12, 2),
                                           "copy_tb_per_s": round(ceiling["copy_bytes_per_s"] / 1e12, 3)},
-               "final": final, "results": results,
-               "summary": {"pairs": {n: r["summary"]["pairs"] for n, r in results.items()},
-                           "targets": targets(args.variant, results)},
+               "final": final, "results": results, "summary": summary,
                "wall_s": round(time.perf_counter() - self.started, 1)}
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -1668,6 +1667,25 @@ def scaling(one: Path, many: Path, out: Path) -> dict:
     return doc
 
 
+def summarize(variant: str, results: dict, warmup: int, ceiling: dict, facts: dict) -> dict:
+    """Every benchmark's summary, written into ``results``, and the file's: the ratios of each pair and the targets."""
+    for name, res in results.items():
+        res["summary"] = bench_summary(variant, name, res["runs"], warmup, ceiling, facts)
+    return {"pairs": {n: r["summary"]["pairs"] for n, r in results.items()}, "targets": targets(variant, results)}
+
+
+def apply_recorded_settings(data: dict) -> None:
+    """The variant's SETTINGS as a result file ran them (``--small``, ``--gpus``, ``--global-batch``), before its
+    summaries are recomputed."""
+    settings, variant = data["settings"], data["variant"]
+    if settings.get("small"):
+        make_small(variant)
+    if settings.get("gpus"):
+        SETTINGS[variant]["gpus"] = settings["gpus"]
+    if settings.get("global_batch"):
+        apply_global_batch(variant, settings["global_batch"])
+
+
 def combine(paths: list[Path], out: Path, warmup: int) -> dict:
     """One result file from the rows of several (``--combine A B ...``): the 7B variant's AB round split across
     consecutive calls on one warm machine (the issue allows it; one call would not hold both sides). The files
@@ -1676,9 +1694,8 @@ def combine(paths: list[Path], out: Path, warmup: int) -> dict:
     docs = [json.loads(p.read_text()) for p in paths]
     first = docs[0]
     for p, d in zip(paths[1:], docs[1:]):
-        for key in ("variant",):
-            if d[key] != first[key]:
-                raise SystemExit(f"--combine: {p.name} is {key} {d[key]!r}, {paths[0].name} {first[key]!r}")
+        if d["variant"] != first["variant"]:
+            raise SystemExit(f"--combine: {p.name} is variant {d['variant']!r}, {paths[0].name} {first['variant']!r}")
         if d["settings"].get("gpus") != first["settings"].get("gpus") or set(d["results"]) != set(first["results"]):
             raise SystemExit(f"--combine: {p.name} has other GPUs or benchmarks than {paths[0].name}")
     results: dict = {name: {"runs": {}} for name in first["results"]}
@@ -1690,18 +1707,14 @@ def combine(paths: list[Path], out: Path, warmup: int) -> dict:
                 results[name]["runs"][row] = [{**r, "call": p.name} for r in runs]
     c = {"matmul_flops": max(d["ceiling"]["matmul_flops"] for d in docs),
          "copy_bytes_per_s": max(d["ceiling"]["copy_bytes_per_s"] for d in docs)}
-    if first["settings"].get("gpus"):
-        SETTINGS[first["variant"]]["gpus"] = first["settings"]["gpus"]
-    for name, res in results.items():
-        res["summary"] = bench_summary(first["variant"], name, res["runs"], warmup, c, first["model"])
+    apply_recorded_settings(first)
+    summary = summarize(first["variant"], results, warmup, c, first["model"])
     doc = {**{k: v for k, v in first.items() if k not in ("results", "summary", "ceiling", "wall_s")},
            "combined_from": [{"file": p.name, "ceiling": d["ceiling"], "wall_s": d.get("wall_s")}
                              for p, d in zip(paths, docs)],
            "ceiling": {**c, "matmul_tflops": round(c["matmul_flops"] / 1e12, 2),
                        "copy_tb_per_s": round(c["copy_bytes_per_s"] / 1e12, 3), "rule": "max over the combined calls"},
-           "results": results,
-           "summary": {"pairs": {n: r["summary"]["pairs"] for n, r in results.items()},
-                       "targets": targets(first["variant"], results)}}
+           "results": results, "summary": summary}
     out.write_text(json.dumps(portable(doc), indent=2) + "\n")
     print(json.dumps({"summary": doc["summary"]}), flush=True)
     return doc
@@ -1710,19 +1723,12 @@ def combine(paths: list[Path], out: Path, warmup: int) -> dict:
 def resummarize(path: Path, warmup: int) -> None:
     """Recompute every summary of a result file from its recorded runs, ceilings and model facts."""
     data = json.loads(path.read_text())
-    if data["settings"].get("small"):
-        make_small(data["variant"])
-    if data["settings"].get("gpus"):
-        SETTINGS[data["variant"]]["gpus"] = data["settings"]["gpus"]
-    if data["settings"].get("global_batch"):
-        apply_global_batch(data["variant"], data["settings"]["global_batch"])
+    apply_recorded_settings(data)
     c = data["ceiling"]
     ceiling = {"matmul_flops": c["matmul_flops"], "copy_bytes_per_s": c["copy_bytes_per_s"]}
+    data["summary"] = summarize(data["variant"], data["results"], warmup, ceiling, data["model"])
     for name, res in data["results"].items():
-        res["summary"] = bench_summary(data["variant"], name, res["runs"], warmup, ceiling, data["model"])
         print(json.dumps({"bench": name, "summary": res["summary"]}))
-    data["summary"] = {"pairs": {n: r["summary"]["pairs"] for n, r in data["results"].items()},
-                       "targets": targets(data["variant"], data["results"])}
     path.write_text(json.dumps(portable(data), indent=2) + "\n")
 
 

@@ -202,12 +202,12 @@ def collate_pair_tree(pairs: Sequence[tuple[TokenizedExample, TokenizedExample]]
     (the rejected tokens' continue from the shared prefix); ``attention_mask`` ``(rows, 1, L, L)`` bool: a token
     sees the earlier tokens of its own pair that are shared or of its own sequence, a padding token itself only
     (padding ends a row; a query with no key would be NaN); ``last_index`` ``(2B,)``: the flat position
-    (``row * L + column``) of each sequence's last token, the B chosen then the B rejected; ``labels`` ``(rows,
-    L)``: the sequences' labels at their tokens (the shared ones from the chosen); ``scored_positions``,
+    (``row * L + column``) of each sequence's last token, the B chosen then the B rejected; ``scored_positions``,
     ``scored_targets``, ``scored_sequence`` ``(N,)``: for every labelled token of every sequence (sequence ``i``
     of the 2B as in ``last_index``), the flat position whose output predicts it, the token, and ``i``, ordered
     by position (:func:`rlhf_core.logprobs.response_logprobs`); ``n_pairs``; ``n_tokens``: the tokens of the 2B
-    sequences, as the padded batch counts them.
+    sequences, as the padded batch counts them. No ``labels``: shifted by one column they would pair the rejected
+    answer's first token with the chosen answer's last, so a path reading them fails instead of scoring wrongly.
     """
     groups, lengths = [], []
     for c, r in pairs:
@@ -220,7 +220,6 @@ def collate_pair_tree(pairs: Sequence[tuple[TokenizedExample, TokenizedExample]]
     L = max(lengths)
     bins = group_by_tokens(lengths, L)
     ids = torch.full((len(bins), L), pad_id, dtype=torch.long)
-    labels = torch.full((len(bins), L), IGNORE_INDEX, dtype=torch.long)
     pos = torch.zeros((len(bins), L), dtype=torch.long)
     pair = torch.full((len(bins), L), -1, dtype=torch.long)  # the pair each column belongs to (-1: padding)
     side = torch.zeros((len(bins), L), dtype=torch.long)  # 0 shared, 1 chosen's own, 2 rejected's own
@@ -233,7 +232,6 @@ def collate_pair_tree(pairs: Sequence[tuple[TokenizedExample, TokenizedExample]]
             na, nb = len(c), len(r)
             end = at + na + nb - p  # [at, at+p) shared, then chosen's own, then rejected's own
             ids[row, at:end] = torch.cat([c.ids_tensor, r.ids_tensor[p:]])
-            labels[row, at:end] = torch.cat([c.labels_tensor, r.labels_tensor[p:]])
             pos[row, at:at + na] = torch.arange(na)
             pos[row, at + na:end] = torch.arange(p, nb)
             pair[row, at:end] = g
@@ -253,7 +251,7 @@ def collate_pair_tree(pairs: Sequence[tuple[TokenizedExample, TokenizedExample]]
     mask = (causal & same_pair & visible_side) | torch.eye(L, dtype=torch.bool)
     flat = torch.cat(scored, dim=1)
     flat = flat[:, torch.argsort(flat[0], stable=True)]  # by position (a shared labelled token: twice, once a side)
-    return {"input_ids": ids, "labels": labels, "position_ids": pos, "attention_mask": mask.unsqueeze(1),
+    return {"input_ids": ids, "position_ids": pos, "attention_mask": mask.unsqueeze(1),
             "last_index": last, "scored_positions": flat[0], "scored_targets": flat[1], "scored_sequence": flat[2],
             "n_pairs": torch.tensor(len(pairs)), "n_tokens": torch.tensor(sum(len(c) + len(r) for c, r, _ in groups))}
 
