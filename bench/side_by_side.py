@@ -118,7 +118,9 @@ TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
 Figures: tokens/s count real (non-padding) tokens; fraction of the ``6 N T`` ceiling (DPO ``8 N T``:
 the reference forward too) with N the parameters that do a matmul per token (the LM head, not the input
 embedding; RM: no LM head) over the ceiling x GPUs. Peak memory: ``torch.cuda.max_memory_allocated``,
-summed over the processes sharing a GPU (colocated Ray roles) and the max over GPUs; nvidia-smi's
+summed over the processes sharing a GPU (colocated Ray roles) and the max over GPUs, and beside it the most
+they held at one moment (``peak_memory_gb_concurrent``: half-second windows summed, :func:`concurrent_peak_gb`,
+which shows a colocated replica freeing its weights between phases); nvidia-smi's
 ``memory.used`` (every process, the allocator's cache too) is sampled beside it. GRPO floor: prefill of
 each prompt once per group + per decode step max(weights + KV bytes / bandwidth, 2 N B / peak) over the
 measured mean response + 2 N T (reference) + 6 N T (update) over the real tokens, prompts counted once
@@ -420,32 +422,64 @@ def _peak_writer(peak_dir: str | None):
     return write
 
 
+# This process's device memory, per GPU uuid: the all-time peak (GB) and half-second windows
+# ``[start, end, peak GB]``. Each write reads the allocator's peak since the last one, then resets it, so the
+# windows of processes sharing a GPU can be summed at each moment (:func:`concurrent_peak_gb`): the sum of
+# their whole-run peaks counts a colocated replica's rollout memory and the learner's update memory as if both
+# were held at once, and would hide a replica that frees its weights between the two (rl.rollout_sleep).
+_PEAKS: dict[str, float] = {}
+_WINDOWS: dict[str, list[list[float]]] = {}
+_WINDOW_START = [time.time()]
+
+
 def _write_peak(path: Path) -> None:
     import torch
 
-    peaks: dict[str, float] = {}
+    now = time.time()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i in range(torch.cuda.device_count()):  # a rank's own GPU: the one its allocator used
             peak = torch.cuda.memory_stats(i).get("allocated_bytes.all.peak", 0)
+            # the next window starts from what is allocated now (an allocation that rises and falls in the
+            # microseconds between the read and the reset is missed)
+            torch.cuda.reset_peak_memory_stats(i)
             if peak:
-                peaks[str(torch.cuda.get_device_properties(i).uuid)] = peak / 2**30
+                dev = str(torch.cuda.get_device_properties(i).uuid)
+                _PEAKS[dev] = max(_PEAKS.get(dev, 0.0), peak / 2**30)
+                _WINDOWS.setdefault(dev, []).append([round(_WINDOW_START[0], 3), round(now, 3), peak / 2**30])
     else:
-        peaks[f"host:{os.getpid()}"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        _PEAKS[f"host:{os.getpid()}"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    _WINDOW_START[0] = now
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "peak_gb": peaks}))
+    tmp.write_text(json.dumps({"pid": os.getpid(), "peak_gb": _PEAKS, "windows_gb": _WINDOWS}))
     tmp.replace(path)
 
 
-def _read_peaks(peak_dir: Path) -> dict[str, float]:
-    """Peak GB per device: processes sharing a GPU (colocated roles) summed."""
+def concurrent_peak_gb(processes: list[list[list[float]]]) -> float:
+    """The most memory the processes sharing one device held at one moment, from each one's windows
+    ``[start, end, peak GB]`` (back to back, in time order): the max over window starts t of the sum, over
+    processes, of the peak of the window holding t. An upper bound of the true concurrent peak (a window's peak
+    may come at another moment of it), and never above the sum of the processes' whole-run peaks."""
+    best = 0.0
+    for t in sorted({w[0] for windows in processes for w in windows}):
+        best = max(best, sum(next((w[2] for w in windows if w[0] <= t < w[1]), 0.0) for windows in processes))
+    return best
+
+
+def _read_peaks(peak_dir: Path) -> tuple[dict[str, float], dict[str, float]]:
+    """Peak GB per device, processes sharing a GPU (colocated roles) summed: the sum of their whole-run peaks,
+    and their peak at one moment (:func:`concurrent_peak_gb`; GPUs only)."""
     by_device: dict[str, float] = {}
+    windows: dict[str, list[list[list[float]]]] = {}
     for f in peak_dir.glob("*.json"):
         try:
-            for dev, gb in json.loads(f.read_text())["peak_gb"].items():
+            record = json.loads(f.read_text())
+            for dev, gb in record["peak_gb"].items():
                 by_device[dev] = by_device.get(dev, 0.0) + gb
+            for dev, series in record.get("windows_gb", {}).items():
+                windows.setdefault(dev, []).append(series)
         except (OSError, ValueError, KeyError):
             continue
-    return by_device
+    return by_device, {dev: concurrent_peak_gb(series) for dev, series in windows.items()}
 
 
 def _threads() -> dict:
@@ -458,8 +492,8 @@ def _threads() -> dict:
 def _peak_memory_gb() -> float:
     import torch
 
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
+    if torch.cuda.is_available():  # the peak writer resets the allocator's peak each window and keeps the max
+        return max([torch.cuda.max_memory_allocated() / 2**30, *(v for k, v in _PEAKS.items() if not k.startswith("host:"))])
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB on Linux
 
 
@@ -793,7 +827,11 @@ def _ours_grpo(task: dict, common: dict, sink: Any, work: Path) -> dict:
                    ppo_epochs=1, batch_size=rows, max_length=b["max_new_tokens"] + 64, warmup_steps=0,
                    eval_items=1, eval_at_start=False, log_rollouts_every=0, rollout_engine="static",
                    placement="colocated" if gpus > 1 else "none", rollout_workers=s.get("rollout_workers", gpus),
-                   lora_rank=s.get("lora_rank", 0), **common)
+                   lora_rank=s.get("lora_rank", 0),
+                   # Ray only: the memory switches (--rollout-sleep, --shard-reference) as the command line sets them
+                   **({"rollout_sleep": task.get("rollout_sleep") or "auto",
+                       "shard_reference": task.get("shard_reference", "on") == "on"} if gpus > 1 else {}),
+                   **common)
     _sync()
     update_profile = _UpdateProfile(task["profile"]) if task.get("profile") and gpus == 1 else None
     if update_profile is None and task.get("sync_census") and gpus == 1:
@@ -820,7 +858,8 @@ def _ours_grpo(task: dict, common: dict, sink: Any, work: Path) -> dict:
             "settings": {k: getattr(cfg, k) for k in ("precision", "gradient_checkpointing", "fused_kernels",
                                                       "compile_layers", "lm_head", "packing", "num_workers", "parallel",
                                                       "micro_batch_size", "mini_batch_size", "kl_coef",
-                                                      "lora_rank", "rollout_workers")},
+                                                      "lora_rank", "rollout_workers", "rollout_sleep",
+                                                      "shard_reference")},
             **({update_profile.key: update_profile.summary} if update_profile is not None else {}),
             "threads": _threads()}
 
@@ -1134,11 +1173,14 @@ def run_child(kind: str, task: dict, timeout_s: float) -> dict:
     result = json.loads(lines[-1])["result"]
     result["wall_s"] = round(wall, 1)
     if kind in ("alignflow", "trl"):
-        by_device = _read_peaks(peak_dir)
+        by_device, concurrent = _read_peaks(peak_dir)
         gpus = {k: v for k, v in by_device.items() if not k.startswith("host:")}
         by_device = gpus or by_device  # a Ray driver's host memory is no GPU's
         result["peak_memory_gb_by_device"] = {k: round(v, 3) for k, v in by_device.items()}
         result["peak_memory_gb"] = max([result["peak_memory_gb"], *by_device.values()])
+        if concurrent:
+            result["peak_memory_gb_concurrent_by_device"] = {k: round(v, 3) for k, v in concurrent.items()}
+            result["peak_memory_gb_concurrent"] = max(concurrent.values())
         if used:
             result["nvidia_smi_peak_used_gb_by_gpu"] = {k: round(v, 2) for k, v in sorted(used.items())}
         found = re.findall(r"gradient_checkpointing(?: auto)?: (on|off)[^\n]*", stdout + "\n" + stderr)
@@ -1203,6 +1245,9 @@ def row_summary(name: str, row_runs: list[dict], warmup: int, ceiling: dict, fac
              "runs_ok": len(ok), "runs_failed": len(row_runs) - len(ok),
              "peak_memory_gb": round(max(r["peak_memory_gb"] for r in ok), 2),
              "settings": ok[0].get("settings"), "launch": ok[0].get("launch"), "threads": ok[0].get("threads")}
+    concurrent = [r["peak_memory_gb_concurrent"] for r in ok if "peak_memory_gb_concurrent" in r]
+    if concurrent:
+        entry["peak_memory_gb_concurrent"] = round(max(concurrent), 2)
     smi = [v for r in ok for v in r.get("nvidia_smi_peak_used_gb_by_gpu", {}).values()]
     if smi:
         entry["nvidia_smi_peak_used_gb"] = round(max(smi), 2)
@@ -1280,6 +1325,9 @@ def bench_summary(variant: str, name: str, runs: dict[str, list[dict]], warmup: 
             pairs[f"{a} / {t}"] = {
                 "speedup_ours_over_trl": round(rows[t]["median_step_s"] / rows[a]["median_step_s"], 3),
                 "peak_memory_ratio_ours_over_trl": round(rows[a]["peak_memory_gb"] / max(rows[t]["peak_memory_gb"], 1e-9), 3),
+                **({"concurrent_peak_memory_ratio_ours_over_trl": round(
+                    rows[a]["peak_memory_gb_concurrent"] / max(rows[t]["peak_memory_gb_concurrent"], 1e-9), 3)}
+                   if "peak_memory_gb_concurrent" in rows[a] and "peak_memory_gb_concurrent" in rows[t] else {}),
                 "gradient_checkpointing": {"ours": ca.get("on"), "trl": ct.get("on")},
                 "like_with_like_checkpointing": ca.get("on") is not None and ca.get("on") == ct.get("on")}
     out["pairs"] = pairs
@@ -1411,6 +1459,7 @@ def settings_record(variant: str, rows: list[str], args: argparse.Namespace) -> 
             "trl_grad_ckpt": args.trl_grad_ckpt, "ours_micro_batch_tokens": args.micro_batch_tokens,
             "profiled": args.profile, "global_batch": args.global_batch, "ours_lm_head": args.lm_head or "auto",
             "ours_compile_layers": args.compile_layers or "auto",
+            "ours_rollout_sleep": args.rollout_sleep or "auto", "ours_shard_reference": args.shard_reference,
             "differences": ["optimizer kernel: TRL fused AdamW, ours foreach AdamW",
                             "learning-rate schedule: ours cosine (warmup 0), TRL constant (timing only)",
                             "GRPO loss aggregation: ours token_mean with clip_high 0.28, TRL 1.16 defaults",
@@ -1447,6 +1496,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="ours' rows: the lm_head setting (default: auto, as OURS_BEST)")
     ap.add_argument("--compile-layers", choices=["auto", "on", "off"], default="",
                     help="ours' rows: the compile_layers setting (default: auto)")
+    ap.add_argument("--rollout-sleep", choices=["auto", "on", "off"], default="",
+                    help="ours' Ray GRPO rows: rl.rollout_sleep (default: auto, on with GPUs)")
+    ap.add_argument("--shard-reference", choices=["on", "off"], default="on",
+                    help="ours' Ray GRPO rows under ZeRO-3: rl.shard_reference (default: on)")
     ap.add_argument("--micro-batch-tokens", type=int, default=0,
                     help="ours' packed rows: token budget of a micro-batch (0: each draw is one micro-batch)")
     ap.add_argument("--profile", action="store_true",
@@ -1554,6 +1607,7 @@ def _run_bench(name: str, rows: list[str], args: argparse.Namespace, inputs: dic
         side = ROWS[row]["side"]
         task = {"inputs": inputs, "bench": name, "row": row, "micro_batch_tokens": args.micro_batch_tokens,
                 "lm_head": args.lm_head, "compile_layers": args.compile_layers,
+                "rollout_sleep": args.rollout_sleep, "shard_reference": args.shard_reference,
                 "profile": {"skip": 2, "active": 3} if args.profile else None, "sync_census": args.sync_census}
         if side == "trl":
             task["trl_grad_ckpt"] = trl_checkpointing(row, decided, args.trl_grad_ckpt)

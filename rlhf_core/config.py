@@ -595,6 +595,16 @@ class RLConfig(TrainerConfig):
     replicas in a torch.distributed group of their own, weights broadcast in 1 GiB buckets: NCCL on GPUs,
     gloo on CPUs; replicas must not share rank 0's GPU) or auto (GPUs: CUDA IPC for colocated replicas,
     collective for replicas on GPUs of their own with the hf/static engines; CPUs: object_store)."""
+    shard_reference: bool = True
+    """parallel zero3 on Ray: the reference (and distillation teacher) ranks partition the frozen weights as the
+    policy's are, a DeepSpeed ZeRO-3 engine without an optimizer, so a GPU holds 1/num_workers of them and gathers
+    each layer for its forward (a 7B reference: 3.8 GB a GPU on four instead of 15.2); false: each reference rank
+    holds the whole model (no gathers, more memory)."""
+    rollout_sleep: str = "auto"
+    """Colocated Ray replicas free their weights' memory once a rollout is done, and the weight sync after the
+    update allocates and fills them again (vLLM's sleep mode, level 2, for our engines): the reference, old
+    log-prob and update phases run without the replica's copy of the policy on the GPU. on, off or auto (on with
+    GPUs where it can work: colocated, synchronous, hf or static engine, whole-weight syncs, i.e. no LoRA)."""
     max_steps: int = 40
     """Rollout/update iterations (each samples prompts_per_step x group_size responses)."""
     num_threads: int = 1
@@ -832,6 +842,23 @@ class RLConfig(TrainerConfig):
         _check(self.num_workers == 1 or self.placement != "none", s, "num_workers",
                f"{self.num_workers} policy workers need Ray: set placement to colocated or disaggregated")
         self._check_weight_sync()
+        self._check_rollout_sleep()
+
+    def _check_rollout_sleep(self) -> None:
+        """rl.rollout_sleep: on only where every rollout is followed by a sync of the whole weights."""
+        s = self.section
+        _check(self.rollout_sleep in ("auto", "on", "off"), s, "rollout_sleep",
+               f"must be auto, on or off, got {self.rollout_sleep!r}")
+        if self.rollout_sleep != "on":
+            return
+        _check(self.placement == "colocated", s, "rollout_sleep",
+               f"on frees colocated Ray replicas' weights between phases; placement is {self.placement!r} "
+               f"(set placement colocated, or rollout_sleep auto)")
+        _check(self.rollout_engine in ("hf", "static"), s, "rollout_sleep",
+               f"on needs the hf or static engine (vLLM has a sleep mode of its own), got {self.rollout_engine!r}")
+        _check(not self.lora_rank, s, "rollout_sleep",
+               "on needs a sync of the whole weights after each update, and a LoRA policy's replicas keep the "
+               "frozen base and take the adapters alone; use rollout_sleep auto or off")
 
     def _check_weight_sync(self) -> None:
         """rl.weight_sync: a known path, and collective only where it can work."""

@@ -590,6 +590,54 @@ def build_strategy(kind: str, model: torch.nn.Module, optimizer: torch.optim.Opt
     return DDPStrategy(model, optimizer, scheduler, world)
 
 
+def shard_frozen(model: torch.nn.Module, kind: str, world: World | None = None) -> torch.nn.Module:
+    """A frozen model (the RL reference, the distillation teacher) partitioned as ``kind`` partitions the trained
+    one: under ``zero3`` on more than one rank a DeepSpeed ZeRO-3 engine without an optimizer (ZeRO stage 3
+    used for inference, Rajbhandari et al. 2020 Sec. 5; the engine builds its ``DeepSpeedZeRoOffload``), so each
+    rank holds 1/N of the weights and gathers a layer's for its forward, as TRL's and OpenRLHF's references do
+    under ZeRO-3. Otherwise the model itself, whole on every rank.
+
+    A 7B reference held whole beside a ZeRO-3 policy was 15.2 GB of the 106.6 GB a GPU of our 7B GRPO step on
+    four GPUs (BENCHMARKS.md); partitioned it is 3.8 GB plus the layers in flight. Every rank must then run the
+    same number of forwards: the no-grad chunking agrees on it (:class:`rlhf_core.trainers.rl_roles._Sharded`).
+    Call it after the model's kernels are prepared (liger patches modules in place). The parameters must
+    have one dtype: bf16 (DeepSpeed's bf16 mode) or fp32.
+    """
+    world = world or current_world()
+    if kind != "zero3" or not world.distributed:
+        return model
+    import deepspeed
+
+    dtypes = {p.dtype for p in model.parameters()}
+    if dtypes - {torch.bfloat16, torch.float32} or len(dtypes) != 1:
+        raise ValueError(f"shard_frozen: a frozen model for ZeRO-3 needs one dtype, bf16 or fp32; got {sorted(map(str, dtypes))}")
+    config = {
+        "train_micro_batch_size_per_gpu": 1,  # unused without an optimizer, but DeepSpeed asks for a batch size
+        "zero_optimization": {"stage": 3, "overlap_comm": next(model.parameters()).is_cuda},
+        "bf16": {"enabled": torch.bfloat16 in dtypes},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()  # DeepSpeedEngine.train returns None, not the module
+    return engine
+
+
+def resident_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of ``model``'s parameters this process holds: a ZeRO-3 parameter counts its own partition
+    (``ds_tensor``), a released one (:meth:`rlhf_core.ray_launcher.RolloutReplica.release_weights`) nothing.
+    Tied parameters count once."""
+    seen, total = set(), 0
+    for p in getattr(model, "module", model).parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        held = getattr(p, "ds_tensor", None)
+        t = held if held is not None else p.data
+        total += t.numel() * t.element_size()
+    return total
+
+
 @contextmanager
 def train_mode(model: torch.nn.Module) -> Iterator[None]:
     """``model.train()`` inside the block (gradient checkpointing only runs in train mode), restored after.

@@ -492,6 +492,16 @@ def replicas_hold_adapters(cfg: Any) -> bool:
     return bool(cfg.lora_rank) and cfg.rollout_engine != "vllm"
 
 
+def resolve_rollout_sleep(cfg: Any, gpus: bool) -> bool:
+    """``rl.rollout_sleep`` for this run: ``on`` as configured (the config checked it can work), ``auto`` on GPUs
+    where it can (colocated replicas sharing a GPU with the learner, synchronous, hf or static engine, whole-weight
+    syncs); off on CPUs, where the replica's weights are host memory and nothing is gained."""
+    if cfg.rollout_sleep != "auto":
+        return cfg.rollout_sleep == "on"
+    return (gpus and cfg.placement == "colocated" and cfg.rollout_engine in ("hf", "static") and not cfg.lora_rank
+            and not cfg.max_staleness)
+
+
 def _engine_dtype(cfg: Any) -> torch.dtype | None:
     """The dtype rollout replicas hold their weights in (the compute dtype; ``None``: the policy's own)."""
     from rlhf_core.models import pick_device
@@ -530,9 +540,23 @@ class RemoteRollout:
     """
 
     def __init__(self, group: ActorGroup, pad_id: int, inner_name: str, beside_ranks: bool = False,
-                 collective: CollectiveSync | None = None):
+                 collective: CollectiveSync | None = None, sleeps: bool = False):
         self.group, self.pad_id, self.inner_name = group, pad_id, inner_name
         self.beside_ranks, self.collective = beside_ranks, collective
+        self.sleeps = sleeps  # rl.rollout_sleep resolved (:func:`resolve_rollout_sleep`)
+        self._said_freed = False
+
+    def release_weights(self) -> int:
+        """rl.rollout_sleep: every replica frees its weights until the next sync (:meth:`RolloutReplica.release_weights`);
+        returns the bytes freed over all replicas (0 when the replicas keep their weights)."""
+        if not self.sleeps:
+            return 0
+        freed = sum(self.group.call_all("release_weights"))
+        if not self._said_freed:
+            log.warning("ray: rollout replicas free %.1f MB of weights each between a rollout and the weight sync "
+                        "(rl.rollout_sleep)", freed / len(self.group) / 2**20)
+            self._said_freed = True
+        return freed
 
     @property
     def name(self) -> str:
@@ -612,10 +636,13 @@ class RolloutReplica:
                                  lora_dropout=cfg.lora_dropout)
         policy.eval().requires_grad_(False)
         self.engine = build_rollout_engine(cfg, policy, load_tokenizer(cfg.model_path), self.dtype)
+        self._released: dict[str, torch.Size] | None = None  # rl.rollout_sleep: the shapes of released weights
+        self._filled: set[str] = set()
 
     def generate(self, prompts: Sequence[str], params: Any) -> Any:
         from rlhf_core.trainers.rl_roles import release_memory
 
+        self._check_awake()
         batch = self.engine.generate(prompts, params)
         release_memory()  # colocated: the KV cache's blocks go back before the learner's phase
         return batch
@@ -623,11 +650,66 @@ class RolloutReplica:
     def generate_ids(self, encoded: Sequence[list[int]], params: Any, prompts: Sequence[str]) -> Any:
         from rlhf_core.trainers.rl_roles import release_memory
 
+        self._check_awake()
         batch = self.engine.generate_ids(encoded, params, prompts)
         release_memory()
         return batch
 
+    # ---- rl.rollout_sleep: the weights' memory handed back between a rollout and the next sync ------
+    #
+    # vLLM's sleep mode (level 2) for our engines: a colocated replica's copy of the policy is needed only
+    # while it generates, and the sync after every update overwrites all of it, so between the two it is
+    # freed (a 7B policy: 15.2 GB of each GPU during the reference, old log-prob and update phases). A
+    # parameter keeps its Parameter object, shape and dtype (the engine's modules, the weight-bucket maps
+    # and the sync's layout stay valid) but holds an empty tensor until :meth:`_wake` gives it storage again.
+
+    def release_weights(self) -> int:
+        """Free the engine's weights (buffers such as RoPE tables stay); returns the bytes freed. A sync must
+        refill every one before the next :meth:`generate`."""
+        from rlhf_core.parallel import resident_weight_bytes
+        from rlhf_core.trainers.rl_roles import release_memory
+
+        model = self.engine.model
+        if getattr(self.engine, "sampler", None) is not None:
+            raise RuntimeError("rollout replica: rl.rollout_sleep cannot release a replica that samples through a "
+                               "copy of its weights in another dtype")
+        if self._released is not None:
+            return 0
+        freed = resident_weight_bytes(model)
+        self._released = {}
+        for name, p in model.named_parameters():
+            self._released[name] = p.shape
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self._filled = set()
+        release_memory()
+        return freed
+
+    def _wake(self) -> None:
+        """Storage for every released weight again (uninitialised: the sync that calls this fills it)."""
+        if self._released is None or self._filled:
+            return
+        for name, p in self.engine.model.named_parameters():
+            p.data = torch.empty(self._released[name], dtype=p.dtype, device=p.device)
+
+    def _filled_by_sync(self, names: Any, last: bool) -> None:
+        """Record what a sync wrote; at its end every released weight must have been written."""
+        if self._released is None:
+            return
+        self._filled.update(names)
+        if last:
+            missing = sorted(set(self._released) - self._filled)
+            if missing:
+                raise RuntimeError(f"rollout replica: the weight sync left {len(missing)} released weight(s) "
+                                   f"unwritten ({missing[:3]}); refusing to sample from uninitialised memory")
+            self._released, self._filled = None, set()
+
+    def _check_awake(self) -> None:
+        if self._released is not None:
+            raise RuntimeError("rollout replica: its weights were released after the last rollout (rl.rollout_sleep) "
+                               "and no weight sync has refilled them since")
+
     def update_weights(self, weights: Any) -> None:
+        self._wake()
         if isinstance(weights, dict) and "cuda_ipc" in weights:  # a rank's buffer on this GPU
             if getattr(self, "_shared", None) is None:  # map it once; the rank refills it in place
                 rebuild, args = weights["cuda_ipc"]
@@ -636,6 +718,8 @@ class RolloutReplica:
             weights = {name: flat[offset:offset + _numel(shape)].view(shape)
                        for name, shape, offset in weights["layout"]}
         self.engine.update_weights(weights)
+        if self._released is not None:  # a whole state dict, loaded strictly, or the model itself
+            self._filled_by_sync(self._released if not isinstance(weights, dict) else weights, last=True)
 
     def load_bucket(self, payload: dict[str, Any]) -> None:
         """One bucket of a ZeRO-3 sync (:class:`ZeroBuckets`) from the staging buffer of the rank on this GPU into
@@ -644,11 +728,13 @@ class RolloutReplica:
             rebuild, args = payload["cuda_ipc"]
             self._staging = rebuild(*args)
             self._params = dict(self.engine.model.named_parameters())
+        self._wake()
         flat = self._staging
         with torch.no_grad():
             for name, shape, offset in payload["layout"]:
                 self._params[name].copy_(flat[offset:offset + _numel(shape)].view(shape))
         torch.cuda.synchronize()  # the rank refills the buffer for the next bucket after this returns
+        self._filled_by_sync([name for name, _, _ in payload["layout"]], payload["last"])
         if payload["last"] and getattr(self.engine, "sampler", None) is not None:
             self.engine.update_weights(self.engine.model)
 
@@ -682,16 +768,19 @@ class RolloutReplica:
 
         group, layout = self._sync_group, self._sync_layout
         whole: dict[str, torch.Tensor] = {}
+        self._wake()
         for i, bucket in enumerate(layout):
             flats = bucket_views(bucket, group.buffers)
             group.broadcast(flats)
             named = unflatten_bucket(flats, bucket)
             if isinstance(self.engine, LoadsWeightBuckets):
                 self.engine.load_weight_bucket(named, last=i == len(layout) - 1)
+                self._filled_by_sync(named, last=i == len(layout) - 1)
             else:
                 whole.update({k: v.clone() for k, v in named.items()})
         if whole:
             self.engine.update_weights(whole)
+            self._filled_by_sync(whole, last=True)
         if group.device.type == "cuda":
             torch.cuda.synchronize()  # the sync's time is its real end; the next bucket's buffer is free
 
@@ -759,11 +848,9 @@ def _open_weight_sync(cfg: Any, policy: ActorGroup, rollout: ActorGroup, beside_
 
 def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> Any:
     """:func:`rlhf_core.trainers.rl.train_rl` with its models in Ray actors placed as ``cfg.placement`` says."""
-    from rlhf_core.models import load_tokenizer
     from rlhf_core.rl_math import AdvantageEstimator
     from rlhf_core.trainers.rl import train_rl
-    from rlhf_core.trainers.rl_roles import BaseReference, base_is_reference
-    from rlhf_core.weight_sync import SyncPath, WeightSync, resolve_path
+    from rlhf_core.trainers.rl_roles import BaseReference, base_is_reference, reference_sharded
 
     if cfg.placement not in ("colocated", "disaggregated"):
         raise ValueError(f"rl.placement must be colocated or disaggregated to run on Ray, got {cfg.placement!r}")
@@ -775,6 +862,7 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
     # policy's frozen base is the reference (the policy ranks score it with their adapters off)
     base_ref = base_is_reference(cfg)
     n_refs = 0 if base_ref else workers
+    sharded = reference_sharded(cfg)  # ZeRO-3: reference and teacher ranks each form a world and partition
     bundles = workers if colocated else workers + replicas
     connect(min_cpus=bundles)
     launcher = Launcher(cluster_has_gpus())
@@ -798,14 +886,16 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
         if base_ref:
             reference_scorer: Any = BaseReference(learner)
         else:
-            reference = launcher.group(ReferenceActor, "reference", *pgs["reference"], share=share, num_threads=threads)
+            reference = launcher.group(ReferenceActor, "reference", *pgs["reference"], share=share, num_threads=threads,
+                                       world=sharded)
             reference.build(_reference, cfg, per_rank=lambda i: {"rank": i, "size": n_refs})
             reference_scorer = RemoteReference(reference)
         rollout = launcher.group(RolloutActor, "rollout", *pgs["rollout"], share=share, num_threads=threads)
         rollout.build(RolloutReplica, cfg)
         teacher_scorer = None
         if teacher:  # the reference's machinery on the teacher's weights, rows split across its ranks the same way
-            teachers = launcher.group(ReferenceActor, "teacher", *pgs["reference"], share=share, num_threads=threads)
+            teachers = launcher.group(ReferenceActor, "teacher", *pgs["reference"], share=share, num_threads=threads,
+                                      world=sharded)
             teachers.build(_reference, cfg, per_rank=lambda i: {"rank": i, "size": workers,
                                                                 "model_path": cfg.teacher_model_path})
             teacher_scorer = RemoteReference(teachers)
@@ -814,23 +904,34 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
             rm = launcher.group(RewardModelActor, "reward", *pgs["reward"], share=share, num_threads=threads)
             rm.build(_reward_model, cfg)
             reward_source = RemoteReward(rm)
-        log.warning("ray: rl %s placement: %d policy rank(s), %d reference, %d rollout replica(s)%s, ready in %.1f s",
-                    cfg.placement, workers, n_refs, replicas, " and a reward model" if reward_model else "",
-                    time.perf_counter() - started)
-        tokenizer = load_tokenizer(cfg.model_path)
-        path = resolve_path(WeightSync(cfg.weight_sync), gpus=launcher.use_gpus, colocated=colocated,
-                            lora=bool(cfg.lora_rank), engine=cfg.rollout_engine)
-        collective = None
-        if path is SyncPath.COLLECTIVE:
-            (policy_pg, policy_bundles), (rollout_pg, rollout_bundles) = pgs["policy"], pgs["rollout"]
-            beside_rank0 = [i for i, b in enumerate(rollout_bundles)
-                            if launcher.use_gpus and rollout_pg is policy_pg and b == list(policy_bundles)[0]]
-            collective = _open_weight_sync(cfg, policy, rollout, beside_rank0)
-        engine = RemoteRollout(rollout, tokenizer.pad_token_id, cfg.rollout_engine, collective=collective,
-                               beside_ranks=path is SyncPath.BESIDE and replicas == workers)
+        log.warning("ray: rl %s placement: %d policy rank(s), %d reference%s, %d rollout replica(s)%s, ready in %.1f s",
+                    cfg.placement, workers, n_refs, " (ZeRO-3 partitioned)" if sharded and n_refs else "", replicas,
+                    " and a reward model" if reward_model else "", time.perf_counter() - started)
+        engine = _remote_engine(cfg, launcher, pgs, policy, rollout)
         result = train_rl(cfg, sink, show_progress, engine=engine, reward_source=reward_source,
                           learner=learner, reference=reference_scorer,
                           teacher=teacher_scorer)
-        if collective is not None:  # after a failure the launcher kills every actor instead
-            collective.close()
+        if engine.collective is not None:  # after a failure the launcher kills every actor instead
+            engine.collective.close()
         return result
+
+
+def _remote_engine(cfg: Any, launcher: Launcher, pgs: dict[str, Any], policy: ActorGroup,
+                   rollout: ActorGroup) -> RemoteRollout:
+    """The controller's engine over the replicas: how weights reach them (``rl.weight_sync``, the collective
+    group opened here when it is that) and whether they free their weights between phases (``rl.rollout_sleep``)."""
+    from rlhf_core.models import load_tokenizer
+    from rlhf_core.weight_sync import SyncPath, WeightSync, resolve_path
+
+    path = resolve_path(WeightSync(cfg.weight_sync), gpus=launcher.use_gpus, colocated=cfg.placement == "colocated",
+                        lora=bool(cfg.lora_rank), engine=cfg.rollout_engine)
+    collective = None
+    if path is SyncPath.COLLECTIVE:
+        (policy_pg, policy_bundles), (rollout_pg, rollout_bundles) = pgs["policy"], pgs["rollout"]
+        beside_rank0 = [i for i, b in enumerate(rollout_bundles)
+                        if launcher.use_gpus and rollout_pg is policy_pg and b == list(policy_bundles)[0]]
+        collective = _open_weight_sync(cfg, policy, rollout, beside_rank0)
+    return RemoteRollout(rollout, load_tokenizer(cfg.model_path).pad_token_id, cfg.rollout_engine,
+                         collective=collective,
+                         beside_ranks=path is SyncPath.BESIDE and cfg.rollout_workers == cfg.num_workers,
+                         sleeps=resolve_rollout_sleep(cfg, launcher.use_gpus))

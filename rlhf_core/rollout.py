@@ -164,6 +164,18 @@ class RolloutEngine(Protocol):
 
 
 @runtime_checkable
+class ReleasesWeights(Protocol):
+    """An engine whose weights' memory can be handed back between a rollout and the next weight sync (colocated
+    Ray replicas under ``rl.rollout_sleep``, :class:`rlhf_core.ray_launcher.RemoteRollout`): the controller
+    calls :meth:`release_weights` once a step's rollout is done, and the sync after the update allocates and
+    fills them again. Only where every rollout is followed by a sync of the whole weights (synchronous)."""
+
+    def release_weights(self) -> int:
+        """Free the weights until the next ``update_weights``; the bytes freed (0 where this engine keeps them)."""
+        ...
+
+
+@runtime_checkable
 class LoadsWeightBuckets(Protocol):
     """An engine that takes new weights a bucket at a time (``rl.weight_sync`` collective, :mod:`rlhf_core.weight_sync`):
     the seam a Ray rollout replica hands each broadcast bucket through."""

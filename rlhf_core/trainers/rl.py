@@ -74,7 +74,7 @@ from rlhf_core.rl_math import (AdaptiveKLController, AdvantageEstimator, FixedKL
                                compute_advantages, dynamic_sampling_keep, explained_variance, kl_penalty, masked_mean,
                                masked_whiten, overlong_penalty, reverse_kl_token_rewards, sequence_is_mask,
                                truncated_is_weights)
-from rlhf_core.rollout import HFGenerateEngine, RolloutBatch, RolloutEngine, SamplingParams
+from rlhf_core.rollout import HFGenerateEngine, ReleasesWeights, RolloutBatch, RolloutEngine, SamplingParams
 from rlhf_core.checkpoint import Checkpoint, Checkpointer, read_weights, run_fingerprint
 from rlhf_core.trainers.loop import (EpochSampler, LoopClock, LoopPlan, MetricSink, NullSink, Timer, run_checkpointed,
                                      save_hf_dir, seed_everything)
@@ -349,6 +349,8 @@ class RLTrainer:
         step_timer, perf = Timer(), _PhaseTimes()
         rollout = self.take_rollout(step, perf)
         sampled = rollout.sampled
+        if not self.cfg.max_staleness and isinstance(self.engine, ReleasesWeights):
+            self.engine.release_weights()  # colocated replicas' weights: freed until this step's sync refills them
         if self.cfg.max_staleness and step < self.cfg.max_steps:
             self.launch(step + 1, perf)
         if not self.rendered_examples:  # the first iteration's samples, for a reviewer (RLResult)

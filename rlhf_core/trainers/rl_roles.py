@@ -28,7 +28,8 @@ from rlhf_core.config import RLConfig
 from rlhf_core.lm_head import LMHead, _head_bypassed, bypasses_head, head_logprobs, prepare_kernels, unwrap
 from rlhf_core.models import adapter_parameters, adapters_off, export_state_dict, has_lora, load_causal_lm, \
     pick_device, prepare_for_training, resolve_checkpointing
-from rlhf_core.parallel import (LocalStrategy, World, build_strategy, current_world, disable_dropout, train_mode)
+from rlhf_core.parallel import (LocalStrategy, World, build_strategy, current_world, disable_dropout,
+                                resident_weight_bytes, shard_frozen, train_mode)
 from rlhf_core.precision import Precision
 from rlhf_core.rl_math import (AdvantageEstimator, LossAggregation, PolicyObjective, aggregate_loss,
                                aggregation_units, clipped_value_loss, entropy_from_logits, kl_penalty, masked_mean,
@@ -455,6 +456,15 @@ class ReferenceScorer:
         self.model.eval().requires_grad_(False)
         self.head = prepare_kernels(cfg, self.model)
         self.packing = resolve_packing(cfg.packing, self.model)
+        whole = resident_weight_bytes(self.model)
+        if reference_sharded(cfg):  # a ZeRO-3 partition, as the policy's (the launcher formed this group's world)
+            self.model = shard_frozen(self.model, cfg.parallel, self.world)
+        log.info("rl: %s holds %.1f MB of its %.1f MB of weights on rank %d of %d", "teacher" if model_path else
+                 "reference", resident_weight_bytes(self.model) / 2**20, whole / 2**20, self.world.rank, self.world.size)
+
+    def resident_bytes(self) -> int:
+        """Bytes of weights this rank holds (its partition under ZeRO-3)."""
+        return resident_weight_bytes(self.model)
 
     def logprobs(self, exp: dict[str, torch.Tensor], prompt_width: int) -> torch.Tensor:
         """``(my_rows, R)`` log-probs of this rank's rows (``log_softmax(logits / T)``, as the policy's)."""
@@ -466,6 +476,12 @@ class ReferenceScorer:
                          exp, prompt_width, shard.rows.to(self.device), shard.n_chunks)
         release_memory()
         return out.cpu()
+
+
+def reference_sharded(cfg: RLConfig) -> bool:
+    """Whether the reference and teacher ranks partition their frozen weights (``rl.shard_reference``): Ray ranks
+    under ZeRO-3, more than one. Their actors then form a torch.distributed world of their own."""
+    return cfg.shard_reference and cfg.parallel == "zero3" and cfg.placement != "none" and cfg.num_workers > 1
 
 
 def base_is_reference(cfg: RLConfig) -> bool:

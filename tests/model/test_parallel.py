@@ -135,17 +135,24 @@ def length_reward(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("placement", ["colocated", pytest.param("disaggregated", marks=pytest.mark.slow)])
 def test_grpo_runs_on_ray_with_either_placement(ray_local, micro_model, micro_data, tmp_path, length_reward,
-                                                placement):
+                                                placement, caplog):
     """GRPO with the controller here and the models in actors: 2 policy ranks (DDP over gloo), reference
     scorers, a rollout replica; the trained policy differs from the start and the controller's metrics
-    are the one-process run's on the same rollouts (one replica samples with the same seed)."""
+    are the one-process run's on the same rollouts (one replica samples with the same seed). Colocated, the
+    replica also releases its weights after each rollout (``rollout_sleep: on``, what auto picks on GPUs), so
+    the second step's samples come from weights the sync had to allocate and fill again."""
+    import logging
+
     from rlhf_core.ray_launcher import train_rl_on_ray
     from rlhf_core.trainers.rl import train_rl
 
     local, remote = Recorder(), Recorder()
     train_rl(_rl(micro_model, micro_data, tmp_path / "local", length_reward), local, show_progress=False)
-    result = train_rl_on_ray(_rl(micro_model, micro_data, tmp_path / "ray", length_reward, placement=placement,
-                                 num_workers=2), remote, show_progress=False)
+    with caplog.at_level(logging.WARNING, logger="rlhf_core.ray_launcher"):
+        result = train_rl_on_ray(_rl(micro_model, micro_data, tmp_path / "ray", length_reward, placement=placement,
+                                     num_workers=2, rollout_sleep="on" if placement == "colocated" else "auto"),
+                                 remote, show_progress=False)
+    assert ("rollout replicas free" in caplog.text) == (placement == "colocated")
     before = load_file(str(micro_model / "model.safetensors"))
     after = load_file(str(result.output_dir / "model.safetensors"))
     assert any(not torch.equal(before[k], after[k]) for k in before)
@@ -236,6 +243,90 @@ def test_a_lora_replica_takes_the_adapters_alone_and_samples_as_the_merged_weigh
     torch.testing.assert_close(a.sampling_logprobs, b.sampling_logprobs, atol=1e-5, rtol=0)
     with pytest.raises(RuntimeError, match="Missing key"):
         holding.update_weights(dict(list(adapters.items())[:-1]))
+
+
+def test_a_released_replica_holds_no_weights_until_a_sync_refills_them(micro_model, micro_data, tmp_path,
+                                                                      length_reward):
+    """``rl.rollout_sleep``: a replica that released its weights holds none of their bytes (its RoPE buffers
+    stay), refuses to sample, and refuses a sync that would leave a weight unwritten (the strict load); a
+    whole sync gives it storage again and it samples what it sampled before, token for token."""
+    from rlhf_core.parallel import resident_weight_bytes
+    from rlhf_core.ray_launcher import RolloutReplica
+    from rlhf_core.rollout import SamplingParams
+
+    replica = RolloutReplica(_rl(micro_model, micro_data, tmp_path, length_reward))
+    model = replica.engine.model
+    whole = resident_weight_bytes(model)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=8)
+    prompts = ["12+30=", "sort 321="]
+    before = replica.generate(prompts, params)
+
+    assert replica.release_weights() == whole > 0
+    assert resident_weight_bytes(model) == 0 and replica.release_weights() == 0  # once
+    assert all(b.numel() for b in model.buffers())
+    with pytest.raises(RuntimeError, match="released after the last rollout"):
+        replica.generate(prompts, params)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        replica.update_weights(dict(list(weights.items())[1:]))
+    with pytest.raises(RuntimeError, match="released after the last rollout"):
+        replica.generate(prompts, params)
+
+    replica.update_weights(weights)
+    assert resident_weight_bytes(model) == whole
+    after = replica.generate(prompts, params)
+    assert torch.equal(before.response_ids, after.response_ids)
+    torch.testing.assert_close(before.sampling_logprobs, after.sampling_logprobs, atol=0, rtol=0)
+
+
+@pytest.mark.slow  # DeepSpeed's CPU op build, then a ZeRO-3 GRPO run on Ray
+def test_zero3_reference_ranks_partition_the_weights_and_score_as_the_whole_model(ray_local, micro_model, micro_data,
+                                                                                  tmp_path, length_reward, caplog):
+    """``rl.shard_reference`` under ZeRO-3: two reference actors forming a world of their own each hold about half
+    of the frozen weights' bytes and, on 7 rows (one rank scores a row fewer: the ranks still agree on the
+    chunks, since every ZeRO-3 forward is a collective), give the log-probs a whole reference gives (fp32, to
+    1e-6). Then a colocated GRPO run on two ZeRO-3 policy ranks starts partitioned reference ranks and logs a KL
+    of 0 before the first update (the reference is the starting policy) and above 0 after it."""
+    import logging
+
+    from rlhf_core import ray_launcher as rl_ray
+    from rlhf_core.models import load_tokenizer
+    from rlhf_core.parallel import resident_weight_bytes
+    from rlhf_core.rollout import HFGenerateEngine, SamplingParams
+    from rlhf_core.trainers.rl_roles import ReferenceScorer, reference_sharded
+
+    cfg = _rl(micro_model, micro_data, tmp_path, length_reward, kl_coef=0.05, num_workers=2, placement="colocated",
+              parallel="zero3")
+    assert reference_sharded(cfg) and not reference_sharded(_rl(micro_model, micro_data, tmp_path, length_reward,
+                                                                 num_workers=2, placement="colocated",
+                                                                 parallel="zero3", shard_reference=False))
+    whole = ReferenceScorer(cfg, torch.device("cpu"))  # one process: nothing to partition over
+    batch = HFGenerateEngine(whole.model, load_tokenizer(micro_model)).generate(
+        ["12+30=", "7*8=", "sort 321=", "1+1=", "9-4=", "3*3=", "sort 12="], SamplingParams(n=1, max_new_tokens=6,
+                                                                                            seed=3))
+    ids, attention = batch.sequences()
+    exp = {"input_ids": ids, "attention_mask": attention, "position_ids": batch.position_ids(),
+           "response_ids": batch.response_ids}
+    p = batch.prompt_ids.shape[1]
+    launcher = rl_ray.Launcher(use_gpus=False)
+    with launcher.running():
+        group = launcher.group(rl_ray.ReferenceActor, "reference", launcher.bundles(2), [0, 1], share=1.0,
+                               num_threads=1, world=True)
+        group.build(rl_ray._reference, cfg, per_rank=lambda i: {"rank": i, "size": 2})
+        held = group.call_all("resident_bytes")
+        sharded = rl_ray.RemoteReference(group).logprobs(exp, p)
+    total = resident_weight_bytes(whole.model)
+    print(f"reference weights: {total} B whole; {held} B on the two ZeRO-3 ranks")
+    assert all(h < 0.55 * total for h in held) and sum(held) >= total
+    mask = batch.response_mask.float()
+    torch.testing.assert_close(sharded * mask, whole.logprobs(exp, p) * mask, atol=1e-6, rtol=0)
+
+    sink = Recorder()
+    with caplog.at_level(logging.WARNING, logger="rlhf_core.ray_launcher"):
+        rl_ray.train_rl_on_ray(cfg, sink, show_progress=False)
+    assert "2 policy rank(s), 2 reference (ZeRO-3 partitioned)" in caplog.text
+    kl = sink.series("train/kl")
+    assert len(kl) == 2 and abs(kl[0]) <= 1e-6 and kl[1] > 0, kl
 
 
 @pytest.mark.slow  # DeepSpeed's CPU op build (about 60 s on a fresh machine)

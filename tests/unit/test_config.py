@@ -120,6 +120,29 @@ def test_scale_out_fields_are_checked():
         RLConfig(placement="spread")
 
 
+def test_rollout_sleep_is_checked_and_resolved_by_where_it_can_work():
+    """rl.rollout_sleep is auto, on or off; on needs colocated replicas of the hf or static engine that take whole
+    weights (no LoRA); auto turns it on only with GPUs and only where on would be accepted."""
+    from rlhf_core.config import ConfigError, RLConfig
+    from rlhf_core.ray_launcher import resolve_rollout_sleep
+
+    colocated = RLConfig(placement="colocated", rollout_sleep="on")
+    assert resolve_rollout_sleep(colocated, gpus=False) and resolve_rollout_sleep(colocated, gpus=True)
+    assert not resolve_rollout_sleep(RLConfig(placement="colocated"), gpus=False)  # CPUs: nothing to gain
+    assert resolve_rollout_sleep(RLConfig(placement="colocated"), gpus=True)
+    for kw in ({"placement": "disaggregated"}, {"placement": "colocated", "lora_rank": 4},
+               {"placement": "colocated", "rollout_engine": "vllm"}, {"placement": "colocated", "rollout_sleep": "off"}):
+        assert not resolve_rollout_sleep(RLConfig(**kw), gpus=True), kw
+    with pytest.raises(ConfigError, match=r"rl.rollout_sleep: must be auto, on or off, got 'yes'"):
+        RLConfig(rollout_sleep="yes")
+    with pytest.raises(ConfigError, match=r"rl.rollout_sleep: on frees colocated Ray replicas' weights"):
+        RLConfig(rollout_sleep="on", placement="disaggregated")
+    with pytest.raises(ConfigError, match=r"rl.rollout_sleep: on needs a sync of the whole weights"):
+        RLConfig(rollout_sleep="on", placement="colocated", lora_rank=4)
+    with pytest.raises(ConfigError, match=r"rl.rollout_sleep: on needs the hf or static engine"):
+        RLConfig(rollout_sleep="on", placement="colocated", rollout_engine="vllm")
+
+
 def test_rl_policy_objective_and_its_clip_fields():
     """policy_objective is one of the enum's values; GSPO's bounds are checked like PPO's; dual clip, which
     bounds PPO's unclipped branch, is refused for cispo (its clipped weight has no such branch)."""
