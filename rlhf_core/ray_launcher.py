@@ -431,9 +431,13 @@ class RemoteLearner:
     def view(self) -> Any:
         """The controller's copy of the policy with rank 0's current weights."""
         if not self._fresh:
+            started = time.perf_counter()
             weights = self.engine_weights()
             self.policy.load_state_dict(weights)
             self._fresh = True
+            # at 7B this is the end of a run's largest cost (BENCHMARKS.md, issue 22's plan): say what it took
+            log.info("ray: the controller's copy of the policy took rank 0's weights (%.2f GB) in %.1f s",
+                     sum(t.numel() * t.element_size() for t in weights.values()) / 2**30, time.perf_counter() - started)
         return self.policy
 
     def masters_into_model(self) -> None:

@@ -652,6 +652,12 @@ class RLTrainer:
     # ---- evaluation: greedy exact match (+ the reward model's score of the greedy answers) ------
 
     def evaluate(self, step: int) -> tuple[Any, ...]:
+        started = time.perf_counter()
+        metrics, samples, answers = self._evaluate(step)
+        log.info("rl: evaluation at iteration %d took %.1f s", step, time.perf_counter() - started)
+        return metrics, samples, answers
+
+    def _evaluate(self, step: int) -> tuple[Any, ...]:
         cfg = self.cfg
         result = evaluate_exact_match(self.learner.view(), self.tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
                                       label_field=cfg.label_field, max_items=cfg.eval_items,
@@ -733,10 +739,12 @@ class RLTrainer:
 
     def save_final(self) -> None:
         # under mixed precision the fp32 masters are the trained weights: they are what is saved
+        started = time.perf_counter()
         self.learner.masters_into_model()
         save_hf_dir(merged_model(self.learner.view()), self.tokenizer, self.cfg.output_dir,
                     extra={"stage": "rl", "config": redact_secrets(config_to_dict(self.cfg)),
                            "base_model": str(self.cfg.model_path)})
+        log.info("rl: final model saved in %.1f s", time.perf_counter() - started)
 
 
 class _PhaseTimes:

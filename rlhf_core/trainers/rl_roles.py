@@ -457,8 +457,10 @@ class ReferenceScorer:
         self.head = prepare_kernels(cfg, self.model)
         self.packing = resolve_packing(cfg.packing, self.model)
         whole = resident_weight_bytes(self.model)
+        model = self.model
         if reference_sharded(cfg):  # a ZeRO-3 partition, as the policy's (the launcher formed this group's world)
-            self.model = shard_frozen(self.model, cfg.parallel, self.world)
+            self.model = shard_frozen(model, cfg.parallel, self.world)
+        self.sharded = self.model is not model  # one process: nothing to partition over
         log.info("rl: %s holds %.1f MB of its %.1f MB of weights on rank %d of %d", "teacher" if model_path else
                  "reference", resident_weight_bytes(self.model) / 2**20, whole / 2**20, self.world.rank, self.world.size)
 
@@ -474,6 +476,8 @@ class ReferenceScorer:
         out = _in_chunks(lambda e, p: token_logprobs(self.model, e, p, self.cfg.temperature, share_prompts=not packed,
                                                   head=self.head, packed=packed)[0],
                          exp, prompt_width, shard.rows.to(self.device), shard.n_chunks)
+        if self.sharded:  # layers ZeRO-3's prefetcher gathered ahead stay whole until released: back before the update
+            self.model.optimizer.empty_partition_cache()
         release_memory()
         return out.cpu()
 
