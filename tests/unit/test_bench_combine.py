@@ -7,7 +7,6 @@ per-step times with the first step left out, and the ceiling the larger of the t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 from pathlib import Path
@@ -17,14 +16,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
 OURS, TRL = RESULTS / "side_by_side_h200x4_7b_grpo_ours_c2.json", RESULTS / "side_by_side_h200x4_7b_grpo_trl_c3.json"
-
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("side_by_side_under_test", REPO / "bench" / "side_by_side.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _timed_median(path: Path, row: str) -> float:

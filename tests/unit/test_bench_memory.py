@@ -8,21 +8,7 @@ files the peak writer leaves, read back.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
-
-import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("side_by_side_memory_under_test", REPO / "bench" / "side_by_side.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_concurrent_peak_sums_the_windows_that_hold_each_moment(bench):
