@@ -379,12 +379,22 @@ class RemoteLearner:
     """The controller's handle on the policy learner group: same methods as :class:`PolicyLearner`."""
 
     def __init__(self, group: ActorGroup, cfg: Any):
-        from rlhf_core.models import load_causal_lm
+        from rlhf_core.models import load_causal_lm, prepare_for_training
 
         self.group, self.cfg = group, cfg
-        # A CPU copy of the policy for evaluation and saving, refreshed from rank 0 on demand.
-        self.policy = load_causal_lm(cfg.model_path, torch.device("cpu")).eval().requires_grad_(False)
-        self._fresh = True
+        # A CPU copy of the policy for evaluation and saving, refreshed from rank 0 on demand. A LoRA policy's is
+        # what the ranks hold, the frozen base (in their dtype) with adapters injected, and a refresh fetches the
+        # adapters alone, as the replicas' syncs do: a 32B policy's merged weights were 65.5 GB gathered whole on
+        # every GPU beside its shard (more than a GPU holding a replica has), one 65.5 GB Ray object and a
+        # 131 GB fp32 copy here, for ~0.3 GB of adapters (BENCHMARKS.md, issue 22's plan).
+        self.adapters_only = bool(cfg.lora_rank)
+        dtype = getattr(torch, group.call_all("base_dtype")[0]) if self.adapters_only else torch.float32
+        self.policy = load_causal_lm(cfg.model_path, torch.device("cpu"), dtype)
+        if self.adapters_only:
+            prepare_for_training(self.policy, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                                 lora_dropout=cfg.lora_dropout)
+        self.policy.eval().requires_grad_(False)
+        self._fresh = not self.adapters_only  # this copy's adapters start random: the first view fetches rank 0's
         self._buckets: int | None = None
 
     def score(self, exp: dict[str, torch.Tensor], prompt_width: int) -> dict[str, torch.Tensor]:
@@ -431,9 +441,21 @@ class RemoteLearner:
     def view(self) -> Any:
         """The controller's copy of the policy with rank 0's current weights."""
         if not self._fresh:
+            from rlhf_core.models import adapter_parameters
+
             started = time.perf_counter()
-            weights = self.engine_weights()
-            self.policy.load_state_dict(weights)
+            refs = [a.call.remote("engine_weights", None, None, self.adapters_only) for a in self.group.actors]
+            weights = gather(refs, "policy.engine_weights")[0]
+            if self.adapters_only:  # the frozen base is here already (strictly the adapters' names)
+                adapters = adapter_parameters(self.policy)
+                if set(weights) != set(adapters):
+                    raise RuntimeError(f"ray: rank 0 sent adapters {sorted(set(weights) ^ set(adapters))[:3]} that do "
+                                       f"not match the controller's copy")
+                with torch.no_grad():
+                    for name, tensor in weights.items():
+                        adapters[name].copy_(tensor)
+            else:
+                self.policy.load_state_dict(weights)
             self._fresh = True
             # at 7B this is the end of a run's largest cost (BENCHMARKS.md, issue 22's plan): say what it took
             log.info("ray: the controller's copy of the policy took rank 0's weights (%.2f GB) in %.1f s",
@@ -826,8 +848,12 @@ def _reference(cfg: Any, rank: int, size: int, model_path: str | None = None) ->
 
 
 def _learner(cfg: Any) -> Any:
+    from rlhf_core.trainers.loop import seed_everything
     from rlhf_core.trainers.rl_roles import PolicyLearner
 
+    # a LoRA policy's adapters start random (peft's A); seeded, every run of a config starts from the same ones,
+    # as one process does (train_rl seeds before it builds the learner)
+    seed_everything(cfg.seed)
     return PolicyLearner(cfg)
 
 

@@ -260,3 +260,14 @@ def ray_local():
     ray.shutdown()
     if saved is not None:
         os.environ["RAY_ADDRESS"] = saved
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """``bench/side_by_side.py`` as a module (a script, not a package member), loaded once per test module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("side_by_side_under_test", REPO / "bench" / "side_by_side.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -787,6 +787,12 @@ class PolicyLearner:
             weights = export_state_dict(self.policy) if has_lora(self.policy) else self.policy.state_dict()
             return {k: _cpu_copy(v.detach().to(dtype or v.dtype), on_cpu) for k, v in weights.items()}
 
+    def base_dtype(self) -> str:
+        """The dtype of the policy's frozen (non-adapter) weights, e.g. ``"bfloat16"``: what the controller's copy
+        of a LoRA policy's base is held in (:class:`rlhf_core.ray_launcher.RemoteLearner`)."""
+        frozen = next((p for n, p in self.policy.named_parameters() if "lora_" not in n), None)
+        return str((frozen if frozen is not None else next(self.policy.parameters())).dtype).removeprefix("torch.")
+
     def share_weights(self, dtype: torch.dtype | None = None) -> dict[str, Any] | None:
         """This rank's policy weights in one flat GPU buffer, as a CUDA IPC handle; ``None`` where that cannot work.
 

@@ -279,6 +279,76 @@ def test_a_released_replica_holds_no_weights_until_a_sync_refills_them(micro_mod
     torch.testing.assert_close(before.sampling_logprobs, after.sampling_logprobs, atol=0, rtol=0)
 
 
+def test_a_lora_controller_copy_takes_the_adapters_alone_and_merges_as_rank_0(ray_local, micro_model, micro_data,
+                                                                             tmp_path, length_reward):
+    """LoRA on Ray: the controller's copy of the policy is the frozen base with adapters injected (in the dtype the
+    ranks hold the base in), and a refresh fetches the adapters alone, as a replica's sync does; the merged
+    weights of a 32B policy, gathered whole on every GPU, would not fit beside a replica. New adapters set on both
+    ranks through the resume path (a checkpoint's LoRA names) reach the copy at the next refresh (its own were
+    zeroed in between), its merge equals rank 0's merged weights to 1e-6, and its base never moves."""
+    from rlhf_core import ray_launcher as rl_ray
+    from rlhf_core.models import adapter_parameters, export_state_dict
+
+    cfg = _rl(micro_model, micro_data, tmp_path, length_reward, lora_rank=4, lora_alpha=8.0, num_workers=2,
+              placement="colocated")
+    launcher = rl_ray.Launcher(use_gpus=False)
+    with launcher.running():
+        policy = launcher.group(rl_ray.TrainerActor, "policy", launcher.bundles(2), [0, 1], share=1.0, num_threads=1,
+                                world=True)
+        policy.build(rl_ray._learner, cfg)
+        learner = rl_ray.RemoteLearner(policy, cfg)
+        view = learner.view()
+        base = {k: v.clone() for k, v in view.state_dict().items() if "lora_" not in k}
+        g = torch.Generator().manual_seed(0)
+        new = {k: v + 0.1 * torch.randn(v.shape, generator=g) if "lora_" in k else v
+               for k, v in view.state_dict().items()}
+        learner.load_state_dict(learner.state_dict(), new)
+        with torch.no_grad():
+            for p in adapter_parameters(view).values():
+                p.zero_()
+        learner.masters_into_model()  # what the end of a run does; the next view refreshes
+        refreshed = learner.view()
+        rank0_merged = rl_ray.gather([a.call.remote("engine_weights", None, None, False) for a in policy.actors],
+                                     "merged weights")[0]
+    assert refreshed is view and adapter_parameters(view)
+    assert all(torch.equal(p, new[k]) for k, p in adapter_parameters(view).items())
+    assert all(torch.equal(v, base[k]) for k, v in view.state_dict().items() if "lora_" not in k)
+    ours = export_state_dict(refreshed)
+    plain_base = {k.replace(".base_layer.", "."): v for k, v in base.items()}  # the merged model's names
+    assert ours.keys() == rank0_merged.keys() == plain_base.keys()
+    assert any(not torch.equal(ours[k], plain_base[k]) for k in ours)  # the new adapters are merged in
+    for k in ours:
+        torch.testing.assert_close(ours[k], rank0_merged[k], atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow  # three LoRA GRPO runs on Ray (about a minute)
+def test_lora_grpo_on_ray_resumes_from_its_checkpoint_as_the_uninterrupted_run(ray_local, micro_model, micro_data,
+                                                                               tmp_path, length_reward, monkeypatch):
+    """A LoRA policy on Ray checkpoints what the controller holds, the base with adapters injected (LoRA names, as
+    one process does), and resumes from it: a run that fails in iteration 3's update, after its step-2
+    checkpoint, and is run again ends with the weights of the run nobody stopped, bit for bit (fp32). The
+    controller held the merged plain model before, whose names a LoRA rank's load refuses."""
+    from rlhf_core.ray_launcher import train_rl_on_ray
+
+    def cfg(name):
+        return _rl(micro_model, micro_data, tmp_path / name, length_reward, lora_rank=4, lora_alpha=8.0,
+                   kl_coef=0.05, num_workers=2, placement="colocated", max_steps=4, save_every=2,
+                   keep_checkpoints=10)
+
+    monkeypatch.setenv("ALIGNFLOW_FAULT", "rl-learner:3")
+    with pytest.raises(Exception, match="fault injected"):
+        train_rl_on_ray(cfg("stopped"), show_progress=False)
+    monkeypatch.delenv("ALIGNFLOW_FAULT")
+    assert (tmp_path / "stopped" / "ckpt" / "step-0000002").is_dir()
+    resumed, whole = Recorder(), Recorder()
+    a = train_rl_on_ray(cfg("stopped"), resumed, show_progress=False)
+    b = train_rl_on_ray(cfg("whole"), whole, show_progress=False)
+    assert resumed.series("checkpoint/resumed_from_step") == [2.0]
+    wa, wb = load_file(str(a.output_dir / "model.safetensors")), load_file(str(b.output_dir / "model.safetensors"))
+    assert wa.keys() == wb.keys() and not any("lora_" in k for k in wa)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 @pytest.mark.slow  # DeepSpeed's CPU op build, then a ZeRO-3 GRPO run on Ray
 def test_zero3_reference_ranks_partition_the_weights_and_score_as_the_whole_model(ray_local, micro_model, micro_data,
                                                                                   tmp_path, length_reward, caplog):
