@@ -435,8 +435,13 @@ class RemoteLearner:
                     self._buckets = self.group.call_all("weight_buckets", SYNC_BUCKET_BYTES, dtype)[0]
                 return ZeroBuckets(self.group, self._buckets, dtype)
         adapters_only = isinstance(engine, RemoteRollout) and replicas_hold_adapters(self.cfg)
+        return self._rank0_weights(dtype, adapters_only, fetch=not isinstance(engine, RemoteRollout))
+
+    def _rank0_weights(self, dtype: torch.dtype | None, adapters_only: bool, fetch: bool = True) -> Any:
+        """Rank 0's :meth:`PolicyLearner.engine_weights` (every rank takes part); ``fetch=False`` leaves them in the
+        object store and returns the Ray reference (weights headed for the replicas)."""
         refs = [a.call.remote("engine_weights", None, dtype, adapters_only) for a in self.group.actors]
-        return gather(refs, "policy.engine_weights", fetch_first=not isinstance(engine, RemoteRollout))[0]
+        return gather(refs, "policy.engine_weights", fetch_first=fetch)[0]
 
     def view(self) -> Any:
         """The controller's copy of the policy with rank 0's current weights."""
@@ -444,8 +449,7 @@ class RemoteLearner:
             from rlhf_core.models import adapter_parameters
 
             started = time.perf_counter()
-            refs = [a.call.remote("engine_weights", None, None, self.adapters_only) for a in self.group.actors]
-            weights = gather(refs, "policy.engine_weights")[0]
+            weights = self._rank0_weights(None, self.adapters_only)
             if self.adapters_only:  # the frozen base is here already (strictly the adapters' names)
                 adapters = adapter_parameters(self.policy)
                 if set(weights) != set(adapters):
@@ -744,8 +748,8 @@ class RolloutReplica:
             weights = {name: flat[offset:offset + _numel(shape)].view(shape)
                        for name, shape, offset in weights["layout"]}
         self.engine.update_weights(weights)
-        if self._released is not None:  # a whole state dict, loaded strictly, or the model itself
-            self._filled_by_sync(self._released if not isinstance(weights, dict) else weights, last=True)
+        # a whole state dict (the engine's load is strict) or a model: every released weight was written
+        self._filled_by_sync(self._released or (), last=True)
 
     def load_bucket(self, payload: dict[str, Any]) -> None:
         """One bucket of a ZeRO-3 sync (:class:`ZeroBuckets`) from the staging buffer of the rank on this GPU into
