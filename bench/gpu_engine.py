@@ -108,6 +108,28 @@ def time_engines(engines: dict, prompts: list[str], args, sync, report: dict) ->
         print(json.dumps({name: report["engines"][name]}), flush=True)
 
 
+def time_phases(engines: dict, prompts: list[str], args) -> dict:
+    """Each static engine's generate split into its phases (StaticCacheEngine.phase_seconds), ``args.phases`` calls
+    each at the timed shape; seconds a call by phase, and their sum beside the call's own wall time."""
+    out = {}
+    for name, engine in engines.items():
+        if not isinstance(engine, StaticCacheEngine):
+            continue
+        configure(name)
+        engine.phase_seconds, walls = {}, []
+        for rep in range(args.phases):
+            t = time.perf_counter()
+            engine.generate(prompts, SamplingParams(n=args.group, temperature=1.0, max_new_tokens=args.new_tokens,
+                                                    seed=100 + rep))
+            walls.append(time.perf_counter() - t)
+        phases = {k: round(v / args.phases, 4) for k, v in engine.phase_seconds.items()}
+        engine.phase_seconds = None
+        out[name] = {**phases, "sum_of_phases": round(sum(phases.values()), 4),
+                     "wall_median": round(statistics.median(walls), 4)}
+        print(json.dumps({"phases": {name: out[name]}}), flush=True)
+    return out
+
+
 def check_numerics(engines: dict, model, prompts: list[str], device) -> dict:
     """Per engine: greedy tokens against HF generate's, and sampling log-probs against the trainer's
     recomputation (bf16; HF generate's own log-probs are the baseline the others are read against)."""
@@ -153,6 +175,9 @@ def main() -> None:
                          "width-bucket A/B, static_cuda_graphs_{efficient_attention,math,cudnn_attention} for the "
                          "masked decode attention's SDPA backend")
     ap.add_argument("--small", action="store_true", help="micro model (a CPU smoke test)")
+    ap.add_argument("--phases", type=int, default=0, metavar="N",
+                    help="after the timed reps, N more calls of each static engine with its phases timed (each phase "
+                         "waits for the device at its ends): seconds a call by phase")
     ap.add_argument("--out", default="bench/out/gpu_engine.json")
     args = ap.parse_args()
 
@@ -178,6 +203,8 @@ def main() -> None:
                     "torch": torch.__version__, "rows": args.prompts * args.group, "new_tokens": args.new_tokens,
                     "engines": {}, "first_call_s": {}}
     time_engines(engines, prompts, args, sync, report)
+    if args.phases:
+        report["phases_s_a_call"] = time_phases(engines, prompts, args)
     configure("static_cuda_graphs")
     report["compiled_layers"] = engines["static_cuda_graphs"].compile_layers and device.type == "cuda"
     report["flash_decode_attention"] = static._use_flash(device, dtype, model.config.hidden_size

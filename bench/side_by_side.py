@@ -823,7 +823,8 @@ def _ours_grpo(task: dict, common: dict, sink: Any, work: Path) -> dict:
     cfg = RLConfig(model_path=model, prompts_file=data, eval_file=data, reward_function=_reward_file(work),
                    estimator="grpo", max_steps=b["steps"], prompts_per_step=b["prompts_per_step"],
                    group_size=b["group_size"], max_new_tokens=b["max_new_tokens"], temperature=b["temperature"],
-                   kl_coef=b["beta"], lr=b["lr"], mini_batch_size=rows, micro_batch_size=b["micro_rows"],
+                   kl_coef=b["beta"], lr=b["lr"], mini_batch_size=rows,
+                   micro_batch_size=task.get("micro_rows") or b["micro_rows"],
                    ppo_epochs=1, batch_size=rows, max_length=b["max_new_tokens"] + 64, warmup_steps=0,
                    eval_items=1, eval_at_start=False, log_rollouts_every=0, rollout_engine="static",
                    placement="colocated" if gpus > 1 else "none", rollout_workers=s.get("rollout_workers", gpus),
@@ -1457,6 +1458,7 @@ def settings_record(variant: str, rows: list[str], args: argparse.Namespace) -> 
                           "trl": "HF Trainer default optim (adamw_torch_fused), no decay on biases and norms"},
             "rounds": args.rounds, "order": "ABBA: the row list, reversed on even rounds", "warmup_steps": args.warmup,
             "trl_grad_ckpt": args.trl_grad_ckpt, "ours_micro_batch_tokens": args.micro_batch_tokens,
+            "ours_micro_rows": args.micro_rows or s["grpo"]["micro_rows"],
             "profiled": args.profile, "global_batch": args.global_batch, "ours_lm_head": args.lm_head or "auto",
             "ours_compile_layers": args.compile_layers or "auto",
             "ours_rollout_sleep": args.rollout_sleep or "auto", "ours_shard_reference": args.shard_reference,
@@ -1502,6 +1504,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="ours' Ray GRPO rows under ZeRO-3: rl.shard_reference (default: on)")
     ap.add_argument("--micro-batch-tokens", type=int, default=0,
                     help="ours' packed rows: token budget of a micro-batch (0: each draw is one micro-batch)")
+    ap.add_argument("--micro-rows", type=int, default=0,
+                    help="ours' GRPO rows: rows of an update micro-batch (0: the variant's, which TRL's rows take as "
+                         "per_device_train_batch_size); a memory knob, the optimizer steps are the same")
     ap.add_argument("--profile", action="store_true",
                     help="ours' offline rows (steps 4-6; rank 0 on several GPUs) and grpo's third update on one "
                          "device under torch.profiler: a where-the-time-goes "
@@ -1606,7 +1611,7 @@ def _run_bench(name: str, rows: list[str], args: argparse.Namespace, inputs: dic
     for rnd, row in schedule(rows, args.rounds):
         side = ROWS[row]["side"]
         task = {"inputs": inputs, "bench": name, "row": row, "micro_batch_tokens": args.micro_batch_tokens,
-                "lm_head": args.lm_head, "compile_layers": args.compile_layers,
+                "micro_rows": args.micro_rows, "lm_head": args.lm_head, "compile_layers": args.compile_layers,
                 "rollout_sleep": args.rollout_sleep, "shard_reference": args.shard_reference,
                 "profile": {"skip": 2, "active": 3} if args.profile else None, "sync_census": args.sync_census}
         if side == "trl":

@@ -40,10 +40,12 @@ sampled token, before top-k / top-p filtering.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -175,6 +177,23 @@ class StaticCacheEngine(HFGenerateEngine):
         self.compile_layers = compile_layers
         cfg = model.config
         self._window = getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
+        # Seconds spent in each phase of generate (encode, decoder set-up, prefill, capture, decode, to_host,
+        # assemble), summed over calls, when a caller sets this to a dict (bench/gpu_engine.py --phases): each phase
+        # then waits for the device at its ends, so a timed run is a little slower. None (the default): no waits.
+        self.phase_seconds: dict[str, float] | None = None
+
+    @contextlib.contextmanager
+    def _phase(self, name: str, device: torch.device):
+        if self.phase_seconds is None:
+            yield
+            return
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        yield
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + time.perf_counter() - start
 
     @property
     def name(self) -> str:
@@ -184,7 +203,9 @@ class StaticCacheEngine(HFGenerateEngine):
 
     def generate(self, prompts: Sequence[str], params: SamplingParams) -> RolloutBatch:
         """``params.n`` samples per prompt; see :class:`rlhf_core.rollout.RolloutBatch` for the layout."""
-        return self.generate_ids(self._encode(prompts), params, prompts)
+        with self._phase("encode", torch.device("cpu")):
+            encoded = self._encode(prompts)
+        return self.generate_ids(encoded, params, prompts)
 
     @torch.no_grad()
     def generate_ids(self, encoded: Sequence[list[int]], params: SamplingParams,
@@ -213,7 +234,8 @@ class StaticCacheEngine(HFGenerateEngine):
                       for s in range(0, len(encoded), per_chunk)]
         finally:
             model.train(was_training)
-        return assemble_batch(self.tokenizer, prompts, params.n, chunks)
+        with self._phase("assemble", torch.device("cpu")):
+            return assemble_batch(self.tokenizer, prompts, params.n, chunks)
 
     def _generate_chunk(self, encoded: Sequence[list[int]], params: SamplingParams, device: torch.device,
                         generator: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -221,25 +243,30 @@ class StaticCacheEngine(HFGenerateEngine):
         ids, mask = _left_pad(encoded, pad)
         # Each prompt is prefilled once and its cache shared by its n samples (rows i*n .. i*n+n-1).
         graphs = self.cuda_graphs and device.type == "cuda"
-        decoder = _Decoder(self._sampling_model, ids.to(device), mask.to(device), params.max_new_tokens, params.n,
-                           compiled=graphs and self.compile_layers)
-        logits = decoder.prefill()
+        with self._phase("decoder_setup", device):
+            decoder = _Decoder(self._sampling_model, ids.to(device), mask.to(device), params.max_new_tokens, params.n,
+                               compiled=graphs and self.compile_layers)
+        with self._phase("prefill", device):
+            logits = decoder.prefill()
         ids, mask = ids.repeat_interleave(params.n, dim=0), mask.repeat_interleave(params.n, dim=0)
         sampler = _Sampler(params, ids.shape[0], params.max_new_tokens, eos, pad, device)
         if graphs:
-            self._capture(decoder, sampler)
-        if decoder.graphs:
-            steps = _decode_in_graphs(decoder, logits, sampler, generator)
-        else:
-            steps = _decode_eagerly(decoder, logits, sampler, generator)
-        out_ids, out_logp = sampler.out_ids, sampler.out_logp
-        decoder.release()
-        response = out_ids[:, :steps].cpu()
-        logprobs = out_logp[:, :steps].cpu()
-        response_mask = response_mask_from_ids(response, eos, params.stop_token_ids)
-        longest = max(int(response_mask.sum(-1).max()), 1)  # columns after every row's eos: dropped, as generate does
-        response, response_mask, logprobs = response[:, :longest], response_mask[:, :longest], logprobs[:, :longest]
-        response = response.masked_fill(response_mask == 0, pad)
+            with self._phase("capture", device):
+                self._capture(decoder, sampler)
+        with self._phase("decode", device):
+            if decoder.graphs:
+                steps = _decode_in_graphs(decoder, logits, sampler, generator)
+            else:
+                steps = _decode_eagerly(decoder, logits, sampler, generator)
+        with self._phase("to_host", device):
+            out_ids, out_logp = sampler.out_ids, sampler.out_logp
+            decoder.release()
+            response = out_ids[:, :steps].cpu()
+            logprobs = out_logp[:, :steps].cpu()
+            response_mask = response_mask_from_ids(response, eos, params.stop_token_ids)
+            longest = max(int(response_mask.sum(-1).max()), 1)  # columns after every row's eos: dropped, as generate does
+            response, response_mask, logprobs = response[:, :longest], response_mask[:, :longest], logprobs[:, :longest]
+            response = response.masked_fill(response_mask == 0, pad)
         return ids, mask, response, response_mask, logprobs.masked_fill(response_mask == 0, 0.0)
 
     def _capture(self, decoder: "_Decoder", sampler: "_Sampler") -> None:
