@@ -39,6 +39,7 @@ DEFAULT = dict(compile_layers=None, _DECODE_ATTENTION="auto", _DECODE_SDPA=None,
                _FLASH_GROUPED=True, _COMPILE_SAMPLER=True)
 VARIANTS = {name: {**DEFAULT, **change} for name, change in {
     "static_cuda_graphs": {},
+    "static_torch_flash": dict(_DECODE_ATTENTION="flash"),  # torch's varlen flash op over the filled keys (before Triton)
     "static_sdpa": dict(_DECODE_ATTENTION="sdpa"),  # masked SDPA over the whole cache, compiled
     "static_flash_rows": dict(_FLASH_GROUPED=False),  # one query row per cache row and query head
     "static_sampler_uncompiled": dict(_COMPILE_SAMPLER=False),
@@ -130,6 +131,48 @@ def time_phases(engines: dict, prompts: list[str], args) -> dict:
     return out
 
 
+def kernel_check(device, reps: int = 200) -> list[dict]:
+    """The decode attention kernels alone at the 0.5B GRPO decode shape (512 rows, 2 KV heads of 7 query heads,
+    head size 64, cache width 512, prompts of 12-39 tokens) at three fill levels: our Triton kernel and torch's
+    flash op against an fp32 softmax of the same bf16 tensors (``decode_attention_reference``), and each one's
+    device time a call (CUDA events over ``reps`` calls)."""
+    from rlhf_core import decode_attention as da
+    from rlhf_core.rollout_static import _decode_attention
+
+    B, Hkv, G, D, W = 512, 2, 7, 64, 512
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(B * G, Hkv, D, device=device, generator=g).bfloat16()
+    k, v = (torch.randn(B * W, Hkv, D, device=device, generator=g).bfloat16() for _ in range(2))
+    prompt = torch.randint(12, 40, (B,), device=device, generator=g)
+    start = (W - 256 - prompt).clamp(min=0)  # left padding: a row's keys start at its first prompt token
+    cu_k = torch.cat([torch.arange(B, device=device) * W + start, torch.tensor([B * W], device=device)]).int()
+    cu_q = (torch.arange(B + 1, device=device) * G).int()
+    rows = []
+    for new in (1, 128, 256):
+        used = (prompt + new).int()
+        ref = da.decode_attention_reference(q, k, v, cu_k, used, W, 0.125).float()
+        row = {"new_tokens": new, "mean_used_keys": round(float(used.float().mean()), 1)}
+        for name, fn in (("triton", lambda: da.decode_attention(q, k, v, cu_k, used, 0.125)),
+                         ("torch_flash", lambda: _decode_attention(q, k, v, cu_q, cu_k, W, used, 0.125))):
+            try:
+                out = fn()
+            except Exception as err:  # noqa: BLE001 - a kernel that does not build here is a result to report
+                row[name] = {"error": repr(err)[:400]}
+                continue
+            start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start_ev.record()
+            for _ in range(reps):
+                fn()
+            end_ev.record()
+            torch.cuda.synchronize()
+            row[name] = {"max_abs_err_vs_fp32": round(float((out.float() - ref).abs().max()), 6),
+                         "mean_abs_err_vs_fp32": round(float((out.float() - ref).abs().mean()), 7),
+                         "us_a_call": round(1000 * start_ev.elapsed_time(end_ev) / reps, 2)}
+        rows.append(row)
+        print(json.dumps({"kernel_check": row}), flush=True)
+    return rows
+
+
 def check_numerics(engines: dict, model, prompts: list[str], device) -> dict:
     """Per engine: greedy tokens against HF generate's, and sampling log-probs against the trainer's
     recomputation (bf16; HF generate's own log-probs are the baseline the others are read against)."""
@@ -178,6 +221,8 @@ def main() -> None:
     ap.add_argument("--phases", type=int, default=0, metavar="N",
                     help="after the timed reps, N more calls of each static engine with its phases timed (each phase "
                          "waits for the device at its ends): seconds a call by phase")
+    ap.add_argument("--kernel-check", action="store_true",
+                    help="first, the decode attention kernels alone (Triton against torch's flash): error and time")
     ap.add_argument("--out", default="bench/out/gpu_engine.json")
     args = ap.parse_args()
 
@@ -202,9 +247,18 @@ def main() -> None:
     report: dict = {"gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "rows": args.prompts * args.group, "new_tokens": args.new_tokens,
                     "engines": {}, "first_call_s": {}}
+    if args.kernel_check and device.type == "cuda":
+        report["kernel_check"] = kernel_check(device)
     time_engines(engines, prompts, args, sync, report)
     if args.phases:
         report["phases_s_a_call"] = time_phases(engines, prompts, args)
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    report["row_kernel_by_engine"] = {}
+    for name, engine in engines.items():
+        if isinstance(engine, StaticCacheEngine):
+            configure(name)
+            report["row_kernel_by_engine"][name] = (static._row_kernel(device, head_dim, engine.triton_attention)
+                                                    if static._use_flash(device, dtype, head_dim) else "sdpa")
     configure("static_cuda_graphs")
     report["compiled_layers"] = engines["static_cuda_graphs"].compile_layers and device.type == "cuda"
     report["flash_decode_attention"] = static._use_flash(device, dtype, model.config.hidden_size

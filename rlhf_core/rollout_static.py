@@ -52,6 +52,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from rlhf_core import decode_attention as row_attention
 from rlhf_core.layer_compile import INDUCTOR_OPTIONS
 from rlhf_core.models import has_lora
 from rlhf_core.rollout import (HFGenerateEngine, RolloutBatch, SamplingParams, _left_pad, assemble_batch,
@@ -74,9 +75,12 @@ _WIDTH_BUCKET = 0
 # SDPA backends a decode step may use (None: torch's choice, cuDNN on an H100), by name of
 # torch.nn.attention.SDPBackend; bench/gpu_engine.py's static_cuda_graphs_<backend> engines A/B them.
 _DECODE_SDPA: tuple[str, ...] | None = None
-# The decode step's attention: flash (torch's flash kernel over each row's filled keys: a GPU, bf16/fp16),
-# sdpa (SDPA over the whole cache with a key mask) or auto (flash where it can run). Environment override
-# ALIGNFLOW_DECODE_ATTENTION, for A/Bs; bench/gpu_engine.py sets it per engine.
+# The decode step's attention: triton (our flash-decoding kernel over each row's filled keys,
+# rlhf_core/decode_attention.py: a GPU with Triton), flash (torch's varlen flash kernel over the same keys: a GPU,
+# bf16/fp16), sdpa (SDPA over the whole cache with a key mask) or auto (triton where it runs, else flash where it runs,
+# else sdpa). triton and flash share the cache layout; on a CPU, flash is the torch reference of that layout (tests) and
+# triton runs under Triton's interpreter (TRITON_INTERPRET=1). Environment override ALIGNFLOW_DECODE_ATTENTION, for
+# A/Bs; bench/gpu_engine.py sets it per engine.
 _DECODE_ATTENTION = os.environ.get("ALIGNFLOW_DECODE_ATTENTION", "auto")
 # Whether the decode step's layer pieces are compiled (torch.compile): auto (with CUDA graphs on a GPU),
 # on, off. Environment override ALIGNFLOW_DECODE_COMPILE (auto / 1 / 0), for A/Bs.
@@ -175,6 +179,7 @@ class StaticCacheEngine(HFGenerateEngine):
                 raise ValueError(f"ALIGNFLOW_DECODE_COMPILE must be auto, 1 or 0, got {_DECODE_COMPILE!r}")
             compile_layers = _DECODE_COMPILE != "0"
         self.compile_layers = compile_layers
+        self.triton_attention = True  # auto's Triton decode attention; False once it failed to build here
         cfg = model.config
         self._window = getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
         # Seconds spent in each phase of generate (encode, decoder set-up, prefill, capture, decode, to_host,
@@ -245,7 +250,8 @@ class StaticCacheEngine(HFGenerateEngine):
         graphs = self.cuda_graphs and device.type == "cuda"
         with self._phase("decoder_setup", device):
             decoder = _Decoder(self._sampling_model, ids.to(device), mask.to(device), params.max_new_tokens, params.n,
-                               compiled=graphs and self.compile_layers)
+                               compiled=graphs and self.compile_layers, triton=self.triton_attention)
+            self._check_row_kernel(decoder)
         with self._phase("prefill", device):
             logits = decoder.prefill()
         ids, mask = ids.repeat_interleave(params.n, dim=0), mask.repeat_interleave(params.n, dim=0)
@@ -268,6 +274,19 @@ class StaticCacheEngine(HFGenerateEngine):
             response, response_mask, logprobs = response[:, :longest], response_mask[:, :longest], logprobs[:, :longest]
             response = response.masked_fill(response_mask == 0, pad)
         return ids, mask, response, response_mask, logprobs.masked_fill(response_mask == 0, 0.0)
+
+    def _check_row_kernel(self, decoder: "_Decoder") -> None:
+        """Build auto's Triton decode attention once, eagerly, before any graph captures it; where it fails (a
+        Triton or driver this kernel does not build on), torch's flash kernel from now on."""
+        if decoder.row_kernel != "triton" or _DECODE_ATTENTION != "auto":
+            return
+        try:
+            decoder.run_row_kernel()
+        except Exception as err:  # noqa: BLE001 - Triton's compile errors are of many kinds; all mean "not here"
+            log.warning("StaticCacheEngine: the Triton decode attention failed (%s); torch's flash kernel from now "
+                        "on", err)
+            self.triton_attention = False
+            decoder.row_kernel = "flash"
 
     def _capture(self, decoder: "_Decoder", sampler: "_Sampler") -> None:
         """Capture the decode graphs (each attempt restores every buffer it touched); when the compiled layer
@@ -373,15 +392,28 @@ def _compiled_sample() -> Any:
 
 
 def _use_flash(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the decode step attends through torch's flash kernel (:data:`_DECODE_ATTENTION`; auto: a CUDA
-    device of compute capability 8.0 or later, a bf16/fp16 cache, a head size the kernel takes)."""
+    """Whether the decode step attends over each row's filled keys (the row-contiguous cache layout, through
+    :func:`_row_kernel`'s kernel) rather than masked SDPA over the whole cache (:data:`_DECODE_ATTENTION`; auto: a
+    CUDA device of compute capability 8.0 or later, a bf16/fp16 cache, a head size the flash kernel takes)."""
     choice = _DECODE_ATTENTION
-    if choice not in ("auto", "flash", "sdpa"):
-        raise ValueError(f"ALIGNFLOW_DECODE_ATTENTION must be auto, flash or sdpa, got {choice!r}")
+    if choice not in ("auto", "triton", "flash", "sdpa"):
+        raise ValueError(f"ALIGNFLOW_DECODE_ATTENTION must be auto, triton, flash or sdpa, got {choice!r}")
     if choice != "auto":
-        return choice == "flash"  # flash on a CPU: the reference in _decode_attention (tests)
+        return choice in ("flash", "triton")  # on a CPU: the torch reference, or Triton's interpreter (tests)
     return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
             and head_dim <= 256 and torch.cuda.get_device_capability(device)[0] >= 8 and _flash_takes_used_keys())
+
+
+def _row_kernel(device: torch.device, head_dim: int, triton: bool = True) -> str:
+    """The kernel of the row-contiguous layout: ``triton`` (:mod:`rlhf_core.decode_attention`) when chosen, or
+    under auto on a CUDA device where Triton imports and the head size is a power of two of at least 16; else
+    ``flash``. Auto falls back to flash where the Triton kernel fails to build (``triton=False`` from then on:
+    :meth:`StaticCacheEngine._check_row_kernel`)."""
+    if _DECODE_ATTENTION == "triton":
+        return "triton"
+    pow2 = head_dim >= 16 and not head_dim & (head_dim - 1)
+    return "triton" if (triton and _DECODE_ATTENTION == "auto" and device.type == "cuda" and pow2
+                        and row_attention.available()) else "flash"
 
 
 @functools.cache
@@ -392,7 +424,7 @@ def _flash_takes_used_keys() -> bool:
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                      width: int, used: torch.Tensor, scale: float) -> torch.Tensor:
+                      width: int, used: torch.Tensor, scale: float, kernel: str = "flash") -> torch.Tensor:
     """Each cache row's queries over that row's filled keys only (flash attention's variable-length form,
     Dao 2023).
 
@@ -402,8 +434,11 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
     ``k[cu_k[b] : cu_k[b] + used[b]]``; ``cu_q (B + 1,)`` = ``0, Q, 2Q ..``, ``cu_k (B + 1,)``, ``used (B,)``
     int32 on the device (``used`` grows in place each step, so one captured graph serves every step);
     ``width`` = ``W``, the most keys a row has. Returns ``(B Q, H_q, D)``; query head ``h`` reads KV head
-    ``h // (H_q / H_kv)``. On a CPU (tests) the same keys go through SDPA with a mask.
+    ``h // (H_q / H_kv)``. On a CPU (tests) the same keys go through SDPA with a mask. ``kernel="triton"``: our
+    flash-decoding kernel (:func:`rlhf_core.decode_attention.decode_attention`) instead of torch's flash op.
     """
+    if kernel == "triton":
+        return row_attention.decode_attention(q, k, v, cu_k, used, scale)
     rows, heads, D = q.shape
     B = cu_k.shape[0] - 1
     Q = rows // B
@@ -549,7 +584,7 @@ class _Decoder:
     """
 
     def __init__(self, model: Any, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, n: int,
-                 compiled: bool = False):
+                 compiled: bool = False, triton: bool = True):
         cfg = model.config
         self.model, self.inner = model, model.model
         self.layers = list(self.inner.layers)
@@ -568,6 +603,7 @@ class _Decoder:
         W = self.shape.width
         # Cache layout: (B, W, H_kv, D) for the flash kernel (a row's keys contiguous), else (B, H_kv, W, D).
         self.flash = _use_flash(device, dtype, head_dim)
+        self.row_kernel = _row_kernel(device, head_dim, triton) if self.flash else "sdpa"
         layout = (B, W, kv_heads, head_dim) if self.flash else (B, kv_heads, W, head_dim)
         self.k = [torch.zeros(layout, dtype=dtype, device=device) for _ in self.layers]
         self.v = [torch.zeros(layout, dtype=dtype, device=device) for _ in self.layers]
@@ -748,13 +784,20 @@ class _Decoder:
                 q = q.reshape(B, s.kv_heads, G, D).transpose(1, 2)
             rows = q.reshape(B * G, s.kv_heads, D) if self.grouped else q.reshape(B, s.heads, D)
             o = _decode_attention(rows, self.k[i].view(-1, s.kv_heads, D), self.v[i].view(-1, s.kv_heads, D),
-                                  self.cu_q, self.cu_k, s.width, self.used, self.scaling)
+                                  self.cu_q, self.cu_k, s.width, self.used, self.scaling, self.row_kernel)
             if regroup:
                 o = o.view(B, G, s.kv_heads, D).transpose(1, 2)
         else:  # the G query heads of each KV head as G query rows over that head's cache: no K/V copies
             o = F.scaled_dot_product_attention(q.reshape(B, s.kv_heads, G, D), self.k[i][:, :, :width],
                                                self.v[i][:, :, :width], attn_mask=key_mask, scale=self.scaling)
         return o.reshape(B, 1, s.heads * D)
+
+    def run_row_kernel(self) -> None:
+        """One call of the decode attention on layer 0's cache with zero queries (builds a JIT kernel eagerly;
+        the result is dropped, no buffer changes)."""
+        s = self.shape
+        self._attend(0, torch.zeros(s.rows, s.heads, 1, s.head_dim, dtype=self.k[0].dtype, device=self.k[0].device),
+                     None, s.width)
 
     def _fused_layer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      key_mask: torch.Tensor | None, width: int) -> torch.Tensor:

@@ -169,3 +169,19 @@ def test_mixed_precision_samples_from_a_refreshed_low_precision_copy(micro_model
 def test_sampling_params_name_the_bad_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} "):
         SamplingParams(**kwargs)
+
+
+def test_rows_decode_in_one_batch_as_row_by_row(micro_tokenizer):
+    """``decode_rows`` (one Rust ``decode_batch`` call for a fast tokenizer) gives ``decode(row,
+    skip_special_tokens=True)``'s strings, special tokens and empty rows included; a tokenizer with the clean-up
+    pass decodes row by row."""
+    from rlhf_core.rollout import decode_rows
+
+    tok = load_tokenizer(micro_tokenizer)
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, len(tok), (int(torch.randint(0, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(64)] + [[], [tok.eos_token_id, tok.pad_token_id, 5]]
+    expected = [tok.decode(row, skip_special_tokens=True) for row in rows]
+    assert decode_rows(rows, tok) == expected
+    tok.clean_up_tokenization_spaces = True
+    assert decode_rows(rows, tok) == [tok.decode(row, skip_special_tokens=True) for row in rows]

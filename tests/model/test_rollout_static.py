@@ -280,6 +280,76 @@ def test_flash_layout_steps_equal_the_masked_cache(fused, grouped, micro_model, 
         assert torch.equal(flash.used, (mask.sum(-1) + 19).repeat_interleave(2).int())
 
 
+@pytest.mark.parametrize("grouped", [True, False])
+def test_the_triton_row_kernel_takes_the_flash_layout_arguments(grouped, micro_model, monkeypatch):
+    """``ALIGNFLOW_DECODE_ATTENTION=triton``: the decoder hands the Triton kernel the flash layout's tensors (the
+    rows' queries, the caches end to end, ``cu_k``, the used counts), and through the kernel's contract
+    (``decode_attention_reference``, standing in for the kernel, which needs a GPU or Triton's interpreter:
+    tests/unit/test_decode_attention.py runs it against that contract) every step's logits equal the masked
+    cache's."""
+    from rlhf_core import decode_attention as da
+    from rlhf_core.data.tokenize import encode_prompt
+    from rlhf_core.rollout import _left_pad
+    import rlhf_core.rollout_static as static
+
+    calls = []
+
+    def contract(q, k, v, cu_k, used, scale):
+        calls.append(tuple(q.shape))
+        return da.decode_attention_reference(q, k, v, cu_k, used, k.shape[0] // (cu_k.shape[0] - 1), scale)
+
+    monkeypatch.setattr(da, "decode_attention", contract)
+    monkeypatch.setattr(static, "_FLASH_GROUPED", grouped)
+    model, tok = _eos_biased(micro_model)
+    ids, mask = _left_pad([encode_prompt(tok, p) for p in PROMPTS], tok.pad_token_id)
+    with torch.no_grad():
+        monkeypatch.setattr(static, "_DECODE_ATTENTION", "sdpa")
+        masked = static._Decoder(model, ids, mask, max_new_tokens=12, n=2)
+        monkeypatch.setattr(static, "_DECODE_ATTENTION", "triton")
+        rows = static._Decoder(model, ids, mask, max_new_tokens=12, n=2)
+        assert rows.flash and rows.row_kernel == "triton"
+        logits = masked.prefill()
+        torch.testing.assert_close(rows.prefill(), logits, atol=1e-5, rtol=0)
+        for _ in range(11):
+            token = logits.argmax(-1)
+            expected = masked.step(token)
+            torch.testing.assert_close(rows.step(token), expected, atol=1e-5, rtol=0)
+            logits = expected
+    s = masked.shape
+    G = s.heads // s.kv_heads
+    assert len(calls) == 11 * len(masked.layers)
+    assert calls[0] == ((s.rows * G, s.kv_heads, s.head_dim) if grouped else (s.rows, s.heads, s.head_dim))
+
+
+def test_auto_falls_back_to_torch_flash_where_the_triton_kernel_fails(micro_model, monkeypatch, caplog):
+    """Under auto a Triton kernel that fails to build (a Triton or driver it does not build on) is tried once,
+    eagerly, before any capture; the engine then decodes through torch's flash kernel, in that call and after."""
+    from rlhf_core import decode_attention as da
+    from rlhf_core.data.tokenize import encode_prompt
+    from rlhf_core.rollout import _left_pad
+    import rlhf_core.rollout_static as static
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(da, "decode_attention", broken)
+    model, tok = _eos_biased(micro_model)
+    engine = StaticCacheEngine(model, tok, batch_size=8)
+    ids, mask = _left_pad([encode_prompt(tok, p) for p in PROMPTS], tok.pad_token_id)
+    monkeypatch.setattr(static, "_DECODE_ATTENTION", "flash")
+    decoder = static._Decoder(model, ids, mask, max_new_tokens=4, n=2, triton=engine.triton_attention)
+    decoder.row_kernel = "triton"  # what auto picks on a CUDA device with Triton
+    monkeypatch.setattr(static, "_DECODE_ATTENTION", "auto")
+    with caplog.at_level(logging.WARNING, logger="rlhf_core.rollout_static"):
+        engine._check_row_kernel(decoder)
+    assert decoder.row_kernel == "flash" and engine.triton_attention is False
+    assert "Triton decode attention failed (PassManager::run failed)" in caplog.text
+    assert static._row_kernel(torch.device("cuda"), 64, triton=engine.triton_attention) == "flash"
+    with torch.no_grad():
+        decoder.prefill()
+        decoder.step(torch.zeros(decoder.shape.rows, dtype=torch.long))  # decodes through the flash path
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "flash"])
 def test_compiled_layer_halves_trace_whole_and_equal_the_plain_ones(attention, micro_model, monkeypatch):
     """Both halves a GPU compiles trace into one graph each (``fullgraph``: no break, so inductor sees the
