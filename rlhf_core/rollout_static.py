@@ -15,9 +15,10 @@ does for one fixed batch, in plain torch:
 * grouped-query attention needs no copy of the shared K/V heads: at one query position, the
   ``G = H / H_kv`` query heads of a KV head are the ``G`` query rows of one SDPA call over that
   head's cache (``q: (B, H_kv, G, D)``), exact and memory-bound;
-* on a GPU (bf16/fp16), attention reads each row's filled keys only, through torch's flash kernel
-  (varlen, with a per-row count of used keys the graph advances in place): one graph serves every step
-  and a step's attention grows with its column instead of always reading the whole cache;
+* on a GPU (bf16/fp16), attention reads each row's filled keys only, through our Triton flash-decoding
+  kernel (:mod:`rlhf_core.decode_attention`; torch's varlen flash kernel where Triton is missing), with a
+  per-row count of used keys the graph advances in place: one graph serves every step and a step's
+  attention grows with its column instead of always reading the whole cache;
 * on a GPU the decoder layer's pieces around attention (norm, fused projections, rotary; residual, norm,
   gated MLP) are compiled with ``torch.compile`` (inductor fuses their ~20 small elementwise kernels a
   layer into a few) and captured like the rest, compiled once per process and reused by every layer;
@@ -410,6 +411,9 @@ def _row_kernel(device: torch.device, head_dim: int, triton: bool = True) -> str
     ``flash``. Auto falls back to flash where the Triton kernel fails to build (``triton=False`` from then on:
     :meth:`StaticCacheEngine._check_row_kernel`)."""
     if _DECODE_ATTENTION == "triton":
+        if not row_attention.available():
+            raise ValueError("ALIGNFLOW_DECODE_ATTENTION=triton needs Triton and a CUDA device (or Triton's "
+                             "interpreter, TRITON_INTERPRET=1); use auto, flash or sdpa")
         return "triton"
     pow2 = head_dim >= 16 and not head_dim & (head_dim - 1)
     return "triton" if (triton and _DECODE_ATTENTION == "auto" and device.type == "cuda" and pow2

@@ -299,6 +299,7 @@ def test_the_triton_row_kernel_takes_the_flash_layout_arguments(grouped, micro_m
         return da.decode_attention_reference(q, k, v, cu_k, used, k.shape[0] // (cu_k.shape[0] - 1), scale)
 
     monkeypatch.setattr(da, "decode_attention", contract)
+    monkeypatch.setattr(da, "available", lambda: True)  # the kernel's stand-in runs anywhere
     monkeypatch.setattr(static, "_FLASH_GROUPED", grouped)
     model, tok = _eos_biased(micro_model)
     ids, mask = _left_pad([encode_prompt(tok, p) for p in PROMPTS], tok.pad_token_id)
@@ -319,6 +320,16 @@ def test_the_triton_row_kernel_takes_the_flash_layout_arguments(grouped, micro_m
     G = s.heads // s.kv_heads
     assert len(calls) == 11 * len(masked.layers)
     assert calls[0] == ((s.rows * G, s.kv_heads, s.head_dim) if grouped else (s.rows, s.heads, s.head_dim))
+
+
+def test_asking_for_the_triton_kernel_where_it_cannot_run_says_so(micro_model, monkeypatch):
+    from rlhf_core import decode_attention as da
+    import rlhf_core.rollout_static as static
+
+    monkeypatch.setattr(da, "available", lambda: False)
+    monkeypatch.setattr(static, "_DECODE_ATTENTION", "triton")
+    with pytest.raises(ValueError, match="ALIGNFLOW_DECODE_ATTENTION=triton needs Triton and a CUDA device"):
+        static._row_kernel(torch.device("cpu"), 16)
 
 
 def test_auto_falls_back_to_torch_flash_where_the_triton_kernel_fails(micro_model, monkeypatch, caplog):
