@@ -408,7 +408,9 @@ def _use_flash(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
 def _row_kernel(device: torch.device, head_dim: int, triton: bool = True) -> str:
     """The kernel of the row-contiguous layout: ``triton`` (:mod:`rlhf_core.decode_attention`) when chosen, or
     under auto on a CUDA device where Triton imports and the head size is a power of two of at least 16; else
-    ``flash``. Auto falls back to flash where the Triton kernel fails to build (``triton=False`` from then on:
+    ``flash``. Auto takes it on Hopper (compute capability 9), where it was measured against torch's flash op
+    (H200: decode replays 0.56 against 0.70 s, BENCHMARKS.md), and leaves other cards on the flash op until
+    measured there; it falls back to flash where the Triton kernel fails to build (``triton=False`` from then on:
     :meth:`StaticCacheEngine._check_row_kernel`)."""
     if _DECODE_ATTENTION == "triton":
         if not row_attention.available():
@@ -417,7 +419,7 @@ def _row_kernel(device: torch.device, head_dim: int, triton: bool = True) -> str
         return "triton"
     pow2 = head_dim >= 16 and not head_dim & (head_dim - 1)
     return "triton" if (triton and _DECODE_ATTENTION == "auto" and device.type == "cuda" and pow2
-                        and row_attention.available()) else "flash"
+                        and torch.cuda.get_device_capability(device)[0] == 9 and row_attention.available()) else "flash"
 
 
 @functools.cache

@@ -332,6 +332,22 @@ def test_asking_for_the_triton_kernel_where_it_cannot_run_says_so(micro_model, m
         static._row_kernel(torch.device("cpu"), 16)
 
 
+@pytest.mark.parametrize("capability,head_dim,triton_here,expected", [
+    ((9, 0), 64, True, "triton"), ((9, 0), 128, True, "triton"), ((8, 0), 64, True, "flash"),
+    ((10, 0), 64, True, "flash"), ((9, 0), 80, True, "flash"), ((9, 0), 64, False, "flash")])
+def test_auto_takes_the_triton_kernel_on_hopper_only(capability, head_dim, triton_here, expected, monkeypatch):
+    """Auto's kernel of the row layout: Triton where it was measured (Hopper), with Triton importable and a power-of-
+    two head size; torch's flash op otherwise."""
+    from rlhf_core import decode_attention as da
+    import rlhf_core.rollout_static as static
+
+    monkeypatch.setattr(static, "_DECODE_ATTENTION", "auto")
+    monkeypatch.setattr(da, "available", lambda: triton_here)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert static._row_kernel(torch.device("cuda"), head_dim) == expected
+    assert static._row_kernel(torch.device("cpu"), head_dim) == "flash"
+
+
 def test_auto_falls_back_to_torch_flash_where_the_triton_kernel_fails(micro_model, monkeypatch, caplog):
     """Under auto a Triton kernel that fails to build (a Triton or driver it does not build on) is tried once,
     eagerly, before any capture; the engine then decodes through torch's flash kernel, in that call and after."""
