@@ -110,6 +110,15 @@ def gather(refs: Sequence[Any], what: str, on_wait: Callable[[], None] | None = 
 # --------------------------------------------------------------------------------------
 
 
+def worker_env() -> dict[str, str]:
+    """The environment every Ray worker starts with: the offline switches, NVLink multicast off (unless the
+    driver's environment says otherwise), and ``ALIGNFLOW_RELEASE_MEMORY=1`` (a worker may share its GPU with
+    colocated roles: :func:`rlhf_core.trainers.rl_roles.release_memory` hands the allocator's cache back
+    between phases; the driver's own setting wins)."""
+    return {**OFFLINE_ENV, **{k: os.environ.get(k, v) for k, v in _NO_MULTICAST.items()},
+            "ALIGNFLOW_RELEASE_MEMORY": os.environ.get("ALIGNFLOW_RELEASE_MEMORY", "1")}
+
+
 def connect(min_cpus: float = 0.0) -> str:
     """Attach to the cluster ``RAY_ADDRESS`` names, or start a local one; returns the GCS address.
 
@@ -118,7 +127,7 @@ def connect(min_cpus: float = 0.0) -> str:
     """
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS") or None
-        env = {**OFFLINE_ENV, **{k: os.environ.get(k, v) for k, v in _NO_MULTICAST.items()}}
+        env = worker_env()
         kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "log_to_driver": True,
                                   "logging_level": logging.WARNING}
         if address is None:

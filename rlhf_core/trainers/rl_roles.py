@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -387,13 +388,19 @@ def _to(exp: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.T
 
 
 def release_memory() -> None:
-    """Hand cached CUDA allocator blocks back between phases (colocated roles share a GPU); nothing on a CPU.
+    """Hand cached CUDA allocator blocks back between phases where this process shares its GPU with others:
+    Ray's actors (colocated roles on one GPU), whose workers get ``ALIGNFLOW_RELEASE_MEMORY=1`` from
+    :func:`rlhf_core.ray_launcher.connect`. One process holding every role needs no hand-back: its roles share
+    one caching allocator, and each ``empty_cache`` (a ``cudaFree`` of every cached segment, which waits for
+    the device) made the next phase allocate its segments afresh, three times an RL iteration.
+    ``ALIGNFLOW_RELEASE_MEMORY=1`` / ``0`` forces either (for A/Bs). Nothing on a CPU.
 
     Only the allocator's cache: a full ``gc.collect()`` here cost 0.2 s per call (three per RL
     iteration) with transformers loaded, measured on the embedded default, and the phases'
     tensors are freed by reference counting, not by the cycle collector.
     """
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if os.environ.get("ALIGNFLOW_RELEASE_MEMORY", "0") == "1" and torch.cuda.is_available() \
+            and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 
 
