@@ -242,6 +242,18 @@ def test_dropping_finished_rows_keeps_every_sample(temperature, top_k, top_p, mi
     assert rows0 == len(PROMPTS) * n and rows1 < rows0 / 2  # the second run's batch shrank
 
 
+def _assert_steps_equal(decoder, masked, steps: int) -> None:
+    """``decoder``'s prefill and ``steps`` greedy decode steps give ``masked``'s logits (to 1e-5), fed the same
+    tokens."""
+    logits = masked.prefill()
+    torch.testing.assert_close(decoder.prefill(), logits, atol=1e-5, rtol=0)
+    for _ in range(steps):
+        token = logits.argmax(-1)
+        expected = masked.step(token)
+        torch.testing.assert_close(decoder.step(token), expected, atol=1e-5, rtol=0)
+        logits = expected
+
+
 @pytest.mark.parametrize("fused,grouped", [(True, True), (True, False), (False, True)])
 def test_flash_layout_steps_equal_the_masked_cache(fused, grouped, micro_model, monkeypatch):
     """The flash layout's bookkeeping (cache ``(B, W, H_kv, D)``, each row's keys from its first prompt token,
@@ -270,13 +282,7 @@ def test_flash_layout_steps_equal_the_masked_cache(fused, grouped, micro_model, 
         assert flash.grouped == grouped and flash.heads_regrouped == (grouped and fused)
         assert masked.shape.heads > masked.shape.kv_heads  # the micro model has grouped-query attention
         assert flash.k[0].shape == (masked.shape.rows, masked.shape.width, masked.shape.kv_heads, masked.shape.head_dim)
-        logits = masked.prefill()
-        torch.testing.assert_close(flash.prefill(), logits, atol=1e-5, rtol=0)
-        for _ in range(19):
-            token = logits.argmax(-1)
-            expected = masked.step(token)
-            torch.testing.assert_close(flash.step(token), expected, atol=1e-5, rtol=0)
-            logits = expected
+        _assert_steps_equal(flash, masked, 19)
         assert torch.equal(flash.used, (mask.sum(-1) + 19).repeat_interleave(2).int())
 
 
@@ -309,13 +315,7 @@ def test_the_triton_row_kernel_takes_the_flash_layout_arguments(grouped, micro_m
         monkeypatch.setattr(static, "_DECODE_ATTENTION", "triton")
         rows = static._Decoder(model, ids, mask, max_new_tokens=12, n=2)
         assert rows.flash and rows.row_kernel == "triton"
-        logits = masked.prefill()
-        torch.testing.assert_close(rows.prefill(), logits, atol=1e-5, rtol=0)
-        for _ in range(11):
-            token = logits.argmax(-1)
-            expected = masked.step(token)
-            torch.testing.assert_close(rows.step(token), expected, atol=1e-5, rtol=0)
-            logits = expected
+        _assert_steps_equal(rows, masked, 11)
     s = masked.shape
     G = s.heads // s.kv_heads
     assert len(calls) == 11 * len(masked.layers)
