@@ -114,7 +114,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_k: to
         raise ValueError(f"decode_attention: head size {D} (a power of two >= 16) and contiguous heads needed")
     if k.stride() != v.stride():
         raise ValueError("decode_attention: k and v must share one layout")
-    o = torch.empty_like(q)
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as torch's flash op returns it
     M = max(16, 1 << (Q * R - 1).bit_length())
     _kernel()[(B, kv_heads)](q, k, v, o, cu_k, used, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                              o.stride(0), o.stride(1), Q=Q, R=R, D=D, M=M, BLOCK_N=block_n,

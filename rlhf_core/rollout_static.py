@@ -78,8 +78,8 @@ _WIDTH_BUCKET = 0
 _DECODE_SDPA: tuple[str, ...] | None = None
 # The decode step's attention: triton (our flash-decoding kernel over each row's filled keys,
 # rlhf_core/decode_attention.py: a GPU with Triton), flash (torch's varlen flash kernel over the same keys: a GPU,
-# bf16/fp16), sdpa (SDPA over the whole cache with a key mask) or auto (triton where it runs, else flash where it runs,
-# else sdpa). triton and flash share the cache layout; on a CPU, flash is the torch reference of that layout (tests) and
+# bf16/fp16), sdpa (SDPA over the whole cache with a key mask) or auto (triton on Hopper where it builds, else flash where
+# it runs, else sdpa: _row_kernel). triton and flash share the cache layout; on a CPU, flash is the torch reference of that layout (tests) and
 # triton runs under Triton's interpreter (TRITON_INTERPRET=1). Environment override ALIGNFLOW_DECODE_ATTENTION, for
 # A/Bs; bench/gpu_engine.py sets it per engine.
 _DECODE_ATTENTION = os.environ.get("ALIGNFLOW_DECODE_ATTENTION", "auto")

@@ -57,6 +57,11 @@ def _interpreted_errors() -> dict:
             again = da.decode_attention(q, poisoned, v, cu_k, used, 0.125, block_n=block_n)
             out[f"{i}-{block_n}"] = {"vs_reference": (got - ref).abs().max().item(),
                                      "poisoned": (again - got).abs().max().item()}
+    q, k, v, cu_k, used = _case(*SHAPES[1])  # queries as a view of wider rows: heads contiguous, rows strided
+    wide = torch.cat([q, torch.randn_like(q)], dim=-1)[..., :q.shape[-1]]
+    got = da.decode_attention(wide, k, v, cu_k, used, 0.125)
+    out["strided"] = {"contiguous": got.is_contiguous(), "vs_reference": (got - da.decode_attention_reference(
+        q, k, v, cu_k, used, SHAPES[1][5], 0.125)).abs().max().item()}
     q, k, v, cu_k, used = _case(*SHAPES[1], dtype=torch.float16)
     got = da.decode_attention(q, k, v, cu_k, used, 0.125)
     ref = da.decode_attention_reference(q, k, v, cu_k, used, SHAPES[1][5], 0.125)
@@ -82,6 +87,10 @@ def test_the_kernel_equals_the_reference(case, block_n, interpreted):
     assert interpreted["available"]
     errors = interpreted[f"{case}-{block_n}"]
     assert errors["vs_reference"] < 2e-6 and errors["poisoned"] == 0.0, errors
+
+
+def test_strided_queries_give_a_contiguous_output(interpreted):
+    assert interpreted["strided"]["contiguous"] and interpreted["strided"]["vs_reference"] < 2e-6
 
 
 def test_the_kernel_in_half_precision(interpreted):
