@@ -23,6 +23,7 @@ CPU tests compare the kernel, run by Triton's interpreter, against it).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -97,8 +98,6 @@ def available() -> bool:
         import triton  # noqa: F401
     except ImportError:
         return False
-    import os
-
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -175,6 +175,19 @@ def adapter_parameters(model: Any) -> dict[str, torch.nn.Parameter]:
     """``model``'s LoRA adapter parameters by name (peft's ``lora_A`` / ``lora_B``): what a LoRA policy trains, and
     all a rollout replica holding the same frozen base needs at each sync."""
     return {name: p for name, p in model.named_parameters() if "lora_" in name}
+
+
+def copy_adapters(model: Any, weights: Mapping[str, torch.Tensor]) -> bool:
+    """Copy ``weights`` into ``model``'s LoRA adapters in place when they are exactly its adapter tensors (a LoRA
+    policy's sync: the frozen base is there already); ``False``, nothing copied, when ``model`` has no adapters or
+    the names differ (the caller loads a whole state dict, or refuses)."""
+    adapters = adapter_parameters(model)
+    if not adapters or set(weights) != set(adapters):
+        return False
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            adapters[name].copy_(tensor)
+    return True
 
 
 @contextmanager

@@ -455,18 +455,14 @@ class RemoteLearner:
     def view(self) -> Any:
         """The controller's copy of the policy with rank 0's current weights."""
         if not self._fresh:
-            from rlhf_core.models import adapter_parameters
+            from rlhf_core.models import adapter_parameters, copy_adapters
 
             started = time.perf_counter()
             weights = self._rank0_weights(None, self.adapters_only)
             if self.adapters_only:  # the frozen base is here already (strictly the adapters' names)
-                adapters = adapter_parameters(self.policy)
-                if set(weights) != set(adapters):
-                    raise RuntimeError(f"ray: rank 0 sent adapters {sorted(set(weights) ^ set(adapters))[:3]} that do "
-                                       f"not match the controller's copy")
-                with torch.no_grad():
-                    for name, tensor in weights.items():
-                        adapters[name].copy_(tensor)
+                if not copy_adapters(self.policy, weights):
+                    odd = sorted(set(weights) ^ set(adapter_parameters(self.policy)))[:3]
+                    raise RuntimeError(f"ray: rank 0 sent adapters {odd} that do not match the controller's copy")
             else:
                 self.policy.load_state_dict(weights)
             self._fresh = True

@@ -266,7 +266,7 @@ def decode_rows(rows: Sequence[list[int]], tokenizer: Any) -> list[str]:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return [tokenizer.decode(row, skip_special_tokens=True) for row in rows]
-    return backend.decode_batch([list(row) for row in rows], skip_special_tokens=True)
+    return backend.decode_batch(list(rows), skip_special_tokens=True)
 
 
 def assemble_batch(tokenizer: Any, prompts: Sequence[str], n: int, chunks: Sequence[tuple[torch.Tensor, ...]]) -> RolloutBatch:
@@ -341,14 +341,9 @@ class HFGenerateEngine:
             weights = load_causal_lm(weights, torch.device("cpu"))
         if isinstance(weights, torch.nn.Module):
             weights = weights.state_dict()
-        from rlhf_core.models import adapter_parameters
+        from rlhf_core.models import copy_adapters
 
-        adapters = adapter_parameters(self.model)
-        if adapters and set(weights) == set(adapters):  # a LoRA policy's adapters only: the frozen base is here already
-            with torch.no_grad():
-                for name, tensor in weights.items():
-                    adapters[name].copy_(tensor)
-        else:
+        if not copy_adapters(self.model, weights):  # not a LoRA policy's adapters alone: the whole weights
             self.model.load_state_dict(weights, strict=True)
         if self.sampler is not None:
             self.update_weights(self.model)

@@ -243,6 +243,12 @@ def test_a_lora_replica_takes_the_adapters_alone_and_samples_as_the_merged_weigh
     torch.testing.assert_close(a.sampling_logprobs, b.sampling_logprobs, atol=1e-5, rtol=0)
     with pytest.raises(RuntimeError, match="Missing key"):
         holding.update_weights(dict(list(adapters.items())[:-1]))
+    # the shared copy's contract: exactly the adapters, or nothing copied (no adapters here; names that differ)
+    from rlhf_core.models import copy_adapters
+
+    assert not copy_adapters(plain.engine.model, adapters)
+    assert not copy_adapters(holding.engine.model, dict(list(adapters.items())[:-1]))
+    assert copy_adapters(holding.engine.model, adapters)
 
 
 def test_a_released_replica_holds_no_weights_until_a_sync_refills_them(micro_model, micro_data, tmp_path,
