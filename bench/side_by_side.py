@@ -638,27 +638,35 @@ def _profile_summary(prof, walls: list[float], n: int) -> dict:
             "device_idle": _idle_gaps(prof.events(), n)}
 
 
+# The RL phases a watch can wrap (``--profile-phase``): the method of rl_roles that runs each one in this process.
+_WATCHED = {"update": ("PolicyLearner", "update"), "reference": ("ReferenceScorer", "logprobs")}
+
+
 class _UpdateWatch:
-    """Something run around one ``PolicyLearner.update`` call of this process (the ``skip + 1``-th, past compiles
-    and warm-up): :meth:`around` gets the call as ``run`` and leaves its findings in ``summary`` under ``key``."""
+    """Something run around one call of an RL phase of this process (``spec["phase"]``: the policy update by
+    default, or the reference pass; the ``skip + 1``-th call, past compiles and warm-up): :meth:`around` gets the
+    call as ``run`` and leaves its findings in ``summary`` under ``key``."""
 
     key = ""
 
     def __init__(self, spec: dict) -> None:
         self.at = int(spec.get("skip", 2)) + 1
+        self.phase = spec.get("phase", "update")
         self.summary: dict = {}
 
     def install(self) -> None:
         from rlhf_core.trainers import rl_roles
 
-        original, calls, around = rl_roles.PolicyLearner.update, [0], self.around
+        owner = getattr(rl_roles, _WATCHED[self.phase][0])
+        method = _WATCHED[self.phase][1]
+        original, calls, around = getattr(owner, method), [0], self.around
 
-        def update(learner, *args, **kwargs):
+        def watched(role, *args, **kwargs):
             calls[0] += 1
-            run = functools.partial(original, learner, *args, **kwargs)
+            run = functools.partial(original, role, *args, **kwargs)
             return around(run) if calls[0] == self.at else run()
 
-        rl_roles.PolicyLearner.update = update
+        setattr(owner, method, watched)
 
     def around(self, run):
         raise NotImplementedError
@@ -683,7 +691,7 @@ class _UpdateProfile(_UpdateWatch):
             sync()
         wall = time.perf_counter() - start
         try:
-            self.summary = {"update_call": self.at, **_profile_summary(prof, [wall], 1)}
+            self.summary = {"phase": self.phase, "update_call": self.at, **_profile_summary(prof, [wall], 1)}
         except Exception as exc:  # noqa: BLE001 -- a profile that cannot be read must not cost the row
             self.summary = {"error": f"{type(exc).__name__}: {exc}"}
         return out
@@ -1511,6 +1519,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="ours' offline rows (steps 4-6; rank 0 on several GPUs) and grpo's third update on one "
                          "device under torch.profiler: a where-the-time-goes "
                          "run, its step times carry the profiler's overhead")
+    ap.add_argument("--profile-phase", choices=list(_WATCHED), default="update",
+                    help="grpo with --profile: the RL phase profiled (its third call)")
     ap.add_argument("--sync-census", action="store_true",
                     help="grpo on one GPU: count where the third policy update waits for the device (sync debug "
                          "mode); its step times carry the warnings' cost")
@@ -1613,7 +1623,7 @@ def _run_bench(name: str, rows: list[str], args: argparse.Namespace, inputs: dic
         task = {"inputs": inputs, "bench": name, "row": row, "micro_batch_tokens": args.micro_batch_tokens,
                 "micro_rows": args.micro_rows, "lm_head": args.lm_head, "compile_layers": args.compile_layers,
                 "rollout_sleep": args.rollout_sleep, "shard_reference": args.shard_reference,
-                "profile": {"skip": 2, "active": 3} if args.profile else None, "sync_census": args.sync_census}
+                "profile": {"skip": 2, "active": 3, "phase": args.profile_phase} if args.profile else None, "sync_census": args.sync_census}
         if side == "trl":
             task["trl_grad_ckpt"] = trl_checkpointing(row, decided, args.trl_grad_ckpt)
         res = run_child(side, task, args.child_timeout)
