@@ -39,8 +39,10 @@ from typing import Any, Iterable, Sequence
 import torch
 
 # Elements per chunk of the bf16 regime's transient fp32 step: bounds its extra memory (an fp32
-# copy of the chunk's weights and gradients, 8 bytes per element: 256 MiB) whatever the model size.
-BF16_STEP_CHUNK = 2**25
+# copy of the chunk's weights and gradients, 8 bytes per element: 1 GiB) whatever the model size. Each
+# chunk is one AdamW call, whose host work walks every parameter: at 2**25 a 0.5B model took 12 calls
+# a step with ~1.2 ms of device idle between them (H200 profile, BENCHMARKS.md); at 2**27, 3.
+BF16_STEP_CHUNK = 2**27
 
 
 class Precision(enum.Enum):
@@ -228,17 +230,35 @@ class MasterWeightAdamW(torch.optim.AdamW):
 
     def _step_transient(self, chunk: Iterable[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
         """``bf16``: fp32 copies of ``chunk``'s weights and gradients, one AdamW step (torch's skips every
-        tensor without a gradient, i.e. the other chunks), rounded back; the copies are freed."""
+        tensor without a gradient, i.e. the other chunks), rounded back; the copies are freed.
+
+        The copies are views of two flat fp32 buffers, filled and rounded back by multi-tensor copies (one
+        launch each way instead of one per tensor: ~870 launches a 0.5B step, each of a few microseconds'
+        device work, had the device waiting on the host). Values are those of per-tensor ``float()`` and
+        ``copy_``: bf16 -> fp32 is exact, fp32 -> bf16 rounds as ``copy_`` does."""
         chunk = list(chunk)
+        params = [param for param, _ in chunk]
+        grads = [param.grad for param in params]
+        total = sum(param.numel() for param in params)
+        weights = torch.empty(total, dtype=torch.float32, device=params[0].device)
+        grad_buf = torch.empty_like(weights)
+        offset = 0
         for param, master in chunk:
-            master.data = param.detach().float()
-            master.grad = param.grad.float()
+            n = param.numel()
+            master.data = weights[offset:offset + n].view(param.shape)
+            master.grad = grad_buf[offset:offset + n].view(param.shape)
+            offset += n
+        masters = [master for _, master in chunk]
+        torch._foreach_copy_(masters, [param.detach() for param in params])
+        torch._foreach_copy_([master.grad for master in masters], grads)
+        for param in params:
             param.grad = None
         super().step()
-        for param, master in chunk:
-            param.copy_(master)
+        torch._foreach_copy_([param.detach() for param in params], masters)
+        empty = weights.new_empty(0)
+        for master in masters:
             master.grad = None
-            master.data = master.data.new_empty(0)
+            master.data = empty
 
     # ---- masters in and out (checkpoints, final save) --------------------------------------------
 
