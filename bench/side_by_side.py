@@ -1462,7 +1462,9 @@ def settings_record(variant: str, rows: list[str], args: argparse.Namespace) -> 
     s = SETTINGS[variant]
     return {"variant": variant, "small": args.small, **{k: v for k, v in s.items() if k not in BENCHES},
             "benches": {b: s[b] for b in BENCHES}, "rows": {r: ROWS[r] for r in rows}, "ours_best_settings": OURS_BEST,
-            "optimizer": {**OPTIMIZER, "ours": "torch.optim.AdamW (foreach), no decay on 1-D params",
+            "optimizer": {**OPTIMIZER, "ours": "torch.optim.AdamW, fused on CUDA (mixed: on fp32 masters; bf16: on "
+                                               "transient fp32 copies), foreach on a CPU; under ZeRO DeepSpeed wraps "
+                                               "it; no decay on 1-D params",
                           "trl": "HF Trainer default optim (adamw_torch_fused), no decay on biases and norms"},
             "rounds": args.rounds, "order": "ABBA: the row list, reversed on even rounds", "warmup_steps": args.warmup,
             "trl_grad_ckpt": args.trl_grad_ckpt, "ours_micro_batch_tokens": args.micro_batch_tokens,
@@ -1470,7 +1472,8 @@ def settings_record(variant: str, rows: list[str], args: argparse.Namespace) -> 
             "profiled": args.profile, "global_batch": args.global_batch, "ours_lm_head": args.lm_head or "auto",
             "ours_compile_layers": args.compile_layers or "auto",
             "ours_rollout_sleep": args.rollout_sleep or "auto", "ours_shard_reference": args.shard_reference,
-            "differences": ["optimizer kernel: TRL fused AdamW, ours foreach AdamW",
+            "differences": ["optimizer kernel: torch's fused AdamW on both sides on a GPU (ours on fp32 masters or "
+                            "copies of the bf16 weights); ours foreach on a CPU",
                             "learning-rate schedule: ours cosine (warmup 0), TRL constant (timing only)",
                             "GRPO loss aggregation: ours token_mean with clip_high 0.28, TRL 1.16 defaults",
                             "under DeepSpeed bf16 (gpu-7b) trl-mixed's fp32 model is cast to bf16 with fp32 "
