@@ -6,6 +6,8 @@
 # TREE is a checkout root (`.` for this one; an older commit: `mkdir .abold && git archive REV rlhf_core bench |
 # tar -x -C .abold`, carried to the device with `carry: [".devwheels", ".abold"]`). Process i writes
 # OUTDIR/PREFIX_i_LABEL.json (one round of the args' rows) and appends its summary line to OUTDIR/PREFIX.log.
+# AB_TIMEOUT=SECONDS bounds each process (so a call's time limit cuts one process, not the rest); give every
+# process to one invocation: i counts within it, and a second invocation would write over process 1's file.
 set -u
 out=$1 prefix=$2 args=$3
 shift 3
@@ -23,6 +25,6 @@ for spec in "$@"; do
   echo "== $i $label tree=$tree env=$envs args=$extra" >> "$out/$prefix.log"  # the tree as given (relative): no host paths
   root=$(cd "$tree" && pwd)
   # shellcheck disable=SC2086  # args and envs are word lists
-  env $envs PYTHONPATH="/tmp/site:$root" python3 "$root/bench/side_by_side.py" $args $extra --rounds 1 \
+  timeout "${AB_TIMEOUT:-0}" env $envs PYTHONPATH="/tmp/site:$root" python3 "$root/bench/side_by_side.py" $args $extra --rounds 1 \
     --out "$out/${prefix}_${i}_${label}.json" 2>&1 | grep -E '"row"|Error|error|compile_layers:' | cut -c1-400 >> "$out/$prefix.log"
 done
