@@ -249,12 +249,12 @@ class MasterWeightAdamW(torch.optim.AdamW):
             master.grad = grad_buf[offset:offset + n].view(param.shape)
             offset += n
         masters = [master for _, master in chunk]
-        torch._foreach_copy_(masters, [param.detach() for param in params])
+        torch._foreach_copy_(masters, params)  # under step's no_grad, as the mixed regime's copy back
         torch._foreach_copy_([master.grad for master in masters], grads)
         for param in params:
             param.grad = None
         super().step()
-        torch._foreach_copy_([param.detach() for param in params], masters)
+        torch._foreach_copy_(params, masters)
         empty = weights.new_empty(0)
         for master in masters:
             master.grad = None
