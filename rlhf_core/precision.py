@@ -41,8 +41,26 @@ import torch
 # Elements per chunk of the bf16 regime's transient fp32 step: bounds its extra memory (an fp32
 # copy of the chunk's weights and gradients, 8 bytes per element: 1 GiB) whatever the model size. Each
 # chunk is one AdamW call, whose host work walks every parameter: at 2**25 a 0.5B model took 12 calls
-# a step with ~1.2 ms of device idle between them (H200 profile, BENCHMARKS.md); at 2**27, 3.
+# a step with ~1.2 ms of device idle between them (H200 profile, BENCHMARKS.md); at 2**27, 3. A chunk
+# grows past this floor into memory the CUDA allocator already holds free (:func:`transient_chunk`).
 BF16_STEP_CHUNK = 2**27
+
+
+def transient_chunk(free_cached_bytes: int) -> int:
+    """Elements per chunk of the bf16 regime's transient step: :data:`BF16_STEP_CHUNK`, or more when the
+    allocator holds more than twice the chunk's 8 bytes an element free (reserved, not allocated: at the
+    optimizer step, what the backward's activations used), so the copies fit in memory it already has
+    and the card's reserved memory does not grow. Half, not all, of it: the free memory is split over
+    cached blocks, and an allocation that fits no block reserves a new one."""
+    return max(BF16_STEP_CHUNK, int(free_cached_bytes) // 16)
+
+
+def free_cached_bytes(device: torch.device) -> int:
+    """Bytes the CUDA caching allocator holds on ``device`` without handing them out (0 off CUDA). Host
+    counters: no device synchronisation."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 class Precision(enum.Enum):
@@ -150,7 +168,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
       accumulate in ``param.grad`` and are cast at :meth:`clip_grad_norm_` / :meth:`step`.
       After AdamW's step: ``param <- bf16(master)``.
     * ``bf16``: the masters are empty placeholders (the keys of the persistent fp32 moments). A step
-      fills them from the bf16 parameters and gradients, ``BF16_STEP_CHUNK`` elements at a time,
+      fills them from the bf16 parameters and gradients, :func:`transient_chunk` elements at a time,
       steps, rounds back into the parameters and empties them again.
 
     With all tensors on CUDA, torch's fused AdamW kernel runs the update.
@@ -217,12 +235,15 @@ class MasterWeightAdamW(torch.optim.AdamW):
             return
         chunk: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         size = 0
+        # one chunk (one AdamW call) for a 0.5B model on a GPU, whose backward freed ~14 GB: each call's
+        # host work left the device idle ~6 ms (H200 profile of the SFT step, BENCHMARKS.md)
+        limit = transient_chunk(free_cached_bytes(next(iter(self.masters)).device)) if self.masters else 0
         for param, master in self.masters.items():
             if param.grad is None:
                 continue
             chunk.append((param, master))
             size += param.numel()
-            if size >= BF16_STEP_CHUNK:
+            if size >= limit:
                 self._step_transient(chunk)
                 chunk, size = [], 0
         if chunk:

@@ -35,6 +35,13 @@ log = logging.getLogger(__name__)
 MetricsFn = Callable[[dict[str, float], int], None]
 
 
+def phase(name: str) -> Any:
+    """A named range of the loop's host work in a torch.profiler trace (``alignflow#<name>``, next to
+    torch's own ``Optimizer.step#...``), so a profile says which part of a step the host was in while
+    the device waited; a few microseconds when no profiler runs."""
+    return torch.profiler.record_function(f"alignflow#{name}")
+
+
 class MetricSink(Protocol):
     """Where a trainer sends metrics (an MLflow run, a local file, or nothing)."""
 
@@ -172,7 +179,7 @@ def accumulate_and_step(
     counts: list[Any] = []
     where = f"step {step}" if step is not None else "this step"
     for i, mb in enumerate(micro_batches):
-        with strategy.accumulating(last=i == len(micro_batches) - 1):
+        with strategy.accumulating(last=i == len(micro_batches) - 1), phase("forward_backward"):
             loss_sum, n = loss_fn(strategy.module, mb)
             # Kept on the device: reading each micro-batch's loss here would stall the GPU between its
             # forward and backward; all are read in one transfer after the last backward.
@@ -181,7 +188,8 @@ def accumulate_and_step(
             if hasattr(strategy, "last_grad_norm"):  # DeepSpeed steps inside its own accumulation count
                 strategy.step()
         counts.append(n)
-    values = torch.stack(sums).tolist() if sums else []
+    with phase("read_losses"):
+        values = torch.stack(sums).tolist() if sums else []
     units_total = sum(int(n) for n in counts)
     bad_micro = next((i for i, v in enumerate(values) if not math.isfinite(v)), -1)
     loss_total, units_total, bad = world.all_reduce_sum([sum(values, 0.0), units_total, float(bad_micro >= 0)])
@@ -194,11 +202,13 @@ def accumulate_and_step(
         if not math.isfinite(grad_norm):
             raise NonFiniteError(f"{where}: gradient norm is {grad_norm} (DeepSpeed applied the step)")
     else:
-        grad_norm = strategy.clip_grad_norm(max_grad_norm)
+        with phase("clip"):
+            grad_norm = strategy.clip_grad_norm(max_grad_norm)
         if not math.isfinite(grad_norm):
             strategy.zero_grad()
             raise NonFiniteError(f"{where}: gradient norm is {grad_norm}; the step was not applied")
-        strategy.step()
+        with phase("optimizer_step"):
+            strategy.step()
     lr = strategy.scheduler.get_last_lr()[0] if strategy.scheduler is not None else float("nan")
     return StepStats(loss_total / max(units_total, 1), int(units_total), grad_norm, lr)
 
@@ -513,8 +523,9 @@ def run_checkpointed(plan: LoopPlan, checkpointer: Any, body: TrainingBody, *, s
             for step in bar:
                 metrics = body.train_step(step, clock)
                 if metrics:
-                    sink.log_metrics(metrics, step)
-                    bar.set_postfix(body.progress(metrics))
+                    with phase("log_metrics"):
+                        sink.log_metrics(metrics, step)
+                        bar.set_postfix(body.progress(metrics))
                 if plan.eval_every and step % plan.eval_every == 0 and step != plan.max_steps:
                     evals.run(step, clock)
                 if (plan.save_every and step % plan.save_every == 0) or stop.requested:
@@ -720,13 +731,16 @@ class _OfflineBody:
 
     def train_step(self, step: int, clock: LoopClock) -> dict[str, float] | None:
         cfg, world = self.cfg, self.world
-        micro = self._micro_batches()
+        with phase("micro_batches"):
+            micro = self._micro_batches()
         if self.checkpointing is None:
             self._decide_checkpointing([mb for mb in micro if not isinstance(mb, EmptyMicroBatch)])
         stats = accumulate_and_step(self.strategy, micro, self._loss, max_grad_norm=cfg.max_grad_norm,
                                     units_fn=self._units, step=step, world=world)
         empty = sum(isinstance(mb, EmptyMicroBatch) for mb in micro)
-        tokens, real, empty = world.all_reduce_sum([sum(real_tokens(mb) for mb in micro), len(micro) - empty, empty])
+        with phase("count_tokens"):
+            tokens, real, empty = world.all_reduce_sum([sum(real_tokens(mb) for mb in micro), len(micro) - empty,
+                                                        empty])
         self.tokens_seen += int(tokens)
         self.last_loss = stats.loss
         if step % cfg.log_every != 0 and step != cfg.max_steps:

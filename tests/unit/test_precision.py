@@ -75,6 +75,18 @@ def test_mixed_hooks_accumulate_micro_batches_in_fp32():
     assert opt.clip_grad_norm_(0.0) == pytest.approx(float(one_batch.norm()))
 
 
+def test_bf16_step_chunk_grows_into_memory_the_allocator_holds_free():
+    """The transient step's chunk: the 1 GiB floor, or half of the allocator's free cached bytes at 8 bytes
+    an element (a 0.5B model's step, 386.6M elements, is one chunk once the backward freed 6.2 GB or more);
+    off CUDA nothing is cached, so the floor."""
+    floor = precision_mod.BF16_STEP_CHUNK
+    assert precision_mod.transient_chunk(0) == floor
+    assert precision_mod.transient_chunk(16 * floor - 1) == floor
+    assert precision_mod.transient_chunk(16 * floor + 16) == floor + 1
+    assert precision_mod.transient_chunk(14 * 2**30) >= 386_570_112
+    assert precision_mod.free_cached_bytes(torch.device("cpu")) == 0
+
+
 @pytest.mark.parametrize("chunk", [precision_mod.BF16_STEP_CHUNK, 5])
 def test_bf16_step_is_fp32_adamw_on_the_rounded_weights(chunk, monkeypatch):
     """``bf16``: each step is torch AdamW on fp32 copies of the bf16 weights, moments persisting in fp32,
