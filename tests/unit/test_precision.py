@@ -167,3 +167,26 @@ def test_regime_properties():
     assert Precision.BF16.keeps_masters("zero2") and not Precision.FP32.keeps_masters("zero3")
     with pytest.raises(ValueError, match="fp32 uses torch.optim.AdamW"):
         MasterWeightAdamW([{"params": [torch.nn.Parameter(torch.zeros(1))]}], Precision.FP32, **HYPER)
+
+
+def test_fp32_optimizer_on_a_cpu_is_torchs_fused_adamw_with_the_same_steps():
+    """fp32 on a CPU: ``build_optimizer`` hands back torch's fused AdamW (one pass a step, as HF Trainer's
+    default optimizer), with the no-decay group; three steps land where torch's per-tensor AdamW lands."""
+    from rlhf_core.trainers.loop import build_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+    reference = copy.deepcopy(model)
+    opt = build_optimizer(model, lr=1e-2, weight_decay=0.1)
+    assert opt.defaults["fused"] is True and [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    ref_opt = torch.optim.AdamW([{"params": [p for p in reference.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+                                 {"params": [p for p in reference.parameters() if p.ndim < 2], "weight_decay": 0.0}],
+                                lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    x = torch.randn(8, 6)
+    for step in range(3):
+        for m, o in ((model, opt), (reference, ref_opt)):
+            o.zero_grad()
+            (m(x) * torch.linspace(-1, 2, 3)).sum().backward()  # uneven upstream gradient
+            o.step()
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
