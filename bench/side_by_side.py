@@ -99,8 +99,9 @@ Settings shared by both sides (the ``settings`` line has every value):
 
 * Optimizer: AdamW, betas (0.9, 0.95), eps 1e-8, weight decay 0.01 on matrices only (biases and norms
   undecayed on both sides), clip 1.0; learning-rate schedule irrelevant (timed steps only). Left
-  different: TRL's default ``adamw_torch_fused`` kernel vs our ``torch.optim.AdamW`` (foreach); under
-  ZeRO-3 DeepSpeed wraps either as a client optimizer.
+  different only under ZeRO (TRL's default ``adamw_torch_fused`` against our ``torch.optim.AdamW``,
+  multi-tensor, which DeepSpeed wraps as a client optimizer); elsewhere both sides run torch's fused kernel
+  (ours on a GPU on fp32 masters or copies of the bf16 weights, on a CPU on the fp32 weights).
 * GRPO: KL coefficient beta > 0 on both (both compute reference log-probs); one policy update per
   generated batch (ours: ``mini_batch_size`` = every row, one PPO epoch; TRL: ``steps_per_generation`` =
   gradient accumulation, ``num_iterations = 1``); the same micro-batch rows. Ours generates with our
@@ -1463,8 +1464,8 @@ def settings_record(variant: str, rows: list[str], args: argparse.Namespace) -> 
     return {"variant": variant, "small": args.small, **{k: v for k, v in s.items() if k not in BENCHES},
             "benches": {b: s[b] for b in BENCHES}, "rows": {r: ROWS[r] for r in rows}, "ours_best_settings": OURS_BEST,
             "optimizer": {**OPTIMIZER, "ours": "torch.optim.AdamW, fused on CUDA (mixed: on fp32 masters; bf16: on "
-                                               "transient fp32 copies), foreach on a CPU; under ZeRO DeepSpeed wraps "
-                                               "it; no decay on 1-D params",
+                                               "transient fp32 copies), fused on a CPU (fp32); under ZeRO the "
+                                               "multi-tensor one, which DeepSpeed wraps; no decay on 1-D params",
                           "trl": "HF Trainer default optim (adamw_torch_fused), no decay on biases and norms"},
             "rounds": args.rounds, "order": "ABBA: the row list, reversed on even rounds", "warmup_steps": args.warmup,
             "trl_grad_ckpt": args.trl_grad_ckpt, "ours_micro_batch_tokens": args.micro_batch_tokens,
@@ -1473,7 +1474,7 @@ def settings_record(variant: str, rows: list[str], args: argparse.Namespace) -> 
             "ours_compile_layers": args.compile_layers or "auto",
             "ours_rollout_sleep": args.rollout_sleep or "auto", "ours_shard_reference": args.shard_reference,
             "differences": ["optimizer kernel: torch's fused AdamW on both sides on a GPU (ours on fp32 masters or "
-                            "copies of the bf16 weights); ours foreach on a CPU",
+                            "copies of the bf16 weights) and on a CPU; under ZeRO ours multi-tensor",
                             "learning-rate schedule: ours cosine (warmup 0), TRL constant (timing only)",
                             "GRPO loss aggregation: ours token_mean with clip_high 0.28, TRL 1.16 defaults",
                             "under DeepSpeed bf16 (gpu-7b) trl-mixed's fp32 model is cast to bf16 with fp32 "
