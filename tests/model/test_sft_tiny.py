@@ -88,3 +88,18 @@ def test_grad_accumulation_matches_big_batch(micro_model, micro_data, tmp_path):
         grads.append(captured)
     for name in grads[0]:
         assert torch.allclose(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-4), name
+
+
+def test_a_profiled_step_names_the_loops_host_phases(micro_model, micro_data, tmp_path):
+    """Under torch.profiler each step's host work shows as ``alignflow#`` ranges, in the loop's order, so a
+    profile's idle device gaps can be placed in the loop (bench/side_by_side.py --profile reads them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        train_sft(_cfg(micro_model, micro_data, tmp_path, max_steps=2, eval_every=0, eval_items=1, log_every=1),
+                  show_progress=False)
+    ranges = sorted((e.time_range.start, e.name) for e in prof.events() if e.name.startswith("alignflow#"))
+    names = [name for _, name in ranges]
+    one_step = ["alignflow#micro_batches", "alignflow#forward_backward", "alignflow#read_losses", "alignflow#clip",
+                "alignflow#optimizer_step", "alignflow#count_tokens", "alignflow#log_metrics"]
+    assert names == one_step * 2
