@@ -76,7 +76,8 @@ On a lent GPU: once here, ``bash bench/device_wheels.sh`` (Ray, DeepSpeed, TRL 1
       python bench/side_by_side.py --scaling $OUT/scaling_1gpu.json $OUT/scaling_4gpu.json --out $OUT/scaling.json
 
 Options for ours' rows: ``--micro-batch-tokens N`` (packed rows: a token budget per micro-batch; at 1.5B 8,192 lets
-``gradient_checkpointing: auto`` choose off), ``--lm-head`` (ours' ``lm_head``, default auto), ``--global-batch G``
+``gradient_checkpointing: auto`` choose off), ``--lm-head`` (ours' ``lm_head``, default auto), ``--grad-ckpt`` (ours'
+``gradient_checkpointing``, default auto; TRL's matches it), ``--global-batch G``
 (a step of G rows, each rank's micro-batch the variant's batch: the 1 -> N scaling pair at a fixed global batch
 with the same work per GPU), ``--profile``
 (torch.profiler over steps 4-6 of each offline row, rank 0's under Ray ranks, and over the third policy
@@ -787,7 +788,7 @@ TRAINERS = {"sft": "rlhf_core.trainers.sft:train_sft", "dpo": "rlhf_core.trainer
 
 def _ours_settings(task: dict, work: Path) -> dict:
     """The config fields every ours row shares: paths, precision, threads, optimizer, ranks, OURS_BEST and the
-    command line's overrides (lm_head, compile_layers, micro_batch_tokens)."""
+    command line's overrides (lm_head, compile_layers, gradient_checkpointing, micro_batch_tokens)."""
     inputs, name, row = task["inputs"], task["bench"], ROWS[task["row"]]
     s = SETTINGS[inputs["variant"]]
     common = dict(output_dir=str(work / "out"), checkpoint_dir=str(work / "ckpt"), save_every=0,
@@ -795,7 +796,7 @@ def _ours_settings(task: dict, work: Path) -> dict:
                   weight_decay=OPTIMIZER["weight_decay"], max_grad_norm=OPTIMIZER["max_grad_norm"],
                   num_workers=inputs["gpus"], parallel=inputs["parallel"],
                   **{**OURS_BEST, "packing": row.get("packing", OURS_BEST["packing"])})
-    for key in ("lm_head", "compile_layers"):
+    for key in ("lm_head", "compile_layers", "gradient_checkpointing"):
         if task.get(key):
             common[key] = task[key]
     if common["packing"] and task.get("micro_batch_tokens") and name != "grpo":  # rl packs micro_batch_size rows
@@ -1471,7 +1472,7 @@ def settings_record(variant: str, rows: list[str], args: argparse.Namespace) -> 
             "trl_grad_ckpt": args.trl_grad_ckpt, "ours_micro_batch_tokens": args.micro_batch_tokens,
             "ours_micro_rows": args.micro_rows or s["grpo"]["micro_rows"],
             "profiled": args.profile, "global_batch": args.global_batch, "ours_lm_head": args.lm_head or "auto",
-            "ours_compile_layers": args.compile_layers or "auto",
+            "ours_compile_layers": args.compile_layers or "auto", "ours_grad_ckpt": args.grad_ckpt or "auto",
             "ours_rollout_sleep": args.rollout_sleep or "auto", "ours_shard_reference": args.shard_reference,
             "differences": ["optimizer kernel: torch's fused AdamW on both sides on a GPU (ours on fp32 masters or "
                             "copies of the bf16 weights) and on a CPU; under ZeRO ours multi-tensor",
@@ -1510,6 +1511,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="ours' rows: the lm_head setting (default: auto, as OURS_BEST)")
     ap.add_argument("--compile-layers", choices=["auto", "on", "off"], default="",
                     help="ours' rows: the compile_layers setting (default: auto)")
+    ap.add_argument("--grad-ckpt", choices=["auto", "on", "off"], default="",
+                    help="ours' rows: the gradient_checkpointing setting (default: auto; TRL's follows with "
+                         "--trl-grad-ckpt match): a memory row with checkpointing on both sides")
     ap.add_argument("--rollout-sleep", choices=["auto", "on", "off"], default="",
                     help="ours' Ray GRPO rows: rl.rollout_sleep (default: auto, on with GPUs)")
     ap.add_argument("--shard-reference", choices=["on", "off"], default="on",
@@ -1626,6 +1630,7 @@ def _run_bench(name: str, rows: list[str], args: argparse.Namespace, inputs: dic
         side = ROWS[row]["side"]
         task = {"inputs": inputs, "bench": name, "row": row, "micro_batch_tokens": args.micro_batch_tokens,
                 "micro_rows": args.micro_rows, "lm_head": args.lm_head, "compile_layers": args.compile_layers,
+                "gradient_checkpointing": args.grad_ckpt,
                 "rollout_sleep": args.rollout_sleep, "shard_reference": args.shard_reference,
                 "profile": {"skip": 2, "active": 3, "phase": args.profile_phase} if args.profile else None, "sync_census": args.sync_census}
         if side == "trl":
