@@ -6,7 +6,9 @@
 # TREE is a checkout root (`.` for this one; an older commit: `mkdir .abold && git archive REV rlhf_core bench |
 # tar -x -C .abold`, carried to the device with `carry: [".devwheels", ".abold"]`). Process i writes
 # OUTDIR/PREFIX_i_LABEL.json (one round of the args' rows) and appends its summary line to OUTDIR/PREFIX.log.
-# AB_TIMEOUT=SECONDS bounds each process (so a call's time limit cuts one process, not the rest); give every
+# AB_TIMEOUT=SECONDS bounds each process (so a call's time limit cuts one process, not the rest; the first one
+# also builds the variant's model and measures the ceiling when --work has none: at 0.5B an SFT process is ~40 s,
+# the first ~70 s, so 80 s cut it on 2026-12-02); give every
 # process to one invocation: i counts within it, and a second invocation would write over process 1's file.
 set -u
 out=$1 prefix=$2 args=$3
