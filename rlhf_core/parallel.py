@@ -103,6 +103,15 @@ class World:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.cpu().tolist()
 
+    def max_over_ranks_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (on the collective's device: CUDA under NCCL, the CPU under gloo) replaced in place by its
+        element-wise maximum over ranks, queued on the device without the host waiting; returned."""
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor
+
     def all_reduce_grads(self, model: torch.nn.Module) -> None:
         """Sum every gradient of ``model`` over ranks (for a model called through its submodules,
         which DDP's forward hook would not see)."""
@@ -166,9 +175,9 @@ class Strategy(Protocol):
 
     def backward(self, loss: torch.Tensor) -> None: ...
 
-    def clip_grad_norm(self, max_norm: float) -> float: ...
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor: ...
 
-    def step(self) -> None: ...
+    def step(self, skip: torch.Tensor | None = None) -> None: ...
 
     def zero_grad(self) -> None: ...
 
@@ -262,16 +271,20 @@ class LocalStrategy:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip this step's gradients to global norm ``max_norm`` (0: measure only); returns the norm before
+        clipping, a 0-dim fp32 tensor on the gradients' device, unread: reading it waits for the device."""
         if isinstance(self.optimizer, MasterWeightAdamW):  # its gradients may sit on the fp32 masters
             return self.optimizer.clip_grad_norm_(max_norm)
         params = [p for p in self.model.parameters() if p.grad is not None]
         if not params:
-            return 0.0
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf))
+            return torch.zeros((), dtype=torch.float32)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf).float()
 
-    def step(self) -> None:
-        self.optimizer.step()
+    def step(self, skip: torch.Tensor | None = None) -> None:
+        """The optimizer's step (left out on the device where ``skip`` is nonzero: :func:`optimizer_step`), the
+        schedule's, and the gradients cleared."""
+        optimizer_step(self.optimizer, skip)
         if self.scheduler is not None:
             self.scheduler.step()
         self.zero_grad()
@@ -332,6 +345,28 @@ class LocalStrategy:
         precision; a no-op without masters."""
         if isinstance(self.optimizer, MasterWeightAdamW):
             self.optimizer.masters_into_model(self.model)
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, skip: torch.Tensor | None = None) -> None:
+    """``optimizer.step()``, unless ``skip`` (a 0-dim tensor: nonzero where this step's loss or gradient norm is
+    not finite) says otherwise, decided without the host waiting for the device where the optimizer allows.
+
+    torch's fused Adam/AdamW kernels take such a flag (``found_inf``, set on the optimizer as
+    ``torch.amp.GradScaler`` sets it; their ``_step_supports_amp_scaling`` says so): a nonzero flag leaves the
+    weights, the moments and the step count as they were, on the device. So the loop launches the step right
+    after the backward and reads the losses and the norm once, after it (each read before the step left the
+    device idle while the host launched the optimizer). Other optimizers read the flag first.
+    """
+    if skip is None:
+        optimizer.step()
+    elif getattr(optimizer, "_step_supports_amp_scaling", False):
+        optimizer.found_inf = skip.to(torch.float32)  # type: ignore[attr-defined]
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf  # type: ignore[attr-defined]
+    elif not bool(skip):
+        optimizer.step()
 
 
 class DDPStrategy(LocalStrategy):
@@ -417,11 +452,12 @@ class DeepSpeedStrategy:
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         del max_norm  # clipping is the engine's (config "gradient_clipping"); its norm is known after step()
-        return 0.0
+        return torch.zeros((), dtype=torch.float32)
 
-    def step(self) -> None:
+    def step(self, skip: torch.Tensor | None = None) -> None:
+        del skip  # the engine steps inside its accumulation count; the loop checks its norm after (last_grad_norm)
         self.engine.step()
 
     def last_grad_norm(self) -> float:

@@ -116,15 +116,15 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
             param.data = param.data.to(dtype)
 
 
-def clip_grad_norm_fp32(grads: Sequence[torch.Tensor], max_norm: float) -> float:
+def clip_grad_norm_fp32(grads: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Scale ``grads`` in place so their global L2 norm is at most ``max_norm`` (0: no clipping); returns
-    the norm before clipping.
+    the norm before clipping, a 0-dim fp32 tensor on the first gradient's device (unread: no sync here).
 
     ``torch.nn.utils.clip_grad_norm_``'s rule (``coef = min(1, max_norm / (norm + 1e-6))``), with the
     norm accumulated in fp32 whatever the gradients' dtype: a bf16 norm is only good to ~3 digits.
     """
     if not grads:
-        return 0.0
+        return torch.zeros((), dtype=torch.float32)
     # one multi-tensor kernel per device for the norms and one for the scaling (a 0.5B model has ~290
     # gradient tensors: per-tensor calls were ~600 kernel launches a step)
     by_device: dict[torch.device, list[torch.Tensor]] = {}
@@ -137,7 +137,7 @@ def clip_grad_norm_fp32(grads: Sequence[torch.Tensor], max_norm: float) -> float
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for device, group in by_device.items():
             torch._foreach_mul_(group, coef.to(device))
-    return float(total)
+    return total
 
 
 def _accumulate_into(master: torch.Tensor, param: torch.Tensor) -> None:
@@ -203,9 +203,10 @@ class MasterWeightAdamW(torch.optim.AdamW):
                 master.grad = grad if master.grad is None else master.grad.add_(grad)
                 param.grad = None
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip this step's gradients wherever they are (fp32 masters under ``mixed``, bf16 parameters
-        under ``bf16``) to global norm ``max_norm`` (0: measure only); returns the norm before clipping."""
+        under ``bf16``) to global norm ``max_norm`` (0: measure only); returns the norm before clipping
+        (:func:`clip_grad_norm_fp32`: a 0-dim tensor)."""
         if self.precision is Precision.MIXED:
             self._collect_grads()
             grads = [m.grad for m in self.masters.values() if m.grad is not None]

@@ -122,7 +122,8 @@ def train_kto(cfg: KTOConfig, sink: MetricSink | None = None, show_progress: boo
         batch["z0"] = torch.tensor([z0 for _, z0 in drawn])
         return batch
 
-    batches = MicroBatches(draw=draw, collate=collate, tokens=lambda e: len(matched[e[0]]))
+    # not drawn ahead: a draw's z0 is measured on the policy as the previous step left it
+    batches = MicroBatches(draw=draw, collate=collate, tokens=lambda e: len(matched[e[0]]), ahead=False)
 
     # ---- loss: KTO value on the policy/reference log-ratio ------------------------------
     seen: dict[str, list[float]] = {"z0": [], "good": [], "bad": []}

@@ -727,7 +727,7 @@ class PolicyLearner:
         if hasattr(self.strategy, "last_grad_norm"):
             grad_norm = self.strategy.last_grad_norm()
         else:
-            grad_norm = self.strategy.clip_grad_norm(cfg.max_grad_norm)
+            grad_norm = float(self.strategy.clip_grad_norm(cfg.max_grad_norm))
             _check_finite(grad_norm, "policy gradient norm", step)
             self.strategy.optimizer.step()  # the schedule advances once per iteration (end_iteration)
             self.strategy.zero_grad()
@@ -757,7 +757,7 @@ class PolicyLearner:
         # The norm is taken even with clipping off (max_grad_norm 0 clips at inf, grads times 1.0): a finite
         # loss can still give an inf/NaN gradient (e.g. returns near 1e19: squares overflow fp32), and the
         # check must come before the step so the critic's weights stay as they were.
-        grad_norm = self.critic_strategy.clip_grad_norm(cfg.max_grad_norm)
+        grad_norm = float(self.critic_strategy.clip_grad_norm(cfg.max_grad_norm))
         _check_finite(grad_norm, "critic gradient norm", step)
         self.critic_strategy.optimizer.step()
         self.critic_strategy.zero_grad()

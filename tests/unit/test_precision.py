@@ -72,7 +72,7 @@ def test_mixed_hooks_accumulate_micro_batches_in_fp32():
     assert torch.equal(opt.masters[p].grad, one_batch)
     assert torch.equal(one_batch, torch.tensor([1 + 2.0**-9, 2 + 2.0**-8]))
     assert not torch.equal((xs[0] + xs[1]).float(), one_batch)  # what bf16 accumulation gives
-    assert opt.clip_grad_norm_(0.0) == pytest.approx(float(one_batch.norm()))
+    assert float(opt.clip_grad_norm_(0.0)) == pytest.approx(float(one_batch.norm()))
 
 
 def test_bf16_step_chunk_grows_into_memory_the_allocator_holds_free():
@@ -144,8 +144,9 @@ def test_clip_grad_norm_fp32_by_hand():
     """Gradients (3, 4) and (0,): norm 5; clipped to 1 they become (0.6, 0.8) up to torch's 1e-6 guard
     (coef = 1 / (5 + 1e-6)); with max_norm 0 they are only measured."""
     grads = [torch.tensor([3.0, 4.0], dtype=torch.bfloat16), torch.zeros(1, dtype=torch.bfloat16)]
-    assert clip_grad_norm_fp32(grads, 0.0) == 5.0 and grads[0].tolist() == [3.0, 4.0]
-    assert clip_grad_norm_fp32(grads, 1.0) == 5.0
+    norm = clip_grad_norm_fp32(grads, 0.0)  # a 0-dim fp32 tensor: the caller reads it (a sync) when it chooses
+    assert norm.shape == () and norm.dtype == torch.float32 and float(norm) == 5.0 and grads[0].tolist() == [3.0, 4.0]
+    assert float(clip_grad_norm_fp32(grads, 1.0)) == 5.0
     assert torch.allclose(grads[0].float(), torch.tensor([0.6, 0.8]), atol=4e-3)  # bf16 resolution near 0.8
 
 
@@ -190,3 +191,37 @@ def test_fp32_optimizer_on_a_cpu_is_torchs_fused_adamw_with_the_same_steps():
             o.step()
     for p, r in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_flagged_step_leaves_weights_moments_and_count_as_they_were(fused):
+    """``parallel.optimizer_step`` with a nonzero ``skip`` flag: torch's fused AdamW (which takes the flag on the
+    device, as GradScaler's ``found_inf``) and the per-tensor AdamW (which reads it first) leave the weights, both
+    moments and the step count exactly as the last good step left them; a zero flag steps as ``step()`` does."""
+    from rlhf_core.parallel import optimizer_step
+
+    torch.manual_seed(0)
+    model, twin = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    twin.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True if fused else None, foreach=None if fused else False)
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2, fused=True if fused else None, foreach=None if fused else False)
+    x = torch.randn(5, 4)
+
+    def grads(m):
+        m.zero_grad()
+        (m(x) * torch.linspace(-1, 2, 3)).sum().backward()
+
+    for m, o in ((model, opt), (twin, ref)):
+        grads(m)
+        optimizer_step(o, torch.zeros(()))  # a good step, flag 0
+    torch.testing.assert_close(list(model.parameters()), list(twin.parameters()), rtol=0, atol=0)
+    before = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in model.parameters()]
+    grads(model)
+    optimizer_step(opt, torch.ones(()))  # flagged: nothing moves
+    after = opt.state_dict()
+    for p, q in zip(model.parameters(), before[1]):
+        assert torch.equal(p, q)
+    for key, state in before[0]["state"].items():
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(after["state"][key][name], state[name]), name
+    assert not hasattr(opt, "found_inf")  # the flag does not outlive the call
