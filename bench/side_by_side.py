@@ -827,6 +827,10 @@ def _ours_grpo(task: dict, common: dict, sink: Any, work: Path) -> dict:
 
     inputs = task["inputs"]
     s, gpus, peak_dir = SETTINGS[inputs["variant"]], inputs["gpus"], os.environ.get("BENCH_PEAK_DIR", "")
+    # ZeRO-3 partitions the weights, so its rollout replicas live on Ray even on one GPU (placement none, where the
+    # engine samples from this process's policy, is refused under zero3: RLConfig); --gpus 1 --parallel zero3 then
+    # runs the eight-GPU variants' path on one device
+    on_ray = gpus > 1 or inputs["parallel"] == "zero3"
     b = s["grpo"]
     model, data = _paths(inputs, "grpo")
     rows = b["prompts_per_step"] * b["group_size"]
@@ -837,19 +841,19 @@ def _ours_grpo(task: dict, common: dict, sink: Any, work: Path) -> dict:
                    micro_batch_size=task.get("micro_rows") or b["micro_rows"],
                    ppo_epochs=1, batch_size=rows, max_length=b["max_new_tokens"] + 64, warmup_steps=0,
                    eval_items=1, eval_at_start=False, log_rollouts_every=0, rollout_engine="static",
-                   placement="colocated" if gpus > 1 else "none", rollout_workers=s.get("rollout_workers", gpus),
+                   placement="colocated" if on_ray else "none", rollout_workers=s.get("rollout_workers", gpus),
                    lora_rank=s.get("lora_rank", 0),
                    # Ray only: the memory switches (--rollout-sleep, --shard-reference) as the command line sets them
                    **({"rollout_sleep": task.get("rollout_sleep") or "auto",
-                       "shard_reference": task.get("shard_reference", "on") == "on"} if gpus > 1 else {}),
+                       "shard_reference": task.get("shard_reference", "on") == "on"} if on_ray else {}),
                    **common)
     _sync()
-    update_profile = _UpdateProfile(task["profile"]) if task.get("profile") and gpus == 1 else None
-    if update_profile is None and task.get("sync_census") and gpus == 1:
+    update_profile = _UpdateProfile(task["profile"]) if task.get("profile") and not on_ray else None
+    if update_profile is None and task.get("sync_census") and not on_ray:
         update_profile = _UpdateSyncCensus({"skip": 2})
     if update_profile is not None:
         update_profile.install()
-    if gpus > 1:
+    if on_ray:
         from rlhf_core import ray_launcher
 
         for factory in ("_learner", "_reference", "RolloutReplica"):
@@ -865,7 +869,7 @@ def _ours_grpo(task: dict, common: dict, sink: Any, work: Path) -> dict:
             # engine vs learner log-probs of the sampled tokens: a weight sync that scrambled weights shows here
             "logprob_mismatch": [m.get("rollout/logprob_mismatch") for m in steps],
             "engine": "alignflow StaticCacheEngine" + (" + CUDA graphs" if torch.cuda.is_available() else ""),
-            "launch": f"Ray, colocated, {inputs['parallel']}" if gpus > 1 else "one process",
+            "launch": f"Ray, colocated, {inputs['parallel']}" if on_ray else "one process",
             "settings": {k: getattr(cfg, k) for k in ("precision", "gradient_checkpointing", "fused_kernels",
                                                       "compile_layers", "lm_head", "packing", "num_workers", "parallel",
                                                       "micro_batch_size", "mini_batch_size", "kl_coef",

@@ -841,6 +841,12 @@ class RLConfig(TrainerConfig):
         _check(self.rollout_workers >= 1, s, "rollout_workers", f"must be >= 1, got {self.rollout_workers}")
         _check(self.num_workers == 1 or self.placement != "none", s, "num_workers",
                f"{self.num_workers} policy workers need Ray: set placement to colocated or disaggregated")
+        # without Ray the engine samples from this process's policy, whose weights ZeRO-3 holds as empty
+        # placeholders outside a forward (the static engine read them directly: a size-0 reshape on an H200)
+        _check(self.parallel != "zero3" or self.placement != "none", s, "parallel",
+               "zero3 partitions the policy's weights, and with placement none the rollout engine samples from them "
+               "in this process; set placement colocated (Ray replicas take whole weights at each sync, also on one "
+               "GPU) or parallel zero2")
         self._check_weight_sync()
         self._check_rollout_sleep()
 

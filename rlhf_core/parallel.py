@@ -390,6 +390,31 @@ class DDPStrategy(LocalStrategy):
         return nullcontext() if last else self.module.no_sync()
 
 
+def join_world_of_one() -> None:
+    """A ``torch.distributed`` group of this process alone, unless it is in one already.
+
+    DeepSpeed needs a process group, also for one rank (ZeRO in one process: ``offload_optimizer`` on one GPU, or a
+    one-GPU Ray policy, which forms no group of its own); without one it looks for MPI and fails where ``mpi4py``
+    is missing (a one-rank ZeRO-3 GRPO on an H200 got that far only where the image had it, 2026-12-03). What
+    torchrun gives a single process: rank 0 of 1 on the loopback, NCCL on a GPU, gloo on a CPU. A world of one
+    stays a world of one (:attr:`World.distributed` is False)."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
 class DeepSpeedStrategy:
     """DeepSpeed ZeRO stage 2 or 3; the engine owns the optimizer step, clipping and the schedule.
 
@@ -406,6 +431,7 @@ class DeepSpeedStrategy:
                  precision: Precision = Precision.FP32):
         import deepspeed
 
+        join_world_of_one()
         self.stage, self.model, self.bf16 = stage, model, precision is not Precision.FP32
         config = {
             "train_micro_batch_size_per_gpu": 1,  # our batches are dicts of any size; only the ratio matters

@@ -55,6 +55,28 @@ def test_two_workers_take_the_step_one_worker_takes(ray_local, micro_model, micr
     assert json.loads((b.output_dir / "alignflow.json").read_text())["config"]["num_workers"] == 2
 
 
+@pytest.mark.slow  # DeepSpeed's CPU op build (about 60 s on a fresh machine)
+def test_zero2_in_one_process_takes_the_plain_step(micro_model, micro_data, tmp_path):
+    """``parallel: zero2`` with one worker (ZeRO in one process, as ``offload_optimizer`` on one GPU runs): the
+    strategy joins a process group of one itself (before, DeepSpeed looked for MPI and failed without mpi4py),
+    and each step's loss is within 1e-4 (relative) of the plain one-process run's."""
+    import torch.distributed as dist
+
+    one, zero = Recorder(), Recorder()
+    train_sft(_sft(micro_model, micro_data, tmp_path / "one", max_steps=3), one, show_progress=False)
+    try:
+        train_sft(_sft(micro_model, micro_data, tmp_path / "zero", max_steps=3, parallel="zero2"), zero,
+                  show_progress=False)
+        assert dist.is_initialized() and dist.get_world_size() == 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    la, lz = one.series("train/loss"), zero.series("train/loss")
+    assert len(la) == len(lz) == 3 and la[-1] != la[0]
+    for x, y in zip(la, lz):
+        assert abs(x - y) <= 1e-4 * abs(x), (la, lz)
+
+
 def test_two_workers_with_compiled_layers_take_the_eager_step(ray_local, micro_model, micro_data, tmp_path,
                                                                monkeypatch):
     """``compile_layers: on`` under DDP (what ``auto`` picks on GPUs): two Ray workers whose decoder layers run
@@ -406,12 +428,14 @@ def test_zero3_reference_ranks_partition_the_weights_and_score_as_the_whole_mode
 
 
 @pytest.mark.slow  # DeepSpeed's CPU op build (about 60 s on a fresh machine)
+@pytest.mark.parametrize("ranks", [2, 1])
 def test_lora_grpo_under_zero3_scores_the_base_on_the_policy_ranks(ray_local, micro_model, micro_data, tmp_path,
-                                                                   length_reward, caplog):
+                                                                   length_reward, caplog, ranks):
     """LoRA adapters over a ZeRO-3 base (the large-model setting): the run completes (before, DeepSpeed dropped
     the empty no-decay group and the schedule's first step failed), no reference ranks are started, and the
     reference, the base scored on the policy ranks with the adapters off, gives a KL of 0 before the first
-    update and above 0 after it."""
+    update and above 0 after it. Also with one rank (the eight-GPU variant's path on one device), which forms no
+    Ray world: DeepSpeed gets a process group of one (before, it looked for MPI and failed without mpi4py)."""
     import logging
 
     from rlhf_core.ray_launcher import train_rl_on_ray
@@ -419,8 +443,8 @@ def test_lora_grpo_under_zero3_scores_the_base_on_the_policy_ranks(ray_local, mi
     sink = Recorder()
     with caplog.at_level(logging.WARNING, logger="rlhf_core.ray_launcher"):
         train_rl_on_ray(_rl(micro_model, micro_data, tmp_path, length_reward, kl_coef=0.05, lora_rank=4, lora_alpha=8.0,
-                            num_workers=2, placement="colocated", parallel="zero3"), sink, show_progress=False)
-    assert "2 policy rank(s), 0 reference" in caplog.text
+                            num_workers=ranks, placement="colocated", parallel="zero3"), sink, show_progress=False)
+    assert f"{ranks} policy rank(s), 0 reference" in caplog.text
     kl = sink.series("train/kl")
     assert len(kl) == 2 and abs(kl[0]) <= 1e-7 and kl[1] > 0, kl
 

@@ -118,6 +118,11 @@ def test_scale_out_fields_are_checked():
         RLConfig(num_workers=2)
     with pytest.raises(ConfigError, match=r"rl.placement: must be none, colocated or disaggregated"):
         RLConfig(placement="spread")
+    # one process's engine would sample from ZeRO-3's empty placeholders (a size-0 reshape on an H200, 2026-12-03)
+    with pytest.raises(ConfigError, match=r"rl.parallel: zero3 partitions the policy's weights.*placement colocated"):
+        RLConfig(parallel="zero3")
+    assert RLConfig(parallel="zero3", placement="colocated").parallel == "zero3"
+    assert RLConfig(parallel="zero2").placement == "none"  # ZeRO-2 keeps whole weights on every rank
 
 
 def test_rollout_sleep_is_checked_and_resolved_by_where_it_can_work():
