@@ -399,16 +399,24 @@ def resolve_lm_head(setting: str, chunk_tokens: int, *, fused: bool, head_whole:
     return LMHead(setting, chunk_tokens, prefer_liger=fused and head_whole)
 
 
-def _parallel(cfg: Any) -> str:
-    """How ``cfg``'s ranks share a step: ``none`` (one process), ``ddp``, ``zero2`` or ``zero3``."""
-    return getattr(cfg, "parallel", "ddp") if getattr(cfg, "num_workers", 1) > 1 else "none"
+def parallel_mode(cfg: Any) -> str:
+    """How ``cfg``'s ranks share a step: ``none`` (one process, no DeepSpeed), ``ddp``, ``zero2`` or ``zero3``.
+
+    ZeRO counts with one rank too: DeepSpeed wraps that rank's model all the same (its hooks; under ZeRO-3 the
+    weights are empty placeholders outside a forward), so the choices that depend on it (the whole LM head for
+    liger, compiled layers) must see it. Before, one rank read as ``none``, and a one-GPU ZeRO-3 GRPO handed liger
+    a size-0 head (a division by zero in its chunk sizing, H200, 2026-12-03)."""
+    parallel = getattr(cfg, "parallel", "ddp")
+    if parallel.startswith("zero"):
+        return parallel
+    return parallel if getattr(cfg, "num_workers", 1) > 1 else "none"
 
 
 def prepare_kernels(cfg: Any, *models: Any) -> LMHead:
     """Apply ``cfg.fused_kernels`` to each of ``models`` (policy, reference, teacher) and resolve
     ``cfg.lm_head``; logs both choices."""
     fused = prepare_decoder_kernels(cfg, *models)
-    head_whole = _parallel(cfg) != "zero3"
+    head_whole = parallel_mode(cfg) != "zero3"
     head = resolve_lm_head(cfg.lm_head, cfg.logit_chunk_tokens, fused=fused, head_whole=head_whole)
     rule = f"whole logits up to {head.whole_bytes / 2**30:.0f} GiB, else chunked"
     if head.prefer_liger:
@@ -430,7 +438,7 @@ def prepare_decoder_kernels(cfg: Any, *models: Any) -> bool:
         # backend serves every length without a plan.
         torch.backends.cuda.enable_cudnn_sdp(False)
     fused = use_fused_kernels(cfg.fused_kernels, device)
-    compiled, why = use_compiled_layers(getattr(cfg, "compile_layers", "off"), device, parallel=_parallel(cfg),
+    compiled, why = use_compiled_layers(getattr(cfg, "compile_layers", "off"), device, parallel=parallel_mode(cfg),
                                         lora=getattr(cfg, "lora_rank", 0) > 0)
     layers = 0
     for model in models:

@@ -93,7 +93,6 @@ def train_kto(cfg: KTOConfig, sink: MetricSink | None = None, show_progress: boo
     head = prepare_kernels(cfg, model, reference)  # fused kernels, and how the LM head scores tokens
     examples = unpaired_examples(read_records(cfg.train_file), cfg, cfg.train_file)
     pad = tokenizer.pad_token_id
-
     # rendered once: a mismatched pair joins one example's prompt with another's answer (as the model reads them)
     prompts = [prompt_text(tokenizer, e.prompt) for e in examples]
     answers = [completion_text(tokenizer, e.prompt, e.completion) for e in examples]

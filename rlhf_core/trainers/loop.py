@@ -85,14 +85,12 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, prec
         (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if parallel.startswith("zero"):
-        # DeepSpeed drops a group without parameters (a LoRA model's no-decay group: every adapter is a matrix),
-        # and a schedule built on this optimizer would then set one learning rate too many (a ValueError at its
-        # first step). Elsewhere the empty group stays, so checkpoints of LoRA runs keep loading.
-        groups = [g for g in groups if g["params"]]
-    precision = precision or Precision.FP32
-    if parallel.startswith("zero"):  # DeepSpeed wraps torch's default AdamW as it is
-        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
-    if precision is Precision.FP32:
+        # DeepSpeed wraps torch's default AdamW as it is. It drops a group without parameters (a LoRA model's
+        # no-decay group: every adapter is a matrix), and a schedule built on this optimizer would then set one
+        # learning rate too many (a ValueError at its first step). Elsewhere the empty group stays, so checkpoints
+        # of LoRA runs keep loading.
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    if (precision or Precision.FP32) is Precision.FP32:
         # torch's fused kernel (HF Trainer's default optimizer too): on a CPU one pass where the default steps
         # one tensor at a time (~10 ops each; 1.8 against 6.6 ms a step for the embedded model's 74 tensors, one
         # thread), and on either device it can skip a non-finite step without the host reading the flag

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlhf_core.lm_head import (LMHead, chunked_token_logprobs, detached_entropy, head_logprobs, liger_chunk_mem_const,
-                               resolve_kernel, resolve_lm_head, use_fused_kernels)
+                               parallel_mode, resolve_kernel, resolve_lm_head, use_fused_kernels)
 from rlhf_core.rl_math import entropy_from_logits
 
 N, H, V = 37, 16, 50
@@ -110,6 +110,19 @@ def test_kernel_choice_on_a_cpu():
         resolve_lm_head("liger", 4096, fused=False, head_whole=True)
     assert resolve_lm_head("auto", 4096, fused=True, head_whole=False).prefer_liger is False  # ZeRO-3
     assert resolve_lm_head("auto", 4096, fused=True, head_whole=True).prefer_liger is True
+
+
+def test_zero_counts_with_one_rank():
+    """DeepSpeed wraps a lone rank's model too (ZeRO-3: empty placeholders outside a forward), so one rank under
+    zero2/zero3 reads as that stage, not as a plain process: the LM head is then not whole (no liger) under zero3.
+    DDP with one rank is a plain process."""
+    from types import SimpleNamespace as Cfg
+
+    assert parallel_mode(Cfg(parallel="zero3", num_workers=1)) == "zero3"
+    assert parallel_mode(Cfg(parallel="zero2", num_workers=1)) == "zero2"
+    assert parallel_mode(Cfg(parallel="ddp", num_workers=1)) == "none"
+    assert parallel_mode(Cfg(parallel="ddp", num_workers=2)) == "ddp"
+    assert parallel_mode(Cfg()) == "none"  # a config without the fields (a reward scorer's)
 
 
 def test_kernel_route_for_an_entropy():
