@@ -642,6 +642,7 @@ class RLTrainer:
             for row, traj in zip(rows, trajectory_rows(self.tokenizer, batch, sampled.rewards, len(rows))):
                 row.update(text=traj["text"], action_mask=traj["action_mask"], tool_calls=traj["tool_calls"],
                            segments=json.dumps(traj["segments"]))
+        rows = redact_secrets(rows)  # a completion can echo a secret from its prompt like any other text
         self.rollout_table += rows
         if hasattr(self.sink, "log_table"):
             self.sink.log_table(rows, "rollouts.json")
