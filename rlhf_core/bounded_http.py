@@ -3,7 +3,7 @@
 requests bounds the connect and each read of a reply (``timeout``), never the whole of it: a server that
 trickles a byte per read, or streams gigabytes, holds its client as long as it likes. Here one request gets:
 
-* a total deadline (:class:`Deadline`): a timer shuts the request's socket down when it passes, so a read
+* a total deadline (:class:`Deadline`): a watchdog thread shuts the request's socket down when it passes, so a read
   blocked on a trickle ends at once, the status line and headers included (they are read before requests
   returns, where no loop of ours could look at a clock);
 * a byte cap (:func:`read_capped`): the body is streamed and refused once past the cap, a declared
@@ -25,9 +25,12 @@ to the :class:`Deadline` open in the calling thread. Imports nothing from ``rlhf
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import socket
 import threading
+import time
 from typing import Any
 
 import requests
@@ -48,29 +51,26 @@ class Deadline:
     opened or used is shut down, so whatever read is blocked on it fails at once.
 
     Leaving the block disarms it first (under a lock), so a connection handed back to the pool is never shut
-    down by a timer that fires late."""
+    down by a deadline that passes later."""
 
     def __init__(self, seconds: float):
         if not seconds > 0:
             raise ValueError(f"Deadline: seconds must be > 0, got {seconds}")
         self.seconds = seconds
         self.expired = False
-        self._done = False
+        self.disarmed = False
         self._socks: list[socket.socket] = []
         self._lock = threading.Lock()
-        self._timer = threading.Timer(seconds, self._expire)
-        self._timer.daemon = True
 
     def __enter__(self) -> Deadline:
         self._previous = getattr(_current, "deadline", None)
         _current.deadline = self
-        self._timer.start()
+        _WATCHDOG.add(time.monotonic() + self.seconds, self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         with self._lock:
-            self._done = True
-        self._timer.cancel()
+            self.disarmed = True
         _current.deadline = self._previous
 
     def watch(self, sock: socket.socket | None) -> None:
@@ -78,19 +78,56 @@ class Deadline:
         if sock is None:
             return
         with self._lock:
-            if self._done:
+            if self.disarmed:
                 return
             self._socks.append(sock)
             if self.expired:
                 _shut(sock)
 
-    def _expire(self) -> None:
+    def expire(self) -> None:
+        """The deadline has passed: shut every watched socket down, unless the request is over."""
         with self._lock:
-            if self._done:
+            if self.disarmed:
                 return
             self.expired = True
             for sock in self._socks:
                 _shut(sock)
+
+
+class _Watchdog:
+    """One daemon thread for every :class:`Deadline` of the process, sleeping until the earliest is due: a
+    thread per request would cost more than a loopback round trip."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Deadline]] = []
+        self._order = itertools.count()  # ties broken by arrival, never by comparing Deadlines
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def add(self, end: float, deadline: Deadline) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (end, next(self._order), deadline))
+            if self._thread is None or not self._thread.is_alive():  # first use, or a forked child
+                self._thread = threading.Thread(target=self._run, name="alignflow-http-deadlines", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                while self._heap and self._heap[0][2].disarmed:  # finished requests leave from the front
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self._cond.wait()
+                    continue
+                due = self._heap[0][0] - time.monotonic()
+                if due > 0:
+                    self._cond.wait(due)
+                    continue
+                heapq.heappop(self._heap)[2].expire()
+
+
+_WATCHDOG = _Watchdog()
 
 
 def _shut(sock: socket.socket) -> None:

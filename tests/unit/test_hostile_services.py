@@ -325,7 +325,7 @@ def test_a_5xx_that_echoes_userinfo_credentials_is_quoted_redacted(hostile, clie
 
 def test_an_honest_reply_passes_and_its_connection_outlives_the_deadline(hostile):
     """The ok mode answers both clients; a connection kept alive past a request's deadline is reused, not
-    shut down by that request's timer firing late (one connection for three calls)."""
+    shut down when that request's deadline passes later (one connection for three calls)."""
     source = HttpRewardSource(hostile.url("ok"), timeout_s=0.3, retries=0, max_response_bytes=CAP, token_env=ENV_NAME)
     before = hostile.connections
     assert source(PROMPTS, COMPLETIONS, LABELS) == [0.5] * 4
