@@ -187,7 +187,8 @@ def environment_factory(spec: str, *, stop_tokens: Sequence[str] = (), timeout_s
 
         transport = HttpRewardSource(spec, timeout_s=timeout_s, retries=retries, backoff_cap_s=backoff_cap_s,
                                      deadline_s=deadline_s, token_env=token_env,
-                                     max_response_bytes=max_response_bytes or DEFAULT_MAX_RESPONSE_BYTES)
+                                     max_response_bytes=DEFAULT_MAX_RESPONSE_BYTES if max_response_bytes is None
+                                     else max_response_bytes)
 
         def make_http() -> Environment:
             return HttpEnvironment(transport, stop_tokens)

@@ -532,7 +532,8 @@ def build_reward_source(kind: RewardKind | str, *, path: str | Path | None = Non
             raise ValueError("reward kind 'http' needs a url")
         return HttpRewardSource(url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
                                 backoff_cap_s=backoff_cap_s, deadline_s=deadline_s, token_env=token_env,
-                                max_response_bytes=max_response_bytes or DEFAULT_MAX_RESPONSE_BYTES)
+                                max_response_bytes=DEFAULT_MAX_RESPONSE_BYTES if max_response_bytes is None
+                                else max_response_bytes)
     if not path:
         raise ValueError(f"reward kind '{kind.value}' needs a path")
     if kind is RewardKind.MODEL:
