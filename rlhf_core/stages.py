@@ -522,7 +522,8 @@ def _probe_environment(stage: str, cfg: Any) -> Any:
     spec = cfg.environment
     make_env = environment_factory(spec, stop_tokens=cfg.environment_stop_tokens, timeout_s=cfg.reward_timeout_s,
                                    retries=cfg.reward_retries, backoff_cap_s=cfg.reward_backoff_cap_s,
-                                   deadline_s=cfg.reward_deadline_s, token_env=cfg.environment_token_env)
+                                   deadline_s=cfg.reward_deadline_s, token_env=cfg.environment_token_env,
+                                   max_response_bytes=cfg.reward_max_response_bytes)
     limits = {"max_turns": cfg.max_turns, "max_trajectory_tokens": cfg.max_trajectory_tokens,
               "max_new_tokens": cfg.max_new_tokens, "tool_messages": cfg.tool_messages}
     identity = None  # a server's replies may change: never cache them
