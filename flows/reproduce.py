@@ -509,8 +509,8 @@ def reproduce_rev(rev: str, workdir: Path) -> dict[str, Any]:
     try:
         rerun_lock = repro_in(worktree, project)
         md5 = {"original": _lock_outs(committed_lock), "rerun": _lock_outs(rerun_lock)}
-        comparison = compare_md5s(md5["original"], md5["rerun"], lock_views(project, worktree, dvc_cache_folder(project)),
-                                  Roots(project, worktree))
+        views = lock_views(project, worktree, dvc_cache_folder(project))
+        comparison = compare_md5s(md5["original"], md5["rerun"], views, Roots(project, worktree))
         metrics = metric_files(worktree, commit)
     finally:
         remove_worktree(worktree)
@@ -534,7 +534,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--trust", action="store_true",
                         help="run id: accept stored params that differ from the commit's params.yaml in code "
                              "(file.py:fn), output paths, URLs, secret names or tracking settings (the difference "
-                             "is printed either way); output paths outside the worktree stay refused")
+                             "is printed either way); output paths outside the worktree stay refused. Plain "
+                             "experiment and registered-model names need no --trust when the store is a SQLite "
+                             "file inside the project")
     args = parser.parse_args(argv)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a report, not download bars
 

@@ -90,7 +90,8 @@ def test_a_run_reads_the_md5_it_recorded_not_todays_file(project, tmp_path):
         worktree = tmp_path / f"wt-{commit[:7]}"
         add_worktree(worktree, commit)
         try:
-            sources = place_inputs(inputs, worktree, commit, cache_root, dvc_fetcher(worktree, project, cli_env(worktree)))
+            fetch = dvc_fetcher(worktree, project, cli_env(worktree))
+            sources = place_inputs(inputs, worktree, commit, cache_root, fetch)
             assert sources == {"sft_file": "the DVC cache", "base_model": "the DVC cache"}
             assert (worktree / "data" / "sft.jsonl").read_text() == V1
             assert (worktree / "models" / "mine" / "sub" / "w.bin").read_bytes() == b"\x00\x01" * 100
@@ -129,7 +130,8 @@ def test_with_the_cache_gone_the_remote_serves_and_an_unknown_md5_stops(project,
         assert place_inputs([v2], worktree, head, cache_root, fetch) == {"sft_file": "the DVC remote"}
         assert (worktree / "data" / "sft.jsonl").read_text() == V2
         lost = RecordedInput("sft_file", "data/sft.jsonl", "f" * 32, "--sft-file")
-        with pytest.raises(SystemExit, match=r"input sft_file \(data/sft.jsonl\): the run read md5 f{32}.*nothing was rerun"):
+        refused = r"input sft_file \(data/sft.jsonl\): the run read md5 f{32}.*nothing was rerun"
+        with pytest.raises(SystemExit, match=refused):
             place_inputs([lost], worktree, head, cache_root, fetch)
     finally:
         remove_worktree(worktree)

@@ -50,7 +50,8 @@ def _registry(project: Path) -> dict[str, object]:
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=cli_env(project)["MLFLOW_TRACKING_URI"])
-    return {m.name: {"versions": sorted((v.version, v.run_id) for v in client.search_model_versions(f"name='{m.name}'")),
+    return {m.name: {"versions": sorted((v.version, v.run_id)
+                                        for v in client.search_model_versions(f"name='{m.name}'")),
                      "aliases": dict(m.aliases)} for m in client.search_registered_models()}
 
 

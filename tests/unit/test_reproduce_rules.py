@@ -124,9 +124,9 @@ def test_data_md5s_and_unreadable_folders_count():
     def no_views(tag, a, b):
         return None, None
 
-    comparison = compare_md5s({"dvc.md5.sft": "a" * 32, "dvc.md5.eval": "c" * 32, "dvc.md5.model_sft": "d" * 32 + ".dir"},
-                              {"dvc.md5.sft": "b" * 32, "dvc.md5.eval": "c" * 32, "dvc.md5.model_sft": "e" * 32 + ".dir"},
-                              no_views, ROOTS)
+    original = {"dvc.md5.sft": "a" * 32, "dvc.md5.eval": "c" * 32, "dvc.md5.model_sft": "d" * 32 + ".dir"}
+    rerun = {"dvc.md5.sft": "b" * 32, "dvc.md5.eval": "c" * 32, "dvc.md5.model_sft": "e" * 32 + ".dir"}
+    comparison = compare_md5s(original, rerun, no_views, ROOTS)
     assert comparison.compared == {**comparison.compared, "data": 2, "weights": 1}
     kinds = {d.what: d.kind for d in comparison.counted}
     assert kinds == {"sft": "data", "model_sft (a folder's files could not be read to compare)": "weights"}
@@ -149,7 +149,8 @@ def test_a_cached_listing_reads_like_the_folder(tmp_path):
 def test_metrics_compare_every_step_exactly():
     same = {"eval/accuracy_sft": [[0, 0.25]]}
     assert compare_metrics(same, same).identical
-    (d,) = compare_metrics({"eval/accuracy": [[1, 0.5], [2, 0.5]]}, {"eval/accuracy": [[1, 0.5], [2, 0.5000001]]}).counted
+    two_steps = {"eval/accuracy": [[1, 0.5], [2, 0.5]]}
+    (d,) = compare_metrics(two_steps, {"eval/accuracy": [[1, 0.5], [2, 0.5000001]]}).counted
     assert d.kind == "metrics" and d.original == [[1, 0.5], [2, 0.5]]
     (d,) = compare_metrics({"eval/accuracy_dpo": [[0, 0.3]]}, {}).counted
     assert (d.original, d.rerun) == (0.3, "<absent>")
