@@ -175,6 +175,9 @@ def stored_commit(run_id: str, tags: dict[str, str]) -> tuple[str, list[str]]:
                          "refusing to pass it to git")
     warnings = [f"run {run_id} ran with uncommitted changes; rerunning from {sha}, code may differ"] \
         if sha != tag else []
+    if tags.get("git.untracked"):
+        warnings.append(f"run {run_id} ran beside files its commit does not hold ({tags['git.untracked']}); "
+                        "the rerun from its commit does not have them")
     return resolve_commit(sha, f"run {run_id}'s git.commit"), warnings
 
 

@@ -323,6 +323,23 @@ def git_commit(cwd: str | Path | None = None) -> str:
     return f"{sha}-dirty" if dirty else sha
 
 
+def git_untracked(cwd: str | Path | None = None) -> list[str]:
+    """Files in the repository holding ``cwd`` that git neither tracks nor ignores (an untracked folder
+    as one entry): what a rerun from the commit would not have. Empty outside git."""
+    try:
+        out = subprocess.run(["git", "ls-files", "--others", "--exclude-standard", "--directory",
+                              "--no-empty-directory"], cwd=cwd, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return out.splitlines()
+
+
+def untracked_note(paths: list[str], shown: int = 5) -> str:
+    """``"3 untracked: a.py, data/new.jsonl, notes/"``: the ``git.untracked`` tag's value."""
+    more = f", +{len(paths) - shown} more" if len(paths) > shown else ""
+    return f"{len(paths)} untracked: {', '.join(paths[:shown])}{more}"
+
+
 # --------------------------------------------------------------------------------------
 # The code a run executes
 # --------------------------------------------------------------------------------------
