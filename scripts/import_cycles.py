@@ -42,16 +42,22 @@ def _resolve(name: str, known: set[str]) -> str | None:
     return None
 
 
-def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, known: set[str]) -> set[str]:
+def from_base(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    """The absolute module a ``from ... import`` statement in ``module`` imports from."""
+    base = node.module or ""
+    if node.level:  # relative: a package is its own anchor, a module its package; one dot up per extra level
+        anchor = module.split(".") if is_package else module.split(".")[:-1]
+        anchor = anchor[:len(anchor) - (node.level - 1)]
+        base = ".".join(anchor + ([base] if base else []))
+    return base
+
+
+def import_targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, known: set[str]) -> set[str]:
     """Our modules that one import statement in ``module`` loads."""
     if isinstance(node, ast.Import):
         names = [alias.name for alias in node.names]
     else:
-        base = node.module or ""
-        if node.level:  # relative: a package is its own anchor, a module its package; one dot up per extra level
-            anchor = module.split(".") if is_package else module.split(".")[:-1]
-            anchor = anchor[:len(anchor) - (node.level - 1)]
-            base = ".".join(anchor + ([base] if base else []))
+        base = from_base(node, module, is_package)
         # `from pkg import mod` loads the submodule pkg.mod; `from pkg.mod import f` loads pkg.mod.
         names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
     return {t for t in (_resolve(n, known) for n in names) if t is not None}
@@ -66,7 +72,7 @@ def import_graph(root: Path = REPO, packages: tuple[str, ...] = PACKAGES) -> dic
         is_package = path.name == "__init__.py"
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                graph[name] |= _targets(node, name, is_package, known) - {name}
+                graph[name] |= import_targets(node, name, is_package, known) - {name}
     return graph
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -46,6 +47,23 @@ def write_micro_params(folder: Path) -> Path:
     out = folder / "params.yaml"
     out.write_text(yaml.safe_dump(params, sort_keys=False))
     return out
+
+
+def copy_project(dest: Path, *, lock: bool = False, micro: bool = True) -> Path:
+    """The checkout's tracked and untracked-not-ignored files in ``dest`` (no tests, no pipeline data or models),
+    a git repository of its own; with ``lock``, the committed dvc.lock too; with ``micro``, micro params."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for rel in files:
+        if rel.startswith(("tests/", "data/", "models/", "metrics/", "reports/")) or (rel == "dvc.lock" and not lock):
+            continue
+        if (REPO / rel).is_file():  # a file deleted in the working tree is still listed until committed
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, dest / rel)
+    if micro:
+        write_micro_params(dest)
+    subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
+    return dest
 
 
 def cli_env(project: Path) -> dict[str, str]:

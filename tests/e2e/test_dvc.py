@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 
@@ -10,7 +9,7 @@ import pytest
 import yaml
 
 from conftest import REPO
-from helpers import cli_env, write_micro_params
+from helpers import cli_env, copy_project
 
 
 def test_shipped_dvc_yaml_parses_and_matches_params():
@@ -27,19 +26,6 @@ def test_shipped_dvc_yaml_parses_and_matches_params():
             assert section in params
 
 
-def _fresh_copy(dest):
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
-                           text=True, check=True).stdout.split()
-    for rel in files:
-        if rel.startswith(("tests/", "data/", "models/", "metrics/", "reports/")) or rel == "dvc.lock":
-            continue
-        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO / rel, dest / rel)
-    write_micro_params(dest)
-    subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
-    return dest
-
-
 def _repro(folder):
     env = {**cli_env(folder), "PYTHONPATH": str(folder)}  # the copy's own code, not the editable install
     proc = subprocess.run([sys.executable, "-m", "dvc", "repro", "--no-run-cache"], cwd=folder,
@@ -51,8 +37,8 @@ def _repro(folder):
 
 @pytest.mark.slow  # two full `dvc repro` runs of ~20 stage processes each: 9 minutes on 2 cores (`make test-slow`)
 def test_micro_repro_is_deterministic_across_fresh_copies(tmp_path):
-    a = _repro(_fresh_copy((tmp_path / "a")))
-    b = _repro(_fresh_copy((tmp_path / "b")))
+    a = _repro(copy_project((tmp_path / "a")))
+    b = _repro(copy_project((tmp_path / "b")))
     assert a == b
     assert any(path == "models/sft" for path, _ in a["sft"])
     for stage in ("reward", "dpo", "kto", "raft", "distill", "rl"):

@@ -30,7 +30,7 @@ def _without_alignflow_sources(stage: dict) -> dict:
     stage = dict(stage)
     if "do" in stage:
         stage["do"] = _without_alignflow_sources(stage["do"])
-    deps = [d for d in stage.get("deps", []) if not str(d).startswith("rlhf_core/")]
+    deps = [d for d in stage.get("deps", []) if not str(d).startswith(("rlhf_core/", "flows/", "tasks/"))]
     if deps:
         stage["deps"] = deps
     else:

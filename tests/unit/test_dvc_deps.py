@@ -1,0 +1,118 @@
+"""dvc.yaml's source deps are the ones ``scripts/dvc_deps.py`` derives from the imports, and the derivation
+follows what a stage runs: lazy imports included, other stages' code not.
+
+``tests/e2e/test_dvc_code_deps.py`` shows the effect in real DVC: an edit to a core module marks the
+stages that run it as changed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+
+import pytest
+import yaml
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))  # scripts/ is not a package; its modules import each other by name
+import dvc_deps  # noqa: E402
+
+
+def _derived(root=REPO) -> dict[str, list[str]]:
+    stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
+    return dvc_deps.stage_code_deps(dvc_deps.SourceIndex(root), stages)
+
+
+def test_committed_dvc_yaml_has_the_derived_code_deps():
+    diff = dvc_deps.check(REPO)
+    assert not diff, f"dvc.yaml's source deps are stale: run `python scripts/dvc_deps.py --write`\n{diff}"
+
+
+def test_derived_deps_hold_what_the_stages_run():
+    derived = _derived()
+    # the modules the hand-written list had left out of sft, its trainer, and config.py (its defaults)
+    assert {"rlhf_core/lm_head.py", "rlhf_core/precision.py", "rlhf_core/models.py", "rlhf_core/attention.py",
+            "rlhf_core/config.py", "rlhf_core/trainers/sft.py", "flows/cli.py"} <= set(derived["sft"])
+    # another stage's trainer and the Prefect flows: the dispatch modules are read by calls
+    assert not {"rlhf_core/trainers/dpo.py", "rlhf_core/trainers/kto.py", "flows/align.py"} & set(derived["sft"])
+    # code the params name by path: rl's default reward function, tool_rl's reward and environment
+    assert "rlhf_core/rewards_embedded.py" in derived["rl"]
+    assert "rlhf_core/tool_task.py" in derived["tool_rl"]
+    assert all("rlhf_core/config.py" in files for files in derived.values())
+
+
+def test_an_import_added_without_regenerating_fails_the_check(tmp_path):
+    for package in ("rlhf_core", "flows", "tasks"):
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("dvc.yaml", "params.yaml"):
+        shutil.copy2(REPO / name, tmp_path / name)
+
+    def generate_deps() -> list[str]:
+        return yaml.safe_load((tmp_path / "dvc.yaml").read_text())["stages"]["generate"]["deps"]
+
+    assert "rlhf_core/plots.py" not in generate_deps()
+    with open(tmp_path / "rlhf_core" / "synthetic.py", "a", encoding="utf-8") as f:  # a lazy import
+        f.write("\n\ndef _lazy():\n    from rlhf_core import plots  # noqa: F401\n")
+
+    assert "+      - rlhf_core/plots.py" in dvc_deps.check(tmp_path)
+    assert dvc_deps.main(["--write", "--root", str(tmp_path)]) == 0
+    assert "rlhf_core/plots.py" in generate_deps()
+    assert dvc_deps.check(tmp_path) == ""
+
+
+def _toy(root, files: dict[str, str]):
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return dvc_deps.SourceIndex(root)
+
+
+TOY = {
+    "rlhf_core/__init__.py": "from rlhf_core import env\n",
+    "rlhf_core/env.py": "",
+    "rlhf_core/config.py": "",
+    "rlhf_core/lazy.py": "",
+    "rlhf_core/deep.py": "",
+    "rlhf_core/stages.py": ("from rlhf_core import config\n\n"
+                            "def sft():\n    from rlhf_core.trainers import sft\n    return _helper()\n\n"
+                            "def _helper():\n    from rlhf_core import lazy\n\n"
+                            "def dpo():\n    from rlhf_core.trainers import dpo\n"),
+    "rlhf_core/trainers/__init__.py": "",
+    "rlhf_core/trainers/sft.py": "def train():\n    from rlhf_core import deep\n",
+    "rlhf_core/trainers/dpo.py": "",
+    "flows/__init__.py": "",
+    "flows/align.py": "",
+    "flows/cli.py": ("import rlhf_core\n\n"
+                     "def cmd_sft(args):\n    from rlhf_core import stages\n    return stages.sft()\n\n"
+                     "def cmd_flow(args):\n    from flows import align\n\n"
+                     "def main():\n    return {'sft': cmd_sft, 'flow': cmd_flow}\n"),
+}
+
+
+def test_closure_follows_lazy_imports_and_calls_not_other_handlers(tmp_path):
+    """`alignflow sft` runs cli.main and cmd_sft, stages.sft and the _helper it calls; whole modules count
+    with their function-local imports (trainers/sft.py's `deep`), packages with their __init__ (and env,
+    which rlhf_core's imports). Not cmd_flow's flows/align.py, nor stages.dpo's trainer."""
+    index = _toy(tmp_path, TOY)
+    files = dvc_deps.closure(index, dvc_deps.command_entries(index, "alignflow sft --metrics-file m.json"))
+    assert files == {"flows/__init__.py", "flows/cli.py", "rlhf_core/__init__.py", "rlhf_core/env.py",
+                     "rlhf_core/config.py", "rlhf_core/stages.py", "rlhf_core/lazy.py",
+                     "rlhf_core/trainers/__init__.py", "rlhf_core/trainers/sft.py", "rlhf_core/deep.py"}
+
+
+def test_stages_whose_code_cannot_be_told_are_refused(tmp_path):
+    index = _toy(tmp_path, TOY)
+    with pytest.raises(dvc_deps.StageError, match="has no cmd_kto"):
+        dvc_deps.command_entries(index, "alignflow kto")
+    with pytest.raises(dvc_deps.StageError, match="cannot be derived"):
+        dvc_deps.command_entries(index, "bash train.sh")
+    without_config = TOY["rlhf_core/stages.py"].replace("from rlhf_core import config", "")
+    (tmp_path / "rlhf_core" / "stages.py").write_text(without_config)
+    with pytest.raises(dvc_deps.StageError, match="config default would not reach DVC"):
+        dvc_deps.stage_code_deps(dvc_deps.SourceIndex(tmp_path), {"sft": {"cmd": "alignflow sft"}})
+    # a stage function handing a helper on as a callback: its imports would escape the reading by calls
+    (tmp_path / "rlhf_core" / "stages.py").write_text(TOY["rlhf_core/stages.py"].replace("return _helper()",
+                                                                                          "return map(_helper, [])"))
+    with pytest.raises(dvc_deps.StageError, match="uses _helper as a value"):
+        dvc_deps.stage_code_deps(dvc_deps.SourceIndex(tmp_path), {"sft": {"cmd": "alignflow sft"}})
