@@ -22,6 +22,8 @@ from typing import Any, ClassVar, TypeVar
 
 import yaml
 
+from rlhf_core.data.io import MAX_LINE_BYTES
+
 if typing.TYPE_CHECKING:  # annotations only; imported at run time inside RLConfig's checks
     from rlhf_core.rewards import RewardKind
     from rlhf_core.rl_math import AdvantageEstimator
@@ -164,7 +166,7 @@ class DataFields:
     """Optional numeric field: how much better chosen is than rejected."""
     max_field_chars: int = 20000
     """Longest text field (a message list: its contents together) the dataset gate accepts, in characters."""
-    max_line_bytes: int = 16 * 1024 * 1024
+    max_line_bytes: int = MAX_LINE_BYTES
     """Longest JSON Lines line read, in bytes, checked before parsing: a longer line is refused unread."""
 
     def __post_init__(self) -> None:

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from rlhf_core.config import DataFields
+MAX_LINE_BYTES = 16 * 1024 * 1024
+"""The longest JSON Lines line read unless a caller sets another (``DataFields.max_line_bytes``)."""
 
 
 class DataError(ValueError):
@@ -64,7 +65,7 @@ def _open(path: Path) -> BinaryIO:
         raise DataError(path, 0, f"cannot be read ({(exc.strerror or type(exc).__name__).lower()})") from None
 
 
-def _iter_jsonl(path: Path, max_line_bytes: int = DataFields.max_line_bytes) -> Iterator[Record]:
+def _iter_jsonl(path: Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[Record]:
     with _open(path) as fh:  # decoded per line, so a bad byte is reported with its line
         lineno = 0
         # At most max_line_bytes + 1 bytes per read: an endless line is refused, never held whole.
@@ -205,7 +206,7 @@ def _iter_file(path: Path, max_line_bytes: int, sniff_json: bool = False) -> Ite
 SHARD_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet")
 
 
-def iter_records(path: str | Path, max_line_bytes: int = DataFields.max_line_bytes) -> Iterator[Record]:
+def iter_records(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[Record]:
     """Yield records of a dataset file or folder, by suffix: .jsonl, .json, .parquet; a folder saved by
     ``datasets`` or in the Hub's dataset layout. A JSON Lines line over ``max_line_bytes`` is refused
     unparsed (:class:`DataError` naming file and line)."""
@@ -220,7 +221,7 @@ def iter_records(path: str | Path, max_line_bytes: int = DataFields.max_line_byt
 
 
 def read_records(path: str | Path, limit: int | None = None,
-                 max_line_bytes: int = DataFields.max_line_bytes) -> list[Record]:
+                 max_line_bytes: int = MAX_LINE_BYTES) -> list[Record]:
     """All records of a dataset (or the first ``limit``), in memory: for files that are small by design
     (eval sets, a preview); the gate streams instead (:func:`iter_records`)."""
     out: list[Record] = []
