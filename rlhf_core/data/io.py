@@ -112,16 +112,15 @@ def _iter_json_array(path: Path) -> Iterator[Record]:
 def _iter_parquet(path: Path) -> Iterator[Record]:
     import pyarrow.parquet as pq
 
-    with _open(path):  # an unreadable file is named as such, not as a corrupt one
-        pass
     line = 0
-    try:  # batch by batch: a large file is never one table in memory
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=PARQUET_BATCH_ROWS):
-            for obj in batch.to_pylist():
-                line += 1
-                yield Record(obj, line)
-    except Exception as exc:  # pyarrow raises several types for corrupt files
-        raise DataError(path, 0, f"not a readable parquet file ({exc})") from None
+    with _open(path) as fh:  # an unreadable file is named as such, not as a corrupt one
+        try:  # batch by batch: a large file is never one table in memory
+            for batch in pq.ParquetFile(fh).iter_batches(batch_size=PARQUET_BATCH_ROWS):
+                for obj in batch.to_pylist():
+                    line += 1
+                    yield Record(obj, line)
+        except Exception as exc:  # pyarrow raises several types for corrupt files
+            raise DataError(path, 0, f"not a readable parquet file ({exc})") from None
 
 
 PARQUET_BATCH_ROWS = 8192
