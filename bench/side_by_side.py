@@ -1701,7 +1701,17 @@ def main() -> None:
     print(json.dumps({"ceiling": doc["ceiling"], "summary": doc["summary"]}), flush=True)
 
 
-_SITE_PACKAGES = re.compile(r"(?:/[^/\s\"']+)+/(?:site|dist)-packages")
+# A path is a run from a "/" to white space or a quote, taken whole (possessive): each character is
+# scanned once. Nested repetition of path segments would be quadratic on long runs of "-/-/".
+_PATH = re.compile(r"/[^\s\"']*+")
+_PACKAGES_DIRS = ("/site-packages", "/dist-packages")
+
+
+def _site_packages(match: re.Match) -> str:
+    """A path with everything up to its last ``site-packages``/``dist-packages`` folder made generic."""
+    path = match.group()
+    start, name = max((path.rfind(name), name) for name in _PACKAGES_DIRS)
+    return "<site-packages>" + path[start + len(name):] if start > 0 else path  # a folder above it, as in /x/site-packages
 
 
 def portable(obj: object) -> object:
@@ -1714,7 +1724,7 @@ def portable(obj: object) -> object:
     if not isinstance(obj, str):
         return obj
     text = obj.replace(str(REPO), "<repo>")
-    text = _SITE_PACKAGES.sub("<site-packages>", text)
+    text = _PATH.sub(_site_packages, text)
     # /tmp/site: where bench/device_setup.sh installs the carried wheels on a lent GPU
     return text.replace("/tmp/site/", "<site-packages>/").replace(tempfile.gettempdir() + "/", "<tmp>/")
 

@@ -43,7 +43,7 @@ from rlhf_core.config import (
     read_params,
 )
 from rlhf_core.data.validate import prompts_kind, require_eval_labels
-from rlhf_core.lineage import dvc_md5
+from rlhf_core.lineage import dvc_md5, project_relative
 from rlhf_core.redact import redact_secrets
 from rlhf_core.rewards import RewardKind, resolve_reward_file
 from rlhf_core.stages import lineage_tags
@@ -443,7 +443,11 @@ def align(
     """Run the alignment pipeline; returns paths, md5s, run ids and the headline metrics.
     ``private_overrides``: a file of overrides that carry secrets (:func:`write_private_overrides`)."""
     cfg = load_all(params_file, overrides, private_overrides)
-    given = {"sft": sft_file, "preferences": preference_file, "prompts": prompts_file, "eval": eval_file}
+    # Recorded as project-relative where inside the project (reproduce.json, alignflow.json, input.* tags), so
+    # a rerun of the commit in another folder records the same paths (rlhf_core.lineage.project_relative).
+    given = {name: project_relative(path) if path else None for name, path in
+             {"sft": sft_file, "preferences": preference_file, "prompts": prompts_file, "eval": eval_file}.items()}
+    base_model = project_relative(base_model) if base_model else None
     tags = {"prefect.flow_run_id": str(flow_run.get_id() or ""), "prefect.flow_run_name": str(flow_run.get_name() or "")}
     with one_flow_at_a_time("align"), start_run(cfg["tracking"], "align", tags=tags) as parent:
         log_align_inputs(parent, cfg, given, base_model)

@@ -208,12 +208,15 @@ def train_next_policy(plan: CyclePlan, k: int, policy: str, policy_md5: str, sam
 
 def register_and_record(plan: CyclePlan, k: int, policy: str, sampled: dict[str, Any], trained: dict[str, Any],
                         versioned: dict[str, Any] | None, cycle_run: Tracker, parent: Tracker) -> dict[str, Any]:
-    """Register the trained policy (``champion`` if it beats the current one), log the cycle's
-    metrics and tags; returns the cycle's history entry."""
+    """Register the trained policy (``champion`` if it beats the current one; nothing with
+    ``tracking.log_model: false``), log the cycle's metrics and tags; returns the cycle's history entry."""
     accuracy = trained["metrics"]["eval/accuracy"]
-    registry = register_model(model_dir=trained["outputs"]["model"], run_id=trained["run_id"],
-                              accuracy=accuracy, registered_name=plan.cyc.registered_model,
-                              tracking=plan.tracking_d, guards=config_to_dict(plan.cfg["guards"]))
+    if plan.cfg["tracking"].log_model:
+        registry = register_model(model_dir=trained["outputs"]["model"], run_id=trained["run_id"],
+                                  accuracy=accuracy, registered_name=plan.cyc.registered_model,
+                                  tracking=plan.tracking_d, guards=config_to_dict(plan.cfg["guards"]))
+    else:  # tracking.log_model: false (a reproduction among others) registers nothing and moves no alias
+        registry = {"version": "", "verdict": "not registered (tracking.log_model: false)"}
     metrics = {"cycle/accuracy": accuracy, "cycle/accuracy_stderr": trained["metrics"]["eval/accuracy_stderr"],
                **{f"cycle/{k2.split('/')[-1]}": v for k2, v in sampled["metrics"].items()}}
     guards = {key: v for key, v in trained["metrics"].items() if key.startswith("guard/")}

@@ -1,36 +1,38 @@
-"""Reproduce a run from a commit: rerun every stage with the recorded params, then compare.
+"""Reproduce a run from its commit: rerun it with the recorded params and data, then compare.
 
 ``alignflow reproduce RUN_ID`` (an MLflow run of ``align``, ``iterative_dpo`` or ``raft``):
-checks out the run's recorded git commit into a temporary worktree, reruns the same flow
-there with the exact params and inputs the run logged (its ``reproduce.json`` artifact) and
-every cache bypassed (``flow.use_cache: false``: each Prefect task executes, none is
-``Cached``), records the rerun in the same MLflow store (tag ``alignflow.reproduces``), and
-compares the final metrics and every ``dvc.md5.*`` tag of the two parent runs.
+checks out the run's recorded git commit into a temporary worktree, puts there the exact data
+the run read, by its recorded md5s (from the commit, the DVC cache or the DVC remote; never the
+working copy: :mod:`flows.reproduce_inputs`), reruns the same flow with the params the run
+logged (its ``reproduce.json`` artifact) and every cache bypassed (``flow.use_cache: false``:
+each Prefect task executes, none is ``Cached``), and compares weights, metrics, data md5s and
+metadata, each on its own (:mod:`flows.reproduce_compare`).
+
+The rerun changes nothing that others rely on: it registers no model version and moves no alias
+(``tracking.log_model: false``, checked by reading the registry before and after), commits and
+pushes nothing, and records its result as tags: ``alignflow.reproduced_by`` (the rerun's run id)
+and ``alignflow.reproduction`` (the verdict) on the original run, ``alignflow.reproduces`` on the
+rerun, whose ``reproduction.json`` artifact holds the whole comparison.
 
 ``alignflow reproduce GIT_REV`` (a commit with a ``dvc.lock``): checks the revision out into
 a worktree, fetches its DVC data from the remote where present, runs ``dvc repro --force``
 (no run cache), and compares every output md5 and metrics file with the ones committed.
 
-Prints each difference; exits 0 when everything is identical, 1 otherwise. A run whose
-``git.commit`` ends in ``-dirty`` had uncommitted code: it is rerun from the commit, with a
-warning that the code may differ. A run whose ``alignflow.version`` tag is not the installed
-alignflow's version is rerun with the installed one (a project made by ``alignflow init`` holds
-no alignflow code in its commits), with a warning too.
+The last line printed is the verdict, ``IDENTICAL`` or ``DIFFERENT: <first differences>``; the
+exit status is 0 or 1. A run whose ``git.commit`` ends in ``-dirty`` had uncommitted code: it is
+rerun from the commit, with a warning that the code may differ. A run whose ``alignflow.version``
+tag is not the installed alignflow's version is rerun with the installed one (a project made by
+``alignflow init`` holds no alignflow code in its commits), with a warning too.
 
-Nothing read from the tracking store is trusted: anyone who can write to a shared MLflow
-server can edit ``reproduce.json`` or the ``git.commit`` tag. So the commit must be a hex sha
-of this repository (checked with ``git rev-parse --verify``; every git command gets ``--``
-or ``--end-of-options`` before a revision); the stored params are compared with the commit's
-own ``params.yaml`` (plus the commit's defaults) and every difference is printed; a
-difference in code (``file.py:fn``), output paths, URLs / network addresses, secret names or
-tracking settings is refused unless ``--trust`` is given; and an output path that resolves
-outside the worktree is refused even with ``--trust``.
+Nothing read from the tracking store is trusted: the commit must be a hex sha of this repository
+(every git command gets ``--`` or ``--end-of-options`` before a revision), and the stored params
+are reviewed against the commit's own before anything runs (:mod:`flows.reproduce_trust`).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import functools
 import json
 import os
 import re
@@ -39,15 +41,32 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import yaml
 
+from flows.reproduce_compare import (
+    Comparison,
+    Roots,
+    Views,
+    cache_view,
+    compare_md5s,
+    compare_metrics,
+    compare_registry,
+    disk_view,
+    flatten,
+    render,
+    report_fields,
+)
+from flows.reproduce_inputs import RecordedInput, place_inputs, recorded_inputs
+from flows.reproduce_trust import ConfigReview, enforce, local_store, review_config, strings_in
+from rlhf_core.lineage import HashCache, dvc_md5, project_relative
 from rlhf_core.redact import redact_secrets
 
 RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 HEX_SHA = re.compile(r"^[0-9a-f]{7,64}$")  # sha-1 or sha-256, possibly abbreviated
 FLOWS = ("align", "iterative_dpo", "raft")
+CYCLE_FLOWS = ("iterative_dpo", "raft")
 
 
 def _git(*args: str, cwd: str | Path = ".") -> str:
@@ -77,6 +96,17 @@ def remove_worktree(worktree: Path) -> None:
     _git("worktree", "remove", "--force", "--", str(worktree))
 
 
+def dvc_cache_folder(project: Path) -> Path | None:
+    """The project's DVC cache folder (its config's ``cache.dir``, ``.dvc/cache`` by default), or None
+    when the project has no DVC."""
+    if not (project / ".dvc").is_dir():
+        return None
+    from dvc.config import Config  # relative paths resolved against the project's `.dvc/`
+
+    configured = Config(dvc_dir=str(project / ".dvc"))["cache"].get("dir")
+    return Path(configured).resolve() if configured else (project / ".dvc" / "cache").resolve()
+
+
 def share_dvc_storage(worktree: Path, project: Path, env: dict[str, str]) -> None:
     """Point the worktree's DVC at the project's cache and, by absolute path, at its remotes.
 
@@ -90,9 +120,11 @@ def share_dvc_storage(worktree: Path, project: Path, env: dict[str, str]) -> Non
     def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
         return subprocess.run([*dvc, *args], cwd=cwd, env=env, capture_output=True, text=True)
 
-    run("cache", "dir", "--local", str((project / ".dvc" / "cache").resolve()), cwd=worktree)
     from dvc.config import Config  # DVC's own reading: relative paths resolved against the project's `.dvc/`
 
+    cache = dvc_cache_folder(project)
+    if cache is not None:
+        run("cache", "dir", "--local", str(cache), cwd=worktree)
     for name, remote in Config(dvc_dir=str(project / ".dvc"))["remote"].items():
         url = str(remote.get("url", ""))
         if url and "://" not in url and Path(url).is_absolute():  # paths, not URLs, are the ones to pin
@@ -112,130 +144,6 @@ def _env_for(worktree: Path, tracking_uri: str | None) -> dict[str, str]:
     if tracking_uri:
         env["MLFLOW_TRACKING_URI"] = tracking_uri
     return env
-
-
-def compare(before: dict[str, Any], after: dict[str, Any], what: str) -> list[str]:
-    """Lines naming every key whose value differs (or exists on one side only)."""
-    out = []
-    for key in sorted(set(before) | set(after)):
-        a, b = before.get(key, "<absent>"), after.get(key, "<absent>")
-        if a != b:
-            out.append(f"{what} {key}: {a} (original) != {b} (rerun)")
-    return out
-
-
-# --------------------------------------------------------------------------------------
-# The stored config against the commit's own: what the tracking store may not decide
-# --------------------------------------------------------------------------------------
-
-ABSENT = object()  # a field on one side only (not a string: a stored "<absent>" is just a value)
-SECRET_WORDS = {"token", "secret", "password", "passwd", "apikey", "credential", "credentials"}
-URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://|^[^/\s:@]+@[^/\s:]+:")  # scheme://... or scp-like user@host:path
-PYTHON_FILE = re.compile(r"\.py(:[A-Za-z_][A-Za-z0-9_.]*)?$")  # a python file, or a function spec file.py:fn
-NETWORK_FIELD = re.compile(r"(url|uri|address|host|endpoint)$")
-OUTPUT_FIELD = re.compile(r"^(out|output|checkpoint)(_|$)|_dir$|^(pairs|metrics|summary|report)_file$")
-# artifact_dir names an MLflow artifact store, often a shared absolute folder; MLflow only adds
-# files under <artifact_dir>/<experiment>/<run>, and a change to it is a tracking setting (refused
-# without --trust), so it is not confined to the worktree.
-UNCONFINED_OUTPUTS = {("tracking", "artifact_dir")}
-
-
-@dataclasses.dataclass
-class ConfigReview:
-    """Every stored-vs-commit difference, those refused without ``--trust``, and the output paths
-    refused even with it."""
-
-    differences: list[str]
-    untrusted: list[str]
-    escapes: list[str]
-
-
-def _strings(value: Any) -> list[str]:
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, dict):
-        return [s for v in value.values() for s in _strings(v)]
-    if isinstance(value, (list, tuple)):
-        return [s for v in value for s in _strings(v)]
-    return []
-
-
-def inside(worktree: Path, value: str) -> bool:
-    """Whether ``value``, relative to the worktree unless absolute, resolves (symlinks followed)
-    to the worktree or below it."""
-    path = Path(value).expanduser()
-    resolved = (path if path.is_absolute() else worktree / path).resolve()
-    root = worktree.resolve()
-    return resolved == root or root in resolved.parents
-
-
-def is_output_field(section: str, field: str) -> bool:
-    return bool(OUTPUT_FIELD.search(field)) and (section, field) not in UNCONFINED_OUTPUTS
-
-
-def why_untrusted(section: str, field: str, values: list[Any], worktree: Path) -> str | None:
-    """Why a difference in ``section.field`` may only come from a trusted store, or None."""
-    strings = [s for v in values for s in _strings(v)]
-    if section == "tracking" or field in ("experiment", "registered_model"):
-        return "tracking setting"
-    if field.endswith("_function") or any(PYTHON_FILE.search(s.strip()) for s in strings):
-        return "code: a python file that would be executed"
-    if NETWORK_FIELD.search(field) or any(URL.search(s.strip()) for s in strings):
-        return "URL / network address"
-    if field.endswith("_env") or SECRET_WORDS & set(field.split("_")):  # not max_new_tokens
-        return "secret (an environment variable name)"
-    if is_output_field(section, field) and strings:
-        return "output path"
-    looks_like_path = field.endswith(("_path", "_file", "_model")) or any("/" in s or s.startswith(("~", "."))
-                                                                         for s in strings)
-    if looks_like_path and any(s and not inside(worktree, s) for s in strings):
-        return "path outside the worktree"
-    return None
-
-
-def review_config(stored: dict[str, Any], commit: dict[str, Any], worktree: Path) -> ConfigReview:
-    """Compare the stored params (``reproduce.json``) with the commit's ``params.yaml`` plus its
-    defaults, field by field; check that every output path of the effective config stays in the
-    worktree."""
-    review = ConfigReview([], [], [])
-    for section in sorted(set(stored) | set(commit)):
-        ours, theirs = stored.get(section, {}), commit.get(section, {})
-        for field in sorted(set(ours) | set(theirs)):
-            a, b = ours.get(field, ABSENT), theirs.get(field, ABSENT)
-            if a == b:
-                continue
-            shown = ["<absent>" if v is ABSENT else json.dumps(redact_secrets(v, field))  # never a ?token=
-                     for v in (a, b)]
-            line = f"{section}.{field}: {shown[0]} (stored) vs {shown[1]} (commit)"
-            reason = why_untrusted(section, field, [a, b], worktree)
-            review.differences.append(line + (f"  [{reason}]" if reason else ""))
-            if reason:
-                review.untrusted.append(f"{line}  [{reason}]")
-    for section in sorted(set(stored) | set(commit)):
-        effective = {**commit.get(section, {}), **stored.get(section, {})}
-        for field, value in sorted(effective.items()):
-            if is_output_field(section, field) and isinstance(value, str) and value and not inside(worktree, value):
-                target = (worktree / Path(value).expanduser()).resolve()
-                review.escapes.append(f"{section}.{field}: {json.dumps(redact_secrets(value, field))} "
-                                      f"resolves to {redact_secrets(str(target))}")
-    return review
-
-
-def enforce(review: ConfigReview, trust: bool, worktree: Path) -> None:
-    """Refuse (SystemExit, listing each field) what the review found: untrusted differences unless
-    ``trust``, escaping output paths always."""
-    parts = []
-    if review.untrusted and not trust:
-        parts.append("the stored config (reproduce.json, from the tracking store) differs from the commit's "
-                     "params.yaml in fields that run code, write files, reach the network or choose where "
-                     "runs are recorded; rerun with --trust only if you trust everyone who can write to this "
-                     "tracking store:\n" + "\n".join(f"  {line}" for line in review.untrusted))
-    if review.escapes:
-        parts.append(f"output paths outside the worktree {worktree} (refused even with --trust: a rerun "
-                     "writes, and may remove, only inside its own worktree):\n"
-                     + "\n".join(f"  {line}" for line in review.escapes))
-    if parts:
-        raise SystemExit("reproduce: refusing to rerun: " + "\n\nreproduce: refusing to rerun: ".join(parts))
 
 
 def commit_config(worktree: Path) -> dict[str, dict[str, Any]]:
@@ -267,6 +175,9 @@ def stored_commit(run_id: str, tags: dict[str, str]) -> tuple[str, list[str]]:
                          "refusing to pass it to git")
     warnings = [f"run {run_id} ran with uncommitted changes; rerunning from {sha}, code may differ"] \
         if sha != tag else []
+    if tags.get("git.untracked"):
+        warnings.append(f"run {run_id} ran beside files its commit does not hold ({tags['git.untracked']}); "
+                        "the rerun from its commit does not have them")
     return resolve_commit(sha, f"run {run_id}'s git.commit"), warnings
 
 
@@ -300,22 +211,14 @@ def load_recorded(path: Path) -> tuple[str, dict[str, dict[str, Any]], dict[str,
     return flow, params, inputs
 
 
-def flow_command(flow: str, inputs: dict[str, Any], workdir: Path) -> list[str]:
-    """The ``alignflow flow`` command line of the rerun; input files as absolute paths (so none
-    can read as an option)."""
+def flow_command(flow: str, inputs: list[RecordedInput], cycles: Any, workdir: Path) -> list[str]:
+    """The ``alignflow flow`` command line of the rerun. Each input goes as ``--flag=path`` (a path can never
+    read as an option) with the path the run recorded: project-relative ones are read in the worktree."""
     # -P: the worktree (the working directory) is not put on sys.path; alignflow's code comes from
     # PYTHONPATH (its own checkout, _env_for) or the installed package.
     cmd = [sys.executable, "-P", "-m", "flows.cli", "flow", flow, "--params", "reproduce_params.yaml",
-           "--summary", str(workdir / "summary.json")]
-    for name, flag in (("sft_file", "--sft-file"), ("preference_file", "--preference-file"),
-                       ("prompts_file", "--prompts-file"), ("eval_file", "--eval-file"),
-                       ("base_model", "--base-model")):
-        value = inputs.get(name)
-        if value:
-            if not isinstance(value, str):
-                raise SystemExit(f"reproduce: reproduce.json: inputs.{name}: expected a path, got {value!r}")
-            cmd += [flag, str(Path(value).resolve())]
-    cycles = inputs.get("cycles")
+           f"--summary={workdir / 'summary.json'}"]
+    cmd += [f"{inp.flag}={inp.path}" for inp in inputs if inp.flag]
     if flow != "align" and cycles:
         if not isinstance(cycles, int) or isinstance(cycles, bool) or cycles < 1:
             raise SystemExit(f"reproduce: reproduce.json: inputs.cycles: expected an integer >= 1, got {cycles!r}")
@@ -323,10 +226,10 @@ def flow_command(flow: str, inputs: dict[str, Any], workdir: Path) -> list[str]:
     return cmd
 
 
-def check_params(params: dict[str, Any], inputs: dict[str, Any], worktree: Path, commit: str,
-                 trust: bool) -> ConfigReview:
+def check_params(params: dict[str, Any], worktree: Path, commit: str, trust: bool,
+                 store_is_local: bool) -> ConfigReview:
     """Print how the stored params differ from the commit's (always), then refuse what ``enforce`` refuses."""
-    review = review_config(params, commit_config(worktree), worktree)
+    review = review_config(params, commit_config(worktree), worktree, store_is_local)
     if review.differences:
         print(f"config: reproduce.json (stored) vs params.yaml at {commit[:12]} (commit), "
               f"{len(review.differences)} difference(s):")
@@ -334,50 +237,189 @@ def check_params(params: dict[str, Any], inputs: dict[str, Any], worktree: Path,
             print(f"  {line}")
     else:
         print(f"config: reproduce.json equals params.yaml at {commit[:12]} (with its defaults)")
-    for name, value in sorted(inputs.items()):
-        print(f"  input {name}: {value}")
     sys.stdout.flush()  # the difference is on screen before any refusal on stderr
     enforce(review, trust, worktree)
     return review
 
 
+def rerun_params(flow: str, params: dict[str, Any]) -> dict[str, Any]:
+    """The stored params plus what makes a rerun one: every task executes (no Prefect cache hit), no model
+    is logged or registered (no registry version, no alias moved) and, in an iterative flow, no data is
+    committed or pushed. None of these settings reaches a model folder or a metric."""
+    params = json.loads(json.dumps(params))
+    params.setdefault("flow", {})["use_cache"] = False
+    params.setdefault("tracking", {})["log_model"] = False
+    if flow in CYCLE_FLOWS:
+        params.setdefault("cycles", {})["version"] = False
+    return params
+
+
+def rerun_flow(flow: str, params: dict[str, Any], inputs: list[RecordedInput], cycles: Any, worktree: Path,
+               workdir: Path, env: dict[str, str]) -> dict[str, Any]:
+    """Run the flow in the worktree; returns its summary."""
+    (worktree / "reproduce_params.yaml").write_text(yaml.safe_dump(rerun_params(flow, params), sort_keys=False))
+    proc = subprocess.run(flow_command(flow, inputs, cycles, workdir), cwd=worktree, env=env, capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"reproduce: the rerun failed (exit {proc.returncode}):\n"
+                         f"{redact_secrets(proc.stderr[-4000:])}")
+    return json.loads((workdir / "summary.json").read_text())
+
+
+def dvc_fetcher(worktree: Path, project: Path, env: dict[str, str]) -> Callable[[str], None]:
+    """``dvc fetch PATH`` at the commit, into the project's cache from its remotes; the worktree's DVC is
+    pointed at them on first use. Best effort: a path that no ``.dvc`` file or ``dvc.lock`` names is not fetched."""
+
+    @functools.cache
+    def shared() -> None:
+        share_dvc_storage(worktree, project, env)
+
+    def fetch(path: str) -> None:
+        shared()
+        subprocess.run([sys.executable, "-P", "-m", "dvc", "fetch", "--quiet", "--", path], cwd=worktree, env=env,
+                       capture_output=True, text=True)
+
+    return fetch
+
+
+# --------------------------------------------------------------------------------------
+# What is compared: gathered from both runs, the worktree, the project and its DVC cache
+# --------------------------------------------------------------------------------------
+
+VERSIONED = "dvc.md5.versioned."
+"""An iterative flow's cycle run tags the data it versions; a rerun versions nothing (``cycles.version: false``),
+so those tags are compared only where the rerun has them too."""
+
+
+def md5_tags(client: Any, run: Any) -> dict[str, str]:
+    """The run's ``dvc.md5.*`` tags and, for an iterative flow, each cycle run's as ``cycle_<k>/dvc.md5.*``."""
+    tags = {k: v for k, v in run.data.tags.items() if k.startswith("dvc.md5.")}
+    if run.data.tags.get("alignflow.flow") in CYCLE_FLOWS:
+        children = client.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
+        for child in children:
+            cycle = child.data.tags.get("alignflow.cycle")
+            if cycle:
+                tags.update({f"cycle_{cycle}/{k}": v for k, v in child.data.tags.items() if k.startswith("dvc.md5.")})
+    return tags
+
+
+def metric_histories(client: Any, run: Any) -> dict[str, list[list[float]]]:
+    """Every metric of the run as its logged ``[step, value]`` pairs."""
+    return {key: sorted([m.step, m.value] for m in client.get_metric_history(run.info.run_id, key))
+            for key in sorted(run.data.metrics)}
+
+
+def rerun_paths(summary: dict[str, Any], params: dict[str, Any], worktree: Path) -> list[str]:
+    """Every path the rerun's summary names (its models among them), and the built base model's folder,
+    as worktree-relative paths: where a rerun's model folder is found by its md5."""
+    strings = strings_in(summary) + [str((params.get("model") or {}).get("out_dir") or "")]
+    return sorted({project_relative(s, worktree) for s in strings
+                   if s and len(s) < 4096 and "\0" not in s and "://" not in s})
+
+
+def folder_views(project: Path, worktree: Path, cache_folder: Path | None, candidates: list[str]) -> Views:
+    """Where a differing model folder's files are read: the rerun's in the worktree (found by md5 among
+    ``candidates``), the original's in the project when it still holds that md5, else in the DVC cache."""
+    rerun_hashes = HashCache(worktree / ".alignflow" / "hash-cache.json")  # the rerun's own: big files hashed once
+    cache_root = cache_folder / "files" / "md5" if cache_folder is not None else None
+
+    @functools.cache
+    def located() -> dict[str, str]:
+        return {dvc_md5(worktree / rel, rerun_hashes): rel for rel in reversed(candidates)
+                if rel != "." and not os.path.isabs(rel) and (worktree / rel).is_dir()}
+
+    def views(tag: str, original_md5: str, rerun_md5: str) -> tuple[Any, Any]:
+        rel = located().get(rerun_md5)
+        if rel is None:
+            return None, None
+        here = project / rel
+        if here.is_dir() and dvc_md5(here) == original_md5:
+            original = disk_view(here)
+        else:
+            original = cache_view(cache_root, original_md5) if cache_root is not None else None
+        return original, disk_view(worktree / rel, rerun_hashes)
+
+    return views
+
+
+def compare_runs(client: Any, run: Any, rerun: Any, views: Views, roots: Roots) -> tuple[Comparison, dict[str, Any]]:
+    """Weights, data and metadata (the ``dvc.md5.*`` tags), and metrics of the two runs; also returns what was read."""
+    md5 = {"original": md5_tags(client, run), "rerun": md5_tags(client, rerun)}
+    original = {k: v for k, v in md5["original"].items() if VERSIONED not in k or k in md5["rerun"]}
+    comparison = compare_md5s(original, md5["rerun"], views, roots)
+    comparison.add(compare_metrics(metric_histories(client, run), metric_histories(client, rerun)))
+    return comparison, md5
+
+
+def registry_state(client: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """Versions and aliases of every registered model the stored params name: all a rerun could touch."""
+    from mlflow.exceptions import MlflowException
+
+    names = {str((params.get(section) or {}).get("registered_model") or "") for section in ("tracking", "cycles")}
+    state: dict[str, Any] = {}
+    for name in sorted(names - {""}):
+        try:
+            aliases = {k: str(v) for k, v in sorted(client.get_registered_model(name).aliases.items())}
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            state[name] = "<not registered>"
+            continue
+        quoted = name.replace("'", "\\'")
+        versions = sorted(int(v.version) for v in client.search_model_versions(f"name='{quoted}'"))
+        state[name] = {"versions": versions, "aliases": aliases}
+    return state
+
+
+def record_result(client: Any, run_id: str, rerun_id: str, result: dict[str, Any]) -> None:
+    """The verdict as tags on both runs, each naming the other; the whole comparison as the rerun's
+    ``reproduction.json`` artifact."""
+    verdict = result["verdict"][:5000]
+    client.set_tag(run_id, "alignflow.reproduced_by", rerun_id)
+    client.set_tag(run_id, "alignflow.reproduction", verdict)
+    client.set_tag(rerun_id, "alignflow.reproduces", run_id)
+    client.set_tag(rerun_id, "alignflow.reproduction", verdict)
+    client.log_dict(rerun_id, json.loads(json.dumps(result, default=str)), "reproduction.json")
+
+
 def reproduce_run(run_id: str, tracking_uri: str, workdir: Path, trust: bool = False) -> dict[str, Any]:
+    """Rerun the flow run ``run_id`` from its commit and data, compare, record the result; returns the report."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking_uri)
     run = client.get_run(run_id)
     commit, warnings = stored_commit(run_id, run.data.tags)
     warnings += version_warning(run_id, run.data.tags)
-    flow, params, inputs = load_recorded(Path(client.download_artifacts(run_id, "reproduce.json", str(workdir))))
-
-    worktree = workdir / "worktree"
+    flow, params, stored = load_recorded(Path(client.download_artifacts(run_id, "reproduce.json", str(workdir))))
+    project, worktree = Path.cwd(), workdir / "worktree"
+    inputs = recorded_inputs(flow, stored, run.data.tags, project)
+    registry_before = registry_state(client, params)
+    cache_folder = dvc_cache_folder(project)
     add_worktree(worktree, commit)
     try:
-        review = check_params(params, inputs, worktree, commit, trust)
-        params.setdefault("flow", {})["use_cache"] = False  # every task executes: no Prefect cache hits
-        if flow != "align":
-            params.setdefault("cycles", {})["version"] = False  # a rerun must not commit or push data again
-        (worktree / "reproduce_params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-        cmd = flow_command(flow, inputs, workdir)
-        env = {**_env_for(worktree, tracking_uri), "ALIGNFLOW_REPRODUCES": run_id}
-        proc = subprocess.run(cmd, cwd=worktree, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"reproduce: the rerun failed (exit {proc.returncode}):\n"
-                             f"{redact_secrets(proc.stderr[-4000:])}")
-        summary = json.loads((workdir / "summary.json").read_text())
+        review = check_params(params, worktree, commit, trust, local_store(tracking_uri, project))
+        env = _env_for(worktree, tracking_uri)
+        sources = place_inputs(inputs, worktree, commit, cache_folder / "files" / "md5" if cache_folder else None,
+                               dvc_fetcher(worktree, project, env))
+        for inp in inputs:
+            print(f"  input {inp.name}: {inp.path}  md5 {inp.md5 or '-'}  from {sources[inp.name]}")
+        sys.stdout.flush()
+        summary = rerun_flow(flow, params, inputs, stored.get("cycles"), worktree, workdir, env)
+        rerun = client.get_run(summary["parent_run_id"])
+        views = folder_views(project, worktree, cache_folder, rerun_paths(summary, params, worktree))
+        comparison, md5 = compare_runs(client, run, rerun, views, Roots(project, worktree))
     finally:
         remove_worktree(worktree)
-
-    rerun = client.get_run(summary["parent_run_id"])
-    client.set_tag(rerun.info.run_id, "alignflow.reproduces", run_id)
-    md5 = lambda r: {k: v for k, v in r.data.tags.items() if k.startswith("dvc.md5.")}  # noqa: E731
-    differences = compare(run.data.metrics, rerun.data.metrics, "metric") + compare(md5(run), md5(rerun), "tag")
-    states = task_states(rerun.data.tags.get("prefect.flow_run_id", ""))
-    return {"target": run_id, "commit": commit, "flow": flow, "rerun_id": rerun.info.run_id,
-            "metrics": {"original": run.data.metrics, "rerun": rerun.data.metrics},
-            "md5": {"original": md5(run), "rerun": md5(rerun)}, "task_states": states,
-            "config_differences": review.differences, "differences": differences, "warnings": warnings,
-            "identical": not differences}
+    registry = {"before": registry_before, "after": registry_state(client, params)}
+    comparison.add(compare_registry(registry["before"], registry["after"]))
+    result = {"target": run_id, "commit": commit, "flow": flow, "rerun_id": rerun.info.run_id,
+              "inputs": {i.name: {"path": i.path, "md5": i.md5, "from": sources[i.name]} for i in inputs},
+              "metrics": {"original": run.data.metrics, "rerun": rerun.data.metrics}, "md5": md5,
+              "task_states": task_states(rerun.data.tags.get("prefect.flow_run_id", "")),
+              "config_differences": review.differences, "registry": registry, "warnings": warnings,
+              **report_fields(comparison)}
+    record_result(client, run_id, rerun.info.run_id, result)
+    return result
 
 
 def task_states(flow_run_id: str) -> dict[str, int]:
@@ -415,37 +457,75 @@ def _lock_outs(lock_text: str) -> dict[str, str]:
             for o in body.get("outs", [])}
 
 
+def lock_views(project: Path, worktree: Path, cache_folder: Path | None) -> Views:
+    """A ``dvc.lock`` output folder's files (key ``stage:path``): the rerun's in the worktree; the committed
+    one in the project when it still holds that md5, else in the DVC cache."""
+    cache_root = cache_folder / "files" / "md5" if cache_folder is not None else None
+
+    def views(key: str, original_md5: str, rerun_md5: str) -> tuple[Any, Any]:
+        rel = key.split(":", 1)[1]
+        if not (worktree / rel).is_dir():
+            return None, None
+        here = project / rel
+        if here.is_dir() and dvc_md5(here) == original_md5:
+            original = disk_view(here)
+        else:
+            original = cache_view(cache_root, original_md5) if cache_root is not None else None
+        return original, disk_view(worktree / rel, False)
+
+    return views
+
+
+def repro_in(worktree: Path, project: Path) -> str:
+    """``dvc repro --force --no-run-cache`` in the worktree, its data pulled first (best effort); its new lock."""
+    env = _env_for(worktree, None)
+    dvc = [sys.executable, "-P", "-m", "dvc"]
+    share_dvc_storage(worktree, project, env)
+    subprocess.run([*dvc, "pull", "--quiet"], cwd=worktree, env=env, capture_output=True)  # best effort
+    proc = subprocess.run([*dvc, "repro", "--force", "--no-run-cache"], cwd=worktree, env=env,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"reproduce: dvc repro failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return (worktree / "dvc.lock").read_text()
+
+
+def metric_files(worktree: Path, commit: str) -> dict[str, list[Any]]:
+    """``{"metrics/x.json:key": [committed value, rerun value]}`` for each metrics file both sides have."""
+    out: dict[str, list[Any]] = {}
+    for path in sorted((worktree / "metrics").glob("*.json")):
+        rel = f"metrics/{path.name}"
+        try:
+            original = json.loads(_git("show", "--end-of-options", f"{commit}:{rel}"))
+        except SystemExit:
+            continue
+        a, b = flatten(original), flatten(json.loads(path.read_text()))
+        out.update({f"{rel}:{k}": [a.get(k, "<absent>"), b.get(k, "<absent>")] for k in sorted(set(a) | set(b))})
+    return out
+
+
 def reproduce_rev(rev: str, workdir: Path) -> dict[str, Any]:
+    """Rerun the DVC pipeline at ``rev`` with no cache; compare its outputs and metrics files with the commit's."""
     commit = resolve_commit(rev)
     committed_lock = _git("show", "--end-of-options", f"{commit}:dvc.lock")
-    worktree = workdir / "worktree"
+    project, worktree = Path.cwd(), workdir / "worktree"
     add_worktree(worktree, commit)
     try:
-        env = _env_for(worktree, None)
-        dvc = [sys.executable, "-P", "-m", "dvc"]
-        share_dvc_storage(worktree, Path.cwd(), env)
-        subprocess.run([*dvc, "pull", "--quiet"], cwd=worktree, env=env, capture_output=True)  # best effort
-        proc = subprocess.run([*dvc, "repro", "--force", "--no-run-cache"], cwd=worktree, env=env,
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"reproduce: dvc repro failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        rerun_lock = (worktree / "dvc.lock").read_text()
-        metrics = {}
-        for path in sorted((worktree / "metrics").glob("*.json")):
-            rel = f"metrics/{path.name}"
-            try:
-                original = json.loads(_git("show", "--end-of-options", f"{commit}:{rel}"))
-            except SystemExit:
-                continue
-            metrics[rel] = (original, json.loads(path.read_text()))
+        rerun_lock = repro_in(worktree, project)
+        md5 = {"original": _lock_outs(committed_lock), "rerun": _lock_outs(rerun_lock)}
+        views = lock_views(project, worktree, dvc_cache_folder(project))
+        comparison = compare_md5s(md5["original"], md5["rerun"], views, Roots(project, worktree))
+        metrics = metric_files(worktree, commit)
     finally:
         remove_worktree(worktree)
-    differences = compare(_lock_outs(committed_lock), _lock_outs(rerun_lock), "output md5")
-    for rel, (a, b) in metrics.items():
-        differences += compare(a, b, f"metric {rel}")
-    return {"target": rev, "commit": commit, "flow": "dvc repro", "md5": {"original": _lock_outs(committed_lock),
-            "rerun": _lock_outs(rerun_lock)}, "metrics": {k: {"original": a, "rerun": b} for k, (a, b) in metrics.items()},
-            "differences": differences, "warnings": [], "identical": not differences}
+    comparison.add(compare_metrics({k: v[0] for k, v in metrics.items()}, {k: v[1] for k, v in metrics.items()}))
+    return {"target": rev, "commit": commit, "flow": "dvc repro", "md5": md5,
+            "metrics": {k: {"original": a, "rerun": b} for k, (a, b) in metrics.items()}, "warnings": [],
+            **report_fields(comparison)}
+
+
+# --------------------------------------------------------------------------------------
+# The command
+# --------------------------------------------------------------------------------------
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -457,8 +537,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--trust", action="store_true",
                         help="run id: accept stored params that differ from the commit's params.yaml in code "
                              "(file.py:fn), output paths, URLs, secret names or tracking settings (the difference "
-                             "is printed either way); output paths outside the worktree stay refused")
+                             "is printed either way); output paths outside the worktree stay refused. Plain "
+                             "experiment and registered-model names need no --trust when the store is a SQLite "
+                             "file inside the project")
     args = parser.parse_args(argv)
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a report, not download bars
 
     workdir = Path(tempfile.mkdtemp(prefix="alignflow-reproduce-"))
     try:
@@ -472,21 +555,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = reproduce_rev(args.target, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    for w in result["warnings"]:
-        print(f"warning: {w}")
-    print(f"reproduce {result['target']} ({result['flow']} at {result['commit'][:12]}):")
-    if result.get("task_states"):
-        print("  rerun task states: " + ", ".join(f"{k} {v}" for k, v in sorted(result["task_states"].items())))
-    for side in ("original", "rerun"):
-        shown = {k: v for k, v in sorted(result["md5"][side].items())}
-        print(f"  {side:<8} md5: " + "; ".join(f"{k}={v}" for k, v in shown.items()))
-    if result["identical"]:
-        n_metrics = len(result["metrics"]["original"]) if "original" in result["metrics"] else len(result["metrics"])
-        print(f"  identical: {len(result['md5']['original'])} md5s and {n_metrics} metric sets/values match")
-    for line in result["differences"]:
-        print(f"  DIFFERENT {line}")
     if args.report:
         Path(args.report).write_text(json.dumps(result, indent=2, sort_keys=True, default=str) + "\n")
+    print(render(result))
     return 0 if result["identical"] else 1
 
 

@@ -563,13 +563,15 @@ class RLConfig(TrainerConfig):
     reward_url: str = ""
     """Reward server URL (e.g. from ``alignflow serve-rm``), for reward_kind http."""
     reward_timeout_s: float = 30.0
-    """Seconds to wait for the reward server (connect and each read), for reward_kind http."""
+    """Seconds one request to the reward or environment server may take, connect to last byte (then retried)."""
     reward_retries: int = 3
     """Retries of a reward request that timed out or failed with a 5xx, for reward_kind http."""
     reward_backoff_cap_s: float = 30.0
     """Longest wait between reward-server retries (full-jitter exponential backoff from 1 s), for reward_kind http."""
     reward_deadline_s: float = 300.0
     """Seconds one reward call may take, all retries and waits (429 Retry-After included), for reward_kind http."""
+    reward_max_response_bytes: int = 4 * 1024 * 1024
+    """Largest reply body the reward or environment server may send; a larger one is refused unread."""
     reward_token_env: str = ""
     """NAME of the environment variable holding the reward server's token (sent as Authorization: Bearer); never
     the token itself, so configs, Prefect parameters and MLflow hold the name only. Empty: no token."""
@@ -823,6 +825,8 @@ class RLConfig(TrainerConfig):
         _check(self.reward_retries >= 0, s, "reward_retries", f"must be >= 0, got {self.reward_retries}")
         _check(self.reward_backoff_cap_s >= 0, s, "reward_backoff_cap_s", f"must be >= 0, got {self.reward_backoff_cap_s}")
         _check(self.reward_deadline_s > 0, s, "reward_deadline_s", f"must be > 0, got {self.reward_deadline_s}")
+        _check(self.reward_max_response_bytes > 0, s, "reward_max_response_bytes",
+               f"must be > 0, got {self.reward_max_response_bytes}")
         self._check_token_env(kind)
 
     def _check_token_env(self, kind: RewardKind) -> None:

@@ -49,7 +49,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 import torch
 
 from rlhf_core.redact import redact_secrets
-from rlhf_core.rewards import HttpRewardSource, RewardError, load_function
+from rlhf_core.rewards import DEFAULT_MAX_RESPONSE_BYTES, HttpRewardSource, RewardError, load_function
 from rlhf_core.rollout import RolloutBatch, SamplingParams, _left_pad
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,14 @@ class Environment(Protocol):
 # --------------------------------------------------------------------------------------
 
 
+def _finite(value: int | float) -> bool:
+    """Whether ``value`` is a finite float: an int past float's range (JSON integers have no bound) is not."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _check_result(value: Any, where: str) -> StepResult:
     if isinstance(value, StepResult):
         result = value
@@ -123,7 +131,7 @@ def _check_result(value: Any, where: str) -> StepResult:
         raise EnvironmentFailure(redact_secrets(f"{where}: step returned observation {str(result.observation)[:60]!r} "
                                                f"and done {result.done!r}; expected a string and a boolean"))
     if result.reward is not None and (isinstance(result.reward, bool) or not isinstance(result.reward, (int, float))
-                                      or not math.isfinite(result.reward)):
+                                      or not _finite(result.reward)):
         raise EnvironmentFailure(f"{where}: step returned reward {str(result.reward)[:40]!r}; expected a finite number "
                                 "or null")
     return result
@@ -135,8 +143,10 @@ class HttpEnvironment:
 
     Stateless on the wire (each request carries the whole episode), so a retried request is safe. The transport
     is :class:`rlhf_core.rewards.HttpRewardSource`'s: timeouts, connection errors and 5xx retried ``retries``
-    times with full-jitter backoff, 429 honoured, ``deadline_s`` per step, ``token_env`` sent as a bearer token,
-    every message redacted; a malformed reply or another 4xx fails at once with :class:`EnvironmentFailure`.
+    times with full-jitter backoff, 429 honoured, ``timeout_s`` per request from connect to last byte,
+    ``deadline_s`` per step, the body capped at ``max_response_bytes``, ``token_env`` sent as a bearer token,
+    every message redacted; a malformed, non-finite or oversized reply or another 4xx fails at once with
+    :class:`EnvironmentFailure`.
     """
 
     def __init__(self, transport: HttpRewardSource, stop_tokens: Sequence[str]):
@@ -166,17 +176,19 @@ class HttpEnvironment:
 
 def environment_factory(spec: str, *, stop_tokens: Sequence[str] = (), timeout_s: float = 30.0, retries: int = 3,
                         backoff_cap_s: float = 30.0, deadline_s: float = 300.0,
-                        token_env: str = "") -> Callable[[], Environment]:
+                        token_env: str = "", max_response_bytes: int | None = None) -> Callable[[], Environment]:
     """A factory of fresh environments from ``spec``: ``path/to/env.py:make_env`` (a zero-argument function
     returning an :class:`Environment`) or an ``http(s)://`` URL (:class:`HttpEnvironment`, whose turns end at
-    ``stop_tokens``)."""
+    ``stop_tokens``; ``None`` for ``max_response_bytes`` is the reward client's default cap)."""
     if spec.startswith(("http://", "https://")):
         if not stop_tokens:
             raise ValueError("rl.environment_stop_tokens: an HTTP environment needs the tokens that end a model "
                              "turn (e.g. ['</calc>'])")
 
         transport = HttpRewardSource(spec, timeout_s=timeout_s, retries=retries, backoff_cap_s=backoff_cap_s,
-                                     deadline_s=deadline_s, token_env=token_env)
+                                     deadline_s=deadline_s, token_env=token_env,
+                                     max_response_bytes=DEFAULT_MAX_RESPONSE_BYTES if max_response_bytes is None
+                                     else max_response_bytes)
 
         def make_http() -> Environment:
             return HttpEnvironment(transport, stop_tokens)

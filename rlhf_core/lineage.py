@@ -13,6 +13,11 @@ model directory (~15 GB) is hashed several times per stage; with the cache only 
 pass reads its weights (files under 1 MiB are always re-read). The trade-off is DVC's: a file
 rewritten in place with the same size, mtime and inode keeps its old md5.
 
+A run records an input path inside the project relative to it (:func:`project_relative`), and
+one outside it by its absolute path and md5, so a rerun of the run's commit in another folder
+records the same paths. What a run read can be had back by md5 from a DVC cache
+(:func:`restore_from_cache`, DVC 3's ``files/md5`` layout), whatever the working copy holds now.
+
 The code a run executes is identified by :func:`core_fingerprint` (the package version and a
 hash of the ``rlhf_core`` sources): Prefect's cache key (``tasks.common``) and a checkpoint's
 run fingerprint (:mod:`rlhf_core.checkpoint`) both include it. Not the git HEAD: iterative
@@ -26,6 +31,8 @@ import hashlib
 import json
 import logging
 import os
+import re
+import shutil
 import subprocess
 import time
 from importlib.metadata import PackageNotFoundError, version
@@ -165,25 +172,36 @@ class HashCache:
         write_text_atomic(self.path, json.dumps({"version": _CACHE_VERSION, "entries": entries}))
 
 
-def dir_md5(path: str | Path, cache: HashCache | bool = True) -> str:
-    """DVC's directory hash: md5 of the sorted ``[{"md5", "relpath"}]`` JSON, plus ``.dir``.
-
-    ``cache``: ``True`` for the project's :class:`HashCache`, ``False`` to read every byte, or
-    a cache to use (the caller saves it).
-    """
+def dir_listing(path: str | Path, cache: HashCache | bool = True) -> dict[str, str]:
+    """``{relative posix path: md5}`` of every file under the folder ``path`` (``.dvc`` and ``.git``
+    left out, as DVC does), in path order; ``cache`` as in :func:`dir_md5`."""
     store = _cache_for(cache)
     root = Path(path)
-    entries = []
+    entries = {}
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in (".dvc", ".git")]
         for name in filenames:
             full = Path(dirpath) / name
-            entries.append({"md5": store.md5(full), "relpath": full.relative_to(root).as_posix()})
-    entries.sort(key=lambda e: e["relpath"])
+            entries[full.relative_to(root).as_posix()] = store.md5(full)
     if cache is True:
         store.save()
+    return dict(sorted(entries.items()))
+
+
+def listing_md5(listing: dict[str, str]) -> str:
+    """DVC's directory hash of a :func:`dir_listing`: md5 of the sorted ``[{"md5", "relpath"}]`` JSON, plus ``.dir``."""
+    entries = [{"md5": md5, "relpath": rel} for rel, md5 in sorted(listing.items())]
     # DVC serialises with json.dumps(..., sort_keys=True) and default separators.
     return hashlib.md5(json.dumps(entries, sort_keys=True).encode("utf-8")).hexdigest() + ".dir"
+
+
+def dir_md5(path: str | Path, cache: HashCache | bool = True) -> str:
+    """DVC's directory hash of the folder ``path`` (:func:`listing_md5` of its :func:`dir_listing`).
+
+    ``cache``: ``True`` for the project's :class:`HashCache`, ``False`` to read every byte, or
+    a cache to use (the caller saves it).
+    """
+    return listing_md5(dir_listing(path, cache))
 
 
 def dvc_md5(path: str | Path, cache: HashCache | bool = True) -> str:
@@ -204,6 +222,95 @@ def _cache_for(cache: HashCache | bool) -> HashCache:
     return HashCache.default() if cache else HashCache(None)
 
 
+# --------------------------------------------------------------------------------------
+# Paths as a run records them, and content by md5 from a DVC cache
+# --------------------------------------------------------------------------------------
+
+
+def project_relative(path: str | Path, root: str | Path | None = None) -> str:
+    """``path`` as a run records it: relative to the project folder ``root`` (default: the working
+    directory, against which relative paths resolve) when it lies there, as a posix path without
+    ``./``; else absolute and normalised.
+
+    Why: a model folder's ``alignflow.json`` and the run's record keep input paths as given, so
+    ``data/sft.jsonl`` and ``/home/me/proj/data/sft.jsonl`` would make one run look like two, and a
+    rerun in another folder (a worktree of the run's commit) could not be compared with it. Inside
+    is judged on the path as written first (a symlinked ``data/`` stays ``data/...``), then with
+    symlinks resolved.
+    """
+    base = Path(os.path.abspath(root if root is not None else os.getcwd()))
+    given = Path(path).expanduser()
+    absolute = Path(os.path.normpath(given if given.is_absolute() else base / given))
+    for folder, target in ((base, absolute), (base.resolve(), absolute.resolve())):
+        if target == folder or folder in target.parents:
+            return target.relative_to(folder).as_posix()
+    return str(absolute)
+
+
+_DVC_MD5 = re.compile(r"^[0-9a-f]{32}(\.dir)?$")
+
+
+def cache_object(cache_root: str | Path, md5: str) -> Path:
+    """Where a DVC 3 cache keeps the object named ``md5``: a file's bytes, or a folder's ``.dir``
+    listing. ``cache_root`` is the cache's ``files/md5`` folder (``.dvc/cache/files/md5`` by default)."""
+    if not _DVC_MD5.match(md5):
+        raise ValueError(f"lineage: {md5!r} is not a DVC md5 (32 hex digits, optionally .dir)")
+    return Path(cache_root) / md5[:2] / md5[2:]
+
+
+def cached_listing(cache_root: str | Path, md5: str) -> dict[str, str] | None:
+    """The :func:`dir_listing` of the folder ``md5`` (a ``.dir`` md5) as the cache records it, or None
+    when the cache holds no listing for it."""
+    obj = cache_object(cache_root, md5)
+    try:
+        entries = json.loads(obj.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(entries, list):
+        return None
+    return dict(sorted((str(e["relpath"]), str(e["md5"])) for e in entries if isinstance(e, dict)
+                       and "relpath" in e and "md5" in e))
+
+
+def restore_from_cache(cache_root: str | Path, md5: str, dest: str | Path) -> bool:
+    """Write the content named ``md5`` (a file's, or a folder's with every file it lists) to ``dest``
+    from the DVC cache, replacing what is there. True when the cache held all of it and the copy
+    hashes to ``md5``; False, with ``dest`` left absent, otherwise. Files are copied, never linked:
+    a rerun must not be able to write into the cache through them."""
+    dest = Path(dest)
+    listing = cached_listing(cache_root, md5) if md5.endswith(".dir") else {"": md5}
+    if listing is None or not all(cache_object(cache_root, m).is_file() for m in listing.values()):
+        return False
+    _remove(dest)
+    try:
+        for rel, m in listing.items():
+            target = dest / rel if rel else dest
+            if rel and not _within(dest, target):
+                raise ValueError(f"lineage: cached listing {md5} names {rel!r}, outside its folder")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(cache_object(cache_root, m), target)
+        if md5.endswith(".dir"):
+            dest.mkdir(parents=True, exist_ok=True)  # an empty folder lists no file
+        if dvc_md5(dest, cache=False) == md5:
+            return True
+    except (OSError, ValueError) as exc:
+        log.warning("restoring %s from the DVC cache %s failed: %s", md5, cache_root, exc)
+    _remove(dest)
+    return False
+
+
+def _within(folder: Path, path: Path) -> bool:
+    folder, path = Path(os.path.normpath(folder)), Path(os.path.normpath(path))
+    return folder in path.parents
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
 def git_commit(cwd: str | Path | None = None) -> str:
     """HEAD commit of the repository holding ``cwd`` (``"unknown"`` outside git), ``-dirty`` if modified."""
     try:
@@ -214,6 +321,23 @@ def git_commit(cwd: str | Path | None = None) -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return f"{sha}-dirty" if dirty else sha
+
+
+def git_untracked(cwd: str | Path | None = None) -> list[str]:
+    """Files in the repository holding ``cwd`` that git neither tracks nor ignores (an untracked folder
+    as one entry): what a rerun from the commit would not have. Empty outside git."""
+    try:
+        out = subprocess.run(["git", "ls-files", "--others", "--exclude-standard", "--directory",
+                              "--no-empty-directory"], cwd=cwd, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return out.splitlines()
+
+
+def untracked_note(paths: list[str], shown: int = 5) -> str:
+    """``"3 untracked: a.py, data/new.jsonl, notes/"``: the ``git.untracked`` tag's value."""
+    more = f", +{len(paths) - shown} more" if len(paths) > shown else ""
+    return f"{len(paths)} untracked: {', '.join(paths[:shown])}{more}"
 
 
 # --------------------------------------------------------------------------------------

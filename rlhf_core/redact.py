@@ -30,12 +30,28 @@ from typing import Any
 from urllib.parse import unquote, unquote_plus, urlsplit
 
 _SECRET_WORDS = frozenset({"token", "secret", "password", "passwd", "apikey", "auth", "credential", "credentials"})
-_URL_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s]+@", re.IGNORECASE)
-_SECRET_KEY = r"[^=&#\s?]*(?:token|secret|pass|pwd|key|auth|sig|credential|session|jwt)[^=&#\s]*"
-# The value stops short of trailing punctuation ("...?token=abc: failed" keeps its colon), and an
-# already-redacted value is left alone, so redacting twice changes nothing.
-_SECRET_QUERY = re.compile(rf"(?P<key>[?&]{_SECRET_KEY}=)(?!\*\*\*)[^&#\s'\")]*[^&#\s'\"):.,;]", re.IGNORECASE)
-_BEARER = re.compile(r"(?P<scheme>\bBearer\s+)[A-Za-z0-9._~+/=-]+", re.IGNORECASE)
+
+# Every pattern here runs on text of any length (a 2 MB dataset row, a 5xx page), so each is written to
+# cost time linear in the text: a match may start only where nothing can extend it to the left (the
+# lookbehinds), and no quantifier gives back what it took (possessive ``*+``/``++``). A pattern that
+# restarts at every letter of a long run and scans to its end is quadratic: that is what these avoid.
+# tests/unit/test_redact_linear.py holds each one to linear growth on long adversarial strings.
+
+# ``scheme://user:pass@``: the scheme is a run of [a-z0-9+.-] with a letter in it, matched from the run's
+# first character (never from inside it), so a run of letters is scanned once, not once per letter.
+_URL_USERINFO = re.compile(r"(?<![a-z0-9+.-])(?P<scheme>[0-9+.-]*+[a-z][a-z0-9+.-]*+://)[^/@\s]++@", re.IGNORECASE)
+_KEYWORDS = "token|secret|pass|pwd|key|auth|sig|credential|session|jwt"
+_KEYWORD = re.compile(_KEYWORDS, re.IGNORECASE)
+# A query key is ``[?&]`` then characters other than ``=&#`` and white space, up to its ``=``; it names a
+# secret when a keyword stands in it before any further ``?``. A segment is one maximal run of key
+# characters that ends at ``=``, found from its first character only.
+_KEY_SEGMENT = re.compile(r"(?<![^=&#\s])[^=&#\s]*+=")
+_KEY_CHARS_ONLY = re.compile(r"[^=&#\s]*+")
+# A value runs to ``&``, ``#``, white space, a quote or ``)``, less trailing punctuation ("...?token=abc:
+# failed" keeps its colon).
+_VALUE_RUN = re.compile(r"[^&#\s'\")]*+")
+_VALUE_TAIL = ":.,;"
+_BEARER = re.compile(r"(?P<scheme>\bBearer\s++)[A-Za-z0-9._~+/=-]++", re.IGNORECASE)
 REDACTED = "***"
 MIN_SECRET_LEN = 6
 """Shorter values are not registered: scrubbing ``"abc"`` from every message would mangle text."""
@@ -65,16 +81,62 @@ def register_url_secrets(url: str) -> None:
         register_secret(base64.b64encode(basic).decode())
     for pair in parts.query.split("&"):
         key, _, value = pair.partition("=")
-        if value and re.fullmatch(_SECRET_KEY, unquote_plus(key), re.IGNORECASE):
+        if value and _is_secret_key(unquote_plus(key)):
             register_secret(value)
             register_secret(unquote_plus(value))
 
 
-def _scrub(text: str) -> str:
-    """``text`` with URL credentials, secret query values, auth header values and registered secrets replaced."""
+def _is_secret_key(key: str) -> bool:
+    """Whether a whole query key (without its ``?``/``&`` and ``=``) names a secret."""
+    if _KEY_CHARS_ONLY.fullmatch(key) is None:
+        return False
+    first_q = key.find("?")
+    return _KEYWORD.search(key, 0, len(key) if first_q < 0 else first_q) is not None
+
+
+def _secret_key_start(text: str, begin: int, end: int, floor: int) -> int:
+    """Where the leftmost secret-naming key of the segment ``text[begin:end]`` starts (its ``?`` or the
+    ``&`` just before the segment), at or after ``floor``; -1 if none. Each ``?`` opens a piece that runs to
+    the next ``?``; the key is the piece holding the segment's first keyword."""
+    first_q = text.find("?", max(begin, floor), end)
+    if begin > 0 and text[begin - 1] == "&" and begin - 1 >= floor:
+        if _KEYWORD.search(text, begin, end if first_q < 0 else first_q):
+            return begin - 1
+    if first_q < 0:
+        return -1
+    word = _KEYWORD.search(text, first_q + 1, end)
+    return -1 if word is None else text.rfind("?", first_q, word.start())
+
+
+def _scrub_query_values(text: str) -> str:
+    """``text`` with the value of every secret-naming query key (``?token=...``, ``&api_key=...``)
+    replaced, left to right; a value already ``***`` is left alone, so redacting twice changes nothing."""
+    out, done = [], 0
+    for seg in _KEY_SEGMENT.finditer(text):
+        begin, eq = seg.start(), seg.end() - 1
+        start = _secret_key_start(text, begin, eq, done)
+        if start < 0 or text.startswith(REDACTED, eq + 1):
+            continue
+        run_end = _VALUE_RUN.match(text, eq + 1).end()
+        value_end = eq + 1 + len(text[eq + 1:run_end].rstrip(_VALUE_TAIL))
+        if value_end == eq + 1:
+            continue
+        out += [text[done:eq + 1], REDACTED]
+        done = value_end
+    return "".join(out) + text[done:] if out else text
+
+
+def _scrub_patterns(text: str) -> str:
+    """``text`` with URL credentials, secret query values and auth header values replaced."""
     text = _URL_USERINFO.sub(lambda m: f"{m.group('scheme')}{REDACTED}@", text)
-    text = _SECRET_QUERY.sub(lambda m: f"{m.group('key')}{REDACTED}", text)
-    text = _BEARER.sub(lambda m: f"{m.group('scheme')}{REDACTED}", text)
+    text = _scrub_query_values(text)
+    return _BEARER.sub(lambda m: f"{m.group('scheme')}{REDACTED}", text)
+
+
+def _scrub(text: str) -> str:
+    """``text`` with URL credentials, secret query values, auth header values and registered secrets
+    replaced; time linear in ``len(text)`` (times the number of registered secrets)."""
+    text = _scrub_patterns(text)
     with _registry_lock:
         known = sorted(_registered, key=len, reverse=True)  # longest first: one secret may contain another
     for secret in known:

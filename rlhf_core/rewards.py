@@ -103,10 +103,14 @@ def validate_rewards(values: Any, n: int, where: str) -> list[float]:
     out: list[float] = []
     for i, v in enumerate(values):
         if not isinstance(v, numbers.Real):
-            raise RewardError(f"{where}: sample {i}: reward {v!r} is not a number")
-        if not math.isfinite(v):
-            raise RewardError(f"{where}: sample {i}: reward {v!r} is not finite")
-        out.append(float(v))
+            raise RewardError(f"{where}: sample {i}: reward {str(v)[:60]!r} is not a number")
+        try:
+            f = float(v)
+        except OverflowError:  # an int past float's range (JSON integers have no bound)
+            f = math.inf
+        if not math.isfinite(f):
+            raise RewardError(f"{where}: sample {i}: reward {str(v)[:60]} is not finite")
+        out.append(f)
     return out
 
 
@@ -286,7 +290,13 @@ def _read_token(name: str) -> str:
     return value
 
 
-_STATUS_HINTS = {401: " (check reward_token_env: the server wants a bearer token)",
+DEFAULT_MAX_RESPONSE_BYTES = 4 * 1024 * 1024
+"""Largest reply body a reward or environment server may send: rewards for a few thousand samples, or a long
+tool observation, with room to spare; a larger one is refused unread."""
+
+_STATUS_HINTS = {**{code: " (redirects are not followed: set the URL to where the server points)"
+                    for code in (301, 302, 303, 307, 308)},
+                 401: " (check reward_token_env: the server wants a bearer token)",
                  403: " (the token in reward_token_env was refused)",
                  413: " (the batch is over the server's size or item limit: serve-rm --max-body-bytes/--max-items)"}
 
@@ -310,11 +320,16 @@ class HttpRewardSource:
       Blog 2015), so many ranks hitting one server do not retry in lock-step;
     * 429 is the server asking to slow down, not a failure: it is retried without using up
       ``retries``, after the reply's ``Retry-After`` (seconds or a date), else after the backoff;
-    * any other 4xx, or a malformed 200, is a bug, not a blip, and fails at once;
+    * any other 4xx, a 3xx (redirects are not followed) or a malformed 200 is a bug, not a blip,
+      and fails at once;
     * ``deadline_s`` bounds the whole call, retries and waits included: a wait that would end
-      past it is not begun, and each attempt's timeout is ``min(timeout_s, time left)``.
-      ``timeout_s`` bounds the connect and each read of the reply (requests' semantics), so a
-      server trickling bytes can overrun the deadline by at most one such read.
+      past it is not begun, and each attempt's timeout is ``min(timeout_s, time left)``;
+    * ``timeout_s`` bounds one attempt from connect to the reply's last byte, not each read
+      (requests' own timeout), so a server trickling bytes is cut off at it
+      (:class:`rlhf_core.bounded_http.Deadline`) and the attempt counts as a timeout;
+    * a reply body over ``max_response_bytes`` is refused as it streams in, never read whole
+      (:func:`rlhf_core.bounded_http.read_capped`); a 200 that is not strict JSON (``NaN`` and
+      ``Infinity`` are not JSON numbers), too large, or malformed fails at once.
 
     ``token_env`` names an environment variable whose value is sent as ``Authorization: Bearer``;
     the value is read here, never stored in a config, and registered with
@@ -324,13 +339,15 @@ class HttpRewardSource:
     """
 
     def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 1.0, *,
-                 backoff_cap_s: float = 30.0, deadline_s: float = 300.0, token_env: str = ""):
+                 backoff_cap_s: float = 30.0, deadline_s: float = 300.0, token_env: str = "",
+                 max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES):
         register_url_secrets(url)  # first: the checks below quote the URL
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"HttpRewardSource: url must start with http:// or https://, got {redact_secrets(url)!r}")
         for field, value, floor in (("timeout_s", timeout_s, "> 0"), ("retries", retries, ">= 0"),
                                     ("backoff_s", backoff_s, ">= 0"), ("backoff_cap_s", backoff_cap_s, ">= 0"),
-                                    ("deadline_s", deadline_s, "> 0")):
+                                    ("deadline_s", deadline_s, "> 0"),
+                                    ("max_response_bytes", max_response_bytes, "> 0")):
             if not (value > 0 if floor == "> 0" else value >= 0):
                 raise ValueError(f"HttpRewardSource: {field} must be {floor}, got {value}")
         if token_env and urlsplit(url).username:
@@ -338,6 +355,7 @@ class HttpRewardSource:
                              f"{token_env} is set; use one (requests would send only the token)")
         self.url, self.timeout_s, self.retries, self.backoff_s = url, timeout_s, retries, backoff_s
         self.backoff_cap_s, self.deadline_s, self.token_env = backoff_cap_s, deadline_s, token_env
+        self.max_response_bytes = int(max_response_bytes)
         self._token = _read_token(token_env) if token_env else None
         self._session: Any = None  # made on first use: one keep-alive connection across calls
         # A private generator: jitter must not advance the global RNG that a checkpoint restores.
@@ -369,14 +387,7 @@ class HttpRewardSource:
         """``POST body`` with this source's retries, deadline and auth; the reply's JSON, unchecked (an
         environment server's transport, :class:`rlhf_core.environments.HttpEnvironment`)."""
 
-        def attempt(timeout: float) -> Any:
-            reply = self._post(body, where, timeout)
-            try:
-                return reply.json()
-            except ValueError:
-                raise RewardError(f"{where}: reply is not JSON: {_excerpt(reply.text)!r}") from None
-
-        return self._with_retries(attempt, where)
+        return self._with_retries(lambda timeout: _loads(self._post(body, where, timeout), where), where)
 
     def _with_retries(self, attempt: Callable[[float], Any], where: str) -> Any:
         """``attempt(timeout)`` until it returns, retrying :class:`_Retry` as the class docstring says."""
@@ -403,52 +414,91 @@ class HttpRewardSource:
         """One POST: the rewards, :class:`_Retry` for a transient failure, :class:`RewardError` otherwise."""
         return self._parse(self._post(body, where, timeout), n, where)
 
-    def _post(self, body: dict[str, Any], where: str, timeout: float) -> Any:
-        """One POST: the 200 reply, :class:`_Retry` for a transient failure, :class:`RewardError` otherwise."""
+    def _post(self, body: dict[str, Any], where: str, timeout: float) -> bytes:
+        """One POST, all of it within ``timeout``: the 200 reply's body (at most ``max_response_bytes``),
+        :class:`_Retry` for a transient failure, :class:`RewardError` otherwise."""
         import requests
 
+        from rlhf_core.bounded_http import Deadline, deadline_session
+
         if self._session is None:
-            self._session = requests.Session()
+            self._session = deadline_session()
         auth = _BearerAuth(self._token) if self._token else None
-        try:
-            reply = self._session.post(self.url, json=body, timeout=timeout, auth=auth)
-        except requests.Timeout as exc:
-            raise _Retry(f"timed out after {timeout:.3g}s ({type(exc).__name__})") from None
-        except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as exc:
-            raise _Retry(f"connection failed: {type(exc).__name__}: {_transport_reason(exc)}") from None
-        except requests.RequestException as exc:
-            raise RewardError(redact_secrets(f"{where}: request failed (not retried): {type(exc).__name__}: "
-                                             f"{_transport_reason(exc)}")) from None
+        with Deadline(timeout) as deadline:
+            try:
+                # no redirect is followed: requests would read a redirect's body whole, past any cap
+                reply = self._session.post(self.url, json=body, timeout=timeout, auth=auth, stream=True,
+                                           allow_redirects=False)
+                try:
+                    return self._read_reply(reply, where, deadline)
+                finally:
+                    reply.close()  # a body read to its end keeps the connection; any other is dropped
+            except (requests.RequestException, TimeoutError) as exc:
+                if deadline.expired or isinstance(exc, (requests.Timeout, TimeoutError)):
+                    why = "no complete reply by then" if deadline.expired else type(exc).__name__
+                    raise _Retry(f"timed out after {timeout:.3g}s ({why})") from None
+                if isinstance(exc, (requests.ConnectionError, requests.exceptions.ChunkedEncodingError)):
+                    raise _Retry(f"connection failed: {type(exc).__name__}: {_transport_reason(exc)}") from None
+                raise RewardError(redact_secrets(f"{where}: request failed (not retried): {type(exc).__name__}: "
+                                                 f"{_transport_reason(exc)}")) from None
+
+    def _read_reply(self, reply: Any, where: str, deadline: Any) -> bytes:
+        """The body of a 200 ``reply``, or the error its status or size calls for (see :meth:`_post`)."""
+        from rlhf_core.bounded_http import ReplyTooLarge, read_capped
+
         code = reply.status_code
         if code == 429:
             wait = _retry_after_s(reply.headers.get("Retry-After"))
             raise _Retry(f"HTTP 429 (rate limited; Retry-After {reply.headers.get('Retry-After', 'absent')!s:.40})",
                          counts=False, wait_s=wait)
         if code >= 500:
-            raise _Retry(f"HTTP {code}: {_excerpt(reply.text)}")
-        if code != 200:  # the body is not quoted: a 4xx page may echo the request, credentials and all
+            try:
+                detail = _excerpt(read_capped(reply, self.max_response_bytes, deadline).decode("utf-8", "replace"))
+            except ReplyTooLarge as exc:
+                detail = f"(its body {exc}; not quoted)"
+            raise _Retry(f"HTTP {code}: {detail}")
+        if code != 200:  # the body is not read, nor quoted: a 4xx page may echo the request, credentials and all
             raise RewardError(redact_secrets(f"{where}: HTTP {code} {reply.reason or ''}".rstrip()[:200]
                                              + f" (not retried){_STATUS_HINTS.get(code, '')}"))
-        return reply
+        try:
+            return read_capped(reply, self.max_response_bytes, deadline)
+        except ReplyTooLarge as exc:
+            raise RewardError(redact_secrets(f"{where}: reply {exc} (reward_max_response_bytes); refused, not "
+                                             "retried")) from None
 
     @staticmethod
-    def _parse(reply: Any, n: int, where: str) -> list[float]:
-        try:
-            payload = reply.json()
-        except ValueError:  # json.JSONDecodeError, or requests' own subclass of it
-            raise RewardError(f"{where}: reply is not JSON: {_excerpt(reply.text)!r}") from None
+    def _parse(data: bytes, n: int, where: str) -> list[float]:
+        payload = _loads(data, where)
         if not isinstance(payload, dict) or "rewards" not in payload:
-            raise RewardError(f"{where}: reply has no 'rewards' field: {_excerpt(str(payload))}")
+            raise RewardError(redact_secrets(f"{where}: reply has no 'rewards' field: {_excerpt(str(payload))}"))
+        rewards = payload["rewards"]
+        if isinstance(rewards, list):  # JSON true is no number, though Python's bool is one
+            flag = next((i for i, v in enumerate(rewards) if isinstance(v, bool)), None)
+            if flag is not None:
+                raise RewardError(redact_secrets(f"{where}: sample {flag}: reward {rewards[flag]!r} is not a number"))
         try:
-            return validate_rewards(payload["rewards"], n, where)
+            return validate_rewards(rewards, n, where)
         except RewardError as exc:  # a reward value is quoted: the server chose it
             raise RewardError(redact_secrets(str(exc))) from None
 
 
+def _loads(data: bytes, where: str) -> Any:
+    """A reply body as strict JSON (:func:`rlhf_core.bounded_http.loads_strict`), else a :class:`RewardError`
+    saying why, with a redacted excerpt."""
+    from rlhf_core.bounded_http import loads_strict
+
+    try:
+        return loads_strict(data)
+    except ValueError as exc:  # json.JSONDecodeError, UnicodeDecodeError, NaN/Infinity, deep nesting
+        reason = str(exc).split(":")[0][:80] if isinstance(exc, UnicodeDecodeError) else str(exc)[:120]
+        raise RewardError(redact_secrets(f"{where}: reply is not JSON ({reason}): "
+                                         f"{_excerpt(data.decode('utf-8', 'replace'))!r}")) from None
+
+
 class _BearerAuth:
     """``Authorization: Bearer <token>`` as a requests auth hook: passed as ``auth=``, it also
-    stops requests from applying ``~/.netrc`` or URL credentials over the header, and requests
-    drops it on a redirect to another host."""
+    stops requests from applying ``~/.netrc`` or URL credentials over the header (and no
+    redirect is followed, so it never travels to another host)."""
 
     def __init__(self, token: str):
         self.token = token
@@ -469,9 +519,10 @@ class _BearerAuth:
 def build_reward_source(kind: RewardKind | str, *, path: str | Path | None = None, url: str | None = None,
                         device: torch.device | str | None = None, batch_size: int = 64,
                         timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 1.0,
-                        backoff_cap_s: float = 30.0, deadline_s: float = 300.0, token_env: str = "") -> RewardSource:
+                        backoff_cap_s: float = 30.0, deadline_s: float = 300.0, token_env: str = "",
+                        max_response_bytes: int | None = None) -> RewardSource:
     """The reward source of ``kind``: ``model`` and ``function`` need ``path``, ``http`` needs ``url``
-    (and takes the retry, deadline and ``token_env`` options of :class:`HttpRewardSource`)."""
+    (and takes the retry, deadline, ``token_env`` and reply-size options of :class:`HttpRewardSource`)."""
     try:
         kind = RewardKind(kind)
     except ValueError:
@@ -480,7 +531,9 @@ def build_reward_source(kind: RewardKind | str, *, path: str | Path | None = Non
         if not url:
             raise ValueError("reward kind 'http' needs a url")
         return HttpRewardSource(url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
-                                backoff_cap_s=backoff_cap_s, deadline_s=deadline_s, token_env=token_env)
+                                backoff_cap_s=backoff_cap_s, deadline_s=deadline_s, token_env=token_env,
+                                max_response_bytes=DEFAULT_MAX_RESPONSE_BYTES if max_response_bytes is None
+                                else max_response_bytes)
     if not path:
         raise ValueError(f"reward kind '{kind.value}' needs a path")
     if kind is RewardKind.MODEL:

@@ -37,7 +37,7 @@ from rlhf_core.config import (
     TrackingConfig,
     config_to_dict,
 )
-from rlhf_core.lineage import dvc_md5, git_commit, package_version
+from rlhf_core.lineage import dvc_md5, git_commit, git_untracked, package_version, untracked_note
 
 RENDERED_EXAMPLES = "samples/rendered_examples.json"
 """A training stage's first sequences as its model saw them (chat template and all), with the spans that
@@ -76,11 +76,15 @@ def _maybe_run(tracking: TrackingConfig | None, name: str, parent_run_id: str | 
 
 
 def lineage_tags(inputs: dict[str, str | Path], stage: str) -> dict[str, str]:
-    """``git.commit``, ``alignflow.stage``, ``alignflow.version`` and ``dvc.md5.<name>`` for each existing input.
+    """``git.commit``, ``alignflow.stage``, ``alignflow.version``, ``dvc.md5.<name>`` for each existing input, and
+    ``git.untracked`` when the project holds files git does not track.
 
     The version is the installed alignflow's: a project made by ``alignflow init`` has no
     alignflow source in its commit, so the commit alone does not say which trainer ran."""
     tags = {"git.commit": git_commit(), "alignflow.stage": stage, "alignflow.version": package_version()}
+    untracked = git_untracked()
+    if untracked:  # a dirty tree shows in git.commit's -dirty; files git does not know show here
+        tags["git.untracked"] = untracked_note(untracked)
     for name, path in inputs.items():
         if Path(path).exists():
             tags[f"dvc.md5.{name}"] = dvc_md5(path)
@@ -524,7 +528,8 @@ def _probe_environment(stage: str, cfg: Any) -> Any:
     spec = cfg.environment
     make_env = environment_factory(spec, stop_tokens=cfg.environment_stop_tokens, timeout_s=cfg.reward_timeout_s,
                                    retries=cfg.reward_retries, backoff_cap_s=cfg.reward_backoff_cap_s,
-                                   deadline_s=cfg.reward_deadline_s, token_env=cfg.environment_token_env)
+                                   deadline_s=cfg.reward_deadline_s, token_env=cfg.environment_token_env,
+                                   max_response_bytes=cfg.reward_max_response_bytes)
     limits = {"max_turns": cfg.max_turns, "max_trajectory_tokens": cfg.max_trajectory_tokens,
               "max_new_tokens": cfg.max_new_tokens, "tool_messages": cfg.tool_messages}
     identity = None  # a server's replies may change: never cache them

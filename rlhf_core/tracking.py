@@ -152,8 +152,8 @@ class MlflowTracker:
         self.client.log_dict(self.run_id, redact_secrets(obj), artifact_file)
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        """A text artifact (an HTML page shows rendered in the MLflow UI); the caller redacts it."""
-        self.client.log_text(self.run_id, text, artifact_file)
+        """A text artifact (an HTML page shows rendered in the MLflow UI), secrets redacted."""
+        self.client.log_text(self.run_id, redact_secrets(text), artifact_file)
 
     def log_figure(self, figure: Any, artifact_file: str) -> None:
         """A matplotlib figure as a PNG artifact."""
@@ -163,7 +163,7 @@ class MlflowTracker:
         """Append ``rows`` to the run's table artifact ``name`` (MLflow merges rows of the same file)."""
         import pandas as pd
 
-        self.client.log_table(self.run_id, data=pd.DataFrame(rows), artifact_file=name)
+        self.client.log_table(self.run_id, data=pd.DataFrame(redact_secrets(rows)), artifact_file=name)
 
     def log_input(self, path: str | Path, name: str, digest: str, context: str) -> None:
         """Log a dataset as a run input; its digest is the DVC md5 (the lineage key)."""
@@ -304,15 +304,15 @@ class LocalFileTracker:
 
     def log_text(self, text: str, artifact_file: str) -> None:
         (self.dir / artifact_file).parent.mkdir(parents=True, exist_ok=True)
-        (self.dir / artifact_file).write_text(text)
+        (self.dir / artifact_file).write_text(redact_secrets(text))
 
     def log_figure(self, figure: Any, artifact_file: str) -> None:
         (self.dir / artifact_file).parent.mkdir(parents=True, exist_ok=True)
         figure.savefig(self.dir / artifact_file, dpi=100)
 
     def log_table(self, rows: list[dict[str, Any]], name: str) -> None:
-        """Append ``rows`` to ``<run>/<name>`` as JSON lines."""
-        for row in rows:
+        """Append ``rows`` to ``<run>/<name>`` as JSON lines, secrets redacted."""
+        for row in redact_secrets(rows):
             self._append(name, row)
 
     def log_input(self, path: str | Path, name: str, digest: str, context: str) -> None:

@@ -323,7 +323,21 @@ def render_html(report: DataReport, result: Any) -> str:
     return head + sep + summary + tail if sep else summary + page
 
 
-_EXTERNAL = re.compile(r'<script[^>]*\ssrc="https?://[^"]*"[^>]*>\s*</script>|<(?:link|img)[^>]*\s(?:href|src)="https?://[^"]*"[^>]*>')
+# A tag is found from its ``<`` to the next ``<`` or ``>`` and only then searched for an external URL, so
+# each character is scanned a bounded number of times: a tag body that may run to any ``>`` and backtrack
+# for ``src=`` is quadratic on text like ``"<img " * 4000``. GX writes attribute values HTML-escaped, so
+# a real tag holds no raw ``<``.
+_TAG = re.compile(r"<(?:script[^<>]*+>\s*+</script>|(?:link|img)[^<>]*+>)")
+_EXTERNAL_URL = re.compile(r'\s(?:href|src)="https?://[^"<>]*+"')
+
+
+def _is_external(tag: str) -> bool:
+    """Whether a ``<script>``, ``<link>`` or ``<img>`` tag loads a URL (scripts by ``src`` only)."""
+    head = tag[:tag.index(">") + 1]
+    url = _EXTERNAL_URL.search(head)
+    return url is not None and (not tag.startswith("<script") or url.group().lstrip().startswith("src"))
+
+
 STYLE = ("<style>body{font-family:sans-serif;margin:1em} table{border-collapse:collapse;margin:.5em 0} "
          "td,th{border:1px solid #ccc;padding:2px 6px;text-align:left;vertical-align:top}</style>")
 
@@ -334,6 +348,6 @@ def offline(page: str) -> str:
     alignflow runs offline (README "Offline by default"): a browser opening the page (MLflow's
     artifact view) would wait on each unreachable CDN until it times out. The page's content is
     static HTML; the CDN parts only style it and add table filters."""
-    page = _EXTERNAL.sub("", page)
+    page = _TAG.sub(lambda m: "" if _is_external(m.group()) else m.group(), page)
     return page.replace("</head>", STYLE + "</head>", 1)
 

@@ -316,7 +316,8 @@ class RLTrainer:
         self.make_env = (environment_factory(cfg.environment, stop_tokens=cfg.environment_stop_tokens,
                                              timeout_s=cfg.reward_timeout_s, retries=cfg.reward_retries,
                                              backoff_cap_s=cfg.reward_backoff_cap_s, deadline_s=cfg.reward_deadline_s,
-                                             token_env=cfg.environment_token_env)
+                                             token_env=cfg.environment_token_env,
+                                             max_response_bytes=cfg.reward_max_response_bytes)
                          if cfg.environment else None)
         self.prompts, self.labels, self.conversations = read_prompts(cfg, self.tokenizer)
         _check_prompt_lengths(cfg, self.tokenizer, self.prompts)
@@ -642,6 +643,7 @@ class RLTrainer:
             for row, traj in zip(rows, trajectory_rows(self.tokenizer, batch, sampled.rewards, len(rows))):
                 row.update(text=traj["text"], action_mask=traj["action_mask"], tool_calls=traj["tool_calls"],
                            segments=json.dumps(traj["segments"]))
+        rows = redact_secrets(rows)  # a completion can echo a secret from its prompt like any other text
         self.rollout_table += rows
         if hasattr(self.sink, "log_table"):
             self.sink.log_table(rows, "rollouts.json")
@@ -769,7 +771,7 @@ def _build_reward_source(cfg: RLConfig, kind: RewardKind, device: torch.device) 
                                url=cfg.reward_url, device=device, batch_size=cfg.batch_size,
                                timeout_s=cfg.reward_timeout_s, retries=cfg.reward_retries,
                                backoff_cap_s=cfg.reward_backoff_cap_s, deadline_s=cfg.reward_deadline_s,
-                               token_env=cfg.reward_token_env)
+                               token_env=cfg.reward_token_env, max_response_bytes=cfg.reward_max_response_bytes)
 
 
 def _check_teacher_tokenizer(cfg: RLConfig, tokenizer: Any) -> None:

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.reproduce import enforce, review_config, version_warning
+from flows.reproduce import version_warning
+from flows.reproduce_trust import enforce, review_config
 from helpers import cli_env
 from test_dvc import _fresh_copy
 
@@ -69,7 +70,8 @@ def test_reproduce_a_flow_run_from_its_commit(committed_project):
     assert "eval/accuracy_dpo" in report["metrics"]["rerun"]
     states = report["task_states"]
     assert states.get("Completed", 0) >= 8 and "Cached" not in states, states  # every task executed
-    assert "identical" in again.stdout
+    assert again.stdout.strip().splitlines()[-1] == "IDENTICAL"
+    assert report["registry"]["before"] == report["registry"]["after"]  # the rerun registered nothing
     assert _git(project, "worktree", "list").count("\n") == 0  # the temporary worktree is gone
 
 

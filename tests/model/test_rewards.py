@@ -422,7 +422,7 @@ def test_backoff_is_full_jitter_under_the_cap():
     assert random.getstate() == state  # the global RNG, restored by checkpoints, is untouched
 
 
-@pytest.mark.parametrize("body,expect", [({"rewards": [1.0, float("nan"), 0.0, 0.0]}, "sample 1: reward nan"),
+@pytest.mark.parametrize("body,expect", [({"rewards": [1.0, float("nan"), 0.0, 0.0]}, "NaN is not a JSON number"),
                                          ({"rewards": [1.0]}, "returned 1 rewards for 4 samples"),
                                          ({"scores": [1.0] * 4}, "reply has no 'rewards' field")])
 def test_http_bad_replies(body, expect):

@@ -7,6 +7,7 @@ a dense reward file (longer answer, higher reward) whose samples differ within e
 
 from __future__ import annotations
 
+import json
 import math
 from contextlib import nullcontext
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlhf_core import redact
 from rlhf_core.config import ConfigError, RLConfig
 from rlhf_core.rewards import RewardError
 from rlhf_core.trainers.rl import train_rl
@@ -515,3 +517,34 @@ def test_on_policy_distillation_refuses_a_teacher_with_another_tokenizer(micro_m
                                           r"policy's .* share one tokenizer"):
         train_rl(cfg, sink, show_progress=False)
     assert not sink.rows and not Path(cfg.output_dir).exists()
+
+
+@pytest.fixture
+def secret_registry():
+    """The process-wide secret registry, restored after the test (it only grows otherwise)."""
+    saved = set(redact._registered)
+    yield saved
+    redact._registered.clear()
+    redact._registered.update(saved)
+
+
+def test_rollout_table_redacts_a_secret_in_a_completion(micro_model, micro_data, tmp_path, tmp_path_factory,
+                                                        secret_registry):
+    """A completion that holds a registered secret is logged as ``***``: the reward function below
+    registers the longest completion of the first batch as a secret, as a server echoing a token would
+    make one appear in generated text."""
+    path = tmp_path_factory.mktemp("rewards") / "registering_reward.py"
+    path.write_text("from rlhf_core.redact import register_secret\nSEEN = []\n"
+                    "def reward(prompts, completions, labels):\n"
+                    "    if not SEEN:\n"
+                    "        SEEN.append(max(completions, key=len))\n"
+                    "        register_secret(SEEN[0])\n"
+                    "    return [len(c) / 10 for c in completions]\n")
+    sink = Recorder()
+    result = train_rl(_cfg(micro_model, micro_data, tmp_path, f"{path}:reward", max_steps=1, save_every=0,
+                           max_new_tokens=12), sink, show_progress=False)
+    secrets = redact._registered - secret_registry
+    assert secrets, "the reward function registered no completion (shorter than MIN_SECRET_LEN?)"
+    logged = json.dumps([rows for _, rows in sink.tables]) + json.dumps(result.rollout_table)
+    assert not any(secret in logged for secret in secrets)
+    assert any(r["completion"] == redact.REDACTED or redact.REDACTED in r["completion"] for r in result.rollout_table)

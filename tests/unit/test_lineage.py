@@ -30,3 +30,30 @@ def test_md5_matches_dvc_add(tmp_path):
 def test_git_commit_outside_repo(tmp_path):
     assert git_commit(tmp_path) == "unknown"
     assert git_commit(Path(__file__).parent) != ""
+
+
+def test_untracked_files_are_marked_beside_a_dirty_tree(tmp_path, monkeypatch):
+    """A run made beside files git does not know records them (``git.untracked``); ignored files do not count."""
+    import subprocess
+
+    from rlhf_core.stages import lineage_tags
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / ".gitignore").write_text("runs/\n")
+    (tmp_path / "train.py").write_text("x = 1\n")
+    git("add", ".")
+    git("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "init")
+    monkeypatch.chdir(tmp_path)
+    assert "git.untracked" not in lineage_tags({}, "sft")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "log.txt").write_text("ignored\n")
+    assert "git.untracked" not in lineage_tags({}, "sft")
+    (tmp_path / "helper.py").write_text("y = 2\n")
+    (tmp_path / "extra").mkdir()
+    (tmp_path / "extra" / "a.jsonl").write_text("{}\n")
+    tags = lineage_tags({}, "sft")
+    assert tags["git.untracked"] == "2 untracked: extra/, helper.py"
+    assert not tags["git.commit"].endswith("-dirty")  # untracked files alone leave the commit clean
