@@ -8,9 +8,10 @@
    RSS after imports (the baseline), rows counted, the failures found and the throughput (file MB / seconds).
 2. Writes a file whose second record holds a 2 MB prompt of one repeated letter and runs
    ``alignflow validate`` on it (``--timeout`` seconds at most): the exit status, the error's first
-   line and the time. The same file is also validated in a process whose failure excerpts skip
-   secret redaction (``--child-noredact``: this measurement only), to time the rest of the gate
-   apart from redaction.
+   line and the time (process start and imports included). The same file is also validated in
+   a process of its own (``validate_dataset`` alone), once as the gate runs and once with the
+   failure excerpts' secret redaction skipped (``--child-noredact``: this measurement only), to
+   time redaction apart from the rest of the gate.
 
 The files are deleted afterwards.
 
@@ -120,11 +121,28 @@ def run_cli(path: Path, timeout: float) -> dict:
             "error_head": "\n".join(proc.stderr.strip().splitlines()[:2])[:400]}
 
 
+def large_file_figures(big: Path, gb: float, row_bytes: int) -> dict:
+    """Part 1: the generated file's shape and its validation's figures."""
+    t0 = time.perf_counter()
+    file = write_big(big, int(gb * 1e9), row_bytes)
+    file["generate_s"] = round(time.perf_counter() - t0, 1)
+    file["mean_row_bytes"] = round(file["bytes"] / file["rows"], 1)
+    print("generated", file, flush=True)
+    run = run_child(big)
+    run["throughput_mb_s"] = round(file["bytes"] / 1e6 / run["seconds"], 2)
+    run["rows_all_counted"] = run["n_rows"] == file["rows"]
+    print("large file", run, flush=True)
+    big.unlink()
+    return {"file": file, "large_file": run}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gb", type=float, default=2.0, help="size of the large file")
     parser.add_argument("--row-bytes", type=int, default=1000, help="approximate bytes per row")
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed to the 2 MB record's command")
+    parser.add_argument("--huge-record-only", action="store_true",
+                        help="rerun only the 2 MB record's part, keeping the large file's figures in --out")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "validate_big_cpu.json"))
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-noredact", default=None, help=argparse.SUPPRESS)
@@ -134,23 +152,17 @@ def main() -> None:
     big, huge = Path("/tmp/alignflow_validate_big.jsonl"), Path("/tmp/alignflow_validate_huge_record.jsonl")
     result: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                                 "python": platform.python_version()}}
+    if args.huge_record_only:
+        result = json.loads(Path(args.out).read_text())
     try:
-        t0 = time.perf_counter()
-        result["file"] = write_big(big, int(args.gb * 1e9), args.row_bytes)
-        result["file"]["generate_s"] = round(time.perf_counter() - t0, 1)
-        result["file"]["mean_row_bytes"] = round(result["file"]["bytes"] / result["file"]["rows"], 1)
-        print("generated", result["file"], flush=True)
-        run = run_child(big)
-        run["throughput_mb_s"] = round(result["file"]["bytes"] / 1e6 / run["seconds"], 2)
-        run["rows_all_counted"] = run["n_rows"] == result["file"]["rows"]
-        result["large_file"] = run
-        print("large file", run, flush=True)
-        big.unlink()
+        if not args.huge_record_only:
+            result.update(large_file_figures(big, args.gb, args.row_bytes))
         write_huge_record(huge)
         result["huge_record_cli"] = run_cli(huge, args.timeout)
         print("2 MB record, alignflow validate", result["huge_record_cli"], flush=True)
-        result["huge_record_without_redaction"] = run_child(huge, redact=False, timeout=args.timeout)
-        print("2 MB record, redaction skipped", result["huge_record_without_redaction"], flush=True)
+        for redact, name in ((True, "huge_record_gate"), (False, "huge_record_without_redaction")):
+            result[name] = run_child(huge, redact=redact, timeout=args.timeout)
+            print(name, result[name], flush=True)
     finally:
         for path in (big, huge):
             path.unlink(missing_ok=True)
