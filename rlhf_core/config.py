@@ -22,6 +22,8 @@ from typing import Any, ClassVar, TypeVar
 
 import yaml
 
+from rlhf_core.data.io import MAX_LINE_BYTES
+
 if typing.TYPE_CHECKING:  # annotations only; imported at run time inside RLConfig's checks
     from rlhf_core.rewards import RewardKind
     from rlhf_core.rl_math import AdvantageEstimator
@@ -162,6 +164,18 @@ class DataFields:
     """Field holding the dispreferred response (preference pairs)."""
     margin_field: str = "margin"
     """Optional numeric field: how much better chosen is than rejected."""
+    max_field_chars: int = 20000
+    """Longest text field (a message list: its contents together) the dataset gate accepts, in characters."""
+    max_line_bytes: int = MAX_LINE_BYTES
+    """Longest JSON Lines line read, in bytes, checked before parsing: a longer line is refused unread."""
+
+    def __post_init__(self) -> None:
+        self._check_limits("data")
+
+    def _check_limits(self, s: str) -> None:
+        """The size limits' checks, for the ``__post_init__`` of each config built on these fields."""
+        for name in ("max_field_chars", "max_line_bytes"):
+            _check(getattr(self, name) >= 1, s, name, f"must be >= 1, got {getattr(self, name)}")
 
 
 PRECISIONS = ("auto", "fp32", "mixed", "bf16")
@@ -266,6 +280,7 @@ class TrainerConfig(DataFields):
 
     def __post_init__(self) -> None:
         s = self.section
+        self._check_limits(s)
         _check(self.num_workers >= 1, s, "num_workers", f"must be >= 1, got {self.num_workers}")
         _check(self.batch_size >= self.num_workers, s, "batch_size",
                f"must be >= num_workers ({self.num_workers}): each worker takes rows of every micro-batch")
@@ -1019,6 +1034,7 @@ class RejectionConfig(DataFields):
 
     def __post_init__(self) -> None:
         s = "rejection"
+        self._check_limits(s)
         _check(self.scorer in ("reward_model", "rule"), s, "scorer",
                f"must be reward_model or rule, got {self.scorer!r}")
         _check(self.n_samples >= 2, s, "n_samples", f"must be >= 2, got {self.n_samples}")
@@ -1049,6 +1065,7 @@ class EvalConfig(DataFields):
     """torch intra-op threads on CPU."""
 
     def __post_init__(self) -> None:
+        self._check_limits("evaluate")
         for name in ("max_items", "max_new_tokens", "batch_size", "num_threads"):
             _check(getattr(self, name) >= 1, "evaluate", name, f"must be >= 1, got {getattr(self, name)}")
 

@@ -250,18 +250,20 @@ _GATE_KINDS = {"sft_train": "sft", "distill_train": "sft", "kept_samples": "sft"
 
 
 def _gate_key(path: str | Path, kind: str, fields: DataFields, desirable_field: str | None = None) -> str:
-    """What a passed validation depends on: the file's content, the kind, the field names and the
-    validator's own code (a changed suite must not trust old passes)."""
+    """What a passed validation depends on: the file's content, the kind, the field names, the size
+    limits and the validator's own code (a changed suite must not trust old passes)."""
     import hashlib
 
+    from rlhf_core.data import io, streaming
     from rlhf_core.data import validate as validator
 
-    names = {f: getattr(fields, f) for f in DataFields.__dataclass_fields__}
+    limits = ("max_field_chars", "max_line_bytes")
+    names = {f: getattr(fields, f) for f in DataFields.__dataclass_fields__ if f not in limits}
     if kind == "unpaired":  # only this kind reads it; other kinds keep their keys
         names["desirable_field"] = desirable_field or getattr(fields, "desirable_field", validator.DESIRABLE_FIELD)
-    code = hashlib.sha256(Path(validator.__file__).read_bytes()).hexdigest()
-    blob = json.dumps({"md5": dvc_md5(path), "kind": kind, "fields": names, "max_chars": validator.MAX_CHARS,
-                       "validator": code}, sort_keys=True)
+    code = [hashlib.sha256(Path(m.__file__).read_bytes()).hexdigest() for m in (validator, streaming, io)]
+    blob = json.dumps({"md5": dvc_md5(path), "kind": kind, "fields": names, "max_chars": fields.max_field_chars,
+                       "max_line_bytes": fields.max_line_bytes, "validator": code}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

@@ -21,7 +21,10 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
+
+MAX_LINE_BYTES = 16 * 1024 * 1024
+"""The longest JSON Lines line read unless a caller sets another (``DataFields.max_line_bytes``)."""
 
 
 class DataError(ValueError):
@@ -54,9 +57,23 @@ class Record:
         return self.data.get(key, default)
 
 
-def _iter_jsonl(path: Path) -> Iterator[Record]:
-    with path.open("rb") as fh:  # decoded per line, so a bad byte is reported with its line
-        for lineno, raw_bytes in enumerate(fh, start=1):
+def _open(path: Path) -> BinaryIO:
+    """``path`` opened for reading, or a DataError naming the file and why it cannot be read."""
+    try:
+        return path.open("rb")
+    except OSError as exc:  # permission denied, a directory, a vanished file
+        raise DataError(path, 0, f"cannot be read ({(exc.strerror or type(exc).__name__).lower()})") from None
+
+
+def _iter_jsonl(path: Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[Record]:
+    with _open(path) as fh:  # decoded per line, so a bad byte is reported with its line
+        lineno = 0
+        # At most max_line_bytes + 1 bytes per read: an endless line is refused, never held whole.
+        while raw_bytes := fh.readline(max_line_bytes + 1):
+            lineno += 1
+            if len(raw_bytes) > max_line_bytes and not raw_bytes.endswith(b"\n"):
+                raise DataError(path, lineno, f"line longer than {max_line_bytes} bytes, refused before parsing "
+                                              "(the max_line_bytes setting)")
             try:
                 raw = raw_bytes.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -75,8 +92,13 @@ def _iter_jsonl(path: Path) -> Iterator[Record]:
 
 
 def _iter_json_array(path: Path) -> Iterator[Record]:
+    with _open(path) as fh:  # one JSON document: parsed whole
+        data = fh.read()
     try:
-        rows = json.loads(path.read_text(encoding="utf-8"))
+        rows = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise DataError(path, line, f"not UTF-8 text (byte 0x{data[exc.start]:02x})") from None
     except json.JSONDecodeError as exc:
         raise DataError(path, exc.lineno, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
     if not isinstance(rows, list):
@@ -90,18 +112,28 @@ def _iter_json_array(path: Path) -> Iterator[Record]:
 def _iter_parquet(path: Path) -> Iterator[Record]:
     import pyarrow.parquet as pq
 
-    try:
-        table = pq.read_table(path)
-    except Exception as exc:  # pyarrow raises several types for corrupt files
-        raise DataError(path, 0, f"not a readable parquet file ({exc})") from None
-    for i, obj in enumerate(table.to_pylist(), start=1):
-        yield Record(obj, i)
+    line = 0
+    with _open(path) as fh:  # an unreadable file is named as such, not as a corrupt one
+        try:  # batch by batch: a large file is never one table in memory
+            for batch in pq.ParquetFile(fh).iter_batches(batch_size=PARQUET_BATCH_ROWS):
+                for obj in batch.to_pylist():
+                    line += 1
+                    yield Record(obj, line)
+        except Exception as exc:  # pyarrow raises several types for corrupt files
+            raise DataError(path, 0, f"not a readable parquet file ({exc})") from None
+
+
+PARQUET_BATCH_ROWS = 8192
+"""Rows decoded at a time from a parquet file."""
 
 
 def _iter_datasets_dir(path: Path) -> Iterator[Record]:
     import datasets
 
-    ds = datasets.load_from_disk(str(path))
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as exc:  # a damaged folder: missing, corrupt or unreadable files, arrow errors
+        raise DataError(path, 0, f"not a readable datasets folder ({' '.join(str(exc).split())})") from None
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
             raise DataError(path, 0, f"DatasetDict without a 'train' split (has {list(ds)})")
@@ -131,7 +163,7 @@ def hub_train_files(path: str | Path) -> list[Path]:
     with tempfile.TemporaryDirectory(prefix="alignflow-hub-") as cache:
         try:
             builder = datasets.load_dataset_builder(str(path), cache_dir=cache)
-        except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        except (ValueError, OSError, RuntimeError) as exc:  # OSError: missing or unreadable files
             reason = " ".join(str(exc).split())
             hint = "; mark one config of the README `default: true`" if "config" in reason.lower() else ""
             raise DataError(path, 0, f"not a readable dataset folder ({reason}){hint}") from None
@@ -145,24 +177,24 @@ def hub_train_files(path: str | Path) -> list[Path]:
             for f in data_files["train"]]
 
 
-def _iter_hub_dir(path: Path) -> Iterator[Record]:
+def _iter_hub_dir(path: Path, max_line_bytes: int) -> Iterator[Record]:
     for shard in hub_train_files(path):
         suffix = shard.suffix.lower()
         if suffix not in SHARD_SUFFIXES:
             raise DataError(shard, 0, f"unsupported shard format {suffix!r} (use parquet or JSON Lines shards)")
-        for rec in _iter_file(shard, sniff_json=True):
+        for rec in _iter_file(shard, max_line_bytes, sniff_json=True):
             yield Record(rec.data, rec.line, str(shard))
 
 
-def _iter_file(path: Path, sniff_json: bool = False) -> Iterator[Record]:
+def _iter_file(path: Path, max_line_bytes: int, sniff_json: bool = False) -> Iterator[Record]:
     suffix = path.suffix.lower()
     if suffix == ".json" and sniff_json:
         # The Hub's json loader reads .json shards as JSON Lines or as one array: tell them apart.
-        with path.open("rb") as fh:
+        with _open(path) as fh:
             head = fh.read(4096).lstrip()
-        return _iter_json_array(path) if head.startswith(b"[") else _iter_jsonl(path)
+        return _iter_json_array(path) if head.startswith(b"[") else _iter_jsonl(path, max_line_bytes)
     if suffix in (".jsonl", ".ndjson"):
-        return _iter_jsonl(path)
+        return _iter_jsonl(path, max_line_bytes)
     if suffix == ".json":
         return _iter_json_array(path)
     if suffix in (".parquet", ".pq"):
@@ -173,21 +205,26 @@ def _iter_file(path: Path, sniff_json: bool = False) -> Iterator[Record]:
 SHARD_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet")
 
 
-def iter_records(path: str | Path) -> Iterator[Record]:
+def iter_records(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[Record]:
     """Yield records of a dataset file or folder, by suffix: .jsonl, .json, .parquet; a folder saved by
-    ``datasets`` or in the Hub's dataset layout."""
+    ``datasets`` or in the Hub's dataset layout. A JSON Lines line over ``max_line_bytes`` is refused
+    unparsed (:class:`DataError` naming file and line)."""
     path = Path(path)
     if not path.exists():
         raise DataError(path, 0, "file not found")
     if path.is_dir():
-        return _iter_datasets_dir(path) if is_saved_dataset(path) else _iter_hub_dir(path)
-    return _iter_file(path)
+        return _iter_datasets_dir(path) if is_saved_dataset(path) else _iter_hub_dir(path, max_line_bytes)
+    if not path.is_file():
+        raise DataError(path, 0, "not a regular file or a dataset folder")
+    return _iter_file(path, max_line_bytes)
 
 
-def read_records(path: str | Path, limit: int | None = None) -> list[Record]:
-    """All records of a dataset (or the first ``limit``)."""
+def read_records(path: str | Path, limit: int | None = None,
+                 max_line_bytes: int = MAX_LINE_BYTES) -> list[Record]:
+    """All records of a dataset (or the first ``limit``), in memory: for files that are small by design
+    (eval sets, a preview); the gate streams instead (:func:`iter_records`)."""
     out: list[Record] = []
-    for rec in iter_records(path):
+    for rec in iter_records(path, max_line_bytes):
         out.append(rec)
         if limit is not None and len(out) >= limit:
             break

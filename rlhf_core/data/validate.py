@@ -1,8 +1,9 @@
 """The Great Expectations gate: every dataset is validated before a stage consumes it.
 
-``validate_dataset(path, kind)`` reads the file (a broken line fails here, naming file and
-line), detects the file's form, builds a pandas frame with one row per record, runs a GX
-expectation suite for the kind and form, and returns a report. ``ValidationFailed`` carries
+``validate_dataset(path, kind)`` streams the file (a broken or over-long line fails, naming file
+and line), detects the file's form, builds a pandas frame per chunk of records (one row per
+record), runs a GX expectation suite for the kind and form on each, and returns one report for
+the whole file (:mod:`rlhf_core.data.streaming`: memory follows the chunk, not the file). ``ValidationFailed`` carries
 the report: which expectation failed, on which field, with example rows as ``file:line``.
 
 Kinds (one per stage input; field names follow the stage config, so renamed fields work), each
@@ -25,7 +26,7 @@ in TRL's *standard* form (fields hold text) or *conversational* form (fields hol
 Text fields are present, non-blank and within ``max_chars``; message lists are non-empty, each
 message an object with a string ``content`` and a role in ``formats.ROLES``; a prompt
 conversation does not end with an assistant turn, an answer is exactly one assistant message;
-no duplicate examples.
+no duplicate examples (found across chunks from 16-byte digests of the key fields).
 
 The form is the file's, not the row's: the first record that shows one (a string or a list in
 the deciding field; a prompt field or none for preference pairs) sets it, and every row is held
@@ -47,14 +48,17 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from itertools import chain
 from typing import Any, Literal
 
 from rlhf_core.config import DataFields
 from rlhf_core.data.formats import ROLES, implicit_prompt, labels_present
-from rlhf_core.data.io import DataError, Record, read_records
+from rlhf_core.data.io import DataError, Record, iter_records
+from rlhf_core.data.streaming import CHUNK_ROWS, SeenRows, SuiteRunner, chunks
+from rlhf_core.data.streaming import _ordered  # noqa: F401  (the data report runs its suite with it)
 from rlhf_core.redact import redact_secrets
 
 Kind = Literal["sft", "preference", "prompts", "prompt-only", "unpaired"]
@@ -63,7 +67,10 @@ PROMPT_KINDS = ("prompts", "prompt-only")
 """Kinds of prompt files: the same fields and checks, but ``prompt-only`` lets a row go without a label."""
 DESIRABLE_FIELD = "desirable"
 """The unpaired kind's boolean field unless the caller names another (``KTOConfig.desirable_field``)."""
-MAX_CHARS = 20000
+MAX_CHARS = DataFields.max_field_chars
+"""The default per-field limit in characters (a config's ``max_field_chars`` sets it)."""
+MAX_LOCATIONS = 100
+"""Offending rows listed per failed expectation (``lines``, ``locations``); ``unexpected_count`` counts all."""
 
 
 def prompts_kind(needs_labels: bool) -> str:
@@ -76,12 +83,15 @@ def eval_kind(path: str | Path, label_field: str) -> str:
     """The gate's kind for a policy stage's eval file: ``prompts`` when every item has a label (exact-match
     accuracy), ``prompt-only`` when none has (the guards judge the held-out reward or a metric command); a mix is
     a :class:`DataError` naming the file, the first unlabelled line and the field."""
-    try:
-        records = read_records(path)
+    labels: list[Any] = []
+    lines: list[int] = []
+    try:  # the labels alone are kept: an eval file may be large
+        for r in iter_records(path):
+            labels.append(r.data.get(label_field))
+            lines.append(r.line)
     except DataError:  # unreadable: the validator's report says why
         return "prompts"
-    return prompts_kind(labels_present([r.data.get(label_field) for r in records], [r.line for r in records],
-                                       path, label_field))
+    return prompts_kind(labels_present(labels, lines, path, label_field))
 N_EXAMPLES = 5
 VALUE_CHARS = 60
 """Each field value in a failure excerpt is clipped to this many characters ..."""
@@ -230,7 +240,7 @@ def _record_form(data: Any, kind: str, fields: DataFields) -> Form | None:
     return Form(conversational=isinstance(value, list), implicit=implicit, pairs=pairs and kind == "unpaired")
 
 
-def detect_form(records: Sequence[Record], kind: str, fields: DataFields) -> Form:
+def detect_form(records: Iterable[Record], kind: str, fields: DataFields) -> Form:
     """The form of the first record that shows one (standard when none does)."""
     for rec in records:
         form = _record_form(rec.data, kind, fields)
@@ -433,90 +443,124 @@ def _suite(kind: str, form: Form, f: DataFields, desirable_field: str, max_chars
         suite.append((E.ExpectColumnValuesToNotBeNull(column=desirable_field), desirable_field, "missing" + hint))
         suite.append((E.ExpectColumnValuesToBeInSet(column=f"{desirable_field}__bool", value_set=[True]),
                       desirable_field, "must be true or false"))
+    # Duplicates across the whole file, chunk by chunk: a helper column (see _frame), not GX's
+    # uniqueness expectations, which see one frame only.
     keys = [col for col, _ in cols]
-    if len(keys) == 1:
-        suite.append((E.ExpectColumnValuesToBeUnique(column=keys[0]), keys[0], "duplicate rows"))
-    else:
-        suite.append((E.ExpectCompoundColumnsToBeUnique(column_list=keys), "+".join(keys), "duplicate rows"))
+    suite.append((E.ExpectColumnValuesToBeInSet(column=_unique_column(keys), value_set=[True]), "+".join(keys),
+                  "duplicate rows"))
     return suite
 
 
 # --------------------------------------------------------------------------------------
-# Running a suite
+# Running a suite, chunk by chunk
 # --------------------------------------------------------------------------------------
 
 
-def _run_suite(df: Any, suite_items: list[tuple[Any, str, str]], kind: str, gx: Any) -> list[Any]:
-    """GX results of ``suite_items`` on ``df``, in the suite's order."""
-    context = gx.get_context(mode="ephemeral")
-    # GX's per-metric progress bars would bury the report on stderr.
-    from great_expectations.data_context.types.base import ProgressBarsConfig
-
-    context.variables.progress_bars = ProgressBarsConfig(globally=False)
-    source = context.data_sources.add_pandas(name="alignflow")
-    asset = source.add_dataframe_asset(name=kind)
-    batch = asset.add_batch_definition_whole_dataframe("all").get_batch(batch_parameters={"dataframe": df})
-    suite = gx.ExpectationSuite(name=f"alignflow-{kind}")
-    for expectation, _, _ in suite_items:
-        suite.add_expectation(expectation)
-    return _ordered(batch.validate(suite, result_format={"result_format": "COMPLETE"}), suite)
-
-
 def validate_dataset(path: str | Path, kind: str, fields: DataFields | None = None,
-                     max_chars: int = MAX_CHARS, *, desirable_field: str | None = None) -> ValidationReport:
+                     max_chars: int | None = None, *, desirable_field: str | None = None,
+                     chunk_rows: int = CHUNK_ROWS) -> ValidationReport:
     """Validate ``path`` as a ``kind`` dataset with Great Expectations; never writes anything.
 
-    ``desirable_field`` (the unpaired kind's boolean) defaults to ``fields.desirable_field`` when
-    ``fields`` is a KTO config, else ``"desirable"``."""
+    The file is streamed: ``chunk_rows`` records at a time become one frame for the suite, and the
+    failures are merged (:class:`_Tally`), so memory follows the chunk, not the file. Limits come from
+    ``fields``: ``max_line_bytes`` (the reader) and ``max_field_chars`` (the suite, unless ``max_chars``
+    is given). ``desirable_field`` (the unpaired kind's boolean) defaults to ``fields.desirable_field``
+    when ``fields`` is a KTO config, else ``"desirable"``."""
     import great_expectations as gx
-    import pandas as pd
 
     # GX sets this module's logger to INFO itself; its temp-folder notice is noise on stderr.
     logging.getLogger("great_expectations.data_context.types.base").setLevel(logging.WARNING)
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     fields = fields or DataFields()
+    max_chars = fields.max_field_chars if max_chars is None else max_chars
     desirable_field = desirable_field or getattr(fields, "desirable_field", DESIRABLE_FIELD)
-    records = read_records(path)  # raises DataError naming file:line for unreadable lines
-    report = ValidationReport(str(path), kind, len(records), 0)
-    if not records:
+    # A broken line raises DataError naming file:line when the stream reaches it.
+    form, records = _form_and_records(path, kind, fields, chunk_rows)
+    report = ValidationReport(str(path), kind, 0, 0, form=form.name)
+    suite_items = _suite(kind, form, fields, desirable_field, max_chars, gx)
+    tallies = [_Tally() for _ in suite_items]
+    runner, seen = None, SeenRows()
+    for chunk in chunks(records, chunk_rows):
+        runner = runner or SuiteRunner(gx, kind, suite_items)
+        # The frame's index is the record's position: a folder's shards each count lines from 1.
+        first = report.n_rows + 1
+        df = _frame(chunk, first, kind, form, fields, desirable_field, seen)
+        for tally, res, (_exp, col, _msg) in zip(tallies, runner.run(df), suite_items):
+            if not res.success:
+                tally.add(res, col, df, chunk, first, path)
+        report.n_rows += len(chunk)
+    if not report.n_rows:
         report.failures.append(Failure("table_not_empty", "*", "dataset has no rows", 0, [], []))
         report.n_expectations = 1
         return report
-    form = detect_form(records, kind, fields)
-    report.form = form.name
-    # The frame's index is the record's position: a folder's shards each count lines from 1.
-    df = pd.DataFrame([_row(r.data, kind, form, fields, desirable_field) for r in records],
-                      index=range(1, len(records) + 1))
-    suite_items = _suite(kind, form, fields, desirable_field, max_chars, gx)
     report.n_expectations = len(suite_items)
-    for res, (_exp, col, msg) in zip(_run_suite(df, suite_items, kind, gx), suite_items):
-        if not res.success:
-            report.failures.append(_failure(res, col, msg, df, records, path))
+    report.failures = [t.failure(col, msg) for t, (_exp, col, msg) in zip(tallies, suite_items) if t.failed]
     return report
 
 
-def _failure(res: Any, col: str, msg: str, df: Any, records: Sequence[Record], path: str | Path) -> Failure:
-    """A failed GX result as a :class:`Failure` naming each offending row's file and line."""
-    info = res.result or {}
-    rows = sorted({int(i) for i in info.get("unexpected_index_list") or []})
-    count = int(info.get("unexpected_count") or len(rows))
-    recs = [records[i - 1] for i in rows]
-    locations = [f"{r.where(path)}:{r.line}" for r in recs]
-    shown = [k for k in df.columns if "__" not in k and k in col.split("+")]
-    examples = [excerpt(r.line if r.source is None else loc, {k: df.at[i, k] for k in shown})
-                for i, r, loc in list(zip(rows, recs, locations))[:3]]
-    return Failure(res.expectation_config.type, col, msg, count, [r.line for r in recs], examples, locations)
+def _form_and_records(path: str | Path, kind: str, fields: DataFields,
+                      peek: int) -> tuple[Form, Iterator[Record]]:
+    """The file's form and an iterator over all its records. Reads ahead until a record shows the form,
+    holding at most ``peek`` records; past that (no form in the first ``peek``) a second pass looks on."""
+    records = iter_records(path, fields.max_line_bytes)
+    head: list[Record] = []
+    for rec in records:
+        head.append(rec)
+        if _record_form(rec.data, kind, fields) is not None:
+            return detect_form(head[-1:], kind, fields), chain(head, records)
+        if len(head) >= peek:
+            return detect_form(iter_records(path, fields.max_line_bytes), kind, fields), chain(head, records)
+    return Form(), iter(head)
 
 
-def _ordered(result: Any, suite: Any) -> list[Any]:
-    """Results in the suite's order, matched on expectation type and arguments."""
-    def key(cfg: Any) -> tuple[str, str]:
-        kwargs = {k: v for k, v in cfg.kwargs.items() if k in ("column", "column_list", "value_set")}
-        return cfg.type, repr(sorted(kwargs.items()))
+def _frame(chunk: Sequence[Record], first: int, kind: str, form: Form, f: DataFields, desirable_field: str,
+           seen: SeenRows) -> Any:
+    """One chunk's frame, indexed by position from ``first``: every row's cells and helper columns,
+    with the duplicate check's ``__unique`` column filled from ``seen`` (every earlier chunk's keys)."""
+    import pandas as pd
 
-    by_key = {key(r.expectation_config): r for r in result.results}
-    return [by_key[key(e.configuration)] for e in suite.expectations]
+    rows = [_row(r.data, kind, form, f, desirable_field) for r in chunk]
+    keys = [col for col, _ in _columns(kind, form, f)]
+    unique = _unique_column(keys)
+    for row, ok in zip(rows, seen.unique_flags([tuple(row[k] for k in keys) for row in rows])):
+        row[unique] = ok
+    return pd.DataFrame(rows, index=range(first, first + len(rows)))
+
+
+def _unique_column(keys: Sequence[str]) -> str:
+    """The helper column of the duplicate check over the key fields ``keys``."""
+    return "+".join(keys) + "__unique"
+
+
+@dataclass
+class _Tally:
+    """One expectation's failures merged over chunks: counts summed, the first offending rows kept."""
+
+    failed: bool = False
+    expectation: str = ""
+    count: int = 0
+    lines: list[int] = field(default_factory=list)
+    locations: list[str] = field(default_factory=list)
+    examples: list[str] = field(default_factory=list)
+
+    def add(self, res: Any, col: str, df: Any, chunk: Sequence[Record], first: int, path: str | Path) -> None:
+        """Fold in a failed GX result on ``df``, the frame of ``chunk`` (positions from ``first``)."""
+        info = res.result or {}
+        rows = sorted({int(i) for i in info.get("unexpected_index_list") or []})
+        self.failed, self.expectation = True, res.expectation_config.type
+        self.count += int(info.get("unexpected_count") or len(rows))
+        rows = rows[:max(0, MAX_LOCATIONS - len(self.lines))]
+        recs = [chunk[i - first] for i in rows]
+        locations = [f"{r.where(path)}:{r.line}" for r in recs]
+        shown = [k for k in df.columns if "__" not in k and k in col.split("+")]
+        for i, r, loc in list(zip(rows, recs, locations))[:max(0, 3 - len(self.examples))]:
+            self.examples.append(excerpt(r.line if r.source is None else loc, {k: df.at[i, k] for k in shown}))
+        self.lines += [r.line for r in recs]
+        self.locations += locations
+
+    def failure(self, col: str, msg: str) -> Failure:
+        return Failure(self.expectation, col, msg, self.count, self.lines, self.examples, self.locations)
 
 
 def check_dataset(path: str | Path, kind: str, fields: DataFields | None = None, *,

@@ -45,7 +45,7 @@ def test_valid_files_pass(tmp_path, micro_data):
          "expect_column_values_to_be_in_set"),
         ({"prompt": "9+1=", "chosen": "10", "rejected": "11", "margin": "big"}, "margin",
          "expect_column_values_to_be_in_set"),
-        (GOOD_PREF[0], "prompt+chosen+rejected", "expect_compound_columns_to_be_unique"),
+        (GOOD_PREF[0], "prompt+chosen+rejected", "expect_column_values_to_be_in_set"),
     ],
     ids=["missing", "wrong-type", "blank", "too-long", "chosen-eq-rejected", "inf-margin", "text-margin",
          "duplicate"],
@@ -131,7 +131,7 @@ def test_failure_excerpts_are_redacted_and_clipped(tmp_path):
     report = validate_dataset(path, "preference", max_chars=5_000)
     failures = _failures(report)
     assert failures[("chosen", "expect_column_value_lengths_to_be_between")] == [6, 7]
-    assert failures[("prompt+chosen+rejected", "expect_compound_columns_to_be_unique")] == [6, 7]
+    assert failures[("prompt+chosen+rejected", "expect_column_values_to_be_in_set")] == [6, 7]
     dumped = json.dumps(report.to_dict())
     for text in (dumped, report.render()):
         assert "SECRETVALUE123" not in text and "hunter2pass" not in text
@@ -265,7 +265,7 @@ def test_unpaired_desirable_field_maps_trls_label(tmp_path):
 def test_duplicate_conversations_are_caught(tmp_path):
     row = {"prompt": [U("1+1=")], "completion": [A("2")]}
     report = validate_dataset(_write(tmp_path, "dup.jsonl", [row, {**row, "completion": [A("3")]}, row]), "sft")
-    assert _failures(report) == {("prompt+completion", "expect_compound_columns_to_be_unique"): [1, 3]}
+    assert _failures(report) == {("prompt+completion", "expect_column_values_to_be_in_set"): [1, 3]}
 
 
 def test_a_hub_folder_failure_names_the_shard_and_its_line(tmp_path):
