@@ -60,34 +60,44 @@ def exit_code(exc: BaseException) -> int | None:
     return None
 
 
-def bounded(text: str, more: str = "rerun with --debug for the whole message") -> str:
-    """``text`` cut to :data:`MAX_LINES` lines and :data:`MAX_CHARS` characters (the ``error: `` prefix
-    included); where it is cut, the last line says how many lines are left out and ``more``: where the rest is."""
-    lines = text.strip().splitlines() or [""]
+def bounded(lines: list[str], more: str = "rerun with --debug for the whole message",
+            rank: list[int] | None = None) -> str:
+    """``lines`` cut to :data:`MAX_LINES` lines and :data:`MAX_CHARS` characters (the ``error: `` prefix
+    included). Where something must go, lines of lower ``rank`` are kept first (default: the first lines),
+    in their order; a long line is clipped; a last line says how many lines are left out and ``more``: where
+    the rest is."""
+    lines = [line for line in lines if line.strip()] or [""]
     whole = "\n".join(lines)
     if len(lines) <= MAX_LINES and len(whole) <= MAX_CHARS - len("error: "):
         return whole
     tail = f"... ({len(lines)} more line(s); {more})"[:MAX_CHARS // 2]
     budget = MAX_CHARS - len("error: ") - len(tail) - 1
-    kept: list[str] = []
-    for line in lines[:MAX_LINES - 1]:
-        room = budget - sum(len(k) + 1 for k in kept)
-        if room < 40:
+    kept: dict[int, str] = {}
+    for i in sorted(range(len(lines)), key=lambda i: ((rank or [0] * len(lines))[i], i)):
+        room = budget - sum(len(k) + 1 for k in kept.values())
+        if len(kept) == MAX_LINES - 1 or room < 40:
             break
-        kept.append(line if len(line) <= room else line[:room - 3] + "...")
-    return "\n".join([*kept, f"... ({len(lines) - len(kept)} more line(s); {more})"[:MAX_CHARS // 2]])
+        kept[i] = lines[i] if len(lines[i]) <= room else lines[i][:room - 3] + "..."
+    shown = [kept[i] for i in sorted(kept)]
+    return "\n".join([*shown, f"... ({len(lines) - len(shown)} more line(s); {more})"[:MAX_CHARS // 2]])
 
 
 def message(exc: BaseException) -> str:
-    """The bounded, redacted message of one of the project's errors. A failed validation keeps its first
-    findings and points at ``alignflow validate``, which prints the whole report."""
+    """The bounded, redacted message of one of the project's errors. A failed validation keeps its header
+    and each failure's first line (file:line, field, what is wrong) before the details, and points at
+    ``alignflow validate``, which prints the whole report."""
     from rlhf_core.redact import redact_secrets
 
     report = getattr(exc, "report", None)
-    if report is not None and hasattr(report, "render"):
-        more = f"the whole report: alignflow validate --kind {report.kind} {report.path}"
-        return bounded(redact_secrets(report.render()), more)
-    return bounded(redact_secrets(str(exc)))
+    if report is None or not hasattr(report, "failures"):
+        return bounded(redact_secrets(str(exc)).splitlines())
+    lines, rank = [redact_secrets(report.render()).splitlines()[0]], [0]
+    for failure in report.failures:
+        rendered = redact_secrets(failure.render(report.path)).splitlines()
+        lines += rendered
+        rank += [1] + [2] * (len(rendered) - 1)
+    path = str(report.path) if len(str(report.path)) <= 60 else "FILE"  # the header names a long one
+    return bounded(lines, f"alignflow validate --kind {report.kind} {path} prints the whole report", rank)
 
 
 def report(exc: BaseException, debug: bool) -> int | None:
