@@ -253,10 +253,10 @@ def validate_datasets(cfg: dict[str, Any], files: dict[str, str], parent_run_id:
 def build_base(cfg: dict[str, Any], files: dict[str, str], md5: dict[str, str], parent_run_id: str) -> str:
     """Build the tiny base model on the SFT corpus (when the user gave none); returns its path."""
     m = cfg["model"]
-    get_run_logger().info("no --base-model given: building alignflow's embedded tiny %s model (%d layers, hidden size "
-                          "%d: params.yaml's model section) in %s, its tokenizer trained on %s; --base-model PATH "
-                          "trains a Hugging Face model of yours instead", m.arch, m.num_layers, m.hidden_size,
-                          m.out_dir, files["sft"])
+    get_run_logger().info("no --base-model given: building alignflow's embedded tiny %s model (model section: %d "
+                          "layers, hidden size %d) in %s, its tokenizer trained on %s; --base-model PATH trains a "
+                          "Hugging Face model of yours instead", m.arch, m.num_layers, m.hidden_size, m.out_dir,
+                          files["sft"])
     base = _run(build_base_model, cfg["flow"],
                 params={**config_to_dict(cfg["model"]), "corpus_file": files["sft"]}, corpus_md5=md5["sft"],
                 tracking=config_to_dict(cfg["tracking"]), parent_run_id=parent_run_id)
