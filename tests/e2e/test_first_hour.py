@@ -3,8 +3,8 @@
 Each case runs the real ``alignflow`` in a fresh process and checks the error as the user reads it: printed
 once, at most 5 lines and 400 characters, naming its source (the command line, the params file, or the
 data file with line and field) and what to do, no traceback unless ``--debug``, a non-zero exit. The flow
-cases also check that a config mistake is caught before Prefect starts, and that bad data found inside the
-flow is not repeated by Prefect's own failure logs.
+cases check that a config mistake is caught before Prefect starts; bad data found inside a flow, reported
+once and not again by Prefect's own failure logs, is test_flow.py's slow CLI test.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import cli_env, run_cli
+from helpers import cli_env, one_error, run_cli
 
 GOOD_SFT = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(6) for b in range(5)]
 
@@ -32,19 +32,6 @@ def project(tmp_path_factory) -> Path:
     assert proc.returncode == 0, proc.stderr[-3000:]
     (root / "data" / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in GOOD_SFT))
     return root
-
-
-def one_error(proc: subprocess.CompletedProcess, code: int, *needles: str) -> str:
-    """The command failed with ``code`` and one bounded error holding every needle; returns that error."""
-    err = proc.stderr
-    assert proc.returncode == code, (proc.returncode, err[-3000:])
-    assert "Traceback" not in err, err[-3000:]
-    block = err[err.rindex("error: "):].strip()
-    assert len(block.splitlines()) <= 5 and len(block) <= 400, block
-    assert err.count(block.splitlines()[0]) == 1, err[-3000:]  # printed once
-    for needle in needles:
-        assert needle in block, (needle, block)
-    return block
 
 
 def test_a_mistyped_stage_override_names_the_command_line_and_the_closest_field(project):
@@ -93,18 +80,3 @@ def test_a_flow_config_typo_is_caught_before_prefect_starts(project):
     one_error(run_cli(["flow", "align", "--set", "sftt.max_steps=5"], project), 2, "did you mean sft?")
     one_error(run_cli(["flow", "align", "--sft-file", "data/nothere.jsonl"], project), 2,
               "--sft-file: data/nothere.jsonl: not found")
-
-
-def test_bad_data_in_a_flow_is_reported_once_with_file_line_and_field(project):
-    """The flow's gate refuses a blank completion on line 4: the report once, not Prefect's three tracebacks."""
-    rows = [json.dumps(r) for r in GOOD_SFT]
-    rows[3] = json.dumps({"prompt": "0+3=", "completion": "   "})
-    (project / "data" / "bad.jsonl").write_text("\n".join(rows) + "\n")
-    prompts = "".join(json.dumps({"prompt": r["prompt"], "label": r["completion"]}) + "\n" for r in GOOD_SFT)
-    (project / "data" / "prompts.jsonl").write_text(prompts)
-    (project / "data" / "prefs.jsonl").write_text("".join(
-        json.dumps({"prompt": r["prompt"], "chosen": r["completion"], "rejected": "x"}) + "\n" for r in GOOD_SFT))
-    proc = run_cli(["flow", "align", "--sft-file", "data/bad.jsonl", "--preference-file", "data/prefs.jsonl",
-                    "--prompts-file", "data/prompts.jsonl", "--eval-file", "data/prompts.jsonl"], project)
-    one_error(proc, 1, "data/bad.jsonl: INVALID sft dataset", "data/bad.jsonl:4: field 'completion'")
-    assert proc.stderr.count("field 'completion'") == 1, proc.stderr[-3000:]
