@@ -153,7 +153,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from rlhf_core import stages
     from rlhf_core.data.validate import ValidationFailed
 
-    overrides = parse_overrides(args.set)
+    overrides = stage_overrides(args.set, "sft", "validate")  # field names: the sft section's, as the flows read them
     # KTO's boolean field lives in its own config, not DataFields; the unpaired kind reads it.
     desirable_field = overrides.pop("desirable_field", None)
     fields = load_config(DataFields, "sft", None, overrides) if overrides else DataFields()
