@@ -101,16 +101,20 @@ def message(exc: BaseException) -> str:
 
 
 def report(exc: BaseException, debug: bool) -> int | None:
-    """Print ``exc`` as the command's one error (its traceback first under ``debug``); returns the exit
-    status, or None when ``exc`` is not one of the project's errors (the caller lets it propagate)."""
+    """Print ``exc`` as the command's one error (under ``debug`` its traceback first and the message uncut);
+    returns the exit status, or None when ``exc`` is not one of the project's errors (the caller lets it propagate)."""
     if any(_qualified(cls) == INTERRUPTED for cls in type(exc).__mro__):
         print(f"stopped: {exc}", file=sys.stderr)
         return 128 + 15
     code = exit_code(exc)
     if code is None:
         return None
-    if debug:
+    if debug:  # the traceback, then the whole message
+        from rlhf_core.redact import redact_secrets
+
         traceback.print_exception(exc, file=sys.stderr)
+        print(f"error: {redact_secrets(str(exc))}", file=sys.stderr)
+        return code
     print(f"error: {message(exc)}", file=sys.stderr)
     return code
 
