@@ -109,10 +109,10 @@ def report(exc: BaseException, debug: bool) -> int | None:
     code = exit_code(exc)
     if code is None:
         return None
-    if debug:  # the traceback, then the whole message
+    if debug:  # the traceback, then the whole message; redacted like the rest (a URL's token in a message)
         from rlhf_core.redact import redact_secrets
 
-        traceback.print_exception(exc, file=sys.stderr)
+        sys.stderr.write(redact_secrets("".join(traceback.format_exception(exc))))
         print(f"error: {redact_secrets(str(exc))}", file=sys.stderr)
         return code
     print(f"error: {message(exc)}", file=sys.stderr)
