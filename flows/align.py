@@ -22,9 +22,7 @@ Run: ``alignflow flow align`` (or ``python -m flows.align``).
 
 from __future__ import annotations
 
-import hashlib
 import inspect
-import json
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -32,16 +30,8 @@ from typing import Any, Iterator
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from rlhf_core.config import (
-    SECTIONS,
-    ConfigError,
-    DataFields,
-    FlowConfig,
-    TrackingConfig,
-    build_config,
-    config_to_dict,
-    read_params,
-)
+from flows.params import load_all
+from rlhf_core.config import ConfigError, DataFields, FlowConfig, TrackingConfig, config_to_dict
 from rlhf_core.data.validate import prompts_kind, require_eval_labels
 from rlhf_core.lineage import dvc_md5, project_relative
 from rlhf_core.redact import redact_secrets
@@ -74,57 +64,6 @@ def dataset_kinds(cfg: dict[str, Any]) -> dict[str, str]:
     if used:  # no stage reading the prompts: keep the label-required kind
         kinds["prompts"] = prompts_kind(any(used))
     return kinds
-
-
-def write_private_overrides(values: dict[str, dict[str, Any]]) -> str:
-    """Write overrides that carry a secret to ``.alignflow/private/overrides-<sha256>.json`` (folder 0700,
-    file 0600); returns its absolute path, what the flow gets as its ``private_overrides`` parameter.
-
-    Why a file: Prefect stores a flow run's parameters in its database and shows them in its UI, so a
-    ``--set rl.reward_url=https://user:pass@host/?token=...`` passed as a parameter would sit there for
-    good. The name is the content's hash, so another value is another parameter, and a retry or rerun of
-    the flow run finds the same file."""
-    from rlhf_core.atomic_io import write_text_atomic
-    from rlhf_core.tracking import project_root
-
-    text = json.dumps(values, sort_keys=True)
-    folder = project_root() / ".alignflow" / "private"
-    folder.mkdir(parents=True, exist_ok=True)
-    folder.chmod(0o700)  # so write_text_atomic's temporary file (default mode) is out of others' reach too
-    path = folder / f"overrides-{hashlib.sha256(text.encode()).hexdigest()}.json"
-    write_text_atomic(path, text)
-    path.chmod(0o600)
-    return str(path)
-
-
-def read_private_overrides(path: str) -> dict[str, dict[str, Any]]:
-    """The overrides :func:`write_private_overrides` wrote, checked against the hash in the file's name."""
-    file = Path(path)
-    if not file.exists():
-        raise ConfigError(f"private_overrides: {file} is gone (it held this flow run's --set values that carry a "
-                          "secret); run the command again")
-    text = file.read_text(encoding="utf-8")
-    if file.name != f"overrides-{hashlib.sha256(text.encode()).hexdigest()}.json":
-        raise ConfigError(f"private_overrides: {file} does not match the hash in its name (changed since the flow "
-                          "run started); run the command again")
-    return json.loads(text)
-
-
-def load_all(params_file: str | None, overrides: dict[str, dict[str, Any]] | None,
-             private_overrides: str | None = None) -> dict[str, Any]:
-    """Every section's typed config, from ``params_file`` plus ``{section: {field: value}}`` overrides,
-    the secret-carrying ones read from the ``private_overrides`` file (:func:`write_private_overrides`)."""
-    raw = read_params(params_file) if params_file and Path(params_file).exists() else {}
-    overrides = {section: dict(values) for section, values in (overrides or {}).items()}
-    if private_overrides:  # the real values of what the flow-run parameters show as ***
-        for section, values in read_private_overrides(private_overrides).items():
-            overrides.setdefault(section, {}).update(values)
-    unknown = set(overrides) - set(SECTIONS)
-    if unknown:
-        raise ConfigError(f"overrides: unknown section(s) {sorted(unknown)}; known: {sorted(SECTIONS)}")
-    return {name: build_config(cls, name, {**(raw.get(name) or {}), **overrides.get(name, {})},
-                               str(params_file or "<defaults>"))
-            for name, cls in SECTIONS.items()}
 
 
 @contextmanager
@@ -313,6 +252,11 @@ def validate_datasets(cfg: dict[str, Any], files: dict[str, str], parent_run_id:
 
 def build_base(cfg: dict[str, Any], files: dict[str, str], md5: dict[str, str], parent_run_id: str) -> str:
     """Build the tiny base model on the SFT corpus (when the user gave none); returns its path."""
+    m = cfg["model"]
+    get_run_logger().info("no --base-model given: building alignflow's embedded tiny %s model (model section: %d "
+                          "layers, hidden size %d) in %s, its tokenizer trained on %s; --base-model PATH trains a "
+                          "Hugging Face model of yours instead", m.arch, m.num_layers, m.hidden_size, m.out_dir,
+                          files["sft"])
     base = _run(build_base_model, cfg["flow"],
                 params={**config_to_dict(cfg["model"]), "corpus_file": files["sft"]}, corpus_md5=md5["sft"],
                 tracking=config_to_dict(cfg["tracking"]), parent_run_id=parent_run_id)

@@ -3,11 +3,15 @@
 Stage commands (``generate``, ``init-model``, ``sft``, ``reward``, ``dpo``, ``kto``,
 ``rejection``, ``raft``, ``distill``, ``rl``, ``evaluate``) run a stage directly,
 as ``dvc repro`` does; ``flow align`` runs the whole pipeline under Prefect. Every command
-reads ``params.yaml`` (``--params``) and takes ``--set field=value`` overrides (``--set
-section.field=value`` for ``flow align``).
+reads ``params.yaml`` (``--params``) and takes ``--set field=value`` overrides (a stage command
+also takes ``--set section.field=value`` for its own section; ``flow`` takes only that form).
 
 Exit codes: 0 success; 1 invalid data (the Great Expectations report is printed); 2 a bad
-config, command line or model directory.
+config, command line or model directory. An error is printed once, naming its source
+(flows/errors.py); ``--debug`` adds its traceback.
+
+``--help`` and ``--version`` import nothing heavy: torch, MLflow, Prefect, Ray and Great
+Expectations load inside the command that needs them (tests/unit/test_cli_startup.py).
 
 ``diff A B`` compares two runs or model versions (flows/diff.py).
 
@@ -27,8 +31,10 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-import rlhf_core  # noqa: F401  (offline switches first)
+import rlhf_core  # offline switches first
+from flows import errors
 from rlhf_core.config import (
+    OVERRIDE_SOURCE,
     SECTIONS,
     ConfigError,
     DataFields,
@@ -50,25 +56,66 @@ from rlhf_core.config import (
     load_config,
     parse_overrides,
 )
-from rlhf_core.data.io import DataError
-from rlhf_core.data.validate import KINDS, ValidationFailed
-from rlhf_core.models import ModelLoadError
+from rlhf_core.data.validate import KINDS
 
 
 def _common(p: argparse.ArgumentParser, section: str | None) -> None:
     p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
-    help_text = "override a config field (repeatable), YAML value"
-    if section is not None:
-        docs = field_docs(SECTIONS[section])
-        help_text += f"; fields of '{section}': " + "; ".join(f"{k}: {v}" for k, v in docs.items())
-    # argparse formats help with %: a field doc's "30%" broke `alignflow sft --help` (ValueError)
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help=help_text.replace("%", "%%"))
+    help_text = ("override a field of params.yaml's section (repeatable; VALUE read as YAML): FIELD=VALUE or "
+                 "SECTION.FIELD=VALUE; the fields are listed below" if section is not None else
+                 "override a field (repeatable; VALUE read as YAML): SECTION.FIELD=VALUE, e.g. sft.max_steps=100")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help=help_text)
     if section is not None:
         p.add_argument("--section", default=section,
                        help=f"the params.yaml section to read (default: {section}); another section of the same "
                             "fields runs this stage on another task, e.g. --section tool_sft")
+        p.fields_section = section  # listed by _Parser.format_help
+        p.formatter_class = argparse.RawDescriptionHelpFormatter
     if section is not None:
         _add_register_flag(p, section)
+
+
+class _Parser(argparse.ArgumentParser):
+    """A subcommand's parser; a stage command's ``--help`` ends with its section's fields, read from the config
+    module's docstrings only when help is shown (parsing them for every command would cost most of a second)."""
+
+    fields_section: str | None = None
+
+    def format_help(self) -> str:
+        if self.fields_section is not None:
+            self.epilog = _field_listing(self.fields_section)
+        return super().format_help()
+
+
+def _field_listing(section: str) -> str:
+    """The ``--help`` epilog of a stage command: each field of its section on lines of its own."""
+    import textwrap
+
+    docs = field_docs(SECTIONS[section])
+    width = max(len(k) for k in docs) + 2
+    lines = [f"fields of '{section}' (--set FIELD=VALUE):"]
+    for name, doc in docs.items():
+        lines += textwrap.wrap(" ".join(doc.split()), 100, initial_indent=f"  {name:<{width}}", subsequent_indent=" " * (width + 2))
+    # argparse formats help with %: a field doc's "30%" broke `alignflow sft --help` (ValueError)
+    return "\n".join(lines).replace("%", "%%")
+
+
+def stage_overrides(pairs: Sequence[str], section: str, command: str,
+                    shared: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A stage command's ``--set`` pairs as ``{field: value}``: ``FIELD=VALUE``, or ``SECTION.FIELD=VALUE`` for
+    the section it reads (``section``, or the command's own name); ``shared`` sections' keys
+    (``guards.FIELD``) are kept whole for the caller. Any other section is an error naming the flag."""
+    out: dict[str, Any] = {}
+    for key, value in parse_overrides(list(pairs)).items():
+        prefix, dot, name = key.partition(".")
+        if dot and prefix in (section, command):
+            key = name
+        elif dot and prefix not in shared:
+            raise ConfigError(f"{OVERRIDE_SOURCE}: {key}: `alignflow {command}` sets fields of section "
+                              f"'{section}' (FIELD=VALUE or {section}.FIELD=VALUE); "
+                              f"other sections: `alignflow flow align --set {prefix}.FIELD=VALUE`")
+        out[key] = value
+    return out
 
 
 def _print(obj: Any) -> None:
@@ -76,35 +123,49 @@ def _print(obj: Any) -> None:
 
 
 def _stage_cfg(args: argparse.Namespace, cls: type, section: str) -> Any:
-    return load_config(cls, getattr(args, "section", None) or section, args.params, parse_overrides(args.set))
+    """The command's config from params.yaml and ``--set``, its input files and start model checked."""
+    from flows.preflight import check_inputs
+
+    cfg_section = getattr(args, "section", None) or section
+    overrides = stage_overrides(args.set, cfg_section, args.command)
+    cfg = load_config(cls, cfg_section, args.params, overrides)
+    check_inputs(cfg, cfg_section, overrides, args.params)
+    return cfg
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    cfg = _stage_cfg(args, GenerateConfig, "generate")
     from rlhf_core import stages
 
-    _print(stages.generate(_stage_cfg(args, GenerateConfig, "generate")).to_dict())
+    _print(stages.generate(cfg).to_dict())
     return 0
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:
+    cfg = _stage_cfg(args, ModelConfig, "model")
     from rlhf_core import stages
 
-    _print(stages.init_model(_stage_cfg(args, ModelConfig, "model")).to_dict())
+    _print(stages.init_model(cfg).to_dict())
     return 0
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from rlhf_core import stages
+    from rlhf_core.data.validate import ValidationFailed
 
-    overrides = parse_overrides(args.set)
+    overrides = stage_overrides(args.set, "sft", "validate")  # field names: the sft section's, as the flows read them
     # KTO's boolean field lives in its own config, not DataFields; the unpaired kind reads it.
     desirable_field = overrides.pop("desirable_field", None)
     fields = load_config(DataFields, "sft", None, overrides) if overrides else DataFields()
     # --eval-file: the data report too (what the flows run on each dataset they train on).
     report_cfg = load_config(DataReportConfig, "data_report", args.params) if args.eval_file else None
-    result = stages.validate(args.file, args.kind, fields, report_file=args.report,
-                             desirable_field=None if desirable_field is None else str(desirable_field),
-                             data_report=report_cfg, eval_file=args.eval_file)
+    try:
+        result = stages.validate(args.file, args.kind, fields, report_file=args.report,
+                                 desirable_field=None if desirable_field is None else str(desirable_field),
+                                 data_report=report_cfg, eval_file=args.eval_file)
+    except ValidationFailed as exc:  # this command's answer: the whole report, not a bounded error
+        print(exc.report.render(), file=sys.stderr)
+        return 1
     print(f"{args.file}: valid {args.kind} dataset ({int(result.metrics['data/n_rows'])} rows)")
     if report_cfg is not None:
         print(f"{args.file}: data report passed: " + ", ".join(
@@ -128,31 +189,20 @@ def _tracked_stage(stage: str, cls: type, section: str):
     """A command that runs ``rlhf_core.stages.<stage>`` with tracking and an optional metrics file."""
 
     def run(args: argparse.Namespace) -> int:
-        from rlhf_core import stages
+        from flows.preflight import check_inputs
 
-        overrides = parse_overrides(args.set)
-        guard_overrides = {k.split(".", 1)[1]: overrides.pop(k) for k in list(overrides) if k.startswith("guards.")}
-        report_overrides = {k.split(".", 1)[1]: overrides.pop(k) for k in list(overrides)
-                            if k.startswith("data_report.")}
         cfg_section = getattr(args, "section", None) or section
+        overrides = stage_overrides(args.set, cfg_section, stage, shared=("guards", "data_report"))
+        shared = {k: overrides.pop(k) for k in list(overrides) if "." in k}
         cfg = load_config(cls, cfg_section, args.params, overrides)
+        check_inputs(cfg, cfg_section, overrides, args.params)
         if getattr(args, "resume", None) is not None:
             cfg = dataclasses.replace(cfg, resume=args.resume)
             if args.resume:
                 _require_checkpoint(cfg, section)
         tracking = load_config(TrackingConfig, "tracking", args.params)
-        extra: dict[str, Any] = {}
-        if stage in GUARDED_STAGES:
-            extra["guards"] = load_config(GuardsConfig, _task_section(cfg_section, "guards", args.params),
-                                          args.params, guard_overrides)
-        elif guard_overrides:
-            raise ConfigError(f"{section}: guards.* overrides apply to policy stages only ({', '.join(GUARDED_STAGES)})")
-        if stage in TRAINING_STAGES:  # the flows' data report, thresholds from params.yaml's data_report
-            report_section = _task_section(cfg_section, "data_report", args.params)
-            extra["data_report"] = load_config(DataReportConfig, report_section, args.params, report_overrides)
-        elif report_overrides:
-            raise ConfigError(f"{section}: data_report.* overrides apply to training stages only "
-                              f"({', '.join(TRAINING_STAGES)})")
+        extra = _stage_extras(stage, cfg_section, args.params, shared)
+        from rlhf_core import stages  # torch and the trainers: only once the config and inputs hold
         result = getattr(stages, stage)(cfg, tracking, stages.env_parent_run_id(), metrics_file=args.metrics_file,
                                         **extra)
         out = result.to_dict()
@@ -162,6 +212,27 @@ def _tracked_stage(stage: str, cls: type, section: str):
         return 0
 
     return run
+
+
+def _stage_extras(stage: str, cfg_section: str, params: str, shared: dict[str, Any]) -> dict[str, Any]:
+    """A stage's guards (policy stages) and data report (training stages) configs, from their params sections
+    and the ``guards.FIELD`` / ``data_report.FIELD`` overrides in ``shared``."""
+    picked = {name: {k.split(".", 1)[1]: v for k, v in shared.items() if k.startswith(f"{name}.")}
+              for name in ("guards", "data_report")}
+    extra: dict[str, Any] = {}
+    if stage in GUARDED_STAGES:
+        extra["guards"] = load_config(GuardsConfig, _task_section(cfg_section, "guards", params), params,
+                                      picked["guards"])
+    elif picked["guards"]:
+        raise ConfigError(f"{OVERRIDE_SOURCE}: guards.* overrides apply to policy stages only "
+                          f"({', '.join(GUARDED_STAGES)})")
+    if stage in TRAINING_STAGES:  # the flows' data report, thresholds from params.yaml's data_report
+        extra["data_report"] = load_config(DataReportConfig, _task_section(cfg_section, "data_report", params),
+                                           params, picked["data_report"])
+    elif picked["data_report"]:
+        raise ConfigError(f"{OVERRIDE_SOURCE}: data_report.* overrides apply to training stages only "
+                          f"({', '.join(TRAINING_STAGES)})")
+    return extra
 
 
 GUARDED_STAGES = ("dpo", "kto", "raft", "distill", "rl")
@@ -223,10 +294,10 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from rlhf_core import stages
-
     cfg = _stage_cfg(args, EvalConfig, "evaluate")
     tracking = load_config(TrackingConfig, "tracking", args.params)
+    from rlhf_core import stages
+
     _print(stages.evaluate(cfg, tracking, stages.env_parent_run_id(), run_name=args.run_name).to_dict())
     return 0
 
@@ -247,8 +318,8 @@ def _flow_overrides(pairs: Sequence[str]) -> tuple[dict[str, dict[str, Any]], st
     Prefect keeps a flow run's parameters in its database and UI, so a value that carries a secret
     (a URL's ``user:pass@`` or ``?token=``, a field named like ``token``) is shown there redacted
     (``***``), and its real value goes to a private file whose path is the second parameter
-    (:func:`flows.align.write_private_overrides`). Secret-free overrides stay readable as given."""
-    from flows.align import write_private_overrides
+    (:func:`flows.params.write_private_overrides`). Secret-free overrides stay readable as given."""
+    from flows.params import write_private_overrides
     from rlhf_core.redact import redact_secrets
 
     overrides = _section_overrides(pairs)
@@ -260,12 +331,23 @@ def _flow_overrides(pairs: Sequence[str]) -> tuple[dict[str, dict[str, Any]], st
     return redact_secrets(overrides), write_private_overrides(secret)
 
 
+def _check_flow_config(args: argparse.Namespace, overrides: dict[str, dict[str, Any]], private: str | None) -> None:
+    """Every section's config and the flow's own input paths, checked before Prefect starts: a typo is one
+    line naming its source in a second, not a failed flow run."""
+    from flows.params import load_all
+    from flows.preflight import check_flow_inputs
+
+    load_all(args.params, overrides, private)
+    check_flow_inputs({f"--{k.replace('_', '-')}": getattr(args, k, None)
+                       for k in ("sft_file", "preference_file", "prompts_file", "eval_file", "base_model")})
+
+
 def cmd_flow(args: argparse.Namespace) -> int:
     if args.name in ("iterative_dpo", "raft"):
         return _cmd_cycles(args)
-    from flows.align import align
-
     overrides, private = _flow_overrides(args.set)
+    _check_flow_config(args, overrides, private)
+    from flows.align import align  # Prefect, MLflow and torch: only once the config holds
     summary = align(params_file=args.params, overrides=overrides, sft_file=args.sft_file,
                     preference_file=args.preference_file, prompts_file=args.prompts_file,
                     eval_file=args.eval_file, base_model=args.base_model, private_overrides=private)
@@ -310,9 +392,9 @@ def _write_summary(summary: dict[str, Any], path: str) -> None:
 
 
 def _cmd_cycles(args: argparse.Namespace) -> int:
-    from flows import cycles
-
     overrides, private = _flow_overrides(args.set)
+    _check_flow_config(args, overrides, private)
+    from flows import cycles
     summary = getattr(cycles, args.name)(params_file=args.params, overrides=overrides, cycles=args.cycles,
                                          private_overrides=private)
     path = args.summary if args.summary != DEFAULT_SUMMARY else f"metrics/{args.name}_summary.json"
@@ -339,9 +421,38 @@ def _add_register_flag(p: argparse.ArgumentParser, stage: str) -> None:
                             "when the promotion gate passes (guards section; --set guards.FIELD=VALUE)")
 
 
+def _add_training_commands(sub: Any) -> None:
+    """The tracked training stages' commands: one shape (config, overrides, metrics file, resume)."""
+    for name, help_text, func in (
+        ("sft", "supervised fine-tuning", cmd_sft),
+        ("dpo", "direct preference optimisation (DPO, IPO, cDPO) on preference pairs", cmd_dpo),
+        ("reward", "train a scalar reward model on preference pairs", cmd_reward),
+        ("kto", "Kahneman-Tversky optimisation on unpaired desirable/undesirable examples", cmd_kto),
+        ("distill", "token-level knowledge distillation from a teacher model", cmd_distill),
+        ("rejection", "best-of-n sampling scored by a reward model or the rule", cmd_rejection),
+        ("raft", "SFT of the policy on its kept best-of-n samples (one RAFT round)", cmd_raft),
+        ("rl", "online RL from the policy's samples: PPO, REINFORCE++, RLOO, GRPO, Dr.GRPO (DAPO options)", cmd_rl),
+    ):
+        p = sub.add_parser(name, help=help_text)
+        _common(p, name)
+        p.add_argument("--metrics-file", default=None, help="write final metrics JSON here (for DVC)")
+        if name != "rejection":  # the trainers checkpoint; rejection sampling does not
+            group = p.add_mutually_exclusive_group()
+            group.add_argument("--resume", dest="resume", action="store_const", const=True, default=None,
+                               help="continue this run from its newest checkpoint (an error if there is none); "
+                                    "resuming an interrupted run is also the default without this flag")
+            group.add_argument("--fresh", dest="resume", action="store_const", const=False,
+                               help="start over, ignoring any checkpoint")
+        p.set_defaults(func=func)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="alignflow", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"alignflow {rlhf_core.__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="on an error, print its traceback too (and Prefect's own failure logs); "
+                             "accepted anywhere on the command line")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("generate", help="write the embedded task's datasets")
     _common(p, "generate")
@@ -366,28 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--params", default="params.yaml", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_validate)
 
-    # The tracked training stages share one command shape: config, overrides, metrics file.
-    for name, help_text, func in (
-        ("sft", "supervised fine-tuning", cmd_sft),
-        ("dpo", "direct preference optimisation (DPO, IPO, cDPO) on preference pairs", cmd_dpo),
-        ("reward", "train a scalar reward model on preference pairs", cmd_reward),
-        ("kto", "Kahneman-Tversky optimisation on unpaired desirable/undesirable examples", cmd_kto),
-        ("distill", "token-level knowledge distillation from a teacher model", cmd_distill),
-        ("rejection", "best-of-n sampling scored by a reward model or the rule", cmd_rejection),
-        ("raft", "SFT of the policy on its kept best-of-n samples (one RAFT round)", cmd_raft),
-        ("rl", "online RL from the policy's samples: PPO, REINFORCE++, RLOO, GRPO, Dr.GRPO (DAPO options)", cmd_rl),
-    ):
-        p = sub.add_parser(name, help=help_text)
-        _common(p, name)
-        p.add_argument("--metrics-file", default=None, help="write final metrics JSON here (for DVC)")
-        if name != "rejection":  # the trainers checkpoint; rejection sampling does not
-            group = p.add_mutually_exclusive_group()
-            group.add_argument("--resume", dest="resume", action="store_const", const=True, default=None,
-                               help="continue this run from its newest checkpoint (an error if there is none); "
-                                    "resuming an interrupted run is also the default without this flag")
-            group.add_argument("--fresh", dest="resume", action="store_const", const=False,
-                               help="start over, ignoring any checkpoint")
-        p.set_defaults(func=func)
+    _add_training_commands(sub)
 
     # Listed for --help only: main() hands these to their modules (PASSTHROUGH).
     sub.add_parser("serve-rm", help="serve a trained reward model over HTTP on 127.0.0.1; --token-env NAME requires a "
@@ -426,34 +516,30 @@ PASSTHROUGH = {"serve-rm": "rlhf_core.reward_server", "nightly": "flows.nightly"
                "diff": "flows.diff"}
 
 
+def setup_logging(debug: bool) -> None:
+    """Warnings and up on stderr, one line each; Prefect's repeats of the project's own errors dropped
+    unless ``debug`` (:func:`flows.errors.quiet_prefect_failures`). Before Prefect is imported, which then
+    keeps this handler."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not debug:
+        errors.quiet_prefect_failures()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv  # taken anywhere on the line, so it can be added to a command as typed
+    argv = [a for a in argv if a != "--debug"]
     if argv[:1] and argv[0] in PASSTHROUGH:  # these commands' own parsers own every argument, --help included
         return importlib.import_module(PASSTHROUGH[argv[0]]).main(argv[1:])
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from rlhf_core.checkpoint import TrainingInterrupted
-    from rlhf_core.metric_command import MetricCommandError
-    from rlhf_core.rewards import RewardError
-    from rlhf_core.trainers.loop import NonFiniteError
-
+    setup_logging(debug)
     try:
         return args.func(args)
-    except TrainingInterrupted as exc:  # SIGTERM: a checkpoint was written; the same command resumes
-        print(f"stopped: {exc}", file=sys.stderr)
-        return 128 + signal.SIGTERM
-    except (NonFiniteError, RewardError, MetricCommandError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except ValidationFailed as exc:
-        print(exc.report.render(), file=sys.stderr)
-        return 1
-    except DataError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except (ConfigError, ModelLoadError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:  # noqa: BLE001 - the project's own errors become one message; others propagate
+        code = errors.report(exc, debug)
+        if code is None:
+            raise
+        return code
 
 
 if __name__ == "__main__":

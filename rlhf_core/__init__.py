@@ -6,5 +6,8 @@ a laptop and on a lent GPU machine.
 """
 
 from rlhf_core import env as _env  # noqa: F401  (sets offline switches before anything else)
+from rlhf_core import quiet as _quiet
+
+_quiet.install()  # third-party chatter dropped at its loggers, in every process that imports rlhf_core
 
 __version__ = "0.1.0"

@@ -1459,26 +1459,54 @@ def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
     return out
 
 
-def build_config(cls: type[T], section: str, values: dict[str, Any], source: str = "<overrides>") -> T:
-    """Construct ``cls`` from a mapping, rejecting unknown keys and mistyped values."""
+OVERRIDE_SOURCE = "command line (--set)"
+"""The source named by an error in a value given as an override rather than read from the params file."""
+
+# Names other trainers (TRL, HF Trainer) use for a field alignflow spells differently: "did you mean" for them.
+KNOWN_ALIASES = {"learning_rate": "lr", "per_device_train_batch_size": "batch_size",
+                 "gradient_accumulation_steps": "grad_accum", "model_name_or_path": "model_path",
+                 "num_generations": "group_size", "max_seq_length": "max_length"}
+
+
+def unknown_field(section: str, key: str, known: set[str]) -> str:
+    """``section.key: unknown field; did you mean section.<closest>?`` (difflib, or a known alias), else the
+    known fields, clipped so the message stays a few lines."""
+    import difflib
+
+    alias = KNOWN_ALIASES.get(key)
+    close = [alias] if alias in known else difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    if close:
+        return f"{section}.{key}: unknown field; did you mean {section}.{close[0]}?"
+    listed = ", ".join(sorted(known))
+    if len(listed) > 240:
+        listed = listed[:listed.rfind(", ", 0, 220)] + f", ... ({len(known)} in all)"
+    return f"{section}.{key}: unknown field; known fields are {listed}"
+
+
+def build_config(cls: type[T], section: str, values: dict[str, Any], source: str = "<overrides>",
+                 overridden: typing.Collection[str] = ()) -> T:
+    """Construct ``cls`` from a mapping, rejecting unknown keys and mistyped values.
+
+    ``overridden``: the keys of ``values`` that came from overrides, not from ``source``: an error in one
+    of them names :data:`OVERRIDE_SOURCE` instead, so a typo on the command line never blames the file."""
     if not isinstance(values, dict):
         raise ConfigError(f"{source}: section {section!r} must be a mapping, got {type(values).__name__}")
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in values.items():
+        where = OVERRIDE_SOURCE if key in overridden else source
         if key not in known:
-            raise ConfigError(
-                f"{source}: {section}.{key}: unknown field; known fields are {', '.join(sorted(known))}"
-            )
-        kwargs[key] = _coerce(value, hints[key], f"{source}: {section}.{key}")
+            raise ConfigError(f"{where}: {unknown_field(section, key, known)}")
+        kwargs[key] = _coerce(value, hints[key], f"{where}: {section}.{key}")
     try:
         return cls(**kwargs)
     except ConfigError as exc:
         message, own = str(exc), getattr(cls, "section", None)
         if own and section != own:  # a section of the same fields under another name (tool_rl): name that one
             message = message.replace(f"{own}.", f"{section}.", 1)
-        raise ConfigError(f"{source}: {message}") from None
+        named = re.match(r"\w+\.(\w+)", message)  # the checks name "section.field: ..." first
+        raise ConfigError(f"{OVERRIDE_SOURCE if named and named[1] in overridden else source}: {message}") from None
 
 
 def read_params(path: str | Path) -> dict[str, Any]:
@@ -1496,20 +1524,31 @@ def read_params(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     unknown = set(data) - set(SECTIONS)
     if unknown:
-        raise ConfigError(f"{path}: unknown section(s) {sorted(unknown)}; known: {sorted(SECTIONS)}")
+        raise ConfigError(f"{path}: {unknown_sections(unknown)}")
     return data
+
+
+def unknown_sections(unknown: typing.Collection[str]) -> str:
+    """``unknown section(s) [...]; did you mean ...?`` (difflib), else the known sections."""
+    import difflib
+
+    close = {name: difflib.get_close_matches(name, sorted(SECTIONS), n=1, cutoff=0.6) for name in sorted(unknown)}
+    if all(close.values()):
+        return f"unknown section(s) {sorted(unknown)}; did you mean {', '.join(c[0] for c in close.values())}?"
+    return f"unknown section(s) {sorted(unknown)}; known: {', '.join(sorted(SECTIONS))}"
 
 
 def load_config(cls: type[T], section: str, params_path: str | Path | None = "params.yaml",
                 overrides: dict[str, Any] | None = None) -> T:
-    """Load one stage's config from ``params_path`` (if it exists) plus overrides."""
+    """Load one stage's config from ``params_path`` (if it exists) plus overrides (errors in those name
+    the command line, :data:`OVERRIDE_SOURCE`)."""
     values: dict[str, Any] = {}
     source = "<defaults>"
     if params_path is not None and Path(params_path).exists():
         values = dict(read_params(params_path).get(section) or {})
         source = str(params_path)
     values.update(overrides or {})
-    return build_config(cls, section, values, source)
+    return build_config(cls, section, values, source, overridden=set(overrides or {}))
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:

@@ -39,9 +39,15 @@ NO_MULTICAST_ENV: dict[str, str] = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DIS
 GPU_ENV: dict[str, str] = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
+# The Hub's and transformers' own progress bars ("Loading weights", "Writing model shards"): a bar per model
+# load or save, several per stage, between the stage's own bars (tqdm, which this leaves on).
+QUIET_ENV: dict[str, str] = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
 def apply_offline_env() -> None:
-    """Set every offline switch (and the GPU allocator setting) that the user has not set explicitly."""
-    for key, value in {**OFFLINE_ENV, **GPU_ENV}.items():
+    """Set every offline switch (and the GPU allocator and progress-bar settings) that the user has not set
+    explicitly."""
+    for key, value in {**OFFLINE_ENV, **GPU_ENV, **QUIET_ENV}.items():
         os.environ.setdefault(key, value)
 
 

@@ -23,6 +23,7 @@ stage's own error (:func:`start_run`).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import math
@@ -39,12 +40,6 @@ from urllib.parse import urlsplit, urlunsplit
 
 from rlhf_core.config import ConfigError, TrackingConfig
 from rlhf_core.redact import redact_secrets
-
-try:  # optional: rlhf_core runs with torch + transformers alone
-    import mlflow
-    from mlflow.tracking import MlflowClient
-except ImportError:  # pragma: no cover - exercised on machines without MLflow
-    mlflow = None  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +162,7 @@ class MlflowTracker:
 
     def log_input(self, path: str | Path, name: str, digest: str, context: str) -> None:
         """Log a dataset as a run input; its digest is the DVC md5 (the lineage key)."""
+        import mlflow
         import pandas as pd
         from mlflow.entities import DatasetInput, InputTag
 
@@ -466,6 +462,9 @@ def bounded_http(patience_s: float) -> Iterator[None]:
 
 
 def _mlflow_client(cfg: TrackingConfig) -> tuple[Any, str]:
+    import mlflow  # here, not at the top: commands that track nothing (validate, --help) skip its import
+    from mlflow.tracking import MlflowClient
+
     uri = resolve_tracking_uri(cfg)
     mlflow.set_tracking_uri(uri)
     client = MlflowClient(tracking_uri=uri)
@@ -575,7 +574,7 @@ def start_run(cfg: TrackingConfig, run_name: str, parent_run_id: str | None = No
     raises :class:`TrackingLost`.
     """
     tags = dict(tags or {})
-    if mlflow is None:
+    if importlib.util.find_spec("mlflow") is None:  # optional: rlhf_core runs with torch + transformers alone
         tracker: Any = LocalFileTracker(project_root() / "runs", f"{run_name}-{uuid.uuid4().hex[:12]}")
         if parent_run_id:
             tags["parent_run_id"] = parent_run_id

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -79,6 +80,22 @@ def run_cli(args: list[str], project: Path, timeout: int = 600) -> subprocess.Co
     """Run ``alignflow ARGS`` in ``project`` as a user would (a fresh process)."""
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=project, env=cli_env(project),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def one_error(proc: subprocess.CompletedProcess, code: int, *needles: str) -> str:
+    """``proc`` failed with exit ``code`` and one error as flows/errors.py prints it: no traceback, the
+    ``error:`` block at most 5 lines and 400 characters, printed once, holding every needle. Returns it."""
+    err = proc.stderr
+    assert proc.returncode == code, (proc.returncode, err[-3000:])
+    assert "Traceback" not in err, err[-3000:]
+    lines = err[err.rindex("error: "):].splitlines()  # up to the next log record (Prefect's server stopping)
+    block = "\n".join(itertools.takewhile(lambda line: not line.startswith(("INFO ", "WARNING ", "DEBUG ")),
+                                          lines)).strip()
+    assert len(block.splitlines()) <= 5 and len(block) <= 400, block
+    assert err.count(block.splitlines()[0]) == 1, err[-3000:]
+    for needle in needles:
+        assert needle in block, (needle, block)
+    return block
 
 
 def free_port() -> int:

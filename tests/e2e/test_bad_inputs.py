@@ -1,5 +1,6 @@
 """A corpus of bad inputs at every entry point: each stops the command with one clear error naming
-the source (file, line, field or sample), a non-zero exit, and leaves nothing behind.
+the source (file, line, field or sample; at most 5 lines and 400 characters, printed once), a non-zero
+exit, and leaves nothing behind.
 
 Entry points: data files (through the training commands, which run the GX gate first), params
 and ``--set`` overrides, model directories, reward files and reward-server replies. Every case
@@ -180,6 +181,8 @@ def test_bad_input_is_refused_with_its_source(name, project, bad_server, micro_m
     assert code != 0, err
     assert re.search(case.expect, err, flags=re.S), f"{name}: {err[-2000:]}"
     assert "Traceback" not in err, err[-2000:]
+    block = err[err.rindex("error: "):].strip()  # the one error: bounded, printed once
+    assert len(block.splitlines()) <= 5 and len(block) <= 400 and err.count(block.splitlines()[0]) == 1, block
 
     # nothing behind: no model, no checkpoint, no registration, no finished run
     stage = argv[0]

@@ -55,11 +55,32 @@ def test_invalid_value_names_section_and_field(tmp_path):
 def test_unknown_field_and_section(tmp_path):
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"sft": {"learning_rate": 0.1}}))
-    with pytest.raises(ConfigError, match=r"sft.learning_rate: unknown field; known fields are .*lr"):
+    with pytest.raises(ConfigError, match=r"params.yaml: sft.learning_rate: unknown field; did you mean sft.lr\?"):
+        load_config(SFTConfig, "sft", params)
+    params.write_text(yaml.safe_dump({"sft": {"max_step": 10}}))  # a typo: the closest field (difflib)
+    with pytest.raises(ConfigError, match=r"params.yaml: sft.max_step: unknown field; did you mean sft.max_steps\?"):
+        load_config(SFTConfig, "sft", params)
+    params.write_text(yaml.safe_dump({"sft": {"zzz": 1}}))  # nothing close: the known fields, clipped
+    with pytest.raises(ConfigError, match=r"sft.zzz: unknown field; known fields are batch_size, .*\(\d+ in all\)$"):
         load_config(SFTConfig, "sft", params)
     params.write_text(yaml.safe_dump({"sftt": {}}))
     with pytest.raises(ConfigError, match=r"unknown section\(s\) \['sftt'\]"):
         read_params(params)
+
+
+def test_an_error_names_the_command_line_for_an_override_and_the_file_otherwise(tmp_path):
+    """The same mistake blames where it was made: an override names the command line, a params value the file."""
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"sft": {"max_steps": 10}}))
+    with pytest.raises(ConfigError, match=r"^command line \(--set\): sft.max_step: unknown field"):
+        load_config(SFTConfig, "sft", params, {"max_step": 5})
+    with pytest.raises(ConfigError, match=r"^command line \(--set\): sft.lr: must be > 0"):
+        load_config(SFTConfig, "sft", params, {"lr": -1.0})
+    with pytest.raises(ConfigError, match=r"^command line \(--set\): sft.max_steps: expected an integer"):
+        load_config(SFTConfig, "sft", params, {"max_steps": "many"})
+    params.write_text(yaml.safe_dump({"sft": {"lr": -1.0}}))
+    with pytest.raises(ConfigError, match=r"params.yaml: sft.lr: must be > 0"):
+        load_config(SFTConfig, "sft", params, {"max_steps": 5})
 
 
 def test_wrong_types_rejected():
