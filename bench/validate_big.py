@@ -11,7 +11,8 @@
    line and the time (process start and imports included). The same file is also validated in
    a process of its own (``validate_dataset`` alone), once as the gate runs and once with the
    failure excerpts' secret redaction skipped (``--child-noredact``: this measurement only), to
-   time redaction apart from the rest of the gate.
+   time redaction apart from the rest of the gate. Then ``alignflow validate`` runs on a 30-row file
+   and on the 2 MB record alternately (``--pairs`` times): both medians and ranges.
 
 The files are deleted afterwards.
 
@@ -121,6 +122,28 @@ def run_cli(path: Path, timeout: float) -> dict:
             "error_head": "\n".join(proc.stderr.strip().splitlines()[:2])[:400]}
 
 
+def write_small(path: Path, rows: int = 30) -> None:
+    with path.open("w", encoding="utf-8") as fh:
+        for i in range(rows):
+            fh.write(json.dumps({"prompt": f"{i}+1=", "chosen": str(i + 1), "rejected": str(i + 2)}) + "\n")
+
+
+def cli_pairs(huge: Path, small: Path, pairs: int, timeout: float) -> dict:
+    """``alignflow validate`` on a 30-row file and on the 2 MB record, alternately ``pairs`` times: the
+    median and range of each (seconds, process start included) and the median difference."""
+    import statistics
+
+    times: dict[str, list[float]] = {"small": [], "huge": []}
+    for _ in range(pairs):
+        for name, path in (("small", small), ("huge", huge)):
+            run = run_cli(path, timeout)
+            times[name].append(run.get("seconds", float("inf")))
+    out = {name: {"median_s": statistics.median(t), "range_s": [min(t), max(t)], "runs_s": t}
+           for name, t in times.items()}
+    out["median_difference_s"] = round(out["huge"]["median_s"] - out["small"]["median_s"], 2)
+    return out
+
+
 def large_file_figures(big: Path, gb: float, row_bytes: int) -> dict:
     """Part 1: the generated file's shape and its validation's figures."""
     t0 = time.perf_counter()
@@ -143,6 +166,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed to the 2 MB record's command")
     parser.add_argument("--huge-record-only", action="store_true",
                         help="rerun only the 2 MB record's part, keeping the large file's figures in --out")
+    parser.add_argument("--pairs", type=int, default=5,
+                        help="alternate alignflow validate on a 30-row file and on the 2 MB record this many times")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "validate_big_cpu.json"))
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-noredact", default=None, help=argparse.SUPPRESS)
@@ -160,6 +185,11 @@ def main() -> None:
         write_huge_record(huge)
         result["huge_record_cli"] = run_cli(huge, args.timeout)
         print("2 MB record, alignflow validate", result["huge_record_cli"], flush=True)
+        small = huge.with_name("alignflow_validate_30_rows.jsonl")
+        write_small(small)
+        result["cli_30_rows_vs_2mb_record"] = cli_pairs(huge, small, args.pairs, args.timeout)
+        small.unlink()
+        print("alternating 30 rows / 2 MB record", result["cli_30_rows_vs_2mb_record"], flush=True)
         for redact, name in ((True, "huge_record_gate"), (False, "huge_record_without_redaction")):
             result[name] = run_child(huge, redact=redact, timeout=args.timeout)
             print(name, result[name], flush=True)
