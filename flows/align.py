@@ -304,7 +304,7 @@ def register_final_policy(cfg: dict[str, Any], aligned: dict[str, dict[str, Any]
     if not (policy_stages and cfg["tracking"].log_model):
         return None
     final = aligned[policy_stages[-1]]
-    promotion = {"stage": policy_stages[-1], **register_model(
+    promotion = {"stage": policy_stages[-1], "registered_model": cfg["cycles"].registered_model, **register_model(
         model_dir=final["outputs"]["model"], run_id=final["run_id"],
         accuracy=final["metrics"]["eval/accuracy"], registered_name=cfg["cycles"].registered_model,
         tracking=config_to_dict(cfg["tracking"]), guards=config_to_dict(cfg["guards"]))}

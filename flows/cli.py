@@ -371,7 +371,10 @@ def cmd_flow(args: argparse.Namespace) -> int:
     if summary.get("promotion"):
         p = summary["promotion"]
         print(f"policy registry: {p['stage']} model: {p['verdict']}")
-    print(f"registered:      {summary['registered_model']}  ({summary['model_uri']})")
+        alias = "champion" if p.get("promoted") else "candidate"
+        print(f"fetch it:        {_installed_command('mlflow')} artifacts download "
+              f"-u models:/{p['registered_model']}@{alias} -d {p['registered_model']}-{alias}")
+    print(f"registered SFT:  {summary['registered_model']}  ({summary['model_uri']})")
     print(f"parent run:      {summary['parent_run_id']}")
     print(f"MLflow UI:       {_installed_command('mlflow')} ui --backend-store-uri {uri}")
     print(f"summary:         {args.summary}")

@@ -7,6 +7,7 @@ the command line checks a flow's config before it starts Prefect (:mod:`flows.cl
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -61,6 +62,19 @@ def load_all(params_file: str | None, overrides: dict[str, dict[str, Any]] | Non
     unknown = set(overrides) - set(SECTIONS)
     if unknown:
         raise ConfigError(f"{OVERRIDE_SOURCE}: {unknown_sections(unknown)}")
-    return {name: build_config(cls, name, {**(raw.get(name) or {}), **overrides.get(name, {})},
-                               str(params_file or "<defaults>"), overridden=set(overrides.get(name, {})))
-            for name, cls in SECTIONS.items()}
+    cfg = {name: build_config(cls, name, {**(raw.get(name) or {}), **overrides.get(name, {})},
+                              str(params_file or "<defaults>"), overridden=set(overrides.get(name, {})))
+           for name, cls in SECTIONS.items()}
+    return with_sft_registry_name(cfg)
+
+
+def with_sft_registry_name(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The SFT model's registry name follows a policy name of the user's own: with ``cycles.registered_model``
+    set to ``my-policy`` and ``tracking.registered_model`` left at its default, SFT registers as
+    ``my-policy-sft`` rather than beside every other project's ``alignflow-sft``."""
+    tracking, cycles = cfg["tracking"], cfg["cycles"]
+    sft_default = SECTIONS["tracking"].__dataclass_fields__["registered_model"].default
+    policy_default = SECTIONS["cycles"].__dataclass_fields__["registered_model"].default
+    if tracking.registered_model == sft_default and cycles.registered_model != policy_default:
+        cfg = {**cfg, "tracking": dataclasses.replace(tracking, registered_model=f"{cycles.registered_model}-sft")}
+    return cfg
