@@ -16,8 +16,7 @@ import sys
 import pytest
 import yaml
 
-from helpers import cli_env
-from test_dvc import _fresh_copy
+from helpers import cli_env, copy_project
 
 
 def _task_states(api: str, flow_run_id: str) -> dict[str, str]:
@@ -56,7 +55,7 @@ def _sft_state(states: dict[str, str]) -> str:
 
 @pytest.mark.slow  # two flow runs of a stage (about 50 s); the default tier keeps test_flow's cache check
 def test_editing_core_source_reruns_the_cached_stage(tmp_path, prefect_api):
-    project = _fresh_copy(tmp_path / "proj")
+    project = copy_project(tmp_path / "proj")
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["flow"]["stages"] = []  # SFT is the one training stage the check needs
     params["tracking"]["log_model"] = False

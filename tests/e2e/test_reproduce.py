@@ -17,8 +17,7 @@ import yaml
 
 from flows.reproduce import version_warning
 from flows.reproduce_trust import enforce, review_config
-from helpers import cli_env
-from test_dvc import _fresh_copy
+from helpers import cli_env, copy_project
 
 
 def _git(root, *args):
@@ -28,7 +27,7 @@ def _git(root, *args):
 @pytest.fixture(scope="module")
 def committed_project(tmp_path_factory) -> Path:
     """A fresh copy of the project (micro params, one alignment stage) committed to its own git repository."""
-    project = _fresh_copy(tmp_path_factory.mktemp("proj"))
+    project = copy_project(tmp_path_factory.mktemp("proj"))
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["flow"]["stages"] = ["dpo"]  # one alignment stage is enough to show the mechanism
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
