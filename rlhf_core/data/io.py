@@ -27,6 +27,13 @@ MAX_LINE_BYTES = 16 * 1024 * 1024
 """The longest JSON Lines line read unless a caller sets another (``DataFields.max_line_bytes``)."""
 
 
+def json_problem(exc: json.JSONDecodeError) -> str:
+    """``Unterminated string starting at column 7``: the decoder's message with its column, read as one
+    phrase (some messages already end in "at")."""
+    joiner = " " if exc.msg.endswith(" at") else " at "
+    return f"{exc.msg}{joiner}column {exc.colno}"
+
+
 class DataError(ValueError):
     """A dataset problem located at ``path:line`` (line 0 = the whole file), optionally a field."""
 
@@ -85,7 +92,7 @@ def _iter_jsonl(path: Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[Re
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError as exc:
-                raise DataError(path, lineno, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+                raise DataError(path, lineno, f"not valid JSON ({json_problem(exc)})") from None
             if not isinstance(obj, dict):
                 raise DataError(path, lineno, f"expected a JSON object, got {type(obj).__name__}")
             yield Record(obj, lineno)
@@ -100,7 +107,7 @@ def _iter_json_array(path: Path) -> Iterator[Record]:
         line = data.count(b"\n", 0, exc.start) + 1
         raise DataError(path, line, f"not UTF-8 text (byte 0x{data[exc.start]:02x})") from None
     except json.JSONDecodeError as exc:
-        raise DataError(path, exc.lineno, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+        raise DataError(path, exc.lineno, f"not valid JSON ({json_problem(exc)})") from None
     if not isinstance(rows, list):
         raise DataError(path, 0, "a .json dataset must be an array of objects")
     for i, obj in enumerate(rows, start=1):

@@ -180,7 +180,8 @@ def excerpt(line: int | str, values: dict[str, Any]) -> str:
     failing row is as likely as any to carry a credential (a URL with ``?token=``): redaction
     comes before clipping so a cut can never leave part of a secret behind.
     """
-    shown = ", ".join(f"{k}={_clip(redact_secrets(str(v), k), VALUE_CHARS)!r}" for k, v in values.items())
+    shown = ", ".join(f"{k}=<missing>" if _type_name(v) == "missing" else
+                      f"{k}={_clip(redact_secrets(str(v), k), VALUE_CHARS)!r}" for k, v in values.items())
     where = f"line {line}" if isinstance(line, int) else line
     return _clip(f"{where}: {shown}", EXCERPT_CHARS)
 

@@ -332,3 +332,19 @@ def test_an_eval_file_is_labelled_everywhere_or_nowhere(tmp_path):
     path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "1+2="}\n')
     with pytest.raises(DataError, match=rf"^{path}:2: field 'answer': missing, while 1 of the 2 items have one"):
         eval_kind(path, "answer")
+
+
+def test_a_missing_field_is_shown_as_missing_not_nan(tmp_path):
+    path = tmp_path / "prefs.jsonl"
+    path.write_text(json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}) + "\n"
+                    + json.dumps({"prompt": "q", "chosen": "c"}) + "\n")
+    report = validate_dataset(path, "preference")
+    example = next(f for f in report.failures if f.field == "rejected").examples[0]
+    assert "rejected=<missing>" in example and "nan" not in example, example
+
+
+def test_json_errors_read_as_one_phrase(tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"prompt": "unterminated\n')
+    with pytest.raises(DataError, match=r"broken\.jsonl:1: not valid JSON \(Unterminated string starting at column 12\)"):
+        check_dataset(path, "sft")
