@@ -24,6 +24,17 @@ os.environ["PREFECT_LOCAL_STORAGE_PATH"] = os.path.join(os.environ["PREFECT_HOME
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Property tests of the input boundaries (tests/unit/boundaries): a fixed seed and 200 examples a
+# test in `make test`; the slow tier's long run (tests/e2e/test_boundaries_long_slow.py) picks the
+# `long` profile. No deadline: a 2-core CI machine's timing noise must not fail an example; the
+# bounds that matter (a template's time limit, a server's deadline) are asserted by the tests.
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile("default", max_examples=200, derandomize=True, deadline=None, print_blob=True, database=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+settings.register_profile("long", parent=settings.get_profile("default"), max_examples=2000, derandomize=False)
+settings.load_profile(os.environ.get("ALIGNFLOW_HYPOTHESIS_PROFILE", "default"))
+
 MICRO_GEN = dict(seed=7, n_sft=600, n_preference=100, n_prompts=100, n_eval=100, sft_noise=0.2)
 MICRO_MODEL = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
                    max_positions=64, seed=0)
