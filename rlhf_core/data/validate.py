@@ -172,9 +172,9 @@ class ValidationFailed(ValueError):
         super().__init__(report.render())
 
 
-def excerpt(line: int | str, values: dict[str, Any]) -> str:
+def excerpt(line: int | str, values: dict[str, Any], note: str | None = None) -> str:
     """``line N: field='value', ...`` for a report (``line`` a number, or a ``file:line`` location): each
-    value redacted, then clipped.
+    value redacted, then clipped; a ``note`` (which message of a list is bad) comes first, redacted too.
 
     Excerpts land in ``validation_report.json``, the MLflow run and the error on stderr, and a
     failing row is as likely as any to carry a credential (a URL with ``?token=``): redaction
@@ -183,6 +183,8 @@ def excerpt(line: int | str, values: dict[str, Any]) -> str:
     shown = ", ".join(f"{k}=<missing>" if _type_name(v) == "missing" else
                       f"{k}={_clip(redact_secrets(str(v), k), VALUE_CHARS)!r}" for k, v in values.items())
     where = f"line {line}" if isinstance(line, int) else line
+    if note:
+        where = f"{where}: {redact_secrets(note)}"
     return _clip(f"{where}: {shown}", EXCERPT_CHARS)
 
 
@@ -299,13 +301,27 @@ def _turns_ok(value: list, role: str) -> bool:
     return any(m["role"] == "assistant" for m in value)  # chat: something to train on
 
 
+def _first_bad_message(col: str, value: list) -> str | None:
+    """``messages[1].role='asistant'``: the first message that breaks the message checks, or None."""
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            return f"{col}[{i}] is {_type_name(m)}, not an object"
+        if m.get("role") not in ROLES:
+            return f"{col}[{i}].role={_clip(repr(m.get('role')), VALUE_CHARS)}"
+        if not isinstance(m.get("content"), str):
+            return f"{col}[{i}].content is {_type_name(m.get('content'))}, not a string"
+    return None
+
+
 def _message_cells(col: str, role: str, value: Any) -> dict[str, Any]:
     """The frame cells of one message-list field. A check that cannot apply (not a list; roles
-    unknown) passes, so each bad value is reported once, by the check that names its fault."""
+    unknown) passes, so each bad value is reported once, by the check that names its fault. The
+    ``__detail`` cell names the first bad message; a failure's excerpt shows it."""
     is_list = isinstance(value, list)
     dicts = is_list and all(isinstance(m, dict) for m in value)
     roles_ok = not dicts or all(m.get("role") in ROLES for m in value)
     return {
+        f"{col}__detail": _first_bad_message(col, value) if is_list else None,
         col: None if value is None else json.dumps(value, sort_keys=True, ensure_ascii=False, default=str),
         f"{col}__type": _type_name(value),
         f"{col}__messages": not is_list or _well_formed(value),
@@ -555,8 +571,11 @@ class _Tally:
         recs = [chunk[i - first] for i in rows]
         locations = [f"{r.where(path)}:{r.line}" for r in recs]
         shown = [k for k in df.columns if "__" not in k and k in col.split("+")]
+        details = [f"{k}__detail" for k in shown if f"{k}__detail" in df.columns]
         for i, r, loc in list(zip(rows, recs, locations))[:max(0, 3 - len(self.examples))]:
-            self.examples.append(excerpt(r.line if r.source is None else loc, {k: df.at[i, k] for k in shown}))
+            named = [df.at[i, d] for d in details if isinstance(df.at[i, d], str)]
+            self.examples.append(excerpt(r.line if r.source is None else loc, {k: df.at[i, k] for k in shown},
+                                         note=named[0] if named else None))
         self.lines += [r.line for r in recs]
         self.locations += locations
 

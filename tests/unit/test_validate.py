@@ -348,3 +348,20 @@ def test_json_errors_read_as_one_phrase(tmp_path):
     path.write_text('{"prompt": "unterminated\n')
     with pytest.raises(DataError, match=r"broken\.jsonl:1: not valid JSON \(Unterminated string starting at column 12\)"):
         check_dataset(path, "sft")
+
+
+def test_a_bad_role_is_shown_with_its_message_and_value(tmp_path):
+    path = tmp_path / "sft.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "asistant", "content": "yo"}]}) + "\n")
+    report = validate_dataset(path, "sft")
+    (failure,) = [f for f in report.failures if f.field == "messages"]
+    assert failure.examples[0].startswith("line 1: messages[1].role='asistant': messages="), failure.examples
+
+
+def test_a_message_without_string_content_is_named(tmp_path):
+    path = tmp_path / "sft.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}) + "\n")
+    report = validate_dataset(path, "sft")
+    examples = [e for f in report.failures if f.field == "messages" for e in f.examples]
+    assert examples and all("messages[1].content is missing, not a string" in e for e in examples), examples
