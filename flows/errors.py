@@ -43,8 +43,10 @@ EXIT_CODES: dict[str, int] = {
 INTERRUPTED = "rlhf_core.checkpoint.TrainingInterrupted"
 """SIGTERM during training: a checkpoint was written and the same command resumes (exit 128 + 15)."""
 
-_NAMED_IN_PREFECT_LOG = re.compile(
-    r"exception:? (" + "|".join(name.rsplit(".", 1)[1] for name in EXIT_CODES) + r")\b")
+_EXCEPTION_IN_LOG = re.compile(r"exception:? ([A-Za-z_]\w*+)")
+"""Prefect's failure records name the exception class after "exception" ("... exception: ConfigError")."""
+
+_PROJECT_CLASS_NAMES = frozenset(name.rsplit(".", 1)[1] for name in EXIT_CODES)
 
 
 def _qualified(cls: type) -> str:
@@ -129,7 +131,7 @@ class _ProjectFailureFilter(logging.Filter):
         exc = record.exc_info[1] if record.exc_info else None
         if exc is not None and exit_code(exc) is not None:
             return False
-        return not _NAMED_IN_PREFECT_LOG.search(record.getMessage())
+        return not any(m[1] in _PROJECT_CLASS_NAMES for m in _EXCEPTION_IN_LOG.finditer(record.getMessage()))
 
 
 def quiet_prefect_failures() -> None:

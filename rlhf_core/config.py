@@ -1505,7 +1505,7 @@ def build_config(cls: type[T], section: str, values: dict[str, Any], source: str
         message, own = str(exc), getattr(cls, "section", None)
         if own and section != own:  # a section of the same fields under another name (tool_rl): name that one
             message = message.replace(f"{own}.", f"{section}.", 1)
-        named = re.match(r"\w+\.(\w+)", message)  # the checks name "section.field: ..." first
+        named = re.match(r"\A\w++\.(\w++)", message)  # the checks name "section.field: ..." first
         raise ConfigError(f"{OVERRIDE_SOURCE if named and named[1] in overridden else source}: {message}") from None
 
 
