@@ -306,7 +306,8 @@ def _section_overrides(pairs: Sequence[str]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for key, value in parse_overrides(list(pairs)).items():
         if "." not in key:
-            raise ConfigError(f"override {key!r}: flow overrides are section.field=value (e.g. sft.max_steps=100)")
+            raise ConfigError(f"{OVERRIDE_SOURCE}: {key!r}: flow overrides are section.field=value "
+                              "(e.g. sft.max_steps=100)")
         section, name = key.split(".", 1)
         out.setdefault(section, {})[name] = value
     return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -1410,6 +1411,22 @@ T = TypeVar("T")
 # --------------------------------------------------------------------------------------
 
 
+MAX_INT = 2 ** 63
+"""Integers in a config stay below this in magnitude (what torch and numpy hold): a larger one is refused."""
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 80
+
+
+def shown(value: Any) -> str:
+    """A value as an error message quotes it: a clipped ``repr`` (:mod:`reprlib`), bounded for any value,
+    a YAML alias bomb or an integer of thousands of digits included."""
+    try:
+        return _SHOWN.repr(value)
+    except ValueError:  # an int past Python's digit limit for str(), at any depth
+        return f"<{type(value).__name__} too large to show>"
+
+
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
     """Coerce a YAML value to a dataclass field's annotated type, or raise ConfigError."""
     if isinstance(annotation, str):
@@ -1422,15 +1439,22 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
         if isinstance(value, bool) and bool in args:
             return value
         return _coerce(value, args[0], where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {shown(value)}")
+        return [_coerce(item, typing.get_args(annotation)[0], f"{where}[{i}]") for i, item in enumerate(value)]
     if annotation is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        raise ConfigError(f"{where}: expected true or false, got {shown(value)}")
     if annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+                value = int(value)
+            else:
+                raise ConfigError(f"{where}: expected an integer, got {shown(value)}")
+        if abs(value) >= MAX_INT:
+            raise ConfigError(f"{where}: integer out of range (at most 2**63 - 1 in magnitude), got {shown(value)}")
         return value
     if annotation is float:
         if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
@@ -1439,13 +1463,84 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
+            raise ConfigError(f"{where}: expected a number, got {shown(value)}")
+        if isinstance(value, int) and abs(value) >= MAX_INT:
+            raise ConfigError(f"{where}: number out of range, got {shown(value)}")
         return float(value)
     if annotation is str:
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool) \
+                or isinstance(value, int) and abs(value) >= MAX_INT:
+            raise ConfigError(f"{where}: expected a string, got {shown(value)}")
         return str(value)
     return value
+
+
+OVERRIDE_SOURCE = "command line (--set)"
+"""The source named by an error in a value given as an override rather than read from the params file."""
+
+MAX_YAML_DEPTH = 32
+"""Deepest nesting of collections a params file or ``--set`` value may have (params.yaml needs 3)."""
+MAX_YAML_NODES = 100_000
+"""Most values a params file or ``--set`` value may hold with every alias expanded (a "billion laughs"
+file of nested aliases holds 10**9 in a few hundred bytes)."""
+
+
+class _ParamsLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, bounded: nesting past :data:`MAX_YAML_DEPTH`, more than :data:`MAX_YAML_NODES`
+    values with aliases expanded, and a key given twice in one mapping (DVC refuses that file too) are
+    errors marked with their line."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self._depth = getattr(self, "_depth", 0) + 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_YAML_DEPTH} levels",
+                                                  self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def compose_document(self) -> Any:
+        node = super().compose_document()
+        sizes: dict[int, int] = {}
+
+        def size(n: Any) -> int:  # memoised per node: an alias is the node it names, counted each time used
+            if id(n) not in sizes:
+                sizes[id(n)] = MAX_YAML_NODES + 1  # until counted: an alias inside its own anchor never ends
+                children = [c for pair in n.value for c in pair] if isinstance(n, yaml.MappingNode) else \
+                    n.value if isinstance(n, yaml.SequenceNode) else []
+                sizes[id(n)] = 1 + sum(size(c) for c in children)
+            return sizes[id(n)]
+
+        if size(node) > MAX_YAML_NODES:
+            raise yaml.composer.ComposerError(None, None, f"more than {MAX_YAML_NODES} values with its aliases "
+                                              "expanded", node.start_mark)
+        return node
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *defaults" merges; a key given after it wins
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, typing.Hashable):  # an unhashable key is PyYAML's own error, next
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"key {shown(key)} appears twice in one "
+                                                            "mapping", key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _load_yaml(text: str, source: str) -> Any:
+    """``text`` as YAML (:class:`_ParamsLoader`), else a ConfigError naming ``source`` and the line."""
+    try:
+        return yaml.load(text, Loader=_ParamsLoader)  # noqa: S506 (a SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" line {mark.line + 1}:" if mark is not None else ""
+        raise ConfigError(f"{source}:{line} not valid YAML: {exc}") from None
+    except (ValueError, OverflowError) as exc:  # a scalar PyYAML resolves but cannot build: 2020-13-45, 10**5000
+        raise ConfigError(f"{source}: a value YAML cannot read: {exc}") from None
 
 
 def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
@@ -1453,14 +1548,10 @@ def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for pair in pairs or []:
         if "=" not in pair:
-            raise ConfigError(f"override {pair!r}: expected field=value")
+            raise ConfigError(f"{OVERRIDE_SOURCE}: {shown(pair)}: expected field=value")
         key, raw = pair.split("=", 1)
-        out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+        out[key.strip()] = _load_yaml(raw, f"{OVERRIDE_SOURCE}: {key.strip()}") if raw.strip() else ""
     return out
-
-
-OVERRIDE_SOURCE = "command line (--set)"
-"""The source named by an error in a value given as an override rather than read from the params file."""
 
 # Names other trainers (TRL, HF Trainer) use for a field alignflow spells differently: "did you mean" for them.
 KNOWN_ALIASES = {"learning_rate": "lr", "per_device_train_batch_size": "batch_size",
@@ -1497,7 +1588,7 @@ def build_config(cls: type[T], section: str, values: dict[str, Any], source: str
     for key, value in values.items():
         where = OVERRIDE_SOURCE if key in overridden else source
         if key not in known:
-            raise ConfigError(f"{where}: {unknown_field(section, key, known)}")
+            raise ConfigError(f"{where}: {unknown_field(section, str(key), known)}")
         kwargs[key] = _coerce(value, hints[key], f"{where}: {section}.{key}")
     try:
         return cls(**kwargs)
@@ -1510,21 +1601,26 @@ def build_config(cls: type[T], section: str, values: dict[str, Any], source: str
 
 
 def read_params(path: str | Path) -> dict[str, Any]:
-    """Read a params YAML file into a dict (empty file -> empty dict)."""
+    """Read a params YAML file into a dict of sections, each a mapping or None (empty file -> empty dict)."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        text = path.read_bytes().decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: params file not found") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}:{line}: not valid YAML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the params file: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); a params file is YAML") from None
+    data = _load_yaml(text, str(path)) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     unknown = set(data) - set(SECTIONS)
     if unknown:
         raise ConfigError(f"{path}: {unknown_sections(unknown)}")
+    for name, values in data.items():
+        if values is not None and not isinstance(values, dict):
+            raise ConfigError(f"{path}: section {name!r} must be a mapping of field: value, got "
+                              f"{type(values).__name__}")
     return data
 
 
@@ -1532,10 +1628,11 @@ def unknown_sections(unknown: typing.Collection[str]) -> str:
     """``unknown section(s) [...]; did you mean ...?`` (difflib), else the known sections."""
     import difflib
 
-    close = {name: difflib.get_close_matches(name, sorted(SECTIONS), n=1, cutoff=0.6) for name in sorted(unknown)}
+    names = sorted(shown(name) if not isinstance(name, str) else name for name in unknown)
+    close = {name: difflib.get_close_matches(name, sorted(SECTIONS), n=1, cutoff=0.6) for name in names}
     if all(close.values()):
-        return f"unknown section(s) {sorted(unknown)}; did you mean {', '.join(c[0] for c in close.values())}?"
-    return f"unknown section(s) {sorted(unknown)}; known: {', '.join(sorted(SECTIONS))}"
+        return f"unknown section(s) {names}; did you mean {', '.join(c[0] for c in close.values())}?"
+    return f"unknown section(s) {names}; known: {', '.join(sorted(SECTIONS))}"
 
 
 def load_config(cls: type[T], section: str, params_path: str | Path | None = "params.yaml",

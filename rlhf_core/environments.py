@@ -171,7 +171,10 @@ class HttpEnvironment:
             payload = self.transport.post_json(body, where)
         except RewardError as exc:  # the transport's message, as an environment error
             raise EnvironmentFailure(str(exc)) from None
-        return _check_result(payload, where)
+        try:
+            return _check_result(payload, where)
+        except EnvironmentFailure as exc:  # a value it quotes is the server's choice: an echoed secret included
+            raise EnvironmentFailure(redact_secrets(str(exc))) from None
 
 
 def environment_factory(spec: str, *, stop_tokens: Sequence[str] = (), timeout_s: float = 30.0, retries: int = 3,

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import hmac
-import json
 import os
 import socket
 import sys
@@ -48,6 +47,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from rlhf_core.atomic_io import write_text_atomic
+from rlhf_core.bounded_http import loads_strict
 from rlhf_core.redact import register_secret
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -96,9 +96,9 @@ def bearer_ok(header: str | None, token: str | None) -> bool:
 def parse_score_request(raw: bytes) -> tuple[list[str], list[str], list[str | None]]:
     """``(prompts, completions, labels)`` of a /score body, or :class:`BadRequest` naming the field."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"body: malformed JSON ({exc})") from None
+        body = loads_strict(raw)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, deep nesting, an int of 5000 digits
+        raise BadRequest(f"body: malformed JSON ({str(exc)[:200]})") from None
     if not isinstance(body, dict):
         raise BadRequest("body: expected a JSON object with 'prompts' and 'completions'")
     fields: dict[str, list] = {}

@@ -92,6 +92,15 @@ def _check_inputs(where: str, prompts: Sequence[str], completions: Sequence[str]
                           f"{len(labels)} labels; expected one of each per sample")
 
 
+def _quoted(value: Any) -> str:
+    """``str(value)`` cut to 60 characters, for a message; a value ``str`` refuses (an int past Python's digit
+    limit, an object whose ``__str__`` raises) is named by its type."""
+    try:
+        return str(value)[:60]
+    except Exception:
+        return f"<{type(value).__name__} too large to show>" if isinstance(value, int) else f"<{type(value).__name__}>"
+
+
 def validate_rewards(values: Any, n: int, where: str) -> list[float]:
     """``values`` as ``n`` finite floats, else a :class:`RewardError` naming ``where`` and the sample."""
     if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
@@ -103,13 +112,13 @@ def validate_rewards(values: Any, n: int, where: str) -> list[float]:
     out: list[float] = []
     for i, v in enumerate(values):
         if not isinstance(v, numbers.Real):
-            raise RewardError(f"{where}: sample {i}: reward {str(v)[:60]!r} is not a number")
+            raise RewardError(f"{where}: sample {i}: reward {_quoted(v)!r} is not a number")
         try:
             f = float(v)
         except OverflowError:  # an int past float's range (JSON integers have no bound)
             f = math.inf
         if not math.isfinite(f):
-            raise RewardError(f"{where}: sample {i}: reward {str(v)[:60]} is not finite")
+            raise RewardError(f"{where}: sample {i}: reward {_quoted(v)} is not finite")
         out.append(f)
     return out
 
@@ -177,11 +186,16 @@ def load_function(spec: str) -> tuple[Path, str, Callable[..., Any]]:
     file_part, sep, func_name = spec.rpartition(":")
     if not sep or not file_part or not func_name:
         raise RewardError(f"reward function {spec!r}: expected 'path/to/file.py:function_name'")
-    path = resolve_reward_file(file_part)
+    try:
+        path = resolve_reward_file(file_part)
+        is_file, exists = path.is_file(), path.exists()
+    except (ValueError, OSError, RuntimeError) as exc:  # a NUL byte, a name too long, ~user with no home
+        raise RewardError(f"reward function {spec!r}: cannot use {file_part!r} as a path: {exc}") from None
     if path.suffix != ".py":
         raise RewardError(f"reward function {spec!r}: {file_part} is not a .py file")
-    if not path.is_file():
-        raise RewardError(f"reward function {spec!r}: file {path} not found")
+    if not is_file:
+        raise RewardError(f"reward function {spec!r}: "
+                          + (f"{path} is not a file" if exists else f"file {path} not found"))
     module_name = f"alignflow_reward_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     if module_spec is None or module_spec.loader is None:
