@@ -33,6 +33,7 @@ Errors are :class:`DataError` naming file, line and field.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -225,7 +226,13 @@ def _margin(rec: Record, field: str, path: str | Path) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise DataError(rec.where(path), rec.line, f"must be a number, got {type(value).__name__}", field)
-    return float(value)
+    try:
+        margin = float(value)
+    except OverflowError:  # an integer past float range
+        margin = math.inf
+    if not math.isfinite(margin):
+        raise DataError(rec.where(path), rec.line, "must be a finite number", field)
+    return margin
 
 
 def _pair(rec: Record, path: str | Path, prompt_field: str, chosen_field: str,

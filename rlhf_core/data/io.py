@@ -89,12 +89,10 @@ def _iter_jsonl(path: Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[Re
             text = raw.strip()
             if not text:
                 continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise DataError(path, lineno, f"not valid JSON ({json_problem(exc)})") from None
+            obj = _parse_json(text, path, lineno)
             if not isinstance(obj, dict):
                 raise DataError(path, lineno, f"expected a JSON object, got {type(obj).__name__}")
+            _refuse_lone_surrogates(obj, text, path, lineno)
             yield Record(obj, lineno)
 
 
@@ -102,18 +100,54 @@ def _iter_json_array(path: Path) -> Iterator[Record]:
     with _open(path) as fh:  # one JSON document: parsed whole
         data = fh.read()
     try:
-        rows = json.loads(data.decode("utf-8"))
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         raise DataError(path, line, f"not UTF-8 text (byte 0x{data[exc.start]:02x})") from None
-    except json.JSONDecodeError as exc:
-        raise DataError(path, exc.lineno, f"not valid JSON ({json_problem(exc)})") from None
+    rows = _parse_json(text, path, 0)
     if not isinstance(rows, list):
         raise DataError(path, 0, "a .json dataset must be an array of objects")
     for i, obj in enumerate(rows, start=1):
         if not isinstance(obj, dict):
             raise DataError(path, i, f"expected a JSON object, got {type(obj).__name__}")
+        _refuse_lone_surrogates(obj, text, path, i)
         yield Record(obj, i)
+
+
+def _parse_json(text: str, path: Path, line: int) -> Any:
+    """``text`` parsed, or a DataError naming the file and ``line`` (0: the decoder's line, where it
+    gives one): broken JSON, an integer longer than Python converts (``sys.get_int_max_str_digits``),
+    nesting deeper than the recursion limit."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DataError(path, line or exc.lineno, f"not valid JSON ({json_problem(exc)})") from None
+    except RecursionError:
+        raise DataError(path, line, "not readable JSON (nested deeper than Python's recursion limit)") from None
+    except ValueError as exc:  # the integer-string conversion limit
+        raise DataError(path, line, f"not readable JSON ({str(exc).split(';')[0]})") from None
+
+
+def _refuse_lone_surrogates(obj: dict, text: str, path: Path, line: int) -> None:
+    """A DataError naming file, line and field when a string of ``obj`` (a key or a value, at any depth)
+    holds a lone surrogate: JSON's ``\\ud800`` escape decodes to one, UTF-8 cannot encode it, so
+    every later write of the text would fail. Only a ``\\u`` escape in ``text`` can make one."""
+    if "\\u" not in text:
+        return
+    for key, value in obj.items():
+        stack = [key, value]
+        while stack:  # iterative: the decoder's nesting may be near the recursion limit
+            item = stack.pop()
+            if isinstance(item, dict):
+                stack += [*item.keys(), *item.values()]
+            elif isinstance(item, list):
+                stack += item
+            elif isinstance(item, str) and not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise DataError(path, line, f"a lone surrogate ({item[exc.start]!a}) is not Unicode text",
+                                    key.encode("utf-8", "backslashreplace").decode("utf-8")) from None
 
 
 def _iter_parquet(path: Path) -> Iterator[Record]:
@@ -137,16 +171,29 @@ PARQUET_BATCH_ROWS = 8192
 def _iter_datasets_dir(path: Path) -> Iterator[Record]:
     import datasets
 
+    if _saved_empty(path):
+        return
     try:
         ds = datasets.load_from_disk(str(path))
     except Exception as exc:  # a damaged folder: missing, corrupt or unreadable files, arrow errors
-        raise DataError(path, 0, f"not a readable datasets folder ({' '.join(str(exc).split())})") from None
+        reason = f"no {exc} entry" if isinstance(exc, KeyError) else " ".join(str(exc).split())
+        raise DataError(path, 0, f"not a readable datasets folder ({reason})") from None
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
             raise DataError(path, 0, f"DatasetDict without a 'train' split (has {list(ds)})")
         ds = ds["train"]
     for i, obj in enumerate(ds, start=1):
         yield Record(obj, i)
+
+
+def _saved_empty(path: Path) -> bool:
+    """Whether ``path`` holds a ``Dataset.save_to_disk`` of no rows: its ``state.json`` lists no data
+    files, and ``datasets.load_from_disk`` cannot load such a folder back."""
+    try:
+        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):  # absent or damaged: load_from_disk reports it
+        return False
+    return isinstance(state, dict) and state.get("_data_files") == []
 
 
 def is_saved_dataset(path: Path) -> bool:
@@ -170,9 +217,10 @@ def hub_train_files(path: str | Path) -> list[Path]:
     with tempfile.TemporaryDirectory(prefix="alignflow-hub-") as cache:
         try:
             builder = datasets.load_dataset_builder(str(path), cache_dir=cache)
-        except (ValueError, OSError, RuntimeError) as exc:  # OSError: missing or unreadable files
+        except Exception as exc:  # missing or unreadable files; a card whose YAML is broken or of another shape
             reason = " ".join(str(exc).split())
-            hint = "; mark one config of the README `default: true`" if "config" in reason.lower() else ""
+            hint = "; mark one config of the README `default: true`" if isinstance(exc, ValueError) and \
+                "config" in reason.lower() else ""
             raise DataError(path, 0, f"not a readable dataset folder ({reason}){hint}") from None
     data_files = builder.config.data_files or {}
     if not data_files.get("train"):

@@ -281,7 +281,14 @@ def _type_name(value: Any) -> str:
 
 
 def _is_finite_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A number (not a bool) that is finite as a float: NaN, infinities and integers past float range
+    (``10**400``, which the readers could not turn into a float) are not."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _well_formed(value: Any) -> bool:

@@ -120,7 +120,7 @@ CORPUS = {
         ({"chosen": [A("a")], "rejected": [A("b")]}, "bad"),  # no prompt messages to share
         ({"chosen": [], "rejected": [U("q10"), A("b")]}, "bad"),
         ({"chosen": [U("q11"), A("a")], "rejected": [U("q11"), A("b")], "margin": "big"}, "bad"),
-        ({"chosen": [U("q12"), A("a")], "rejected": [U("q12"), A("b")], "margin": float("nan")}, "gate"),
+        ({"chosen": [U("q12"), A("a")], "rejected": [U("q12"), A("b")], "margin": float("nan")}, "bad"),
         ({"chosen": "x y", "rejected": "x z"}, "gate"),  # the standard form in a conversational file
     ]),
     "preference-conversational-explicit": ("preference", {}, [
