@@ -3,7 +3,8 @@
 The text goes to a temporary name beside the target, unique per writer (pid and a random
 suffix, so two processes or a retry never share one), and is renamed over the target; the
 temporary file is removed whatever happens. Folders (checkpoints, model directories) are
-staged the same way by :mod:`rlhf_core.checkpoint`.
+staged the same way by :mod:`rlhf_core.checkpoint`. :func:`fsync_path` makes a file's bytes, or a
+folder's names, durable.
 """
 
 from __future__ import annotations
@@ -27,3 +28,12 @@ def write_text_atomic(path: str | Path, chunks: Iterable[str] | str) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def fsync_path(path: str | Path) -> None:
+    """fsync a file or a directory (a directory's fsync makes the names in it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -53,14 +53,14 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from rlhf_core.atomic_io import write_text_atomic
+from rlhf_core.atomic_io import fsync_path, write_text_atomic
 from rlhf_core.config import config_to_dict
 from rlhf_core.lineage import core_fingerprint, dvc_md5, file_sha256
+from rlhf_core.manifest import read_manifest, verify_manifest, write_manifest
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.pt"
-MANIFEST_FILE = "manifest.json"
 FINISHED_FILE = "finished.json"
 # 2: the loop's evaluation metrics are ``loop.eval_metrics`` for every trainer (one checkpointed loop).
 # 3: optimizer state by parameter name, whole tensors (any strategy and world size); ``rng_ranks``.
@@ -259,15 +259,6 @@ def temp_sibling(path: Path, kind: str = "tmp") -> Path:
     return path.with_name(f".{path.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
 
 
-def fsync_path(path: str | Path) -> None:
-    """fsync a file or a directory (a directory's fsync makes the names in it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_tree(root: Path) -> None:
     """fsync every file under ``root``, then every directory, deepest first."""
     for dirpath, _dirs, files in os.walk(root, topdown=False):
@@ -332,54 +323,6 @@ def sweep_temps(parent: Path, owns: Callable[[str], bool], *, dead_only: bool = 
     if swept:
         log.warning("swept %d stale temp folder(s) under %s: %s", len(swept), parent, [p.name for p in swept])
     return swept
-
-
-def write_manifest(folder: Path, header: dict[str, Any]) -> None:
-    """fsync every file under ``folder`` and list it (relative path, size, sha256) in ``manifest.json``,
-    written last and fsynced, with ``header`` (format, step, fingerprint) beside the list."""
-    files = []
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_FILE):
-        digest = hashlib.sha256()
-        with path.open("rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(chunk)
-            os.fsync(fh.fileno())
-        files.append({"path": path.relative_to(folder).as_posix(), "size": path.stat().st_size,
-                      "sha256": digest.hexdigest()})
-    with open(folder / MANIFEST_FILE, "w", encoding="utf-8") as fh:
-        json.dump({**header, "files": files}, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    for dirpath, _dirs, _files in os.walk(folder, topdown=False):
-        fsync_path(dirpath)
-
-
-def read_manifest(folder: Path) -> dict[str, Any]:
-    """``manifest.json`` of a checkpoint; ValueError (naming what is wrong) if absent or unreadable."""
-    path = folder / MANIFEST_FILE
-    if not path.is_file():
-        raise ValueError(f"no {MANIFEST_FILE} (torn, or written before checkpoints carried one)")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-        files = manifest["files"]
-        assert isinstance(files, list)
-    except (OSError, ValueError, KeyError, AssertionError) as exc:
-        raise ValueError(f"{MANIFEST_FILE} unreadable: {exc!r}") from exc
-    return manifest
-
-
-def verify_manifest(folder: Path, manifest: dict[str, Any]) -> str | None:
-    """What in ``folder`` differs from its manifest (a missing file, a size, a sha256), or None if nothing."""
-    for entry in manifest["files"]:
-        path = folder / entry["path"]
-        if not path.is_file():
-            return f"{entry['path']} is missing"
-        size = path.stat().st_size
-        if size != entry["size"]:
-            return f"{entry['path']} is {size} bytes, the manifest says {entry['size']}"
-        if file_sha256(path) != entry["sha256"]:
-            return f"{entry['path']} sha256 differs from the manifest"
-    return None
 
 
 # --------------------------------------------------------------------------------------
@@ -466,6 +409,10 @@ class Checkpointer:
         except Exception as exc:  # noqa: BLE001 - any unreadable state means a torn checkpoint
             log.warning("skipping torn checkpoint %s: %s cannot be loaded: %s", path, STATE_FILE, exc)
             return None
+        if not isinstance(state, dict) or isinstance(state.get("step"), bool) or not isinstance(state.get("step"), int):
+            log.warning("skipping torn checkpoint %s: %s is not a trainer state (a dict with an int step)", path,
+                        STATE_FILE)
+            return None
         if self._foreign(path, state):
             return None
         if not any(path.glob("*.safetensors")):
@@ -507,8 +454,8 @@ class Checkpointer:
             record = json.loads(path.read_text(encoding="utf-8"))
             found = FinishedRun(int(record["step"]), Path(record["output_dir"]), str(record["output_md5"]),
                                 dict(record["outcome"]))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.warning("ignoring %s: unreadable (%r); training again", path, exc)
+        except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
+            log.warning("ignoring %s: unreadable (%s: %s); training again", path, type(exc).__name__, str(exc)[:200])
             return None
         if record.get("format") != FORMAT_VERSION or record.get("fingerprint") != self.fingerprint:
             log.warning("ignoring %s: written by a run of another format, config, inputs or code; training again",

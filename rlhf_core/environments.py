@@ -119,21 +119,33 @@ def _finite(value: int | float) -> bool:
         return False
 
 
+def _shown(value: Any, limit: int) -> str:
+    """``value``'s text, cut to ``limit`` characters and quoted, for a message; never raises, as ``str`` and
+    ``reprlib`` do on an int past Python's 4300-digit conversion limit or an object whose ``__str__`` raises."""
+    try:
+        text = str(value)
+    except Exception as exc:  # noqa: BLE001 - any value an environment returned
+        text = f"<a {type(value).__name__} whose str() raised {type(exc).__name__}>"
+    return repr(text[:limit])
+
+
 def _check_result(value: Any, where: str) -> StepResult:
+    """``value`` (what ``where``'s step returned) as a :class:`StepResult`; an :class:`EnvironmentFailure` naming
+    ``where`` and the value where it is none."""
     if isinstance(value, StepResult):
         result = value
     elif isinstance(value, dict) and set(value) <= {"observation", "done", "reward"}:
         result = StepResult(**value)
     else:
-        raise EnvironmentFailure(redact_secrets(f"{where}: step returned {str(value)[:120]!r}; expected a StepResult "
+        raise EnvironmentFailure(redact_secrets(f"{where}: step returned {_shown(value, 120)}; expected a StepResult "
                                                "or {observation: str, done: bool, reward: float | null}"))
     if not isinstance(result.observation, str) or not isinstance(result.done, bool):
-        raise EnvironmentFailure(redact_secrets(f"{where}: step returned observation {str(result.observation)[:60]!r} "
-                                               f"and done {result.done!r}; expected a string and a boolean"))
+        raise EnvironmentFailure(redact_secrets(f"{where}: step returned observation {_shown(result.observation, 60)} "
+                                               f"and done {_shown(result.done, 40)}; expected a string and a boolean"))
     if result.reward is not None and (isinstance(result.reward, bool) or not isinstance(result.reward, (int, float))
                                       or not _finite(result.reward)):
-        raise EnvironmentFailure(f"{where}: step returned reward {str(result.reward)[:40]!r}; expected a finite number "
-                                "or null")
+        raise EnvironmentFailure(f"{where}: step returned reward {_shown(result.reward, 40)}; expected a finite "
+                                 "number or null")
     return result
 
 
@@ -215,19 +227,15 @@ def tool_turn_text(tokenizer: Any, history: Sequence[dict[str, Any]], assistant:
     part of it. ChatML (``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, eos ``<|im_end|>``, generation
     prompt ``<|im_start|>assistant\\n``) and observation ``84`` give
     ``"\\n<|im_start|>tool\\n84<|im_end|>\\n<|im_start|>assistant\\n"``. Raises ValueError where the assistant
-    turn holds no eos or the template is not prefix-stable (a later message re-renders an earlier one).
+    turn holds no eos or the template is not prefix-stable (a later message re-renders an earlier one), and
+    :class:`rlhf_core.data.chat.ChatTemplateError` (a ValueError) where rendering fails.
     """
-    from rlhf_core.data.tokenize import ensure_chat_template
+    from rlhf_core.data.chat import render_chat
 
-    ensure_chat_template(tokenizer)
-
-    def render(messages: list[dict[str, Any]], generation_prompt: bool) -> str:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-
-    head = render(list(history), True)
+    head = render_chat(tokenizer, list(history), True)
     turn = [*history, {"role": "assistant", "content": assistant}]
-    upto = render(turn, False)
-    full = render([*turn, {"role": "tool", "content": observation}], True)
+    upto = render_chat(tokenizer, turn, False)
+    full = render_chat(tokenizer, [*turn, {"role": "tool", "content": observation}], True)
     eos = tokenizer.eos_token or ""
     if not upto.startswith(head):
         raise ValueError("chat template is not prefix-stable: the conversation rendered with its generation prompt "
@@ -256,7 +264,7 @@ def tool_conversations(mode: str, tokenizer: Any, examples: Sequence[Any], path:
     """
     from rlhf_core.data.formats import is_conversational
     from rlhf_core.data.io import DataError
-    from rlhf_core.data.tokenize import PLAIN_CHAT_TEMPLATE
+    from rlhf_core.data.chat import PLAIN_CHAT_TEMPLATE
 
     chosen = ToolMessages(mode)
     text = next((e for e in examples if not is_conversational(e.prompt)), None)
@@ -402,12 +410,14 @@ def _start_trajectories(tokenizer: Any, prompts: Sequence[str], labels: Sequence
 
 def _step(env: Environment, action: str) -> StepResult:
     """``env``'s checked reply to one model turn; a user's exception becomes an :class:`EnvironmentFailure`."""
+    where = f"environment {type(env).__name__}"
     try:
-        return _check_result(env.step(action), "environment")
+        value = env.step(action)
     except RewardError:
         raise
     except Exception as exc:
-        raise EnvironmentFailure(f"environment step failed: {type(exc).__name__}: {exc}") from exc
+        raise EnvironmentFailure(f"{where}: step failed: {type(exc).__name__}: {_shown(exc, 300)}") from exc
+    return _check_result(value, where)
 
 
 def _chat_observation_ids(tokenizer: Any, r: _Trajectory, turn: list[int], observation: str) -> list[int]:

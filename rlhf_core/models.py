@@ -1,7 +1,14 @@
-"""Load any Hugging Face causal-LM directory (the embedded model or a user's) the same way."""
+"""Load any Hugging Face causal-LM directory (the embedded model or a user's) the same way.
+
+A folder that cannot be loaded is a :class:`ModelLoadError` naming the folder and the file: its small JSON files
+(:data:`JSON_FILES`) are read first and must each hold one JSON object, and whatever transformers, tokenizers or
+safetensors raise while loading the rest becomes the same error, naming the files that step reads. Loading
+writes nothing into the folder.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -9,7 +16,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from rlhf_core.data.tokenize import ensure_chat_template
+from rlhf_core.data.chat import ensure_chat_template
 
 
 class ModelLoadError(ValueError):
@@ -21,17 +28,58 @@ def pick_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+JSON_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json")
+"""A model folder's small JSON files, each one JSON object where present (``tokenizer.json``, megabytes, is
+left to the tokenizers library)."""
+TOKENIZER_FILES = "tokenizer.json / tokenizer_config.json"
+
+
+def check_json_files(path: Path) -> None:
+    """:class:`ModelLoadError` naming the file where one of :data:`JSON_FILES` in ``path`` is present but not
+    one JSON object (unreadable, not UTF-8, not JSON, nested past the parser's depth, or another JSON value)."""
+    for name in JSON_FILES:
+        file = path / name
+        if not file.exists():
+            continue
+        try:
+            value = json.loads(file.read_bytes())
+        except (OSError, ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError: ValueError
+            raise ModelLoadError(f"{file}: not readable as JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
+        if not isinstance(value, dict):
+            raise ModelLoadError(f"{file}: expected a JSON object, got {type(value).__name__}")
+
+
+@contextmanager
+def refusing(path: Path, files: str) -> Iterator[None]:
+    """Whatever loading ``files`` of the folder ``path`` raises inside, as a :class:`ModelLoadError` naming them.
+
+    Every exception: transformers, huggingface_hub, tokenizers and safetensors raise many types (TypeError,
+    AttributeError, a Rust ``SafetensorError``) on a folder's malformed content, none of them a fault here."""
+    try:
+        yield
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        raise ModelLoadError(f"{path}: cannot load {files}: {type(exc).__name__}: {str(exc)[:300]}") from None
+
+
 def load_tokenizer(path: str | Path, padding_side: str = "right") -> Any:
     """Tokenizer of a model directory, with a pad token and a chat template guaranteed."""
     from transformers import AutoTokenizer
 
     path = Path(path)
     if not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
-        raise ModelLoadError(f"{path}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
-    tok = AutoTokenizer.from_pretrained(str(path))
+        raise ModelLoadError(f"{path}: no tokenizer files ({TOKENIZER_FILES})")
+    check_json_files(path)
+    with refusing(path, TOKENIZER_FILES):
+        tok = AutoTokenizer.from_pretrained(str(path))
+    if not isinstance(getattr(tok, "chat_template", None), (str, dict, type(None))):
+        raise ModelLoadError(f"{path / 'tokenizer_config.json'}: chat_template must be a string, got "
+                             f"{type(tok.chat_template).__name__}")
     if tok.pad_token_id is None:
         if tok.eos_token_id is None:
-            raise ModelLoadError(f"{path}: tokenizer has neither a pad nor an eos token")
+            raise ModelLoadError(f"{path}: tokenizer has neither a pad nor an eos token (special tokens of "
+                                 f"{TOKENIZER_FILES})")
         tok.pad_token = tok.eos_token
     tok.padding_side = padding_side
     return ensure_chat_template(tok)
@@ -58,10 +106,9 @@ def attn_implementation(path: Path, device: torch.device) -> str:
     choice = os.environ.get(ATTENTION_ENV, "auto")
     if choice == "sdpa":
         return "sdpa"
-    try:
+    check_json_files(path)
+    with refusing(path, "config.json"):
         config = AutoConfig.from_pretrained(str(path))
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{path}: cannot read config.json: {exc}") from None
     try:
         varlen = attention.use_varlen(config, device, choice)
     except ValueError as exc:
@@ -83,10 +130,9 @@ def load_causal_lm(path: str | Path, device: torch.device | None = None, dtype: 
         raise ModelLoadError(f"{path}: not a Hugging Face model directory (no config.json)")
     device = device or pick_device()
     implementation = attn_implementation(path, device)
-    try:
+    weights = " / ".join(sorted(p.name for p in path.glob("*.safetensors*"))) or "weights"
+    with refusing(path, f"a causal LM (config.json, generation_config.json, {weights})"):
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=implementation)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{path}: cannot load as a causal LM: {exc}") from None
     return model.to(device)
 
 

@@ -39,10 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlhf_core.data.chat import ROLES, message_problem, render_chat  # noqa: F401 (ROLES: read from here by validate.py)
 from rlhf_core.data.io import DataError, Record
-
-ROLES = ("system", "user", "assistant", "tool")
-"""Roles a message may have (the OpenAI / Hugging Face chat convention)."""
 
 Messages = list[dict[str, Any]]
 Text = str | Messages
@@ -71,13 +69,8 @@ def check_messages(value: Any, path: str | Path, line: int, field: str) -> Messa
     if not isinstance(value, list) or not value:
         raise DataError(path, line, "expected a non-empty list of {role, content} messages", field)
     for j, m in enumerate(value):
-        if not isinstance(m, dict):
-            raise DataError(path, line, f"message {j}: expected an object, got {type(m).__name__}", field)
-        if "content" not in m or not isinstance(m["content"], str):
-            raise DataError(path, line, f"message {j}: 'content' missing or not a string", field)
-        if m.get("role") not in ROLES:
-            raise DataError(path, line, f"message {j}: role {m.get('role')!r} is not one of {', '.join(ROLES)}",
-                            field)
+        if (problem := message_problem(m)) is not None:
+            raise DataError(path, line, f"message {j}: {problem}", field)
     return value
 
 
@@ -284,17 +277,10 @@ def read_unpaired_examples(records: Sequence[Record], path: str | Path, *, promp
 # --------------------------------------------------------------------------------------
 
 
-def _apply_template(tokenizer: Any, messages: Messages, add_generation_prompt: bool) -> str:
-    from rlhf_core.data.tokenize import ensure_chat_template
-
-    ensure_chat_template(tokenizer)
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
-
-
 def prompt_text(tokenizer: Any, prompt: Text) -> str:
     """What the model reads before its answer: standard text as it is; a conversation rendered
     with the chat template and the generation prompt (``<|assistant|>``-style header) appended."""
-    return _apply_template(tokenizer, prompt, True) if is_conversational(prompt) else prompt
+    return render_chat(tokenizer, prompt, True) if is_conversational(prompt) else prompt
 
 
 def completion_text(tokenizer: Any, prompt: Text, completion: Text) -> str:
@@ -305,7 +291,7 @@ def completion_text(tokenizer: Any, prompt: Text, completion: Text) -> str:
     if not is_conversational(prompt):
         return completion
     head = prompt_text(tokenizer, prompt)
-    full = _apply_template(tokenizer, list(prompt) + list(completion), False)
+    full = render_chat(tokenizer, list(prompt) + list(completion), False)
     if not full.startswith(head):
         raise ValueError("chat template is not prefix-stable: the rendered prompt with its generation prompt is "
                          "not a prefix of the rendered conversation")

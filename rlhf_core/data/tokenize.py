@@ -7,8 +7,8 @@ Two input shapes, both with the loss on the response only:
   joined (so the prompt's ids equal what generation later sees), the eos token closing the
   completion unless the rendered answer already ends its turn with it; labels are ``-100``
   on the prompt.
-* ``messages`` (chat): rendered with the tokenizer's own chat template, or
-  ``PLAIN_CHAT_TEMPLATE`` when it has none; labels are ``-100`` everywhere except the
+* ``messages`` (chat): rendered by :func:`rlhf_core.data.chat.render_chat` (the tokenizer's own
+  chat template, or ``PLAIN_CHAT_TEMPLATE`` when it has none); labels are ``-100`` everywhere except the
   assistant turns (found by rendering each prefix, so any prefix-stable template works).
 
 Records become these strings in :mod:`rlhf_core.data.sequences` (one reader per stage kind).
@@ -22,26 +22,9 @@ from typing import Any, Sequence
 
 import torch
 
+from rlhf_core.data.chat import render_chat
+
 IGNORE_INDEX = -100
-
-# Used when a tokenizer ships no chat template: plain text, no special tokens needed
-# beyond eos, which ends every assistant turn so that generation knows where to stop.
-# Newlines are Jinja expressions because transformers renders with trim_blocks=True,
-# which would eat a literal newline after a block tag.
-PLAIN_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ message['role'] }}: {{ message['content'] }}"
-    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}assistant: {% endif %}"
-)
-
-
-def ensure_chat_template(tokenizer: Any) -> Any:
-    """Give ``tokenizer`` the plain template if it has none; return it."""
-    if not getattr(tokenizer, "chat_template", None):
-        tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
-    return tokenizer
 
 
 @dataclass
@@ -88,10 +71,6 @@ def tokenize_prompt_completion(tokenizer: Any, prompt: str, completion: str, max
     return TokenizedExample(ids, labels)
 
 
-def _render(tokenizer: Any, messages: Sequence[dict], add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
-
-
 def tokenize_messages(tokenizer: Any, messages: Sequence[dict], max_length: int) -> TokenizedExample:
     """Render a chat and keep the loss on assistant turns only.
 
@@ -99,14 +78,13 @@ def tokenize_messages(tokenizer: Any, messages: Sequence[dict], max_length: int)
     add_generation_prompt=True)`` and ``render(messages[:i+1])``; token offsets map that
     span to tokens. Raises ValueError when the template is not prefix-stable.
     """
-    ensure_chat_template(tokenizer)
-    full = _render(tokenizer, messages, add_generation_prompt=False)
+    full = render_chat(tokenizer, list(messages), add_generation_prompt=False)
     spans: list[tuple[int, int]] = []
     for i, msg in enumerate(messages):
         if msg.get("role") != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
-        upto = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        before = render_chat(tokenizer, list(messages[:i]), add_generation_prompt=True) if i else ""
+        upto = render_chat(tokenizer, list(messages[: i + 1]), add_generation_prompt=False)
         if not full.startswith(upto) or not upto.startswith(before):
             raise ValueError("chat template is not prefix-stable; cannot locate assistant turns")
         spans.append((len(before), len(upto)))

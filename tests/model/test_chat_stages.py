@@ -24,7 +24,7 @@ import pytest
 
 from rlhf_core.config import (DistillConfig, DPOConfig, KTOConfig, RejectionConfig, RewardConfig, RLConfig,
                               SFTConfig, TrackingConfig)
-from rlhf_core.data.tokenize import PLAIN_CHAT_TEMPLATE
+from rlhf_core.data.chat import PLAIN_CHAT_TEMPLATE
 from rlhf_core.evaluate import evaluate_exact_match
 from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.rejection import rejection_sample

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from rlhf_core import lineage
-from rlhf_core.checkpoint import (StorageError, read_manifest, run_fingerprint, storage_errno, storage_guard,
-                                  sweep_temps, temp_sibling, verify_manifest, write_manifest)
+from rlhf_core.checkpoint import StorageError, run_fingerprint, storage_errno, storage_guard, sweep_temps, temp_sibling
+from rlhf_core.manifest import read_manifest, verify_manifest, write_manifest
 from rlhf_core.config import RLConfig
 
 needs_dev_full = pytest.mark.skipif(not (os.path.exists("/dev/full") and stat.S_ISCHR(os.stat("/dev/full").st_mode)),

@@ -7,9 +7,9 @@ import torch
 
 from rlhf_core.data.io import Record
 from rlhf_core.data.sequences import tokenize_sft_records
+from rlhf_core.data.chat import PLAIN_CHAT_TEMPLATE
 from rlhf_core.data.tokenize import (
     IGNORE_INDEX,
-    PLAIN_CHAT_TEMPLATE,
     collate_packed,
     collate_padded,
     tokenize_messages,
