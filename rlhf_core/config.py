@@ -1593,11 +1593,14 @@ def build_config(cls: type[T], section: str, values: dict[str, Any], source: str
     try:
         return cls(**kwargs)
     except ConfigError as exc:
-        message, own = str(exc), getattr(cls, "section", None)
-        if own and section != own:  # a section of the same fields under another name (tool_rl): name that one
-            message = message.replace(f"{own}.", f"{section}.", 1)
-        named = re.match(r"\A\w++\.(\w++)", message)  # the checks name "section.field: ..." first
-        raise ConfigError(f"{OVERRIDE_SOURCE if named and named[1] in overridden else source}: {message}") from None
+        message = str(exc)
+        named = re.match(r"\A(\w++)\.\w++", message)  # the checks name "section.field: ..." first
+        if named and named[1] != section:  # the same fields under another section's name (tool_rl): name this one
+            message = section + message[len(named[1]):]
+        # A check that names an overridden field (its own, or the other one of a cross-field check) blames the
+        # command line: the file's value was fine until the override changed its partner.
+        blamed = OVERRIDE_SOURCE if set(re.findall(r"\w+", message)) & set(overridden) else source
+        raise ConfigError(f"{blamed}: {message}") from None
 
 
 def read_params(path: str | Path) -> dict[str, Any]:

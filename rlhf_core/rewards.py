@@ -407,12 +407,17 @@ class HttpRewardSource:
         """``attempt(timeout)`` until it returns, retrying :class:`_Retry` as the class docstring says."""
         deadline = time.monotonic() + self.deadline_s
         attempts = failures = 0
+        last = ""
         while True:
             attempts += 1
+            timeout = max(1e-3, min(self.timeout_s, deadline - time.monotonic()))
             try:
-                return attempt(max(1e-3, min(self.timeout_s, deadline - time.monotonic())))
+                return attempt(timeout)
             except _Retry as retry:
-                last, wait = retry.last, retry.wait_s
+                # An attempt the deadline cut short says only that; the server's own last error says more.
+                cut = timeout < self.timeout_s and time.monotonic() >= deadline
+                last = f"{last} (then one more attempt, cut off by the deadline)" if cut and last else retry.last
+                wait = retry.wait_s
                 failures += retry.counts
                 if wait is None:
                     wait = self.backoff_s_before(failures - 1 if retry.counts else attempts - 1)

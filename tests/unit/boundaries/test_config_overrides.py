@@ -75,6 +75,7 @@ def test_a_stage_commands_overrides_are_typed_or_refused_naming_the_command_line
 
 @given(pairs=st.lists(st.tuples(pair_keys, pair_values).map("=".join), max_size=4))
 @example(pairs=["x.1=2", "sft.lr=3", "sft.lr=[1, 2]"])
+@example(pairs=["reward.num_workers=33"]).via("a cross-field check the override broke (batch_size >= num_workers)")
 def test_a_flows_overrides_are_typed_or_refused_naming_the_command_line(pairs):
     overrides = _refused_by(OVERRIDE_SOURCE, _section_overrides, pairs)
     if overrides is not None:
@@ -86,14 +87,16 @@ def test_a_flows_overrides_are_typed_or_refused_naming_the_command_line(pairs):
 @example(field=("flow", "stages"), value=[1, [2]])
 @example(field=("guards", "advisory_guards"), value=[["a"]]).via("an unhashable item: TypeError")
 @example(field=("rl", "environment_stop_tokens"), value=None)
+@example(field=("tool_guards", "advisory_guards"), value=[0]).via("a check of guards' fields under tool_guards")
 @example(field=("sft", "seed"), value=10 ** 5000).via("an int no message can print")
 @example(field=("sft", "packing"), value=10 ** 5000)
+@example(field=("sft", "num_workers"), value=129).via("a cross-field check naming batch_size first")
 def test_a_fields_value_is_typed_or_refused_naming_the_field(field, value):
     section, name = field
     try:
         build_config(SECTIONS[section], section, {name: value}, "params.yaml")
-    except ConfigError as exc:
-        assert str(exc).startswith(f"params.yaml: {section}.{name}"), exc
+    except ConfigError as exc:  # a cross-field check names its partner first: "sft.batch_size: must be >= num_workers"
+        assert str(exc).startswith(f"params.yaml: {section}.") and name in str(exc), exc
         return
     with pytest.raises(ConfigError, match=rf"^{OVERRIDE_SOURCE.replace('(', '[(]').replace(')', '[)]')}: "):
         build_config(SECTIONS[section], section, {name: value, "no_such_field": 1}, "params.yaml",
