@@ -19,6 +19,11 @@ from rlhf_core.time_limit import TimeLimitExceeded, time_limit
 ROLES = ("system", "user", "assistant", "tool")
 """Roles a message may have (the OpenAI / Hugging Face chat convention)."""
 
+CHAT_TEMPLATE_DEPTH = 64
+"""The deepest a chat template's own calls (macros, recursive loops) may nest during one rendering: real templates
+nest a few levels (a recursive macro over a tool's JSON schema: its nesting); deeper is refused as runaway
+recursion. Each level costs Jinja about five Python frames, so Python's limit of 1000 would stop it near 199."""
+
 CHAT_TEMPLATE_SECONDS = 5.0
 """The longest one rendering of a chat template may run (:func:`render_chat`); a real template takes
 milliseconds, so only a runaway one (a loop of 10^10 steps, unbounded recursion) meets it."""
@@ -91,11 +96,11 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_p
             raise ChatTemplateError(f"message {j}: {problem}")
     ensure_chat_template(tokenizer)
     try:
-        with time_limit(seconds, _template_code):
+        with time_limit(seconds, _template_code, max_depth=CHAT_TEMPLATE_DEPTH):
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except TimeLimitExceeded as exc:
-        raise ChatTemplateError(f"{template_source(tokenizer)}: rendering {len(messages)} message(s) {exc} "
-                                f"(the limit is {seconds:g} s)") from None
+        raise ChatTemplateError(f"{template_source(tokenizer)}: rendering {len(messages)} message(s) was stopped, "
+                                f"{exc} (limits: {seconds:g} s, {CHAT_TEMPLATE_DEPTH} nested calls)") from None
     except Exception as exc:  # noqa: BLE001 - the template is the model folder's code: any failure is its own
         raise ChatTemplateError(f"{template_source(tokenizer)} failed: {type(exc).__name__}: {str(exc)[:300]}") \
             from exc
