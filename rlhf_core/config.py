@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from typing import Any, ClassVar, TypeVar
 import yaml
 
 from rlhf_core.data.io import MAX_LINE_BYTES
+from rlhf_core.shown import shown
 
 if typing.TYPE_CHECKING:  # annotations only; imported at run time inside RLConfig's checks
     from rlhf_core.rewards import RewardKind
@@ -1413,19 +1413,6 @@ T = TypeVar("T")
 
 MAX_INT = 2 ** 63
 """Integers in a config stay below this in magnitude (what torch and numpy hold): a larger one is refused."""
-
-_SHOWN = reprlib.Repr()
-_SHOWN.maxstring = _SHOWN.maxother = 80
-
-
-def shown(value: Any) -> str:
-    """A value as an error message quotes it: a clipped ``repr`` (:mod:`reprlib`), bounded for any value,
-    a YAML alias bomb or an integer of thousands of digits included."""
-    try:
-        return _SHOWN.repr(value)
-    except ValueError:  # an int past Python's digit limit for str(), at any depth
-        return f"<{type(value).__name__} too large to show>"
-
 
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
     """Coerce a YAML value to a dataclass field's annotated type, or raise ConfigError."""

@@ -51,6 +51,7 @@ import torch
 from rlhf_core.redact import redact_secrets
 from rlhf_core.rewards import DEFAULT_MAX_RESPONSE_BYTES, HttpRewardSource, RewardError, load_function
 from rlhf_core.rollout import RolloutBatch, SamplingParams, _left_pad
+from rlhf_core.shown import shown, shown_error
 
 log = logging.getLogger(__name__)
 
@@ -119,16 +120,6 @@ def _finite(value: int | float) -> bool:
         return False
 
 
-def _shown(value: Any, limit: int) -> str:
-    """``value``'s text, cut to ``limit`` characters and quoted, for a message; never raises, as ``str`` and
-    ``reprlib`` do on an int past Python's 4300-digit conversion limit or an object whose ``__str__`` raises."""
-    try:
-        text = str(value)
-    except Exception as exc:  # noqa: BLE001 - any value an environment returned
-        text = f"<a {type(value).__name__} whose str() raised {type(exc).__name__}>"
-    return repr(text[:limit])
-
-
 def _check_result(value: Any, where: str) -> StepResult:
     """``value`` (what ``where``'s step returned) as a :class:`StepResult`; an :class:`EnvironmentFailure` naming
     ``where`` and the value where it is none."""
@@ -137,14 +128,14 @@ def _check_result(value: Any, where: str) -> StepResult:
     elif isinstance(value, dict) and set(value) <= {"observation", "done", "reward"}:
         result = StepResult(**value)
     else:
-        raise EnvironmentFailure(redact_secrets(f"{where}: step returned {_shown(value, 120)}; expected a StepResult "
+        raise EnvironmentFailure(redact_secrets(f"{where}: step returned {shown(value, 120)}; expected a StepResult "
                                                "or {observation: str, done: bool, reward: float | null}"))
     if not isinstance(result.observation, str) or not isinstance(result.done, bool):
-        raise EnvironmentFailure(redact_secrets(f"{where}: step returned observation {_shown(result.observation, 60)} "
-                                               f"and done {_shown(result.done, 40)}; expected a string and a boolean"))
+        raise EnvironmentFailure(redact_secrets(f"{where}: step returned observation {shown(result.observation, 60)} "
+                                               f"and done {shown(result.done, 40)}; expected a string and a boolean"))
     if result.reward is not None and (isinstance(result.reward, bool) or not isinstance(result.reward, (int, float))
                                       or not _finite(result.reward)):
-        raise EnvironmentFailure(f"{where}: step returned reward {_shown(result.reward, 40)}; expected a finite "
+        raise EnvironmentFailure(f"{where}: step returned reward {shown(result.reward, 40)}; expected a finite "
                                  "number or null")
     return result
 
@@ -416,7 +407,7 @@ def _step(env: Environment, action: str) -> StepResult:
     except RewardError:
         raise
     except Exception as exc:
-        raise EnvironmentFailure(f"{where}: step failed: {type(exc).__name__}: {_shown(exc, 300)}") from exc
+        raise EnvironmentFailure(f"{where}: step failed: {shown_error(exc)}") from exc
     return _check_result(value, where)
 
 

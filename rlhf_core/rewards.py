@@ -41,6 +41,7 @@ from urllib.parse import urlsplit
 import torch
 
 from rlhf_core.redact import redact_secrets, register_secret, register_url_secrets
+from rlhf_core.shown import shown
 
 
 class RewardError(RuntimeError):
@@ -92,15 +93,6 @@ def _check_inputs(where: str, prompts: Sequence[str], completions: Sequence[str]
                           f"{len(labels)} labels; expected one of each per sample")
 
 
-def _quoted(value: Any) -> str:
-    """``str(value)`` cut to 60 characters, for a message; a value ``str`` refuses (an int past Python's digit
-    limit, an object whose ``__str__`` raises) is named by its type."""
-    try:
-        return str(value)[:60]
-    except Exception:
-        return f"<{type(value).__name__} too large to show>" if isinstance(value, int) else f"<{type(value).__name__}>"
-
-
 def validate_rewards(values: Any, n: int, where: str) -> list[float]:
     """``values`` as ``n`` finite floats, else a :class:`RewardError` naming ``where`` and the sample."""
     if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
@@ -112,13 +104,13 @@ def validate_rewards(values: Any, n: int, where: str) -> list[float]:
     out: list[float] = []
     for i, v in enumerate(values):
         if not isinstance(v, numbers.Real):
-            raise RewardError(f"{where}: sample {i}: reward {_quoted(v)!r} is not a number")
+            raise RewardError(f"{where}: sample {i}: reward {shown(v, 60)} is not a number")
         try:
             f = float(v)
         except OverflowError:  # an int past float's range (JSON integers have no bound)
             f = math.inf
         if not math.isfinite(f):
-            raise RewardError(f"{where}: sample {i}: reward {_quoted(v)} is not finite")
+            raise RewardError(f"{where}: sample {i}: reward {shown(v, 60)} is not finite")
         out.append(f)
     return out
 

@@ -250,7 +250,7 @@ FAULTS = {  # mode: (what the reward client's message says, what the environment
     "count": ("returned 5 rewards for 4 samples", "expected a StepResult"),
     "string": ("sample 0: reward 'high' is not a number", "reward 'high'; expected a finite number"),
     "object": ("expected a list of 4 rewards, got dict", "expected a string and a boolean"),
-    "bool": ("sample 0: reward True is not a number", "reward 'True'; expected a finite number"),
+    "bool": ("sample 0: reward True is not a number", "reward True; expected a finite number"),
     "bigint": ("sample 0: reward 1000", "expected a finite number"),
     "redirect": ("HTTP 307 Temporary Redirect (not retried) (redirects are not followed",) * 2,
 }
