@@ -2,7 +2,7 @@
 
 A packed batch (:func:`rlhf_core.data.tokenize.collate_packed`) is one row ``(1, T)`` of several
 sequences whose ``position_ids`` restart at 0. Under transformers' SDPA path such a row gets a dense
-``(T, T)`` block-diagonal mask, and the attention kernel still visits every masked block: on an H100 that
+``(T, T)`` block-diagonal mask, and the attention kernel still visits every masked block: on a GPU that
 made packed rows slower than padded ones (BENCHMARKS.md). Flash attention's variable-length kernel takes
 the sequence boundaries instead (``cu_seqlens``) and attends within each sequence only, so packing saves
 the padded tokens' whole cost (a DPO batch of 0.5B-shaped pairs is about a third padding).

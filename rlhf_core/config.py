@@ -254,8 +254,8 @@ class TrainerConfig(DataFields):
     """auto, on or off (bare on/off read as on/off): each decoder layer through ``torch.compile`` (inductor; one
     graph serves every layer) in the passes without a KV cache: training, reference and old log-probs, reward
     scores. auto compiles on a CUDA device for one process or DDP, not under ZeRO-2/3 or for LoRA; on fails under
-    ZeRO-3. The first step pays the compile (5-30 s on an H200); a failure to trace or compile the forward falls back
-    to the eager layers with a warning (one in compiling the backward surfaces at the first backward: set off)."""
+    ZeRO-3. The first step pays the compile (seconds; BENCHMARKS.md); a failure to trace or compile the forward falls
+    back to the eager layers with a warning (one in compiling the backward surfaces at the first backward: set off)."""
     lm_head: str = "auto"
     """How log-probs leave the LM head: chunked (no [tokens x vocab] tensor is kept; each chunk is recomputed in
     backward), liger (its fused linear cross-entropy), full (whole logits: the reference path) or auto (liger where
@@ -545,8 +545,8 @@ class RLConfig(TrainerConfig):
     packing: str | bool = "auto"
     """auto, true or false: each update micro-batch and each no-grad log-prob chunk runs as one padding-free row
     (in place of prompt sharing; its rows stay micro_batch_size rows, so micro_batch_tokens is refused). auto
-    packs where the model attends with the variable-length flash kernel (a CUDA device, rlhf_core.attention:
-    the 0.5B GRPO step 3.17 -> 2.92 s, 1.5B 8.12 -> 7.00 s on an H200, BENCHMARKS.md) and pads elsewhere (a
+    packs where the model attends with the variable-length flash kernel (a CUDA device, rlhf_core.attention;
+    faster GRPO steps, BENCHMARKS.md "RL packing on a GPU") and pads elsewhere (a
     CPU's packed row takes a dense block-diagonal mask and is slower)."""
     output_dir: str = "models/rl"
     """Where the final policy's HF model directory is written."""
@@ -862,7 +862,7 @@ class RLConfig(TrainerConfig):
         _check(self.num_workers == 1 or self.placement != "none", s, "num_workers",
                f"{self.num_workers} policy workers need Ray: set placement to colocated or disaggregated")
         # without Ray the engine samples from this process's policy, whose weights ZeRO-3 holds as empty
-        # placeholders outside a forward (the static engine read them directly: a size-0 reshape on an H200)
+        # placeholders outside a forward (the static engine would read them directly: a size-0 reshape)
         _check(self.parallel != "zero3" or self.placement != "none", s, "parallel",
                "zero3 partitions the policy's weights, and with placement none the rollout engine samples from them "
                "in this process; set placement colocated (Ray replicas take whole weights at each sync, also on one "

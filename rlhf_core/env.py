@@ -33,8 +33,8 @@ NO_MULTICAST_ENV: dict[str, str] = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DIS
 
 
 # The CUDA caching allocator with expandable segments: batches of varying length otherwise fragment
-# its cache until it frees and re-allocates (a device sync); measured on an H100, SFT steps of ~2 s
-# among 0.2-0.5 s ones, gone with it (bench/results/side_by_side_gpu_h100_sft_alloc_*.json). Read by
+# its cache until it frees and re-allocates (a device sync), seen as SFT steps several times
+# slower than their neighbours and gone with it (BENCHMARKS.md, the allocator A/B). Read by
 # torch at its first CUDA allocation, so it is set here, before any.
 GPU_ENV: dict[str, str] = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 

@@ -1,7 +1,7 @@
 """Regional compilation: each decoder layer of a trained or scoring model through ``torch.compile``.
 
-Why: at 0.5B our training steps are host-bound. An SFT step's kernels take 88.9 ms on an H100 against a
-0.14-0.20 s step (``bench/results/prof_h100_0p5b_gaps.json``); the rest is the host launching a layer's
+Why: at 0.5B our training steps are host-bound. An SFT step's kernels take under two thirds of the
+step's time (BENCHMARKS.md, the step-gap profiles); the rest is the host launching a layer's
 ~40 small kernels (norms, rotary, SwiGLU, residual adds, casts) and running the modules' Python around them,
 forward and backward. Inductor fuses those elementwise chains into a few kernels and replaces the module
 calls by one graph call. Why a layer and not the model: every decoder layer runs the same code on the same
@@ -35,8 +35,8 @@ __all__ = ["BACKEND_ENV", "INDUCTOR_OPTIONS", "backend", "compile_decoder_layers
 
 # Inductor compiles in this process (here and in rlhf_core.rollout_static's decode step): its default pool of
 # compile workers (one per core), started by the first compile, each importing torch, kept every core busy
-# through the next steps, and the host-bound ones ran ~2x slower there (H200: a 0.5B GRPO step's log-prob and
-# update phases for two steps, bench/results/ab_h200_0p5b_grpo_decode2_*.json); the compile needs only seconds.
+# through the next steps, and the host-bound ones ran ~2x slower there (a 0.5B GRPO step's log-prob and update
+# phases; BENCHMARKS.md); the compile needs only seconds.
 INDUCTOR_OPTIONS = {"compile_threads": 1}
 
 # Backend of the compile (default inductor). Tests on a CPU set "aot_eager" (the same traced forward and

@@ -57,10 +57,8 @@ class LMHead:
     prefer_liger: bool = False
     """auto: liger's kernel wherever it runs (fused kernels on, the whole head on this rank) and no entropy gradient
     is asked (it returns no entropy; a logged one is computed beside it, :func:`resolve_kernel`). In chunks of 4,096
-    rows it beat whole logits at every size measured, in time and memory: on an H200, forward + backward of 16,381 x
-    1,536 -> 151,936 took 57.5 ms (3.3 GB) against 63.4 ms (28.3 GB) whole and 120.9 ms chunked, 5,501 such rows
-    20.3 against 21.8 ms, and 14,901 x 896 -> 32,000 8.2 against 9.7 ms
-    (``bench/results/gpu_lm_head_check_h200_liger_chunks.json``)."""
+    rows it beat whole logits at every size measured, in time and memory (forward + backward of
+    16,381 x 1,536 -> 151,936 at about an eighth of the whole logits' memory; BENCHMARKS.md, the LM-head check)."""
     whole_bytes: int = 2 * 2**30
     """auto without liger: float32 logits of the scored positions up to this size are made whole (one matmul,
     kept for backward: faster than chunked, whose recompute costs 2x at these sizes), past it chunked."""
@@ -129,8 +127,8 @@ def liger_chunk_mem_const(rows: int, hidden: int, vocab: int, chunk_rows: int) -
     ``next_pow2(ceil(rows / ceil(vocab / (C * hidden))))`` rows (at most ``rows``). Its default ``C = 1``
     bounds a chunk's logits by the hidden states' size, which at a large vocabulary makes chunks tiny: 64
     rows for a 1.5B DPO micro-batch's 5.5k scored tokens at vocab 151,936 and hidden 1,536, so each of
-    86 chunks runs four GEMMs that each stream the whole 467 MB head weight for 64 rows of work (on an
-    H100 about 300 of the step's 756 ms device time, ``bench/results/prof_h100_1p5b_dpo_gaps.json``).
+    86 chunks runs four GEMMs that each stream the whole 467 MB head weight for 64 rows of work (about
+    40% of the step's device time in a profile, BENCHMARKS.md).
     Asking for ``k = ceil(rows / chunk_rows)`` chunks, ``C = ceil(vocab / (k * hidden))`` gives
     ``ceil(vocab / (C * hidden)) <= k``: chunks of at least ``rows / k`` rows and at most twice ``chunk_rows``
     after the power-of-two rounding, or liger's default chunk where that is larger (``C`` cannot go below 1:
@@ -155,7 +153,7 @@ def liger_token_logprobs(weight: torch.Tensor, hidden: torch.Tensor, targets: to
     if temperature != 1.0:
         x = x / temperature
     # The kernel takes the count of scored tokens as an int, which Triton specialises on (divisible by 16
-    # or not): a new count class recompiles, ~1-2 s each, seen as step-time spikes on an H100. Padding to
+    # or not): a new count class recompiles, ~1-2 s each, seen as step-time spikes. Padding to
     # a multiple of 16 with extra rows (zero hidden state, token 0) keeps one compiled variant; their
     # losses are dropped, so their upstream gradient is 0 and (per-token gradients, liger >= 0.8.5) so is
     # their contribution to the weight's gradient.
@@ -261,8 +259,8 @@ def resolve_kernel(head: LMHead, rows: int, vocab: int, needs_entropy_grad: bool
 
     liger returns log-probs only; an entropy that is merely logged (RL's diagnostic, no entropy bonus) is
     computed beside it without a gradient (:func:`detached_entropy`: one more head matmul in forward, none in
-    backward). On an H200, forward + backward of a 0.5B GRPO micro-batch (32,768 x 896 -> 32,000) with a logged
-    entropy took 59.7 ms chunked against 39.1 ms this way (``bench/results/gpu_lm_head_check_h200_rlhead.json``).
+    backward). Forward + backward of a 0.5B GRPO micro-batch (32,768 x 896 -> 32,000) with a logged entropy is
+    about a third faster this way than chunked (BENCHMARKS.md, the LM-head check).
     An entropy that enters the loss needs its gradient, which liger cannot give: the whole/chunked paths.
     """
     if head.kernel == "liger":
@@ -404,8 +402,8 @@ def parallel_mode(cfg: Any) -> str:
 
     ZeRO counts with one rank too: DeepSpeed wraps that rank's model all the same (its hooks; under ZeRO-3 the
     weights are empty placeholders outside a forward), so the choices that depend on it (the whole LM head for
-    liger, compiled layers) must see it. Before, one rank read as ``none``, and a one-GPU ZeRO-3 GRPO handed liger
-    a size-0 head (a division by zero in its chunk sizing, H200, 2026-12-03)."""
+    liger, compiled layers) must see it. Read as ``none``, a one-GPU ZeRO-3 GRPO would hand liger a size-0 head
+    (a division by zero in its chunk sizing)."""
     parallel = getattr(cfg, "parallel", "ddp")
     if parallel.startswith("zero"):
         return parallel
@@ -433,8 +431,8 @@ def prepare_decoder_kernels(cfg: Any, *models: Any) -> bool:
     device = next(models[0].parameters()).device
     if device.type == "cuda":
         # cuDNN's SDPA backend builds an execution plan for each new sequence length (padded batches vary
-        # in width): on an H200 training steps alternated 0.14 / 0.30 s with it, while the same step at
-        # one fixed shape took 0.13 s (bench/results/gpu_sft_profile_h200_*.json). PyTorch's flash
+        # in width): training steps alternated between one and two times the fixed-shape step's time with
+        # it (BENCHMARKS.md, the SFT profile). PyTorch's flash
         # backend serves every length without a plan.
         torch.backends.cuda.enable_cudnn_sdp(False)
     fused = use_fused_kernels(cfg.fused_kernels, device)

@@ -96,8 +96,8 @@ def attn_implementation(path: Path, device: torch.device) -> str:
     SDPA serves padded rows everywhere and packed rows on a CPU (a dense block-diagonal mask; correct,
     but no faster than padding). On a GPU packed rows go through flash attention's variable-length
     kernel (``rlhf_core.attention``), which skips the masked blocks: that is what makes packing pay.
-    Flex attention was tried for packed rows before: no backward on a CPU, slower than padded SDPA on an
-    H200 once compiled, and a compile per packed length (BENCHMARKS.md).
+    Flex attention was tried for packed rows before: no backward on a CPU, slower than padded SDPA on a
+    GPU once compiled, and a compile per packed length (BENCHMARKS.md).
     """
     from transformers import AutoConfig
 

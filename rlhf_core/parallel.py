@@ -395,9 +395,8 @@ def join_world_of_one() -> None:
 
     DeepSpeed needs a process group, also for one rank (ZeRO in one process: ``offload_optimizer`` on one GPU, or a
     one-GPU Ray policy, which forms no group of its own); without one it looks for MPI and fails where ``mpi4py``
-    is missing (a one-rank ZeRO-3 GRPO on an H200 got that far only where the image had it, 2026-12-03). What
-    torchrun gives a single process: rank 0 of 1 on the loopback, NCCL on a GPU, gloo on a CPU. A world of one
-    stays a world of one (:attr:`World.distributed` is False)."""
+    is missing. What torchrun gives a single process: rank 0 of 1 on the loopback, NCCL on a GPU, gloo on a CPU.
+    A world of one stays a world of one (:attr:`World.distributed` is False)."""
     import os
     import socket
 

@@ -41,7 +41,7 @@ import torch
 # Elements per chunk of the bf16 regime's transient fp32 step: bounds its extra memory (an fp32
 # copy of the chunk's weights and gradients, 8 bytes per element: 1 GiB) whatever the model size. Each
 # chunk is one AdamW call, whose host work walks every parameter: at 2**25 a 0.5B model took 12 calls
-# a step with ~1.2 ms of device idle between them (H200 profile, BENCHMARKS.md); at 2**27, 3. A chunk
+# a step with ~1 ms of device idle between them (a profile, BENCHMARKS.md); at 2**27, 3. A chunk
 # grows past this floor into memory the CUDA allocator already holds free (:func:`transient_chunk`).
 BF16_STEP_CHUNK = 2**27
 
@@ -237,7 +237,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
         chunk: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         size = 0
         # one chunk (one AdamW call) for a 0.5B model on a GPU, whose backward freed ~14 GB: each call's
-        # host work left the device idle ~6 ms (H200 profile of the SFT step, BENCHMARKS.md)
+        # host work left the device idle a few ms (a profile of the SFT step, BENCHMARKS.md)
         limit = transient_chunk(free_cached_bytes(next(iter(self.masters)).device)) if self.masters else 0
         for param, master in self.masters.items():
             if param.grad is None:

@@ -311,8 +311,8 @@ class HFGenerateEngine:
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
         # Sampling runs in ``autocast_dtype``: a policy already in it (the trainer's mixed and bf16
         # regimes hold a bf16 model) is sampled directly; an fp32 one through a bf16 copy refreshed
-        # by update_weights, so the decode loop does no fp32 -> bf16 casts (measured on an H100: fp32
-        # weights 12.2 s per GRPO rollout, bf16 autocast 8.7 s; bench/gpu_grpo.py). None: sample
+        # by update_weights, so the decode loop does no fp32 -> bf16 casts (a GRPO rollout about
+        # 30% shorter than with fp32 weights; bench/gpu_grpo.py, BENCHMARKS.md). None: sample
         # with the model itself, in its own dtype.
         self.autocast_dtype = autocast_dtype
         self.sampler = None

@@ -1,9 +1,8 @@
 """Our own rollout engine: a static KV cache, CUDA graphs over the decode step, early stop.
 
-Why not ``model.generate``: on an H100, HF ``generate`` of a 0.4B model at batch 512 spends
-14-20 ms per decode step (``../shared/device/ANCHORS.md``, ``bench/results``) where the weights
-and KV cache need about 0.6 ms of memory traffic: the step is bound by Python and kernel
-launches (a few hundred small kernels), not by the GPU. vLLM fixes that but cannot be
+Why not ``model.generate``: HF ``generate`` of a 0.4B model at batch 512 spends 20-30x longer per
+decode step than the weights and KV cache need in memory traffic (BENCHMARKS.md, "Rollout decode"):
+the step is bound by Python and kernel launches (a few hundred small kernels), not by the GPU. vLLM fixes that but cannot be
 installed everywhere (not on the lent GPUs, for one). This engine does what vLLM's decode
 does for one fixed batch, in plain torch:
 
@@ -69,11 +68,11 @@ _EOS_CHECK_EVERY = {"cuda": 16}
 # (_decode_eagerly): each drop copies the live rows' caches, so it waits for a quarter of the rows to finish.
 _COMPACT_BELOW = 0.75
 # Columns between the cache widths of the decode graphs (see _Decoder.width_buckets); 0: one graph over
-# the whole cache. Measured on an H100 (bench/results/gpu_engine_h100_width_ab.json, 512 x 256): eight
-# 32-column graphs 1.67 s against one graph 1.35 s: graphs are captured per generate call, and the
+# the whole cache. Measured (512 x 256, BENCHMARKS.md): eight 32-column graphs
+# were ~25% slower than one graph: graphs are captured per generate call, and the
 # extra captures cost more than the narrower attention saves. Kept for graphs kept across calls.
 _WIDTH_BUCKET = 0
-# SDPA backends a decode step may use (None: torch's choice, cuDNN on an H100), by name of
+# SDPA backends a decode step may use (None: torch's choice, cuDNN on Hopper), by name of
 # torch.nn.attention.SDPBackend; bench/gpu_engine.py's static_cuda_graphs_<backend> engines A/B them.
 _DECODE_SDPA: tuple[str, ...] | None = None
 # The decode step's attention: triton (our flash-decoding kernel over each row's filled keys,
@@ -376,8 +375,8 @@ def _compiled_layer_halves() -> tuple[Any, Any]:
     """:func:`_attention_inputs` and :func:`_output_and_mlp` through ``torch.compile`` (inductor), built once
     per process: every layer has the same shapes, so one compiled graph each serves all of them (recompiled
     only for a new row count). Why compile rather than hand-written kernels: the halves are chains of small
-    elementwise ops around GEMMs (profiled on an H100: ~120 elementwise kernels of a decode iteration's ~4.8
-    ms, bench/results/gpu_profile_decode_h100.json) that inductor fuses; the attention in between stays a
+    elementwise ops around GEMMs (a profile counts ~120 elementwise kernels in a decode iteration; BENCHMARKS.md,
+    "Rollout decode") that inductor fuses; the attention in between stays a
     kernel call of its own, outside the compiled graphs, and every cache write with it."""
     return (torch.compile(_attention_inputs, fullgraph=True, options=INDUCTOR_OPTIONS),
             torch.compile(_output_and_mlp, fullgraph=True, options=INDUCTOR_OPTIONS))
@@ -408,8 +407,8 @@ def _use_flash(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
 def _row_kernel(device: torch.device, head_dim: int, triton: bool = True) -> str:
     """The kernel of the row-contiguous layout: ``triton`` (:mod:`rlhf_core.decode_attention`) when chosen, or
     under auto on a CUDA device where Triton imports and the head size is a power of two of at least 16; else
-    ``flash``. Auto takes it on Hopper (compute capability 9), where it was measured against torch's flash op
-    (H200: decode replays 0.56 against 0.70 s, BENCHMARKS.md), and leaves other cards on the flash op until
+    ``flash``. Auto takes it on Hopper (compute capability 9), where it was measured faster than torch's flash op
+    (BENCHMARKS.md, "Rollout decode"), and leaves other cards on the flash op until
     measured there; it falls back to flash where the Triton kernel fails to build (``triton=False`` from then on:
     :meth:`StaticCacheEngine._check_row_kernel`)."""
     if _DECODE_ATTENTION == "triton":
@@ -495,8 +494,8 @@ def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Gener
     weigh = weights_fn if weights_fn is not None and params.top_p == 1.0 else _sampling_weights
     logp, weights = weigh(logits, params)
     # Inverse-CDF sampling: one uniform per row, u * total mass located in the running sum of
-    # softmax(s). Exact like Gumbel-max, but draws B numbers instead of B x V (profiled on an H100 at
-    # B = 512, V = 32k: the per-element noise cost as much as a third of the decode step).
+    # softmax(s). Exact like Gumbel-max, but draws B numbers instead of B x V (profiled at B = 512,
+    # V = 32k: the per-element noise cost as much as a third of the decode step).
     cdf = weights.cumsum_(-1)
     if uniform is None:
         uniform = torch.rand((cdf.shape[0], 1), device=cdf.device, generator=generator)
@@ -654,8 +653,8 @@ class _Decoder:
     def _copies_fit(self) -> bool:
         """Whether the fused copies (Q/K/V and gate/up always; the output projection in the grouped layout; all
         seven projections, merged, for a LoRA policy) fit in half of the GPU's free memory. A 32B policy's
-        replica holding the base and adapters would copy every projection, 62 GB beside its 65.5 GB base on a
-        141 GB H200 (BENCHMARKS.md, issue 22's plan): there the model's own modules (peft's for the adapters)
+        replica holding the base and adapters would copy every projection, 62 GB beside its 65.5 GB base, more than a
+        141 GB card holds (BENCHMARKS.md): there the model's own modules (peft's for the adapters)
         run instead, slower but without copies. Always on a CPU."""
         device = self.cos.device
         if device.type != "cuda":
@@ -676,8 +675,8 @@ class _Decoder:
     def _fuse_weights(self) -> list[dict[str, Any]] | None:
         """Per layer, Q/K/V and gate/up projections concatenated into one matrix each (decode only).
 
-        A decode step at batch 512 is a chain of ~40 small kernels per layer (profiled on an H100:
-        bench/results/gpu_profile_h100.json); one GEMM for Q, K and V, one for gate and up, rotary
+        A decode step at batch 512 is a chain of ~40 small kernels per layer (a profile in
+        BENCHMARKS.md, "Rollout decode"); one GEMM for Q, K and V, one for gate and up, rotary
         embedding applied once to the Q and K heads together and a fused RMS norm cut that chain by
         about a third. Copies of this call's weights, so they are rebuilt with the decoder (per call).
         ``None`` (use the model's modules) for layouts this does not cover (Qwen3's q/k norms), and on a GPU
@@ -898,7 +897,7 @@ class _Decoder:
     def width_buckets(self) -> list[int]:
         """Cache widths of the captured decode graphs: every :data:`_WIDTH_BUCKET` columns past the prompt,
         and the whole cache. Attention over the filled prefix only: its cost grows with the step instead of
-        always paying for the whole ``W`` (on an H100 at 512 rows, ~30% of a full-width step)."""
+        always paying for the whole ``W`` (at 512 rows, ~30% of a full-width step)."""
         W, P = self.shape.width, self.shape.width - self.decode_steps
         if not _WIDTH_BUCKET:
             return [W]

@@ -39,7 +39,7 @@ class TokenizedExample:
 
     # The collators below read these, made once per example: turning Python lists into tensors at every
     # step took 12.6 ms (padded) / 15.8 ms (packed) for 32 rows x 465 tokens on a 2-core host, 0.8 / 0.3 ms
-    # now; on the H100 host it was a 10-17 ms device gap between steps (bench/results/prof_h100_0p5b_gaps.json).
+    # now; on a GPU host it was a device gap between steps (BENCHMARKS.md, the step-gap profiles).
     # The lists are never changed after tokenizing.
     @functools.cached_property
     def ids_tensor(self) -> torch.Tensor:

@@ -791,8 +791,8 @@ class _OfflineBody:
 
     def _draw_ahead(self) -> None:
         """The next step's micro-batches, made while the device runs this step's (the host is otherwise idle
-        then, and the device idle while the host makes them at the next step's start: ~6-11 ms a 0.5B SFT step
-        on an H200). A checkpoint taken before that step runs saves the states from before the draw, so a
+        then, and the device idle while the host makes them at the next step's start: several ms a 0.5B SFT step
+        on a GPU). A checkpoint taken before that step runs saves the states from before the draw, so a
         resume draws the same examples."""
         before = {key: obj.state_dict() for key, obj in self.state.items()}
         self.drawn_ahead = (self._micro_batches(), before)
