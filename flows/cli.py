@@ -203,8 +203,7 @@ def _tracked_stage(stage: str, cls: type, section: str):
         tracking = load_config(TrackingConfig, "tracking", args.params)
         extra = _stage_extras(stage, cfg_section, args.params, shared)
         from rlhf_core import stages  # torch and the trainers: only once the config and inputs hold
-        result = getattr(stages, stage)(cfg, tracking, stages.env_parent_run_id(), metrics_file=args.metrics_file,
-                                        **extra)
+        result = getattr(stages, stage)(cfg, tracking, metrics_file=args.metrics_file, **extra)
         out = result.to_dict()
         if getattr(args, "register", None):
             out["registry"] = _register(args.register, result, tracking, extra["guards"])
@@ -298,7 +297,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     tracking = load_config(TrackingConfig, "tracking", args.params)
     from rlhf_core import stages
 
-    _print(stages.evaluate(cfg, tracking, stages.env_parent_run_id(), run_name=args.run_name).to_dict())
+    _print(stages.evaluate(cfg, tracking, run_name=args.run_name).to_dict())
     return 0
 
 

@@ -805,7 +805,3 @@ def evaluate(cfg: EvalConfig, tracking: TrackingConfig, parent_run_id: str | Non
         out = _write_json_atomic({k: round(v, 6) for k, v in metrics.items()}, cfg.output_file)
         return StageResult({"metrics": str(out)}, {"metrics": dvc_md5(out)}, metrics, run.run_id)
 
-
-def env_parent_run_id() -> str | None:
-    """Parent run id handed down by a flow through the environment (``ALIGNFLOW_PARENT_RUN_ID``)."""
-    return os.environ.get("ALIGNFLOW_PARENT_RUN_ID") or None
