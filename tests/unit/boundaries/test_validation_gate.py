@@ -18,14 +18,16 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import event, example, given
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from rlhf_core.data import formats, validate
 from rlhf_core.data.io import DataError, Record
 from rlhf_core.data.validate import KINDS, ValidationFailed, check_dataset, validate_dataset
 
-pytestmark = pytest.mark.timeout(120)  # a hang fails the test instead of stalling the suite
+# A hang fails the test instead of stalling the suite: 0.6 s an example over the whole run (120 s for the
+# default profile's 200, 1200 s for the long profile's 2000; no per-example deadline, CI's timing varies).
+pytestmark = pytest.mark.timeout(0.6 * settings.default.max_examples)
 
 # ------------------------------------------------------------------------------------------
 # Strategies
