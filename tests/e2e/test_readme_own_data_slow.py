@@ -1,7 +1,7 @@
 """README's "Use it on your own model and data" block, run as written in a project of a user's own.
 
-The second bash block of that section (validate four files, ``dvc add``, commit, ``flow align`` with a
-base model and a registry name of one's own, fetch the registered model) runs line by line through a
+The own-data bash blocks of that section (validate four files, ``dvc add``, commit, ``flow align`` with a
+base model and a registry name of one's own, fetch the registered model) run line by line through a
 shell in an ``alignflow init`` project whose ``params.yaml`` is set to micro sizes; the only words
 replaced are the placeholder ``/path/to/hf-model`` (a micro model folder). Then: the flow's summary
 prints the fetch command (``fetch it:``) with the alias the registry holds, the fetched folder is a
@@ -27,11 +27,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def readme_commands() -> list[str]:
-    """The commands of the own-data block, continuation lines joined."""
+    """The commands of the own-data blocks (validate and version, then the flow and the fetch: the README
+    splits them in two, the second marked ``slow``), continuation lines joined."""
     text = (REPO / "README.md").read_text()
     section = text[text.index("Then swap in your own model and data"):]
-    block = section[section.index("```bash\n") + len("```bash\n"):section.index("```", section.index("```bash\n") + 7)]
-    joined = re.sub(r"\\\n\s*", "", block)
+    section = section[:section.index("```", section.index("mlflow artifacts download"))]
+    blocks = re.findall(r"```bash[^\n]*\n(.*?)(?:```|\Z)", section, re.DOTALL)
+    joined = re.sub(r"\\\n\s*", "", "".join(blocks))
     return [re.sub(r"\s+#.*$", "", line).strip() for line in joined.splitlines() if line.strip()]
 
 
