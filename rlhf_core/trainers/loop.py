@@ -134,6 +134,8 @@ class StepStats:
     n_units: int
     grad_norm: float
     lr: float
+    diagnostics: list[float] = field(default_factory=list)
+    """the third values ``loss_fn`` returned, summed over micro-batches and ranks (empty where it returned two)"""
 
 
 def count_label_tokens(batch: dict[str, torch.Tensor]) -> int:
@@ -145,61 +147,64 @@ class NonFiniteError(FloatingPointError):
     """A loss or gradient norm was NaN or inf; the step was not applied."""
 
 
-def check_finite(value: float, what: str, where: str) -> None:
-    """The loop's NaN/inf guard: raise :class:`NonFiniteError` before a non-finite ``value`` reaches an
-    optimizer step, so the weights and the last checkpoint stay good (a retry would meet the same value)."""
-    if not math.isfinite(value):
-        raise NonFiniteError(f"{where}: {what} is {value}; stopped before the optimizer step, "
-                             f"the last checkpoint is intact")
-
-
 def accumulate_and_step(
     strategy: Any,
     micro_batches: Sequence[Any],
-    loss_fn: Callable[[torch.nn.Module, Any], tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable[[torch.nn.Module, Any], tuple[Any, ...]],
     *,
     max_grad_norm: float,
-    units_fn: Callable[[Any], int] = count_label_tokens,
+    units_fn: Callable[[Any], int] | None = count_label_tokens,
     step: int | None = None,
     world: Any = None,
     while_device_runs: Callable[[], None] | None = None,
+    before_clip: Callable[[], None] | None = None,
+    where: str | None = None,
+    names: tuple[str, str] = ("loss", "gradient norm"),
 ) -> StepStats:
-    """One optimizer step over ``micro_batches`` (gradient accumulation, and data parallelism).
+    """One optimizer step over ``micro_batches`` (gradient accumulation, and data parallelism): every trainer's
+    update, the offline loop's and RL's policy and critic (:mod:`rlhf_core.trainers.rl_roles`), is this one.
 
     ``strategy`` is a :class:`rlhf_core.parallel.Strategy` (the plain model in one process, DDP or
     DeepSpeed across ``world``). ``loss_fn`` returns a *summed* loss and its unit count (tokens,
-    pairs, ...); ``units_fn`` counts a micro-batch's units without a forward pass. Each
-    micro-batch's sum is divided by the units of the whole step on every rank before backward,
-    so the gradient equals that of one batch holding every micro-batch of every rank, whatever
-    their sizes. No autocast: the precision regime (:mod:`rlhf_core.precision`) holds the model in its
-    compute dtype.
+    pairs, ...); ``units_fn`` counts a micro-batch's units without a forward pass. Each micro-batch's
+    sum is divided by the units of the whole step on every rank before backward, so the gradient equals
+    that of one batch holding every micro-batch of every rank, whatever their sizes. With ``units_fn``
+    None the loss is already its micro-batch's share of the whole step's (RL weights its own) and enters
+    backward times ``grad_scale`` alone; ``StepStats.loss`` is then the shares' sum. A third value of
+    ``loss_fn``, a 1-D float64 tensor, is summed on the device (``StepStats.diagnostics``).
+    ``before_clip()`` runs after the last backward (a model whose gradients are summed over ranks by
+    hand). No autocast: the precision regime (:mod:`rlhf_core.precision`) holds the model in its dtype.
 
     The host never waits for the device inside a step: the losses and the gradient norm stay on the
     device, the clip and the optimizer step are launched behind the last backward, then
     ``while_device_runs()`` (host work for the next step, e.g. collating its micro-batches) runs while
     the device catches up, and only then are the losses and the norm read, in one transfer.
 
-    A NaN/inf loss or gradient norm (on any rank) raises :class:`NonFiniteError` (naming ``step``)
-    and the optimizer has left the weights as they were: the step is launched with a device flag that
-    makes it skip them (:func:`rlhf_core.parallel.optimizer_step`), so the model and the last checkpoint
-    stay good. (Under DeepSpeed the engine clips and steps in one call; its norm is checked after.)
+    A NaN/inf loss or gradient norm (on any rank) raises :class:`NonFiniteError` (naming ``where``, by
+    default ``step``, and ``names``) and the optimizer has left the weights as they were: the step is
+    launched with a device flag that makes it skip them (:func:`rlhf_core.parallel.optimizer_step`). (Under
+    DeepSpeed the engine clips and steps in one call; its norm is checked after.)
     """
     from rlhf_core.parallel import World
 
     world = world or World()
-    total = world.all_reduce_sum([sum(units_fn(mb) for mb in micro_batches)])[0]
+    total = world.all_reduce_sum([sum(units_fn(mb) for mb in micro_batches)])[0] if units_fn is not None else 1
     sums: list[torch.Tensor] = []
     counts: list[Any] = []
-    where = f"step {step}" if step is not None else "this step"
+    extra: torch.Tensor | None = None  # the diagnostics' sum, from zeros
     deepspeed = hasattr(strategy, "last_grad_norm")  # DeepSpeed steps inside its own accumulation count
     for i, mb in enumerate(micro_batches):
         with strategy.accumulating(last=i == len(micro_batches) - 1), phase("forward_backward"):
-            loss_sum, n = loss_fn(strategy.module, mb)
+            loss_sum, n, *diagnostics = loss_fn(strategy.module, mb)
             sums.append(loss_sum.detach().float().reshape(()))
             strategy.backward(loss_sum * (strategy.grad_scale / max(total, 1)))
             if deepspeed:
                 strategy.step()
         counts.append(n)
+        if diagnostics:
+            extra = (torch.zeros_like(diagnostics[0]) if extra is None else extra) + diagnostics[0]
+    if before_clip is not None:
+        before_clip()
     to_read = torch.stack(sums) if sums else torch.zeros(0)  # the losses, then (not DeepSpeed) the norm
     if not deepspeed:
         with phase("clip"):
@@ -209,24 +214,39 @@ def accumulate_and_step(
             skip = world.max_over_ranks_((~torch.isfinite(to_read)).any().float().reshape(1))
         with phase("optimizer_step"):
             strategy.step(skip=skip.reshape(()))
+    if extra is not None:  # then the diagnostics, read in the same transfer (float32 to float64 is exact)
+        to_read = torch.cat([to_read.to(extra.device, torch.float64), extra])
     if while_device_runs is not None:
         with phase("while_device_runs"):
             while_device_runs()
     with phase("read_losses"):
         values = to_read.tolist()
-    grad_norm = strategy.last_grad_norm() if deepspeed else values.pop()
+    losses, rest = values[:len(sums)], values[len(sums):]
+    grad_norm = strategy.last_grad_norm() if deepspeed else rest.pop(0)
+    where = where or (f"step {step}" if step is not None else "this step")
+    return _checked_stats(strategy, world, losses, rest if extra is not None else None, counts, grad_norm, where,
+                          names, normalised=units_fn is not None)
+
+
+def _checked_stats(strategy: Any, world: Any, losses: list[float], diagnostics: list[float] | None, counts: list[Any],
+                   grad_norm: float, where: str, names: tuple[str, str], normalised: bool) -> StepStats:
+    """:func:`accumulate_and_step`'s totals over ranks, or its :class:`NonFiniteError` (on every rank alike)."""
     units_total = sum(int(n) for n in counts)
-    bad_micro = next((i for i, v in enumerate(values) if not math.isfinite(v)), -1)
-    loss_total, units_total, bad = world.all_reduce_sum([sum(values, 0.0), units_total, float(bad_micro >= 0)])
-    applied = "DeepSpeed applied the step" if deepspeed else "the step was not applied"
+    bad_micro = next((i for i, v in enumerate(losses) if not math.isfinite(v)), -1)
+    loss_total, units_total, bad = world.all_reduce_sum([sum(losses, 0.0), units_total, float(bad_micro >= 0)])
+    summed = world.all_reduce_sum(diagnostics) if diagnostics is not None else []
+    deepspeed = hasattr(strategy, "last_grad_norm")
+    applied = ("DeepSpeed applied the step" if deepspeed
+               else "stopped before the optimizer step, the last checkpoint is intact")
     if bad:
         strategy.zero_grad()
-        raise NonFiniteError(f"{where}: loss is {loss_total} (micro-batch {bad_micro} on this rank, or another "
-                             f"rank's); {applied}")
+        raise NonFiniteError(f"{where}: {names[0]} is {loss_total} (micro-batch {bad_micro} on this rank, or "
+                             f"another rank's); {applied}")
     if not math.isfinite(grad_norm):
-        raise NonFiniteError(f"{where}: gradient norm is {grad_norm} ({applied})")
+        raise NonFiniteError(f"{where}: {names[1]} is {grad_norm}; {applied}")
     lr = strategy.scheduler.get_last_lr()[0] if strategy.scheduler is not None else float("nan")
-    return StepStats(loss_total / max(units_total, 1), int(units_total), grad_norm, lr)
+    loss = loss_total / max(units_total, 1) if normalised else loss_total
+    return StepStats(loss, int(units_total), grad_norm, lr, summed)
 
 
 # --------------------------------------------------------------------------------------

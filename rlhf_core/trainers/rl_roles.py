@@ -35,7 +35,8 @@ from rlhf_core.precision import Precision
 from rlhf_core.rl_math import (AdvantageEstimator, LossAggregation, PolicyObjective, aggregate_loss,
                                aggregation_units, clipped_value_loss, entropy_from_logits, kl_penalty, masked_mean,
                                policy_loss)
-from rlhf_core.trainers.loop import build_optimizer, build_scheduler, check_finite, group_by_tokens, inject_fault
+from rlhf_core.trainers.loop import accumulate_and_step, build_optimizer, build_scheduler, group_by_tokens, \
+    inject_fault
 from rlhf_core.weight_sync import Layout, SyncGroup, flatten_bucket, plan_layout
 
 log = logging.getLogger(__name__)
@@ -603,8 +604,8 @@ class PolicyLearner:
             self.critic_sched = build_scheduler(self.critic_opt, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
             # The critic is called through its submodules (backbone, then the score head on every
             # position), which DDP's forward hook would miss: it stays a plain replica on each rank
-            # and its gradients are summed by hand.
-            self.critic_strategy = build_strategy("ddp", self.critic, self.critic_opt, self.critic_sched, World())
+            # and its gradients are summed by hand. Its schedule, like the policy's, advances in end_iteration.
+            self.critic_strategy = build_strategy("ddp", self.critic, self.critic_opt, None, World())
 
     # ---- old log-probs and values (no grad) --------------------------------------------------
 
@@ -674,8 +675,6 @@ class PolicyLearner:
     def _policy_step(self, mb: dict[str, torch.Tensor], prompt_width: int, kl_coef: float, step: int,
                      seen: dict[str, list[float]]) -> None:
         cfg, agg = self.cfg, self.aggregation
-        use_kl_loss = not cfg.kl_in_reward and kl_coef > 0
-        fused_old = "old_logp" not in mb
         # Each micro-batch's loss L_m over u_m units enters backward as L_m * u_m / U, U the units of the
         # whole mini-batch over all ranks: the accumulated gradient is the one-pass gradient.
         rows = torch.arange(mb["mask"].shape[0], device=mb["mask"].device)
@@ -688,81 +687,82 @@ class PolicyLearner:
         micro = [trim_padding({k: v[chunk] for k, v in mb.items()}, prompt_width) for chunk in chunks]
         units = [float(aggregation_units(m["mask"], agg)) for m, _ in micro]
         total_units, n_seq, n_tok = self.world.all_reduce_sum([sum(units), float(len(rows)), float(mb["mask"].sum())])
-        total_units = max(total_units, 1.0)
-        # loss, pg, kl_loss, clip_frac, approx_kl, entropy, seq_kl, mismatch: summed on the device and read once
-        # after the last micro-batch, so no micro-batch waits for the device (a read per micro-batch drained the
-        # queue before the next forward was launched)
-        acc = torch.zeros(8, dtype=torch.float64, device=mb["mask"].device)
         packed = [pack_rows(self.strategy.module, m, width) if self.packing else False for m, width in micro]
-        for i, (m, width) in enumerate(micro):
-            with self.strategy.accumulating(last=i == len(micro) - 1):
-                logp, entropy = token_logprobs(self.strategy.module, m, width, cfg.temperature,
-                                               with_entropy=True, entropy_grad=cfg.entropy_coef != 0,
-                                               share_prompts=self.share_prompts, head=self.head,
-                                               packed=packed[i])
-                old_logp = logp.detach() * m["mask"] if fused_old else m["old_logp"]
-                pg_loss, stats = policy_loss(self.objective, logp, old_logp, m["advantages"], m["mask"],
-                                             clip_low=self.clip[0], clip_high=self.clip[1],
-                                             dual_clip=cfg.dual_clip or None, aggregation=agg,
-                                             max_len=cfg.max_new_tokens)
-                loss = pg_loss
-                if cfg.entropy_coef:
-                    loss = loss - cfg.entropy_coef * aggregate_loss(entropy, m["mask"], agg, cfg.max_new_tokens)
-                kl_loss = torch.zeros(())
-                if use_kl_loss:  # GRPO, Eq. 3: + beta * KL(pi || pi_ref)
-                    kl_loss = aggregate_loss(kl_penalty(logp, m["ref_logp"], cfg.kl_estimator, clamp=KL_CLAMP,
-                                                        k3_cap=cfg.kl_k3_cap or None),
-                                             m["mask"], agg, cfg.max_new_tokens)
-                    loss = loss + kl_coef * kl_loss
-                share = units[i] / total_units
-                self.strategy.backward(loss * share * self.strategy.grad_scale)
-                if hasattr(self.strategy, "last_grad_norm"):  # DeepSpeed steps inside its own accumulation count
-                    self.strategy.step()
-            acc += _step_diagnostics(share, (loss, pg_loss, kl_loss, stats.clip_frac, stats.approx_kl,
-                                             masked_mean(entropy.detach(), m["mask"])),
-                                     m, old_logp if fused_old else None, n_seq, n_tok)
-        # diagnostics as the whole mini-batch's (unit-weighted means over ranks); finiteness checked by all
-        sums = self.world.all_reduce_sum(acc.tolist())
-        _check_finite(sums[0], "policy loss", step)
-        if hasattr(self.strategy, "last_grad_norm"):
-            grad_norm = self.strategy.last_grad_norm()
-        else:
-            grad_norm = float(self.strategy.clip_grad_norm(cfg.max_grad_norm))
-            _check_finite(grad_norm, "policy gradient norm", step)
-            self.strategy.optimizer.step()  # the schedule advances once per iteration (end_iteration)
-            self.strategy.zero_grad()
-        seen["grad_norm"].append(grad_norm)
+        # loss, pg, kl_loss, clip_frac, approx_kl, entropy, seq_kl, mismatch: summed on the device and read once
+        # with the losses and the norm, after the last micro-batch, so no micro-batch waits for the device
+        loss_fn = functools.partial(self._policy_loss, kl_coef=kl_coef, total_units=max(total_units, 1.0),
+                                    n_seq=n_seq, n_tok=n_tok)
+        # the strategy has no schedule: it advances once per iteration (end_iteration)
+        stats = accumulate_and_step(self.strategy, list(zip(micro, packed, units)), loss_fn,
+                                    max_grad_norm=cfg.max_grad_norm, units_fn=None, world=self.world,
+                                    where=f"rl: iteration {step}", names=("policy loss", "policy gradient norm"))
+        sums = stats.diagnostics
+        seen["grad_norm"].append(stats.grad_norm)
         seen["policy_loss"].append(sums[1])
-        if use_kl_loss:
+        if not cfg.kl_in_reward and kl_coef > 0:
             seen["kl_loss"].append(sums[2])
         seen["clip_frac"].append(sums[3])
         seen["approx_kl"].append(sums[4])
         seen["entropy"].append(sums[5])
-        if fused_old:
+        if "old_logp" not in mb:
             seen.setdefault("seq_kl", []).append(sums[6])
             seen.setdefault("logprob_mismatch", []).append(sums[7])
 
+    def _policy_loss(self, model: Any, part: tuple[tuple[dict[str, torch.Tensor], int], Any, float], *, kl_coef: float,
+                     total_units: float, n_seq: float, n_tok: float) -> tuple[torch.Tensor, float, torch.Tensor]:
+        """One micro-batch ``part`` (rows, prompt width, packing, units): its loss times its share of the
+        mini-batch's units over all ranks, the units, and its share of the diagnostics (:func:`_step_diagnostics`)."""
+        cfg, agg = self.cfg, self.aggregation
+        (m, width), packed, units = part
+        fused_old = "old_logp" not in m
+        logp, entropy = token_logprobs(model, m, width, cfg.temperature, with_entropy=True,
+                                       entropy_grad=cfg.entropy_coef != 0, share_prompts=self.share_prompts,
+                                       head=self.head, packed=packed)
+        old_logp = logp.detach() * m["mask"] if fused_old else m["old_logp"]
+        pg_loss, stats = policy_loss(self.objective, logp, old_logp, m["advantages"], m["mask"],
+                                     clip_low=self.clip[0], clip_high=self.clip[1], dual_clip=cfg.dual_clip or None,
+                                     aggregation=agg, max_len=cfg.max_new_tokens)
+        loss = pg_loss
+        if cfg.entropy_coef:
+            loss = loss - cfg.entropy_coef * aggregate_loss(entropy, m["mask"], agg, cfg.max_new_tokens)
+        kl_loss = torch.zeros(())
+        if not cfg.kl_in_reward and kl_coef > 0:  # GRPO, Eq. 3: + beta * KL(pi || pi_ref)
+            kl_loss = aggregate_loss(kl_penalty(logp, m["ref_logp"], cfg.kl_estimator, clamp=KL_CLAMP,
+                                                k3_cap=cfg.kl_k3_cap or None),
+                                     m["mask"], agg, cfg.max_new_tokens)
+            loss = loss + kl_coef * kl_loss
+        share = units / total_units
+        diagnostics = _step_diagnostics(share, (loss, pg_loss, kl_loss, stats.clip_frac, stats.approx_kl,
+                                                masked_mean(entropy.detach(), m["mask"])),
+                                        m, old_logp if fused_old else None, n_seq, n_tok)
+        return loss * share, units, diagnostics
+
     def _critic_step(self, mb: dict[str, torch.Tensor], prompt_width: int, step: int,
                      seen: dict[str, list[float]]) -> None:
+        # The norm is taken even with clipping off (max_grad_norm 0 clips at inf, grads times 1.0): a finite
+        # loss can still give an inf/NaN gradient (e.g. returns near 1e19: squares overflow fp32), and the
+        # check comes before the step, so the critic's weights stay as they were.
+        stats = accumulate_and_step(self.critic_strategy, [mb], functools.partial(self._critic_loss,
+                                                                                 prompt_width=prompt_width),
+                                    max_grad_norm=self.cfg.max_grad_norm, units_fn=None, world=self.world,
+                                    before_clip=lambda: self.world.all_reduce_grads(self.critic),
+                                    where=f"rl: iteration {step}", names=("value loss", "critic gradient norm"))
+        seen["value_loss"].append(stats.diagnostics[0])
+        seen["value_clip_frac"].append(stats.diagnostics[1])
+
+    def _critic_loss(self, model: Any, mb: dict[str, torch.Tensor],
+                     prompt_width: int) -> tuple[torch.Tensor, float, torch.Tensor]:
+        """The mini-batch's value loss (times ``vf_coef``) times this rank's share of its tokens over all ranks,
+        the tokens, and the share of the value loss and clip fraction."""
         cfg = self.cfg
-        values = token_values(self.critic_strategy.module, mb, prompt_width)
+        values = token_values(model, mb, prompt_width)
         value_loss, value_clip_frac = clipped_value_loss(values, mb["old_values"], mb["returns"], mb["mask"],
                                                          clip_eps=cfg.value_clip or None)
         units = float(mb["mask"].sum())  # the value loss is a token mean
         share = units / max(self.world.all_reduce_sum([units])[0], 1.0)
-        self.critic_strategy.backward(cfg.vf_coef * value_loss * share * self.critic_strategy.grad_scale)
-        self.world.all_reduce_grads(self.critic)
-        sums = self.world.all_reduce_sum([share * float(value_loss.detach()), share * float(value_clip_frac)])
-        _check_finite(sums[0], "value loss", step)
-        # The norm is taken even with clipping off (max_grad_norm 0 clips at inf, grads times 1.0): a finite
-        # loss can still give an inf/NaN gradient (e.g. returns near 1e19: squares overflow fp32), and the
-        # check must come before the step so the critic's weights stay as they were.
-        grad_norm = float(self.critic_strategy.clip_grad_norm(cfg.max_grad_norm))
-        _check_finite(grad_norm, "critic gradient norm", step)
-        self.critic_strategy.optimizer.step()
-        self.critic_strategy.zero_grad()
-        seen["value_loss"].append(sums[0])
-        seen["value_clip_frac"].append(sums[1])
+        diagnostics = torch.stack([value_loss.detach().to(torch.float64) * share,
+                                   value_clip_frac.detach().to(torch.float64) * share])
+        return cfg.vf_coef * value_loss * share, units, diagnostics
 
     def end_iteration(self) -> float:
         """Advance the schedules once (one per iteration); returns the policy lr the iteration used."""
@@ -953,6 +953,3 @@ def _cpu_copy(t: torch.Tensor, on_cpu: bool) -> torch.Tensor:
     # .cpu() of a GPU tensor is already a copy; on the CPU it would alias the live weights
     return t.clone() if on_cpu else t.cpu()
 
-
-def _check_finite(value: float, what: str, step: int) -> None:
-    check_finite(value, what, f"rl: iteration {step}")
