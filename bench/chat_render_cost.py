@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from rlhf_core.data.chat import ensure_chat_template, render_chat
-from rlhf_core.models import load_tokenizer
+from rlhf_core.models.loading import load_tokenizer
 
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "sort 3 1 2"},
         {"role": "assistant", "content": "1 2 3"}]

@@ -32,9 +32,9 @@ def alignflow() -> list[str]:
 
 def seed_project(root: Path) -> tuple[str, str]:
     """A 30-row SFT file (``sft30.jsonl``) and two runs to diff in ``root``; returns the runs' ids."""
-    from rlhf_core.config import TrackingConfig
-    from rlhf_core.synthetic import generate_datasets
-    from rlhf_core.tracking import start_run
+    from rlhf_core.config.schema import TrackingConfig
+    from rlhf_core.embedded.tasks import generate_datasets
+    from rlhf_core.tracking.mlflow_runs import start_run
 
     files = generate_datasets(root / "data", seed=1, n_sft=30, n_preference=4, n_prompts=4, n_eval=4,
                               sft_noise=0.0)

@@ -28,9 +28,9 @@ import torch  # noqa: E402
 import rlhf_core  # noqa: E402,F401  (offline switches)
 
 
-import rlhf_core.rollout_static as static  # noqa: E402
-from rlhf_core.rollout import HFGenerateEngine, SamplingParams  # noqa: E402
-from rlhf_core.rollout_static import StaticCacheEngine  # noqa: E402
+import rlhf_core.rollout.static as static  # noqa: E402
+from rlhf_core.rollout.engine import HFGenerateEngine, SamplingParams  # noqa: E402
+from rlhf_core.rollout.static import StaticCacheEngine  # noqa: E402
 
 # Static engines: name -> the settings it runs under (compile_layers is the engine's own argument, the rest
 # rollout_static's module switches). static_cuda_graphs is what an RL run gets; static_before is the engine before
@@ -137,8 +137,8 @@ def kernel_check(device, reps: int = 200) -> list[dict]:
     flash op against an fp32 softmax of the same bf16 tensors (``decode_attention_reference``), and each one's
     device time a call (CUDA events over ``reps`` replays of a graph of one call, as the engine runs it: the first
     check, 2026-12-01, timed an eager loop of calls, each with its host launch, which a graph does not pay)."""
-    from rlhf_core import decode_attention as da
-    from rlhf_core.rollout_static import _decode_attention
+    from rlhf_core.models import decode_attention as da
+    from rlhf_core.rollout.static import _decode_attention
 
     B, Hkv, G, D, W = 512, 2, 7, 64, 512
     g = torch.Generator(device=device).manual_seed(0)
@@ -233,7 +233,7 @@ def main() -> None:
     from gpu_grpo import build_model, build_tokenizer
     from side_by_side import SMALL_SHAPE as SMALL
 
-    from rlhf_core.models import load_causal_lm, load_tokenizer
+    from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     work = Path(tempfile.mkdtemp(prefix="gpu-engine-"))

@@ -15,12 +15,12 @@ controller here and the models in actors, N policy ranks on N GPUs::
 
 Asynchronous training on two GPUs (issue 19 item 3: async step <= 0.8 x sync step): ``--placement
 disaggregated --workers 1 --rollout-workers 1`` with ``--max-staleness 0`` (synchronous) and ``1`` (one GPU learns
-with the reference beside it, the other generates; ``rlhf_core/ray_launcher.py``), the same two GPUs in both;
+with the reference beside it, the other generates; ``rlhf_core/trainers/ray_launcher.py``), the same two GPUs in both;
 read ``perf/overlap_s``, ``perf/rollout_wait_s`` and the per-step ``perf/*_ts`` timestamps in the steps.
 
 Weight sync by NCCL broadcast (issue 19 item 5: seconds per sync <= 0.1 s for the 0.5B model, and
 ``rollout/logprob_mismatch`` unchanged): one policy rank on one GPU, one rollout replica on the other, weights
-from rank 0 to the replica through a group of their own (``rl.weight_sync``, ``rlhf_core/weight_sync.py``). On 2
+from rank 0 to the replica through a group of their own (``rl.weight_sync``, ``rlhf_core/distributed/weight_sync.py``). On 2
 GPUs, the collective and the object store in one call (same machine, same seed), reading ``phase_s`` ->
 ``perf/weight_sync_s`` and ``logprob_mismatch`` of the two summaries::
 
@@ -168,12 +168,12 @@ def _peak_by_gpu(smi: subprocess.Popen) -> dict[str, float]:
 
 def main() -> None:
     args = _args()
-    from rlhf_core.config import RLConfig
+    from rlhf_core.config.schema import RLConfig
     from rlhf_core.trainers import rl
     from rlhf_core.trainers.rl import train_rl
 
     if args.sampling == "master":
-        from rlhf_core.rollout import HFGenerateEngine
+        from rlhf_core.rollout.engine import HFGenerateEngine
 
         rl.build_rollout_engine = lambda cfg, policy, tok, dtype=None: HFGenerateEngine(policy, tok, cfg.batch_size)
 
@@ -200,7 +200,7 @@ def main() -> None:
     if args.placement == "none":
         train_rl(cfg, sink, show_progress=False)
     else:
-        from rlhf_core.ray_launcher import train_rl_on_ray
+        from rlhf_core.trainers.ray_launcher import train_rl_on_ray
 
         train_rl_on_ray(cfg, sink, show_progress=False)
     total = time.perf_counter() - started

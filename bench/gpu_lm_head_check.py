@@ -19,7 +19,7 @@ On a lent GPU (``.devwheels`` carried, liger-kernel in it: ``bench/device_wheels
     source bench/device_setup.sh && python bench/gpu_lm_head_check.py --out $OUT/gpu_lm_head_check.json
 
 * ``packed``: 32 sequences of 128-511 tokens as one padding-free row, through torch's variable-length
-  flash kernel (``rlhf_core.attention``, what ``packing: true`` gets on a GPU) and through SDPA's dense
+  flash kernel (``rlhf_core.models.attention``, what ``packing: true`` gets on a GPU) and through SDPA's dense
   block-diagonal mask, against padded rows through SDPA, each against fp32 padded rows: per-sequence
   log-prob sums and gradients, time and memory (``--parts packed`` runs this part alone).
 
@@ -75,7 +75,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import torch  # noqa: E402
 
-from rlhf_core.lm_head import (LMHead, apply_fused_kernels, chunked_token_logprobs, labelled_token_logprobs,  # noqa: E402
+from rlhf_core.models.lm_head import (LMHead, apply_fused_kernels, chunked_token_logprobs, labelled_token_logprobs,  # noqa: E402
                                liger_available, liger_token_logprobs)
 
 
@@ -147,7 +147,7 @@ def head_part(n: int, hidden_size: int, vocab: int, device: torch.device, reps: 
 
 def rl_head_part(n: int, hidden_size: int, vocab: int, device: torch.device, reps: int) -> dict:
     """RL update's head: log-probs with an advantage-weighted gradient and a logged (gradient-free) entropy."""
-    from rlhf_core.lm_head import head_logprobs, resolve_kernel
+    from rlhf_core.models.lm_head import head_logprobs, resolve_kernel
 
     w32, h32, y, adv, dtype = _random_head(n, hidden_size, vocab, device)
 
@@ -189,7 +189,7 @@ def _model_dir(small: bool, prefix: str) -> tuple[Path, int]:
 
 
 def model_part(small: bool, device: torch.device, reps: int) -> dict:
-    from rlhf_core.models import load_causal_lm
+    from rlhf_core.models.loading import load_causal_lm
 
     model_dir, _vocab = _model_dir(small, "lmhead-")
     rows, width, labelled = (2, 64, 48) if small else (8, 512, 384)
@@ -269,10 +269,10 @@ def packed_part(small: bool, device: torch.device, reps: int) -> dict:
     ``packing: true`` gets on a GPU) and ``sdpa`` (transformers' dense block-diagonal mask)."""
     import os
 
-    from rlhf_core import attention
+    from rlhf_core.models import attention
     from rlhf_core.data.tokenize import TokenizedExample, collate_packed, collate_padded
-    from rlhf_core.logprobs import sequence_sums
-    from rlhf_core.models import ATTENTION_ENV, load_causal_lm
+    from rlhf_core.algorithms.logprobs import sequence_sums
+    from rlhf_core.models.loading import ATTENTION_ENV, load_causal_lm
 
     model_dir, vocab = _model_dir(small, "packed-")
     g = torch.Generator().manual_seed(2)
@@ -336,7 +336,7 @@ def _examples(lengths: list[int], vocab: int, g: torch.Generator) -> list:
 
 
 def compiled_part(small: bool, device: torch.device, reps: int) -> dict:
-    """Decoder layers through ``torch.compile`` (``compile_layers: on``, :mod:`rlhf_core.layer_compile`) against
+    """Decoder layers through ``torch.compile`` (``compile_layers: on``, :mod:`rlhf_core.models.layer_compile`) against
     the eager layers with liger's kernels (what ``fused_kernels: auto`` runs without it), for padded rows (SDPA
     with a mask inside the graph) and packed rows (torch's varlen flash kernel on a GPU), each set up by the
     trainers' own ``prepare_decoder_kernels``: per-sequence log-prob sums and gradients against fp32 padded rows,
@@ -347,11 +347,11 @@ def compiled_part(small: bool, device: torch.device, reps: int) -> dict:
 
     from torch._dynamo.utils import counters
 
-    from rlhf_core import layer_compile
+    from rlhf_core.models import layer_compile
     from rlhf_core.data.tokenize import collate_packed, collate_padded
-    from rlhf_core.lm_head import prepare_decoder_kernels
-    from rlhf_core.logprobs import sequence_sums
-    from rlhf_core.models import load_causal_lm
+    from rlhf_core.models.lm_head import prepare_decoder_kernels
+    from rlhf_core.algorithms.logprobs import sequence_sums
+    from rlhf_core.models.loading import load_causal_lm
 
     model_dir, vocab = _model_dir(small, "compiled-")
     g = torch.Generator().manual_seed(3)
@@ -419,7 +419,7 @@ def rl_packed_part(small: bool, device: torch.device, reps: int) -> dict:
     each against fp32 padded rows: log-prob deltas, gradient error, time and peak memory."""
     import os
 
-    from rlhf_core.models import ATTENTION_ENV, load_causal_lm
+    from rlhf_core.models.loading import ATTENTION_ENV, load_causal_lm
     from rlhf_core.trainers.rl_roles import token_logprobs
 
     model_dir, vocab = _model_dir(small, "rlpacked-")
@@ -477,7 +477,7 @@ def rms_norm_part(small: bool, device: torch.device) -> list[dict]:
     time is what launching costs)."""
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-    from rlhf_core.lm_head import use_torch_rms_norm
+    from rlhf_core.models.lm_head import use_torch_rms_norm
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     calls, host_calls = (20, 5) if small else (200, 25)
@@ -556,10 +556,10 @@ def nosync_part(small: bool, device: torch.device) -> dict:
     import warnings
 
     from rlhf_core.data.tokenize import TokenizedExample, collate_pairs
-    from rlhf_core.lm_head import resolve_lm_head
-    from rlhf_core.logprobs import response_logprobs
-    from rlhf_core.models import load_causal_lm
-    from rlhf_core.reward_model import load_reward_model, pair_rewards
+    from rlhf_core.models.lm_head import resolve_lm_head
+    from rlhf_core.algorithms.logprobs import response_logprobs
+    from rlhf_core.models.loading import load_causal_lm
+    from rlhf_core.rewards.model import load_reward_model, pair_rewards
     from rlhf_core.trainers.sft import nll_loss_fn
 
     model_dir, vocab = _model_dir(small, "nosync-")
@@ -641,9 +641,9 @@ def pair_tree_part(small: bool, device: torch.device, reps: int) -> dict:
     import os
 
     from rlhf_core.data.tokenize import collate_pair_tree, collate_pairs
-    from rlhf_core.logprobs import response_logprobs
-    from rlhf_core.models import ATTENTION_ENV, load_causal_lm
-    from rlhf_core.reward_model import load_reward_model, pair_rewards
+    from rlhf_core.algorithms.logprobs import response_logprobs
+    from rlhf_core.models.loading import ATTENTION_ENV, load_causal_lm
+    from rlhf_core.rewards.model import load_reward_model, pair_rewards
 
     from transformers import AutoConfig
 

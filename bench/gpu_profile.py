@@ -50,10 +50,10 @@ def profile_decode(model_dir: Path, args, report: dict) -> None:
     """One captured decode iteration of the static engine (decode + sample + record), before (masked SDPA over
     the whole cache, plain layer halves; keys prefixed ``before_``) and as the engine runs now on a GPU (flash
     over each row's filled keys, compiled halves; no prefix): capture time, replay and eager times, top kernels."""
-    import rlhf_core.rollout_static as static
-    from rlhf_core.models import load_causal_lm
-    from rlhf_core.rollout import SamplingParams
-    from rlhf_core.rollout_static import _Decoder, _Sampler, _sample
+    import rlhf_core.rollout.static as static
+    from rlhf_core.models.loading import load_causal_lm
+    from rlhf_core.rollout.engine import SamplingParams
+    from rlhf_core.rollout.static import _Decoder, _Sampler, _sample
 
     dev = torch.device("cuda")
     sampler = load_causal_lm(model_dir, dev).to(torch.bfloat16).eval()
@@ -91,8 +91,8 @@ def profile_decode(model_dir: Path, args, report: dict) -> None:
 def profile_update(model_dir: Path, args, report: dict) -> None:
     """One update micro-batch (forward + backward, gradient checkpointing, bf16 autocast) and one no-grad
     log-prob forward: times, peak memory, TFLOP/s by 6NT / 2NT, top kernels of the update."""
-    from rlhf_core.models import load_causal_lm, prepare_for_training
-    from rlhf_core.parallel import train_mode
+    from rlhf_core.models.loading import load_causal_lm, prepare_for_training
+    from rlhf_core.distributed.parallel import train_mode
     from rlhf_core.trainers.rl_roles import token_logprobs
 
     dev = torch.device("cuda")

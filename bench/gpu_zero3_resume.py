@@ -35,9 +35,9 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from rlhf_core.config import SFTConfig  # noqa: E402
-from rlhf_core.embedded import build_tiny_model, train_tokenizer  # noqa: E402
-from rlhf_core.synthetic import generate_datasets  # noqa: E402
+from rlhf_core.config.schema import SFTConfig  # noqa: E402
+from rlhf_core.embedded.tiny_model import build_tiny_model, train_tokenizer  # noqa: E402
+from rlhf_core.embedded.tasks import generate_datasets  # noqa: E402
 
 
 class Losses:
@@ -81,7 +81,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true", help="a tiny model: a smoke test of the script")
     args = parser.parse_args()
-    from rlhf_core.ray_launcher import train_data_parallel
+    from rlhf_core.trainers.ray_launcher import train_data_parallel
     from rlhf_core.trainers.sft import train_sft
 
     out_dir = Path(os.environ.get("OUT", REPO / "bench" / "out"))

@@ -2,7 +2,7 @@
 
 Builds a model folder the shape of a 7B safetensors checkpoint (4 shards of random bytes,
 ~15 GB in all, plus the small JSON files), then times ``dvc_md5`` over it: cold (every byte
-read and hashed, no cache) and warm (a fresh :class:`rlhf_core.lineage.HashCache` loaded from
+read and hashed, no cache) and warm (a fresh :class:`rlhf_core.tracking.lineage.HashCache` loaded from
 its file, as the next stage's process would), ``--runs`` times each, dropping the page cache
 before every run when permitted (root). The folder is deleted afterwards.
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlhf_core.lineage import MIN_CACHED_BYTES, HashCache, dvc_md5  # noqa: E402
+from rlhf_core.tracking.lineage import MIN_CACHED_BYTES, HashCache, dvc_md5  # noqa: E402
 
 CHUNK = 64 << 20
 SMALL_FILES = {

@@ -29,8 +29,8 @@ def qwen2_0p5b_shapes(layers: int = 24) -> list[tuple[int, ...]]:
 def time_steps(steps: int, warmup: int) -> list[float]:
     import torch
 
-    from rlhf_core.parallel import optimizer_step
-    from rlhf_core.precision import MasterWeightAdamW, Precision
+    from rlhf_core.distributed.parallel import optimizer_step
+    from rlhf_core.models.precision import MasterWeightAdamW, Precision
 
     torch.manual_seed(0)
     torch.set_num_threads(1)

@@ -41,7 +41,7 @@ def folder_bytes(folder: Path) -> int:
 
 def add_tokenizer(model: Path, scratch: Path) -> None:
     """A real (tiny) tokenizer in the folder: the transformers flavor saves it as a component."""
-    from rlhf_core.embedded import train_tokenizer
+    from rlhf_core.embedded.tiny_model import train_tokenizer
 
     tok = train_tokenizer([f"prompt {i} answer {i * 7}" for i in range(300)], scratch / "tokenizer", vocab_size=280)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -80,7 +80,7 @@ def run(scratch: Path, size: int) -> dict:
     import transformers  # noqa: F401
     from mlflow import MlflowClient
 
-    from rlhf_core.tracking import prune_model_versions
+    from rlhf_core.tracking.mlflow_runs import prune_model_versions
 
     artifacts = project / "mlartifacts"
     client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])

@@ -22,8 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import rlhf_core  # noqa: E402,F401
-from rlhf_core import stages  # noqa: E402
-from rlhf_core.config import EvalConfig, GenerateConfig, ModelConfig, SFTConfig, TrackingConfig, load_config  # noqa: E402
+from rlhf_core.stages import wrappers as stages  # noqa: E402
+from rlhf_core.config.schema import EvalConfig, GenerateConfig, ModelConfig, SFTConfig, TrackingConfig, load_config  # noqa: E402
 
 
 def main() -> None:

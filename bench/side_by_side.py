@@ -160,7 +160,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 BENCHES = ("grpo", "sft", "dpo", "rm")
-# NVLink multicast off in every process (rlhf_core.ray_launcher sets the same for Ray actors)
+# NVLink multicast off in every process (rlhf_core.trainers.ray_launcher sets the same for Ray actors)
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 QWEN_VOCAB = 151_936
 
@@ -258,7 +258,7 @@ ROWS = {
     # padded rows (what ours-mixed / ours-bf16 now run; the names of the 2026-11-27 result files)
     "ours-mixed-padded": dict(side="alignflow", precision="mixed", regime="mixed", packing=False),
     "ours-bf16-padded": dict(side="alignflow", precision="bf16", regime="bf16", packing=False),
-    # padding-free rows: on a GPU through torch's variable-length flash kernel (rlhf_core.attention)
+    # padding-free rows: on a GPU through torch's variable-length flash kernel (rlhf_core.models.attention)
     "ours-mixed-packed": dict(side="alignflow", precision="mixed", regime="mixed", packing=True),
     "ours-bf16-packed": dict(side="alignflow", precision="bf16", regime="bf16", packing=True),
     "trl-default": dict(side="trl", model_dtype="bfloat16", bf16=True, best=False, regime="bf16"),
@@ -507,9 +507,9 @@ def _sync() -> None:
 
 
 def _in_actor(factory: str, peak_dir: str, *args, **kwargs):
-    """A Ray actor's role, built by ``rlhf_core.ray_launcher.<factory>`` after the log capture and the peak
+    """A Ray actor's role, built by ``rlhf_core.trainers.ray_launcher.<factory>`` after the log capture and the peak
     writer start (looked up by name in the actor, where the launcher is not patched)."""
-    from rlhf_core import ray_launcher
+    from rlhf_core.trainers import ray_launcher
 
     _child_logging()
     _peak_writer(peak_dir)
@@ -822,7 +822,7 @@ def _ours_grpo(task: dict, common: dict, sink: Any, work: Path) -> dict:
     """One GRPO run of ours (one process, or Ray ranks with colocated replicas): its step times and phases."""
     import torch
 
-    from rlhf_core.config import RLConfig
+    from rlhf_core.config.schema import RLConfig
     from rlhf_core.trainers.rl import train_rl
 
     inputs = task["inputs"]
@@ -854,7 +854,7 @@ def _ours_grpo(task: dict, common: dict, sink: Any, work: Path) -> dict:
     if update_profile is not None:
         update_profile.install()
     if on_ray:
-        from rlhf_core import ray_launcher
+        from rlhf_core.trainers import ray_launcher
 
         for factory in ("_learner", "_reference", "RolloutReplica"):
             setattr(ray_launcher, factory, functools.partial(_in_actor, factory, peak_dir))
@@ -881,8 +881,8 @@ def _ours_grpo(task: dict, common: dict, sink: Any, work: Path) -> dict:
 
 def _ours_offline(task: dict, common: dict, sink: Any, work: Path) -> dict:
     """One SFT, DPO or reward-model run of ours: the time between logged steps."""
-    from rlhf_core import attention
-    from rlhf_core.config import DPOConfig, RewardConfig, SFTConfig
+    from rlhf_core.models import attention
+    from rlhf_core.config.schema import DPOConfig, RewardConfig, SFTConfig
 
     inputs, name = task["inputs"], task["bench"]
     gpus, peak_dir = inputs["gpus"], os.environ.get("BENCH_PEAK_DIR", "")
@@ -901,7 +901,7 @@ def _ours_offline(task: dict, common: dict, sink: Any, work: Path) -> dict:
         cfg = RewardConfig(**{**shared, "eval_file": data})  # pairs as the held-out file: no split of the train rows
     profile: dict = {}
     if gpus > 1:
-        from rlhf_core.ray_launcher import train_data_parallel
+        from rlhf_core.trainers.ray_launcher import train_data_parallel
 
         train_data_parallel(functools.partial(_rank_main, TRAINERS[name], peak_dir, profile=task.get("profile")),
                             cfg, sink, show_progress=False)

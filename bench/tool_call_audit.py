@@ -18,10 +18,10 @@ import torch
 def audit(model_dir: str, eval_file: str = "data/tool/eval.jsonl", max_items: int = 500) -> dict[str, float]:
     from rlhf_core.data.formats import prompt_text, read_prompt_examples
     from rlhf_core.data.io import read_records
-    from rlhf_core.environments import rollout_with_environment
-    from rlhf_core.models import load_causal_lm, load_tokenizer
-    from rlhf_core.rollout import HFGenerateEngine, SamplingParams
-    from rlhf_core.tool_task import CALL_CLOSE, CALL_OPEN, RESULT_CLOSE, RESULT_OPEN, final_answer, make_env
+    from rlhf_core.rollout.environments import rollout_with_environment
+    from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+    from rlhf_core.rollout.engine import HFGenerateEngine, SamplingParams
+    from rlhf_core.rollout.tool_task import CALL_CLOSE, CALL_OPEN, RESULT_CLOSE, RESULT_OPEN, final_answer, make_env
 
     model, tokenizer = load_causal_lm(model_dir, torch.device("cpu")), load_tokenizer(model_dir)
     examples = read_prompt_examples(read_records(eval_file, limit=max_items), eval_file)

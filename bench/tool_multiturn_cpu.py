@@ -1,6 +1,6 @@
 """Multi-turn rollout cost on CPU: our static-cache engine and HF generate, single-turn vs with the calculator.
 
-Each multi-turn turn is one ``generate_ids`` call from the trajectory's ids (rlhf_core/environments.py):
+Each multi-turn turn is one ``generate_ids`` call from the trajectory's ids (rlhf_core/rollout/environments.py):
 our engine prefills the whole trajectory afresh each turn and decodes eagerly on CPU (no CUDA graph
 here in any case; on a GPU the graphs still serve the decode steps within a turn, and the observation is
 written by the next turn's prefill). Prints tokens per second of each.
@@ -16,11 +16,11 @@ import time
 
 import torch
 
-from rlhf_core.environments import rollout_with_environment
-from rlhf_core.models import load_causal_lm, load_tokenizer
-from rlhf_core.rollout import HFGenerateEngine, SamplingParams
-from rlhf_core.rollout_static import StaticCacheEngine
-from rlhf_core.tool_task import make_env
+from rlhf_core.rollout.environments import rollout_with_environment
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+from rlhf_core.rollout.engine import HFGenerateEngine, SamplingParams
+from rlhf_core.rollout.static import StaticCacheEngine
+from rlhf_core.rollout.tool_task import make_env
 
 
 def main(model_dir: str, prompts_file: str, rows: int = 32, n: int = 8, repeats: int = 3) -> None:

@@ -31,13 +31,13 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from flows.params import load_all
-from rlhf_core.config import ConfigError, DataFields, FlowConfig, TrackingConfig, config_to_dict
+from rlhf_core.config.schema import ConfigError, DataFields, FlowConfig, TrackingConfig, config_to_dict
 from rlhf_core.data.validate import prompts_kind, require_eval_labels
-from rlhf_core.lineage import dvc_md5, project_relative
-from rlhf_core.redact import redact_secrets
-from rlhf_core.rewards import RewardKind, resolve_reward_file
-from rlhf_core.stages import lineage_tags
-from rlhf_core.tracking import Tracker, resolve_tracking_uri, start_run
+from rlhf_core.tracking.lineage import dvc_md5, project_relative
+from rlhf_core.common.redact import redact_secrets
+from rlhf_core.rewards.sources import RewardKind, resolve_reward_file
+from rlhf_core.stages.wrappers import lineage_tags
+from rlhf_core.tracking.mlflow_runs import Tracker, resolve_tracking_uri, start_run
 from tasks.data import generate_data, sample_best_of_n, validate_data
 from tasks.evaluation import evaluate_model
 from tasks.models import build_base_model
@@ -77,7 +77,7 @@ def one_flow_at_a_time(name: str) -> Iterator[None]:
     """
     from filelock import FileLock, Timeout
 
-    from rlhf_core.tracking import project_root
+    from rlhf_core.tracking.mlflow_runs import project_root
 
     path = project_root() / ".alignflow" / "flow.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -125,7 +125,7 @@ def _submit_to_ray(task_fn: Any, parameters: dict[str, Any], address: str) -> di
     """Run one task on the Ray cluster at ``address`` through prefect-ray's task runner; wait for it."""
     from prefect_ray import RayTaskRunner
 
-    from rlhf_core.env import OFFLINE_ENV
+    from rlhf_core.common.offline import OFFLINE_ENV
 
     runner = RayTaskRunner(address=address, init_kwargs={"runtime_env": {"env_vars": dict(OFFLINE_ENV)}})
     with runner:
@@ -331,7 +331,7 @@ def headline_metrics(before: dict[str, Any], after: dict[str, Any],
 def model_lineage_tags(base_md5: str, sft: dict[str, Any], aligned: dict[str, dict[str, Any]]) -> dict[str, str]:
     """The parent run's tags naming every model's md5 and every stage's MLflow run, and each policy stage's
     fired guards (``guard.fired.<stage>``)."""
-    from rlhf_core.guards import fired_guards
+    from rlhf_core.promotion.guards import fired_guards
 
     return {**{f"guard.fired.{stage}": ",".join(fired_guards(r["metrics"])) or "none"
                for stage, r in aligned.items() if any(k.startswith("guard/") for k in r["metrics"])},
@@ -388,7 +388,7 @@ def align(
     ``private_overrides``: a file of overrides that carry secrets (:func:`write_private_overrides`)."""
     cfg = load_all(params_file, overrides, private_overrides)
     # Recorded as project-relative where inside the project (reproduce.json, alignflow.json, input.* tags), so
-    # a rerun of the commit in another folder records the same paths (rlhf_core.lineage.project_relative).
+    # a rerun of the commit in another folder records the same paths (rlhf_core.tracking.lineage.project_relative).
     given = {name: project_relative(path) if path else None for name, path in
              {"sft": sft_file, "preferences": preference_file, "prompts": prompts_file, "eval": eval_file}.items()}
     base_model = project_relative(base_model) if base_model else None

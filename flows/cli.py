@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import rlhf_core  # offline switches first
 from flows import errors
-from rlhf_core.config import (
+from rlhf_core.config.schema import (
     OVERRIDE_SOURCE,
     SECTIONS,
     ConfigError,
@@ -135,7 +135,7 @@ def _stage_cfg(args: argparse.Namespace, cls: type, section: str) -> Any:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     cfg = _stage_cfg(args, GenerateConfig, "generate")
-    from rlhf_core import stages
+    from rlhf_core.stages import wrappers as stages
 
     _print(stages.generate(cfg).to_dict())
     return 0
@@ -143,14 +143,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_init_model(args: argparse.Namespace) -> int:
     cfg = _stage_cfg(args, ModelConfig, "model")
-    from rlhf_core import stages
+    from rlhf_core.stages import wrappers as stages
 
     _print(stages.init_model(cfg).to_dict())
     return 0
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from rlhf_core import stages
+    from rlhf_core.stages import wrappers as stages
     from rlhf_core.data.validate import ValidationFailed
 
     overrides = stage_overrides(args.set, "sft", "validate")  # field names: the sft section's, as the flows read them
@@ -177,7 +177,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def _require_checkpoint(cfg: Any, section: str) -> None:
     """``--resume``: there must be a checkpoint of this run (same config and inputs) to continue, or its
     finished output, saved but not yet tracked (the stage stopped before registering it)."""
-    from rlhf_core.checkpoint import Checkpointer, run_fingerprint
+    from rlhf_core.tracking.checkpoint import Checkpointer, run_fingerprint
 
     checkpointer = Checkpointer(cfg.checkpoint_dir, run_fingerprint(cfg))
     if checkpointer.latest() is None and checkpointer.finished() is None:
@@ -186,7 +186,7 @@ def _require_checkpoint(cfg: Any, section: str) -> None:
 
 
 def _tracked_stage(stage: str, cls: type, section: str):
-    """A command that runs ``rlhf_core.stages.<stage>`` with tracking and an optional metrics file."""
+    """A command that runs ``rlhf_core.stages.wrappers.<stage>`` with tracking and an optional metrics file."""
 
     def run(args: argparse.Namespace) -> int:
         from flows.preflight import check_inputs
@@ -202,7 +202,7 @@ def _tracked_stage(stage: str, cls: type, section: str):
                 _require_checkpoint(cfg, section)
         tracking = load_config(TrackingConfig, "tracking", args.params)
         extra = _stage_extras(stage, cfg_section, args.params, shared)
-        from rlhf_core import stages  # torch and the trainers: only once the config and inputs hold
+        from rlhf_core.stages import wrappers as stages  # torch and the trainers: only once the config and inputs hold
         result = getattr(stages, stage)(cfg, tracking, metrics_file=args.metrics_file, **extra)
         out = result.to_dict()
         if getattr(args, "register", None):
@@ -246,7 +246,7 @@ def _task_section(section: str, shared: str, params: str) -> str:
     """The params section of a stage section's data report or guards (``shared``: ``data_report``, ``guards``):
     ``tool_sft`` reads ``tool_data_report`` and ``tool_rl`` ``tool_guards`` where the params file has them (the tool
     task's answers repeat more; a tool call legitimately lengthens its answers), every other section ``shared``."""
-    from rlhf_core.config import read_params
+    from rlhf_core.config.schema import read_params
 
     prefix = section.rpartition("_")[0]
     own = f"{prefix}_{shared}"
@@ -295,7 +295,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     cfg = _stage_cfg(args, EvalConfig, "evaluate")
     tracking = load_config(TrackingConfig, "tracking", args.params)
-    from rlhf_core import stages
+    from rlhf_core.stages import wrappers as stages
 
     _print(stages.evaluate(cfg, tracking, run_name=args.run_name).to_dict())
     return 0
@@ -320,7 +320,7 @@ def _flow_overrides(pairs: Sequence[str]) -> tuple[dict[str, dict[str, Any]], st
     (``***``), and its real value goes to a private file whose path is the second parameter
     (:func:`flows.params.write_private_overrides`). Secret-free overrides stay readable as given."""
     from flows.params import write_private_overrides
-    from rlhf_core.redact import redact_secrets
+    from rlhf_core.common.redact import redact_secrets
 
     overrides = _section_overrides(pairs)
     secret = {section: {name: value for name, value in values.items() if redact_secrets(value, name) != value}
@@ -515,7 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Commands implemented by a module's own ``main(argv)``; listed in build_parser for --help only.
-PASSTHROUGH = {"serve-rm": "rlhf_core.reward_server", "nightly": "flows.nightly", "reproduce": "flows.reproduce",
+PASSTHROUGH = {"serve-rm": "rlhf_core.rewards.server", "nightly": "flows.nightly", "reproduce": "flows.reproduce",
                "diff": "flows.diff"}
 
 

@@ -25,14 +25,14 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from rlhf_core.config import ConfigError, CyclesConfig, config_to_dict
+from rlhf_core.config.schema import ConfigError, CyclesConfig, config_to_dict
 from rlhf_core.data.validate import prompts_kind, require_eval_labels
-from rlhf_core.guards import fired_guards
-from rlhf_core.lineage import dvc_md5
-from rlhf_core.redact import redact_secrets
-from rlhf_core.stages import lineage_tags
-from rlhf_core.synthetic import write_jsonl
-from rlhf_core.tracking import Tracker, resolve_tracking_uri, start_run
+from rlhf_core.promotion.guards import fired_guards
+from rlhf_core.tracking.lineage import dvc_md5
+from rlhf_core.common.redact import redact_secrets
+from rlhf_core.stages.wrappers import lineage_tags
+from rlhf_core.embedded.tasks import write_jsonl
+from rlhf_core.tracking.mlflow_runs import Tracker, resolve_tracking_uri, start_run
 from flows.align import _run, data_fields, load_all, one_flow_at_a_time
 from tasks.data import sample_best_of_n, validate_data
 from tasks.registry import register_model

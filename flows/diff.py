@@ -18,7 +18,7 @@ wins); the header names those parent runs. Metrics and code tags are the run's o
 
 The error of a difference. Two models evaluated on the same items are compared with the *paired*
 standard error (issue 20): ``sd(d) / sqrt(n)`` over the per-item differences ``d_i`` (B's result on item i
-minus A's; :func:`rlhf_core.guards.paired_delta`), not ``sqrt(se_A^2 + se_B^2)``, which treats the two
+minus A's; :func:`rlhf_core.promotion.guards.paired_delta`), not ``sqrt(se_A^2 + se_B^2)``, which treats the two
 runs as independent and, on positively correlated results, overstates the error several times. The
 per-item results are the ``guards/per_item.json`` every guarded policy stage run logs (dpo, kto, raft,
 distill, rl and the cycles' stages: its eval items with the parent's and the trained model's correct and
@@ -54,9 +54,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from rlhf_core.config import TrackingConfig, load_config
-from rlhf_core.guards import mean_and_se, paired_delta, unpaired_se
-from rlhf_core.tracking import resolve_tracking_uri
+from rlhf_core.config.schema import TrackingConfig, load_config
+from rlhf_core.promotion.guards import mean_and_se, paired_delta, unpaired_se
+from rlhf_core.tracking.mlflow_runs import resolve_tracking_uri
 
 SECTIONS = ("code", "data", "params", "metrics")
 CODE_TAGS = ("git.commit", "alignflow.version")

@@ -28,19 +28,19 @@ MAX_CHARS = 400
 """The most characters an error message takes on stderr."""
 
 EXIT_CODES: dict[str, int] = {
-    "rlhf_core.config.ConfigError": 2,
-    "rlhf_core.models.ModelLoadError": 2,
+    "rlhf_core.config.schema.ConfigError": 2,
+    "rlhf_core.models.loading.ModelLoadError": 2,
     "rlhf_core.data.io.DataError": 1,
     "rlhf_core.data.validate.ValidationFailed": 1,
     "tasks.errors.StageRejected": 1,
     "rlhf_core.trainers.loop.NonFiniteError": 1,
-    "rlhf_core.rewards.RewardError": 1,
-    "rlhf_core.metric_command.MetricCommandError": 1,
-    "rlhf_core.checkpoint.StorageError": 1,
+    "rlhf_core.rewards.sources.RewardError": 1,
+    "rlhf_core.promotion.metric_command.MetricCommandError": 1,
+    "rlhf_core.tracking.checkpoint.StorageError": 1,
 }
 """The project's own errors (``module.Class``) and the exit status each gives; subclasses count too."""
 
-INTERRUPTED = "rlhf_core.checkpoint.TrainingInterrupted"
+INTERRUPTED = "rlhf_core.tracking.checkpoint.TrainingInterrupted"
 """SIGTERM during training: a checkpoint was written and the same command resumes (exit 128 + 15)."""
 
 _EXCEPTION_IN_LOG = re.compile(r"exception:? ([A-Za-z_]\w*+)")
@@ -88,7 +88,7 @@ def message(exc: BaseException) -> str:
     """The bounded, redacted message of one of the project's errors. A failed validation keeps its header
     and each failure's first line (file:line, field, what is wrong) before the details, and points at
     ``alignflow validate``, which prints the whole report."""
-    from rlhf_core.redact import redact_secrets
+    from rlhf_core.common.redact import redact_secrets
 
     report = getattr(exc, "report", None)
     if report is None or not hasattr(report, "failures"):
@@ -112,7 +112,7 @@ def report(exc: BaseException, debug: bool) -> int | None:
     if code is None:
         return None
     if debug:  # the traceback, then the whole message; redacted like the rest (a URL's token in a message)
-        from rlhf_core.redact import redact_secrets
+        from rlhf_core.common.redact import redact_secrets
 
         sys.stderr.write(redact_secrets("".join(traceback.format_exception(exc))))
         print(f"error: {redact_secrets(str(exc))}", file=sys.stderr)

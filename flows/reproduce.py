@@ -60,8 +60,8 @@ from flows.reproduce_compare import (
 )
 from flows.reproduce_inputs import RecordedInput, place_inputs, recorded_inputs
 from flows.reproduce_trust import ConfigReview, enforce, local_store, review_config, strings_in
-from rlhf_core.lineage import HashCache, dvc_md5, project_relative
-from rlhf_core.redact import redact_secrets
+from rlhf_core.tracking.lineage import HashCache, dvc_md5, project_relative
+from rlhf_core.common.redact import redact_secrets
 
 RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 HEX_SHA = re.compile(r"^[0-9a-f]{7,64}$")  # sha-1 or sha-256, possibly abbreviated
@@ -149,7 +149,7 @@ def _env_for(worktree: Path, tracking_uri: str | None) -> dict[str, str]:
 def commit_config(worktree: Path) -> dict[str, dict[str, Any]]:
     """Every section of the commit's own ``params.yaml`` with the commit's defaults filled in, read
     by the commit's own config code (a field added since then is not a difference)."""
-    script = ("import json; from rlhf_core.config import SECTIONS, config_to_dict, load_config; "
+    script = ("import json; from rlhf_core.config.schema import SECTIONS, config_to_dict, load_config; "
               "print(json.dumps({s: config_to_dict(load_config(c, s, 'params.yaml')) for s, c in SECTIONS.items()}))")
     proc = subprocess.run([sys.executable, "-P", "-c", script], cwd=worktree, env=_env_for(worktree, None),
                           capture_output=True, text=True)
@@ -184,7 +184,7 @@ def stored_commit(run_id: str, tags: dict[str, str]) -> tuple[str, list[str]]:
 def version_warning(run_id: str, tags: dict[str, str]) -> list[str]:
     """A warning when the run's ``alignflow.version`` tag is not the installed alignflow's version:
     the rerun trains with the installed one (a project's commit holds no alignflow code)."""
-    from rlhf_core.lineage import package_version
+    from rlhf_core.tracking.lineage import package_version
 
     recorded, installed = tags.get("alignflow.version"), package_version()
     if recorded is None or recorded == installed:
@@ -546,8 +546,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="alignflow-reproduce-"))
     try:
         if RUN_ID.match(args.target):
-            from rlhf_core.config import TrackingConfig, load_config
-            from rlhf_core.tracking import resolve_tracking_uri
+            from rlhf_core.config.schema import TrackingConfig, load_config
+            from rlhf_core.tracking.mlflow_runs import resolve_tracking_uri
 
             tracking = load_config(TrackingConfig, "tracking", args.params if Path(args.params).exists() else None)
             result = reproduce_run(args.target, resolve_tracking_uri(tracking), workdir, trust=args.trust)

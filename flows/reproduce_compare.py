@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from rlhf_core.lineage import cache_object, cached_listing, dir_listing, project_relative
+from rlhf_core.tracking.lineage import cache_object, cached_listing, dir_listing, project_relative
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 SAME_PLACE = "the same project-relative path, under each side's own project folder"

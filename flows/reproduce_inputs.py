@@ -1,7 +1,7 @@
 """The inputs of a run that ``alignflow reproduce RUN_ID`` reruns: the data it read, by md5, never today's.
 
 A run records each input's path (project-relative inside the project, absolute outside it:
-:func:`rlhf_core.lineage.project_relative`) and its DVC md5 (``dvc.md5.<name>`` tags). The
+:func:`rlhf_core.tracking.lineage.project_relative`) and its DVC md5 (``dvc.md5.<name>`` tags). The
 rerun runs in a worktree of the run's commit, where each input inside the project is put
 exactly as the run read it:
 
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from flows.reproduce_trust import inside
-from rlhf_core.lineage import dvc_md5, project_relative, restore_from_cache
+from rlhf_core.tracking.lineage import dvc_md5, project_relative, restore_from_cache
 
 ALIGN_INPUTS = {"sft_file": ("sft", "--sft-file"), "preference_file": ("preferences", "--preference-file"),
                 "prompts_file": ("prompts", "--prompts-file"), "eval_file": ("eval", "--eval-file"),

@@ -27,7 +27,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from rlhf_core.redact import redact_secrets
+from rlhf_core.common.redact import redact_secrets
 
 ABSENT = object()  # a field on one side only (not a string: a stored "<absent>" is just a value)
 SECRET_WORDS = {"token", "secret", "password", "passwd", "apikey", "credential", "credentials"}

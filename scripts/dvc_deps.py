@@ -8,10 +8,10 @@ are read from the source with ``ast`` (a stage is never run to find them).
 What a stage's command runs:
 
 * ``alignflow <sub>`` runs ``flows/cli.py``: its ``main``, the handler ``cmd_<sub>`` and
-  ``rlhf_core.stages.<sub>`` (``-`` read as ``_``). The CLI reaches the last two through argparse's
+  ``rlhf_core.stages.wrappers.<sub>`` (``-`` read as ``_``). The CLI reaches the last two through argparse's
   handler table and ``getattr(stages, name)``, which no static reader follows, so they are named.
 * ``python -m <module> ...`` runs that module.
-* A code file named in the stage's params sections (``reward_function: rlhf_core/rewards_embedded.py:reward``,
+* A code file named in the stage's params sections (``reward_function: rlhf_core/embedded/reward.py:reward``,
   read with the config's field defaults under it), which the stage loads by path.
 
 From there, the import closure within ``rlhf_core``, ``flows`` and ``tasks``:
@@ -26,7 +26,7 @@ From there, the import closure within ``rlhf_core``, ``flows`` and ``tasks``:
   one, the CLI's ``cmd_*`` handlers apart (argparse's table; the stage's own is an entry point).
 
 Config defaults: ``params.yaml`` sets only some fields of each section, and DVC hashes the section's
-values, not the dataclass defaults in ``rlhf_core/config.py``. That file is in every stage's closure
+values, not the dataclass defaults in ``rlhf_core/config/schema.py``. That file is in every stage's closure
 (the CLI and the stages load their config through it), so a changed default still reaches DVC;
 :func:`stage_code_deps` fails if it ever drops out of one.
 
@@ -58,14 +58,14 @@ from ruamel.yaml import YAML
 
 from import_cycles import PACKAGES, REPO, from_base, import_targets, module_files
 
-DISPATCH = ("flows.cli", "rlhf_core.stages")
+DISPATCH = ("flows.cli", "rlhf_core.stages.wrappers")
 """Modules of one function per stage, read by calls (module docstring)."""
 
 CLI = "flows.cli"
 HANDLER_PREFIX = "cmd_"
 """``alignflow <sub>``'s handler in flows/cli.py is ``cmd_<sub>`` (``-`` read as ``_``)."""
-STAGES = "rlhf_core.stages"
-CONFIG_FILE = "rlhf_core/config.py"
+STAGES = "rlhf_core.stages.wrappers"
+CONFIG_FILE = "rlhf_core/config/schema.py"
 
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
@@ -159,7 +159,7 @@ def _region(index: SourceIndex, unit: Unit) -> list[ast.AST]:
 
 
 def _dotted(node: ast.AST, module: str, bindings: dict[str, str], local: dict[str, ast.AST]) -> str | None:
-    """The dotted name a called expression refers to (``stages.sft`` -> ``rlhf_core.stages.sft``), if static."""
+    """The dotted name a called expression refers to (``stages.sft`` -> ``rlhf_core.stages.wrappers.sft``), if static."""
     attrs: list[str] = []
     while isinstance(node, ast.Attribute):
         attrs.append(node.attr)
@@ -256,7 +256,7 @@ def param_entries(index: SourceIndex, sections: list[str]) -> list[Unit]:
     defaults of the section's config class): code a stage loads by path, e.g. its reward function."""
     if not sections:
         return []
-    from rlhf_core.config import SECTIONS, read_params
+    from rlhf_core.config.schema import SECTIONS, read_params
 
     params = read_params(index.root / "params.yaml")
     by_path = {index.relpath(m): m for m in index.known}
@@ -274,7 +274,7 @@ def param_entries(index: SourceIndex, sections: list[str]) -> list[Unit]:
 
 def _sections(body: dict[str, Any]) -> list[str]:
     """The params.yaml sections a dvc.yaml stage lists (``sft``, or ``sft.lr`` -> ``sft``)."""
-    from rlhf_core.config import SECTIONS
+    from rlhf_core.config.schema import SECTIONS
 
     names = [str(p).split(".")[0] for p in body.get("params", []) if isinstance(p, str)]
     return [name for name in names if name in SECTIONS]

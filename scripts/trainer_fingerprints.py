@@ -174,12 +174,27 @@ def state_digest(path: Path) -> dict[str, str]:
     return out
 
 
+def manifest_digest(path: Path) -> str:
+    """md5 of a checkpoint's ``manifest.json`` less the run fingerprint (it holds the hash of ``rlhf_core``'s
+    source, which any refactor changes) and less ``trainer_state.pt``'s sha256 (that file holds the fingerprint
+    too; :func:`state_digest` compares its contents). Every other file's path, size and sha256 stay compared."""
+    manifest = json.loads(Path(path).read_text())
+    manifest.pop("fingerprint", None)
+    for entry in manifest.get("files", []):
+        if isinstance(entry, dict) and str(entry.get("path", "")).endswith("trainer_state.pt"):
+            entry.pop("sha256", None)
+    return hashlib.md5(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+
+
 def checkpoint_tree(root: Path) -> dict[str, Any]:
-    """``md5_tree`` of a checkpoint folder with each ``trainer_state.pt`` given as its :func:`state_digest`."""
+    """``md5_tree`` of a checkpoint folder with each ``trainer_state.pt`` given as its :func:`state_digest` and
+    each ``manifest.json`` as its :func:`manifest_digest`."""
     tree: dict[str, Any] = md5_tree(root)
     for name in tree:
         if name.endswith("trainer_state.pt"):
             tree[name] = state_digest(Path(root) / name)
+        elif name.endswith("manifest.json"):
+            tree[name] = manifest_digest(Path(root) / name)
     return tree
 
 
@@ -207,8 +222,8 @@ def fingerprint_result(result: Any, rec: Recorder, **extra: Any) -> dict[str, An
 
 
 def build_world() -> dict[str, str]:
-    from rlhf_core.embedded import build_tiny_model, train_tokenizer
-    from rlhf_core.synthetic import generate_datasets
+    from rlhf_core.embedded.tiny_model import build_tiny_model, train_tokenizer
+    from rlhf_core.embedded.tasks import generate_datasets
 
     data = generate_datasets(Path("world/data"), **MICRO_GEN)
     texts = [json.loads(line)["prompt"] + json.loads(line)["completion"]
@@ -237,7 +252,7 @@ COMMON = dict(num_threads=1, precision="fp32", log_every=1, keep_checkpoints=2)
 
 
 def run_sft(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
-    from rlhf_core.config import SFTConfig
+    from rlhf_core.config.schema import SFTConfig
     from rlhf_core.trainers.sft import train_sft
 
     cfg = SFTConfig(model_path=w["model"], train_file=w["sft"], eval_file=w["eval"], **_dirs("sft"), **COMMON,
@@ -248,7 +263,7 @@ def run_sft(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
 
 
 def run_reward(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
-    from rlhf_core.config import RewardConfig
+    from rlhf_core.config.schema import RewardConfig
     from rlhf_core.trainers.reward import train_reward_model
 
     cfg = RewardConfig(model_path=w["model"], train_file=w["preferences"], eval_file="", eval_fraction=0.2,
@@ -259,7 +274,7 @@ def run_reward(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
 
 
 def run_dpo(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
-    from rlhf_core.config import DPOConfig
+    from rlhf_core.config.schema import DPOConfig
     from rlhf_core.trainers.dpo import train_dpo
 
     cfg = DPOConfig(model_path=w["model"], train_file=w["preferences"], eval_file=w["eval"], **_dirs("dpo"),
@@ -270,7 +285,7 @@ def run_dpo(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
 
 
 def run_kto(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
-    from rlhf_core.config import KTOConfig
+    from rlhf_core.config.schema import KTOConfig
     from rlhf_core.trainers.kto import train_kto
 
     cfg = KTOConfig(model_path=w["model"], train_file=w["preferences"], eval_file=w["eval"], **_dirs("kto"),
@@ -281,7 +296,7 @@ def run_kto(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
 
 
 def run_distill(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
-    from rlhf_core.config import DistillConfig
+    from rlhf_core.config.schema import DistillConfig
     from rlhf_core.trainers.distill import train_distill
 
     cfg = DistillConfig(model_path=w["model"], teacher_path=w["llama"], train_file=w["sft"], eval_file=w["eval"],
@@ -293,8 +308,8 @@ def run_distill(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
 
 def run_raft(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
     """One RAFT round as the align flow runs it: rejection sampling (rule scorer), then SFT on the kept samples."""
-    from rlhf_core.config import RaftConfig, RejectionConfig
-    from rlhf_core.rejection import rejection_sample
+    from rlhf_core.config.schema import RaftConfig, RejectionConfig
+    from rlhf_core.rollout.rejection import rejection_sample
     from rlhf_core.trainers.sft import train_sft
 
     rej = rejection_sample(RejectionConfig(policy_path=w["model"], prompts_file=w["prompts"], scorer="rule",
@@ -312,7 +327,7 @@ def run_raft(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
 
 
 def _rl_cfg(w: dict[str, str], name: str, **kw: Any) -> Any:
-    from rlhf_core.config import RLConfig
+    from rlhf_core.config.schema import RLConfig
 
     values = dict(model_path=w["model"], prompts_file=w["prompts"], eval_file=w["eval"], **_dirs(name),
                   reward_function=w["length_reward"], prompts_per_step=4, group_size=4, max_new_tokens=6,
@@ -362,7 +377,7 @@ def _resumed(stage: str, fail_after: int, train: Callable[..., Any], cfg: Any, r
 
 
 def run_sft_resume(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
-    from rlhf_core.config import SFTConfig
+    from rlhf_core.config.schema import SFTConfig
     from rlhf_core.trainers.sft import train_sft
 
     cfg = SFTConfig(model_path=w["model"], train_file=w["sft"], eval_file=w["eval"], **_dirs("sft_resume"),
@@ -398,7 +413,7 @@ def run_grpo_ray(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
     as tests/model/test_parallel.py runs it, on a local Ray instance of this run's own."""
     import ray
 
-    from rlhf_core.ray_launcher import connect, train_rl_on_ray
+    from rlhf_core.trainers.ray_launcher import connect, train_rl_on_ray
 
     saved = os.environ.pop("RAY_ADDRESS", None)
     connect(min_cpus=4)

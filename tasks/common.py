@@ -8,13 +8,13 @@ from typing import Any
 from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE, CacheKeyFnPolicy
 from prefect.serializers import JSONSerializer
 
-from rlhf_core.checkpoint import StorageError
-from rlhf_core.config import ConfigError
+from rlhf_core.tracking.checkpoint import StorageError
+from rlhf_core.config.schema import ConfigError
 from rlhf_core.data.io import DataError
 from rlhf_core.data.validate import ValidationFailed
-from rlhf_core.lineage import core_fingerprint, package_version, source_hash  # noqa: F401  (re-exported)
-from rlhf_core.models import ModelLoadError
-from rlhf_core.redact import redact_secrets
+from rlhf_core.tracking.lineage import core_fingerprint, package_version, source_hash  # noqa: F401  (re-exported)
+from rlhf_core.models.loading import ModelLoadError
+from rlhf_core.common.redact import redact_secrets
 from rlhf_core.trainers.loop import NonFiniteError
 from tasks.errors import StageRejected
 

@@ -7,7 +7,7 @@ parent model produced it. The champion comparison (the stage's ``eval/accuracy``
 current champion's) is recorded on the version as tags and returned, so the flow logs it on its
 cycle run. A stage whose eval items carry no labels has no ``eval/accuracy`` (``accuracy`` None): nothing
 to hold against the champion's, so its version becomes champion only through a passed gate (the held-out
-reward or the user's metric command against its parent, :mod:`rlhf_core.guards`) and stays candidate
+reward or the user's metric command against its parent, :mod:`rlhf_core.promotion.guards`) and stays candidate
 otherwise. ``tracking.keep_model_versions`` then deletes old versions no alias points at.
 
 Two flows promoting into one registry at once: reading the champion, comparing and moving the
@@ -41,9 +41,9 @@ from urllib.parse import urlsplit
 from filelock import FileLock, Timeout
 from prefect import task
 
-from rlhf_core.config import GuardsConfig, TrackingConfig, build_config
-from rlhf_core.lineage import dvc_md5
-from rlhf_core.tracking import (
+from rlhf_core.config.schema import GuardsConfig, TrackingConfig, build_config
+from rlhf_core.tracking.lineage import dvc_md5
+from rlhf_core.tracking.mlflow_runs import (
     MODEL_REF_FILE,
     REGISTRATION_TAG,
     STORAGE_TAG,
@@ -240,7 +240,7 @@ def _version_of(client: Any, cfg: TrackingConfig, model_dir: str, run_id: str, n
 def gate_blocks(run_tags: dict[str, str], guards: GuardsConfig | None) -> str | None:
     """Why the promotion gate keeps this version ``candidate`` (the stage run's ``guard.gate`` text), or None.
 
-    The stage computed its guards and the gate against its parent (:func:`rlhf_core.stages.check_stage_guards`);
+    The stage computed its guards and the gate against its parent (:func:`rlhf_core.stages.wrappers.check_stage_guards`);
     here the gate is enforced when ``guards.gate`` is on. A run without guard tags (guards off, or a stage that
     has none) is judged on the champion comparison alone, as before guards existed."""
     if guards is None or not guards.gate or run_tags.get("guard.gate_passed") != "false":
@@ -346,8 +346,8 @@ def parent_version(client: Any, tags: dict[str, str], limit: int = 200) -> str |
 
 
 def model_card(client: Any, name: str, version: str, run: Any, outcome: dict[str, Any]) -> str:
-    """The version's description (:func:`rlhf_core.model_card.render_model_card`) from its source run."""
-    from rlhf_core.model_card import render_model_card
+    """The version's description (:func:`rlhf_core.tracking.model_card.render_model_card`) from its source run."""
+    from rlhf_core.tracking.model_card import render_model_card
 
     return render_model_card(name, version, run.info.run_id, run.data.tags, run.data.params, run.data.metrics,
                              outcome, parent_version(client, run.data.tags))

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 from filelock import FileLock, Timeout
 from prefect import task
 
-from rlhf_core.lineage import dvc_md5
+from rlhf_core.tracking.lineage import dvc_md5
 
 LOCK_FILE = Path(".alignflow") / "versioning.lock"
 _FALLBACK_IDENTITY = ["-c", "user.name=alignflow", "-c", "user.email=alignflow@localhost"]

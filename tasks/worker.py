@@ -4,7 +4,7 @@ A trainer that dies — SIGKILL, the kernel's out-of-memory killer, a segfault i
 kernel — takes its process with it. Run inline, that process is the flow itself; run here,
 the Prefect task sees the child's exit status, raises :class:`StageProcessDied`, Prefect
 retries the task, and the new child resumes from the stage's last checkpoint
-(:mod:`rlhf_core.checkpoint`). A child also hands all its memory back to the system (GPU
+(:mod:`rlhf_core.tracking.checkpoint`). A child also hands all its memory back to the system (GPU
 memory included) when the stage ends.
 
 Why a plain subprocess and not Ray: this is the local default and needs nothing running;
@@ -34,14 +34,14 @@ log = logging.getLogger(__name__)
 
 
 def _stage_fn(stage: str) -> Any:
-    from rlhf_core import stages
+    from rlhf_core.stages import wrappers as stages
 
     return {"sft": stages.sft, "reward": stages.reward, "dpo": stages.dpo, "kto": stages.kto,
             "raft": stages.raft, "distill": stages.distill, "rl": stages.rl}[stage]
 
 
 def _config_cls(stage: str) -> tuple[type, str]:
-    from rlhf_core import config as c
+    from rlhf_core.config import schema as c
 
     return {"sft": (c.SFTConfig, "sft"), "reward": (c.RewardConfig, "reward"), "dpo": (c.DPOConfig, "dpo"),
             "kto": (c.KTOConfig, "kto"), "raft": (c.RaftConfig, "raft"), "distill": (c.DistillConfig, "distill"),
@@ -49,14 +49,14 @@ def _config_cls(stage: str) -> tuple[type, str]:
 
 
 GUARDED_STAGES = ("dpo", "kto", "raft", "distill", "rl")
-"""Policy stages: their model is checked against its parent (``guards`` section, rlhf_core/guards.py)."""
+"""Policy stages: their model is checked against its parent (``guards`` section, rlhf_core/promotion/guards.py)."""
 
 
 def run_inline(stage: str, params: dict[str, Any], tracking: dict[str, Any],
                parent_run_id: str | None, guards: dict[str, Any] | None = None) -> dict[str, Any]:
     """Build the stage's typed config and run it in this process; returns its result dict. ``guards``: the
     ``guards`` section for a policy stage (None: no guards)."""
-    from rlhf_core.config import GuardsConfig, TrackingConfig, build_config
+    from rlhf_core.config.schema import GuardsConfig, TrackingConfig, build_config
 
     cls, section = _config_cls(stage)
     extra = ({"guards": build_config(GuardsConfig, "guards", guards)}
@@ -66,7 +66,7 @@ def run_inline(stage: str, params: dict[str, Any], tracking: dict[str, Any],
 
 
 def pid_file(stage: str) -> Path:
-    from rlhf_core.tracking import project_root
+    from rlhf_core.tracking.mlflow_runs import project_root
 
     return project_root() / ".alignflow" / "workers" / f"{stage}.pid"
 

@@ -43,7 +43,7 @@ MICRO_MODEL = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, in
 @pytest.fixture(scope="session")
 def micro_data(tmp_path_factory) -> dict[str, Path]:
     """The embedded task's four datasets at micro size."""
-    from rlhf_core.synthetic import generate_datasets
+    from rlhf_core.embedded.tasks import generate_datasets
 
     return generate_datasets(tmp_path_factory.mktemp("data"), **MICRO_GEN)
 
@@ -53,7 +53,7 @@ def micro_tokenizer(tmp_path_factory, micro_data) -> Path:
     """A byte-level BPE tokenizer trained on the micro SFT corpus."""
     import json
 
-    from rlhf_core.embedded import train_tokenizer
+    from rlhf_core.embedded.tiny_model import train_tokenizer
 
     texts = [json.loads(line)["prompt"] + json.loads(line)["completion"]
              for line in micro_data["sft"].read_text().splitlines()]
@@ -63,13 +63,13 @@ def micro_tokenizer(tmp_path_factory, micro_data) -> Path:
 @pytest.fixture(scope="session")
 def micro_model(tmp_path_factory, micro_tokenizer) -> Path:
     """A micro Qwen2 model directory (no chat template: the plain template is used)."""
-    from rlhf_core.embedded import build_tiny_model
+    from rlhf_core.embedded.tiny_model import build_tiny_model
 
     return build_tiny_model(micro_tokenizer, tmp_path_factory.mktemp("models") / "qwen2", arch="qwen2", **MICRO_MODEL)
 
 
 def recomputed_logprobs(model, batch, temperature: float = 1.0):
-    """The trainer's ``(B, R)`` log-probs of ``batch``'s response tokens (a :class:`rlhf_core.rollout.RolloutBatch`),
+    """The trainer's ``(B, R)`` log-probs of ``batch``'s response tokens (a :class:`rlhf_core.rollout.engine.RolloutBatch`),
     recomputed from its sequences as the learner scores them, to compare with the engine's sampling log-probs."""
     import torch
 
@@ -92,9 +92,9 @@ def tool_model(tmp_path_factory, micro_tokenizer) -> Path:
     of the order of log(vocab)."""
     import torch
 
-    from rlhf_core.embedded import build_tiny_model
-    from rlhf_core.models import load_causal_lm, load_tokenizer
-    from rlhf_core.tool_task import TAGS
+    from rlhf_core.embedded.tiny_model import build_tiny_model
+    from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+    from rlhf_core.rollout.tool_task import TAGS
 
     out = build_tiny_model(micro_tokenizer, tmp_path_factory.mktemp("tool") / "model", added_tokens=TAGS,
                            **MICRO_MODEL)
@@ -116,7 +116,7 @@ LLAMA_CHAT_TEMPLATE = (
 @pytest.fixture(scope="session")
 def llama_chat_model(tmp_path_factory, micro_tokenizer) -> Path:
     """A differently shaped model: Llama, 3 layers, its own chat template (a 'user' model)."""
-    from rlhf_core.embedded import build_tiny_model
+    from rlhf_core.embedded.tiny_model import build_tiny_model
 
     return build_tiny_model(micro_tokenizer, tmp_path_factory.mktemp("models") / "llama", arch="llama",
                             hidden_size=48, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=96,
@@ -200,8 +200,8 @@ def make_micro_rm(micro_model, tmp_path_factory):
     def make(mean: float, std: float) -> Path:
         import torch
 
-        from rlhf_core.models import load_tokenizer
-        from rlhf_core.reward_model import load_reward_model, set_normalisation
+        from rlhf_core.models.loading import load_tokenizer
+        from rlhf_core.rewards.model import load_reward_model, set_normalisation
 
         torch.manual_seed(0)
         out = tmp_path_factory.mktemp("rm") / "rm"
@@ -263,7 +263,7 @@ def ray_local():
     """A local Ray instance for one test module (never a cluster a developer's RAY_ADDRESS names)."""
     import ray
 
-    from rlhf_core.ray_launcher import connect
+    from rlhf_core.trainers.ray_launcher import connect
 
     saved = os.environ.pop("RAY_ADDRESS", None)
     connect(min_cpus=8)

@@ -5,7 +5,7 @@ A chat is a list of ``{role, content}`` messages, each role one of :data:`ROLES`
 model folder) or :data:`PLAIN_CHAT_TEMPLATE` where it has none, bounded by :data:`CHAT_TEMPLATE_SECONDS`;
 every failure is a :class:`ChatTemplateError` naming the template's file. transformers renders in Jinja's
 sandbox, which blocks attribute access and ranges over 100000 items but sets no bound on time; the bound is
-:mod:`rlhf_core.time_limit` (a trace function, so it holds in any thread, Ray's and Prefect's included).
+:mod:`rlhf_core.common.time_limit` (a trace function, so it holds in any thread, Ray's and Prefect's included).
 No torch here: data validation reads :data:`ROLES` and :func:`message_problem` without it.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rlhf_core.time_limit import TimeLimitExceeded, time_limit
+from rlhf_core.common.time_limit import TimeLimitExceeded, time_limit
 
 ROLES = ("system", "user", "assistant", "tool")
 """Roles a message may have (the OpenAI / Hugging Face chat convention)."""
@@ -86,7 +86,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_p
 
     Raises :class:`ChatTemplateError` where ``messages`` is not a non-empty list of chat messages
     (:func:`message_problem`), and where the template raises (a Jinja error, its own ``raise_exception``,
-    any other exception) or runs past ``seconds`` (:mod:`rlhf_core.time_limit`), naming the template's file
+    any other exception) or runs past ``seconds`` (:mod:`rlhf_core.common.time_limit`), naming the template's file
     (:func:`template_source`)."""
     if not isinstance(messages, list) or not messages:
         raise ChatTemplateError(f"expected a non-empty list of {{role, content}} messages, got "

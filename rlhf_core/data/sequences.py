@@ -9,7 +9,7 @@ per dataset and gets :class:`~rlhf_core.data.tokenize.TokenizedExample` sequence
 
 :func:`rendered_rows` is the reviewer's view of the same sequences: the decoded text the model saw,
 special tokens kept, and the decoded spans that carry loss. Every trainer returns a few of them and
-the stage logs them as ``samples/rendered_examples.json`` (:func:`rlhf_core.stages._train_stage`).
+the stage logs them as ``samples/rendered_examples.json`` (:func:`rlhf_core.stages.wrappers._train_stage`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from rlhf_core.data.formats import (PairExample, Text, check_messages, completio
                                     prompt_text, read_completion_examples, read_pair_examples, read_prompt_examples)
 from rlhf_core.data.io import DataError, Record
 from rlhf_core.data.tokenize import IGNORE_INDEX, TokenizedExample, tokenize_messages, tokenize_prompt_completion
-from rlhf_core.redact import redact_secrets
+from rlhf_core.common.redact import redact_secrets
 
 Pair = tuple[TokenizedExample, TokenizedExample]
 

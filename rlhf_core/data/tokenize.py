@@ -183,7 +183,7 @@ def collate_pair_tree(pairs: Sequence[tuple[TokenizedExample, TokenizedExample]]
     (``row * L + column``) of each sequence's last token, the B chosen then the B rejected; ``scored_positions``,
     ``scored_targets``, ``scored_sequence`` ``(N,)``: for every labelled token of every sequence (sequence ``i``
     of the 2B as in ``last_index``), the flat position whose output predicts it, the token, and ``i``, ordered
-    by position (:func:`rlhf_core.logprobs.response_logprobs`); ``n_pairs``; ``n_tokens``: the tokens of the 2B
+    by position (:func:`rlhf_core.algorithms.logprobs.response_logprobs`); ``n_pairs``; ``n_tokens``: the tokens of the 2B
     sequences, as the padded batch counts them. No ``labels``: shifted by one column they would pair the rejected
     answer's first token with the chosen answer's last, so a path reading them fails instead of scoring wrongly.
     """

@@ -54,12 +54,12 @@ from pathlib import Path
 from itertools import chain
 from typing import Any, Literal
 
-from rlhf_core.config import DataFields
+from rlhf_core.config.schema import DataFields
 from rlhf_core.data.formats import ROLES, implicit_prompt, labels_present
 from rlhf_core.data.io import DataError, Record, iter_records
 from rlhf_core.data.streaming import CHUNK_ROWS, SeenRows, SuiteRunner, chunks
 from rlhf_core.data.streaming import _ordered  # noqa: F401  (the data report runs its suite with it)
-from rlhf_core.redact import redact_secrets
+from rlhf_core.common.redact import redact_secrets
 
 Kind = Literal["sft", "preference", "prompts", "prompt-only", "unpaired"]
 KINDS: tuple[str, ...] = ("sft", "preference", "prompts", "prompt-only", "unpaired")

@@ -2,7 +2,7 @@
 
 Reads top to bottom: load student + frozen teacher (same vocabulary, checked) -> tokenize
 the sequences -> shared train loop with the token-level KL of
-``rlhf_core.losses.distillation_loss`` -> save. Optimiser, schedule, accumulation, eval and
+``rlhf_core.algorithms.losses.distillation_loss`` -> save. Optimiser, schedule, accumulation, eval and
 checkpoints come from ``rlhf_core.trainers.loop``, as for every trainer.
 
 On the embedded default the teacher is the DPO model and the student the SFT model, trained
@@ -21,16 +21,16 @@ from typing import Any
 
 import torch
 
-from rlhf_core.config import DistillConfig
+from rlhf_core.config.schema import DistillConfig
 from rlhf_core.data.io import read_records
 from rlhf_core.data.sequences import rendered_rows, tokenize_sft_records
 from rlhf_core.data.tokenize import collate_packed, collate_padded
-from rlhf_core.evaluate import evaluate_exact_match
-from rlhf_core.logprobs import MODEL_INPUTS
-from rlhf_core.losses import IGNORE_INDEX, distillation_loss
-from rlhf_core.models import ModelLoadError, load_causal_lm, load_tokenizer, pick_device
-from rlhf_core.parallel import current_world
-from rlhf_core.precision import Precision
+from rlhf_core.rollout.evaluate import evaluate_exact_match
+from rlhf_core.algorithms.logprobs import MODEL_INPUTS
+from rlhf_core.algorithms.losses import IGNORE_INDEX, distillation_loss
+from rlhf_core.models.loading import ModelLoadError, load_causal_lm, load_tokenizer, pick_device
+from rlhf_core.distributed.parallel import current_world
+from rlhf_core.models.precision import Precision
 from rlhf_core.trainers.loop import EpochSampler, MetricSink, MicroBatches, NullSink, run_training, seed_everything
 
 

@@ -2,8 +2,8 @@
 
 Reads top to bottom: load policy + reference -> tokenize pairs -> reference log-probs
 (precomputed once, or live) -> shared train loop with the pairwise loss -> save. The loss
-math lives in ``rlhf_core.losses.preference_loss``; log-probs come from
-``rlhf_core.logprobs``; optimiser, schedule, accumulation, eval and checkpoints from
+math lives in ``rlhf_core.algorithms.losses.preference_loss``; log-probs come from
+``rlhf_core.algorithms.logprobs``; optimiser, schedule, accumulation, eval and checkpoints from
 ``rlhf_core.trainers.loop`` — the same pieces SFT uses.
 
 Run: ``alignflow dpo`` (config: ``params.yaml`` section ``dpo``).
@@ -17,16 +17,16 @@ from typing import Any
 
 import torch
 
-from rlhf_core.config import DPOConfig
+from rlhf_core.config.schema import DPOConfig
 from rlhf_core.data.io import read_records
 from rlhf_core.data.sequences import rendered_pair_rows, tokenize_preference_records
 from rlhf_core.data.tokenize import TokenizedExample, collate_pair_batch
-from rlhf_core.evaluate import evaluate_exact_match
-from rlhf_core.lm_head import LMHead, prepare_kernels
-from rlhf_core.logprobs import reference_logprobs, response_logprobs, response_token_counts
-from rlhf_core.losses import PreferenceLoss, preference_loss
-from rlhf_core.models import load_tokenizer, pick_device
-from rlhf_core.parallel import current_world
+from rlhf_core.rollout.evaluate import evaluate_exact_match
+from rlhf_core.models.lm_head import LMHead, prepare_kernels
+from rlhf_core.algorithms.logprobs import reference_logprobs, response_logprobs, response_token_counts
+from rlhf_core.algorithms.losses import PreferenceLoss, preference_loss
+from rlhf_core.models.loading import load_tokenizer, pick_device
+from rlhf_core.distributed.parallel import current_world
 from rlhf_core.trainers.loop import (EpochSampler, MetricSink, MicroBatches, NullSink, load_policy_and_reference,
                                     run_training, seed_everything)
 

@@ -4,8 +4,8 @@ KTO needs only a thumbs-up or thumbs-down per (prompt, completion), not a pair. 
 bottom: load policy + frozen reference -> unpaired examples (a KTO file, or preference pairs
 split into a desirable and an undesirable example each) -> shared train loop with the KTO
 loss, whose reference point ``z0`` is re-estimated on every draw of ``batch_size`` examples from
-mismatched (prompt, completion) pairs -> save. The loss math lives in ``rlhf_core.losses``; log-probs
-come from ``rlhf_core.logprobs``; optimiser, schedule, accumulation, eval and checkpoints
+mismatched (prompt, completion) pairs -> save. The loss math lives in ``rlhf_core.algorithms.losses``; log-probs
+come from ``rlhf_core.algorithms.logprobs``; optimiser, schedule, accumulation, eval and checkpoints
 from ``rlhf_core.trainers.loop``.
 
 Reference log-probs are computed live rather than once up front (as DPO can): the mismatched
@@ -24,17 +24,17 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from rlhf_core.config import KTOConfig
+from rlhf_core.config.schema import KTOConfig
 from rlhf_core.data.formats import UnpairedExample, completion_text, prompt_text, read_unpaired_examples
 from rlhf_core.data.io import DataError, Record, read_records
 from rlhf_core.data.sequences import SAMPLE_ROWS, rendered_row
 from rlhf_core.data.tokenize import TokenizedExample, collate_packed, collate_padded, tokenize_prompt_completion
-from rlhf_core.evaluate import evaluate_exact_match
-from rlhf_core.lm_head import LMHead, prepare_kernels
-from rlhf_core.logprobs import response_logprobs
-from rlhf_core.losses import kto_loss, kto_reference_point
-from rlhf_core.models import load_tokenizer, pick_device
-from rlhf_core.parallel import current_world
+from rlhf_core.rollout.evaluate import evaluate_exact_match
+from rlhf_core.models.lm_head import LMHead, prepare_kernels
+from rlhf_core.algorithms.logprobs import response_logprobs
+from rlhf_core.algorithms.losses import kto_loss, kto_reference_point
+from rlhf_core.models.loading import load_tokenizer, pick_device
+from rlhf_core.distributed.parallel import current_world
 from rlhf_core.trainers.loop import (EpochSampler, MetricSink, MicroBatches, NullSink, group_by_tokens,
                                     load_policy_and_reference, run_training, seed_everything)
 

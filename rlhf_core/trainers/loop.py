@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rlhf_core.data.tokenize import group_by_tokens
-from rlhf_core.precision import Precision
+from rlhf_core.models.precision import Precision
 
 log = logging.getLogger(__name__)
 
@@ -68,15 +68,15 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, prec
                     parallel: str = "ddp", distributed: bool = False) -> torch.optim.Optimizer:
     """AdamW (Loshchilov & Hutter 2019) with no decay on biases, norms and embeddings' 1-D params.
 
-    ``precision`` (a :class:`rlhf_core.precision.Precision`; None: fp32) ``mixed`` or ``bf16`` with
-    ``parallel`` ddp: a :class:`rlhf_core.precision.MasterWeightAdamW` whose masters are taken from the
+    ``precision`` (a :class:`rlhf_core.models.precision.Precision`; None: fp32) ``mixed`` or ``bf16`` with
+    ``parallel`` ddp: a :class:`rlhf_core.models.precision.MasterWeightAdamW` whose masters are taken from the
     model's weights as they are now, after which the model's parameters are cast to bf16 (so build
     it on the model as loaded, fp32 under mixed). Its fp32 gradient-accumulation hooks are on only
     when ``distributed`` is False: DDP (or a hand all-reduce) must see the gradients in ``.grad``.
     Under ZeRO (``parallel`` zero2/zero3) the plain AdamW: DeepSpeed's bf16 mode casts the model and
-    keeps the masters (:class:`rlhf_core.parallel.DeepSpeedStrategy`).
+    keeps the masters (:class:`rlhf_core.distributed.parallel.DeepSpeedStrategy`).
     """
-    from rlhf_core.precision import MasterWeightAdamW, Precision, cast_parameters
+    from rlhf_core.models.precision import MasterWeightAdamW, Precision, cast_parameters
 
     decay, no_decay = [], []
     for _name, param in model.named_parameters():
@@ -116,8 +116,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, total_s
 def load_policy_and_reference(cfg: Any, device: torch.device) -> tuple[Any, Any]:
     """The policy a preference trainer trains (``cfg.model_path``, in its precision's load dtype) and the
     frozen reference (``cfg.ref_model_path`` or the policy's start, in the compute dtype, no gradients)."""
-    from rlhf_core.models import load_causal_lm
-    from rlhf_core.precision import Precision
+    from rlhf_core.models.loading import load_causal_lm
+    from rlhf_core.models.precision import Precision
 
     precision = Precision.resolve(cfg.precision, device)
     policy = load_causal_lm(cfg.model_path, device, precision.load_dtype)
@@ -164,7 +164,7 @@ def accumulate_and_step(
     """One optimizer step over ``micro_batches`` (gradient accumulation, and data parallelism): every trainer's
     update, the offline loop's and RL's policy and critic (:mod:`rlhf_core.trainers.rl_roles`), is this one.
 
-    ``strategy`` is a :class:`rlhf_core.parallel.Strategy` (the plain model in one process, DDP or
+    ``strategy`` is a :class:`rlhf_core.distributed.parallel.Strategy` (the plain model in one process, DDP or
     DeepSpeed across ``world``). ``loss_fn`` returns a *summed* loss and its unit count (tokens,
     pairs, ...); ``units_fn`` counts a micro-batch's units without a forward pass. Each micro-batch's
     sum is divided by the units of the whole step on every rank before backward, so the gradient equals
@@ -173,7 +173,7 @@ def accumulate_and_step(
     backward times ``grad_scale`` alone; ``StepStats.loss`` is then the shares' sum. A third value of
     ``loss_fn``, a 1-D float64 tensor, is summed on the device (``StepStats.diagnostics``).
     ``before_clip()`` runs after the last backward (a model whose gradients are summed over ranks by
-    hand). No autocast: the precision regime (:mod:`rlhf_core.precision`) holds the model in its dtype.
+    hand). No autocast: the precision regime (:mod:`rlhf_core.models.precision`) holds the model in its dtype.
 
     The host never waits for the device inside a step: the losses and the gradient norm stay on the
     device, the clip and the optimizer step are launched behind the last backward, then
@@ -182,10 +182,10 @@ def accumulate_and_step(
 
     A NaN/inf loss or gradient norm (on any rank) raises :class:`NonFiniteError` (naming ``where``, by
     default ``step``, and ``names``) and the optimizer has left the weights as they were: the step is
-    launched with a device flag that makes it skip them (:func:`rlhf_core.parallel.optimizer_step`). (Under
+    launched with a device flag that makes it skip them (:func:`rlhf_core.distributed.parallel.optimizer_step`). (Under
     DeepSpeed the engine clips and steps in one call; its norm is checked after.)
     """
-    from rlhf_core.parallel import World
+    from rlhf_core.distributed.parallel import World
 
     world = world or World()
     total = world.all_reduce_sum([sum(units_fn(mb) for mb in micro_batches)])[0] if units_fn is not None else 1
@@ -260,10 +260,10 @@ def save_hf_dir(model: Any, tokenizer: Any, out_dir: str | Path, extra: dict[str
     A crash mid-save leaves the previous directory intact, never a half-written one; the temp
     folder has a unique name (pid and random suffix), is removed on failure, and those of killed
     writers are swept before writing. A full or read-only disk raises
-    :class:`rlhf_core.checkpoint.StorageError`. ``extra`` is written as ``alignflow.json`` beside
+    :class:`rlhf_core.tracking.checkpoint.StorageError`. ``extra`` is written as ``alignflow.json`` beside
     the weights (deterministic content only: no timestamps, so DVC md5s repeat).
     """
-    from rlhf_core.checkpoint import fsync_tree, replace_dir, storage_guard, sweep_temps, temp_sibling
+    from rlhf_core.tracking.checkpoint import fsync_tree, replace_dir, storage_guard, sweep_temps, temp_sibling
 
     out_dir = Path(out_dir)
     tmp = temp_sibling(out_dir)
@@ -315,7 +315,7 @@ def preflight_storage(plan: LoopPlan, checkpointer: Any, body: Any) -> None:
     output's parent are writable (a probe file is created and removed) and have free space for
     ``(keep + 1)`` checkpoints (the newest is written before the oldest is pruned; fewer when the run
     saves fewer) and the output, less what this run's folder already holds (a resume replaces it)."""
-    from rlhf_core.checkpoint import StorageError, storage_guard
+    from rlhf_core.tracking.checkpoint import StorageError, storage_guard
 
     needs = body.storage_needs()
     saves = plan.max_steps // plan.save_every if plan.save_every else 1  # 1: a SIGTERM checkpoint
@@ -481,7 +481,7 @@ class TrainingBody(Protocol):
 
     def evaluate(self, step: int) -> tuple[Any, ...]:
         """Held-out metrics and sample answers of the current weights, and optionally a third item: the record of
-        every greedy answer (:meth:`rlhf_core.evaluate.EvalResult.stage_output`), which the final eval hands to
+        every greedy answer (:meth:`rlhf_core.rollout.evaluate.EvalResult.stage_output`), which the final eval hands to
         the stage so its guard probe need not answer the same items again."""
 
     def checkpoint(self) -> tuple[Any, Any, dict[str, Any]] | None:
@@ -523,7 +523,7 @@ class LoopOutcome:
     reused: bool = False
     """True when nothing was trained: this is the recorded outcome of the run that saved the output"""
     eval_answers: dict[str, Any] | None = None
-    """the final eval's greedy answers with their settings (:class:`rlhf_core.evaluate.GreedyAnswers`), if it gave them"""
+    """the final eval's greedy answers with their settings (:class:`rlhf_core.rollout.evaluate.GreedyAnswers`), if it gave them"""
 
 
 def run_checkpointed(plan: LoopPlan, checkpointer: Any, body: TrainingBody, *, sink: MetricSink,
@@ -537,14 +537,14 @@ def run_checkpointed(plan: LoopPlan, checkpointer: Any, body: TrainingBody, *, s
     after its step, so an interrupted run ends with the weights and metrics of an uninterrupted
     one. At the end: a final eval, ``body.save_final()``, then ``result_metrics(train_seconds)`` (the
     trainer's own result metrics, read from its state), and rank 0 records the outcome as finished
-    (:meth:`rlhf_core.checkpoint.Checkpointer.mark_finished`). The checkpoints stay: the stage clears
+    (:meth:`rlhf_core.tracking.checkpoint.Checkpointer.mark_finished`). The checkpoints stay: the stage clears
     them once it has tracked and registered the model, and a retry before that (``plan.resume``) finds
     the record and hands back the recorded outcome (``reused``) instead of training again. Every rank
     of a data-parallel ``world`` runs this; rank 0 alone holds the run's lock, writes checkpoints and
     logs. Evaluation time is kept out of ``perf/train_seconds``.
     """
-    from rlhf_core.checkpoint import TrainingInterrupted, sigterm_checkpoints
-    from rlhf_core.parallel import World
+    from rlhf_core.tracking.checkpoint import TrainingInterrupted, sigterm_checkpoints
+    from rlhf_core.distributed.parallel import World
 
     world = world or World()
     clock, evals = LoopClock(), _Evaluations(body, sink)
@@ -632,7 +632,7 @@ class _Evaluations:
 def _resume(plan: LoopPlan, checkpointer: Any, body: TrainingBody, sink: MetricSink, evals: _Evaluations,
             world: Any) -> int:
     """Restore the newest checkpoint of this run when ``plan.resume``; returns the first step to run."""
-    from rlhf_core.checkpoint import set_rng_state
+    from rlhf_core.tracking.checkpoint import set_rng_state
 
     found = checkpointer.latest() if plan.resume else None
     if found is None:
@@ -650,7 +650,7 @@ def _resume(plan: LoopPlan, checkpointer: Any, body: TrainingBody, sink: MetricS
 
 def _save(checkpointer: Any, body: TrainingBody, step: int, evals: _Evaluations, world: Any) -> Path | None:
     """Write a checkpoint of ``step`` (the body's state plus the loop's own); None where this rank writes none."""
-    from rlhf_core.checkpoint import rng_state
+    from rlhf_core.tracking.checkpoint import rng_state
 
     rngs = world.gather_to_main(rng_state())  # before the body's collectives: same order on every rank
     written = body.checkpoint()
@@ -698,7 +698,7 @@ def run_training(
 
     Per step: micro-batches (:class:`MicroBatches`) -> accumulate -> step -> log, inside
     :func:`run_checkpointed` (eval, checkpoints, resume, SIGTERM). ``cfg`` is a
-    :class:`rlhf_core.config.TrainerConfig`.
+    :class:`rlhf_core.config.schema.TrainerConfig`.
     ``evaluate()`` returns held-out metrics and sample answers; it runs every ``cfg.eval_every``
     steps and once at the end. ``step_metrics()`` (optional) returns trainer-specific metrics
     gathered by ``loss_fn`` since the last call. A checkpoint holds the weights, optimizer,
@@ -706,8 +706,8 @@ def run_training(
     model is saved with ``lineage`` (plus stage, config and base model) in ``alignflow.json``
     (``before_save()``, if given, runs first and its metrics are added).
     """
-    from rlhf_core.checkpoint import Checkpointer, run_fingerprint
-    from rlhf_core.parallel import current_world
+    from rlhf_core.tracking.checkpoint import Checkpointer, run_fingerprint
+    from rlhf_core.distributed.parallel import current_world
 
     world = current_world()
     if not world.is_main:  # every rank runs the loop; rank 0 logs, checkpoints and saves
@@ -735,9 +735,9 @@ class _OfflineBody:
                  units_fn: Callable[[Any], int], step_metrics: Callable[[], dict[str, float]] | None,
                  state: dict[str, Resumable], lineage: dict[str, str],
                  before_save: Callable[[], dict[str, float]] | None):
-        from rlhf_core.models import prepare_for_training
-        from rlhf_core.parallel import build_strategy
-        from rlhf_core.precision import Precision
+        from rlhf_core.models.loading import prepare_for_training
+        from rlhf_core.distributed.parallel import build_strategy
+        from rlhf_core.models.precision import Precision
 
         self.cfg, self.name, self.model, self.tokenizer, self.world = cfg, name, model, tokenizer, world
         self.batches, self.loss_fn, self._evaluate, self.units_fn = batches, loss_fn, evaluate, units_fn
@@ -760,7 +760,7 @@ class _OfflineBody:
 
     def restore(self, ckpt: Any) -> None:
         """Weights, optimizer, schedule, sampler and counters (on every rank; any world size wrote them)."""
-        from rlhf_core.checkpoint import read_weights
+        from rlhf_core.tracking.checkpoint import read_weights
 
         self.strategy.load_weights(read_weights(ckpt.path), str(ckpt.path))
         self.scheduler.load_state_dict(ckpt.state["scheduler"])
@@ -830,7 +830,7 @@ class _OfflineBody:
     def _decide_checkpointing(self, micro: list[dict[str, torch.Tensor]]) -> None:
         """Resolve ``gradient_checkpointing`` (auto: from a memory estimate of the largest micro-batch
         this run can draw: ``micro_batch_tokens``, or its sequences x ``max_length``) and log the choice."""
-        from rlhf_core.models import enable_checkpointing, resolve_checkpointing
+        from rlhf_core.models.loading import enable_checkpointing, resolve_checkpointing
 
         cfg = self.cfg
         sequences = max(_count_sequences(mb) for mb in micro)
@@ -867,9 +867,9 @@ class _OfflineBody:
             self.model, masters=self.precision.keeps_masters(self.cfg.parallel)))
 
     def save_final(self) -> None:
-        from rlhf_core.config import config_to_dict
-        from rlhf_core.redact import redact_secrets
-        from rlhf_core.models import merged_model
+        from rlhf_core.config.schema import config_to_dict
+        from rlhf_core.common.redact import redact_secrets
+        from rlhf_core.models.loading import merged_model
 
         if self.before_save is not None:
             self.saved_metrics = self.before_save()
@@ -917,7 +917,7 @@ def whole_weights(strategy: Any, model: torch.nn.Module, world: Any) -> Any:
 def inject_fault(stage: str, step: int | str) -> None:
     """Test hook: ``ALIGNFLOW_FAULT=<stage>:<step>[:<marker file>]`` raises after that step.
 
-    ``<step>`` may also be ``tracking``: :func:`rlhf_core.stages._train_stage` fires that one after the
+    ``<step>`` may also be ``tracking``: :func:`rlhf_core.stages.wrappers._train_stage` fires that one after the
     model is saved and before it is logged and registered (a tracking server lost at that point).
 
     With a marker file the fault fires once (the file is created when it fires), which is how
@@ -935,7 +935,7 @@ def inject_fault(stage: str, step: int | str) -> None:
         return
     only_rank = os.environ.get("ALIGNFLOW_FAULT_RANK")
     if only_rank is not None:
-        from rlhf_core.parallel import current_world
+        from rlhf_core.distributed.parallel import current_world
 
         if current_world().rank != int(only_rank):
             return

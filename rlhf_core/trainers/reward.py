@@ -16,17 +16,17 @@ from typing import Any
 
 import torch
 
-from rlhf_core.config import RewardConfig
+from rlhf_core.config.schema import RewardConfig
 from rlhf_core.data.formats import PairExample, read_pair_examples
 from rlhf_core.data.io import read_records
 from rlhf_core.data.sequences import rendered_pair_rows, tokenize_pair_examples
 from rlhf_core.data.tokenize import TokenizedExample, collate_pair_batch
-from rlhf_core.losses import bradley_terry_loss, log_exp_loss
-from rlhf_core.models import load_tokenizer, pick_device
-from rlhf_core.lm_head import prepare_decoder_kernels
-from rlhf_core.reward_model import load_reward_model, pair_rewards, set_normalisation
-from rlhf_core.parallel import current_world
-from rlhf_core.precision import Precision
+from rlhf_core.algorithms.losses import bradley_terry_loss, log_exp_loss
+from rlhf_core.models.loading import load_tokenizer, pick_device
+from rlhf_core.models.lm_head import prepare_decoder_kernels
+from rlhf_core.rewards.model import load_reward_model, pair_rewards, set_normalisation
+from rlhf_core.distributed.parallel import current_world
+from rlhf_core.models.precision import Precision
 from rlhf_core.trainers.loop import EpochSampler, MetricSink, MicroBatches, NullSink, run_training, seed_everything
 
 Pair = tuple[TokenizedExample, TokenizedExample]

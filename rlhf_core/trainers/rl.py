@@ -6,16 +6,16 @@ Reads top to bottom like cleanrl's ``ppo.py``: :meth:`RLTrainer.train_step` is o
 
 1. ``generate``: ``prompts_per_step`` prompts x ``group_size`` samples from the policy (a ``RolloutEngine``),
    each scored by a ``RewardSource`` (rule file, reward model or HTTP), label passed through; with
-   ``environment`` set, multi-turn trajectories instead (:func:`rlhf_core.environments.rollout_with_environment`:
+   ``environment`` set, multi-turn trajectories instead (:func:`rlhf_core.rollout.environments.rollout_with_environment`:
    the policy's turns, a tool's observations between them, ``action_mask`` marking the policy's tokens,
    the only ones the loss, the KL and the advantages cover);
 2. DAPO dynamic sampling (in ``generate``): drop groups whose samples all scored the same and top up
    from more prompts; ``shape_rewards``: the overlong penalty;
 3. ``score_logprobs``: old (the policy, no grad), reference, values (the critic, ``gae`` only) and the
    teacher's (``distill`` only);
-4. ``estimate_advantages``: :func:`rlhf_core.rl_math.compute_advantages`, the KL folded into token
+4. ``estimate_advantages``: :func:`rlhf_core.algorithms.rl_math.compute_advantages`, the KL folded into token
    rewards when ``kl_in_reward`` (PPO, REINFORCE++), else added to the loss (GRPO); for ``distill`` each
-   token's reward is the teacher's :func:`rlhf_core.rl_math.reverse_kl_token_rewards`;
+   token's reward is the teacher's :func:`rlhf_core.algorithms.rl_math.reverse_kl_token_rewards`;
 5. ``update``: ``ppo_epochs`` passes of mini-batches: clipped policy loss (+ KL, - entropy bonus), and
    the critic's clipped value loss with its own optimizer;
 6. ``sync_weights``: the rollout engine samples from the new weights;
@@ -39,8 +39,8 @@ continues bit-identically (``tests/model/test_rl_async.py``).
 Resume, SIGTERM, periodic eval and checkpoints, and the final save are the one checkpointed loop's
 (:func:`rlhf_core.trainers.loop.run_checkpointed`), the same loop the offline trainers run in.
 
-Every formula lives in :mod:`rlhf_core.rl_math`; the engine and the reward sit behind their Protocols
-(:mod:`rlhf_core.rollout`, :mod:`rlhf_core.rewards`), so a vLLM engine or a remote reward changes nothing
+Every formula lives in :mod:`rlhf_core.algorithms.rl_math`; the engine and the reward sit behind their Protocols
+(:mod:`rlhf_core.rollout.engine`, :mod:`rlhf_core.rewards.sources`), so a vLLM engine or a remote reward changes nothing
 here. Only torch and transformers are imported: the same file runs on a GPU box without MLflow or Prefect.
 
 Run: ``alignflow rl`` (config: ``params.yaml`` section ``rl``), or ``train_rl(RLConfig(...))``.
@@ -58,24 +58,24 @@ from typing import Any, Sequence
 
 import torch
 
-from rlhf_core.config import ConfigError, RLConfig, config_to_dict
+from rlhf_core.config.schema import ConfigError, RLConfig, config_to_dict
 from rlhf_core.data.formats import prompt_text, read_prompt_examples
 from rlhf_core.data.io import DataError, read_records
 from rlhf_core.data.sequences import SAMPLE_ROWS, rendered_row
 from rlhf_core.data.tokenize import IGNORE_INDEX, TokenizedExample, encode_prompt
-from rlhf_core.environments import (environment_factory, evaluate_with_environment, rollout_with_environment,
+from rlhf_core.rollout.environments import (environment_factory, evaluate_with_environment, rollout_with_environment,
                                     tool_conversations, trajectory_rows)
-from rlhf_core.evaluate import evaluate_exact_match
-from rlhf_core.models import load_causal_lm, load_tokenizer, merged_model, pick_device
-from rlhf_core.precision import Precision
-from rlhf_core.redact import redact_secrets
-from rlhf_core.rewards import RewardKind, RewardSource, build_reward_source
-from rlhf_core.rl_math import (AdaptiveKLController, AdvantageEstimator, FixedKLController, KLController,
+from rlhf_core.rollout.evaluate import evaluate_exact_match
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer, merged_model, pick_device
+from rlhf_core.models.precision import Precision
+from rlhf_core.common.redact import redact_secrets
+from rlhf_core.rewards.sources import RewardKind, RewardSource, build_reward_source
+from rlhf_core.algorithms.rl_math import (AdaptiveKLController, AdvantageEstimator, FixedKLController, KLController,
                                compute_advantages, dynamic_sampling_keep, explained_variance, kl_penalty, masked_mean,
                                masked_whiten, overlong_penalty, reverse_kl_token_rewards, sequence_is_mask,
                                truncated_is_weights)
-from rlhf_core.rollout import HFGenerateEngine, ReleasesWeights, RolloutBatch, RolloutEngine, SamplingParams
-from rlhf_core.checkpoint import Checkpoint, Checkpointer, read_weights, run_fingerprint
+from rlhf_core.rollout.engine import HFGenerateEngine, ReleasesWeights, RolloutBatch, RolloutEngine, SamplingParams
+from rlhf_core.tracking.checkpoint import Checkpoint, Checkpointer, read_weights, run_fingerprint
 from rlhf_core.trainers.loop import (EpochSampler, LoopClock, LoopPlan, MetricSink, NullSink, Timer, run_checkpointed,
                                      save_hf_dir, seed_everything)
 from rlhf_core.trainers.rl_roles import KL_CLAMP as _KL_CLAMP
@@ -200,7 +200,7 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
     The Ray launcher passes proxies of actor groups with the same methods (``alignflow rl --set
     placement=colocated``). With ``cfg.resume`` an interrupted run of the same config and inputs
     continues from its newest checkpoint in ``cfg.checkpoint_dir``
-    (:func:`rlhf_core.trainers.loop.run_checkpointed`, :mod:`rlhf_core.checkpoint`).
+    (:func:`rlhf_core.trainers.loop.run_checkpointed`, :mod:`rlhf_core.tracking.checkpoint`).
     """
     sink = sink or NullSink()
     seed_everything(cfg.seed, cfg.num_threads)
@@ -312,7 +312,7 @@ class RLTrainer:
             autocast_dtype)
         # A LoRA policy's engine needs merged weights; the HF engine that holds the policy needs nothing.
         self.engine_weights = getattr(self.learner, "engine_weights", None)
-        # multi-turn rollouts: a fresh environment per trajectory (rlhf_core/environments.py); None: single-turn
+        # multi-turn rollouts: a fresh environment per trajectory (rlhf_core/rollout/environments.py); None: single-turn
         self.make_env = (environment_factory(cfg.environment, stop_tokens=cfg.environment_stop_tokens,
                                              timeout_s=cfg.reward_timeout_s, retries=cfg.reward_retries,
                                              backoff_cap_s=cfg.reward_backoff_cap_s, deadline_s=cfg.reward_deadline_s,
@@ -667,7 +667,7 @@ class RLTrainer:
         metrics = result.metrics("eval")
         samples = result.samples[:_EVAL_SAMPLES]
         if self.make_env is not None:  # greedy multi-turn answers with the environment's tool
-            from rlhf_core.rewards import load_function
+            from rlhf_core.rewards.sources import load_function
 
             reward_fn = (load_function(cfg.reward_function)[2] if self.kind is RewardKind.FUNCTION
                          else self.reward_source)
@@ -727,7 +727,7 @@ class RLTrainer:
 
     def storage_needs(self) -> Any:
         """The loop's disk preflight: the policy's size (and a critic of its shape in each checkpoint)."""
-        from rlhf_core.precision import Precision
+        from rlhf_core.models.precision import Precision
         from rlhf_core.trainers.loop import StorageNeeds, estimate_state_bytes
 
         masters = Precision.resolve(self.cfg.precision, self.device).keeps_masters(self.cfg.parallel)
@@ -823,13 +823,13 @@ def build_rollout_engine(cfg: RLConfig, policy: Any, tokenizer: Any,
                          autocast_dtype: torch.dtype | None = None) -> RolloutEngine:
     """The engine ``cfg.rollout_engine`` names; vLLM falls back to HF generate, with a warning, when absent."""
     if cfg.rollout_engine == "vllm":
-        from rlhf_core.rollout_vllm import VLLMEngine, vllm_available
+        from rlhf_core.rollout.vllm import VLLMEngine, vllm_available
 
         if vllm_available():
             return VLLMEngine(cfg.model_path, tokenizer, seed=cfg.seed, memory_fraction=cfg.vllm_memory_fraction)
         log.warning("rl: rollout_engine is vllm but vLLM cannot be imported here; using the HF engine instead")
     if cfg.rollout_engine == "static":
-        from rlhf_core.rollout_static import StaticCacheEngine, supports
+        from rlhf_core.rollout.static import StaticCacheEngine, supports
 
         reason = supports(policy)
         if reason is None:

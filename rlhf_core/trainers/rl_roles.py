@@ -2,14 +2,14 @@
 
 :func:`rlhf_core.trainers.rl.train_rl` is the single controller: it samples, scores and
 computes advantages, and asks these roles for forward passes and updates. In one process
-the roles are plain objects; under Ray (:mod:`rlhf_core.ray_launcher`) each runs in actors,
+the roles are plain objects; under Ray (:mod:`rlhf_core.trainers.ray_launcher`) each runs in actors,
 the learner as N data-parallel ranks, and the controller talks to them through proxies with
 the same methods. Only torch and transformers here.
 
-Data parallelism (Sec. "Global-batch semantics" of :mod:`rlhf_core.parallel`): every rank gets
+Data parallelism (Sec. "Global-batch semantics" of :mod:`rlhf_core.distributed.parallel`): every rank gets
 the whole experience and the same shuffled row order, and takes rows ``rank::N`` of each
 mini-batch. Its aggregated loss ``L_r`` over ``u_r`` units (tokens or sequences, see
-:func:`rlhf_core.rl_math.aggregation_units`) enters backward as ``L_r * u_r / sum_r u_r``, so the
+:func:`rlhf_core.algorithms.rl_math.aggregation_units`) enters backward as ``L_r * u_r / sum_r u_r``, so the
 summed gradient is the one-worker gradient of the whole mini-batch.
 """
 
@@ -24,20 +24,20 @@ from typing import Any
 
 import torch
 
-from rlhf_core.attention import VARLEN, packed_forward_kwargs
-from rlhf_core.config import RLConfig
-from rlhf_core.lm_head import LMHead, _head_bypassed, bypasses_head, head_logprobs, prepare_kernels, unwrap
-from rlhf_core.models import adapter_parameters, adapters_off, export_state_dict, has_lora, load_causal_lm, \
+from rlhf_core.models.attention import VARLEN, packed_forward_kwargs
+from rlhf_core.config.schema import RLConfig
+from rlhf_core.models.lm_head import LMHead, _head_bypassed, bypasses_head, head_logprobs, prepare_kernels, unwrap
+from rlhf_core.models.loading import adapter_parameters, adapters_off, export_state_dict, has_lora, load_causal_lm, \
     pick_device, prepare_for_training, resolve_checkpointing
-from rlhf_core.parallel import (LocalStrategy, World, build_strategy, current_world, disable_dropout,
+from rlhf_core.distributed.parallel import (LocalStrategy, World, build_strategy, current_world, disable_dropout,
                                 resident_weight_bytes, shard_frozen, train_mode)
-from rlhf_core.precision import Precision
-from rlhf_core.rl_math import (AdvantageEstimator, LossAggregation, PolicyObjective, aggregate_loss,
+from rlhf_core.models.precision import Precision
+from rlhf_core.algorithms.rl_math import (AdvantageEstimator, LossAggregation, PolicyObjective, aggregate_loss,
                                aggregation_units, clipped_value_loss, entropy_from_logits, kl_penalty, masked_mean,
                                policy_loss)
 from rlhf_core.trainers.loop import accumulate_and_step, build_optimizer, build_scheduler, group_by_tokens, \
     inject_fault
-from rlhf_core.weight_sync import Layout, SyncGroup, flatten_bucket, plan_layout
+from rlhf_core.distributed.weight_sync import Layout, SyncGroup, flatten_bucket, plan_layout
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ def pack_rows(model: Any, exp: dict[str, torch.Tensor], prompt_width: int) -> Pa
 
 def resolve_packing(setting: bool | str, model: Any) -> bool:
     """``rl.packing``: true or false as set; auto packs where ``model`` attends with the variable-length flash
-    kernel (:data:`rlhf_core.attention.VARLEN`, chosen at load on a CUDA device) and pads elsewhere."""
+    kernel (:data:`rlhf_core.models.attention.VARLEN`, chosen at load on a CUDA device) and pads elsewhere."""
     if setting != "auto":
         return bool(setting)
     base = unwrap(model)
@@ -243,7 +243,7 @@ def _packed_response_logits(model: Any, exp: dict[str, torch.Tensor], prompt_wid
     """``(rows, R, V)`` logits (hidden states ``(rows, R, H)`` with the head bypassed) of the positions that
     predict the response tokens, from one padding-free row: each row's attended tokens back to back, its
     ``position_ids`` restarting at 0, so attention stays within each row (the varlen flash kernel on a GPU,
-    :mod:`rlhf_core.attention`; a block-diagonal SDPA mask elsewhere) and no padded column is computed.
+    :mod:`rlhf_core.models.attention`; a block-diagonal SDPA mask elsewhere) and no padded column is computed.
 
     ``packed``: the rows' layout (:func:`pack_rows`), worked out here when not given. The head runs on the
     scored positions only (``logits_to_keep`` as indices). A padded response column's log-prob is masked by
@@ -283,14 +283,14 @@ def token_logprobs(model: Any, exp: dict[str, torch.Tensor], prompt_width: int, 
     The logits at position ``t`` predict token ``t + 1``, so the response tokens (columns
     ``P .. P+R-1``) are scored by columns ``P-1 .. P+R-2``; the LM head runs on those ``R + 1``
     positions only (``logits_to_keep``), never on the prompt. Dividing by the sampling temperature
-    matches the engine's ``sampling_logprobs`` (see :mod:`rlhf_core.rollout`), so on-policy ratios are 1.
+    matches the engine's ``sampling_logprobs`` (see :mod:`rlhf_core.rollout.engine`), so on-policy ratios are 1.
     The entropy (a diagnostic unless it enters the loss) carries a gradient only with ``entropy_grad``.
     ``share_prompts`` runs each distinct prompt once (:func:`_shared_prompt_logits`); ``packed`` runs the rows
     as one padding-free row instead (:func:`_packed_response_logits`, ``rl.packing``; their layout from
     :func:`pack_rows` where already worked out).
 
     ``log_softmax(z)[y] = z_y - logsumexp(z)``: gathering before normalising keeps no ``(rows, R, V)``
-    log-softmax tensor alive for backward. With ``head`` chunked or liger (:mod:`rlhf_core.lm_head`) the
+    log-softmax tensor alive for backward. With ``head`` chunked or liger (:mod:`rlhf_core.models.lm_head`) the
     model returns hidden states and no ``(rows, R, V)`` logits exist at all.
     """
     if bypasses_head(model, head):
@@ -313,7 +313,7 @@ def token_logprobs(model: Any, exp: dict[str, torch.Tensor], prompt_width: int, 
 def token_values(critic: Any, exp: dict[str, torch.Tensor], prompt_width: int) -> torch.Tensor:
     """``(rows, R)`` ``V(s_t)``: the critic's scalar head on the hidden state that precedes response token ``t``.
 
-    ``critic`` is an ``AutoModelForSequenceClassification`` (:func:`rlhf_core.reward_model.load_reward_model`);
+    ``critic`` is an ``AutoModelForSequenceClassification`` (:func:`rlhf_core.rewards.model.load_reward_model`);
     its backbone gives every position's hidden state and its ``score`` head maps each to a value,
     where the reward-model forward would keep only the last token's.
     """
@@ -391,7 +391,7 @@ def _to(exp: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.T
 def release_memory() -> None:
     """Hand cached CUDA allocator blocks back between phases where this process shares its GPU with others:
     Ray's actors (colocated roles on one GPU), whose workers get ``ALIGNFLOW_RELEASE_MEMORY=1`` from
-    :func:`rlhf_core.ray_launcher.connect`. One process holding every role needs no hand-back: its roles share
+    :func:`rlhf_core.trainers.ray_launcher.connect`. One process holding every role needs no hand-back: its roles share
     one caching allocator, and each ``empty_cache`` (a ``cudaFree`` of every cached segment, which waits for
     the device) made the next phase allocate its segments afresh, three times an RL iteration.
     ``ALIGNFLOW_RELEASE_MEMORY=1`` / ``0`` forces either (for A/Bs). Nothing on a CPU.
@@ -408,7 +408,7 @@ def release_memory() -> None:
 # A no-grad log-prob pass keeps a chunk's largest transient tensor under this many bytes. Where the model's
 # own head runs, that is the chunk's float32 logits (rows x R x V): at 512 rows x 256 tokens x 32k vocabulary
 # one pass would otherwise hold 17 GB (measured: 46 GB peak). Where the head is bypassed (chunked, liger:
-# :func:`rlhf_core.lm_head.head_logprobs` bounds its own logits), it is the decoder's MLP projection
+# :func:`rlhf_core.models.lm_head.head_logprobs` bounds its own logits), it is the decoder's MLP projection
 # (rows x width x 2 intermediate, in the weights' dtype). Counting V there split a 1.5B GRPO reference
 # pass (V = 151,936) into 38 forwards of 13-14 rows, which also split prompt groups across chunks.
 _CHUNK_BYTES = 2 * 2**30
@@ -592,7 +592,7 @@ class PolicyLearner:
         self.share_prompts = local
         self.critic = self.critic_opt = self.critic_sched = self.critic_strategy = None
         if AdvantageEstimator(cfg.estimator).needs_critic:
-            from rlhf_core.reward_model import load_reward_model
+            from rlhf_core.rewards.model import load_reward_model
 
             self.critic = load_reward_model(cfg.critic_model_path or cfg.model_path, self.device,
                                             self.precision.load_dtype).eval()
@@ -796,7 +796,7 @@ class PolicyLearner:
 
     def base_dtype(self) -> str:
         """The dtype of the policy's frozen (non-adapter) weights, e.g. ``"bfloat16"``: what the controller's copy
-        of a LoRA policy's base is held in (:class:`rlhf_core.ray_launcher.RemoteLearner`)."""
+        of a LoRA policy's base is held in (:class:`rlhf_core.trainers.ray_launcher.RemoteLearner`)."""
         frozen = next((p for n, p in self.policy.named_parameters() if "lora_" not in n), None)
         return str((frozen if frozen is not None else next(self.policy.parameters())).dtype).removeprefix("torch.")
 
@@ -848,7 +848,7 @@ class PolicyLearner:
         """Plan the buckets (parameters in order, at most ``max_bytes`` each in ``dtype``); returns their count."""
         params = dict(self.policy.named_parameters())
         layout = plan_layout([(n, tuple(getattr(p, "ds_shape", p.shape)), p.dtype) for n, p in params.items()],
-                             max_bytes, dtype)  # the collective sync's planning (rlhf_core.weight_sync)
+                             max_bytes, dtype)  # the collective sync's planning (rlhf_core.distributed.weight_sync)
         self._buckets = [[(spec.name, params[spec.name]) for spec in bucket] for bucket in layout]
         self._staging = None
         self._staging_numel = max(sum(spec.numel for spec in bucket) for bucket in layout)
@@ -872,7 +872,7 @@ class PolicyLearner:
         torch.cuda.synchronize(self.device)  # the replica copies after this call returns
         return {"cuda_ipc": reduce_tensor(self._staging), "layout": layout, "last": index == len(self._buckets) - 1}
 
-    # ---- rl.weight_sync collective: rank 0 broadcasts to replicas on other GPUs (rlhf_core.weight_sync) ----
+    # ---- rl.weight_sync collective: rank 0 broadcasts to replicas on other GPUs (rlhf_core.distributed.weight_sync) ----
 
     def sync_layout(self, max_bytes: int, dtype: torch.dtype | None = None) -> Layout:
         """Every rank: plan the collective sync's buckets (parameters in order, at most ``max_bytes`` each in

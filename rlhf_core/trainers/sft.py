@@ -15,17 +15,17 @@ from typing import Any, Callable
 
 import torch
 
-from rlhf_core.config import SFTConfig
+from rlhf_core.config.schema import SFTConfig
 from rlhf_core.data.formats import labels_present
 from rlhf_core.data.io import read_records
 from rlhf_core.data.sequences import rendered_rows, tokenize_labelled_prompts, tokenize_sft_records
 from rlhf_core.data.tokenize import TokenizedExample, collate_packed, collate_padded
-from rlhf_core.evaluate import evaluate_exact_match
-from rlhf_core.lm_head import LMHead, labelled_token_logprobs, prepare_kernels
-from rlhf_core.losses import IGNORE_INDEX
-from rlhf_core.models import load_causal_lm, load_tokenizer, pick_device
-from rlhf_core.parallel import current_world
-from rlhf_core.precision import Precision
+from rlhf_core.rollout.evaluate import evaluate_exact_match
+from rlhf_core.models.lm_head import LMHead, labelled_token_logprobs, prepare_kernels
+from rlhf_core.algorithms.losses import IGNORE_INDEX
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer, pick_device
+from rlhf_core.distributed.parallel import current_world
+from rlhf_core.models.precision import Precision
 from rlhf_core.trainers.loop import EpochSampler, MetricSink, MicroBatches, NullSink, run_training, seed_everything
 
 
@@ -46,7 +46,7 @@ def nll_loss_fn(head: LMHead) -> Callable[[Any, dict[str, torch.Tensor]], tuple[
     """The loop's loss: ``(model, batch) -> (summed next-token NLL of the labelled tokens, their count)``.
 
     ``NLL = - sum_{t: y_t != -100} log p(y_t | x_{<t})`` (Ouyang et al. 2022, Sec. 3.5), each term from
-    the LM head as ``head`` runs it (:mod:`rlhf_core.lm_head`: chunked or fused, no whole logits).
+    the LM head as ``head`` runs it (:mod:`rlhf_core.models.lm_head`: chunked or fused, no whole logits).
     """
     def loss_fn(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         logp = labelled_token_logprobs(model, batch, head)  # (B, T-1), 0 where unlabelled

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from helpers import git, seed_versioned_project, write_micro_params
-from rlhf_core.lineage import dvc_md5
+from rlhf_core.tracking.lineage import dvc_md5
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlhf_core.lineage import dvc_md5
+from rlhf_core.tracking.lineage import dvc_md5
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 

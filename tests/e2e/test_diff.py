@@ -177,7 +177,7 @@ def _per_item(parent_correct, child_correct, parent_reward, child_reward, eval_m
 def _stage_run(client, exp_id, name, *, correct, per_item=None, model_md5, parent_md5=None, parent_run=None) -> str:
     """A stage run as _train_stage logs it: eval/accuracy with its stderr (the per-item mean and its error),
     the output model's md5, and, for a guarded stage, guard.parent_md5 and guards/per_item.json."""
-    from rlhf_core.guards import mean_and_se
+    from rlhf_core.promotion.guards import mean_and_se
 
     tags = {MODEL_TAG: model_md5, **({"guard.parent_md5": parent_md5} if parent_md5 else {}),
             **({"mlflow.parentRunId": parent_run} if parent_run else {})}

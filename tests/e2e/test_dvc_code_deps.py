@@ -12,9 +12,9 @@ import sys
 
 from helpers import cli_env, copy_project
 
-# rlhf_core/lm_head.py: the fused LM head every trainer's loss runs through (via losses, logprobs, models),
+# rlhf_core/models/lm_head.py: the fused LM head every trainer's loss runs through (via losses, logprobs, models),
 # and one of the modules the hand-written deps had left out.
-EDITED = "rlhf_core/lm_head.py"
+EDITED = "rlhf_core/models/lm_head.py"
 SFT_AND_DOWNSTREAM = {"sft", "evaluate", "reward", "dpo", "kto", "rejection", "raft", "distill", "rl"}
 
 

@@ -15,7 +15,7 @@ import pytest
 from helpers import one_error, run_cli, write_micro_params
 from rlhf_core.data.io import DataError
 from rlhf_core.data.validate import ValidationFailed
-from rlhf_core.lineage import dvc_md5
+from rlhf_core.tracking.lineage import dvc_md5
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 

@@ -1,4 +1,4 @@
-"""No third-party chatter that tells a user nothing (rlhf_core/quiet.py, rlhf_core/env.py).
+"""No third-party chatter that tells a user nothing (rlhf_core/common/quiet.py, rlhf_core/common/offline.py).
 
 Logging a model through MLflow's transformers flavor used to print, for every model, that the model card
 "could not be retrieved from the hub ... make sure your Internet connection is on" and that no licence was
@@ -17,8 +17,8 @@ HUB_TEXT = ("Internet connection", "model card", "license information", "hugging
 
 
 def test_logging_a_model_prints_no_hub_text(isolated_project, micro_model, capfd):
-    from rlhf_core.config import TrackingConfig
-    from rlhf_core.tracking import start_run
+    from rlhf_core.config.schema import TrackingConfig
+    from rlhf_core.tracking.mlflow_runs import start_run
 
     with start_run(TrackingConfig(experiment="quiet"), "log-model") as run:
         uri = run.log_hf_model(micro_model, "quiet-model")

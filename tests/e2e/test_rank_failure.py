@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_core.config import RLConfig, SFTConfig, config_to_dict
-from rlhf_core.lineage import dvc_md5
+from rlhf_core.config.schema import RLConfig, SFTConfig, config_to_dict
+from rlhf_core.tracking.lineage import dvc_md5
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 
@@ -129,7 +129,7 @@ def _sft_params(micro_model, micro_data, project: Path, name: str, parallel: str
 @pytest.mark.parametrize("parallel", ["ddp", pytest.param("zero2", marks=pytest.mark.slow)])
 def test_killed_sft_rank_fails_fast_and_the_retry_resumes_exactly(isolated_project, micro_model, micro_data,
                                                                   monkeypatch, ray_session, parallel):
-    from rlhf_core.ray_launcher import train_data_parallel
+    from rlhf_core.trainers.ray_launcher import train_data_parallel
     from rlhf_core.trainers.sft import train_sft as train_sft_directly
     from tasks.training import train_sft
 
@@ -150,7 +150,7 @@ def test_killed_sft_rank_fails_fast_and_the_retry_resumes_exactly(isolated_proje
 def test_killed_grpo_learner_rank_fails_fast_and_the_retry_resumes_exactly(isolated_project, micro_model, micro_data,
                                                                            monkeypatch, ray_session):
     """GRPO on Ray (colocated, 2 policy ranks under ZeRO-2): learner rank 1 dies as iteration 5 updates."""
-    from rlhf_core.ray_launcher import train_rl_on_ray
+    from rlhf_core.trainers.ray_launcher import train_rl_on_ray
     from tasks.training import train_rl
 
     project = isolated_project

@@ -16,9 +16,9 @@ import pytest
 
 from helpers import free_port, start_mlflow_server, stop_group
 from registry_racer import race
-from rlhf_core.config import TrackingConfig
-from rlhf_core.lineage import dvc_md5
-from rlhf_core.tracking import REGISTRATION_TAG, STORAGE_TAG, start_run
+from rlhf_core.config.schema import TrackingConfig
+from rlhf_core.tracking.lineage import dvc_md5
+from rlhf_core.tracking.mlflow_runs import REGISTRATION_TAG, STORAGE_TAG, start_run
 from tasks.registry import CANDIDATE, CHAMPION, METRIC_TAG, ModelRefChanged, register_model, resolve_model_ref
 
 EXPERIMENT = "registry-test"
@@ -57,7 +57,7 @@ def test_reference_storage_records_path_and_md5_and_copies_no_weights(store, iso
     assert not list(artifacts.rglob("*.safetensors")) and _bytes(artifacts) < 4096  # a pointer, not weights
     assert resolve_model_ref(client, "policy", CHAMPION) == model
 
-    # The stage path (rlhf_core.stages): start_run's tracker, md5 from the run's dvc.md5.output_model tag.
+    # The stage path (rlhf_core.stages.wrappers): start_run's tracker, md5 from the run's dvc.md5.output_model tag.
     with start_run(TrackingConfig(experiment=EXPERIMENT, model_storage="reference"), "sft") as run:
         run.set_tags({"dvc.md5.output_model": dvc_md5(model)})
         run.log_hf_model(model, "alignflow-sft")
@@ -83,7 +83,7 @@ def test_copy_storage_and_retention_keep_newest_and_aliased_versions(store, isol
     assert len(list(artifacts.rglob("*.safetensors"))) == 3 and _bytes(artifacts) > 3 * weights
     assert all(v.tags[STORAGE_TAG] == "copy" for v in client.search_model_versions("name='policy'"))
 
-    from rlhf_core.tracking import MlflowTracker
+    from rlhf_core.tracking.mlflow_runs import MlflowTracker
 
     pending_run = client.create_run(exp).info.run_id  # registered, its promotion not yet done
     MlflowTracker(client, pending_run).log_hf_model(model, "policy", version_tags={REGISTRATION_TAG: "pending"},

@@ -81,7 +81,7 @@ def test_reproduce_a_flow_run_from_its_commit(committed_project):
 
 def _commit_params(project: Path) -> dict:
     """What an align run at this commit logs as reproduce.json's params: every section, defaults filled in."""
-    from rlhf_core.config import SECTIONS, config_to_dict, load_config
+    from rlhf_core.config.schema import SECTIONS, config_to_dict, load_config
 
     return {s: config_to_dict(load_config(cls, s, project / "params.yaml")) for s, cls in SECTIONS.items()}
 
@@ -158,7 +158,7 @@ def test_review_refuses_code_urls_tracking_and_escaping_outputs(tmp_path):
     which never pass."""
     worktree, outside = tmp_path / "worktree", tmp_path / "outside"
     worktree.mkdir(), outside.mkdir()
-    commit = {"rl": {"reward_function": "rlhf_core/rewards_embedded.py:reward", "reward_url": "", "max_steps": 2,
+    commit = {"rl": {"reward_function": "rlhf_core/embedded/reward.py:reward", "reward_url": "", "max_steps": 2,
                      "lr": 3e-4, "max_new_tokens": 12, "output_dir": "models/rl", "model_path": "models/sft"},
               "tracking": {"experiment": "alignflow"}, "flow": {"ray_address": ""}}
 
@@ -197,7 +197,7 @@ def test_review_refuses_code_urls_tracking_and_escaping_outputs(tmp_path):
 
 def test_a_run_of_another_alignflow_version_is_rerun_with_a_warning():
     """A project's commits hold no alignflow code: the run's alignflow.version tag says which ran."""
-    from rlhf_core.lineage import package_version
+    from rlhf_core.tracking.lineage import package_version
 
     assert version_warning("r1", {"alignflow.version": package_version()}) == []
     assert version_warning("r1", {}) == []  # a run from before the tag existed

@@ -15,7 +15,7 @@ import pytest
 from flows.reproduce import add_worktree, dvc_cache_folder, dvc_fetcher, remove_worktree
 from flows.reproduce_inputs import RecordedInput, place_inputs, recorded_inputs
 from helpers import cli_env, git
-from rlhf_core.lineage import cached_listing, dir_listing, dvc_md5, file_md5, restore_from_cache
+from rlhf_core.tracking.lineage import cached_listing, dir_listing, dvc_md5, file_md5, restore_from_cache
 
 V1 = '{"prompt": "1+1=", "completion": "2"}\n'
 V2 = V1 + '{"prompt": "2+2=", "completion": "4"}\n'

@@ -58,7 +58,7 @@ def _registry(project: Path) -> dict[str, object]:
 def _own_project(tmp_path: Path) -> Path:
     """``alignflow init``, the user's own TRL-format files (the embedded task's format: prompt/completion,
     prompt/chosen/rejected, prompt/label), ``dvc add``-ed and committed."""
-    from rlhf_core.synthetic import generate_datasets
+    from rlhf_core.embedded.tasks import generate_datasets
 
     _ok(subprocess.run([sys.executable, "-m", "flows.cli", "init", "myproj"], cwd=tmp_path, env=cli_env(tmp_path),
                        capture_output=True, text=True, timeout=300))

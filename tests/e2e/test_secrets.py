@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from flows.cli import main
-from rlhf_core.config import ConfigError, RLConfig
-from rlhf_core.redact import redact_secrets, register_secret, register_url_secrets
-from rlhf_core.rewards import HttpRewardSource, RewardError
+from rlhf_core.config.schema import ConfigError, RLConfig
+from rlhf_core.common.redact import redact_secrets, register_secret, register_url_secrets
+from rlhf_core.rewards.sources import HttpRewardSource, RewardError
 
 SECRETS = ("s3cr3t-pass", "tok-abc123")
 ENV_NAME, ENV_TOKEN = "ALIGNFLOW_TEST_RM_TOKEN", "tok-env-3c8a51f2"

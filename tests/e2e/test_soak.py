@@ -39,7 +39,7 @@ import pytest
 import yaml
 
 from helpers import cli_env, seed_versioned_project, write_micro_params
-from rlhf_core.lineage import dvc_md5
+from rlhf_core.tracking.lineage import dvc_md5
 
 pytestmark = pytest.mark.slow
 

@@ -65,8 +65,8 @@ def test_dpo_command_on_pairs_holding_eval_prompts_fails_before_training(project
 def test_sft_command_logs_the_report_to_its_run_and_keeps_metrics_file_unchanged(project, micro_data, capsys):
     from mlflow.tracking import MlflowClient
 
-    from rlhf_core import stages
-    from rlhf_core.config import DataReportConfig, SFTConfig, load_config
+    from rlhf_core.stages import wrappers as stages
+    from rlhf_core.config.schema import DataReportConfig, SFTConfig, load_config
 
     assert main(["sft", "--metrics-file", "metrics/sft.json"]) == 0, capsys.readouterr().err
     out = json.loads(capsys.readouterr().out)

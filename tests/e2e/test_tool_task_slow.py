@@ -1,4 +1,4 @@
-"""Slow acceptance check of the embedded tool task (rlhf_core/tool_task.py) through the real commands.
+"""Slow acceptance check of the embedded tool task (rlhf_core/rollout/tool_task.py) through the real commands.
 
 The ``tool_*`` stages of dvc.yaml, in a fresh folder with the repository's params.yaml: generate, build
 the model, SFT on the flawed demonstrator's mix of tool calls and guesses, GRPO with the calculator
@@ -27,7 +27,7 @@ from helpers import cli_env, run_cli
 
 
 def _module(args, project, timeout=1200):
-    return subprocess.run([sys.executable, "-m", "rlhf_core.tool_task", *args], cwd=project, env=cli_env(project), check=False,
+    return subprocess.run([sys.executable, "-m", "rlhf_core.rollout.tool_task", *args], cwd=project, env=cli_env(project), check=False,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -21,17 +21,17 @@ import pytest
 import yaml
 
 from helpers import cli_env, free_port
-from rlhf_core.config import DPOConfig, GenerateConfig, TrackingConfig, config_to_dict
-from rlhf_core.lineage import dvc_md5
+from rlhf_core.config.schema import DPOConfig, GenerateConfig, TrackingConfig, config_to_dict
+from rlhf_core.tracking.lineage import dvc_md5
 
 
 def test_down_tracking_server_fails_the_stage_within_30_s(isolated_project, micro_model, micro_data, monkeypatch):
     """The SFT stage with MLFLOW_TRACKING_URI at a port nothing listens on and the default
     patience (20 s): TrackingUnavailable within 30 s of the stage's start (its data gate
     included), naming the server and what to do, and nothing trained."""
-    from rlhf_core import stages
-    from rlhf_core.config import SFTConfig
-    from rlhf_core.tracking import TrackingUnavailable
+    from rlhf_core.stages import wrappers as stages
+    from rlhf_core.config.schema import SFTConfig
+    from rlhf_core.tracking.mlflow_runs import TrackingUnavailable
 
     port = free_port()  # bound and released: nothing listens there
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
@@ -71,7 +71,7 @@ def test_cli_reports_a_down_tracking_server_in_one_line(tmp_path, micro_model, m
 def test_connect_patience_is_how_long_a_run_waits(isolated_project, monkeypatch, patience):
     """A longer ``tracking.connect_patience_s`` waits at least that long, and not much longer
     (one more try of at most a second past the deadline, then the error); the body never runs."""
-    from rlhf_core.tracking import TrackingUnavailable, start_run
+    from rlhf_core.tracking.mlflow_runs import TrackingUnavailable, start_run
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
     started = time.monotonic()
@@ -87,7 +87,7 @@ def test_bounded_http_leaves_the_users_settings_alone(monkeypatch):
     """While a run opens, MLflow's retries are bounded (patience 9 s: 2 retries, 3 s per try) only
     where the user set nothing; afterwards every variable is as it was, so mid-stage calls keep
     MLflow's default minutes of patience."""
-    from rlhf_core.tracking import bounded_http
+    from rlhf_core.tracking.mlflow_runs import bounded_http
 
     for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
                  "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER"):
@@ -103,7 +103,7 @@ def test_bounded_http_leaves_the_users_settings_alone(monkeypatch):
 
 
 def test_negative_patience_is_refused():
-    from rlhf_core.config import ConfigError, build_config
+    from rlhf_core.config.schema import ConfigError, build_config
 
     with pytest.raises(ConfigError, match=r"^params.yaml: tracking.connect_patience_s: must be >= 0 seconds, "
                                           r"got -1.0$"):
@@ -126,7 +126,7 @@ def test_retried_task_continues_its_mlflow_run(isolated_project, micro_model, mi
     from mlflow.tracking import MlflowClient
     from prefect import flow
 
-    from rlhf_core.tracking import start_run
+    from rlhf_core.tracking.mlflow_runs import start_run
     from tasks.training import train_dpo
 
     project = isolated_project

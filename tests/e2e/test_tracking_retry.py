@@ -2,7 +2,7 @@
 
 Real Prefect (test server) running the production ``train-sft`` task with its retry policy, real
 MLflow (sqlite store, the transformers flavor, the model registry). The failure is the stage's fault
-hook ``ALIGNFLOW_FAULT=sft:tracking:<marker>``: it fires once, in ``rlhf_core.stages._train_stage``
+hook ``ALIGNFLOW_FAULT=sft:tracking:<marker>``: it fires once, in ``rlhf_core.stages.wrappers._train_stage``
 after the model is saved and before it is logged and registered, where a tracking server that went
 away would fail the stage. (A real server stopped at exactly that point would need the stage to wait
 for the test; tests/e2e/test_mlflow_outage.py stops one mid-stage.)
@@ -14,8 +14,8 @@ import logging
 
 import pytest
 
-from rlhf_core.config import SFTConfig, TrackingConfig, config_to_dict
-from rlhf_core.lineage import dvc_md5
+from rlhf_core.config.schema import SFTConfig, TrackingConfig, config_to_dict
+from rlhf_core.tracking.lineage import dvc_md5
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 
@@ -44,7 +44,7 @@ def test_a_retry_after_the_final_save_reuses_the_model_and_registers_it_once(iso
     from mlflow.tracking import MlflowClient
     from prefect import flow
 
-    from rlhf_core.tracking import start_run
+    from rlhf_core.tracking.mlflow_runs import start_run
     from tasks.training import train_sft
 
     project = isolated_project
@@ -100,7 +100,7 @@ def test_registering_a_runs_model_twice_keeps_one_version(isolated_project, micr
     until its stage closes it."""
     from mlflow.tracking import MlflowClient
 
-    from rlhf_core.tracking import start_run
+    from rlhf_core.tracking.mlflow_runs import start_run
 
     cfg = TrackingConfig(experiment="register-twice", registered_model="register-twice")
     with start_run(cfg, "stage") as run:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from rlhf_core.lineage import file_md5
+from rlhf_core.tracking.lineage import file_md5
 from tasks.versioning import LOCK_FILE, acquire_lock, version_paths
 
 

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core.config import (DistillConfig, DPOConfig, KTOConfig, RejectionConfig, RewardConfig, RLConfig,
+from rlhf_core.config.schema import (DistillConfig, DPOConfig, KTOConfig, RejectionConfig, RewardConfig, RLConfig,
                               SFTConfig, TrackingConfig)
 from rlhf_core.data.chat import PLAIN_CHAT_TEMPLATE
-from rlhf_core.evaluate import evaluate_exact_match
-from rlhf_core.models import load_causal_lm, load_tokenizer
-from rlhf_core.rejection import rejection_sample
+from rlhf_core.rollout.evaluate import evaluate_exact_match
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+from rlhf_core.rollout.rejection import rejection_sample
 from rlhf_core.trainers.distill import train_distill
 from rlhf_core.trainers.dpo import train_dpo
 from rlhf_core.trainers.kto import train_kto
@@ -66,7 +66,7 @@ def llama3_model(tmp_path_factory, micro_tokenizer) -> Path:
     """A micro Llama whose tokenizer has Llama-3 marker tokens and template; eos is ``<|eot_id|>``."""
     from transformers import AutoTokenizer
 
-    from rlhf_core.embedded import build_tiny_model
+    from rlhf_core.embedded.tiny_model import build_tiny_model
 
     tok = AutoTokenizer.from_pretrained(str(micro_tokenizer))
     tok.add_special_tokens({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
@@ -291,7 +291,7 @@ def test_a_stage_logs_its_rendered_examples(isolated_project, micro_model, micro
     a model without a template was trained on the plain template's rendering."""
     import mlflow
 
-    from rlhf_core import stages
+    from rlhf_core.stages import wrappers as stages
 
     data = conversational_data(micro_data, isolated_project)
     chats = _write(isolated_project / "chats.jsonl", [r for r in _rows(data["sft"]) if "messages" in r])

@@ -4,7 +4,7 @@ A micro model with the tool tags, nudged to close a tool call (``</calc>``'s emb
 tests/model/test_tool_rollout.py), so greedy turns end at the stop token and the environment answers. The
 scripted environment replies ``<result>7</result>`` and rewards half the items (by their label's length), so the
 per-item correctness varies and must come out of the environment's reward plus the rule reward, as in
-:func:`rlhf_core.environments.evaluate_with_environment`.
+:func:`rlhf_core.rollout.environments.evaluate_with_environment`.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import dataclasses
 import pytest
 import torch
 
-from rlhf_core.config import GuardsConfig, RLConfig
-from rlhf_core.environments import evaluate_with_environment
-from rlhf_core.guard_probe import (ProbeEnvironment, load_cached, probe_key, probe_with_environment, read_eval_items,
+from rlhf_core.config.schema import GuardsConfig, RLConfig
+from rlhf_core.rollout.environments import evaluate_with_environment
+from rlhf_core.promotion.probe import (ProbeEnvironment, load_cached, probe_key, probe_with_environment, read_eval_items,
                                    trajectory_statistics)
-from rlhf_core.models import load_causal_lm, load_tokenizer
-from rlhf_core.rewards import load_function
-from rlhf_core.tool_task import reward
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+from rlhf_core.rewards.sources import load_function
+from rlhf_core.rollout.tool_task import reward
 
 OBS = "<result>7</result>"
 LIMITS = dict(max_turns=2, max_trajectory_tokens=16, max_new_tokens=8)
@@ -30,7 +30,7 @@ N_ITEMS = 24
 @pytest.fixture(scope="module")
 def env_spec(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("env") / "env.py"
-    path.write_text("from rlhf_core.environments import StepResult\n\n"
+    path.write_text("from rlhf_core.rollout.environments import StepResult\n\n"
                     "class Env:\n    stop_tokens = ('</calc>',)\n"
                     "    def reset(self, prompt, label):\n        self.label = label\n"
                     f"    def step(self, action):\n        return StepResult({OBS!r}, reward=float(len(self.label) % 2))\n\n"
@@ -73,8 +73,8 @@ def _expected_policy_entropy(model, batch) -> float:
 
 def test_probe_with_an_environment_is_the_stage_eval_multi_turn(tool_model, env_spec, micro_data):
     """Same trajectories and scores as evaluate_with_environment; length, entropy and KL over the policy's tokens."""
-    from rlhf_core.environments import rollout_with_environment
-    from rlhf_core.rollout import HFGenerateEngine, SamplingParams
+    from rlhf_core.rollout.environments import rollout_with_environment
+    from rlhf_core.rollout.engine import HFGenerateEngine, SamplingParams
 
     model, tokenizer = load_causal_lm(tool_model), load_tokenizer(tool_model)
     make_env = load_function(env_spec)[2]
@@ -105,11 +105,11 @@ def test_rl_stage_with_an_environment_probes_multi_turn_under_its_own_cache_key(
                                                                                env_spec, micro_data):
     """check_stage_guards probes an rl stage with an environment multi-turn (both models), and caches the parent under
     a key of its own: a single-turn record of the same model is never read for it."""
-    from rlhf_core.stages import _probe_environment, _probe_settings, check_stage_guards
+    from rlhf_core.stages.wrappers import _probe_environment, _probe_settings, check_stage_guards
 
     cfg = RLConfig(model_path=str(tool_model), prompts_file=str(micro_data["prompts"]),
                    eval_file=str(micro_data["eval"]), output_dir=str(isolated_project / "rl"), reward_kind="function",
-                   reward_function="rlhf_core/tool_task.py:reward", environment=env_spec, eval_items=N_ITEMS,
+                   reward_function="rlhf_core/rollout/tool_task.py:reward", environment=env_spec, eval_items=N_ITEMS,
                    **LIMITS)
     single = dataclasses.replace(cfg, environment="")
     guards = GuardsConfig()

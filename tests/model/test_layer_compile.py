@@ -1,4 +1,4 @@
-"""Compiled decoder layers (``compile_layers``, :mod:`rlhf_core.layer_compile`) against the eager layers.
+"""Compiled decoder layers (``compile_layers``, :mod:`rlhf_core.models.layer_compile`) against the eager layers.
 
 The compile runs through dynamo and AOTAutograd with the ``aot_eager`` backend: the same traced forward and
 backward graphs inductor would get, run by eager kernels, so the comparison is exact and no C++ is built per
@@ -15,14 +15,14 @@ import torch
 from torch._dynamo.utils import counters
 
 from conftest import Recorder
-from rlhf_core import layer_compile
-from rlhf_core.config import SFTConfig
+from rlhf_core.models import layer_compile
+from rlhf_core.config.schema import SFTConfig
 from rlhf_core.data.io import read_records
 from rlhf_core.data.sequences import tokenize_preference_records
 from rlhf_core.data.tokenize import collate_pairs
-from rlhf_core.lm_head import prepare_decoder_kernels
-from rlhf_core.logprobs import response_logprobs
-from rlhf_core.models import enable_checkpointing, load_causal_lm, load_tokenizer
+from rlhf_core.models.lm_head import prepare_decoder_kernels
+from rlhf_core.algorithms.logprobs import response_logprobs
+from rlhf_core.models.loading import enable_checkpointing, load_causal_lm, load_tokenizer
 from rlhf_core.trainers.sft import train_sft
 
 CPU = torch.device("cpu")
@@ -153,7 +153,7 @@ def test_compile_failure_falls_back_to_eager(aot_eager, micro_model, micro_data,
     layer_compile.compile_decoder_layers(compiled)
     batch = collate_pairs(pairs, tok.pad_token_id)
     weights = torch.ones(2 * len(pairs))
-    with caplog.at_level(logging.WARNING, logger="rlhf_core.layer_compile"):
+    with caplog.at_level(logging.WARNING, logger="rlhf_core.models.layer_compile"):
         a, b = (_sums_and_grads(m, batch, weights)[0] for m in (eager, compiled))
     assert torch.equal(a, b)
     assert "compiling Qwen2DecoderLayer failed (BackendCompilerFailed" in caplog.text
@@ -173,7 +173,7 @@ def test_sft_with_compiled_layers_trains_as_eager(aot_eager, micro_model, micro_
         train_sft(cfg, sink, show_progress=False)
         return sink
 
-    with caplog.at_level(logging.INFO, logger="rlhf_core.lm_head"):
+    with caplog.at_level(logging.INFO, logger="rlhf_core.models.lm_head"):
         on = run("on")
     assert "sft: decoder layers compiled: on (2 layers)" in caplog.text
     off = run("off")

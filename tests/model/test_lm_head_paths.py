@@ -1,6 +1,6 @@
-"""Tiny model: the chunked LM head gives today's log-probs, losses and gradients (``rlhf_core.lm_head``).
+"""Tiny model: the chunked LM head gives today's log-probs, losses and gradients (``rlhf_core.models.lm_head``).
 
-Today's path is the whole logits through ``rlhf_core.losses.sequence_logprobs`` / ``token_nll_sum``
+Today's path is the whole logits through ``rlhf_core.algorithms.losses.sequence_logprobs`` / ``token_nll_sum``
 (or the ``full`` kernel in RL's ``token_logprobs``); the chunked path bypasses the model's head and
 scores only the labelled positions, a few rows at a time. Upstream gradients are non-uniform
 (per-row weights of both signs, as advantages are). Tolerance: 1e-5 absolute on log-probs, 1e-4
@@ -15,10 +15,10 @@ import torch
 from rlhf_core.data.io import read_records
 from rlhf_core.data.sequences import tokenize_sft_records
 from rlhf_core.data.tokenize import collate_packed, collate_padded
-from rlhf_core.lm_head import LMHead, labelled_token_logprobs
-from rlhf_core.logprobs import response_logprobs
-from rlhf_core.losses import sequence_logprobs, token_nll_sum
-from rlhf_core.models import load_causal_lm, load_tokenizer, prepare_for_training
+from rlhf_core.models.lm_head import LMHead, labelled_token_logprobs
+from rlhf_core.algorithms.logprobs import response_logprobs
+from rlhf_core.algorithms.losses import sequence_logprobs, token_nll_sum
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer, prepare_for_training
 from rlhf_core.trainers.sft import nll_loss_fn
 
 CHUNK = LMHead("chunked", 7)  # a chunk size that splits rows across chunks
@@ -117,7 +117,7 @@ def test_lora_model_through_the_bypassed_head(micro_model, micro_data):
 
 def _rl_rows(micro_model, prompts: list[str], seed: int):
     """The micro model and 3 sampled rows a prompt of ``prompts``: ``(model, exp, prompt width, response mask)``."""
-    from rlhf_core.rollout import HFGenerateEngine, SamplingParams
+    from rlhf_core.rollout.engine import HFGenerateEngine, SamplingParams
 
     model = load_causal_lm(micro_model, torch.device("cpu")).eval()
     batch = HFGenerateEngine(model, load_tokenizer(micro_model)).generate(
@@ -161,7 +161,7 @@ def test_no_grad_chunks_count_vocabulary_logits_only_where_the_model_makes_them(
     ``R x V`` a row with the model's own head, the decoder's MLP projection ``width x 2I`` with a bypassed
     head, which bounds its own logits; any split gives the same log-probs."""
     from rlhf_core.trainers.rl_roles import _CHUNK_BYTES, _in_chunks, _Sharded, chunk_bytes_per_row, token_logprobs
-    from rlhf_core.parallel import World
+    from rlhf_core.distributed.parallel import World
 
     model = load_causal_lm(micro_model, torch.device("cpu")).eval()
     cfg = model.config
@@ -210,7 +210,7 @@ def test_torch_rms_norm_gives_the_modules_values_and_gradients(micro_model, micr
     """``lm_head.use_torch_rms_norm`` (torch's fused RMSNorm in place of the Llama-family module's, which
     ``apply_fused_kernels`` takes on a GPU): every norm routed, parameter names unchanged, and the same
     log-probs and gradients under a signed per-row upstream gradient (fp32: summation order only)."""
-    from rlhf_core.lm_head import use_torch_rms_norm
+    from rlhf_core.models.lm_head import use_torch_rms_norm
 
     torch.manual_seed(0)
     tok, examples = _examples(micro_model, micro_data)

@@ -15,14 +15,14 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import Recorder
-from rlhf_core.config import DistillConfig, DPOConfig, KTOConfig, RewardConfig
+from rlhf_core.config.schema import DistillConfig, DPOConfig, KTOConfig, RewardConfig
 from rlhf_core.data.io import read_records
 from rlhf_core.data.sequences import tokenize_preference_records
 from rlhf_core.data.tokenize import collate_packed, collate_padded, collate_pair_tree, collate_pairs
-from rlhf_core.logprobs import MODEL_INPUTS, response_logprobs, response_token_counts
-from rlhf_core.losses import distillation_loss
-from rlhf_core.models import load_causal_lm, load_tokenizer
-from rlhf_core.reward_model import load_reward_model, pair_rewards
+from rlhf_core.algorithms.logprobs import MODEL_INPUTS, response_logprobs, response_token_counts
+from rlhf_core.algorithms.losses import distillation_loss
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+from rlhf_core.rewards.model import load_reward_model, pair_rewards
 from rlhf_core.trainers.distill import train_distill
 from rlhf_core.trainers.dpo import train_dpo
 from rlhf_core.trainers.kto import train_kto

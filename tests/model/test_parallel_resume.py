@@ -1,7 +1,7 @@
 """Mid-run checkpoints of data-parallel runs on real Ray (CPU, gloo): exact resume, and resume on fewer workers.
 
 Two Ray ranks under DDP or DeepSpeed ZeRO-2 (DeepSpeed's CPU accelerator) write checkpoints whose
-optimizer state is whole tensors by parameter name (:meth:`rlhf_core.parallel.Strategy.optimizer_state`).
+optimizer state is whole tensors by parameter name (:meth:`rlhf_core.distributed.parallel.Strategy.optimizer_state`).
 A fault after a step leaves that run's checkpoints on disk (a failed run keeps them), so:
 
 * run A stops after step 4; run B stops after step 2, resumes, stops after step 4. B's step-4
@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import Recorder
-from rlhf_core.config import SFTConfig
+from rlhf_core.config.schema import SFTConfig
 from rlhf_core.trainers.loop import InjectedFault
 from rlhf_core.trainers.sft import train_sft
 
@@ -33,7 +33,7 @@ def _cfg(micro_model, micro_data, folder, **kw) -> SFTConfig:
 
 
 def _run(cfg: SFTConfig, sink: Recorder | None = None):
-    from rlhf_core.ray_launcher import train_data_parallel
+    from rlhf_core.trainers.ray_launcher import train_data_parallel
 
     if cfg.num_workers == 1:
         return train_sft(cfg, sink, show_progress=False)

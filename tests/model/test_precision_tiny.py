@@ -1,6 +1,6 @@
 """Precision regimes on the micro model (CPU): mixed and bf16 train, accumulate like one batch, resume exactly.
 
-``precision: mixed`` trains a bf16 model whose fp32 masters the optimizer holds (rlhf_core/precision.py);
+``precision: mixed`` trains a bf16 model whose fp32 masters the optimizer holds (rlhf_core/models/precision.py);
 ``bf16`` trains bf16 weights with fp32 AdamW moments. bf16 on a CPU is slow per flop, but the micro
 model's steps take milliseconds. The last test runs two DDP ranks on real Ray (gloo).
 """
@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import Recorder, stop_after
-from rlhf_core.config import DPOConfig, SFTConfig
-from rlhf_core.lineage import dvc_md5
+from rlhf_core.config.schema import DPOConfig, SFTConfig
+from rlhf_core.tracking.lineage import dvc_md5
 from rlhf_core.trainers.dpo import train_dpo
 from rlhf_core.trainers.loop import InjectedFault
 from rlhf_core.trainers.sft import train_sft
@@ -122,7 +122,7 @@ def test_two_ranks_under_mixed_resume_exactly(ray_local, micro_model, micro_data
     loss falls and tracks one process's (fp32 accumulation by hooks) within 1e-3 relative (measured
     7e-5 for DDP); a run stopped after step 2 and resumed writes a step-4 checkpoint equal bit for bit
     (bf16 weights, fp32 masters and moments) to an uninterrupted run's. The final model is the fp32 masters."""
-    from rlhf_core.ray_launcher import train_data_parallel
+    from rlhf_core.trainers.ray_launcher import train_data_parallel
 
     def run(cfg, sink=None):
         return train_data_parallel(train_sft, cfg, sink, show_progress=False)
@@ -161,7 +161,7 @@ def test_rl_gae_mixed_resumes_bit_identical(micro_model, micro_data, tmp_path, m
     torch state_dict; the bf16 policy samples itself and the reference scores in bf16): stopped after
     iteration 4 and resumed from the iteration-4 checkpoint, the saved fp32 policy equals an uninterrupted
     run's bit for bit, as do the rollout metrics."""
-    from rlhf_core.config import RLConfig
+    from rlhf_core.config.schema import RLConfig
     from rlhf_core.trainers.rl import train_rl
 
     reward = tmp_path / "length_reward.py"

@@ -12,9 +12,9 @@ import logging
 import pytest
 import torch
 
-from rlhf_core.checkpoint import FORMAT_VERSION, Checkpointer, clear_checkpoints, load_weights, run_fingerprint
-from rlhf_core.config import DPOConfig, RewardConfig, RLConfig, SFTConfig
-from rlhf_core.lineage import dvc_md5
+from rlhf_core.tracking.checkpoint import FORMAT_VERSION, Checkpointer, clear_checkpoints, load_weights, run_fingerprint
+from rlhf_core.config.schema import DPOConfig, RewardConfig, RLConfig, SFTConfig
+from rlhf_core.tracking.lineage import dvc_md5
 from rlhf_core.trainers.dpo import train_dpo
 from rlhf_core.trainers.loop import InjectedFault, NonFiniteError, run_training
 from rlhf_core.trainers.reward import train_reward_model
@@ -150,8 +150,8 @@ def test_nan_loss_stops_at_that_step_with_last_checkpoint_intact(micro_model, mi
     from rlhf_core.data.io import read_records
     from rlhf_core.data.sequences import tokenize_sft_records
     from rlhf_core.data.tokenize import collate_padded
-    from rlhf_core.models import load_causal_lm, load_tokenizer
-    from rlhf_core.lm_head import LMHead
+    from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+    from rlhf_core.models.lm_head import LMHead
     from rlhf_core.trainers.loop import EpochSampler, MicroBatches
     from rlhf_core.trainers.sft import nll_loss_fn
 

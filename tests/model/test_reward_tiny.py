@@ -8,9 +8,9 @@ import sys
 
 import torch
 
-from rlhf_core.config import RewardConfig
-from rlhf_core.models import load_tokenizer
-from rlhf_core.reward_model import MEAN_KEY, load_reward_model, score
+from rlhf_core.config.schema import RewardConfig
+from rlhf_core.models.loading import load_tokenizer
+from rlhf_core.rewards.model import MEAN_KEY, load_reward_model, score
 from rlhf_core.trainers.reward import train_reward_model
 
 
@@ -29,8 +29,8 @@ def test_reward_model_trains_saves_and_reloads(micro_model, micro_data, tmp_path
     here = score(rm, load_tokenizer(result.output_dir), prompts, completions)
     code = (
         "import json, sys, torch, rlhf_core\n"
-        "from rlhf_core.models import load_tokenizer\n"
-        "from rlhf_core.reward_model import load_reward_model, score\n"
+        "from rlhf_core.models.loading import load_tokenizer\n"
+        "from rlhf_core.rewards.model import load_reward_model, score\n"
         f"p = {str(result.output_dir)!r}\n"
         "rm = load_reward_model(p, torch.device('cpu'))\n"
         f"print(json.dumps(score(rm, load_tokenizer(p), {prompts!r}, {completions!r})))\n"

@@ -20,7 +20,7 @@ import requests
 import torch
 
 from rlhf_core.data.tokenize import tokenize_prompt_completion
-from rlhf_core.rewards import (FunctionRewardSource, HttpRewardSource, RewardError, RewardKind, RewardModelSource,
+from rlhf_core.rewards.sources import (FunctionRewardSource, HttpRewardSource, RewardError, RewardKind, RewardModelSource,
                                RewardSource, build_reward_source)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,7 +41,7 @@ def reward_file(tmp_path: Path, body: str, name: str = "my_reward.py") -> Path:
 
 
 def test_embedded_reward_file():
-    source = build_reward_source("function", path=str(REPO / "rlhf_core/rewards_embedded.py") + ":reward")
+    source = build_reward_source("function", path=str(REPO / "rlhf_core/embedded/reward.py") + ":reward")
     assert isinstance(source, RewardSource) and source.name.endswith("rewards_embedded.py:reward")
     assert source(PROMPTS, COMPLETIONS, LABELS) == [1.0, 0.0, 1.0, 1.0]
     # sent to another process (a Ray actor) as its spec, re-imported there
@@ -125,10 +125,10 @@ def micro_rm(make_micro_rm) -> Path:
 
 
 def _start_serve_rm(micro_rm: Path, run_dir: Path, extra: list[str], env: dict[str, str] | None = None):
-    """``python -m rlhf_core.reward_server`` on a free port: ``(process, base URL)`` once it answers /health."""
+    """``python -m rlhf_core.rewards.server`` on a free port: ``(process, base URL)`` once it answers /health."""
     port_file = run_dir / "port"
     with (run_dir / "serve-rm.log").open("w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "rlhf_core.reward_server", "--model", str(micro_rm), "--port",
+        proc = subprocess.Popen([sys.executable, "-m", "rlhf_core.rewards.server", "--model", str(micro_rm), "--port",
                                  "0", "--port-file", str(port_file), "--batch-size", "2", "--device", "cpu", *extra],
                                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     try:
@@ -271,7 +271,7 @@ def test_serve_rm_rejects_oversized_bodies_and_batches(locked_server):
 
 def test_serve_rm_refuses_to_start_without_its_token_variable(micro_rm):
     env = {k: v for k, v in os.environ.items() if k != "RM_UNSET_TOKEN"}
-    out = subprocess.run([sys.executable, "-m", "rlhf_core.reward_server", "--model", str(micro_rm),
+    out = subprocess.run([sys.executable, "-m", "rlhf_core.rewards.server", "--model", str(micro_rm),
                           "--port", "0", "--token-env", "RM_UNSET_TOKEN"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
@@ -441,7 +441,7 @@ def test_http_bad_replies(body, expect):
 
 
 def _rl_cfg(micro_model, micro_data, tmp_path, url, **kw):
-    from rlhf_core.config import RLConfig
+    from rlhf_core.config.schema import RLConfig
 
     return RLConfig(**{**dict(model_path=str(micro_model), prompts_file=str(micro_data["prompts"]),
                               eval_file=str(micro_data["eval"]), output_dir=str(tmp_path / "rl"),

@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core import redact
-from rlhf_core.config import ConfigError, RLConfig
-from rlhf_core.rewards import RewardError
+from rlhf_core.common import redact
+from rlhf_core.config.schema import ConfigError, RLConfig
+from rlhf_core.rewards.sources import RewardError
 from rlhf_core.trainers.rl import train_rl
 from conftest import Recorder
 
@@ -119,7 +119,7 @@ def test_rule_reward_and_sampling_logprobs_match_the_recomputed_ones(micro_model
     """The embedded rule reward file (0 or 1 per sample) drives a GRPO step; the engine's sampling
     log-probs equal the trainer's recomputed old log-probs (same weights, same logits / T)."""
     sink = Recorder()
-    cfg = _cfg(micro_model, micro_data, tmp_path, str(REPO / "rlhf_core/rewards_embedded.py") + ":reward",
+    cfg = _cfg(micro_model, micro_data, tmp_path, str(REPO / "rlhf_core/embedded/reward.py") + ":reward",
                max_steps=1, entropy_coef=0.01, temperature=0.7)
     train_rl(cfg, sink, show_progress=False)
     assert 0.0 <= sink.series("rollout/reward_mean")[0] <= 1.0
@@ -194,8 +194,8 @@ def test_rl_stage_gate_takes_label_less_prompts_only_with_a_reward_model(isolate
     gate refuses it (naming line and field) before anything is trained."""
     import json
 
-    from rlhf_core import stages
-    from rlhf_core.config import TrackingConfig
+    from rlhf_core.stages import wrappers as stages
+    from rlhf_core.config.schema import TrackingConfig
     from rlhf_core.data.validate import ValidationFailed
 
     rows = [json.loads(line) for line in Path(micro_data["prompts"]).read_text().splitlines()][:16]
@@ -266,7 +266,7 @@ def test_critic_gradient_that_overflows_stops_before_the_critic_step(micro_model
     critic_after = learner.critic.state_dict()
     assert critic_after.keys() == critic_before.keys()
     assert all(torch.equal(critic_after[k], v) for k, v in critic_before.items())
-    # Adam never stepped: the step was launched with the skip flag (rlhf_core.parallel.optimizer_step), which a
+    # Adam never stepped: the step was launched with the skip flag (rlhf_core.distributed.parallel.optimizer_step), which a
     # fused AdamW takes after making its state (step count 0, zero moments); others are not called at all
     assert all(float(s["step"]) == 0 and not s["exp_avg"].any() and not s["exp_avg_sq"].any()
                for s in learner.critic_opt.state.values())
@@ -310,13 +310,13 @@ def test_alignflow_rl_command_tracks_lineage(isolated_project, micro_model, micr
 
 def _learner_and_experience(micro_model, micro_data, tmp_path, **overrides):
     """A PolicyLearner and one batch of experience (16 rows) as the controller builds it."""
-    from rlhf_core.rollout import HFGenerateEngine, SamplingParams
+    from rlhf_core.rollout.engine import HFGenerateEngine, SamplingParams
     from rlhf_core.trainers.rl_roles import PolicyLearner, ReferenceScorer
 
     cfg = _cfg(micro_model, micro_data, tmp_path, "unused.py:reward", mini_batch_size=16, **overrides)
     torch.manual_seed(0)
     learner = PolicyLearner(cfg, torch.device("cpu"))
-    from rlhf_core.models import load_tokenizer
+    from rlhf_core.models.loading import load_tokenizer
 
     tok = load_tokenizer(micro_model)
     batch = HFGenerateEngine(learner.policy, tok).generate(["12+30=", "7*8=", "sort 321=", "1+1="],
@@ -410,7 +410,7 @@ def test_prompts_shared_across_a_group_give_the_same_logprobs_and_gradients(micr
     """Each distinct prompt run once, its responses after it in one prefix-tree row (rows shuffled, groups of
     4, responses of several lengths): the same log-probs and parameter gradients as one full pass, with
     gradient checkpointing too (no KV cache involved)."""
-    from rlhf_core.parallel import train_mode
+    from rlhf_core.distributed.parallel import train_mode
     from rlhf_core.trainers.rl_roles import prefix_tree, token_logprobs
 
     learner, exp, p, _ = _learner_and_experience(micro_model, micro_data, tmp_path,
@@ -449,7 +449,7 @@ def test_prompts_shared_across_a_group_give_the_same_logprobs_and_gradients(micr
 @pytest.fixture(scope="module")
 def sft_teacher(micro_model, micro_data, tmp_path_factory) -> Path:
     """The micro model after a few SFT steps: peaked where the untrained student is near uniform."""
-    from rlhf_core.config import SFTConfig
+    from rlhf_core.config.schema import SFTConfig
     from rlhf_core.trainers.sft import train_sft
 
     root = tmp_path_factory.mktemp("sft_teacher")
@@ -507,7 +507,7 @@ def test_on_policy_distillation_refuses_a_teacher_with_another_tokenizer(micro_m
     model is loaded or iteration runs (nothing logged, no output directory)."""
     import shutil
 
-    from rlhf_core.models import load_tokenizer
+    from rlhf_core.models.loading import load_tokenizer
 
     teacher = tmp_path / "teacher"
     shutil.copytree(micro_model, teacher)
@@ -537,7 +537,7 @@ def test_rollout_table_redacts_a_secret_in_a_completion(micro_model, micro_data,
     registers the longest completion of the first batch as a secret, as a server echoing a token would
     make one appear in generated text."""
     path = tmp_path_factory.mktemp("rewards") / "registering_reward.py"
-    path.write_text("from rlhf_core.redact import register_secret\nSEEN = []\n"
+    path.write_text("from rlhf_core.common.redact import register_secret\nSEEN = []\n"
                     "def reward(prompts, completions, labels):\n"
                     "    if not SEEN:\n"
                     "        SEEN.append(max(completions, key=len))\n"

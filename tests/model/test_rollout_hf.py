@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.models import load_causal_lm, load_tokenizer
-from rlhf_core.rollout import (HFGenerateEngine, RolloutBatch, RolloutEngine, SamplingParams,
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+from rlhf_core.rollout.engine import (HFGenerateEngine, RolloutBatch, RolloutEngine, SamplingParams,
                                response_mask_from_ids)
 
 PROMPTS = ["12+30=", "sort 321=", "7*8=", "sort 90817="]
@@ -175,7 +175,7 @@ def test_rows_decode_in_one_batch_as_row_by_row(micro_tokenizer):
     """``decode_rows`` (one Rust ``decode_batch`` call for a fast tokenizer) gives ``decode(row,
     skip_special_tokens=True)``'s strings, special tokens and empty rows included; a tokenizer with the clean-up
     pass decodes row by row."""
-    from rlhf_core.rollout import decode_rows
+    from rlhf_core.rollout.engine import decode_rows
 
     tok = load_tokenizer(micro_tokenizer)
     g = torch.Generator().manual_seed(0)

@@ -8,10 +8,10 @@ import logging
 import pytest
 import torch
 
-from rlhf_core.config import RLConfig
-from rlhf_core.models import load_causal_lm, load_tokenizer
-from rlhf_core.rollout import HFGenerateEngine, RolloutEngine, SamplingParams, response_mask_from_ids
-from rlhf_core.rollout_static import StaticCacheEngine, supports
+from rlhf_core.config.schema import RLConfig
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+from rlhf_core.rollout.engine import HFGenerateEngine, RolloutEngine, SamplingParams, response_mask_from_ids
+from rlhf_core.rollout.static import StaticCacheEngine, supports
 from rlhf_core.trainers.rl import build_rollout_engine
 from test_rollout_hf import forward_logprobs
 
@@ -123,7 +123,7 @@ def test_rl_config_picks_it_and_falls_back_for_models_it_cannot_run(micro_model,
                    output_dir=str(tmp_path / "o"), checkpoint_dir=str(tmp_path / "c"))
     model, tok = load_causal_lm(micro_model, torch.device("cpu")), load_tokenizer(micro_model)
     assert build_rollout_engine(cfg, model, tok).name == "static"
-    from rlhf_core.models import prepare_for_training
+    from rlhf_core.models.loading import prepare_for_training
 
     lora = prepare_for_training(load_causal_lm(micro_model, torch.device("cpu")), lora_rank=4)
     assert build_rollout_engine(cfg, lora, tok).name == "static"  # a LoRA policy too (it once fell back)
@@ -143,9 +143,9 @@ def test_decode_over_the_filled_prefix_equals_the_whole_cache(micro_model, monke
     runs) gives the whole-cache step's logits for any width past the current column; the buckets cover
     every step and end at the full width."""
     from rlhf_core.data.tokenize import encode_prompt
-    from rlhf_core.rollout import _left_pad
-    import rlhf_core.rollout_static as static
-    from rlhf_core.rollout_static import _Decoder
+    from rlhf_core.rollout.engine import _left_pad
+    import rlhf_core.rollout.static as static
+    from rlhf_core.rollout.static import _Decoder
 
     bucket = 32
     model, tok = _eos_biased(micro_model)
@@ -178,10 +178,10 @@ def test_captured_iteration_equals_the_stepwise_loop(temperature, top_k, top_p, 
     log-probs and stop step exactly: on a CPU one draw of every step's uniforms equals the per-step draws,
     so both see the same numbers. Rows finish at different steps (eos-biased model; a stop token too). The
     stepwise loop keeps its whole batch here (finished rows are not dropped), as the captured one does."""
-    from rlhf_core import rollout_static
+    from rlhf_core.rollout import static as rollout_static
     from rlhf_core.data.tokenize import encode_prompt
-    from rlhf_core.rollout import _left_pad
-    from rlhf_core.rollout_static import _decode_eagerly, _decode_in_graphs, _Decoder, _Sampler
+    from rlhf_core.rollout.engine import _left_pad
+    from rlhf_core.rollout.static import _decode_eagerly, _decode_in_graphs, _Decoder, _Sampler
 
     monkeypatch.setattr(rollout_static, "_COMPACT_BELOW", 0.0)
     model, tok = _eos_biased(micro_model)
@@ -218,10 +218,10 @@ def test_dropping_finished_rows_keeps_every_sample(temperature, top_k, top_p, mi
     """The eager decode drops finished rows from its batch (``_COMPACT_BELOW``): the same tokens and stop step
     as the whole batch to the end (never dropping), the response log-probs to an ulp (a smaller batch's GEMMs may
     round differently), and the batch did shrink (rows of the eos-biased model end at different steps)."""
-    from rlhf_core import rollout_static
+    from rlhf_core.rollout import static as rollout_static
     from rlhf_core.data.tokenize import encode_prompt
-    from rlhf_core.rollout import _left_pad
-    from rlhf_core.rollout_static import _decode_eagerly, _Decoder, _Sampler
+    from rlhf_core.rollout.engine import _left_pad
+    from rlhf_core.rollout.static import _decode_eagerly, _Decoder, _Sampler
 
     model, tok = _eos_biased(micro_model)
     ids, mask = _left_pad([encode_prompt(tok, p) for p in PROMPTS], tok.pad_token_id)
@@ -263,8 +263,8 @@ def test_flash_layout_steps_equal_the_masked_cache(fused, grouped, micro_model, 
     reference inside ``_decode_attention`` (the same keys through SDPA); the flash kernel itself is checked on
     a GPU by bench/gpu_engine.py (greedy tokens against HF generate, log-probs against the trainer's)."""
     from rlhf_core.data.tokenize import encode_prompt
-    from rlhf_core.rollout import _left_pad
-    import rlhf_core.rollout_static as static
+    from rlhf_core.rollout.engine import _left_pad
+    import rlhf_core.rollout.static as static
 
     model, tok = _eos_biased(micro_model)
     ids, mask = _left_pad([encode_prompt(tok, p) for p in PROMPTS], tok.pad_token_id)
@@ -293,10 +293,10 @@ def test_the_triton_row_kernel_takes_the_flash_layout_arguments(grouped, micro_m
     (``decode_attention_reference``, standing in for the kernel, which needs a GPU or Triton's interpreter:
     tests/unit/test_decode_attention.py runs it against that contract) every step's logits equal the masked
     cache's."""
-    from rlhf_core import decode_attention as da
+    from rlhf_core.models import decode_attention as da
     from rlhf_core.data.tokenize import encode_prompt
-    from rlhf_core.rollout import _left_pad
-    import rlhf_core.rollout_static as static
+    from rlhf_core.rollout.engine import _left_pad
+    import rlhf_core.rollout.static as static
 
     calls = []
 
@@ -323,8 +323,8 @@ def test_the_triton_row_kernel_takes_the_flash_layout_arguments(grouped, micro_m
 
 
 def test_asking_for_the_triton_kernel_where_it_cannot_run_says_so(micro_model, monkeypatch):
-    from rlhf_core import decode_attention as da
-    import rlhf_core.rollout_static as static
+    from rlhf_core.models import decode_attention as da
+    import rlhf_core.rollout.static as static
 
     monkeypatch.setattr(da, "available", lambda: False)
     monkeypatch.setattr(static, "_DECODE_ATTENTION", "triton")
@@ -338,8 +338,8 @@ def test_asking_for_the_triton_kernel_where_it_cannot_run_says_so(micro_model, m
 def test_auto_takes_the_triton_kernel_on_hopper_only(capability, head_dim, triton_here, expected, monkeypatch):
     """Auto's kernel of the row layout: Triton where it was measured (Hopper), with Triton importable and a power-of-
     two head size; torch's flash op otherwise."""
-    from rlhf_core import decode_attention as da
-    import rlhf_core.rollout_static as static
+    from rlhf_core.models import decode_attention as da
+    import rlhf_core.rollout.static as static
 
     monkeypatch.setattr(static, "_DECODE_ATTENTION", "auto")
     monkeypatch.setattr(da, "available", lambda: triton_here)
@@ -351,10 +351,10 @@ def test_auto_takes_the_triton_kernel_on_hopper_only(capability, head_dim, trito
 def test_auto_falls_back_to_torch_flash_where_the_triton_kernel_fails(micro_model, monkeypatch, caplog):
     """Under auto a Triton kernel that fails to build (a Triton or driver it does not build on) is tried once,
     eagerly, before any capture; the engine then decodes through torch's flash kernel, in that call and after."""
-    from rlhf_core import decode_attention as da
+    from rlhf_core.models import decode_attention as da
     from rlhf_core.data.tokenize import encode_prompt
-    from rlhf_core.rollout import _left_pad
-    import rlhf_core.rollout_static as static
+    from rlhf_core.rollout.engine import _left_pad
+    import rlhf_core.rollout.static as static
 
     def broken(*args, **kwargs):
         raise RuntimeError("PassManager::run failed")
@@ -367,7 +367,7 @@ def test_auto_falls_back_to_torch_flash_where_the_triton_kernel_fails(micro_mode
     decoder = static._Decoder(model, ids, mask, max_new_tokens=4, n=2, triton=engine.triton_attention)
     decoder.row_kernel = "triton"  # what auto picks on a CUDA device with Triton
     monkeypatch.setattr(static, "_DECODE_ATTENTION", "auto")
-    with caplog.at_level(logging.WARNING, logger="rlhf_core.rollout_static"):
+    with caplog.at_level(logging.WARNING, logger="rlhf_core.rollout.static"):
         engine._check_row_kernel(decoder)
     assert decoder.row_kernel == "flash" and engine.triton_attention is False
     assert "Triton decode attention failed (PassManager::run failed)" in caplog.text
@@ -383,8 +383,8 @@ def test_compiled_layer_halves_trace_whole_and_equal_the_plain_ones(attention, m
     whole chain), and the traced graphs give the plain functions' values exactly (``aot_eager``: the traced
     aten graph run eagerly; inductor's fused kernels are checked on a GPU by bench/gpu_engine.py)."""
     from rlhf_core.data.tokenize import encode_prompt
-    from rlhf_core.rollout import _left_pad
-    import rlhf_core.rollout_static as static
+    from rlhf_core.rollout.engine import _left_pad
+    import rlhf_core.rollout.static as static
 
     monkeypatch.setattr(static, "_DECODE_ATTENTION", attention)
     model, tok = _eos_biased(micro_model)
@@ -433,7 +433,7 @@ def test_compiled_sampler_traces_whole_and_equals_the_plain_one(temperature, top
     tokens and log-probs from the same logits and uniforms (top-p takes the plain weights)."""
     import functools
 
-    from rlhf_core.rollout_static import _sample, _sampling_weights
+    from rlhf_core.rollout.static import _sample, _sampling_weights
 
     torch.manual_seed(0)
     logits, uniform = torch.randn(12, 50) * 3, torch.rand(12, 1)
@@ -453,8 +453,8 @@ def test_a_lora_policy_decodes_through_its_adapters(fused, micro_model, monkeypa
     a LoRA run's reference) match it there too. DoRA is refused with the reason."""
     from peft import LoraConfig, get_peft_model
 
-    import rlhf_core.rollout_static as static
-    from rlhf_core.models import adapters_off, prepare_for_training
+    import rlhf_core.rollout.static as static
+    from rlhf_core.models.loading import adapters_off, prepare_for_training
 
     if not fused:
         monkeypatch.setattr(static._Decoder, "_fuse_weights", lambda self: None)

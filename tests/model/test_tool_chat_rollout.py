@@ -15,10 +15,10 @@ import pytest
 import torch
 from conftest import MICRO_MODEL
 
-from rlhf_core.environments import OBSERVATION, StepResult, rollout_with_environment, tool_conversations
-from rlhf_core.models import load_causal_lm, load_tokenizer
-from rlhf_core.rollout import HFGenerateEngine, SamplingParams
-from rlhf_core.tool_task import TAGS
+from rlhf_core.rollout.environments import OBSERVATION, StepResult, rollout_with_environment, tool_conversations
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+from rlhf_core.rollout.engine import HFGenerateEngine, SamplingParams
+from rlhf_core.rollout.tool_task import TAGS
 
 # Qwen2.5's template without tools in the system prompt: consecutive tool replies share one user turn, each
 # wrapped in <tool_response> tags.
@@ -55,7 +55,7 @@ def chat_tool_model(tmp_path_factory, micro_tokenizer) -> Path:
     ``</calc>`` and eos each lead every other logit (every embedding 4.0 in dimension 0, theirs 4.8)."""
     from transformers import AutoTokenizer
 
-    from rlhf_core.embedded import build_tiny_model
+    from rlhf_core.embedded.tiny_model import build_tiny_model
 
     tok = AutoTokenizer.from_pretrained(str(micro_tokenizer))
     tok.add_special_tokens({"eos_token": "<|im_end|>", "extra_special_tokens": ["<|im_start|>"]},
@@ -149,12 +149,12 @@ def test_trainer_renders_tool_messages_for_conversation_prompts(chat_tool_model,
 
     from conftest import Recorder
 
-    from rlhf_core.config import RLConfig
+    from rlhf_core.config.schema import RLConfig
     from rlhf_core.data.io import DataError
     from rlhf_core.trainers.rl import RLTrainer, _PhaseTimes, read_prompts
 
     env = tmp_path / "env.py"
-    env.write_text("from rlhf_core.environments import StepResult\n\nclass Env:\n    stop_tokens = ('</calc>',)\n"
+    env.write_text("from rlhf_core.rollout.environments import StepResult\n\nclass Env:\n    stop_tokens = ('</calc>',)\n"
                    "    def reset(self, prompt, label):\n        pass\n"
                    f"    def step(self, action):\n        return StepResult({OBS!r})\n\n"
                    "def make_env():\n    return Env()\n")
@@ -162,7 +162,7 @@ def test_trainer_renders_tool_messages_for_conversation_prompts(chat_tool_model,
     chats.write_text("".join(json.dumps({"prompt": c, "label": "15"}) + "\n" for c in CHATS * 2))
     cfg = RLConfig(model_path=str(chat_tool_model), prompts_file=str(chats), eval_file=str(chats),
                    output_dir=str(tmp_path / "rl"), checkpoint_dir=str(tmp_path / "ckpt"),
-                   reward_function="rlhf_core/tool_task.py:reward", environment=f"{env}:make_env", max_turns=2,
+                   reward_function="rlhf_core/rollout/tool_task.py:reward", environment=f"{env}:make_env", max_turns=2,
                    max_trajectory_tokens=80, max_new_tokens=6, max_length=160, prompts_per_step=2, group_size=2,
                    batch_size=16, mini_batch_size=4, eval_items=4, eval_at_start=False, num_threads=1,
                    rollout_engine="hf")
@@ -189,8 +189,8 @@ def test_the_guard_probe_renders_tool_messages_as_the_stage_eval_does(chat_tool_
     default, text, they hold the bare observation instead."""
     import json
 
-    from rlhf_core.environments import evaluate_with_environment
-    from rlhf_core.guard_probe import ProbeEnvironment, probe_with_environment, read_eval_items
+    from rlhf_core.rollout.environments import evaluate_with_environment
+    from rlhf_core.promotion.probe import ProbeEnvironment, probe_with_environment, read_eval_items
 
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps({"prompt": c, "label": "15"}) + "\n" for c in CHATS * 2))

@@ -16,12 +16,12 @@ import pytest
 import torch
 from conftest import Recorder, recomputed_logprobs
 
-from rlhf_core.config import RLConfig
-from rlhf_core.environments import rollout_with_environment
-from rlhf_core.models import load_causal_lm, load_tokenizer
-from rlhf_core.rl_math import policy_loss
-from rlhf_core.rollout import HFGenerateEngine, SamplingParams
-from rlhf_core.rollout_static import StaticCacheEngine
+from rlhf_core.config.schema import RLConfig
+from rlhf_core.rollout.environments import rollout_with_environment
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+from rlhf_core.algorithms.rl_math import policy_loss
+from rlhf_core.rollout.engine import HFGenerateEngine, SamplingParams
+from rlhf_core.rollout.static import StaticCacheEngine
 
 REPO = Path(__file__).resolve().parents[2]
 OBS = "<result>7</result>"
@@ -30,7 +30,7 @@ OBS = "<result>7</result>"
 @pytest.fixture(scope="module")
 def scripted_env(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("env") / "env.py"
-    path.write_text("from rlhf_core.environments import StepResult\n\n"
+    path.write_text("from rlhf_core.rollout.environments import StepResult\n\n"
                     "class Env:\n    stop_tokens = ('</calc>',)\n"
                     "    def reset(self, prompt, label):\n        self.steps = 0\n"
                     f"    def step(self, action):\n        self.steps += 1\n        return StepResult({OBS!r})\n\n"
@@ -39,7 +39,7 @@ def scripted_env(tmp_path_factory) -> str:
 
 
 def _rollout(engine, tokenizer, params, **kw):
-    from rlhf_core.rewards import load_function
+    from rlhf_core.rewards.sources import load_function
 
     make_env = load_function(kw.pop("env"))[2]
     return rollout_with_environment(engine, tokenizer, ["12+3=", "4*5=", "77-9="], ["15", "20", "68"], params,
@@ -51,7 +51,7 @@ def _two_iterations(tool_model, env, micro_data, tmp_path, **kw) -> RLConfig:
     return RLConfig(**{**dict(
         model_path=str(tool_model), prompts_file=str(micro_data["prompts"]), eval_file=str(micro_data["eval"]),
         output_dir=str(tmp_path / "rl"), checkpoint_dir=str(tmp_path / "ckpt"),
-        reward_function=str(REPO / "rlhf_core/tool_task.py:reward"), environment=env, max_turns=3,
+        reward_function=str(REPO / "rlhf_core/rollout/tool_task.py:reward"), environment=env, max_turns=3,
         max_trajectory_tokens=20, max_new_tokens=6, max_steps=2, prompts_per_step=4, group_size=4, batch_size=64,
         mini_batch_size=16, lr=3e-3, warmup_steps=0, eval_items=8, eval_at_start=False, log_rollouts_every=1,
         num_threads=1, rollout_engine="hf"), **kw})
@@ -150,7 +150,7 @@ def test_an_environment_server_that_is_down_stops_the_run_with_a_clear_error_and
     checkpoint, no metrics file is written."""
     import socket
 
-    from rlhf_core.environments import EnvironmentFailure
+    from rlhf_core.rollout.environments import EnvironmentFailure
     from rlhf_core.trainers.rl import train_rl
 
     with socket.socket() as s:  # a port nothing listens on
@@ -158,7 +158,7 @@ def test_an_environment_server_that_is_down_stops_the_run_with_a_clear_error_and
         port = s.getsockname()[1]
     cfg = RLConfig(model_path=str(tool_model), prompts_file=str(micro_data["prompts"]),
                    eval_file=str(micro_data["eval"]), output_dir=str(tmp_path / "rl"),
-                   checkpoint_dir=str(tmp_path / "ckpt"), reward_function=str(REPO / "rlhf_core/tool_task.py:reward"),
+                   checkpoint_dir=str(tmp_path / "ckpt"), reward_function=str(REPO / "rlhf_core/rollout/tool_task.py:reward"),
                    environment=f"http://127.0.0.1:{port}/step", environment_stop_tokens=["</calc>"],
                    reward_retries=1, reward_backoff_cap_s=0.01, max_turns=2, max_trajectory_tokens=20,
                    max_new_tokens=6, max_steps=2, prompts_per_step=4, group_size=2, batch_size=64, mini_batch_size=8,
@@ -180,7 +180,7 @@ def test_multi_turn_rollouts_run_on_ray_replicas_with_the_environment_in_the_con
     Ray start-up and actor loading on 2 CPU cores.)"""
     from safetensors.torch import load_file
 
-    from rlhf_core.ray_launcher import train_rl_on_ray
+    from rlhf_core.trainers.ray_launcher import train_rl_on_ray
 
     cfg = _two_iterations(tool_model, scripted_env, micro_data, tmp_path, placement="disaggregated",
                           num_workers=1, rollout_workers=2, precision="fp32")

@@ -1,4 +1,4 @@
-"""Variable-length attention for packed rows (``rlhf_core.attention``) against today's padded SDPA path.
+"""Variable-length attention for packed rows (``rlhf_core.models.attention``) against today's padded SDPA path.
 
 On a CPU the varlen path runs its torch reference (causal SDPA per sequence) through the same
 transformers dispatch, segment bookkeeping and mask rule the GPU kernel runs behind; the GPU kernel's
@@ -15,13 +15,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from conftest import Recorder
-from rlhf_core import attention
-from rlhf_core.config import DPOConfig, RewardConfig
+from rlhf_core.models import attention
+from rlhf_core.config.schema import DPOConfig, RewardConfig
 from rlhf_core.data.io import read_records
 from rlhf_core.data.tokenize import collate_pairs
-from rlhf_core.logprobs import response_logprobs
-from rlhf_core.models import ATTENTION_ENV, load_causal_lm, load_tokenizer
-from rlhf_core.reward_model import load_reward_model, pair_rewards
+from rlhf_core.algorithms.logprobs import response_logprobs
+from rlhf_core.models.loading import ATTENTION_ENV, load_causal_lm, load_tokenizer
+from rlhf_core.rewards.model import load_reward_model, pair_rewards
 from rlhf_core.trainers.dpo import train_dpo
 from rlhf_core.trainers.reward import train_reward_model
 from test_packing_tiny import _pairs  # six tokenized preference pairs of the micro data
@@ -228,7 +228,7 @@ def test_packed_rl_training_on_varlen_equals_padded_sdpa(micro_model, micro_data
     fused into the update, 4 micro-batches, the reference in no-grad chunks) with every micro-batch one
     padding-free row through the varlen path equal the padded run on SDPA: the same rollouts (engine untouched), per-step losses and KL (1e-4 relative) and final weights
     within 1e-3 of the update. A token budget is refused for rl (its micro-batches are rows)."""
-    from rlhf_core.config import ConfigError, RLConfig
+    from rlhf_core.config.schema import ConfigError, RLConfig
     from rlhf_core.trainers.rl import train_rl
 
     reward = tmp_path / "length_reward.py"
@@ -269,7 +269,7 @@ def test_packed_rl_training_on_varlen_equals_padded_sdpa(micro_model, micro_data
 def test_rl_prefix_tree_on_a_varlen_model_takes_sdpa_with_its_mask(micro_model, monkeypatch):
     """RL's shared-prompt pass hands the model a 4D tree mask: on a model loaded with varlen attention (a GPU's
     default) every layer routes it to SDPA, and the log-probs equal the SDPA model's padded rows."""
-    from rlhf_core.models import load_tokenizer
+    from rlhf_core.models.loading import load_tokenizer
     from rlhf_core.trainers.rl_roles import token_logprobs
     from test_layer_compile import _grouped_rows
 

@@ -1,5 +1,5 @@
 """``rl.weight_sync: collective`` on real Ray (local instance, CPU, gloo): policy rank 0 and the rollout replicas
-in a torch.distributed group of their own (rlhf_core/weight_sync.py). After a sync every replica holds rank 0's
+in a torch.distributed group of their own (rlhf_core/distributed/weight_sync.py). After a sync every replica holds rank 0's
 weights bitwise; GRPO logs the same metrics through the collective as through the object store (same seed);
 a replica that stops answering or dies fails the sync within the collective timeout instead of hanging.
 
@@ -15,7 +15,7 @@ import ray
 import torch
 
 from conftest import Recorder
-from rlhf_core.config import RLConfig
+from rlhf_core.config.schema import RLConfig
 
 _TIMEOUT_S = 10.0
 
@@ -40,8 +40,8 @@ def test_collective_sync_gives_every_replica_rank0s_weights_and_a_dead_replica_f
     (a checkpoint's: the start plus noise), one sync later both replicas hold them bitwise. Then rank 0
     broadcasting alone (replicas idle) raises after the collective timeout (10 s here), and a sync with a
     replica killed fails at once."""
-    from rlhf_core import ray_launcher as rl_ray
-    from rlhf_core.ray_launcher import (Launcher, RankFailed, RemoteLearner, RemoteRollout, RolloutActor,
+    from rlhf_core.trainers import ray_launcher as rl_ray
+    from rlhf_core.trainers.ray_launcher import (Launcher, RankFailed, RemoteLearner, RemoteRollout, RolloutActor,
                                         RolloutReplica, TrainerActor)
 
     monkeypatch.setenv(rl_ray.COLLECTIVE_TIMEOUT_ENV, str(_TIMEOUT_S))
@@ -91,7 +91,7 @@ def test_grpo_logs_the_same_metrics_through_the_collective_as_through_the_object
         ray_local, micro_model, micro_data, tmp_path):
     """Same seed, same placement (disaggregated: a policy rank, 2 replicas, a reference): the collective only
     changes how the weights travel, so every logged rollout/ and train/ metric is identical."""
-    from rlhf_core.ray_launcher import train_rl_on_ray
+    from rlhf_core.trainers.ray_launcher import train_rl_on_ray
 
     runs = {}
     for sync in ("object_store", "collective"):

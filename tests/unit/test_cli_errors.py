@@ -23,8 +23,8 @@ def test_every_named_error_class_exists(name):
 
 
 def test_exit_codes_follow_the_class_and_its_subclasses():
-    from rlhf_core.checkpoint import StorageError
-    from rlhf_core.config import ConfigError
+    from rlhf_core.tracking.checkpoint import StorageError
+    from rlhf_core.config.schema import ConfigError
     from rlhf_core.data.io import DataError
 
     class Narrower(ConfigError):
@@ -65,7 +65,7 @@ def test_a_cut_validation_report_keeps_each_failures_location_first(tmp_path, mo
 
 
 def test_prefect_records_of_the_projects_errors_are_dropped_and_others_kept():
-    from rlhf_core.config import ConfigError
+    from rlhf_core.config.schema import ConfigError
 
     quiet = errors._ProjectFailureFilter()
 
@@ -81,4 +81,4 @@ def test_prefect_records_of_the_projects_errors_are_dropped_and_others_kept():
                                                         "exception ValidationFailed: data.jsonl: ...\")"))
     assert quiet.filter(record("prefect.task_runs", "Task run failed with exception: ...", KeyError("a bug")))
     assert quiet.filter(record("prefect.flow_runs", "Beginning flow run 'x' for flow 'align'"))
-    assert quiet.filter(record("rlhf_core.stages", "anything", bad))  # not Prefect's: kept
+    assert quiet.filter(record("rlhf_core.stages.wrappers", "anything", bad))  # not Prefect's: kept

@@ -1,4 +1,4 @@
-"""The decode step's Triton attention kernel (rlhf_core/decode_attention.py) against its torch contract.
+"""The decode step's Triton attention kernel (rlhf_core/models/decode_attention.py) against its torch contract.
 
 The kernel runs here under Triton's interpreter (``TRITON_INTERPRET=1``: the same kernel code, its tile ops
 executed with numpy on CPU tensors) where Triton is installed; the CPU install does not carry Triton (it comes
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_core import decode_attention as da
-from rlhf_core.rollout_static import _decode_attention
+from rlhf_core.models import decode_attention as da
+from rlhf_core.rollout.static import _decode_attention
 
 # (cache rows B, query rows a cache row Q, query heads H_q, KV heads H_kv, head size D, cache width W):
 # grouped heads folded into rows (Q = G, H_q = H_kv), one row a cache row with grouped heads, plain multi-head,

@@ -32,14 +32,14 @@ def test_committed_dvc_yaml_has_the_derived_code_deps():
 def test_derived_deps_hold_what_the_stages_run():
     derived = _derived()
     # the modules the hand-written list had left out of sft, its trainer, and config.py (its defaults)
-    assert {"rlhf_core/lm_head.py", "rlhf_core/precision.py", "rlhf_core/models.py", "rlhf_core/attention.py",
-            "rlhf_core/config.py", "rlhf_core/trainers/sft.py", "flows/cli.py"} <= set(derived["sft"])
+    assert {"rlhf_core/models/lm_head.py", "rlhf_core/models/precision.py", "rlhf_core/models/loading.py", "rlhf_core/models/attention.py",
+            "rlhf_core/config/schema.py", "rlhf_core/trainers/sft.py", "flows/cli.py"} <= set(derived["sft"])
     # another stage's trainer and the Prefect flows: the dispatch modules are read by calls
     assert not {"rlhf_core/trainers/dpo.py", "rlhf_core/trainers/kto.py", "flows/align.py"} & set(derived["sft"])
     # code the params name by path: rl's default reward function, tool_rl's reward and environment
-    assert "rlhf_core/rewards_embedded.py" in derived["rl"]
-    assert "rlhf_core/tool_task.py" in derived["tool_rl"]
-    assert all("rlhf_core/config.py" in files for files in derived.values())
+    assert "rlhf_core/embedded/reward.py" in derived["rl"]
+    assert "rlhf_core/rollout/tool_task.py" in derived["tool_rl"]
+    assert all("rlhf_core/config/schema.py" in files for files in derived.values())
 
 
 def test_an_import_added_without_regenerating_fails_the_check(tmp_path):
@@ -51,13 +51,13 @@ def test_an_import_added_without_regenerating_fails_the_check(tmp_path):
     def generate_deps() -> list[str]:
         return yaml.safe_load((tmp_path / "dvc.yaml").read_text())["stages"]["generate"]["deps"]
 
-    assert "rlhf_core/plots.py" not in generate_deps()
-    with open(tmp_path / "rlhf_core" / "synthetic.py", "a", encoding="utf-8") as f:  # a lazy import
-        f.write("\n\ndef _lazy():\n    from rlhf_core import plots  # noqa: F401\n")
+    assert "rlhf_core/tracking/plots.py" not in generate_deps()
+    with open(tmp_path / "rlhf_core" / "embedded" / "tasks.py", "a", encoding="utf-8") as f:  # a lazy import
+        f.write("\n\ndef _lazy():\n    from rlhf_core.tracking import plots  # noqa: F401\n")
 
-    assert "+      - rlhf_core/plots.py" in dvc_deps.check(tmp_path)
+    assert "+      - rlhf_core/tracking/plots.py" in dvc_deps.check(tmp_path)
     assert dvc_deps.main(["--write", "--root", str(tmp_path)]) == 0
-    assert "rlhf_core/plots.py" in generate_deps()
+    assert "rlhf_core/tracking/plots.py" in generate_deps()
     assert dvc_deps.check(tmp_path) == ""
 
 
@@ -69,12 +69,15 @@ def _toy(root, files: dict[str, str]):
 
 
 TOY = {
-    "rlhf_core/__init__.py": "from rlhf_core import env\n",
-    "rlhf_core/env.py": "",
-    "rlhf_core/config.py": "",
+    "rlhf_core/__init__.py": "from rlhf_core.common import offline as env\n",
+    "rlhf_core/common/__init__.py": "",
+    "rlhf_core/common/offline.py": "",
+    "rlhf_core/config/__init__.py": "",
+    "rlhf_core/config/schema.py": "",
+    "rlhf_core/stages/__init__.py": "",
     "rlhf_core/lazy.py": "",
     "rlhf_core/deep.py": "",
-    "rlhf_core/stages.py": ("from rlhf_core import config\n\n"
+    "rlhf_core/stages/wrappers.py": ("from rlhf_core.config import schema as config\n\n"
                             "def sft():\n    from rlhf_core.trainers import sft\n    return _helper()\n\n"
                             "def _helper():\n    from rlhf_core import lazy\n\n"
                             "def dpo():\n    from rlhf_core.trainers import dpo\n"),
@@ -84,7 +87,7 @@ TOY = {
     "flows/__init__.py": "",
     "flows/align.py": "",
     "flows/cli.py": ("import rlhf_core\n\n"
-                     "def cmd_sft(args):\n    from rlhf_core import stages\n    return stages.sft()\n\n"
+                     "def cmd_sft(args):\n    from rlhf_core.stages import wrappers as stages\n    return stages.sft()\n\n"
                      "def cmd_flow(args):\n    from flows import align\n\n"
                      "def main():\n    return {'sft': cmd_sft, 'flow': cmd_flow}\n"),
 }
@@ -96,8 +99,9 @@ def test_closure_follows_lazy_imports_and_calls_not_other_handlers(tmp_path):
     which rlhf_core's imports). Not cmd_flow's flows/align.py, nor stages.dpo's trainer."""
     index = _toy(tmp_path, TOY)
     files = dvc_deps.closure(index, dvc_deps.command_entries(index, "alignflow sft --metrics-file m.json"))
-    assert files == {"flows/__init__.py", "flows/cli.py", "rlhf_core/__init__.py", "rlhf_core/env.py",
-                     "rlhf_core/config.py", "rlhf_core/stages.py", "rlhf_core/lazy.py",
+    assert files == {"flows/__init__.py", "flows/cli.py", "rlhf_core/__init__.py", "rlhf_core/common/__init__.py",
+                     "rlhf_core/common/offline.py", "rlhf_core/config/__init__.py", "rlhf_core/config/schema.py",
+                     "rlhf_core/stages/__init__.py", "rlhf_core/stages/wrappers.py", "rlhf_core/lazy.py",
                      "rlhf_core/trainers/__init__.py", "rlhf_core/trainers/sft.py", "rlhf_core/deep.py"}
 
 
@@ -107,12 +111,12 @@ def test_stages_whose_code_cannot_be_told_are_refused(tmp_path):
         dvc_deps.command_entries(index, "alignflow kto")
     with pytest.raises(dvc_deps.StageError, match="cannot be derived"):
         dvc_deps.command_entries(index, "bash train.sh")
-    without_config = TOY["rlhf_core/stages.py"].replace("from rlhf_core import config", "")
-    (tmp_path / "rlhf_core" / "stages.py").write_text(without_config)
+    without_config = TOY["rlhf_core/stages/wrappers.py"].replace("from rlhf_core.config import schema as config", "")
+    (tmp_path / "rlhf_core" / "stages" / "wrappers.py").write_text(without_config)
     with pytest.raises(dvc_deps.StageError, match="config default would not reach DVC"):
         dvc_deps.stage_code_deps(dvc_deps.SourceIndex(tmp_path), {"sft": {"cmd": "alignflow sft"}})
     # a stage function handing a helper on as a callback: its imports would escape the reading by calls
-    (tmp_path / "rlhf_core" / "stages.py").write_text(TOY["rlhf_core/stages.py"].replace("return _helper()",
+    (tmp_path / "rlhf_core" / "stages" / "wrappers.py").write_text(TOY["rlhf_core/stages/wrappers.py"].replace("return _helper()",
                                                                                           "return map(_helper, [])"))
     with pytest.raises(dvc_deps.StageError, match="uses _helper as a value"):
         dvc_deps.stage_code_deps(dvc_deps.SourceIndex(tmp_path), {"sft": {"cmd": "alignflow sft"}})

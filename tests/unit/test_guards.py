@@ -1,4 +1,4 @@
-"""Guards and the promotion gate (rlhf_core/guards.py), and the model card: expected values worked out by hand."""
+"""Guards and the promotion gate (rlhf_core/promotion/guards.py), and the model card: expected values worked out by hand."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from rlhf_core.config import ConfigError, GuardsConfig
-from rlhf_core.guards import (
+from rlhf_core.config.schema import ConfigError, GuardsConfig
+from rlhf_core.promotion.guards import (
     GUARD_NAMES,
     ProbeRecord,
     check_guards,
@@ -17,7 +17,7 @@ from rlhf_core.guards import (
     top_scored_accuracy,
     unpaired_se,
 )
-from rlhf_core.model_card import render_model_card
+from rlhf_core.tracking.model_card import render_model_card
 
 
 def _record(correct, reward=None, length=None, entropy=1.0, kl=None, slices=None) -> ProbeRecord:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from rlhf_core import lineage
-from rlhf_core.lineage import HashCache, dvc_md5, file_md5
+from rlhf_core.tracking import lineage
+from rlhf_core.tracking.lineage import HashCache, dvc_md5, file_md5
 
 AGED_NS = 60 * 10**9  # files are back-dated a minute: younger ones are never cached ("racy" mtimes)
 
@@ -140,7 +140,7 @@ def test_corrupt_cache_is_ignored_with_a_warning(tmp_path, caplog):
     model = _model_dir(tmp_path)
     cache_file = tmp_path / "cache.json"
     cache_file.write_text('{"version": 1, "entries": {"/x": [1, 2')
-    with caplog.at_level(logging.WARNING, logger="rlhf_core.lineage"):
+    with caplog.at_level(logging.WARNING, logger="rlhf_core.tracking.lineage"):
         cache = HashCache(cache_file, min_bytes=0)
     assert "unreadable" in caplog.text and str(cache_file) in caplog.text
     assert dvc_md5(model, cache=cache) == dvc_md5(model, cache=False)
@@ -148,7 +148,7 @@ def test_corrupt_cache_is_ignored_with_a_warning(tmp_path, caplog):
     assert len(json.loads(cache_file.read_text())["entries"]) == 4
     cache_file.write_text('["not", "a", "cache"]')
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="rlhf_core.lineage"):
+    with caplog.at_level(logging.WARNING, logger="rlhf_core.tracking.lineage"):
         assert HashCache(cache_file, min_bytes=0).md5(model / "config.json") == file_md5(model / "config.json")
     assert "unknown layout" in caplog.text
 
@@ -200,7 +200,7 @@ def test_save_drops_vanished_files_and_caps_entries(tmp_path, monkeypatch):
 _WRITER = """
 import os, sys, time
 from pathlib import Path
-from rlhf_core.lineage import HashCache
+from rlhf_core.tracking.lineage import HashCache
 root, cache_file = Path(sys.argv[1]), sys.argv[2]
 t = time.time_ns() - 60 * 10**9
 for i in range(100):

@@ -25,8 +25,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from rlhf_core.environments import EnvironmentFailure, StepResult, environment_factory
-from rlhf_core.rewards import HttpRewardSource, RewardError
+from rlhf_core.rollout.environments import EnvironmentFailure, StepResult, environment_factory
+from rlhf_core.rewards.sources import HttpRewardSource, RewardError
 
 QUERY_TOKEN = "tok-hostile-query-5e2a9c"
 ENV_NAME, BEARER_TOKEN = "ALIGNFLOW_TEST_HOSTILE_TOKEN", "tok-hostile-bearer-81f3d0"

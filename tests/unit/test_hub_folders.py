@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from rlhf_core.data.io import DataError, hub_train_files, read_records
-from rlhf_core.lineage import dvc_md5
+from rlhf_core.tracking.lineage import dvc_md5
 
 PAIRS = [{"prompt": f"{i}+1=", "chosen": str(i + 1), "rejected": str(i + 2)} for i in range(7)]
 
@@ -105,8 +105,8 @@ def test_folder_md5_and_mlflow_input_as_for_a_file(isolated_project):
     for the folder carries that md5 as digest, the folder as source and rows from its shards."""
     from mlflow.tracking import MlflowClient
 
-    from rlhf_core.config import TrackingConfig
-    from rlhf_core.tracking import start_run
+    from rlhf_core.config.schema import TrackingConfig
+    from rlhf_core.tracking.mlflow_runs import start_run
 
     folder = _parquet_folder(isolated_project / "ds")
     dvc = [sys.executable, "-m", "dvc"]

@@ -1,7 +1,7 @@
 """The chunked LM-head log-prob function against the whole-logits formula (hand-made tensors).
 
 Reference: ``log_softmax(h W^T / T)[y]`` over the full ``(N, V)`` logits, the formula every trainer
-used before (``rlhf_core.losses.sequence_logprobs``). The upstream gradient is non-uniform
+used before (``rlhf_core.algorithms.losses.sequence_logprobs``). The upstream gradient is non-uniform
 (advantage-weighted: random signs and sizes per token), the case where a kernel that scales every
 token's gradient alike would pass a mean-reduction test and still be wrong.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.lm_head import (LMHead, chunked_token_logprobs, detached_entropy, head_logprobs, liger_chunk_mem_const,
+from rlhf_core.models.lm_head import (LMHead, chunked_token_logprobs, detached_entropy, head_logprobs, liger_chunk_mem_const,
                                parallel_mode, resolve_kernel, resolve_lm_head, use_fused_kernels)
-from rlhf_core.rl_math import entropy_from_logits
+from rlhf_core.algorithms.rl_math import entropy_from_logits
 
 N, H, V = 37, 16, 50
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from rlhf_core.losses import IGNORE_INDEX, sequence_logprobs, sft_loss, token_nll_sum
+from rlhf_core.algorithms.losses import IGNORE_INDEX, sequence_logprobs, sft_loss, token_nll_sum
 
 
 def test_token_nll_uniform_logits_counts_only_labelled_tokens():

@@ -1,4 +1,4 @@
-"""The metric command's contract (rlhf_core/metric_command.py) with real tiny commands: a python script written
+"""The metric command's contract (rlhf_core/promotion/metric_command.py) with real tiny commands: a python script written
 to the test folder, run as a user's would be; every fault names the command, or the file, line and field."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from rlhf_core.config import ConfigError, GuardsConfig
-from rlhf_core.metric_command import MetricCommandError, command_args, pair_scores, read_scores, run_metric_command
+from rlhf_core.config.schema import ConfigError, GuardsConfig
+from rlhf_core.promotion.metric_command import MetricCommandError, command_args, pair_scores, read_scores, run_metric_command
 
 PY = sys.executable
 

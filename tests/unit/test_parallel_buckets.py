@@ -1,6 +1,6 @@
-"""Weight-sync bucket planning (rlhf_core.parallel.plan_buckets): consecutive, bounded, nothing lost."""
+"""Weight-sync bucket planning (rlhf_core.distributed.parallel.plan_buckets): consecutive, bounded, nothing lost."""
 
-from rlhf_core.parallel import plan_buckets
+from rlhf_core.distributed.parallel import plan_buckets
 
 
 def test_buckets_are_consecutive_and_bounded():

@@ -1,4 +1,4 @@
-"""The precision regimes' optimizer on hand-made tensors (rlhf_core/precision.py), against torch's own AdamW.
+"""The precision regimes' optimizer on hand-made tensors (rlhf_core/models/precision.py), against torch's own AdamW.
 
 Expected values are torch AdamW's on fp32 tensors (the reference the regimes are defined by), cast
 or rounded as each regime says; gradients are chosen exactly representable in bf16 so every
@@ -12,8 +12,8 @@ import copy
 import pytest
 import torch
 
-from rlhf_core import precision as precision_mod
-from rlhf_core.precision import MasterWeightAdamW, Precision, cast_parameters, clip_grad_norm_fp32
+from rlhf_core.models import precision as precision_mod
+from rlhf_core.models.precision import MasterWeightAdamW, Precision, cast_parameters, clip_grad_norm_fp32
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
 
@@ -198,7 +198,7 @@ def test_a_flagged_step_leaves_weights_moments_and_count_as_they_were(fused):
     """``parallel.optimizer_step`` with a nonzero ``skip`` flag: torch's fused AdamW (which takes the flag on the
     device, as GradScaler's ``found_inf``) and the per-tensor AdamW (which reads it first) leave the weights, both
     moments and the step count exactly as the last good step left them; a zero flag steps as ``step()`` does."""
-    from rlhf_core.parallel import optimizer_step
+    from rlhf_core.distributed.parallel import optimizer_step
 
     torch.manual_seed(0)
     model, twin = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlhf_core.losses import (
+from rlhf_core.algorithms.losses import (
     IGNORE_INDEX,
     PreferenceLoss,
     bradley_terry_loss,

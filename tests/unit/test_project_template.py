@@ -5,7 +5,7 @@
 alignflow's own source files as stage deps (a user project depends on the installed alignflow
 instead). So the two cannot drift, and every test of the checkout's files tests the template.
 
-One exception, by decision: the embedded *tool* task (``rlhf_core/tool_task.py``) is this repository's
+One exception, by decision: the embedded *tool* task (``rlhf_core/rollout/tool_task.py``) is this repository's
 demonstration of multi-turn RL, not part of a user's project. Its ``tool_*`` sections close
 ``params.yaml`` (after the template's text) and its ``tool_*`` stages sit in ``dvc.yaml`` only, so
 ``alignflow init`` projects, and their ``dvc repro``, stay as they were.
@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from conftest import REPO
-from rlhf_core.config import SECTIONS, TOOL_TASK_SECTIONS, load_config, read_params
+from rlhf_core.config.schema import SECTIONS, TOOL_TASK_SECTIONS, load_config, read_params
 
 TEMPLATE = REPO / "flows" / "project_template"
 # Where the repository's params.yaml continues past the template's text: the tool task's sections.

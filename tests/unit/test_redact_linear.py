@@ -18,9 +18,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf_core import redact
+from rlhf_core.common import redact
 from rlhf_core.data.report import offline
-from rlhf_core.redact import REDACTED, _is_secret_key, _scrub_patterns, redact_secrets
+from rlhf_core.common.redact import REDACTED, _is_secret_key, _scrub_patterns, redact_secrets
 
 _REF_KEY = r"[^=&#\s?]*(?:token|secret|pass|pwd|key|auth|sig|credential|session|jwt)[^=&#\s]*"
 _REF_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s]+@", re.IGNORECASE)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.ray_launcher import worker_env
+from rlhf_core.trainers.ray_launcher import worker_env
 from rlhf_core.trainers import rl_roles
 
 

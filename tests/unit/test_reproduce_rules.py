@@ -26,7 +26,7 @@ from flows.reproduce_compare import (
     same_place,
 )
 from flows.reproduce_trust import PROTECTS, enforce, local_store, review_config
-from rlhf_core.lineage import dir_listing, dir_md5, listing_md5, project_relative
+from rlhf_core.tracking.lineage import dir_listing, dir_md5, listing_md5, project_relative
 
 ROOTS = Roots(Path("/home/me/proj"), Path("/tmp/alignflow-reproduce-x/worktree"))
 
@@ -210,7 +210,7 @@ def test_naming_settings_need_no_trust_only_for_the_projects_own_store(tmp_path,
     commit = {"tracking": {"experiment": "alignflow", "registered_model": "alignflow-sft", "tracking_uri": "",
                            "artifact_dir": "mlartifacts"},
               "cycles": {"registered_model": "alignflow-policy"},
-              "rl": {"reward_function": "rlhf_core/rewards_embedded.py:reward"}}
+              "rl": {"reward_function": "rlhf_core/embedded/reward.py:reward"}}
     stored = json.loads(json.dumps(commit))
     stored[section][field] = value
     local = review_config(stored, commit, tmp_path, store_is_local=True)

@@ -1,4 +1,4 @@
-"""Hand-derived checks of the online-RL math in ``rlhf_core.rl_math`` (each docstring shows the arithmetic)."""
+"""Hand-derived checks of the online-RL math in ``rlhf_core.algorithms.rl_math`` (each docstring shows the arithmetic)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlhf_core.rl_math import (
+from rlhf_core.algorithms.rl_math import (
     AdaptiveKLController,
     AdvantageEstimator,
     FixedKLController,
@@ -723,7 +723,7 @@ def test_entropy_uniform_is_log_v_and_known_distribution():
 
 
 def test_truncated_is_weights():
-    from rlhf_core.rl_math import truncated_is_weights
+    from rlhf_core.algorithms.rl_math import truncated_is_weights
 
     old = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -1.0, 0.0]], requires_grad=True)
     sampler = torch.tensor([[-1.0, -3.0, -0.1], [-1.0, -1.0, 0.0]])
@@ -737,7 +737,7 @@ def test_truncated_is_weights():
 
 def test_tis_as_scaled_advantages_weights_each_token_of_the_clipped_loss():
     """Scaling advantages by w > 0 scales each token's clipped surrogate by w (w factors out of the min)."""
-    from rlhf_core.rl_math import clipped_policy_loss
+    from rlhf_core.algorithms.rl_math import clipped_policy_loss
 
     torch.manual_seed(0)
     logp, old = torch.randn(3, 5) * 0.3 - 1, torch.randn(3, 5) * 0.3 - 1
@@ -754,7 +754,7 @@ def test_sharded_losses_recombine_exactly(mode):
     """Data parallelism's identity: with u_r = aggregation_units(shard r), the whole batch's loss is
     sum_r u_r * loss_r / sum_r u_r. Rows 0, 2 and 1, 3 are two ranks' shards (rows rank::2); row 3 has
     no valid token, so the sequence modes count 2 + 1 sequences and token_mean 3 + 2 + 2 + 0 = 7 tokens."""
-    from rlhf_core.rl_math import aggregate_loss, aggregation_units
+    from rlhf_core.algorithms.rl_math import aggregate_loss, aggregation_units
 
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 0.0], [6.0, 7.0, 0.0], [9.0, 9.0, 9.0]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 0], [0, 0, 0]], dtype=torch.float32)
@@ -774,7 +774,7 @@ def test_sequence_is_mask_keeps_responses_whose_sequence_ratio_is_within_the_ban
     Row 3: no valid token, rho = e^0 = 1 -> kept.
     Row 4: 0.69 < 0.693 (rho 1.994) -> kept, the band's inside edge.
     Token-level TIS would have kept every row, capping only row 1's tokens at 2 (none reach it: e^0.5 = 1.65)."""
-    from rlhf_core.rl_math import sequence_is_mask
+    from rlhf_core.algorithms.rl_math import sequence_is_mask
 
     old = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -1.0, 4.0], [-1.4, -1.5, 0.0], [0.0, 0.0, 0.0],
                         [-1.0, -1.0, 0.0]], requires_grad=True)

@@ -10,7 +10,7 @@ from rlhf_core.data.io import DataError, Record
 from rlhf_core.data.sequences import (loss_spans, rendered_pair_rows, rendered_row, tokenize_labelled_prompts,
                                       tokenize_preference_records, tokenize_sft_records)
 from rlhf_core.data.tokenize import IGNORE_INDEX, TokenizedExample, tokenize_prompt_completion
-from rlhf_core.models import load_tokenizer
+from rlhf_core.models.loading import load_tokenizer
 
 USER = [{"role": "user", "content": "2+2="}]
 

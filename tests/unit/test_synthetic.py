@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import random
 
-from rlhf_core.lineage import file_md5
-from rlhf_core.synthetic import (
+from rlhf_core.tracking.lineage import file_md5
+from rlhf_core.embedded.tasks import (
     flawed_answer,
     Problem,
     ProblemSpace,

@@ -15,8 +15,8 @@ from rlhf_core.data.tokenize import (
     tokenize_messages,
     tokenize_prompt_completion,
 )
-from rlhf_core.losses import token_nll_sum
-from rlhf_core.models import load_causal_lm, load_tokenizer
+from rlhf_core.algorithms.losses import token_nll_sum
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 
 
 @pytest.fixture(scope="module")

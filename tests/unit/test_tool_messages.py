@@ -14,13 +14,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlhf_core.config import ConfigError, RLConfig
+from rlhf_core.config.schema import ConfigError, RLConfig
 from rlhf_core.data.formats import PromptExample
 from rlhf_core.data.io import DataError
-from rlhf_core.environments import (OBSERVATION, StepResult, rollout_with_environment, tool_conversations,
+from rlhf_core.rollout.environments import (OBSERVATION, StepResult, rollout_with_environment, tool_conversations,
                                     tool_turn_text)
-from rlhf_core.models import load_tokenizer
-from rlhf_core.rollout import SamplingParams
+from rlhf_core.models.loading import load_tokenizer
+from rlhf_core.rollout.engine import SamplingParams
 
 # Every message "[role]content", an assistant turn closed by eos, each message followed by a newline.
 BRACKETS = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}"
@@ -77,7 +77,7 @@ def test_auto_is_chat_only_for_conversations_with_a_template_of_the_tokenizer_s_
     tok.chat_template = LAST_ONLY  # checked at load, before any rollout: chat fails, auto falls back to text
     with pytest.raises(ValueError, match="tool_messages chat: chat template is not prefix-stable"):
         tool_conversations("chat", tok, chats, "p.jsonl")
-    with caplog.at_level(logging.WARNING, logger="rlhf_core.environments"):
+    with caplog.at_level(logging.WARNING, logger="rlhf_core.rollout.environments"):
         assert tool_conversations("auto", tok, chats, "p.jsonl") is None
     assert "observations appended as text" in caplog.text and "not prefix-stable" in caplog.text
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from mlflow.tracking import MlflowClient
 
-from rlhf_core.tracking import LocalFileTracker, MlflowTracker
+from rlhf_core.tracking.mlflow_runs import LocalFileTracker, MlflowTracker
 
 ROW = {"step": 1, "prompt": "call https://api.example/v1?token=TOK3N-VALUE-42", "completion": "Bearer abc.DEF-123",
        "reward": 0.5}

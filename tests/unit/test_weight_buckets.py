@@ -1,4 +1,4 @@
-"""The bucket helpers of the collective weight sync (rlhf_core/weight_sync.py) on hand-made tensors, the one place
+"""The bucket helpers of the collective weight sync (rlhf_core/distributed/weight_sync.py) on hand-made tensors, the one place
 ``rl.weight_sync: auto`` is decided, and the config's checks. The group itself: tests/model/test_weight_sync.py."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.config import ConfigError, RLConfig
-from rlhf_core.weight_sync import (SyncPath, TensorSpec, WeightSync, bucket_views, buffer_numels, flatten_bucket,
+from rlhf_core.config.schema import ConfigError, RLConfig
+from rlhf_core.distributed.weight_sync import (SyncPath, TensorSpec, WeightSync, bucket_views, buffer_numels, flatten_bucket,
                                    plan_layout, resolve_path, unflatten_bucket)
 
 

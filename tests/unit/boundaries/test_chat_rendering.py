@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from rlhf_core.data.chat import CHAT_TEMPLATE_DEPTH, CHAT_TEMPLATE_SECONDS, ROLES, ChatTemplateError, render_chat
 from rlhf_core.data.formats import completion_text, prompt_text
 from rlhf_core.data.tokenize import tokenize_messages
-from rlhf_core.environments import tool_turn_text
-from rlhf_core.models import load_tokenizer
+from rlhf_core.rollout.environments import tool_turn_text
+from rlhf_core.models.loading import load_tokenizer
 
 LIMIT = 0.3  # seconds: the bound the tests render under (CHAT_TEMPLATE_SECONDS is the pipeline's)
 

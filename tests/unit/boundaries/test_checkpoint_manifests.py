@@ -1,5 +1,5 @@
-"""Boundary: what resuming reads from a checkpoint folder: ``manifest.json`` (``rlhf_core.manifest``),
-``trainer_state.pt`` and ``finished.json`` (``rlhf_core.checkpoint.Checkpointer``).
+"""Boundary: what resuming reads from a checkpoint folder: ``manifest.json`` (``rlhf_core.tracking.manifest``),
+``trainer_state.pt`` and ``finished.json`` (``rlhf_core.tracking.checkpoint.Checkpointer``).
 
 Each file is replaced by arbitrary bytes, another JSON value, or a well-formed one with fields of any value
 (entry paths that leave the folder included). The contract: ``read_manifest`` returns the manifest or raises
@@ -17,8 +17,8 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from rlhf_core.checkpoint import FINISHED_FILE, FORMAT_VERSION, STATE_FILE, Checkpointer
-from rlhf_core.manifest import MANIFEST_FILE, read_manifest, verify_manifest, write_manifest
+from rlhf_core.tracking.checkpoint import FINISHED_FILE, FORMAT_VERSION, STATE_FILE, Checkpointer
+from rlhf_core.tracking.manifest import MANIFEST_FILE, read_manifest, verify_manifest, write_manifest
 
 FINGERPRINT = "f" * 64
 HEADER = {"format": FORMAT_VERSION, "step": 3, "fingerprint": FINGERPRINT}

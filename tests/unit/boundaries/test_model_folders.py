@@ -1,4 +1,4 @@
-"""Boundary: a model folder as ``rlhf_core.models`` loads it (``load_tokenizer``, ``attn_implementation``,
+"""Boundary: a model folder as ``rlhf_core.models.loading`` loads it (``load_tokenizer``, ``attn_implementation``,
 ``load_causal_lm``).
 
 One file of a real micro model folder at a time is replaced: ``config.json``, ``generation_config.json``,
@@ -19,7 +19,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from rlhf_core.models import ModelLoadError, attn_implementation, load_causal_lm, load_tokenizer
+from rlhf_core.models.loading import ModelLoadError, attn_implementation, load_causal_lm, load_tokenizer
 
 JSON_NAMES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json")
 json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),

@@ -1,8 +1,8 @@
-"""The reward-function boundary: a ``file.py:name`` spec (:func:`rlhf_core.rewards.load_function`) and what
-the function returns (:func:`rlhf_core.rewards.validate_rewards`).
+"""The reward-function boundary: a ``file.py:name`` spec (:func:`rlhf_core.rewards.sources.load_function`) and what
+the function returns (:func:`rlhf_core.rewards.sources.validate_rewards`).
 
 Any spec string, whatever its file holds (nothing, a directory, bytes, a syntax error, a name that is not
-callable), either loads a callable or is refused with a :class:`rlhf_core.rewards.RewardError` that quotes
+callable), either loads a callable or is refused with a :class:`rlhf_core.rewards.sources.RewardError` that quotes
 the spec; any return value (wrong length, None, strings, bools, NaN, infinities, integers past float's range
 or past ``str``'s digit limit, numpy arrays, torch tensors) either becomes one finite float per sample or is
 refused with a RewardError naming the reward function. Nothing else is raised.
@@ -18,7 +18,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from rlhf_core.rewards import RewardError, load_function, validate_rewards
+from rlhf_core.rewards.sources import RewardError, load_function, validate_rewards
 
 WHERE = "reward function score in /r/reward.py"
 SOURCES = {"callable": b"def score(p, c, y):\n    return [1.0] * len(p)\n", "not_callable": b"score = 3\n",

@@ -1,14 +1,14 @@
 """The service boundary: replies of reward and environment servers to alignflow's HTTP clients
-(:class:`rlhf_core.rewards.HttpRewardSource`, the environment of :func:`rlhf_core.environments.environment_factory`),
-and request bodies to ``serve-rm`` (:func:`rlhf_core.reward_server.parse_score_request`).
+(:class:`rlhf_core.rewards.sources.HttpRewardSource`, the environment of :func:`rlhf_core.rollout.environments.environment_factory`),
+and request bodies to ``serve-rm`` (:func:`rlhf_core.rewards.server.parse_score_request`).
 
 One real server on 127.0.0.1 answers every request with the reply the current example sets: any status,
 headers and body (arbitrary bytes, JSON of any shape, NaN and Infinity tokens, integers of hundreds or thousands
 of digits, wrong counts, a secret echoed back). Each reply is either accepted (one finite float per sample, or
-a well-formed step) or refused with the client's own error (:class:`rlhf_core.rewards.RewardError`,
-:class:`rlhf_core.environments.EnvironmentFailure`) whose message starts with the server's URL redacted and
+a well-formed step) or refused with the client's own error (:class:`rlhf_core.rewards.sources.RewardError`,
+:class:`rlhf_core.rollout.environments.EnvironmentFailure`) whose message starts with the server's URL redacted and
 holds no secret of the URL's. Any request body to ``serve-rm`` is parsed or refused with its
-:class:`rlhf_core.reward_server.BadRequest`. Nothing else is raised and no call outlives its deadline.
+:class:`rlhf_core.rewards.server.BadRequest`. Nothing else is raised and no call outlives its deadline.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from rlhf_core.environments import EnvironmentFailure, StepResult, environment_factory
-from rlhf_core.redact import redact_secrets
-from rlhf_core.reward_server import BadRequest, parse_score_request
-from rlhf_core.rewards import HttpRewardSource, RewardError
+from rlhf_core.rollout.environments import EnvironmentFailure, StepResult, environment_factory
+from rlhf_core.common.redact import redact_secrets
+from rlhf_core.rewards.server import BadRequest, parse_score_request
+from rlhf_core.rewards.sources import HttpRewardSource, RewardError
 
 SECRET = "tok-pconf-boundary-7c1d"
 N = 3  # samples per reward call

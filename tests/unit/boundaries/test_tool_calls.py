@@ -1,4 +1,4 @@
-"""Boundary: the calculator tool's parser (``rlhf_core.tool_task``) and what an environment's step returns.
+"""Boundary: the calculator tool's parser (``rlhf_core.rollout.tool_task``) and what an environment's step returns.
 
 ``CalculatorEnv.step`` reads any string the policy wrote and answers ``<result>V</result>`` for a call ``a op b``
 (operands of up to six digits, ``op`` in ``+ - *``) or ``<result>error</result>`` for anything else, at once
@@ -16,8 +16,8 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from rlhf_core.environments import EnvironmentFailure, StepResult, _check_result, _step
-from rlhf_core.tool_task import CALL_CLOSE, CALL_OPEN, RESULT_CLOSE, CalculatorEnv, final_answer, reward
+from rlhf_core.rollout.environments import EnvironmentFailure, StepResult, _check_result, _step
+from rlhf_core.rollout.tool_task import CALL_CLOSE, CALL_OPEN, RESULT_CLOSE, CalculatorEnv, final_answer, reward
 
 calls = st.builds(lambda a, op, b, pad: f"{pad}{a}{pad}{op}{pad}{b}{pad}", st.integers(-10**7, 10**7),
                   st.sampled_from("+-*/%^"), st.integers(-10**7, 10**7), st.sampled_from(["", " ", "\t"]))

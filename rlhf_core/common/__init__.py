@@ -1,0 +1,5 @@
+"""Process-level helpers every layer may use: atomic file writes, secret redaction, offline switches,
+log quieting, bounded HTTP reads, time limits and short value rendering.
+
+Imports nothing else from ``rlhf_core``; the standard library and small dependencies only.
+"""

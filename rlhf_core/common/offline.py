@@ -1,0 +1,76 @@
+"""Offline switches for every tool alignflow drives, set before any of them is imported.
+
+Import this module first (``rlhf_core/__init__.py`` does): nothing here may phone home or
+reach a model hub, since the machines this runs on have no network beyond package
+registries, and a user's nightly run must not depend on one.
+"""
+
+from __future__ import annotations
+
+import os
+
+OFFLINE_ENV: dict[str, str] = {
+    "DO_NOT_TRACK": "true",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "DVC_NO_ANALYTICS": "1",
+    "GX_ANALYTICS_ENABLED": "false",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "VLLM_NO_USAGE_STATS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    # Tokenizers' Rust thread pool and fork()ed workers (Ray, DataLoader) deadlock otherwise.
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+# NVLink multicast (NCCL's NVLS, torch symmetric memory) off in every Ray actor unless the user sets these
+# (rlhf_core.trainers.ray_launcher.connect; the weight-sync group sets them again before NCCL starts): on shared
+# multi-GPU hosts it has taken GPUs out of service, and data parallelism gains little from it.
+NO_MULTICAST_ENV: dict[str, str] = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                                    "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+# The CUDA caching allocator with expandable segments: batches of varying length otherwise fragment
+# its cache until it frees and re-allocates (a device sync), seen as SFT steps several times
+# slower than their neighbours and gone with it (BENCHMARKS.md, the allocator A/B). Read by
+# torch at its first CUDA allocation, so it is set here, before any.
+GPU_ENV: dict[str, str] = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
+# The Hub's and transformers' own progress bars ("Loading weights", "Writing model shards"): a bar per model
+# load or save, several per stage, between the stage's own bars (tqdm, which this leaves on).
+QUIET_ENV: dict[str, str] = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+def apply_offline_env() -> None:
+    """Set every offline switch (and the GPU allocator and progress-bar settings) that the user has not set
+    explicitly."""
+    for key, value in {**OFFLINE_ENV, **GPU_ENV, **QUIET_ENV}.items():
+        os.environ.setdefault(key, value)
+
+
+# Diagnostics for a run that hangs (a step that never ends on a large model): with ALIGNFLOW_STACK_DUMP_S=N,
+# every process that imports rlhf_core -- the driver and each Ray actor, which inherit it -- writes every
+# thread's Python stack to stderr every N seconds (Ray forwards actors' stderr to the driver's). Off by default,
+# and for hangs only: faulthandler's watchdog reads running threads' frames without the GIL, and one dump killed a
+# 7B ZeRO-3 rank mid-update (BENCHMARKS.md, 7B GRPO).
+STACK_DUMP_ENV = "ALIGNFLOW_STACK_DUMP_S"
+
+
+def arm_stack_dumps() -> None:
+    """Start the periodic stack dumps :data:`STACK_DUMP_ENV` asks for (no-op when unset or not a positive number)."""
+    import faulthandler
+    import sys
+
+    try:
+        every = float(os.environ.get(STACK_DUMP_ENV, "0"))
+    except ValueError:
+        return
+    if every > 0:
+        faulthandler.dump_traceback_later(every, repeat=True, file=sys.stderr)
+
+
+apply_offline_env()
+arm_stack_dumps()
