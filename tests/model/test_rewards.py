@@ -42,12 +42,19 @@ def reward_file(tmp_path: Path, body: str, name: str = "my_reward.py") -> Path:
 
 def test_embedded_reward_file():
     source = build_reward_source("function", path=str(REPO / "rlhf_core/embedded/reward.py") + ":reward")
-    assert isinstance(source, RewardSource) and source.name.endswith("rewards_embedded.py:reward")
+    assert isinstance(source, RewardSource) and source.name.endswith("embedded/reward.py:reward")
     assert source(PROMPTS, COMPLETIONS, LABELS) == [1.0, 0.0, 1.0, 1.0]
     # sent to another process (a Ray actor) as its spec, re-imported there
     assert pickle.loads(pickle.dumps(source))(PROMPTS, COMPLETIONS, LABELS) == [1.0, 0.0, 1.0, 1.0]
-    with pytest.raises(RewardError, match=r"rewards_embedded\.py.*sample 2 .*no label"):
+    with pytest.raises(RewardError, match=r"reward\.py.*sample 2 .*no label"):
         source(PROMPTS, COMPLETIONS, ["42", "123", None, "01789"])
+
+
+def test_the_embedded_reward_file_under_its_old_path():
+    """A params file written before the core was arranged by concern names the shipped rule by its old path."""
+    source = build_reward_source("function", path="rlhf_core/rewards_embedded.py:reward")
+    assert source.name.endswith("embedded/reward.py:reward")
+    assert source(PROMPTS, COMPLETIONS, LABELS) == [1.0, 0.0, 1.0, 1.0]
 
 
 def test_function_file_happy_path(tmp_path):

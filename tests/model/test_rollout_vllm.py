@@ -95,6 +95,32 @@ def test_weight_sync_after_an_update(engine, vllm_model):
     assert mismatch < 0.02 and moved >= 10 * 0.02, (mismatch, moved)
 
 
+def test_weight_buckets_after_an_update(engine, vllm_model):
+    """The collective sync's receiving end: the updated policy's parameters handed to the running engine in
+    buckets (``load_weight_bucket``, HF names, the last bucket marked) give the engine the trainer's log-probs
+    (within 0.02 nats), tied LM head included, and the log-probs moved by more than ten times that."""
+    tokenizer = load_tokenizer(vllm_model)
+    seq = [tokenizer.encode("7*8=56")]
+    policy = load_causal_lm(vllm_model, torch.device("cpu"))
+    engine.update_weights(policy)  # the engine starts from the checkpoint, whatever ran before
+    before = engine.sequence_logprobs(seq)
+
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)
+    x = torch.tensor(seq)
+    for _ in range(5):
+        policy(input_ids=x, labels=x).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    policy.eval()
+    named = [(name, p.detach()) for name, p in policy.named_parameters()]
+    buckets = [dict(named[i:i + 5]) for i in range(0, len(named), 5)]
+    for i, bucket in enumerate(buckets):
+        engine.load_weight_bucket(bucket, last=i == len(buckets) - 1)
+    after = engine.sequence_logprobs(seq)
+    mismatch, moved = _mean_abs(after, _trainer_logprobs(policy, seq)), _mean_abs(after, before)
+    assert len(buckets) > 1 and mismatch < 0.02 and moved >= 10 * 0.02, (mismatch, moved)
+
+
 @pytest.mark.slow  # a second vLLM engine start-up (about a minute on 2 cores): `make test-slow`
 def test_grpo_run_with_the_vllm_engine(vllm_model, micro_data, tmp_path):
     """rollout_engine vllm end to end (with the truncated importance-sampling correction): samples
