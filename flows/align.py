@@ -40,7 +40,7 @@ from rlhf_core.stages.wrappers import lineage_tags
 from rlhf_core.tracking.mlflow_runs import Tracker, resolve_tracking_uri, start_run
 from tasks.data import generate_data, sample_best_of_n, validate_data
 from tasks.evaluation import evaluate_model
-from tasks.models import build_base_model
+from tasks.base_model import build_base_model
 from tasks.registry import register_model
 from tasks.training import distill_teacher, train_dpo, train_kto, train_raft, train_reward, train_rl, train_sft
 
