@@ -2,5 +2,6 @@
 sequence log-probabilities. Plain tensor functions with shapes and paper references; no Ray,
 DeepSpeed, vLLM, Prefect or MLflow.
 
-May import ``rlhf_core.models`` (the LM head's log-probabilities) and ``rlhf_core.common``.
+May import ``rlhf_core.models`` (the LM head's log-probabilities) and everything below it (``config`` for the
+closed choices), and never Ray, DeepSpeed, vLLM, Prefect or MLflow, not even through another package.
 """

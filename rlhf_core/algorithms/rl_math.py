@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import Enum
 from typing import Protocol
 
 import torch
+
+# re-exported: the closed choices are configuration vocabulary (rlhf_core.config.choices); dispatched here
+from rlhf_core.config.choices import AdvantageEstimator, KLEstimator, LossAggregation, PolicyObjective  # noqa: F401
 
 # Log-ratios are clamped before ``exp`` in the policy loss: exp(20) ~ 5e8 is already far
 # outside any trust region, and the clamp keeps one stale token from producing inf/NaN.
@@ -97,19 +99,6 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
 # --------------------------------------------------------------------------------------
 
 
-class LossAggregation(str, Enum):
-    """How per-token losses become one scalar; the closed set dispatched in :func:`aggregate_loss`."""
-
-    TOKEN_MEAN = "token_mean"
-    SEQ_MEAN_TOKEN_MEAN = "seq_mean_token_mean"
-    SEQ_MEAN_TOKEN_SUM_NORM = "seq_mean_token_sum_norm"
-
-    @property
-    def needs_max_len(self) -> bool:
-        """Only Dr.GRPO's constant normaliser needs the generation budget."""
-        return self is LossAggregation.SEQ_MEAN_TOKEN_SUM_NORM
-
-
 def aggregate_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, mode: LossAggregation | str,
                    max_len: int | None = None) -> torch.Tensor:
     """Reduce a per-token loss to a scalar.
@@ -178,26 +167,6 @@ def aggregation_units(mask: torch.Tensor, mode: LossAggregation | str) -> torch.
 # --------------------------------------------------------------------------------------
 # Policy and value losses
 # --------------------------------------------------------------------------------------
-
-
-class PolicyObjective(str, Enum):
-    """The policy-gradient surrogate; the closed set dispatched in :func:`policy_loss`.
-
-    * ``ppo_clip``: token ratios clipped inside PPO's pessimistic min (:func:`clipped_policy_loss`);
-    * ``gspo``: one length-normalised ratio per sequence, clipped the same way with much
-      smaller bounds (:func:`gspo_policy_loss`, Zheng et al. 2025);
-    * ``cispo``: REINFORCE weighted by the clipped, stop-gradient token ratio; no token loses
-      its gradient (:func:`cispo_policy_loss`, MiniMax 2025).
-    """
-
-    PPO_CLIP = "ppo_clip"
-    GSPO = "gspo"
-    CISPO = "cispo"
-
-    @property
-    def supports_dual_clip(self) -> bool:
-        """Dual clip bounds the unclipped branch of a min; CISPO has no such branch."""
-        return self is not PolicyObjective.CISPO
 
 
 @dataclass
@@ -598,20 +567,6 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 # --------------------------------------------------------------------------------------
 
 
-class KLEstimator(str, Enum):
-    """Monte-Carlo estimators of ``KL(pi || pi_ref)`` from tokens sampled by ``pi`` (Schulman 2020).
-
-    With ``log_ratio = log pi - log pi_ref`` and ``r = pi_ref / pi = exp(-log_ratio)``:
-    ``k1 = log_ratio`` (unbiased, high variance, can be negative);
-    ``k2 = 0.5 * log_ratio^2`` (biased, low variance, >= 0);
-    ``k3 = (r - 1) - log r`` (unbiased, low variance, >= 0; GRPO's choice, Shao et al. 2024, Eq. 4).
-    """
-
-    K1 = "k1"
-    K2 = "k2"
-    K3 = "k3"
-
-
 def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: KLEstimator | str,
                clamp: float | None = None, k3_cap: float | None = None) -> torch.Tensor:
     """Per-token KL estimate (Schulman 2020, "Approximating KL Divergence", k1/k2/k3).
@@ -731,41 +686,6 @@ class AdaptiveKLController:
 # --------------------------------------------------------------------------------------
 # Advantage estimators
 # --------------------------------------------------------------------------------------
-
-
-class AdvantageEstimator(str, Enum):
-    """The closed set of advantage estimators, dispatched in :func:`compute_advantages`."""
-
-    GAE = "gae"
-    REINFORCE_PP = "reinforce++"
-    REINFORCE_PP_BASELINE = "reinforce++-baseline"
-    RLOO = "rloo"
-    GRPO = "grpo"
-    DR_GRPO = "dr-grpo"
-    DISTILL = "distill"
-
-    @property
-    def needs_critic(self) -> bool:
-        """Only GAE bootstraps from a learned value function."""
-        return self is AdvantageEstimator.GAE
-
-    @property
-    def needs_teacher(self) -> bool:
-        """On-policy distillation: a frozen teacher scores the policy's sampled tokens."""
-        return self is AdvantageEstimator.DISTILL
-
-    @property
-    def takes_token_rewards(self) -> bool:
-        """Estimators built on per-token rewards (a KL term folded in, the teacher's reverse KL);
-        rloo, grpo and dr-grpo score whole sequences only."""
-        return self in (AdvantageEstimator.GAE, AdvantageEstimator.REINFORCE_PP,
-                        AdvantageEstimator.REINFORCE_PP_BASELINE, AdvantageEstimator.DISTILL)
-
-    @property
-    def needs_groups(self) -> bool:
-        """Baselines built from several samples of the same prompt (``group_size >= 2``)."""
-        return self in (AdvantageEstimator.REINFORCE_PP_BASELINE, AdvantageEstimator.RLOO,
-                        AdvantageEstimator.GRPO, AdvantageEstimator.DR_GRPO)
 
 
 def _last_valid_index(mask: torch.Tensor) -> torch.Tensor:

@@ -22,12 +22,10 @@ from typing import Any, ClassVar, TypeVar
 
 import yaml
 
-from rlhf_core.data.io import MAX_LINE_BYTES
+from rlhf_core.common.redact import redact_secrets
 from rlhf_core.common.shown import shown
-
-if typing.TYPE_CHECKING:  # annotations only; imported at run time inside RLConfig's checks
-    from rlhf_core.rewards.sources import RewardKind
-    from rlhf_core.algorithms.rl_math import AdvantageEstimator
+from rlhf_core.config.choices import (AdvantageEstimator, KLEstimator, LossAggregation, PolicyObjective, RewardKind,
+                                      ToolMessages, WeightSync)
 
 
 class ConfigError(ValueError):
@@ -145,6 +143,10 @@ class ModelConfig:
                f"must be divisible by num_heads ({self.num_heads}), got {self.hidden_size}")
         _check(self.num_heads % self.num_kv_heads == 0, s, "num_kv_heads",
                f"must divide num_heads ({self.num_heads}), got {self.num_kv_heads}")
+
+
+MAX_LINE_BYTES = 16 * 1024 * 1024
+"""The longest JSON Lines line read unless a caller sets another (``DataFields.max_line_bytes``)."""
 
 
 @dataclass
@@ -782,11 +784,6 @@ class RLConfig(TrainerConfig):
 
     def _check_choices(self) -> tuple[AdvantageEstimator, RewardKind]:
         """Check the enum-valued fields; return the (AdvantageEstimator, RewardKind) they name."""
-        # Local imports: rewards and rl_math import torch, and ``import rlhf_core.config.schema`` stays torch-free.
-        from rlhf_core.rollout.environments import ToolMessages
-        from rlhf_core.rewards.sources import RewardKind
-        from rlhf_core.algorithms.rl_math import AdvantageEstimator, KLEstimator, LossAggregation, PolicyObjective
-
         s = self.section
 
         def one_of(name: str, enum: type) -> None:
@@ -810,9 +807,6 @@ class RLConfig(TrainerConfig):
 
     def _check_reward(self, kind: RewardKind) -> None:
         """The reward source ``kind`` needs its own field; HTTP limits."""
-        from rlhf_core.common.redact import redact_secrets
-        from rlhf_core.rewards.sources import RewardKind
-
         s = self.section
         if kind is RewardKind.FUNCTION:
             _check(":" in self.reward_function, s, "reward_function",
@@ -832,8 +826,6 @@ class RLConfig(TrainerConfig):
 
     def _check_token_env(self, kind: RewardKind) -> None:
         """reward_token_env must be a variable's name, set now (checked at load: fail before hours of training)."""
-        from rlhf_core.rewards.sources import RewardKind
-
         name, s = self.reward_token_env, self.section
         if not name or kind is not RewardKind.HTTP:
             return
@@ -888,8 +880,6 @@ class RLConfig(TrainerConfig):
 
     def _check_weight_sync(self) -> None:
         """rl.weight_sync: a known path, and collective only where it can work."""
-        from rlhf_core.distributed.weight_sync import WeightSync
-
         s, values = self.section, [e.value for e in WeightSync]
         _check(self.weight_sync in values, s, "weight_sync", f"must be one of {values}, got {self.weight_sync!r}")
         if self.weight_sync != WeightSync.COLLECTIVE.value:
@@ -936,8 +926,6 @@ class RLConfig(TrainerConfig):
 
     def _check_update(self) -> None:
         """Sampling, PPO clipping, critic and return parameters of the update."""
-        from rlhf_core.algorithms.rl_math import PolicyObjective  # valid: _check_choices ran first
-
         s = self.section
         _check(self.temperature > 0, s, "temperature", f"must be > 0 (rollouts are sampled), got {self.temperature}")
         _check(0 < self.top_p <= 1, s, "top_p", f"must be in (0, 1], got {self.top_p}")
