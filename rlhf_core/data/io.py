@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from rlhf_core.config.schema import MAX_LINE_BYTES  # re-exported: the readers' default, a config default too
+from rlhf_core.config import MAX_LINE_BYTES  # re-exported: the readers' default, a config default too
 
 
 def json_problem(exc: json.JSONDecodeError) -> str:

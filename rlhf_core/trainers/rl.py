@@ -58,7 +58,7 @@ from typing import Any, Sequence
 
 import torch
 
-from rlhf_core.config.schema import ConfigError, RLConfig, config_to_dict
+from rlhf_core.config import ConfigError, RLConfig, config_to_dict
 from rlhf_core.data.formats import prompt_text, read_prompt_examples
 from rlhf_core.data.io import DataError, read_records
 from rlhf_core.data.sequences import SAMPLE_ROWS, rendered_row

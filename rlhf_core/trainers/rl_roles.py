@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from rlhf_core.models.attention import VARLEN, packed_forward_kwargs
-from rlhf_core.config.schema import RLConfig
+from rlhf_core.config import RLConfig
 from rlhf_core.models.lm_head import LMHead, _head_bypassed, bypasses_head, head_logprobs, prepare_kernels, unwrap
 from rlhf_core.models.loading import adapter_parameters, adapters_off, export_state_dict, has_lora, load_causal_lm, \
     pick_device, prepare_for_training, resolve_checkpointing
