@@ -14,7 +14,7 @@ from enum import Enum
 
 class AdvantageEstimator(str, Enum):
     """The closed set of advantage estimators (``rl.estimator``), dispatched in
-    :func:`rlhf_core.algorithms.rl_math.compute_advantages`."""
+    :func:`rlhf_core.algorithms.advantages.compute_advantages`."""
 
     GAE = "gae"
     REINFORCE_PP = "reinforce++"
@@ -50,7 +50,7 @@ class AdvantageEstimator(str, Enum):
 
 class KLEstimator(str, Enum):
     """Monte-Carlo estimators of ``KL(pi || pi_ref)`` from tokens sampled by ``pi`` (Schulman 2020;
-    ``rl.kl_estimator``, computed by :func:`rlhf_core.algorithms.rl_math.kl_penalty`).
+    ``rl.kl_estimator``, computed by :func:`rlhf_core.algorithms.kl.kl_penalty`).
 
     With ``log_ratio = log pi - log pi_ref`` and ``r = pi_ref / pi = exp(-log_ratio)``:
     ``k1 = log_ratio`` (unbiased, high variance, can be negative);
@@ -65,7 +65,7 @@ class KLEstimator(str, Enum):
 
 class LossAggregation(str, Enum):
     """How per-token losses become one scalar (``rl.loss_aggregation``); the closed set dispatched in
-    :func:`rlhf_core.algorithms.rl_math.aggregate_loss`."""
+    :func:`rlhf_core.algorithms.masked.aggregate_loss`."""
 
     TOKEN_MEAN = "token_mean"
     SEQ_MEAN_TOKEN_MEAN = "seq_mean_token_mean"
@@ -79,7 +79,7 @@ class LossAggregation(str, Enum):
 
 class PolicyObjective(str, Enum):
     """The policy-gradient surrogate (``rl.policy_objective``); the closed set dispatched in
-    :func:`rlhf_core.algorithms.rl_math.policy_loss`.
+    :func:`rlhf_core.algorithms.policy.policy_loss`.
 
     * ``ppo_clip``: token ratios clipped inside PPO's pessimistic min (``clipped_policy_loss``);
     * ``gspo``: one length-normalised ratio per sequence, clipped the same way with much

@@ -12,7 +12,7 @@ environment steps:
   very tokens that were sampled;
 * ``action_mask`` marks the policy's tokens (1) and the observation tokens (0): the loss, the
   KL and the advantages cover only the former (:meth:`rlhf_core.rollout.engine.RolloutBatch.loss_mask`;
-  GAE and the returns skip interior masked tokens, :func:`rlhf_core.algorithms.rl_math.gae_advantages`);
+  GAE and the returns skip interior masked tokens, :func:`rlhf_core.algorithms.advantages.gae`);
 * ``max_turns`` bounds the model's turns and ``max_trajectory_tokens`` the response (turns and
   observations together); a trajectory that reaches either ends where it is.
 
