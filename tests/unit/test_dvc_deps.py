@@ -129,4 +129,5 @@ def test_every_stage_depends_on_the_whole_config_package(tmp_path):
     assert config <= set(dvc_deps.stage_code_deps(index, {"sft": {"cmd": "alignflow sft"}})["sft"])
     without_config = TOY["rlhf_core/stages/wrappers.py"].replace("from rlhf_core import config", "")
     (tmp_path / "rlhf_core" / "stages" / "wrappers.py").write_text(without_config)
-    assert config <= set(dvc_deps.stage_code_deps(dvc_deps.SourceIndex(tmp_path), {"sft": {"cmd": "alignflow sft"}})["sft"])
+    derived = dvc_deps.stage_code_deps(dvc_deps.SourceIndex(tmp_path), {"sft": {"cmd": "alignflow sft"}})
+    assert config <= set(derived["sft"])

@@ -33,10 +33,11 @@ def test_import_contracts_hold():
 
 
 def test_core_docstring_lists_the_layers_in_order():
-    """``rlhf_core/__init__.py``'s list of packages (its second paragraph) is the layers contract's, lowest first."""
-    contracts = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["importlinter"]["contracts"]
+    """``rlhf_core/__init__.py``'s list of packages (its second paragraph): the layers contract's, lowest first."""
+    config = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    contracts = config["tool"]["importlinter"]["contracts"]
     layers = next(c for c in contracts if c["id"] == "layers")["layers"]
     lowest_first = [name.strip() for layer in reversed(layers) for name in layer.split("|")]
     docstring = ast.get_docstring(ast.parse((REPO / "rlhf_core" / "__init__.py").read_text(encoding="utf-8")))
     named = re.findall(r"``(\w+)``", docstring.split("\n\n")[1])
-    assert named == lowest_first, f"rlhf_core/__init__.py names {named}; the layers contract, lowest first: {lowest_first}"
+    assert named == lowest_first, f"rlhf_core/__init__.py names {named}; the layers contract: {lowest_first}"
