@@ -32,7 +32,7 @@ def alignflow() -> list[str]:
 
 def seed_project(root: Path) -> tuple[str, str]:
     """A 30-row SFT file (``sft30.jsonl``) and two runs to diff in ``root``; returns the runs' ids."""
-    from rlhf_core.config.schema import TrackingConfig
+    from rlhf_core.config import TrackingConfig
     from rlhf_core.embedded.tasks import generate_datasets
     from rlhf_core.tracking.mlflow_runs import start_run
 

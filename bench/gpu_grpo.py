@@ -168,7 +168,7 @@ def _peak_by_gpu(smi: subprocess.Popen) -> dict[str, float]:
 
 def main() -> None:
     args = _args()
-    from rlhf_core.config.schema import RLConfig
+    from rlhf_core.config import RLConfig
     from rlhf_core.trainers import rl
     from rlhf_core.trainers.rl import train_rl
 

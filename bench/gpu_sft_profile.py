@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from gpu_profile import top  # noqa: E402
-from rlhf_core.config.schema import SFTConfig  # noqa: E402
+from rlhf_core.config import SFTConfig  # noqa: E402
 from rlhf_core.models.lm_head import prepare_kernels  # noqa: E402
 from rlhf_core.models.loading import load_causal_lm  # noqa: E402
 from rlhf_core.models.precision import Precision  # noqa: E402

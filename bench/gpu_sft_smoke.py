@@ -26,7 +26,7 @@ import transformers  # noqa: E402
 
 import rlhf_core  # noqa: E402,F401
 from rlhf_core.stages import wrappers as stages  # noqa: E402
-from rlhf_core.config.schema import EvalConfig, GenerateConfig, ModelConfig, SFTConfig, TrackingConfig, load_config  # noqa: E402
+from rlhf_core.config import EvalConfig, GenerateConfig, ModelConfig, SFTConfig, TrackingConfig, load_config  # noqa: E402
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from rlhf_core.config.schema import SFTConfig  # noqa: E402
+from rlhf_core.config import SFTConfig  # noqa: E402
 from rlhf_core.embedded.tiny_model import build_tiny_model, train_tokenizer  # noqa: E402
 from rlhf_core.embedded.tasks import generate_datasets  # noqa: E402
 

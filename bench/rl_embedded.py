@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import rlhf_core  # noqa: E402,F401  (offline switches)
 from rlhf_core.tracking.checkpoint import clear_checkpoints  # noqa: E402
-from rlhf_core.config.schema import RLConfig, load_config, parse_overrides  # noqa: E402
+from rlhf_core.config import RLConfig, load_config, parse_overrides  # noqa: E402
 from rlhf_core.trainers.rl import train_rl  # noqa: E402
 
 SHOWN = ("rollout/reward_mean", "rollout/kept_groups_frac", "rollout/response_length", "train/kl",

@@ -822,7 +822,7 @@ def _ours_grpo(task: dict, common: dict, sink: Any, work: Path) -> dict:
     """One GRPO run of ours (one process, or Ray ranks with colocated replicas): its step times and phases."""
     import torch
 
-    from rlhf_core.config.schema import RLConfig
+    from rlhf_core.config import RLConfig
     from rlhf_core.trainers.rl import train_rl
 
     inputs = task["inputs"]
@@ -882,7 +882,7 @@ def _ours_grpo(task: dict, common: dict, sink: Any, work: Path) -> dict:
 def _ours_offline(task: dict, common: dict, sink: Any, work: Path) -> dict:
     """One SFT, DPO or reward-model run of ours: the time between logged steps."""
     from rlhf_core.models import attention
-    from rlhf_core.config.schema import DPOConfig, RewardConfig, SFTConfig
+    from rlhf_core.config import DPOConfig, RewardConfig, SFTConfig
 
     inputs, name = task["inputs"], task["bench"]
     gpus, peak_dir = inputs["gpus"], os.environ.get("BENCH_PEAK_DIR", "")

@@ -31,7 +31,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from flows.params import load_all
-from rlhf_core.config.schema import ConfigError, DataFields, FlowConfig, TrackingConfig, config_to_dict
+from rlhf_core.config import ConfigError, DataFields, FlowConfig, TrackingConfig, config_to_dict
 from rlhf_core.data.validate import prompts_kind, require_eval_labels
 from rlhf_core.tracking.lineage import dvc_md5, project_relative
 from rlhf_core.common.redact import redact_secrets

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import rlhf_core  # offline switches first
 from flows import errors
-from rlhf_core.config.schema import (
+from rlhf_core.config import (
     OVERRIDE_SOURCE,
     SECTIONS,
     ConfigError,
@@ -246,7 +246,7 @@ def _task_section(section: str, shared: str, params: str) -> str:
     """The params section of a stage section's data report or guards (``shared``: ``data_report``, ``guards``):
     ``tool_sft`` reads ``tool_data_report`` and ``tool_rl`` ``tool_guards`` where the params file has them (the tool
     task's answers repeat more; a tool call legitimately lengthens its answers), every other section ``shared``."""
-    from rlhf_core.config.schema import read_params
+    from rlhf_core.config import read_params
 
     prefix = section.rpartition("_")[0]
     own = f"{prefix}_{shared}"

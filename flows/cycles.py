@@ -25,7 +25,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from rlhf_core.config.schema import ConfigError, CyclesConfig, config_to_dict
+from rlhf_core.config import ConfigError, CyclesConfig, config_to_dict
 from rlhf_core.data.validate import prompts_kind, require_eval_labels
 from rlhf_core.promotion.guards import fired_guards
 from rlhf_core.tracking.lineage import dvc_md5

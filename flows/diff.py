@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from rlhf_core.config.schema import TrackingConfig, load_config
+from rlhf_core.config import TrackingConfig, load_config
 from rlhf_core.promotion.guards import mean_and_se, paired_delta, unpaired_se
 from rlhf_core.tracking.mlflow_runs import resolve_tracking_uri
 

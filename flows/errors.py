@@ -28,7 +28,7 @@ MAX_CHARS = 400
 """The most characters an error message takes on stderr."""
 
 EXIT_CODES: dict[str, int] = {
-    "rlhf_core.config.schema.ConfigError": 2,
+    "rlhf_core.config.base.ConfigError": 2,
     "rlhf_core.models.loading.ModelLoadError": 2,
     "rlhf_core.data.io.DataError": 1,
     "rlhf_core.data.validate.ValidationFailed": 1,

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rlhf_core.config.schema import OVERRIDE_SOURCE, SECTIONS, ConfigError, build_config, read_params, unknown_sections
+from rlhf_core.config import OVERRIDE_SOURCE, SECTIONS, ConfigError, build_config, read_params, unknown_sections
 
 
 def write_private_overrides(values: dict[str, dict[str, Any]]) -> str:

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rlhf_core.config.schema import SECTIONS, ConfigError, read_params
+from rlhf_core.config import SECTIONS, ConfigError, read_params
 
 DATA_FIELDS = ("train_file", "prompts_file", "eval_file", "corpus_file")
 """Config fields that name a dataset a stage reads (empty: not used)."""

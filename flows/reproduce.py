@@ -149,7 +149,7 @@ def _env_for(worktree: Path, tracking_uri: str | None) -> dict[str, str]:
 def commit_config(worktree: Path) -> dict[str, dict[str, Any]]:
     """Every section of the commit's own ``params.yaml`` with the commit's defaults filled in, read
     by the commit's own config code (a field added since then is not a difference)."""
-    script = ("import json; from rlhf_core.config.schema import SECTIONS, config_to_dict, load_config; "
+    script = ("import json; from rlhf_core.config import SECTIONS, config_to_dict, load_config; "
               "print(json.dumps({s: config_to_dict(load_config(c, s, 'params.yaml')) for s, c in SECTIONS.items()}))")
     proc = subprocess.run([sys.executable, "-P", "-c", script], cwd=worktree, env=_env_for(worktree, None),
                           capture_output=True, text=True)
@@ -546,7 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="alignflow-reproduce-"))
     try:
         if RUN_ID.match(args.target):
-            from rlhf_core.config.schema import TrackingConfig, load_config
+            from rlhf_core.config import TrackingConfig, load_config
             from rlhf_core.tracking.mlflow_runs import resolve_tracking_uri
 
             tracking = load_config(TrackingConfig, "tracking", args.params if Path(args.params).exists() else None)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from rlhf_core.config.schema import ConfigError
+from rlhf_core.config import ConfigError
 from tasks.versioning import commit_identity
 
 # template file -> its path in the project. The dotfile ships without its dot: package-data

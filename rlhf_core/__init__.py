@@ -3,13 +3,15 @@
 ``common`` (process helpers) · ``config`` (typed stage configs) · ``data`` (readers, validation gate,
 tokenization) · ``embedded`` (the tiny default model and tasks) · ``models`` (loading, precision,
 attention, LM head) · ``algorithms`` (pure math) · ``distributed`` (data parallelism, weight sync) ·
-``rewards`` · ``rollout`` (engines, environments, evaluation) · ``promotion`` (guards) ·
-``tracking`` (MLflow, lineage, checkpoints) · ``trainers`` (one file per algorithm, the Ray launcher) ·
-``stages`` (one stage end to end).
+``rewards`` · ``rollout`` (engines, environments, evaluation) · ``promotion`` (guards) and
+``tracking`` (MLflow, lineage, checkpoints), one level: neither imports the other · ``trainers`` (one file per
+algorithm, the Ray launcher) · ``stages`` (one stage end to end).
 
-A package imports only packages before it (``pyproject.toml``'s import-linter contracts check this).
-Imports nothing from ``flows`` or ``tasks``; runs with torch and transformers alone (MLflow, Ray and
-DeepSpeed are optional at import time).
+A package imports only packages before it; the closed choices of the configs (``config.choices``) sit low so
+that the configs import nothing above them. Imports nothing from ``flows`` or ``tasks``; Ray is imported only in
+``trainers``, DeepSpeed in ``distributed``, vLLM in ``rollout``, MLflow and Prefect in ``tracking``. All of it is
+checked by ``pyproject.toml``'s import-linter contracts (``lint-imports``). Runs with torch and transformers
+alone (MLflow, Ray and DeepSpeed are optional at import time).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Write docs/configuration.md: every section of params.yaml with its fields, types, defaults and docstrings.
 
 The reference is generated from the config dataclasses, through the section -> class mapping that
-``load_config`` and the CLI use (``rlhf_core.config.schema.SECTIONS``), so it cannot drift from the code.
-Only the public names of ``rlhf_core.config.schema`` are imported, so this keeps working whether that is a
-module or a package.
+``load_config`` and the CLI use (``rlhf_core.config.SECTIONS``), so it cannot drift from the code.
 
     python scripts/config_reference.py           # print the reference
     python scripts/config_reference.py --write   # write docs/configuration.md
@@ -25,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from rlhf_core.config.schema import SECTIONS, field_docs  # noqa: E402  (the path above makes the checkout importable)
+from rlhf_core.config import SECTIONS, field_docs  # noqa: E402  (the path above makes the checkout importable)
 
 OUTPUT = REPO / "docs" / "configuration.md"
 REGENERATE = "python scripts/config_reference.py --write"
@@ -36,7 +34,7 @@ HEADER = f"""# Configuration reference
      Regenerate with: {REGENERATE} -->
 
 `params.yaml` has one section per stage or concern; each section maps onto a typed dataclass
-(`rlhf_core.config.schema.SECTIONS`), and a field not set in `params.yaml` takes the default below.
+(`rlhf_core.config.SECTIONS`), and a field not set in `params.yaml` takes the default below.
 Override any field on the command line: `--set field=value` on a stage command (`--set sft.field=value`
 names the section too), `--set section.field=value` on `alignflow flow ...`. A stage command's
 `--help` lists its section's fields too (`alignflow sft --help`). Invalid values fail before anything

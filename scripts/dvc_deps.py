@@ -26,9 +26,8 @@ From there, the import closure within ``rlhf_core``, ``flows`` and ``tasks``:
   one, the CLI's ``cmd_*`` handlers apart (argparse's table; the stage's own is an entry point).
 
 Config defaults: ``params.yaml`` sets only some fields of each section, and DVC hashes the section's
-values, not the dataclass defaults in ``rlhf_core/config/schema.py``. That file is in every stage's closure
-(the CLI and the stages load their config through it), so a changed default still reaches DVC;
-:func:`stage_code_deps` fails if it ever drops out of one.
+values, not the dataclass defaults in the ``rlhf_core/config`` package. So every file of that package is
+one of every stage's deps, whatever its imports reach, and a changed default reaches DVC.
 
 ``dvc.yaml`` stays a committed, readable file. It is rewritten with ruamel.yaml's round trip, which
 keeps the header, comments, flow mappings and key order; only the source-file part of each stage's
@@ -65,7 +64,8 @@ CLI = "flows.cli"
 HANDLER_PREFIX = "cmd_"
 """``alignflow <sub>``'s handler in flows/cli.py is ``cmd_<sub>`` (``-`` read as ``_``)."""
 STAGES = "rlhf_core.stages.wrappers"
-CONFIG_FILE = "rlhf_core/config/schema.py"
+CONFIG_PACKAGE = "rlhf_core/config"
+"""Where the config dataclasses and their defaults live: every stage depends on all of it (module docstring)."""
 
 _DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
@@ -256,7 +256,7 @@ def param_entries(index: SourceIndex, sections: list[str]) -> list[Unit]:
     defaults of the section's config class): code a stage loads by path, e.g. its reward function."""
     if not sections:
         return []
-    from rlhf_core.config.schema import SECTIONS, read_params
+    from rlhf_core.config import SECTIONS, read_params
 
     params = read_params(index.root / "params.yaml")
     by_path = {index.relpath(m): m for m in index.known}
@@ -274,7 +274,7 @@ def param_entries(index: SourceIndex, sections: list[str]) -> list[Unit]:
 
 def _sections(body: dict[str, Any]) -> list[str]:
     """The params.yaml sections a dvc.yaml stage lists (``sft``, or ``sft.lr`` -> ``sft``)."""
-    from rlhf_core.config.schema import SECTIONS
+    from rlhf_core.config import SECTIONS
 
     names = [str(p).split(".")[0] for p in body.get("params", []) if isinstance(p, str)]
     return [name for name in names if name in SECTIONS]
@@ -287,14 +287,12 @@ def stage_code_deps(index: SourceIndex, stages: dict[str, Any]) -> dict[str, lis
         if values:
             raise StageError(f"{index.relpath(module)} uses {', '.join(values)} as a value, not in a call: "
                              "the code deps read its functions by calls (scripts/dvc_deps.py)")
+    config_files = {path for path in map(index.relpath, index.known) if path.startswith(CONFIG_PACKAGE + "/")}
     out = {}
     for name, stage in stages.items():
         body = stage.get("do", stage)  # a foreach stage's template
         entries = command_entries(index, body["cmd"]) + param_entries(index, _sections(body))
-        out[name] = sorted(closure(index, entries))
-        if (index.root / CONFIG_FILE).is_file() and CONFIG_FILE not in out[name]:
-            raise StageError(f"stage {name}: {CONFIG_FILE} is not in its code deps, so a changed config "
-                             "default would not reach DVC")
+        out[name] = sorted(closure(index, entries) | config_files)
     return out
 
 

@@ -252,7 +252,7 @@ COMMON = dict(num_threads=1, precision="fp32", log_every=1, keep_checkpoints=2)
 
 
 def run_sft(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
-    from rlhf_core.config.schema import SFTConfig
+    from rlhf_core.config import SFTConfig
     from rlhf_core.trainers.sft import train_sft
 
     cfg = SFTConfig(model_path=w["model"], train_file=w["sft"], eval_file=w["eval"], **_dirs("sft"), **COMMON,
@@ -263,7 +263,7 @@ def run_sft(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
 
 
 def run_reward(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
-    from rlhf_core.config.schema import RewardConfig
+    from rlhf_core.config import RewardConfig
     from rlhf_core.trainers.reward import train_reward_model
 
     cfg = RewardConfig(model_path=w["model"], train_file=w["preferences"], eval_file="", eval_fraction=0.2,
@@ -274,7 +274,7 @@ def run_reward(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
 
 
 def run_dpo(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
-    from rlhf_core.config.schema import DPOConfig
+    from rlhf_core.config import DPOConfig
     from rlhf_core.trainers.dpo import train_dpo
 
     cfg = DPOConfig(model_path=w["model"], train_file=w["preferences"], eval_file=w["eval"], **_dirs("dpo"),
@@ -285,7 +285,7 @@ def run_dpo(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
 
 
 def run_kto(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
-    from rlhf_core.config.schema import KTOConfig
+    from rlhf_core.config import KTOConfig
     from rlhf_core.trainers.kto import train_kto
 
     cfg = KTOConfig(model_path=w["model"], train_file=w["preferences"], eval_file=w["eval"], **_dirs("kto"),
@@ -296,7 +296,7 @@ def run_kto(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
 
 
 def run_distill(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
-    from rlhf_core.config.schema import DistillConfig
+    from rlhf_core.config import DistillConfig
     from rlhf_core.trainers.distill import train_distill
 
     cfg = DistillConfig(model_path=w["model"], teacher_path=w["llama"], train_file=w["sft"], eval_file=w["eval"],
@@ -308,7 +308,7 @@ def run_distill(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
 
 def run_raft(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
     """One RAFT round as the align flow runs it: rejection sampling (rule scorer), then SFT on the kept samples."""
-    from rlhf_core.config.schema import RaftConfig, RejectionConfig
+    from rlhf_core.config import RaftConfig, RejectionConfig
     from rlhf_core.rollout.rejection import rejection_sample
     from rlhf_core.trainers.sft import train_sft
 
@@ -327,7 +327,7 @@ def run_raft(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
 
 
 def _rl_cfg(w: dict[str, str], name: str, **kw: Any) -> Any:
-    from rlhf_core.config.schema import RLConfig
+    from rlhf_core.config import RLConfig
 
     values = dict(model_path=w["model"], prompts_file=w["prompts"], eval_file=w["eval"], **_dirs(name),
                   reward_function=w["length_reward"], prompts_per_step=4, group_size=4, max_new_tokens=6,
@@ -377,7 +377,7 @@ def _resumed(stage: str, fail_after: int, train: Callable[..., Any], cfg: Any, r
 
 
 def run_sft_resume(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
-    from rlhf_core.config.schema import SFTConfig
+    from rlhf_core.config import SFTConfig
     from rlhf_core.trainers.sft import train_sft
 
     cfg = SFTConfig(model_path=w["model"], train_file=w["sft"], eval_file=w["eval"], **_dirs("sft_resume"),

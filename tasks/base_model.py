@@ -7,7 +7,7 @@ from typing import Any
 from prefect import task
 
 from rlhf_core.stages import wrappers as stages
-from rlhf_core.config.schema import ModelConfig, TrackingConfig, build_config
+from rlhf_core.config import ModelConfig, TrackingConfig, build_config
 from tasks.common import TASK_DEFAULTS
 
 

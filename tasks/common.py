@@ -9,7 +9,7 @@ from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE, CacheKeyFnPoli
 from prefect.serializers import JSONSerializer
 
 from rlhf_core.tracking.checkpoint import StorageError
-from rlhf_core.config.schema import ConfigError
+from rlhf_core.config import ConfigError
 from rlhf_core.data.io import DataError
 from rlhf_core.data.validate import ValidationFailed
 from rlhf_core.tracking.lineage import core_fingerprint, package_version, source_hash  # noqa: F401  (re-exported)

@@ -7,7 +7,7 @@ from typing import Any
 from prefect import task
 
 from rlhf_core.stages import wrappers as stages
-from rlhf_core.config.schema import DataFields, DataReportConfig, GenerateConfig, RejectionConfig, TrackingConfig, build_config
+from rlhf_core.config import DataFields, DataReportConfig, GenerateConfig, RejectionConfig, TrackingConfig, build_config
 from tasks.common import TASK_DEFAULTS, VALIDATION_CACHE_POLICY
 
 

@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 from filelock import FileLock, Timeout
 from prefect import task
 
-from rlhf_core.config.schema import GuardsConfig, TrackingConfig, build_config
+from rlhf_core.config import GuardsConfig, TrackingConfig, build_config
 from rlhf_core.tracking.lineage import dvc_md5
 from rlhf_core.tracking.mlflow_runs import (
     MODEL_REF_FILE,

@@ -41,7 +41,7 @@ def _stage_fn(stage: str) -> Any:
 
 
 def _config_cls(stage: str) -> tuple[type, str]:
-    from rlhf_core.config import schema as c
+    from rlhf_core import config as c
 
     return {"sft": (c.SFTConfig, "sft"), "reward": (c.RewardConfig, "reward"), "dpo": (c.DPOConfig, "dpo"),
             "kto": (c.KTOConfig, "kto"), "raft": (c.RaftConfig, "raft"), "distill": (c.DistillConfig, "distill"),
@@ -56,7 +56,7 @@ def run_inline(stage: str, params: dict[str, Any], tracking: dict[str, Any],
                parent_run_id: str | None, guards: dict[str, Any] | None = None) -> dict[str, Any]:
     """Build the stage's typed config and run it in this process; returns its result dict. ``guards``: the
     ``guards`` section for a policy stage (None: no guards)."""
-    from rlhf_core.config.schema import GuardsConfig, TrackingConfig, build_config
+    from rlhf_core.config import GuardsConfig, TrackingConfig, build_config
 
     cls, section = _config_cls(stage)
     extra = ({"guards": build_config(GuardsConfig, "guards", guards)}

@@ -1,5 +1,35 @@
-"""The typed configuration of every stage (one dataclass per stage, validated on construction).
+"""The typed configuration of every stage (one dataclass per ``params.yaml`` section, validated on construction).
 
-May import ``rlhf_core.common`` and ``rlhf_core.data`` (the reader's byte limit); the closed choices
-of the algorithm modules are checked where the stage config is validated.
+By concern: ``base`` (the error type, field checks, YAML reading, typed construction), ``choices`` (the closed
+choices of enum-valued fields), ``data`` (dataset field names, the data report), ``embedded`` (the embedded
+task's data and model, the tool task), ``training`` (the offline trainers), ``rl`` (online RL), ``sampling``
+(rejection sampling, evaluation), ``pipeline`` (tracking, the align flow, cycles), ``guards`` (the promotion
+guards) and ``sections`` (``SECTIONS``, reading a params file, loading one stage's config). The names below
+are the package's face: ``from rlhf_core.config import SFTConfig, load_config``.
+
+May import ``rlhf_core.common`` only, and nothing that needs torch: the CLI reads and checks configs
+without the ML stack.
 """
+
+from rlhf_core.config.base import (MAX_INT, MAX_YAML_DEPTH, MAX_YAML_NODES, OVERRIDE_SOURCE, ConfigError, build_config,
+                                   config_to_dict, field_docs, parse_overrides, unknown_field)
+from rlhf_core.config.data import MAX_LINE_BYTES, DataFields, DataReportConfig
+from rlhf_core.config.embedded import GenerateConfig, ModelConfig, ToolEvalConfig, ToolGenerateConfig
+from rlhf_core.config.guards import GUARD_NAMES, GuardsConfig
+from rlhf_core.config.pipeline import ALIGNMENT_STAGES, CyclesConfig, FlowConfig, TrackingConfig
+from rlhf_core.config.rl import RLConfig
+from rlhf_core.config.sampling import EvalConfig, RejectionConfig
+from rlhf_core.config.sections import SECTIONS, TOOL_TASK_SECTIONS, load_config, read_params, unknown_sections
+from rlhf_core.config.training import (LM_HEADS, PRECISIONS, SWITCHES, DistillConfig, DPOConfig, KTOConfig, RaftConfig,
+                                       RewardConfig, SFTConfig, TrainerConfig)
+
+__all__ = [
+    "ALIGNMENT_STAGES", "GUARD_NAMES", "LM_HEADS", "MAX_INT", "MAX_LINE_BYTES", "MAX_YAML_DEPTH", "MAX_YAML_NODES",
+    "OVERRIDE_SOURCE", "PRECISIONS", "SECTIONS", "SWITCHES", "TOOL_TASK_SECTIONS",
+    "ConfigError", "CyclesConfig", "DataFields", "DataReportConfig", "DistillConfig", "DPOConfig", "EvalConfig",
+    "FlowConfig", "GenerateConfig", "GuardsConfig", "KTOConfig", "ModelConfig", "RLConfig", "RaftConfig",
+    "RejectionConfig", "RewardConfig", "SFTConfig", "ToolEvalConfig", "ToolGenerateConfig", "TrackingConfig",
+    "TrainerConfig",
+    "build_config", "config_to_dict", "field_docs", "load_config", "parse_overrides", "read_params",
+    "unknown_field", "unknown_sections",
+]

@@ -27,7 +27,7 @@ unpaired           ``prompt, completion: str,                as prompt-completio
                    ``desirable_field: label``)
 =================  ========================================  ================================
 
-Field names come from :class:`rlhf_core.config.schema.DataFields` (and ``KTOConfig.desirable_field``).
+Field names come from :class:`rlhf_core.config.DataFields` (and ``KTOConfig.desirable_field``).
 Errors are :class:`DataError` naming file, line and field.
 """
 

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-MAX_LINE_BYTES = 16 * 1024 * 1024
-"""The longest JSON Lines line read unless a caller sets another (``DataFields.max_line_bytes``)."""
+from rlhf_core.config import MAX_LINE_BYTES  # re-exported: the readers' default, a config default too
 
 
 def json_problem(exc: json.JSONDecodeError) -> str:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlhf_core.config.schema import DataFields, DataReportConfig
+from rlhf_core.config import DataFields, DataReportConfig
 from rlhf_core.data import quality
 from rlhf_core.data.formats import implicit_prompt
 from rlhf_core.data.io import DataError, Record, read_records

@@ -54,7 +54,7 @@ from pathlib import Path
 from itertools import chain
 from typing import Any, Literal
 
-from rlhf_core.config.schema import DataFields
+from rlhf_core.config import DataFields
 from rlhf_core.data.formats import ROLES, implicit_prompt, labels_present
 from rlhf_core.data.io import DataError, Record, iter_records
 from rlhf_core.data.streaming import CHUNK_ROWS, SeenRows, SuiteRunner, chunks

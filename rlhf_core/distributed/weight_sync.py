@@ -35,15 +35,8 @@ from typing import Any, Sequence
 import torch
 
 from rlhf_core.common.offline import NO_MULTICAST_ENV
+from rlhf_core.config.choices import WeightSync  # re-exported: rl.weight_sync's values, resolved here
 from rlhf_core.distributed.parallel import plan_buckets
-
-
-class WeightSync(str, Enum):
-    """``rl.weight_sync``: how rollout replicas under Ray get the learner's weights (module docstring)."""
-
-    AUTO = "auto"
-    OBJECT_STORE = "object_store"
-    COLLECTIVE = "collective"
 
 
 class SyncPath(Enum):

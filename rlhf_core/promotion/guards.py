@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf_core.config.schema import GUARD_NAMES, GuardsConfig
+from rlhf_core.config import GUARD_NAMES, GuardsConfig
 
 __all__ = ["GUARD_NAMES", "Delta", "GateDecision", "GuardReport", "GuardResult", "ProbeRecord", "check_guards",
            "fired_guards", "gate", "paired_delta"]

@@ -2,8 +2,7 @@
 server), the reward model itself and the server that serves it.
 
 ``rlhf_core.rewards`` keeps the names users' reward files import (``rlhf_core.rewards.sources``
-holds them). May import ``rlhf_core.algorithms``, ``rlhf_core.models``, ``rlhf_core.data`` and
-``rlhf_core.common``.
+holds them). May import ``rlhf_core.distributed`` and everything below it.
 """
 
 from rlhf_core.rewards.sources import (DEFAULT_MAX_RESPONSE_BYTES, INSTALL_ROOT, FunctionRewardSource,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import datetime
 import email.utils
-import enum
 import hashlib
 import importlib.util
 import math
@@ -42,6 +41,7 @@ import torch
 
 from rlhf_core.common.redact import redact_secrets, register_secret, register_url_secrets
 from rlhf_core.common.shown import shown
+from rlhf_core.config.choices import RewardKind  # re-exported: users' reward files and the configs name it
 
 
 class RewardError(RuntimeError):
@@ -61,29 +61,6 @@ class RewardSource(Protocol):
     def __call__(self, prompts: Sequence[str], completions: Sequence[str],
                  labels: Sequence[str | None]) -> list[float]:
         ...
-
-
-class RewardKind(str, enum.Enum):
-    """Where rewards come from (config field ``reward_kind``)."""
-
-    MODEL = "model"
-    FUNCTION = "function"
-    HTTP = "http"
-
-    @property
-    def loads_model(self) -> bool:
-        """Whether the source holds model weights in this process (and wants a device)."""
-        return self is RewardKind.MODEL
-
-    @property
-    def reads_labels(self) -> bool:
-        """Whether the prompt file's labels must be there, so its gate is ``prompts``, not ``prompt-only``.
-
-        A function gets each label and is usually a verifier (the embedded rule compares against it).
-        A model never sees labels. A server gets ``label or None`` by protocol (the labels field may be
-        absent, an item null) and ``alignflow serve-rm`` is a reward model, so a server that wants labels
-        must already refuse ``None`` itself: requiring them here would only bar prompt-only files."""
-        return self is RewardKind.FUNCTION
 
 
 def _check_inputs(where: str, prompts: Sequence[str], completions: Sequence[str],

@@ -12,7 +12,7 @@ environment steps:
   very tokens that were sampled;
 * ``action_mask`` marks the policy's tokens (1) and the observation tokens (0): the loss, the
   KL and the advantages cover only the former (:meth:`rlhf_core.rollout.engine.RolloutBatch.loss_mask`;
-  GAE and the returns skip interior masked tokens, :func:`rlhf_core.algorithms.rl_math.gae_advantages`);
+  GAE and the returns skip interior masked tokens, :func:`rlhf_core.algorithms.advantages.gae`);
 * ``max_turns`` bounds the model's turns and ``max_trajectory_tokens`` the response (turns and
   observations together); a trajectory that reaches either ends where it is.
 
@@ -43,7 +43,6 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, replace
-from enum import Enum
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -52,22 +51,12 @@ from rlhf_core.common.redact import redact_secrets
 from rlhf_core.rewards.sources import DEFAULT_MAX_RESPONSE_BYTES, HttpRewardSource, RewardError, load_function
 from rlhf_core.rollout.engine import RolloutBatch, SamplingParams, _left_pad
 from rlhf_core.common.shown import shown, shown_error
+from rlhf_core.config.choices import ToolMessages  # re-exported: rl.tool_messages's values, dispatched here
 
 log = logging.getLogger(__name__)
 
 # the value a trajectory's observation tokens carry in action_mask (the policy's own tokens: 1)
 OBSERVATION = 0
-
-
-class ToolMessages(str, Enum):
-    """How an observation joins a trajectory (``rl.tool_messages``)."""
-
-    AUTO = "auto"
-    """chat where the prompts are conversations and the tokenizer has a chat template of its own, else text."""
-    TEXT = "text"
-    """The observation's text appended as is, inside the model's turn; a turn that ends at eos ends the episode."""
-    CHAT = "chat"
-    """The observation as a chat-template ``tool`` message, then the next assistant turn's generation prompt."""
 
 
 class EnvironmentFailure(RewardError):

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from rlhf_core.config.schema import RejectionConfig
+from rlhf_core.config import RejectionConfig
 from rlhf_core.data.formats import PromptExample, Text, is_conversational, prompt_text, read_prompt_examples
 from rlhf_core.data.io import DataError, read_records
 from rlhf_core.data.tokenize import encode_prompt

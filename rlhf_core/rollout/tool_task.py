@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from rlhf_core.config.schema import ToolEvalConfig, ToolGenerateConfig, load_config
+from rlhf_core.config import ToolEvalConfig, ToolGenerateConfig, load_config
 from rlhf_core.embedded.tasks import (
     Problem,
     ProblemSpace,

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from rlhf_core.common.atomic_io import write_text_atomic
-from rlhf_core.config.schema import (
+from rlhf_core.config import (
     DataFields,
     DataReportConfig,
     DistillConfig,

@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from rlhf_core.common.atomic_io import fsync_path, write_text_atomic
-from rlhf_core.config.schema import config_to_dict
+from rlhf_core.config import config_to_dict
 from rlhf_core.tracking.lineage import core_fingerprint, dvc_md5, file_sha256
 from rlhf_core.tracking.manifest import read_manifest, verify_manifest, write_manifest
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Iterator, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
-from rlhf_core.config.schema import ConfigError, TrackingConfig
+from rlhf_core.config import ConfigError, TrackingConfig
 from rlhf_core.common.redact import redact_secrets
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from rlhf_core.promotion.guards import GUARD_NAMES
+from rlhf_core.config import GUARD_NAMES
 
 KEY_PARAMS = ("estimator", "reward_kind", "reward_function", "reward_model_path", "kl_coef", "kl_estimator",
               "kl_in_reward", "policy_objective", "loss", "beta", "nll_weight", "lr", "max_steps", "batch_size",

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from rlhf_core.config.schema import DistillConfig
+from rlhf_core.config import DistillConfig
 from rlhf_core.data.io import read_records
 from rlhf_core.data.sequences import rendered_rows, tokenize_sft_records
 from rlhf_core.data.tokenize import collate_packed, collate_padded

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from rlhf_core.config.schema import DPOConfig
+from rlhf_core.config import DPOConfig
 from rlhf_core.data.io import read_records
 from rlhf_core.data.sequences import rendered_pair_rows, tokenize_preference_records
 from rlhf_core.data.tokenize import TokenizedExample, collate_pair_batch

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from rlhf_core.config.schema import KTOConfig
+from rlhf_core.config import KTOConfig
 from rlhf_core.data.formats import UnpairedExample, completion_text, prompt_text, read_unpaired_examples
 from rlhf_core.data.io import DataError, Record, read_records
 from rlhf_core.data.sequences import SAMPLE_ROWS, rendered_row

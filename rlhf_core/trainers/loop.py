@@ -698,7 +698,7 @@ def run_training(
 
     Per step: micro-batches (:class:`MicroBatches`) -> accumulate -> step -> log, inside
     :func:`run_checkpointed` (eval, checkpoints, resume, SIGTERM). ``cfg`` is a
-    :class:`rlhf_core.config.schema.TrainerConfig`.
+    :class:`rlhf_core.config.TrainerConfig`.
     ``evaluate()`` returns held-out metrics and sample answers; it runs every ``cfg.eval_every``
     steps and once at the end. ``step_metrics()`` (optional) returns trainer-specific metrics
     gathered by ``loss_fn`` since the last call. A checkpoint holds the weights, optimizer,
@@ -867,7 +867,7 @@ class _OfflineBody:
             self.model, masters=self.precision.keeps_masters(self.cfg.parallel)))
 
     def save_final(self) -> None:
-        from rlhf_core.config.schema import config_to_dict
+        from rlhf_core.config import config_to_dict
         from rlhf_core.common.redact import redact_secrets
         from rlhf_core.models.loading import merged_model
 

@@ -887,7 +887,7 @@ def _open_weight_sync(cfg: Any, policy: ActorGroup, rollout: ActorGroup, beside_
 
 def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> Any:
     """:func:`rlhf_core.trainers.rl.train_rl` with its models in Ray actors placed as ``cfg.placement`` says."""
-    from rlhf_core.algorithms.rl_math import AdvantageEstimator
+    from rlhf_core.config.choices import AdvantageEstimator
     from rlhf_core.trainers.rl import train_rl
     from rlhf_core.trainers.rl_roles import BaseReference, base_is_reference, reference_sharded
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rlhf_core.config.schema import RewardConfig
+from rlhf_core.config import RewardConfig
 from rlhf_core.data.formats import PairExample, read_pair_examples
 from rlhf_core.data.io import read_records
 from rlhf_core.data.sequences import rendered_pair_rows, tokenize_pair_examples

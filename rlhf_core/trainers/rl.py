@@ -58,7 +58,7 @@ from typing import Any, Sequence
 
 import torch
 
-from rlhf_core.config.schema import ConfigError, RLConfig, config_to_dict
+from rlhf_core.config import ConfigError, RLConfig, config_to_dict
 from rlhf_core.data.formats import prompt_text, read_prompt_examples
 from rlhf_core.data.io import DataError, read_records
 from rlhf_core.data.sequences import SAMPLE_ROWS, rendered_row
@@ -70,10 +70,12 @@ from rlhf_core.models.loading import load_causal_lm, load_tokenizer, merged_mode
 from rlhf_core.models.precision import Precision
 from rlhf_core.common.redact import redact_secrets
 from rlhf_core.rewards.sources import RewardKind, RewardSource, build_reward_source
-from rlhf_core.algorithms.rl_math import (AdaptiveKLController, AdvantageEstimator, FixedKLController, KLController,
-                               compute_advantages, dynamic_sampling_keep, explained_variance, kl_penalty, masked_mean,
-                               masked_whiten, overlong_penalty, reverse_kl_token_rewards, sequence_is_mask,
-                               truncated_is_weights)
+from rlhf_core.algorithms.advantages import (compute_advantages, dynamic_sampling_keep, overlong_penalty,
+                                             reverse_kl_token_rewards)
+from rlhf_core.algorithms.kl import AdaptiveKLController, FixedKLController, KLController, kl_penalty
+from rlhf_core.algorithms.masked import masked_mean, masked_whiten
+from rlhf_core.algorithms.policy import explained_variance, sequence_is_mask, truncated_is_weights
+from rlhf_core.config.choices import AdvantageEstimator
 from rlhf_core.rollout.engine import HFGenerateEngine, ReleasesWeights, RolloutBatch, RolloutEngine, SamplingParams
 from rlhf_core.tracking.checkpoint import Checkpoint, Checkpointer, read_weights, run_fingerprint
 from rlhf_core.trainers.loop import (EpochSampler, LoopClock, LoopPlan, MetricSink, NullSink, Timer, run_checkpointed,

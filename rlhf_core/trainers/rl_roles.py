@@ -25,16 +25,17 @@ from typing import Any
 import torch
 
 from rlhf_core.models.attention import VARLEN, packed_forward_kwargs
-from rlhf_core.config.schema import RLConfig
+from rlhf_core.config import RLConfig
 from rlhf_core.models.lm_head import LMHead, _head_bypassed, bypasses_head, head_logprobs, prepare_kernels, unwrap
 from rlhf_core.models.loading import adapter_parameters, adapters_off, export_state_dict, has_lora, load_causal_lm, \
     pick_device, prepare_for_training, resolve_checkpointing
 from rlhf_core.distributed.parallel import (LocalStrategy, World, build_strategy, current_world, disable_dropout,
                                 resident_weight_bytes, shard_frozen, train_mode)
 from rlhf_core.models.precision import Precision
-from rlhf_core.algorithms.rl_math import (AdvantageEstimator, LossAggregation, PolicyObjective, aggregate_loss,
-                               aggregation_units, clipped_value_loss, entropy_from_logits, kl_penalty, masked_mean,
-                               policy_loss)
+from rlhf_core.algorithms.kl import kl_penalty
+from rlhf_core.algorithms.masked import aggregate_loss, aggregation_units, entropy_from_logits, masked_mean
+from rlhf_core.algorithms.policy import clipped_value_loss, policy_loss
+from rlhf_core.config.choices import AdvantageEstimator, LossAggregation, PolicyObjective
 from rlhf_core.trainers.loop import accumulate_and_step, build_optimizer, build_scheduler, group_by_tokens, \
     inject_fault
 from rlhf_core.distributed.weight_sync import Layout, SyncGroup, flatten_bucket, plan_layout

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from rlhf_core.config.schema import SFTConfig
+from rlhf_core.config import SFTConfig
 from rlhf_core.data.formats import labels_present
 from rlhf_core.data.io import read_records
 from rlhf_core.data.sequences import rendered_rows, tokenize_labelled_prompts, tokenize_sft_records

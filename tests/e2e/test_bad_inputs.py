@@ -207,7 +207,7 @@ def test_gate_validates_a_file_once_per_content(isolated_project, micro_data, mo
     """A passed file is remembered by content (+ kind, fields, validator code): the next stage that
     reads it does not run GX again; the same path with other content is validated afresh."""
     from rlhf_core.stages import wrappers as stages
-    from rlhf_core.config.schema import DPOConfig
+    from rlhf_core.config import DPOConfig
     from rlhf_core.data import validate as validator
 
     calls = []

@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from helpers import cli_env, git
-from rlhf_core.config.schema import SECTIONS, load_config
+from rlhf_core.config import SECTIONS, load_config
 
 
 def _init(cwd: Path, *args: str) -> subprocess.CompletedProcess:

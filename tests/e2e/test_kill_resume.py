@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from helpers import cli_env
-from rlhf_core.config.schema import DPOConfig, RLConfig, SFTConfig, build_config
+from rlhf_core.config import DPOConfig, RLConfig, SFTConfig, build_config
 from rlhf_core.tracking.lineage import dvc_md5
 from rlhf_core.trainers.dpo import train_dpo
 from rlhf_core.trainers.rl import train_rl

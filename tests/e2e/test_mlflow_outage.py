@@ -146,7 +146,7 @@ def test_server_gone_when_a_stage_succeeds_is_a_clear_error(tmp_path, monkeypatc
     naming the run and the server, instead of MLflow's exception. The user's own
     MLFLOW_HTTP_REQUEST_MAX_RETRIES=1 is kept (the bounded opening does not override it), so
     the close gives up in seconds rather than MLflow's default minutes."""
-    from rlhf_core.config.schema import TrackingConfig
+    from rlhf_core.config import TrackingConfig
     from rlhf_core.tracking.mlflow_runs import TrackingLost, start_run
 
     port = free_port()

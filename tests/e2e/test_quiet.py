@@ -17,7 +17,7 @@ HUB_TEXT = ("Internet connection", "model card", "license information", "hugging
 
 
 def test_logging_a_model_prints_no_hub_text(isolated_project, micro_model, capfd):
-    from rlhf_core.config.schema import TrackingConfig
+    from rlhf_core.config import TrackingConfig
     from rlhf_core.tracking.mlflow_runs import start_run
 
     with start_run(TrackingConfig(experiment="quiet"), "log-model") as run:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_core.config.schema import RLConfig, SFTConfig, config_to_dict
+from rlhf_core.config import RLConfig, SFTConfig, config_to_dict
 from rlhf_core.tracking.lineage import dvc_md5
 
 pytestmark = pytest.mark.usefixtures("prefect_server")

@@ -101,7 +101,7 @@ import json, sys
 from pathlib import Path
 from prefect import flow
 from flows.align import _run
-from rlhf_core.config.schema import FlowConfig, SFTConfig, TrackingConfig, config_to_dict
+from rlhf_core.config import FlowConfig, SFTConfig, TrackingConfig, config_to_dict
 from tasks.training import train_sft
 
 address, project = sys.argv[1], Path(sys.argv[2])

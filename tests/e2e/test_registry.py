@@ -16,7 +16,7 @@ import pytest
 
 from helpers import free_port, start_mlflow_server, stop_group
 from registry_racer import race
-from rlhf_core.config.schema import TrackingConfig
+from rlhf_core.config import TrackingConfig
 from rlhf_core.tracking.lineage import dvc_md5
 from rlhf_core.tracking.mlflow_runs import REGISTRATION_TAG, STORAGE_TAG, start_run
 from tasks.registry import CANDIDATE, CHAMPION, METRIC_TAG, ModelRefChanged, register_model, resolve_model_ref

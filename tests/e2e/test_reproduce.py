@@ -81,7 +81,7 @@ def test_reproduce_a_flow_run_from_its_commit(committed_project):
 
 def _commit_params(project: Path) -> dict:
     """What an align run at this commit logs as reproduce.json's params: every section, defaults filled in."""
-    from rlhf_core.config.schema import SECTIONS, config_to_dict, load_config
+    from rlhf_core.config import SECTIONS, config_to_dict, load_config
 
     return {s: config_to_dict(load_config(cls, s, project / "params.yaml")) for s, cls in SECTIONS.items()}
 

@@ -12,7 +12,7 @@ import asyncio
 
 import pytest
 
-from rlhf_core.config.schema import DPOConfig, config_to_dict
+from rlhf_core.config import DPOConfig, config_to_dict
 from rlhf_core.tracking.lineage import dvc_md5
 from rlhf_core.trainers.dpo import train_dpo as train_dpo_directly
 

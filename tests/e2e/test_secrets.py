@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from flows.cli import main
-from rlhf_core.config.schema import ConfigError, RLConfig
+from rlhf_core.config import ConfigError, RLConfig
 from rlhf_core.common.redact import redact_secrets, register_secret, register_url_secrets
 from rlhf_core.rewards.sources import HttpRewardSource, RewardError
 

@@ -66,7 +66,7 @@ def test_sft_command_logs_the_report_to_its_run_and_keeps_metrics_file_unchanged
     from mlflow.tracking import MlflowClient
 
     from rlhf_core.stages import wrappers as stages
-    from rlhf_core.config.schema import DataReportConfig, SFTConfig, load_config
+    from rlhf_core.config import DataReportConfig, SFTConfig, load_config
 
     assert main(["sft", "--metrics-file", "metrics/sft.json"]) == 0, capsys.readouterr().err
     out = json.loads(capsys.readouterr().out)

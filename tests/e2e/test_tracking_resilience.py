@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from helpers import cli_env, free_port
-from rlhf_core.config.schema import DPOConfig, GenerateConfig, TrackingConfig, config_to_dict
+from rlhf_core.config import DPOConfig, GenerateConfig, TrackingConfig, config_to_dict
 from rlhf_core.tracking.lineage import dvc_md5
 
 
@@ -30,7 +30,7 @@ def test_down_tracking_server_fails_the_stage_within_30_s(isolated_project, micr
     patience (20 s): TrackingUnavailable within 30 s of the stage's start (its data gate
     included), naming the server and what to do, and nothing trained."""
     from rlhf_core.stages import wrappers as stages
-    from rlhf_core.config.schema import SFTConfig
+    from rlhf_core.config import SFTConfig
     from rlhf_core.tracking.mlflow_runs import TrackingUnavailable
 
     port = free_port()  # bound and released: nothing listens there
@@ -103,7 +103,7 @@ def test_bounded_http_leaves_the_users_settings_alone(monkeypatch):
 
 
 def test_negative_patience_is_refused():
-    from rlhf_core.config.schema import ConfigError, build_config
+    from rlhf_core.config import ConfigError, build_config
 
     with pytest.raises(ConfigError, match=r"^params.yaml: tracking.connect_patience_s: must be >= 0 seconds, "
                                           r"got -1.0$"):

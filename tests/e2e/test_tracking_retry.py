@@ -14,7 +14,7 @@ import logging
 
 import pytest
 
-from rlhf_core.config.schema import SFTConfig, TrackingConfig, config_to_dict
+from rlhf_core.config import SFTConfig, TrackingConfig, config_to_dict
 from rlhf_core.tracking.lineage import dvc_md5
 
 pytestmark = pytest.mark.usefixtures("prefect_server")

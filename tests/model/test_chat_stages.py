@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core.config.schema import (DistillConfig, DPOConfig, KTOConfig, RejectionConfig, RewardConfig, RLConfig,
+from rlhf_core.config import (DistillConfig, DPOConfig, KTOConfig, RejectionConfig, RewardConfig, RLConfig,
                               SFTConfig, TrackingConfig)
 from rlhf_core.data.chat import PLAIN_CHAT_TEMPLATE
 from rlhf_core.rollout.evaluate import evaluate_exact_match

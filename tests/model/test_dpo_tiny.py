@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core.config.schema import DPOConfig
+from rlhf_core.config import DPOConfig
 from rlhf_core.trainers.dpo import train_dpo
 from conftest import Recorder
 

@@ -16,7 +16,7 @@ import math
 import pytest
 
 from rlhf_core.tracking.checkpoint import FINISHED_FILE, Checkpointer, clear_checkpoints, run_fingerprint
-from rlhf_core.config.schema import RLConfig, SFTConfig
+from rlhf_core.config import RLConfig, SFTConfig
 from rlhf_core.tracking.lineage import dvc_md5
 from rlhf_core.trainers.rl import train_rl
 from rlhf_core.trainers.sft import train_sft
@@ -140,7 +140,7 @@ def test_resume_flag_accepts_a_finished_record(micro_model, micro_data, tmp_path
     """``alignflow sft --resume`` insists on something to continue: a step checkpoint, or (after the stage
     saved its model and stopped before tracking it) the finished record; with neither it is a config error."""
     from flows.cli import _require_checkpoint
-    from rlhf_core.config.schema import ConfigError
+    from rlhf_core.config import ConfigError
 
     cfg = _sft(micro_model, micro_data, tmp_path, save_every=0)
     with pytest.raises(ConfigError, match="--resume: no checkpoint of this run"):

@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from rlhf_core.config.schema import GuardsConfig, RLConfig
+from rlhf_core.config import GuardsConfig, RLConfig
 from rlhf_core.rollout.environments import evaluate_with_environment
 from rlhf_core.promotion.probe import (ProbeEnvironment, load_cached, probe_key, probe_with_environment, read_eval_items,
                                    trajectory_statistics)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from conftest import Recorder
 
-from rlhf_core.config.schema import DPOConfig, GuardsConfig, TrackingConfig
+from rlhf_core.config import DPOConfig, GuardsConfig, TrackingConfig
 from rlhf_core.promotion.probe import reusable_answers
 from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.stages.wrappers import check_stage_guards

@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from rlhf_core.tracking.checkpoint import StorageError
-from rlhf_core.config.schema import ModelConfig
+from rlhf_core.config import ModelConfig
 from rlhf_core.tracking.lineage import dvc_md5
 from rlhf_core.stages.wrappers import init_model
 

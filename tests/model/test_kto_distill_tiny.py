@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core.config.schema import DistillConfig, KTOConfig
+from rlhf_core.config import DistillConfig, KTOConfig
 from rlhf_core.data.io import DataError, read_records
 from rlhf_core.models.loading import ModelLoadError, load_tokenizer
 from rlhf_core.trainers.distill import check_same_vocabulary, train_distill

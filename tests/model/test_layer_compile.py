@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 
 from conftest import Recorder
 from rlhf_core.models import layer_compile
-from rlhf_core.config.schema import SFTConfig
+from rlhf_core.config import SFTConfig
 from rlhf_core.data.io import read_records
 from rlhf_core.data.sequences import tokenize_preference_records
 from rlhf_core.data.tokenize import collate_pairs

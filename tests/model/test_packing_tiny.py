@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import Recorder
-from rlhf_core.config.schema import DistillConfig, DPOConfig, KTOConfig, RewardConfig
+from rlhf_core.config import DistillConfig, DPOConfig, KTOConfig, RewardConfig
 from rlhf_core.data.io import read_records
 from rlhf_core.data.sequences import tokenize_preference_records
 from rlhf_core.data.tokenize import collate_packed, collate_padded, collate_pair_tree, collate_pairs

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import Recorder
-from rlhf_core.config.schema import RLConfig, SFTConfig
+from rlhf_core.config import RLConfig, SFTConfig
 from rlhf_core.models.loading import export_state_dict, load_causal_lm, merged_model, prepare_for_training
 from rlhf_core.trainers.loop import save_hf_dir
 from rlhf_core.trainers.sft import train_sft
@@ -109,7 +109,7 @@ def test_token_budget_with_uneven_micro_batch_counts_takes_one_process_step(ray_
     groups its own pairs, so the ranks' micro-batch counts differ and the shorter one runs empty
     micro-batches (perf/empty_micro_batches > 0 at some step). The per-step loss and gradient norm stay
     within 1e-4 (relative) of one process's, and so do the final weights (1e-3 relative, 1e-5 absolute)."""
-    from rlhf_core.config.schema import DPOConfig
+    from rlhf_core.config import DPOConfig
     from rlhf_core.trainers.ray_launcher import train_data_parallel
     from rlhf_core.trainers.dpo import train_dpo
 

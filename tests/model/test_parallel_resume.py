@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import Recorder
-from rlhf_core.config.schema import SFTConfig
+from rlhf_core.config import SFTConfig
 from rlhf_core.trainers.loop import InjectedFault
 from rlhf_core.trainers.sft import train_sft
 

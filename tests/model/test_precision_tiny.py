@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import Recorder, stop_after
-from rlhf_core.config.schema import DPOConfig, SFTConfig
+from rlhf_core.config import DPOConfig, SFTConfig
 from rlhf_core.tracking.lineage import dvc_md5
 from rlhf_core.trainers.dpo import train_dpo
 from rlhf_core.trainers.loop import InjectedFault
@@ -161,7 +161,7 @@ def test_rl_gae_mixed_resumes_bit_identical(micro_model, micro_data, tmp_path, m
     torch state_dict; the bf16 policy samples itself and the reference scores in bf16): stopped after
     iteration 4 and resumed from the iteration-4 checkpoint, the saved fp32 policy equals an uninterrupted
     run's bit for bit, as do the rollout metrics."""
-    from rlhf_core.config.schema import RLConfig
+    from rlhf_core.config import RLConfig
     from rlhf_core.trainers.rl import train_rl
 
     reward = tmp_path / "length_reward.py"

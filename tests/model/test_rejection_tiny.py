@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from rlhf_core.config.schema import RejectionConfig
+from rlhf_core.config import RejectionConfig
 from rlhf_core.rollout.rejection import rejection_sample
 
 
@@ -23,7 +23,7 @@ def test_rule_scored_rejection_sampling(micro_model, micro_data, tmp_path):
 
 
 def test_reward_model_scored_rejection_sampling(micro_model, micro_data, tmp_path):
-    from rlhf_core.config.schema import RewardConfig
+    from rlhf_core.config import RewardConfig
     from rlhf_core.trainers.reward import train_reward_model
 
     rm = train_reward_model(RewardConfig(model_path=str(micro_model), train_file=str(micro_data["preferences"]),

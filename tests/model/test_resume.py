@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlhf_core.tracking.checkpoint import FORMAT_VERSION, Checkpointer, clear_checkpoints, load_weights, run_fingerprint
-from rlhf_core.config.schema import DPOConfig, RewardConfig, RLConfig, SFTConfig
+from rlhf_core.config import DPOConfig, RewardConfig, RLConfig, SFTConfig
 from rlhf_core.tracking.lineage import dvc_md5
 from rlhf_core.trainers.dpo import train_dpo
 from rlhf_core.trainers.loop import InjectedFault, NonFiniteError, run_training

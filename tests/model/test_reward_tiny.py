@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from rlhf_core.config.schema import RewardConfig
+from rlhf_core.config import RewardConfig
 from rlhf_core.models.loading import load_tokenizer
 from rlhf_core.rewards.model import MEAN_KEY, load_reward_model, score
 from rlhf_core.trainers.reward import train_reward_model

@@ -448,7 +448,7 @@ def test_http_bad_replies(body, expect):
 
 
 def _rl_cfg(micro_model, micro_data, tmp_path, url, **kw):
-    from rlhf_core.config.schema import RLConfig
+    from rlhf_core.config import RLConfig
 
     return RLConfig(**{**dict(model_path=str(micro_model), prompts_file=str(micro_data["prompts"]),
                               eval_file=str(micro_data["eval"]), output_dir=str(tmp_path / "rl"),

@@ -16,7 +16,7 @@ import torch
 from conftest import Recorder, stop_after
 from safetensors.torch import load_file
 
-from rlhf_core.config.schema import RLConfig
+from rlhf_core.config import RLConfig
 from rlhf_core.tracking.lineage import dvc_md5
 from rlhf_core.trainers.rl import train_rl
 

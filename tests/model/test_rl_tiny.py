@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf_core.common import redact
-from rlhf_core.config.schema import ConfigError, RLConfig
+from rlhf_core.config import ConfigError, RLConfig
 from rlhf_core.rewards.sources import RewardError
 from rlhf_core.trainers.rl import train_rl
 from conftest import Recorder
@@ -195,7 +195,7 @@ def test_rl_stage_gate_takes_label_less_prompts_only_with_a_reward_model(isolate
     import json
 
     from rlhf_core.stages import wrappers as stages
-    from rlhf_core.config.schema import TrackingConfig
+    from rlhf_core.config import TrackingConfig
     from rlhf_core.data.validate import ValidationFailed
 
     rows = [json.loads(line) for line in Path(micro_data["prompts"]).read_text().splitlines()][:16]
@@ -449,7 +449,7 @@ def test_prompts_shared_across_a_group_give_the_same_logprobs_and_gradients(micr
 @pytest.fixture(scope="module")
 def sft_teacher(micro_model, micro_data, tmp_path_factory) -> Path:
     """The micro model after a few SFT steps: peaked where the untrained student is near uniform."""
-    from rlhf_core.config.schema import SFTConfig
+    from rlhf_core.config import SFTConfig
     from rlhf_core.trainers.sft import train_sft
 
     root = tmp_path_factory.mktemp("sft_teacher")

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from rlhf_core.config.schema import RLConfig
+from rlhf_core.config import RLConfig
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 from rlhf_core.rollout.engine import HFGenerateEngine, RolloutEngine, SamplingParams, response_mask_from_ids
 from rlhf_core.rollout.static import StaticCacheEngine, supports

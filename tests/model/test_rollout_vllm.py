@@ -140,7 +140,7 @@ def test_grpo_run_with_the_vllm_engine(vllm_model, micro_data, tmp_path):
 
 
 def _vllm_rl_cfg(vllm_model, micro_data, tmp_path, **kw):
-    from rlhf_core.config.schema import RLConfig
+    from rlhf_core.config import RLConfig
 
     reward = tmp_path / "length_reward.py"
     reward.write_text("def reward(prompts, completions, labels):\n    return [len(c) / 10 for c in completions]\n")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core.config.schema import SFTConfig
+from rlhf_core.config import SFTConfig
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 from rlhf_core.trainers.sft import train_sft
 from conftest import Recorder

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rlhf_core.tracking.checkpoint import Checkpointer, StorageError, run_fingerprint
-from rlhf_core.config.schema import SFTConfig
+from rlhf_core.config import SFTConfig
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 from rlhf_core.trainers.loop import estimate_state_bytes, save_hf_dir
 from rlhf_core.trainers.sft import train_sft

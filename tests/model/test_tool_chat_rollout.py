@@ -149,7 +149,7 @@ def test_trainer_renders_tool_messages_for_conversation_prompts(chat_tool_model,
 
     from conftest import Recorder
 
-    from rlhf_core.config.schema import RLConfig
+    from rlhf_core.config import RLConfig
     from rlhf_core.data.io import DataError
     from rlhf_core.trainers.rl import RLTrainer, _PhaseTimes, read_prompts
 

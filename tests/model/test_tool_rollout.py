@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import Recorder, recomputed_logprobs
 
-from rlhf_core.config.schema import RLConfig
+from rlhf_core.config import RLConfig
 from rlhf_core.rollout.environments import rollout_with_environment
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 from rlhf_core.algorithms.rl_math import policy_loss

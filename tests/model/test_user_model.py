@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import LLAMA_CHAT_TEMPLATE
-from rlhf_core.config.schema import SFTConfig
+from rlhf_core.config import SFTConfig
 from rlhf_core.data.tokenize import IGNORE_INDEX, tokenize_messages
 from rlhf_core.rollout.evaluate import evaluate_exact_match
 from rlhf_core.models.loading import ModelLoadError, load_causal_lm, load_tokenizer

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from conftest import Recorder
 from rlhf_core.models import attention
-from rlhf_core.config.schema import DPOConfig, RewardConfig
+from rlhf_core.config import DPOConfig, RewardConfig
 from rlhf_core.data.io import read_records
 from rlhf_core.data.tokenize import collate_pairs
 from rlhf_core.algorithms.logprobs import response_logprobs
@@ -228,7 +228,7 @@ def test_packed_rl_training_on_varlen_equals_padded_sdpa(micro_model, micro_data
     fused into the update, 4 micro-batches, the reference in no-grad chunks) with every micro-batch one
     padding-free row through the varlen path equal the padded run on SDPA: the same rollouts (engine untouched), per-step losses and KL (1e-4 relative) and final weights
     within 1e-3 of the update. A token budget is refused for rl (its micro-batches are rows)."""
-    from rlhf_core.config.schema import ConfigError, RLConfig
+    from rlhf_core.config import ConfigError, RLConfig
     from rlhf_core.trainers.rl import train_rl
 
     reward = tmp_path / "length_reward.py"

@@ -15,7 +15,7 @@ import ray
 import torch
 
 from conftest import Recorder
-from rlhf_core.config.schema import RLConfig
+from rlhf_core.config import RLConfig
 
 _TIMEOUT_S = 10.0
 

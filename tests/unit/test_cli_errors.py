@@ -24,7 +24,7 @@ def test_every_named_error_class_exists(name):
 
 def test_exit_codes_follow_the_class_and_its_subclasses():
     from rlhf_core.tracking.checkpoint import StorageError
-    from rlhf_core.config.schema import ConfigError
+    from rlhf_core.config import ConfigError
     from rlhf_core.data.io import DataError
 
     class Narrower(ConfigError):
@@ -65,7 +65,7 @@ def test_a_cut_validation_report_keeps_each_failures_location_first(tmp_path, mo
 
 
 def test_prefect_records_of_the_projects_errors_are_dropped_and_others_kept():
-    from rlhf_core.config.schema import ConfigError
+    from rlhf_core.config import ConfigError
 
     quiet = errors._ProjectFailureFilter()
 

@@ -51,7 +51,7 @@ def test_version_names_the_package():
 
 def test_a_stage_help_lists_each_field_on_its_own_line():
     """``alignflow sft --help`` ends with the section's fields, one per line with its doc, not one paragraph."""
-    from rlhf_core.config.schema import SFTConfig, field_docs
+    from rlhf_core.config import SFTConfig, field_docs
 
     out = _probe(["sft", "--help"])["out"]
     listing = out.split("fields of 'sft'", 1)[1].splitlines()

@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from conftest import REPO
-from rlhf_core.config.schema import (
+from rlhf_core.config import (
     SECTIONS,
     ConfigError,
     SFTConfig,
@@ -108,7 +108,7 @@ def test_gpu_speed_switches_are_checked():
         build_config(SFTConfig, "sft", {"micro_batch_tokens": 4096})
     assert build_config(SFTConfig, "sft", {"micro_batch_tokens": 4096, "packing": True}).micro_batch_tokens == 4096
     # rl.packing also takes auto, its default, from a params file or --set (parse_overrides) as from Python
-    from rlhf_core.config.schema import RLConfig, parse_overrides
+    from rlhf_core.config import RLConfig, parse_overrides
 
     assert build_config(RLConfig, "rl", {}).packing == "auto"
     assert build_config(RLConfig, "rl", parse_overrides(["packing=auto"])).packing == "auto"
@@ -127,7 +127,7 @@ def test_broken_yaml_names_line(tmp_path):
 
 def test_scale_out_fields_are_checked():
     """Worker counts, strategies and placements a user could mistype fail with section.field."""
-    from rlhf_core.config.schema import ConfigError, RLConfig, SFTConfig
+    from rlhf_core.config import ConfigError, RLConfig, SFTConfig
 
     with pytest.raises(ConfigError, match=r"sft.parallel: must be ddp, zero2 or zero3"):
         SFTConfig(parallel="fsdp")
@@ -149,7 +149,7 @@ def test_scale_out_fields_are_checked():
 def test_rollout_sleep_is_checked_and_resolved_by_where_it_can_work():
     """rl.rollout_sleep is auto, on or off; on needs colocated replicas of the hf or static engine that take whole
     weights (no LoRA); auto turns it on only with GPUs and only where on would be accepted."""
-    from rlhf_core.config.schema import ConfigError, RLConfig
+    from rlhf_core.config import ConfigError, RLConfig
     from rlhf_core.trainers.ray_launcher import resolve_rollout_sleep
 
     colocated = RLConfig(placement="colocated", rollout_sleep="on")
@@ -172,7 +172,7 @@ def test_rollout_sleep_is_checked_and_resolved_by_where_it_can_work():
 def test_rl_policy_objective_and_its_clip_fields():
     """policy_objective is one of the enum's values; GSPO's bounds are checked like PPO's; dual clip, which
     bounds PPO's unclipped branch, is refused for cispo (its clipped weight has no such branch)."""
-    from rlhf_core.config.schema import RLConfig
+    from rlhf_core.config import RLConfig
 
     assert RLConfig().policy_objective == "ppo_clip"
     assert (RLConfig().gspo_clip_low, RLConfig().gspo_clip_high) == (3e-4, 4e-4)
@@ -191,7 +191,7 @@ def test_async_training_and_sequence_masking_fields_are_checked():
     """max_staleness is an integer >= 0 (0, the default, is synchronous); k >= 1 needs pi_old recomputed from the
     policy being updated and refuses colocated placement (its roles take turns on one GPU: nothing to overlap);
     mis_threshold is 0 (off) or a band edge > 1, and needs pi_old recomputed as well."""
-    from rlhf_core.config.schema import ConfigError, RLConfig
+    from rlhf_core.config import ConfigError, RLConfig
 
     assert (RLConfig().max_staleness, RLConfig().mis_threshold) == (0, 0.0)
     assert RLConfig(max_staleness=2, placement="disaggregated", mis_threshold=2.0).max_staleness == 2
@@ -210,7 +210,7 @@ def test_async_training_and_sequence_masking_fields_are_checked():
 def test_on_policy_distillation_fields_are_checked():
     """estimator distill needs teacher_model_path; the teacher's fields need distill; distill refuses
     dynamic sampling (a reward tie says nothing of the teacher's signal); it runs under Ray placement too."""
-    from rlhf_core.config.schema import ConfigError, RLConfig
+    from rlhf_core.config import ConfigError, RLConfig
 
     cfg = RLConfig(estimator="distill", teacher_model_path="models/teacher", distill_reward_coef=0.5,
                    kl_in_reward=True, kl_estimator="k1")

@@ -26,7 +26,7 @@ def test_committed_reference_equals_the_generated_one():
 
 
 def test_every_section_and_field_is_in_the_reference():
-    from rlhf_core.config.schema import SECTIONS
+    from rlhf_core.config import SECTIONS
 
     text = _generator().render()
     for section, cls in SECTIONS.items():

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from rlhf_core.config.schema import ConfigError, DataReportConfig
+from rlhf_core.config import ConfigError, DataReportConfig
 from rlhf_core.data import quality
 from rlhf_core.data.report import data_report
 

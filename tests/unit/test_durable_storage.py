@@ -24,7 +24,7 @@ import torch
 from rlhf_core.tracking import lineage
 from rlhf_core.tracking.checkpoint import StorageError, run_fingerprint, storage_errno, storage_guard, sweep_temps, temp_sibling
 from rlhf_core.tracking.manifest import read_manifest, verify_manifest, write_manifest
-from rlhf_core.config.schema import RLConfig
+from rlhf_core.config import RLConfig
 
 needs_dev_full = pytest.mark.skipif(not (os.path.exists("/dev/full") and stat.S_ISCHR(os.stat("/dev/full").st_mode)),
                                     reason="the /dev/full device (Linux) gives a real ENOSPC")

@@ -31,15 +31,17 @@ def test_committed_dvc_yaml_has_the_derived_code_deps():
 
 def test_derived_deps_hold_what_the_stages_run():
     derived = _derived()
-    # the modules the hand-written list had left out of sft, its trainer, and config.py (its defaults)
+    # the modules the hand-written list had left out of sft, its trainer, and its config (its defaults)
     assert {"rlhf_core/models/lm_head.py", "rlhf_core/models/precision.py", "rlhf_core/models/loading.py", "rlhf_core/models/attention.py",
-            "rlhf_core/config/schema.py", "rlhf_core/trainers/sft.py", "flows/cli.py"} <= set(derived["sft"])
+            "rlhf_core/config/training.py", "rlhf_core/trainers/sft.py", "flows/cli.py"} <= set(derived["sft"])
     # another stage's trainer and the Prefect flows: the dispatch modules are read by calls
     assert not {"rlhf_core/trainers/dpo.py", "rlhf_core/trainers/kto.py", "flows/align.py"} & set(derived["sft"])
     # code the params name by path: rl's default reward function, tool_rl's reward and environment
     assert "rlhf_core/embedded/reward.py" in derived["rl"]
     assert "rlhf_core/rollout/tool_task.py" in derived["tool_rl"]
-    assert all("rlhf_core/config/schema.py" in files for files in derived.values())
+    # every stage depends on every config file: the defaults DVC's params hash does not see
+    config_files = {p.relative_to(REPO).as_posix() for p in (REPO / "rlhf_core" / "config").glob("*.py")}
+    assert all(config_files <= set(files) for files in derived.values())
 
 
 def test_an_import_added_without_regenerating_fails_the_check(tmp_path):
@@ -72,12 +74,13 @@ TOY = {
     "rlhf_core/__init__.py": "from rlhf_core.common import offline as env\n",
     "rlhf_core/common/__init__.py": "",
     "rlhf_core/common/offline.py": "",
-    "rlhf_core/config/__init__.py": "",
-    "rlhf_core/config/schema.py": "",
+    "rlhf_core/config/__init__.py": "from rlhf_core.config import sections\n",
+    "rlhf_core/config/sections.py": "",
+    "rlhf_core/config/rl.py": "",
     "rlhf_core/stages/__init__.py": "",
     "rlhf_core/lazy.py": "",
     "rlhf_core/deep.py": "",
-    "rlhf_core/stages/wrappers.py": ("from rlhf_core.config import schema as config\n\n"
+    "rlhf_core/stages/wrappers.py": ("from rlhf_core import config\n\n"
                             "def sft():\n    from rlhf_core.trainers import sft\n    return _helper()\n\n"
                             "def _helper():\n    from rlhf_core import lazy\n\n"
                             "def dpo():\n    from rlhf_core.trainers import dpo\n"),
@@ -100,7 +103,7 @@ def test_closure_follows_lazy_imports_and_calls_not_other_handlers(tmp_path):
     index = _toy(tmp_path, TOY)
     files = dvc_deps.closure(index, dvc_deps.command_entries(index, "alignflow sft --metrics-file m.json"))
     assert files == {"flows/__init__.py", "flows/cli.py", "rlhf_core/__init__.py", "rlhf_core/common/__init__.py",
-                     "rlhf_core/common/offline.py", "rlhf_core/config/__init__.py", "rlhf_core/config/schema.py",
+                     "rlhf_core/common/offline.py", "rlhf_core/config/__init__.py", "rlhf_core/config/sections.py",
                      "rlhf_core/stages/__init__.py", "rlhf_core/stages/wrappers.py", "rlhf_core/lazy.py",
                      "rlhf_core/trainers/__init__.py", "rlhf_core/trainers/sft.py", "rlhf_core/deep.py"}
 
@@ -111,12 +114,20 @@ def test_stages_whose_code_cannot_be_told_are_refused(tmp_path):
         dvc_deps.command_entries(index, "alignflow kto")
     with pytest.raises(dvc_deps.StageError, match="cannot be derived"):
         dvc_deps.command_entries(index, "bash train.sh")
-    without_config = TOY["rlhf_core/stages/wrappers.py"].replace("from rlhf_core.config import schema as config", "")
-    (tmp_path / "rlhf_core" / "stages" / "wrappers.py").write_text(without_config)
-    with pytest.raises(dvc_deps.StageError, match="config default would not reach DVC"):
-        dvc_deps.stage_code_deps(dvc_deps.SourceIndex(tmp_path), {"sft": {"cmd": "alignflow sft"}})
     # a stage function handing a helper on as a callback: its imports would escape the reading by calls
     (tmp_path / "rlhf_core" / "stages" / "wrappers.py").write_text(TOY["rlhf_core/stages/wrappers.py"].replace("return _helper()",
                                                                                           "return map(_helper, [])"))
     with pytest.raises(dvc_deps.StageError, match="uses _helper as a value"):
         dvc_deps.stage_code_deps(dvc_deps.SourceIndex(tmp_path), {"sft": {"cmd": "alignflow sft"}})
+
+
+def test_every_stage_depends_on_the_whole_config_package(tmp_path):
+    """The defaults live in rlhf_core/config, which DVC's params hash does not see: all of it is every stage's
+    dep, a module no import reaches (the toy's config/rl.py) included, and so is it without the config import."""
+    index = _toy(tmp_path, TOY)
+    config = {"rlhf_core/config/__init__.py", "rlhf_core/config/sections.py", "rlhf_core/config/rl.py"}
+    assert config <= set(dvc_deps.stage_code_deps(index, {"sft": {"cmd": "alignflow sft"}})["sft"])
+    without_config = TOY["rlhf_core/stages/wrappers.py"].replace("from rlhf_core import config", "")
+    (tmp_path / "rlhf_core" / "stages" / "wrappers.py").write_text(without_config)
+    derived = dvc_deps.stage_code_deps(dvc_deps.SourceIndex(tmp_path), {"sft": {"cmd": "alignflow sft"}})
+    assert config <= set(derived["sft"])

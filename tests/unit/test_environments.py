@@ -16,7 +16,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from rlhf_core.config.schema import ConfigError, RLConfig, ToolGenerateConfig
+from rlhf_core.config import ConfigError, RLConfig, ToolGenerateConfig
 from rlhf_core.rollout.environments import EnvironmentFailure, StepResult, environment_factory
 from rlhf_core.algorithms.rl_math import compute_advantages, gae, policy_loss
 from rlhf_core.embedded.tasks import Problem

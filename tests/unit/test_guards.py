@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from rlhf_core.config.schema import ConfigError, GuardsConfig
+from rlhf_core.config import ConfigError, GuardsConfig
 from rlhf_core.promotion.guards import (
     GUARD_NAMES,
     ProbeRecord,

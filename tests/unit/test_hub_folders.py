@@ -105,7 +105,7 @@ def test_folder_md5_and_mlflow_input_as_for_a_file(isolated_project):
     for the folder carries that md5 as digest, the folder as source and rows from its shards."""
     from mlflow.tracking import MlflowClient
 
-    from rlhf_core.config.schema import TrackingConfig
+    from rlhf_core.config import TrackingConfig
     from rlhf_core.tracking.mlflow_runs import start_run
 
     folder = _parquet_folder(isolated_project / "ds")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from rlhf_core.config.schema import ConfigError, GuardsConfig
+from rlhf_core.config import ConfigError, GuardsConfig
 from rlhf_core.promotion.metric_command import MetricCommandError, command_args, pair_scores, read_scores, run_metric_command
 
 PY = sys.executable

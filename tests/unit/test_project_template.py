@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from conftest import REPO
-from rlhf_core.config.schema import SECTIONS, TOOL_TASK_SECTIONS, load_config, read_params
+from rlhf_core.config import SECTIONS, TOOL_TASK_SECTIONS, load_config, read_params
 
 TEMPLATE = REPO / "flows" / "project_template"
 # Where the repository's params.yaml continues past the template's text: the tool task's sections.

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlhf_core.config.schema import ConfigError, RLConfig
+from rlhf_core.config import ConfigError, RLConfig
 from rlhf_core.data.formats import PromptExample
 from rlhf_core.data.io import DataError
 from rlhf_core.rollout.environments import (OBSERVATION, StepResult, rollout_with_environment, tool_conversations,

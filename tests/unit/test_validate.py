@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rlhf_core.config.schema import DataFields
+from rlhf_core.config import DataFields
 from rlhf_core.data.io import DataError
 from rlhf_core.data.validate import ValidationFailed, check_dataset, validate_dataset
 
@@ -248,7 +248,7 @@ def test_a_file_mixing_forms_names_the_rows_and_the_line_that_set_the_form(tmp_p
 def test_unpaired_desirable_field_maps_trls_label(tmp_path):
     """TRL's KTO files name the boolean `label`: the default name misses it and says how to map it;
     `desirable_field=label` (or a KTO config saying so) reads it."""
-    from rlhf_core.config.schema import KTOConfig
+    from rlhf_core.config import KTOConfig
 
     path = _write(tmp_path, "kto.jsonl", [{"prompt": "1+1=", "completion": "2", "label": True},
                                           {"prompt": "1+1=", "completion": "3", "label": False}])

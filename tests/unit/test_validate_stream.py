@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from rlhf_core.config.schema import ConfigError, DataFields
+from rlhf_core.config import ConfigError, DataFields
 from rlhf_core.data.io import DataError, read_records
 from rlhf_core.data.streaming import SeenRows
 from rlhf_core.data.validate import validate_dataset

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.config.schema import ConfigError, RLConfig
+from rlhf_core.config import ConfigError, RLConfig
 from rlhf_core.distributed.weight_sync import (SyncPath, TensorSpec, WeightSync, bucket_views, buffer_numels, flatten_bucket,
                                    plan_layout, resolve_path, unflatten_bucket)
 

@@ -1,8 +1,8 @@
-"""The config boundary: ``--set`` overrides (:func:`rlhf_core.config.schema.parse_overrides`, the CLI's section
-split) and params files (:func:`rlhf_core.config.schema.read_params`, :func:`flows.params.load_all`).
+"""The config boundary: ``--set`` overrides (:func:`rlhf_core.config.parse_overrides`, the CLI's section
+split) and params files (:func:`rlhf_core.config.read_params`, :func:`flows.params.load_all`).
 
 Any ``key=value`` string and any params file, text or bytes, is either accepted as typed configs or
-refused with a :class:`rlhf_core.config.schema.ConfigError` whose message starts with its source: the command
+refused with a :class:`rlhf_core.config.ConfigError` whose message starts with its source: the command
 line for an override, the params file's path for the file, and names the field where one is at fault.
 Nothing else is raised, every input is decided within a second (YAML alias bombs and deep nesting are
 bounded), and the params file's bytes are left as they were.
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from flows.cli import _section_overrides, stage_overrides
 from flows.params import load_all
-from rlhf_core.config.schema import (MAX_YAML_DEPTH, OVERRIDE_SOURCE, SECTIONS, ConfigError, SFTConfig, build_config,
+from rlhf_core.config import (MAX_YAML_DEPTH, OVERRIDE_SOURCE, SECTIONS, ConfigError, SFTConfig, build_config,
                               load_config, parse_overrides, read_params)
 
 FIELDS = sorted({(name, f.name) for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)})
@@ -148,5 +148,5 @@ def test_a_params_file_that_is_a_directory_is_refused_naming_it(tmp_path):
 def test_anchors_and_merge_keys_still_read():
     assert parse_overrides(["lr=&a 0.5"]) == {"lr": 0.5}
     text = "sft: &d {lr: 0.5, max_steps: 3}\ntool_sft:\n  <<: *d\n  lr: 0.25\n"
-    from rlhf_core.config.schema import _load_yaml
+    from rlhf_core.config.base import _load_yaml
     assert _load_yaml(text, "p")["tool_sft"] == {"lr": 0.25, "max_steps": 3}
