@@ -686,7 +686,7 @@ def shard_frozen(model: torch.nn.Module, kind: str, world: World | None = None) 
 
 def resident_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of ``model``'s parameters this process holds: a ZeRO-3 parameter counts its own partition
-    (``ds_tensor``), a released one (:meth:`rlhf_core.trainers.ray_launcher.RolloutReplica.release_weights`) nothing.
+    (``ds_tensor``), a released one (:meth:`rlhf_core.trainers.rollout_replica.RolloutReplica.release_weights`) nothing.
     Tied parameters count once."""
     seen, total = set(), 0
     for p in getattr(model, "module", model).parameters():

@@ -796,7 +796,7 @@ class PolicyLearner:
 
     def base_dtype(self) -> str:
         """The dtype of the policy's frozen (non-adapter) weights, e.g. ``"bfloat16"``: what the controller's copy
-        of a LoRA policy's base is held in (:class:`rlhf_core.trainers.ray_launcher.RemoteLearner`)."""
+        of a LoRA policy's base is held in (:class:`rlhf_core.trainers.rl_on_ray.RemoteLearner`)."""
         frozen = next((p for n, p in self.policy.named_parameters() if "lora_" not in n), None)
         return str((frozen if frozen is not None else next(self.policy.parameters())).dtype).removeprefix("torch.")
 

@@ -134,7 +134,7 @@ def test_grpo_with_a_vllm_replica_in_a_ray_actor(vllm_model, micro_data, tmp_pat
     import ray
 
     from conftest import Recorder
-    from rlhf_core.trainers.ray_launcher import train_rl_on_ray
+    from rlhf_core.trainers.rl_on_ray import train_rl_on_ray
 
     sink = Recorder()
     try:
