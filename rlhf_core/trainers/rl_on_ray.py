@@ -321,7 +321,7 @@ def _reference(cfg: Any, rank: int, size: int, model_path: str | None = None) ->
 
 
 def _learner(cfg: Any) -> Any:
-    from rlhf_core.trainers.loop import seed_everything
+    from rlhf_core.trainers.step import seed_everything
     from rlhf_core.trainers.rl_roles import PolicyLearner
 
     # a LoRA policy's adapters start random (peft's A); seeded, every run of a config starts from the same ones,

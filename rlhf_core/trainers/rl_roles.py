@@ -35,8 +35,9 @@ from rlhf_core.models.precision import Precision
 from rlhf_core.algorithms.rl_math import (AdvantageEstimator, LossAggregation, PolicyObjective, aggregate_loss,
                                aggregation_units, clipped_value_loss, entropy_from_logits, kl_penalty, masked_mean,
                                policy_loss)
-from rlhf_core.trainers.loop import accumulate_and_step, build_optimizer, build_scheduler, group_by_tokens, \
-    inject_fault
+from rlhf_core.data.tokenize import group_by_tokens
+from rlhf_core.trainers.loop import inject_fault
+from rlhf_core.trainers.step import accumulate_and_step, build_optimizer, build_scheduler
 from rlhf_core.distributed.weight_sync import Layout, SyncGroup, flatten_bucket, plan_layout
 
 log = logging.getLogger(__name__)

@@ -248,7 +248,7 @@ def test_critic_gradient_that_overflows_stops_before_the_critic_step(micro_model
     are those it started with and its optimizer never stepped. (Before the guard: with clipping off
     Adam stepped on the 1e18-sized gradient; with it on, the inf norm scaled the gradient to 0 and
     the step went ahead silently.)"""
-    from rlhf_core.trainers.loop import NonFiniteError
+    from rlhf_core.trainers.step import NonFiniteError
     from rlhf_core.trainers.rl_roles import PolicyLearner
 
     path = tmp_path / "huge_reward.py"

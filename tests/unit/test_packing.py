@@ -11,7 +11,8 @@ import torch
 from rlhf_core.data.tokenize import TokenizedExample, collate_packed, collate_padded, collate_pair_tree
 from rlhf_core.algorithms.logprobs import response_token_counts, sequence_sums
 from rlhf_core.algorithms.losses import segment_ids, segment_last_index, segment_sums
-from rlhf_core.trainers.loop import EmptyMicroBatch, group_by_tokens, real_tokens
+from rlhf_core.data.tokenize import group_by_tokens
+from rlhf_core.trainers.batches import EmptyMicroBatch, real_tokens
 
 
 def test_segment_ids_number_sequences_row_major():
