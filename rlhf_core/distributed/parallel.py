@@ -660,7 +660,7 @@ def shard_frozen(model: torch.nn.Module, kind: str, world: World | None = None) 
 
     A 7B reference held whole beside a ZeRO-3 policy was 15.2 GB of the 106.6 GB a GPU of our 7B GRPO step on
     four GPUs (BENCHMARKS.md); partitioned it is 3.8 GB plus the layers in flight. Every rank must then run the
-    same number of forwards: the no-grad chunking agrees on it (:class:`rlhf_core.trainers.rl_roles._Sharded`).
+    same number of forwards: the no-grad chunking agrees on it (:class:`rlhf_core.trainers.rl_forward._Sharded`).
     Call it after the model's kernels are prepared (liger patches modules in place). The parameters must
     have one dtype: bf16 (DeepSpeed's bf16 mode) or fp32.
     """

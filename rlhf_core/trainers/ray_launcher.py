@@ -103,7 +103,7 @@ def gather(refs: Sequence[Any], what: str, on_wait: Callable[[], None] | None = 
 def worker_env() -> dict[str, str]:
     """The environment every Ray worker starts with: the offline switches, NVLink multicast off (unless the
     driver's environment says otherwise), and ``ALIGNFLOW_RELEASE_MEMORY=1`` (a worker may share its GPU with
-    colocated roles: :func:`rlhf_core.trainers.rl_roles.release_memory` hands the allocator's cache back
+    colocated roles: :func:`rlhf_core.trainers.rl_forward.release_memory` hands the allocator's cache back
     between phases; the driver's own setting wins)."""
     return {**OFFLINE_ENV, **{k: os.environ.get(k, v) for k, v in _NO_MULTICAST.items()},
             "ALIGNFLOW_RELEASE_MEMORY": os.environ.get("ALIGNFLOW_RELEASE_MEMORY", "1")}

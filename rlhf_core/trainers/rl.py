@@ -80,8 +80,7 @@ from rlhf_core.trainers.batches import EpochSampler
 from rlhf_core.trainers.loop import LoopClock, LoopPlan, MetricSink, NullSink, Timer, run_checkpointed, save_hf_dir
 from rlhf_core.trainers.step import seed_everything
 from rlhf_core.trainers.rl_roles import KL_CLAMP as _KL_CLAMP
-from rlhf_core.trainers.rl_roles import (BaseReference, PolicyLearner, ReferenceScorer, base_is_reference,  # noqa: F401
-                                         token_logprobs, token_values)
+from rlhf_core.trainers.rl_roles import BaseReference, PolicyLearner, ReferenceScorer, base_is_reference
 
 # Rollout tables show whole groups, so a reader sees what the group baseline compared.
 _TABLE_GROUPS = 4

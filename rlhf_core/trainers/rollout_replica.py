@@ -46,7 +46,7 @@ class RolloutReplica:
         self._filled: set[str] = set()
 
     def generate(self, prompts: Sequence[str], params: Any) -> Any:
-        from rlhf_core.trainers.rl_roles import release_memory
+        from rlhf_core.trainers.rl_forward import release_memory
 
         self._check_awake()
         batch = self.engine.generate(prompts, params)
@@ -54,7 +54,7 @@ class RolloutReplica:
         return batch
 
     def generate_ids(self, encoded: Sequence[list[int]], params: Any, prompts: Sequence[str]) -> Any:
-        from rlhf_core.trainers.rl_roles import release_memory
+        from rlhf_core.trainers.rl_forward import release_memory
 
         self._check_awake()
         batch = self.engine.generate_ids(encoded, params, prompts)
@@ -73,7 +73,7 @@ class RolloutReplica:
         """Free the engine's weights (buffers such as RoPE tables stay); returns the bytes freed. A sync must
         refill every one before the next :meth:`generate`."""
         from rlhf_core.distributed.parallel import resident_weight_bytes
-        from rlhf_core.trainers.rl_roles import release_memory
+        from rlhf_core.trainers.rl_forward import release_memory
 
         model = self.engine.model
         if getattr(self.engine, "sampler", None) is not None:

