@@ -180,7 +180,7 @@ def kernel_check(device, reps: int = 200) -> list[dict]:
 def check_numerics(engines: dict, model, prompts: list[str], device) -> dict:
     """Per engine: greedy tokens against HF generate's, and sampling log-probs against the trainer's
     recomputation (bf16; HF generate's own log-probs are the baseline the others are read against)."""
-    from rlhf_core.trainers.rl_roles import token_logprobs
+    from rlhf_core.trainers.rl_forward import token_logprobs
 
     greedy = SamplingParams(n=1, temperature=0, max_new_tokens=64)
     configure("hf_generate")

@@ -200,7 +200,7 @@ def main() -> None:
     if args.placement == "none":
         train_rl(cfg, sink, show_progress=False)
     else:
-        from rlhf_core.trainers.ray_launcher import train_rl_on_ray
+        from rlhf_core.trainers.rl_on_ray import train_rl_on_ray
 
         train_rl_on_ray(cfg, sink, show_progress=False)
     total = time.perf_counter() - started

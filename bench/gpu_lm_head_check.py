@@ -412,7 +412,7 @@ def compiled_part(small: bool, device: torch.device, reps: int) -> dict:
 
 
 def rl_packed_part(small: bool, device: torch.device, reps: int) -> dict:
-    """RL's response-token log-probs (``rl_roles.token_logprobs``, temperature 0.9, the entropy logged) on rows
+    """RL's response-token log-probs (``rl_forward.token_logprobs``, temperature 0.9, the entropy logged) on rows
     laid out as the rollout leaves them, left-padded prompts shared by groups of 8 and right-padded responses,
     by the three layouts the trainer has: padded rows, each distinct prompt once (the default), and one
     padding-free row (``rl.packing``, torch's varlen flash kernel on a GPU); bf16, advantage-weighted backward,
@@ -420,7 +420,7 @@ def rl_packed_part(small: bool, device: torch.device, reps: int) -> dict:
     import os
 
     from rlhf_core.models.loading import ATTENTION_ENV, load_causal_lm
-    from rlhf_core.trainers.rl_roles import token_logprobs
+    from rlhf_core.trainers.rl_forward import token_logprobs
 
     model_dir, vocab = _model_dir(small, "rlpacked-")
     g = torch.Generator().manual_seed(3)

@@ -93,7 +93,7 @@ def profile_update(model_dir: Path, args, report: dict) -> None:
     log-prob forward: times, peak memory, TFLOP/s by 6NT / 2NT, top kernels of the update."""
     from rlhf_core.models.loading import load_causal_lm, prepare_for_training
     from rlhf_core.distributed.parallel import train_mode
-    from rlhf_core.trainers.rl_roles import token_logprobs
+    from rlhf_core.trainers.rl_forward import token_logprobs
 
     dev = torch.device("cuda")
     policy = load_causal_lm(model_dir, dev).eval()

@@ -31,7 +31,7 @@ from rlhf_core.config import SFTConfig  # noqa: E402
 from rlhf_core.models.lm_head import prepare_kernels  # noqa: E402
 from rlhf_core.models.loading import load_causal_lm  # noqa: E402
 from rlhf_core.models.precision import Precision  # noqa: E402
-from rlhf_core.trainers.loop import build_optimizer  # noqa: E402
+from rlhf_core.trainers.step import build_optimizer  # noqa: E402
 from rlhf_core.trainers.sft import nll_loss_fn  # noqa: E402
 
 

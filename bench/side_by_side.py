@@ -507,13 +507,13 @@ def _sync() -> None:
 
 
 def _in_actor(factory: str, peak_dir: str, *args, **kwargs):
-    """A Ray actor's role, built by ``rlhf_core.trainers.ray_launcher.<factory>`` after the log capture and the peak
+    """A Ray actor's role, built by ``rlhf_core.trainers.rl_on_ray.<factory>`` after the log capture and the peak
     writer start (looked up by name in the actor, where the launcher is not patched)."""
-    from rlhf_core.trainers import ray_launcher
+    from rlhf_core.trainers import rl_on_ray
 
     _child_logging()
     _peak_writer(peak_dir)
-    return getattr(ray_launcher, factory)(*args, **kwargs)
+    return getattr(rl_on_ray, factory)(*args, **kwargs)
 
 
 RANK0_PROFILE = "rank0.profile"  # ``--profile`` under Ray ranks: rank 0's summary, in the child's peak folder
@@ -854,11 +854,11 @@ def _ours_grpo(task: dict, common: dict, sink: Any, work: Path) -> dict:
     if update_profile is not None:
         update_profile.install()
     if on_ray:
-        from rlhf_core.trainers import ray_launcher
+        from rlhf_core.trainers import rl_on_ray
 
         for factory in ("_learner", "_reference", "RolloutReplica"):
-            setattr(ray_launcher, factory, functools.partial(_in_actor, factory, peak_dir))
-        ray_launcher.train_rl_on_ray(cfg, sink, show_progress=False)
+            setattr(rl_on_ray, factory, functools.partial(_in_actor, factory, peak_dir))
+        rl_on_ray.train_rl_on_ray(cfg, sink, show_progress=False)
     else:
         train_rl(cfg, sink, show_progress=False)
     steps = [m for _, m in sink.rows if "perf/step_s" in m]

@@ -33,7 +33,7 @@ EXIT_CODES: dict[str, int] = {
     "rlhf_core.data.io.DataError": 1,
     "rlhf_core.data.validate.ValidationFailed": 1,
     "tasks.errors.StageRejected": 1,
-    "rlhf_core.trainers.loop.NonFiniteError": 1,
+    "rlhf_core.trainers.step.NonFiniteError": 1,
     "rlhf_core.rewards.sources.RewardError": 1,
     "rlhf_core.promotion.metric_command.MetricCommandError": 1,
     "rlhf_core.tracking.checkpoint.StorageError": 1,

@@ -413,7 +413,8 @@ def run_grpo_ray(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
     as tests/model/test_parallel.py runs it, on a local Ray instance of this run's own."""
     import ray
 
-    from rlhf_core.trainers.ray_launcher import connect, train_rl_on_ray
+    from rlhf_core.trainers.ray_launcher import connect
+    from rlhf_core.trainers.rl_on_ray import train_rl_on_ray
 
     saved = os.environ.pop("RAY_ADDRESS", None)
     connect(min_cpus=4)

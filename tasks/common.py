@@ -15,7 +15,7 @@ from rlhf_core.data.validate import ValidationFailed
 from rlhf_core.tracking.lineage import core_fingerprint, package_version, source_hash  # noqa: F401  (re-exported)
 from rlhf_core.models.loading import ModelLoadError
 from rlhf_core.common.redact import redact_secrets
-from rlhf_core.trainers.loop import NonFiniteError
+from rlhf_core.trainers.step import NonFiniteError
 from tasks.errors import StageRejected
 
 # Bad input fails the same way every time: retrying it only delays the report. A NaN loss

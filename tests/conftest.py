@@ -73,7 +73,7 @@ def recomputed_logprobs(model, batch, temperature: float = 1.0):
     recomputed from its sequences as the learner scores them, to compare with the engine's sampling log-probs."""
     import torch
 
-    from rlhf_core.trainers.rl_roles import token_logprobs
+    from rlhf_core.trainers.rl_forward import token_logprobs
 
     ids, attention = batch.sequences()
     exp = {"input_ids": ids, "attention_mask": attention, "position_ids": batch.position_ids(),

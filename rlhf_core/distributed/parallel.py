@@ -13,7 +13,7 @@ all-reduced across ranks, and the gradient is summed. So 2 workers take the step
 would, up to float summation order (tested to 1e-4 relative in ``tests/model/test_parallel.py``).
 With a token budget (``micro_batch_tokens``) each rank regroups its own rows of the step, so the
 ranks' micro-batch counts may differ: they agree on the largest (:meth:`World.all_reduce_max`) and
-a rank with fewer runs empty micro-batches (``rlhf_core.trainers.loop.EmptyMicroBatch``), because
+a rank with fewer runs empty micro-batches (``rlhf_core.trainers.batches.EmptyMicroBatch``), because
 every backward of DDP's last micro-batch and of every ZeRO micro-batch is a collective.
 
 Strategies (``TrainerConfig.parallel``):
@@ -204,7 +204,7 @@ class Strategy(Protocol):
 # tensor} where fp32 master weights persist (rlhf_core.models.precision: mixed precision, or bf16 under ZeRO):
 # the checkpoint's safetensors hold the bf16 working weights, the masters are the trained weights,
 # and a resume that restored only the bf16 copy would not continue the run exactly. Every parameter
-# group of :func:`rlhf_core.trainers.loop.build_optimizer` shares one learning rate.
+# group of :func:`rlhf_core.trainers.step.build_optimizer` shares one learning rate.
 
 
 def _named_trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -634,7 +634,7 @@ def build_strategy(kind: str, model: torch.nn.Module, optimizer: torch.optim.Opt
     """The strategy ``kind`` (``ddp``, ``zero2``, ``zero3``) for ``world``; a single rank is always local.
 
     ``precision`` matters to DeepSpeed only (its bf16 mode); under Local and DDP the optimizer
-    (:func:`rlhf_core.trainers.loop.build_optimizer`) carries the regime.
+    (:func:`rlhf_core.trainers.step.build_optimizer`) carries the regime.
 
     ``zero2``/``zero3`` need DeepSpeed; on a CPU-only world (gloo) they run on DeepSpeed's CPU
     accelerator, which is how the tests exercise the same code the GPUs run.
@@ -660,7 +660,7 @@ def shard_frozen(model: torch.nn.Module, kind: str, world: World | None = None) 
 
     A 7B reference held whole beside a ZeRO-3 policy was 15.2 GB of the 106.6 GB a GPU of our 7B GRPO step on
     four GPUs (BENCHMARKS.md); partitioned it is 3.8 GB plus the layers in flight. Every rank must then run the
-    same number of forwards: the no-grad chunking agrees on it (:class:`rlhf_core.trainers.rl_roles._Sharded`).
+    same number of forwards: the no-grad chunking agrees on it (:class:`rlhf_core.trainers.rl_forward._Sharded`).
     Call it after the model's kernels are prepared (liger patches modules in place). The parameters must
     have one dtype: bf16 (DeepSpeed's bf16 mode) or fp32.
     """
@@ -686,7 +686,7 @@ def shard_frozen(model: torch.nn.Module, kind: str, world: World | None = None) 
 
 def resident_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of ``model``'s parameters this process holds: a ZeRO-3 parameter counts its own partition
-    (``ds_tensor``), a released one (:meth:`rlhf_core.trainers.ray_launcher.RolloutReplica.release_weights`) nothing.
+    (``ds_tensor``), a released one (:meth:`rlhf_core.trainers.rollout_replica.RolloutReplica.release_weights`) nothing.
     Tied parameters count once."""
     seen, total = set(), 0
     for p in getattr(model, "module", model).parameters():

@@ -166,7 +166,7 @@ class RolloutEngine(Protocol):
 @runtime_checkable
 class ReleasesWeights(Protocol):
     """An engine whose weights' memory can be handed back between a rollout and the next weight sync (colocated
-    Ray replicas under ``rl.rollout_sleep``, :class:`rlhf_core.trainers.ray_launcher.RemoteRollout`): the controller
+    Ray replicas under ``rl.rollout_sleep``, :class:`rlhf_core.trainers.rl_on_ray.RemoteRollout`): the controller
     calls :meth:`release_weights` once a step's rollout is done, and the sync after the update allocates and
     fills them again. Only where every rollout is followed by a sync of the whole weights (synchronous)."""
 

@@ -348,7 +348,7 @@ def report_datasets(fields: DataFields, datasets: dict[str, tuple[str, str]], ki
 def _launcher(train_fn: Any, cfg: Any) -> Any:
     """``train_fn`` itself, or the Ray launcher that runs it on several workers / role actors."""
     if getattr(cfg, "placement", "none") != "none":
-        from rlhf_core.trainers.ray_launcher import train_rl_on_ray
+        from rlhf_core.trainers.rl_on_ray import train_rl_on_ray
 
         return train_rl_on_ray
     if cfg.num_workers > 1:

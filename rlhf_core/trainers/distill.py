@@ -3,7 +3,7 @@
 Reads top to bottom: load student + frozen teacher (same vocabulary, checked) -> tokenize
 the sequences -> shared train loop with the token-level KL of
 ``rlhf_core.algorithms.losses.distillation_loss`` -> save. Optimiser, schedule, accumulation, eval and
-checkpoints come from ``rlhf_core.trainers.loop``, as for every trainer.
+checkpoints come from ``rlhf_core.trainers.offline``, as for every offline trainer.
 
 On the embedded default the teacher is the DPO model and the student the SFT model, trained
 on the SFT demonstrations: where a demonstration is wrong, the teacher's distribution still
@@ -31,7 +31,10 @@ from rlhf_core.algorithms.losses import IGNORE_INDEX, distillation_loss
 from rlhf_core.models.loading import ModelLoadError, load_causal_lm, load_tokenizer, pick_device
 from rlhf_core.distributed.parallel import current_world
 from rlhf_core.models.precision import Precision
-from rlhf_core.trainers.loop import EpochSampler, MetricSink, MicroBatches, NullSink, run_training, seed_everything
+from rlhf_core.trainers.batches import EpochSampler, MicroBatches
+from rlhf_core.trainers.loop import MetricSink, NullSink
+from rlhf_core.trainers.offline import run_training
+from rlhf_core.trainers.step import seed_everything
 
 
 @dataclass

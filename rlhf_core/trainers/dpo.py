@@ -4,7 +4,7 @@ Reads top to bottom: load policy + reference -> tokenize pairs -> reference log-
 (precomputed once, or live) -> shared train loop with the pairwise loss -> save. The loss
 math lives in ``rlhf_core.algorithms.losses.preference_loss``; log-probs come from
 ``rlhf_core.algorithms.logprobs``; optimiser, schedule, accumulation, eval and checkpoints from
-``rlhf_core.trainers.loop`` — the same pieces SFT uses.
+``rlhf_core.trainers.offline`` — the same pieces SFT uses.
 
 Run: ``alignflow dpo`` (config: ``params.yaml`` section ``dpo``).
 """
@@ -27,8 +27,10 @@ from rlhf_core.algorithms.logprobs import reference_logprobs, response_logprobs,
 from rlhf_core.algorithms.losses import PreferenceLoss, preference_loss
 from rlhf_core.models.loading import load_tokenizer, pick_device
 from rlhf_core.distributed.parallel import current_world
-from rlhf_core.trainers.loop import (EpochSampler, MetricSink, MicroBatches, NullSink, load_policy_and_reference,
-                                    run_training, seed_everything)
+from rlhf_core.trainers.batches import EpochSampler, MicroBatches
+from rlhf_core.trainers.loop import MetricSink, NullSink
+from rlhf_core.trainers.offline import load_policy_and_reference, run_training
+from rlhf_core.trainers.step import seed_everything
 
 
 @dataclass

@@ -6,7 +6,7 @@ split into a desirable and an undesirable example each) -> shared train loop wit
 loss, whose reference point ``z0`` is re-estimated on every draw of ``batch_size`` examples from
 mismatched (prompt, completion) pairs -> save. The loss math lives in ``rlhf_core.algorithms.losses``; log-probs
 come from ``rlhf_core.algorithms.logprobs``; optimiser, schedule, accumulation, eval and checkpoints
-from ``rlhf_core.trainers.loop``.
+from ``rlhf_core.trainers.offline`` (with ``step``, ``batches`` and ``loop``).
 
 Reference log-probs are computed live rather than once up front (as DPO can): the mismatched
 pairs behind ``z0`` depend on which examples share a draw, so they cannot be cached. ``z0`` is
@@ -35,8 +35,11 @@ from rlhf_core.algorithms.logprobs import response_logprobs
 from rlhf_core.algorithms.losses import kto_loss, kto_reference_point
 from rlhf_core.models.loading import load_tokenizer, pick_device
 from rlhf_core.distributed.parallel import current_world
-from rlhf_core.trainers.loop import (EpochSampler, MetricSink, MicroBatches, NullSink, group_by_tokens,
-                                    load_policy_and_reference, run_training, seed_everything)
+from rlhf_core.data.tokenize import group_by_tokens
+from rlhf_core.trainers.batches import EpochSampler, MicroBatches
+from rlhf_core.trainers.loop import MetricSink, NullSink
+from rlhf_core.trainers.offline import load_policy_and_reference, run_training
+from rlhf_core.trainers.step import seed_everything
 
 
 @dataclass

@@ -27,7 +27,10 @@ from rlhf_core.models.lm_head import prepare_decoder_kernels
 from rlhf_core.rewards.model import load_reward_model, pair_rewards, set_normalisation
 from rlhf_core.distributed.parallel import current_world
 from rlhf_core.models.precision import Precision
-from rlhf_core.trainers.loop import EpochSampler, MetricSink, MicroBatches, NullSink, run_training, seed_everything
+from rlhf_core.trainers.batches import EpochSampler, MicroBatches
+from rlhf_core.trainers.loop import MetricSink, NullSink
+from rlhf_core.trainers.offline import run_training
+from rlhf_core.trainers.step import seed_everything
 
 Pair = tuple[TokenizedExample, TokenizedExample]
 

@@ -78,11 +78,11 @@ from rlhf_core.algorithms.policy import explained_variance, sequence_is_mask, tr
 from rlhf_core.config.choices import AdvantageEstimator
 from rlhf_core.rollout.engine import HFGenerateEngine, ReleasesWeights, RolloutBatch, RolloutEngine, SamplingParams
 from rlhf_core.tracking.checkpoint import Checkpoint, Checkpointer, read_weights, run_fingerprint
-from rlhf_core.trainers.loop import (EpochSampler, LoopClock, LoopPlan, MetricSink, NullSink, Timer, run_checkpointed,
-                                     save_hf_dir, seed_everything)
+from rlhf_core.trainers.batches import EpochSampler
+from rlhf_core.trainers.loop import LoopClock, LoopPlan, MetricSink, NullSink, Timer, run_checkpointed, save_hf_dir
+from rlhf_core.trainers.step import seed_everything
 from rlhf_core.trainers.rl_roles import KL_CLAMP as _KL_CLAMP
-from rlhf_core.trainers.rl_roles import (BaseReference, PolicyLearner, ReferenceScorer, base_is_reference,  # noqa: F401
-                                         token_logprobs, token_values)
+from rlhf_core.trainers.rl_roles import BaseReference, PolicyLearner, ReferenceScorer, base_is_reference
 
 # Rollout tables show whole groups, so a reader sees what the group baseline compared.
 _TABLE_GROUPS = 4

@@ -26,7 +26,10 @@ from rlhf_core.algorithms.losses import IGNORE_INDEX
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer, pick_device
 from rlhf_core.distributed.parallel import current_world
 from rlhf_core.models.precision import Precision
-from rlhf_core.trainers.loop import EpochSampler, MetricSink, MicroBatches, NullSink, run_training, seed_everything
+from rlhf_core.trainers.batches import EpochSampler, MicroBatches
+from rlhf_core.trainers.loop import MetricSink, NullSink
+from rlhf_core.trainers.offline import run_training
+from rlhf_core.trainers.step import seed_everything
 
 
 @dataclass

@@ -150,7 +150,7 @@ def test_killed_sft_rank_fails_fast_and_the_retry_resumes_exactly(isolated_proje
 def test_killed_grpo_learner_rank_fails_fast_and_the_retry_resumes_exactly(isolated_project, micro_model, micro_data,
                                                                            monkeypatch, ray_session):
     """GRPO on Ray (colocated, 2 policy ranks under ZeRO-2): learner rank 1 dies as iteration 5 updates."""
-    from rlhf_core.trainers.ray_launcher import train_rl_on_ray
+    from rlhf_core.trainers.rl_on_ray import train_rl_on_ray
     from tasks.training import train_rl
 
     project = isolated_project

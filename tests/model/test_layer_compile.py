@@ -120,7 +120,7 @@ def test_rl_prefix_tree_runs_the_compiled_layers(aot_eager, micro_model):
     """RL's shared-prompt pass (a prefix tree with a boolean mask, no KV cache) goes through the compiled layers:
     graphs are compiled for it, and its log-probs and gradients under a non-uniform weight equal the eager
     layers' exactly."""
-    from rlhf_core.trainers.rl_roles import token_logprobs
+    from rlhf_core.trainers.rl_forward import token_logprobs
 
     exp, P, mask = _grouped_rows(load_tokenizer(micro_model))
     weights = torch.linspace(-1.0, 2.0, mask.numel()).view_as(mask) * mask

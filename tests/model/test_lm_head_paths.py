@@ -131,7 +131,7 @@ def _rl_rows(micro_model, prompts: list[str], seed: int):
 def _assert_rl_logprobs_agree(model, exp, p, mask, adv_seed: int, ways: list[dict]) -> None:
     """RL's response-token log-probs and entropies (temperature 0.7, the entropy with its gradient) and the
     gradients of an advantage-weighted loss agree between two ``token_logprobs`` keyword sets ``ways``."""
-    from rlhf_core.trainers.rl_roles import token_logprobs
+    from rlhf_core.trainers.rl_forward import token_logprobs
 
     adv = torch.randn(mask.shape, generator=torch.Generator().manual_seed(adv_seed)) * mask
     results = []
@@ -160,7 +160,7 @@ def test_no_grad_chunks_count_vocabulary_logits_only_where_the_model_makes_them(
     """A no-grad log-prob pass (reference, pi_old) is split by its largest transient: float32 logits
     ``R x V`` a row with the model's own head, the decoder's MLP projection ``width x 2I`` with a bypassed
     head, which bounds its own logits; any split gives the same log-probs."""
-    from rlhf_core.trainers.rl_roles import _CHUNK_BYTES, _in_chunks, _Sharded, chunk_bytes_per_row, token_logprobs
+    from rlhf_core.trainers.rl_forward import _CHUNK_BYTES, _Sharded, _in_chunks, chunk_bytes_per_row, token_logprobs
     from rlhf_core.distributed.parallel import World
 
     model = load_causal_lm(micro_model, torch.device("cpu")).eval()
@@ -195,9 +195,9 @@ def test_rl_token_logprobs_packed_equal_padded(micro_model, micro_data, head):
 
 def test_rl_packed_layout_worked_out_ahead_gives_the_same_pass(micro_model, micro_data):
     """The policy update works out each micro-batch's packed layout before its first forward
-    (``rl_roles.pack_rows``, so no micro-batch waits for the device): passing that layout gives the pass
+    (``rl_forward.pack_rows``, so no micro-batch waits for the device): passing that layout gives the pass
     that works it out itself, and it holds one entry per attended token and one per response column."""
-    from rlhf_core.trainers.rl_roles import pack_rows
+    from rlhf_core.trainers.rl_forward import pack_rows
 
     model, exp, p, mask = _rl_rows(micro_model, ["12+30=", "7*8=", "sort 321="], seed=6)
     rows = pack_rows(model, exp, p)

@@ -165,12 +165,12 @@ def test_grpo_runs_on_ray_with_either_placement(ray_local, micro_model, micro_da
     the second step's samples come from weights the sync had to allocate and fill again."""
     import logging
 
-    from rlhf_core.trainers.ray_launcher import train_rl_on_ray
+    from rlhf_core.trainers.rl_on_ray import train_rl_on_ray
     from rlhf_core.trainers.rl import train_rl
 
     local, remote = Recorder(), Recorder()
     train_rl(_rl(micro_model, micro_data, tmp_path / "local", length_reward), local, show_progress=False)
-    with caplog.at_level(logging.WARNING, logger="rlhf_core.trainers.ray_launcher"):
+    with caplog.at_level(logging.WARNING, logger="rlhf_core.trainers.rl_on_ray"):
         result = train_rl_on_ray(_rl(micro_model, micro_data, tmp_path / "ray", length_reward, placement=placement,
                                      num_workers=2, rollout_sleep="on" if placement == "colocated" else "auto"),
                                  remote, show_progress=False)
@@ -198,7 +198,7 @@ def test_lora_policy_takes_its_own_base_as_the_reference(ray_local, micro_model,
     import logging
     from dataclasses import replace
 
-    from rlhf_core.trainers.ray_launcher import train_rl_on_ray
+    from rlhf_core.trainers.rl_on_ray import train_rl_on_ray
     from rlhf_core.trainers.rl import train_rl
     from rlhf_core.trainers.rl_roles import ReferenceScorer, base_is_reference
 
@@ -218,7 +218,7 @@ def test_lora_policy_takes_its_own_base_as_the_reference(ray_local, micro_model,
     assert separate.series("train/kl")[-1] > 0
     wa, wb = load_file(str(a.output_dir / "model.safetensors")), load_file(str(b.output_dir / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    with caplog.at_level(logging.WARNING, logger="rlhf_core.trainers.ray_launcher"):
+    with caplog.at_level(logging.WARNING, logger="rlhf_core.trainers.rl_on_ray"):
         train_rl_on_ray(cfg("ray", num_workers=2, placement="colocated"), remote, show_progress=False)
     assert "2 policy rank(s), 0 reference" in caplog.text
     # LoRA's B starts at zero: before the first update the policy is its base, so a reference scored on the
@@ -235,7 +235,7 @@ def test_a_lora_replica_takes_the_adapters_alone_and_samples_as_the_merged_weigh
     ``PolicyGroup.engine_weights`` asks of rank 0 for such replicas). Loaded into the replica they give the
     greedy tokens and log-probs of a plain replica loaded with the merged weights, for a fraction of the bytes;
     a sync whose names are not exactly the adapters' is refused by the strict load."""
-    from rlhf_core.trainers.ray_launcher import RolloutReplica, replicas_hold_adapters
+    from rlhf_core.trainers.rollout_replica import RolloutReplica, replicas_hold_adapters
     from rlhf_core.rollout.engine import SamplingParams
     from rlhf_core.trainers.rl_roles import PolicyLearner
 
@@ -279,7 +279,7 @@ def test_a_released_replica_holds_no_weights_until_a_sync_refills_them(micro_mod
     stay), refuses to sample, and refuses a sync that would leave a weight unwritten (the strict load); a
     whole sync gives it storage again and it samples what it sampled before, token for token."""
     from rlhf_core.distributed.parallel import resident_weight_bytes
-    from rlhf_core.trainers.ray_launcher import RolloutReplica
+    from rlhf_core.trainers.rollout_replica import RolloutReplica
     from rlhf_core.rollout.engine import SamplingParams
 
     replica = RolloutReplica(_rl(micro_model, micro_data, tmp_path, length_reward))
@@ -314,7 +314,7 @@ def test_a_lora_controller_copy_takes_the_adapters_alone_and_merges_as_rank_0(ra
     weights of a 32B policy, gathered whole on every GPU, would not fit beside a replica. New adapters set on both
     ranks through the resume path (a checkpoint's LoRA names) reach the copy at the next refresh (its own were
     zeroed in between), its merge equals rank 0's merged weights to 1e-6, and its base never moves."""
-    from rlhf_core.trainers import ray_launcher as rl_ray
+    from rlhf_core.trainers import ray_launcher as rl_ray, rl_on_ray
     from rlhf_core.models.loading import adapter_parameters, export_state_dict
 
     cfg = _rl(micro_model, micro_data, tmp_path, length_reward, lora_rank=4, lora_alpha=8.0, num_workers=2,
@@ -323,8 +323,8 @@ def test_a_lora_controller_copy_takes_the_adapters_alone_and_merges_as_rank_0(ra
     with launcher.running():
         policy = launcher.group(rl_ray.TrainerActor, "policy", launcher.bundles(2), [0, 1], share=1.0, num_threads=1,
                                 world=True)
-        policy.build(rl_ray._learner, cfg)
-        learner = rl_ray.RemoteLearner(policy, cfg)
+        policy.build(rl_on_ray._learner, cfg)
+        learner = rl_on_ray.RemoteLearner(policy, cfg)
         view = learner.view()
         base = {k: v.clone() for k, v in view.state_dict().items() if "lora_" not in k}
         g = torch.Generator().manual_seed(0)
@@ -356,7 +356,7 @@ def test_lora_grpo_on_ray_resumes_from_its_checkpoint_as_the_uninterrupted_run(r
     one process does), and resumes from it: a run that fails in iteration 3's update, after its step-2
     checkpoint, and is run again ends with the weights of the run nobody stopped, bit for bit (fp32). The
     controller held the merged plain model before, whose names a LoRA rank's load refuses."""
-    from rlhf_core.trainers.ray_launcher import train_rl_on_ray
+    from rlhf_core.trainers.rl_on_ray import train_rl_on_ray
 
     def cfg(name):
         return _rl(micro_model, micro_data, tmp_path / name, length_reward, lora_rank=4, lora_alpha=8.0,
@@ -387,7 +387,7 @@ def test_zero3_reference_ranks_partition_the_weights_and_score_as_the_whole_mode
     of 0 before the first update (the reference is the starting policy) and above 0 after it."""
     import logging
 
-    from rlhf_core.trainers import ray_launcher as rl_ray
+    from rlhf_core.trainers import ray_launcher as rl_ray, rl_on_ray
     from rlhf_core.models.loading import load_tokenizer
     from rlhf_core.distributed.parallel import resident_weight_bytes
     from rlhf_core.rollout.engine import HFGenerateEngine, SamplingParams
@@ -410,9 +410,9 @@ def test_zero3_reference_ranks_partition_the_weights_and_score_as_the_whole_mode
     with launcher.running():
         group = launcher.group(rl_ray.ReferenceActor, "reference", launcher.bundles(2), [0, 1], share=1.0,
                                num_threads=1, world=True)
-        group.build(rl_ray._reference, cfg, per_rank=lambda i: {"rank": i, "size": 2})
+        group.build(rl_on_ray._reference, cfg, per_rank=lambda i: {"rank": i, "size": 2})
         held = group.call_all("resident_bytes")
-        sharded = rl_ray.RemoteReference(group).logprobs(exp, p)
+        sharded = rl_on_ray.RemoteReference(group).logprobs(exp, p)
     total = resident_weight_bytes(whole.model)
     print(f"reference weights: {total} B whole; {held} B on the two ZeRO-3 ranks")
     assert all(h < 0.55 * total for h in held) and sum(held) >= total
@@ -420,8 +420,8 @@ def test_zero3_reference_ranks_partition_the_weights_and_score_as_the_whole_mode
     torch.testing.assert_close(sharded * mask, whole.logprobs(exp, p) * mask, atol=1e-6, rtol=0)
 
     sink = Recorder()
-    with caplog.at_level(logging.WARNING, logger="rlhf_core.trainers.ray_launcher"):
-        rl_ray.train_rl_on_ray(cfg, sink, show_progress=False)
+    with caplog.at_level(logging.WARNING, logger="rlhf_core.trainers.rl_on_ray"):
+        rl_on_ray.train_rl_on_ray(cfg, sink, show_progress=False)
     assert "2 policy rank(s), 2 reference (ZeRO-3 partitioned)" in caplog.text
     kl = sink.series("train/kl")
     assert len(kl) == 2 and abs(kl[0]) <= 1e-6 and kl[1] > 0, kl
@@ -438,10 +438,10 @@ def test_lora_grpo_under_zero3_scores_the_base_on_the_policy_ranks(ray_local, mi
     Ray world: DeepSpeed gets a process group of one (before, it looked for MPI and failed without mpi4py)."""
     import logging
 
-    from rlhf_core.trainers.ray_launcher import train_rl_on_ray
+    from rlhf_core.trainers.rl_on_ray import train_rl_on_ray
 
     sink = Recorder()
-    with caplog.at_level(logging.WARNING, logger="rlhf_core.trainers.ray_launcher"):
+    with caplog.at_level(logging.WARNING, logger="rlhf_core.trainers.rl_on_ray"):
         train_rl_on_ray(_rl(micro_model, micro_data, tmp_path, length_reward, kl_coef=0.05, lora_rank=4, lora_alpha=8.0,
                             num_workers=ranks, placement="colocated", parallel="zero3"), sink, show_progress=False)
     assert f"{ranks} policy rank(s), 0 reference" in caplog.text
@@ -455,7 +455,7 @@ def test_packed_grpo_on_two_ray_ranks_takes_the_padded_one_process_update(ray_lo
     """``rl.packing`` under DDP: 2 policy ranks each packing its rows of every micro-batch into one row (one
     forward per micro-batch on every rank), with the reference packed too, take the padded one-process run's
     update on the same rollouts (KL loss on, so the reference log-probs enter it)."""
-    from rlhf_core.trainers.ray_launcher import train_rl_on_ray
+    from rlhf_core.trainers.rl_on_ray import train_rl_on_ray
     from rlhf_core.trainers.rl import train_rl
 
     local, remote = Recorder(), Recorder()
@@ -479,7 +479,7 @@ def test_on_policy_distillation_on_ray_scores_with_teacher_actors(ray_local, mic
     micro model with its weights scaled (same tokenizer, other log-probs). (Slow tier: about a minute.)"""
     import shutil
 
-    from rlhf_core.trainers.ray_launcher import train_rl_on_ray
+    from rlhf_core.trainers.rl_on_ray import train_rl_on_ray
     from rlhf_core.trainers.rl import train_rl
 
     teacher = tmp_path / "teacher"

@@ -16,7 +16,9 @@ from rlhf_core.tracking.checkpoint import FORMAT_VERSION, Checkpointer, clear_ch
 from rlhf_core.config import DPOConfig, RewardConfig, RLConfig, SFTConfig
 from rlhf_core.tracking.lineage import dvc_md5
 from rlhf_core.trainers.dpo import train_dpo
-from rlhf_core.trainers.loop import InjectedFault, NonFiniteError, run_training
+from rlhf_core.trainers.loop import InjectedFault
+from rlhf_core.trainers.offline import run_training
+from rlhf_core.trainers.step import NonFiniteError
 from rlhf_core.trainers.reward import train_reward_model
 from rlhf_core.trainers.rl import train_rl
 from rlhf_core.trainers.sft import train_sft
@@ -152,7 +154,7 @@ def test_nan_loss_stops_at_that_step_with_last_checkpoint_intact(micro_model, mi
     from rlhf_core.data.tokenize import collate_padded
     from rlhf_core.models.loading import load_causal_lm, load_tokenizer
     from rlhf_core.models.lm_head import LMHead
-    from rlhf_core.trainers.loop import EpochSampler, MicroBatches
+    from rlhf_core.trainers.batches import EpochSampler, MicroBatches
     from rlhf_core.trainers.sft import nll_loss_fn
 
     cfg = _sft(micro_model, micro_data, tmp_path, max_steps=10)

@@ -142,7 +142,7 @@ def test_async_on_ray_disaggregated_generates_on_the_replica_while_the_learner_u
     from the rollout thread while the learner ranks update: batch k+1's generation starts before update k
     ends, batches 2.. come from one update back, weights reach the replica through the object store, and the
     policy trains. (Slow tier: 2-3 minutes of Ray start-up, actor loading and training on 2 CPU cores.)"""
-    from rlhf_core.trainers.ray_launcher import train_rl_on_ray
+    from rlhf_core.trainers.rl_on_ray import train_rl_on_ray
 
     sink = Recorder()
     result = train_rl_on_ray(_cfg(micro_model, micro_data, tmp_path, max_steps=4, max_staleness=1, tis_cap=2.0,

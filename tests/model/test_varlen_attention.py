@@ -270,7 +270,7 @@ def test_rl_prefix_tree_on_a_varlen_model_takes_sdpa_with_its_mask(micro_model, 
     """RL's shared-prompt pass hands the model a 4D tree mask: on a model loaded with varlen attention (a GPU's
     default) every layer routes it to SDPA, and the log-probs equal the SDPA model's padded rows."""
     from rlhf_core.models.loading import load_tokenizer
-    from rlhf_core.trainers.rl_roles import token_logprobs
+    from rlhf_core.trainers.rl_forward import token_logprobs
     from test_layer_compile import _grouped_rows
 
     exp, P, mask = _grouped_rows(load_tokenizer(micro_model))

@@ -40,21 +40,22 @@ def test_collective_sync_gives_every_replica_rank0s_weights_and_a_dead_replica_f
     (a checkpoint's: the start plus noise), one sync later both replicas hold them bitwise. Then rank 0
     broadcasting alone (replicas idle) raises after the collective timeout (10 s here), and a sync with a
     replica killed fails at once."""
-    from rlhf_core.trainers import ray_launcher as rl_ray
-    from rlhf_core.trainers.ray_launcher import (Launcher, RankFailed, RemoteLearner, RemoteRollout, RolloutActor,
-                                        RolloutReplica, TrainerActor)
+    from rlhf_core.trainers import ray_launcher as rl_ray, rl_on_ray
+    from rlhf_core.trainers.ray_launcher import Launcher, RankFailed, RolloutActor, TrainerActor
+    from rlhf_core.trainers.rl_on_ray import RemoteLearner, RemoteRollout
+    from rlhf_core.trainers.rollout_replica import RolloutReplica
 
     monkeypatch.setenv(rl_ray.COLLECTIVE_TIMEOUT_ENV, str(_TIMEOUT_S))
-    monkeypatch.setattr(rl_ray, "SYNC_BUCKET_BYTES", 4096)
+    monkeypatch.setattr(rl_on_ray, "SYNC_BUCKET_BYTES", 4096)
     cfg = _rl(micro_model, micro_data, tmp_path, parallel=parallel)
     launcher = Launcher(use_gpus=False)
     try:
         pg = launcher.bundles(4)
         policy = launcher.group(TrainerActor, "policy", pg, [0, 1], share=1.0, num_threads=1, world=True)
-        policy.build(rl_ray._learner, cfg)
+        policy.build(rl_on_ray._learner, cfg)
         rollout = launcher.group(RolloutActor, "rollout", pg, [2, 3], share=1.0, num_threads=1)
         rollout.build(RolloutReplica, cfg)
-        sync = rl_ray._open_weight_sync(cfg, policy, rollout, [])
+        sync = rl_on_ray._open_weight_sync(cfg, policy, rollout, [])
         learner = RemoteLearner(policy, cfg)
         engine = RemoteRollout(rollout, 0, "static", collective=sync)
         assert len(policy.call_all("sync_layout", 4096, None)[0]) > 10  # many buckets
@@ -91,7 +92,7 @@ def test_grpo_logs_the_same_metrics_through_the_collective_as_through_the_object
         ray_local, micro_model, micro_data, tmp_path):
     """Same seed, same placement (disaggregated: a policy rank, 2 replicas, a reference): the collective only
     changes how the weights travel, so every logged rollout/ and train/ metric is identical."""
-    from rlhf_core.trainers.ray_launcher import train_rl_on_ray
+    from rlhf_core.trainers.rl_on_ray import train_rl_on_ray
 
     runs = {}
     for sync in ("object_store", "collective"):

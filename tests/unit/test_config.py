@@ -150,7 +150,7 @@ def test_rollout_sleep_is_checked_and_resolved_by_where_it_can_work():
     """rl.rollout_sleep is auto, on or off; on needs colocated replicas of the hf or static engine that take whole
     weights (no LoRA); auto turns it on only with GPUs and only where on would be accepted."""
     from rlhf_core.config import ConfigError, RLConfig
-    from rlhf_core.trainers.ray_launcher import resolve_rollout_sleep
+    from rlhf_core.trainers.rl_on_ray import resolve_rollout_sleep
 
     colocated = RLConfig(placement="colocated", rollout_sleep="on")
     assert resolve_rollout_sleep(colocated, gpus=False) and resolve_rollout_sleep(colocated, gpus=True)

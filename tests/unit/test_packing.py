@@ -11,7 +11,8 @@ import torch
 from rlhf_core.data.tokenize import TokenizedExample, collate_packed, collate_padded, collate_pair_tree
 from rlhf_core.algorithms.logprobs import response_token_counts, sequence_sums
 from rlhf_core.algorithms.losses import segment_ids, segment_last_index, segment_sums
-from rlhf_core.trainers.loop import EmptyMicroBatch, group_by_tokens, real_tokens
+from rlhf_core.data.tokenize import group_by_tokens
+from rlhf_core.trainers.batches import EmptyMicroBatch, real_tokens
 
 
 def test_segment_ids_number_sequences_row_major():
@@ -106,7 +107,7 @@ def test_prefix_tree_lays_each_prompt_out_once_with_its_responses():
     Response column c is predicted by the row's last attended token before c, or by its prompt's last token
     (flat index): row 0 -> [1, 2], row 1 -> [7, 8] (column 1 is padding: its row's last token), row 2 -> [1, 4],
     row 3 -> [5, 6]. The last 5 - 1 + 1 = 5 columns hold every scored position (the shortest prompt: 1 token)."""
-    from rlhf_core.trainers.rl_roles import prefix_tree
+    from rlhf_core.trainers.rl_forward import prefix_tree
 
     ids = torch.tensor([[5, 6, 7, 8], [0, 9, 10, 0], [5, 6, 11, 0], [0, 4, 12, 0]])
     att = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 0], [1, 1, 1, 0], [0, 1, 1, 0]])
@@ -123,7 +124,7 @@ def test_prefix_tree_lays_each_prompt_out_once_with_its_responses():
 
 def test_prefix_tree_is_none_when_no_prompt_repeats():
     """Two rows with different prompts: nothing to share, the caller runs the padded rows."""
-    from rlhf_core.trainers.rl_roles import prefix_tree
+    from rlhf_core.trainers.rl_forward import prefix_tree
 
     ids = torch.tensor([[5, 6, 7], [5, 9, 7]])
     att = torch.ones_like(ids)

@@ -173,7 +173,7 @@ def test_regime_properties():
 def test_fp32_optimizer_on_a_cpu_is_torchs_fused_adamw_with_the_same_steps():
     """fp32 on a CPU: ``build_optimizer`` hands back torch's fused AdamW (one pass a step, as HF Trainer's
     default optimizer), with the no-decay group; three steps land where torch's per-tensor AdamW lands."""
-    from rlhf_core.trainers.loop import build_optimizer
+    from rlhf_core.trainers.step import build_optimizer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))

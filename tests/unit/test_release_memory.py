@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlhf_core.trainers.ray_launcher import worker_env
-from rlhf_core.trainers import rl_roles
+from rlhf_core.trainers import rl_forward
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def test_release_memory_hands_back_only_where_asked(setting, released, cuda_call
         monkeypatch.delenv("ALIGNFLOW_RELEASE_MEMORY", raising=False)
     else:
         monkeypatch.setenv("ALIGNFLOW_RELEASE_MEMORY", setting)
-    rl_roles.release_memory()
+    rl_forward.release_memory()
     assert cuda_calls == (["empty_cache"] if released else [])
 
 
