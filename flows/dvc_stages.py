@@ -16,7 +16,8 @@ What a stage's command runs:
 * ``alignflow <sub>`` runs ``flows/cli.py``: its ``main``, the command's handler (``cmd_<sub>``, ``-`` read
   as ``_``, or the shared ``cmd_stage`` of the registry's training-shaped commands) and the stage's entry
   function from the registry. The CLI reaches the last through the registry by name, which no static
-  reader follows, so it is named.
+  reader follows, so it is named. An entry outside alignflow's packages (a plugin's stage) adds none of
+  its files: they are the plugin's to list among its stage's deps.
 * ``python -m <module> ...`` runs that module.
 * A code file named in the stage's params sections (``reward_function: rlhf_core/embedded/reward.py:reward``,
   read with the config's field defaults under it), which the stage loads by path.
@@ -237,10 +238,13 @@ def command_entries(index: SourceIndex, cmd: str) -> list[Unit]:
             handler = SHARED_HANDLER
         if handler not in index.defs(CLI):
             raise StageError(f"`{cmd}`: {index.relpath(CLI)} has no {handler}, the handler of `alignflow {argv[1]}`")
+        units = [Unit(CLI), Unit(CLI, "main"), Unit(CLI, handler)]
         module, _, function = stage.entry.partition(":")
+        if module.split(".")[0] not in PACKAGES:  # a plugin's entry: its own files are its DvcStage.deps to list
+            return units
         if module not in index.known or function not in index.defs(module):
             raise StageError(f"`{cmd}`: {module} has no function {function} (the stage's entry)")
-        return [Unit(CLI), Unit(CLI, "main"), Unit(CLI, handler), Unit(module), Unit(module, function)]
+        return units + [Unit(module), Unit(module, function)]
     if argv[:2] == ["python", "-m"] and len(argv) > 2 and argv[2] in index.known:
         return [Unit(argv[2])]
     raise StageError(f"`{cmd}`: not `alignflow <command>` nor `python -m <alignflow module>`; "
