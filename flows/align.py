@@ -41,7 +41,7 @@ from rlhf_core.common.redact import redact_secrets
 from rlhf_core.rewards.sources import RewardKind, resolve_reward_file
 from rlhf_core.stages import registry
 from rlhf_core.stages.registry import Stage
-from rlhf_core.stages.wrappers import lineage_tags
+from rlhf_core.tracking.lineage import lineage_tags
 from rlhf_core.tracking.mlflow_runs import Tracker, resolve_tracking_uri, start_run
 from tasks.data import generate_data, sample_best_of_n, validate_data
 from tasks.evaluation import evaluate_model
