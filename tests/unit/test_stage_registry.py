@@ -1,6 +1,6 @@
 """A stage is declared once: a toy stage registered here, with a config class and a trainer function of this
-test's own, is an ``alignflow`` command (in ``--help``, its fields listed, run to its trainer), a stage of
-the align flow's chain (what the flow would run for it, read without training), one of the guarded stages
+test's own, is an ``alignflow`` command (in ``--help``, its fields listed, run to its trainer), a training
+task of the worker, a stage of the align flow's chain (what the flow would run for it, read without training), one of the guarded stages
 ``alignflow diff`` compares, and a DVC stage of the generated ``dvc.yaml`` -- with no other file edited.
 """
 
@@ -109,6 +109,16 @@ def test_a_registered_stage_is_in_the_align_chain(toy, monkeypatch):
     assert kwargs["params"]["train_file"] == "data/sft.jsonl" and kwargs["params"]["model_path"] == "models/sft"
     assert kwargs["input_md5"] == {"model": "md5-sft", "train": "md5-sft", "eval": "md5-eval"}
     assert "guards" in kwargs
+
+
+def test_a_registered_stage_runs_in_the_training_worker(toy):
+    """What the Prefect task runs, in the flow's process or a child: the stage's config built and its entry called."""
+    from tasks.worker import run_inline
+
+    out = run_inline("toy", {"wiggle": 3.0, "output_dir": "models/toy3"}, {}, None, guards={})
+    assert out == {"outputs": {"model": "models/toy3"}}
+    (call,) = CALLS
+    assert isinstance(call["cfg"], ToyConfig) and call["cfg"].wiggle == 3.0 and call["extra"] == ["guards"]
 
 
 def test_a_registered_guarded_stage_is_compared_by_diff(toy):
