@@ -1,7 +1,8 @@
 """The main alignment flow: generate -> validate -> build model -> SFT -> alignment -> register.
 
-After SFT the flow runs the alignment stages named in ``flow.stages`` (params.yaml), in
-order, each starting from the SFT model: a reward model, DPO, KTO, rejection sampling
+After SFT the flow runs the alignment stages named in ``flow.stages`` (params.yaml; the stage
+registry's chain, rlhf_core/config/stage_registry.py), in order, each starting from the SFT model: a reward
+model, DPO, unpaired preference optimisation, rejection sampling
 scored by the reward model (its kept samples and pairs pass the same Great Expectations
 gate as any dataset), one RAFT round of SFT on the kept samples, and distillation of the
 DPO model back into the SFT model, and online RL (GRPO with the rule reward by default;
@@ -24,8 +25,10 @@ from __future__ import annotations
 
 import inspect
 from contextlib import contextmanager
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
@@ -36,34 +39,43 @@ from rlhf_core.data.validate import prompts_kind, require_eval_labels
 from rlhf_core.tracking.lineage import dvc_md5, project_relative
 from rlhf_core.common.redact import redact_secrets
 from rlhf_core.rewards.sources import RewardKind, resolve_reward_file
-from rlhf_core.stages.wrappers import lineage_tags
+from rlhf_core.config import stage_registry as registry
+from rlhf_core.config.stage_registry import Stage
+from rlhf_core.tracking.lineage import lineage_tags
 from rlhf_core.tracking.mlflow_runs import Tracker, resolve_tracking_uri, start_run
 from tasks.data import generate_data, sample_best_of_n, validate_data
 from tasks.evaluation import evaluate_model
 from tasks.base_model import build_base_model
 from tasks.registry import register_model
-from tasks.training import distill_teacher, train_dpo, train_kto, train_raft, train_reward, train_rl, train_sft
+from tasks.training import train_sft, training_task
 
 DATASET_KINDS = {"sft": "sft", "preferences": "preference", "prompts": "prompts", "eval": "prompts"}
-PAIR_STAGES = ("reward", "dpo")
-"""Stages that read the preference file as pairs; KTO alone also takes unpaired examples."""
+"""The flow's datasets and the kind the gate checks each as, unless the chosen stages read it otherwise."""
 
 
 def dataset_kinds(cfg: dict[str, Any]) -> dict[str, str]:
-    """The gate's kind per dataset: the preference file is checked as ``unpaired`` (KTO's examples,
-    or pairs) when KTO is the only stage of ``flow.stages`` that reads it, as pairs otherwise; the
-    prompts file as ``prompt-only`` (labels optional) when it feeds RL or rejection sampling and
-    neither reads labels (a reward model), as ``prompts`` otherwise."""
-    stages = cfg["flow"].stages
+    """The gate's kind per dataset: a dataset that the stages of ``flow.stages`` all read as one kind is checked
+    as that kind (the preference file as ``unpaired`` when only a stage of unpaired examples reads it), as
+    :data:`DATASET_KINDS` says otherwise; the prompts file as ``prompt-only`` (labels optional) when it feeds RL
+    or rejection sampling and neither reads labels (a reward model), as ``prompts`` otherwise."""
+    chosen = [registry.get(s) for s in cfg["flow"].stages]
     kinds = dict(DATASET_KINDS)
-    if "kto" in stages and not any(s in stages for s in PAIR_STAGES):
-        kinds["preferences"] = "unpaired"
+    for name in kinds:
+        read_as = {r.kind for stage in chosen for r in stage.reads if r.dataset == name}
+        if len(read_as) == 1:
+            kinds[name] = read_as.pop()
     readers = {"rl": RewardKind(cfg["rl"].reward_kind).reads_labels,
                "rejection": cfg["rejection"].scorer == "rule"}
-    used = [needs for stage, needs in readers.items() if stage in stages]
+    used = [needs for stage, needs in readers.items() if stage in cfg["flow"].stages]
     if used:  # no stage reading the prompts: keep the label-required kind
         kinds["prompts"] = prompts_kind(any(used))
     return kinds
+
+
+def unpaired_field(cfg: dict[str, Any]) -> str | None:
+    """The boolean field of the ``unpaired`` kind, from the config of the stage that reads that kind."""
+    return next((getattr(cfg[s.section], "desirable_field") for s in registry.STAGES.values()
+                 if any(r.kind == "unpaired" for r in s.reads)), None)
 
 
 @contextmanager
@@ -132,80 +144,133 @@ def _submit_to_ray(task_fn: Any, parameters: dict[str, Any], address: str) -> di
         return runner.submit(task_fn, parameters=parameters).result()
 
 
+@dataclass
+class ChainContext:
+    """What every post-SFT stage of the align flow starts from: the flow's config, datasets and their md5s, the
+    SFT model, and the results of the stages run before it."""
+
+    cfg: dict[str, Any]
+    files: dict[str, str]
+    md5: dict[str, str]
+    sft_model: str
+    sft_md5: str
+    fields: dict[str, Any]
+    common: dict[str, Any]
+    cache: FlowConfig
+    done: dict[str, dict[str, Any]] = dataclass_field(default_factory=dict)
+
+    @property
+    def data(self) -> dict[str, Any]:
+        """The dataset field names and the eval file: what an evaluating stage reads besides its own data."""
+        return {**self.fields, "eval_file": self.files["eval"]}
+
+    def guarded(self) -> dict[str, Any]:
+        """The stage's guards: the flow's own reward model (once trained) scores the held-out answers."""
+        guards = config_to_dict(self.cfg["guards"])
+        if "reward" in self.done:
+            guards["reward_model_path"] = self.done["reward"]["outputs"]["model"]
+        return {**self.common, "guards": guards}
+
+    def reward_model(self, fallback: str) -> str:
+        """The flow's reward model when it trained one, else ``fallback`` (the stage's own setting)."""
+        return self.done["reward"]["outputs"]["model"] if "reward" in self.done else fallback
+
+
+def _from_sft(ctx: ChainContext, stage: Stage) -> dict[str, Any]:
+    """A stage of the usual shape: the SFT model trained on the flow datasets it reads, evaluated on the eval set."""
+    params = {**config_to_dict(ctx.cfg[stage.section]), **ctx.data, "model_path": ctx.sft_model,
+              **{r.field: ctx.files[r.dataset] for r in stage.reads}}
+    input_md5 = {"model": ctx.sft_md5, **{"train" if r.field == "train_file" else r.dataset: ctx.md5[r.dataset]
+                                          for r in stage.reads}, "eval": ctx.md5["eval"]}
+    return _run(training_task(stage.name), ctx.cache, **(ctx.guarded() if stage.guarded else ctx.common),
+                params=params, input_md5=input_md5)
+
+
+def _reward(ctx: ChainContext, stage: Stage) -> dict[str, Any]:
+    """The reward model: no eval set (its held-out pairs are its own setting)."""
+    return _run(training_task(stage.name), ctx.cache, **ctx.common,
+                params={**config_to_dict(ctx.cfg["reward"]), **ctx.fields, "model_path": ctx.sft_model,
+                        "train_file": ctx.files["preferences"]},
+                input_md5={"model": ctx.sft_md5, "train": ctx.md5["preferences"]})
+
+
+def _rejection(ctx: ChainContext, stage: Stage) -> dict[str, Any]:
+    """Best-of-n samples of the SFT model, scored by the flow's reward model or the rule; then the gate on them."""
+    rej = ctx.cfg["rejection"]
+    params = {**config_to_dict(rej), **ctx.fields, "policy_path": ctx.sft_model, "prompts_file": ctx.files["prompts"]}
+    input_md5 = {"policy": ctx.sft_md5, "prompts": ctx.md5["prompts"]}
+    if rej.scorer == "reward_model":
+        rm_path = ctx.reward_model(rej.reward_model_path)
+        if not Path(rm_path).exists():
+            raise ConfigError(f"rejection.scorer=reward_model but no reward model at {rm_path}: "
+                              "add 'reward' to flow.stages before 'rejection', or set scorer: rule")
+        params["reward_model_path"] = rm_path
+        input_md5["reward_model"] = dvc_md5(rm_path)
+    result = _run(sample_best_of_n, ctx.cache, **ctx.common, params=params, input_md5=input_md5)
+    # The gate: generated data passes the same checks as any dataset before training on it.
+    for name, kind in stage.gates:
+        if name == "pairs" and not Path(result["outputs"][name]).read_text().strip():
+            get_run_logger().warning("rejection: every prompt's candidates tied; no preference pairs")
+            continue  # nothing in this flow trains on the pairs; an empty file is a result
+        validate_data(path=result["outputs"][name], md5=result["md5"][name], kind=kind,
+                      name=f"rejection-{name}", fields=ctx.fields, data_report=config_to_dict(ctx.cfg["data_report"]),
+                      eval_file=ctx.files["eval"], **ctx.common)
+    return result
+
+
+def _raft(ctx: ChainContext, stage: Stage) -> dict[str, Any]:
+    """SFT of the SFT model on the rejection stage's kept samples."""
+    kept = ctx.done["rejection"]
+    return _run(training_task(stage.name), ctx.cache, **ctx.guarded(),
+                params={**config_to_dict(ctx.cfg["raft"]), **ctx.data, "model_path": ctx.sft_model,
+                        "train_file": kept["outputs"]["kept"]},
+                input_md5={"model": ctx.sft_md5, "train": kept["md5"]["kept"], "eval": ctx.md5["eval"]})
+
+
+def _distill(ctx: ChainContext, stage: Stage) -> dict[str, Any]:
+    """The flow's DPO model (else ``distill.teacher_path``) distilled into the SFT model."""
+    teacher = ctx.done["dpo"]["outputs"]["model"] if "dpo" in ctx.done else ctx.cfg["distill"].teacher_path
+    return _run(training_task(stage.name), ctx.cache, **ctx.guarded(),
+                params={**config_to_dict(ctx.cfg["distill"]), **ctx.data, "model_path": ctx.sft_model,
+                        "teacher_path": teacher, "train_file": ctx.files["sft"]},
+                input_md5={"model": ctx.sft_md5, "teacher": dvc_md5(teacher), "train": ctx.md5["sft"],
+                           "eval": ctx.md5["eval"]})
+
+
+def _rl(ctx: ChainContext, stage: Stage) -> dict[str, Any]:
+    """Online RL from the SFT model; the flow's reward model with ``reward_kind: model``."""
+    rl = ctx.cfg["rl"]
+    params = {**config_to_dict(rl), **ctx.data, "model_path": ctx.sft_model, "prompts_file": ctx.files["prompts"]}
+    input_md5 = {"model": ctx.sft_md5, "prompts": ctx.md5["prompts"], "eval": ctx.md5["eval"]}
+    if rl.reward_kind == "model":
+        rm_path = ctx.reward_model(rl.reward_model_path)
+        params["reward_model_path"] = rm_path
+        input_md5["reward_model"] = dvc_md5(rm_path)
+    elif rl.reward_kind == "function":
+        input_md5["reward_function"] = dvc_md5(resolve_reward_file(rl.reward_function.rsplit(":", 1)[0]))
+    return _run(training_task(stage.name), ctx.cache, **ctx.guarded(), params=params, input_md5=input_md5)
+
+
+CHAIN_STEPS: dict[str, Callable[[ChainContext, Stage], dict[str, Any]]] = {
+    "reward": _reward, "rejection": _rejection, "raft": _raft, "distill": _distill, "rl": _rl}
+"""Stages whose inputs come from other stages' outputs or their own settings; every other stage of the chain
+runs as :func:`_from_sft`."""
+
+
+def alignment_chain(stages: list[str]) -> list[tuple[Stage, Callable[[ChainContext, Stage], dict[str, Any]]]]:
+    """What the flow runs after SFT for ``flow.stages``: each stage of the registry with the step that runs it."""
+    return [(registry.get(name), CHAIN_STEPS.get(name, _from_sft)) for name in stages]
+
+
 def run_alignment_stages(cfg: dict[str, Any], files: dict[str, str], md5: dict[str, str], sft: dict[str, Any],
                          fields: dict[str, Any], tracking_d: dict[str, Any], parent_run_id: str,
                          cache: FlowConfig) -> dict[str, dict[str, Any]]:
     """The post-SFT stages of ``flow.stages``, each from the SFT model; returns their task results."""
-    sft_model, sft_md5 = sft["outputs"]["model"], sft["md5"]["model"]
-    common = dict(tracking=tracking_d, parent_run_id=parent_run_id)
-    data = {**fields, "eval_file": files["eval"]}
-    done: dict[str, dict[str, Any]] = {}
-
-    def guarded() -> dict[str, Any]:
-        """The stage's guards: the flow's own reward model (once trained) scores the held-out answers."""
-        guards = config_to_dict(cfg["guards"])
-        if "reward" in done:
-            guards["reward_model_path"] = done["reward"]["outputs"]["model"]
-        return {**common, "guards": guards}
-
-    for stage in cfg["flow"].stages:
-        if stage == "reward":
-            done[stage] = _run(train_reward, cache, **common,
-                               params={**config_to_dict(cfg["reward"]), **fields, "model_path": sft_model,
-                                       "train_file": files["preferences"]},
-                               input_md5={"model": sft_md5, "train": md5["preferences"]})
-        elif stage in ("dpo", "kto"):
-            task_fn = train_dpo if stage == "dpo" else train_kto
-            done[stage] = _run(task_fn, cache, **guarded(),
-                               params={**config_to_dict(cfg[stage]), **data, "model_path": sft_model,
-                                       "train_file": files["preferences"]},
-                               input_md5={"model": sft_md5, "train": md5["preferences"], "eval": md5["eval"]})
-        elif stage == "rejection":
-            rej = cfg["rejection"]
-            params = {**config_to_dict(rej), **fields, "policy_path": sft_model, "prompts_file": files["prompts"]}
-            input_md5 = {"policy": sft_md5, "prompts": md5["prompts"]}
-            if rej.scorer == "reward_model":
-                rm_path = done["reward"]["outputs"]["model"] if "reward" in done else rej.reward_model_path
-                if not Path(rm_path).exists():
-                    raise ConfigError(f"rejection.scorer=reward_model but no reward model at {rm_path}: "
-                                      "add 'reward' to flow.stages before 'rejection', or set scorer: rule")
-                params["reward_model_path"] = rm_path
-                input_md5["reward_model"] = dvc_md5(rm_path)
-            result = _run(sample_best_of_n, cache, **common, params=params, input_md5=input_md5)
-            # The gate: generated data passes the same checks as any dataset before training on it.
-            for name, kind in (("kept", "sft"), ("pairs", "preference")):
-                if name == "pairs" and not Path(result["outputs"][name]).read_text().strip():
-                    get_run_logger().warning("rejection: every prompt's candidates tied; no preference pairs")
-                    continue  # nothing in this flow trains on the pairs; an empty file is a result
-                validate_data(path=result["outputs"][name], md5=result["md5"][name], kind=kind,
-                              name=f"rejection-{name}", fields=fields, data_report=config_to_dict(cfg["data_report"]),
-                              eval_file=files["eval"], **common)
-            done[stage] = result
-        elif stage == "raft":
-            kept = done["rejection"]
-            done[stage] = _run(train_raft, cache, **guarded(),
-                               params={**config_to_dict(cfg["raft"]), **data, "model_path": sft_model,
-                                       "train_file": kept["outputs"]["kept"]},
-                               input_md5={"model": sft_md5, "train": kept["md5"]["kept"], "eval": md5["eval"]})
-        elif stage == "distill":
-            teacher = done["dpo"]["outputs"]["model"] if "dpo" in done else cfg["distill"].teacher_path
-            done[stage] = _run(distill_teacher, cache, **guarded(),
-                               params={**config_to_dict(cfg["distill"]), **data, "model_path": sft_model,
-                                       "teacher_path": teacher, "train_file": files["sft"]},
-                               input_md5={"model": sft_md5, "teacher": dvc_md5(teacher), "train": md5["sft"],
-                                          "eval": md5["eval"]})
-        elif stage == "rl":
-            rl = cfg["rl"]
-            params = {**config_to_dict(rl), **data, "model_path": sft_model, "prompts_file": files["prompts"]}
-            input_md5 = {"model": sft_md5, "prompts": md5["prompts"], "eval": md5["eval"]}
-            if rl.reward_kind == "model":
-                rm_path = done["reward"]["outputs"]["model"] if "reward" in done else rl.reward_model_path
-                params["reward_model_path"] = rm_path
-                input_md5["reward_model"] = dvc_md5(rm_path)
-            elif rl.reward_kind == "function":
-                input_md5["reward_function"] = dvc_md5(resolve_reward_file(rl.reward_function.rsplit(":", 1)[0]))
-            done[stage] = _run(train_rl, cache, **guarded(), params=params, input_md5=input_md5)
-    return done
+    ctx = ChainContext(cfg, files, md5, sft["outputs"]["model"], sft["md5"]["model"], fields,
+                       dict(tracking=tracking_d, parent_run_id=parent_run_id), cache)
+    for stage, step in alignment_chain(cfg["flow"].stages):
+        ctx.done[stage.name] = step(ctx, stage)
+    return ctx.done
 
 
 def data_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -243,7 +308,7 @@ def validate_datasets(cfg: dict[str, Any], files: dict[str, str], parent_run_id:
         trained_on = name != "eval"
         report = validate_data(path=str(path), md5=md5[name], kind=kinds[name], name=name,
                                fields=data_fields(cfg), tracking=config_to_dict(cfg["tracking"]),
-                               parent_run_id=parent_run_id, desirable_field=cfg["kto"].desirable_field,
+                               parent_run_id=parent_run_id, desirable_field=unpaired_field(cfg),
                                data_report=config_to_dict(cfg["data_report"]) if trained_on else None,
                                eval_file=str(files["eval"]) if trained_on else None)
         get_run_logger().info("validated %s: %s rows", path, int(report["metrics"]["data/n_rows"]))

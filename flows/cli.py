@@ -1,8 +1,7 @@
 """The ``alignflow`` command line: one subcommand per stage, ``validate``, ``flow align`` and ``init``.
 
-Stage commands (``generate``, ``init-model``, ``sft``, ``reward``, ``dpo``, ``kto``,
-``rejection``, ``raft``, ``distill``, ``rl``, ``evaluate``) run a stage directly,
-as ``dvc repro`` does; ``flow align`` runs the whole pipeline under Prefect. Every command
+Stage commands (one per stage of the registry, rlhf_core/config/stage_registry.py: ``generate``,
+``init-model``, ``sft``, ``evaluate``, the alignment stages) run a stage directly, as ``dvc repro`` does; ``flow align`` runs the whole pipeline under Prefect. Every command
 reads ``params.yaml`` (``--params``) and takes ``--set field=value`` overrides (a stage command
 also takes ``--set section.field=value`` for its own section; ``flow`` takes only that form).
 
@@ -13,7 +12,8 @@ config, command line or model directory. An error is printed once, naming its so
 ``--help`` and ``--version`` import nothing heavy: torch, MLflow, Prefect, Ray and Great
 Expectations load inside the command that needs them (tests/unit/test_cli_startup.py).
 
-``diff A B`` compares two runs or model versions (flows/diff.py).
+``diff A B`` compares two runs or model versions (flows/diff.py); ``dvc-stages`` writes ``dvc.yaml`` from the
+stage registry (flows/dvc_stages.py).
 
 ``init PATH`` scaffolds a project of your own (flows/scaffold.py); every other command runs
 in a project folder, reading its ``params.yaml``.
@@ -39,27 +39,18 @@ from rlhf_core.config import (
     ConfigError,
     DataFields,
     DataReportConfig,
-    DistillConfig,
-    DPOConfig,
-    EvalConfig,
-    KTOConfig,
-    RaftConfig,
-    GenerateConfig,
     GuardsConfig,
-    RejectionConfig,
-    RewardConfig,
-    RLConfig,
-    ModelConfig,
-    SFTConfig,
     TrackingConfig,
     field_docs,
     load_config,
     parse_overrides,
 )
 from rlhf_core.data.validate import KINDS
+from rlhf_core.config import stage_registry as registry
+from rlhf_core.config.stage_registry import Stage
 
 
-def _common(p: argparse.ArgumentParser, section: str | None) -> None:
+def _common(p: argparse.ArgumentParser, section: str | None, stage: Stage | None = None) -> None:
     p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     help_text = ("override a field of params.yaml's section (repeatable; VALUE read as YAML): FIELD=VALUE or "
                  "SECTION.FIELD=VALUE; the fields are listed below" if section is not None else
@@ -70,9 +61,10 @@ def _common(p: argparse.ArgumentParser, section: str | None) -> None:
                        help=f"the params.yaml section to read (default: {section}); another section of the same "
                             "fields runs this stage on another task, e.g. --section tool_sft")
         p.fields_section = section  # listed by _Parser.format_help
+        p.fields_config = stage.config_class if stage is not None else None
         p.formatter_class = argparse.RawDescriptionHelpFormatter
-    if section is not None:
-        _add_register_flag(p, section)
+    if stage is not None and stage.guarded:
+        _add_register_flag(p)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -80,18 +72,20 @@ class _Parser(argparse.ArgumentParser):
     module's docstrings only when help is shown (parsing them for every command would cost most of a second)."""
 
     fields_section: str | None = None
+    fields_config: Any = None  # the stage's Stage.config_class, called only for help
 
     def format_help(self) -> str:
         if self.fields_section is not None:
-            self.epilog = _field_listing(self.fields_section)
+            cls = self.fields_config() if self.fields_config is not None else SECTIONS[self.fields_section]
+            self.epilog = _field_listing(self.fields_section, cls)
         return super().format_help()
 
 
-def _field_listing(section: str) -> str:
+def _field_listing(section: str, cls: type) -> str:
     """The ``--help`` epilog of a stage command: each field of its section on lines of its own."""
     import textwrap
 
-    docs = field_docs(SECTIONS[section])
+    docs = field_docs(cls)
     width = max(len(k) for k in docs) + 2
     lines = [f"fields of '{section}' (--set FIELD=VALUE):"]
     for name, doc in docs.items():
@@ -122,19 +116,20 @@ def _print(obj: Any) -> None:
     print(json.dumps(obj, indent=2, sort_keys=True, default=str))
 
 
-def _stage_cfg(args: argparse.Namespace, cls: type, section: str) -> Any:
+def _stage_cfg(args: argparse.Namespace) -> Any:
     """The command's config from params.yaml and ``--set``, its input files and start model checked."""
     from flows.preflight import check_inputs
 
-    cfg_section = getattr(args, "section", None) or section
+    stage = registry.get(args.command)
+    cfg_section = getattr(args, "section", None) or stage.section
     overrides = stage_overrides(args.set, cfg_section, args.command)
-    cfg = load_config(cls, cfg_section, args.params, overrides)
+    cfg = load_config(stage.config_class(), cfg_section, args.params, overrides)
     check_inputs(cfg, cfg_section, overrides, args.params)
     return cfg
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    cfg = _stage_cfg(args, GenerateConfig, "generate")
+    cfg = _stage_cfg(args)
     from rlhf_core.stages import wrappers as stages
 
     _print(stages.generate(cfg).to_dict())
@@ -142,7 +137,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:
-    cfg = _stage_cfg(args, ModelConfig, "model")
+    cfg = _stage_cfg(args)
     from rlhf_core.stages import wrappers as stages
 
     _print(stages.init_model(cfg).to_dict())
@@ -154,7 +149,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from rlhf_core.data.validate import ValidationFailed
 
     overrides = stage_overrides(args.set, "sft", "validate")  # field names: the sft section's, as the flows read them
-    # KTO's boolean field lives in its own config, not DataFields; the unpaired kind reads it.
+    # The unpaired kind's boolean field lives in its stage's own config, not DataFields.
     desirable_field = overrides.pop("desirable_field", None)
     fields = load_config(DataFields, "sft", None, overrides) if overrides else DataFields()
     # --eval-file: the data report too (what the flows run on each dataset they train on).
@@ -185,61 +180,51 @@ def _require_checkpoint(cfg: Any, section: str) -> None:
                           f"{cfg.checkpoint_dir}; run without --resume to start one")
 
 
-def _tracked_stage(stage: str, cls: type, section: str):
-    """A command that runs ``rlhf_core.stages.wrappers.<stage>`` with tracking and an optional metrics file."""
+def cmd_stage(args: argparse.Namespace) -> int:
+    """A training-shaped stage command: runs the registry's entry of ``args.command`` with tracking, its guards
+    and data report, and an optional metrics file."""
+    from flows.preflight import check_inputs
 
-    def run(args: argparse.Namespace) -> int:
-        from flows.preflight import check_inputs
-
-        cfg_section = getattr(args, "section", None) or section
-        overrides = stage_overrides(args.set, cfg_section, stage, shared=("guards", "data_report"))
-        shared = {k: overrides.pop(k) for k in list(overrides) if "." in k}
-        cfg = load_config(cls, cfg_section, args.params, overrides)
-        check_inputs(cfg, cfg_section, overrides, args.params)
-        if getattr(args, "resume", None) is not None:
-            cfg = dataclasses.replace(cfg, resume=args.resume)
-            if args.resume:
-                _require_checkpoint(cfg, section)
-        tracking = load_config(TrackingConfig, "tracking", args.params)
-        extra = _stage_extras(stage, cfg_section, args.params, shared)
-        from rlhf_core.stages import wrappers as stages  # torch and the trainers: only once the config and inputs hold
-        result = getattr(stages, stage)(cfg, tracking, metrics_file=args.metrics_file, **extra)
-        out = result.to_dict()
-        if getattr(args, "register", None):
-            out["registry"] = _register(args.register, result, tracking, extra["guards"])
-        _print(out)
-        return 0
-
-    return run
+    stage = registry.get(args.command)
+    cfg_section = getattr(args, "section", None) or stage.section
+    overrides = stage_overrides(args.set, cfg_section, stage.name, shared=("guards", "data_report"))
+    shared = {k: overrides.pop(k) for k in list(overrides) if "." in k}
+    cfg = load_config(stage.config_class(), cfg_section, args.params, overrides)
+    check_inputs(cfg, cfg_section, overrides, args.params)
+    if getattr(args, "resume", None) is not None:
+        cfg = dataclasses.replace(cfg, resume=args.resume)
+        if args.resume:
+            _require_checkpoint(cfg, stage.section)
+    tracking = load_config(TrackingConfig, "tracking", args.params)
+    extra = _stage_extras(stage, cfg_section, args.params, shared)
+    # torch and the trainers load with the entry: only once the config and inputs hold
+    result = stage.entry_function()(cfg, tracking, metrics_file=args.metrics_file, **extra)
+    out = result.to_dict()
+    if getattr(args, "register", None):
+        out["registry"] = _register(args.register, result, tracking, extra["guards"])
+    _print(out)
+    return 0
 
 
-def _stage_extras(stage: str, cfg_section: str, params: str, shared: dict[str, Any]) -> dict[str, Any]:
+def _stage_extras(stage: Stage, cfg_section: str, params: str, shared: dict[str, Any]) -> dict[str, Any]:
     """A stage's guards (policy stages) and data report (training stages) configs, from their params sections
     and the ``guards.FIELD`` / ``data_report.FIELD`` overrides in ``shared``."""
     picked = {name: {k.split(".", 1)[1]: v for k, v in shared.items() if k.startswith(f"{name}.")}
               for name in ("guards", "data_report")}
     extra: dict[str, Any] = {}
-    if stage in GUARDED_STAGES:
+    if stage.guarded:
         extra["guards"] = load_config(GuardsConfig, _task_section(cfg_section, "guards", params), params,
                                       picked["guards"])
     elif picked["guards"]:
         raise ConfigError(f"{OVERRIDE_SOURCE}: guards.* overrides apply to policy stages only "
-                          f"({', '.join(GUARDED_STAGES)})")
-    if stage in TRAINING_STAGES:  # the flows' data report, thresholds from params.yaml's data_report
+                          f"({', '.join(s.name for s in registry.guarded())})")
+    if stage.trains:  # the flows' data report, thresholds from params.yaml's data_report
         extra["data_report"] = load_config(DataReportConfig, _task_section(cfg_section, "data_report", params),
                                            params, picked["data_report"])
     elif picked["data_report"]:
         raise ConfigError(f"{OVERRIDE_SOURCE}: data_report.* overrides apply to training stages only "
-                          f"({', '.join(TRAINING_STAGES)})")
+                          f"({', '.join(s.name for s in registry.training())})")
     return extra
-
-
-GUARDED_STAGES = ("dpo", "kto", "raft", "distill", "rl")
-"""Stage commands that check their model against its parent (``guards`` section) and take ``--register``."""
-
-TRAINING_STAGES = ("sft", "reward", "dpo", "kto", "raft", "distill", "rl")
-"""Stage commands that train: each runs the data report (``data_report`` section; ``--set data_report.FIELD=VALUE``)
-on its training data against its eval set before training, as the flows do (exit 1 when a check fails)."""
 
 
 def _task_section(section: str, shared: str, params: str) -> str:
@@ -268,16 +253,6 @@ def _register(name: str, result: Any, tracking: TrackingConfig, guards: GuardsCo
     return outcome
 
 
-cmd_sft = _tracked_stage("sft", SFTConfig, "sft")
-cmd_dpo = _tracked_stage("dpo", DPOConfig, "dpo")
-cmd_reward = _tracked_stage("reward", RewardConfig, "reward")
-cmd_kto = _tracked_stage("kto", KTOConfig, "kto")
-cmd_distill = _tracked_stage("distill", DistillConfig, "distill")
-cmd_rejection = _tracked_stage("rejection", RejectionConfig, "rejection")
-cmd_raft = _tracked_stage("raft", RaftConfig, "raft")
-cmd_rl = _tracked_stage("rl", RLConfig, "rl")
-
-
 def cmd_init(args: argparse.Namespace) -> int:
     from flows.scaffold import init_project
 
@@ -293,7 +268,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    cfg = _stage_cfg(args, EvalConfig, "evaluate")
+    cfg = _stage_cfg(args)
     tracking = load_config(TrackingConfig, "tracking", args.params)
     from rlhf_core.stages import wrappers as stages
 
@@ -416,60 +391,33 @@ def _cmd_cycles(args: argparse.Namespace) -> int:
 DEFAULT_SUMMARY = "metrics/align_summary.json"
 
 
-def _add_register_flag(p: argparse.ArgumentParser, stage: str) -> None:
+def _add_register_flag(p: argparse.ArgumentParser) -> None:
     """``--register NAME`` on the policy stages' commands."""
-    if stage in GUARDED_STAGES:
-        p.add_argument("--register", default=None, metavar="NAME",
-                       help="register the model as candidate of NAME (e.g. alignflow-policy), and champion only "
-                            "when the promotion gate passes (guards section; --set guards.FIELD=VALUE)")
+    p.add_argument("--register", default=None, metavar="NAME",
+                   help="register the model as candidate of NAME (e.g. alignflow-policy), and champion only "
+                        "when the promotion gate passes (guards section; --set guards.FIELD=VALUE)")
 
 
-def _add_training_commands(sub: Any) -> None:
-    """The tracked training stages' commands: one shape (config, overrides, metrics file, resume)."""
-    for name, help_text, func in (
-        ("sft", "supervised fine-tuning", cmd_sft),
-        ("dpo", "direct preference optimisation (DPO, IPO, cDPO) on preference pairs", cmd_dpo),
-        ("reward", "train a scalar reward model on preference pairs", cmd_reward),
-        ("kto", "Kahneman-Tversky optimisation on unpaired desirable/undesirable examples", cmd_kto),
-        ("distill", "token-level knowledge distillation from a teacher model", cmd_distill),
-        ("rejection", "best-of-n sampling scored by a reward model or the rule", cmd_rejection),
-        ("raft", "SFT of the policy on its kept best-of-n samples (one RAFT round)", cmd_raft),
-        ("rl", "online RL from the policy's samples: PPO, REINFORCE++, RLOO, GRPO, Dr.GRPO (DAPO options)", cmd_rl),
-    ):
-        p = sub.add_parser(name, help=help_text)
-        _common(p, name)
-        p.add_argument("--metrics-file", default=None, help="write final metrics JSON here (for DVC)")
-        if name != "rejection":  # the trainers checkpoint; rejection sampling does not
-            group = p.add_mutually_exclusive_group()
-            group.add_argument("--resume", dest="resume", action="store_const", const=True, default=None,
-                               help="continue this run from its newest checkpoint (an error if there is none); "
-                                    "resuming an interrupted run is also the default without this flag")
-            group.add_argument("--fresh", dest="resume", action="store_const", const=False,
-                               help="start over, ignoring any checkpoint")
-        p.set_defaults(func=func)
+def _add_training_command(p: argparse.ArgumentParser, stage: Stage) -> None:
+    """A training-shaped stage's arguments (config, overrides, metrics file, resume); its handler :func:`cmd_stage`."""
+    _common(p, stage.section, stage)
+    p.add_argument("--metrics-file", default=None, help="write final metrics JSON here (for DVC)")
+    if stage.trains:  # the trainers checkpoint; a stage that only samples does not
+        group = p.add_mutually_exclusive_group()
+        group.add_argument("--resume", dest="resume", action="store_const", const=True, default=None,
+                           help="continue this run from its newest checkpoint (an error if there is none); "
+                                "resuming an interrupted run is also the default without this flag")
+        group.add_argument("--fresh", dest="resume", action="store_const", const=False,
+                           help="start over, ignoring any checkpoint")
+    p.set_defaults(func=cmd_stage)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="alignflow", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--version", action="version", version=f"alignflow {rlhf_core.__version__}")
-    parser.add_argument("--debug", action="store_true",
-                        help="on an error, print its traceback too (and Prefect's own failure logs); "
-                             "accepted anywhere on the command line")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    p = sub.add_parser("generate", help="write the embedded task's datasets")
-    _common(p, "generate")
-    p.set_defaults(func=cmd_generate)
-
-    p = sub.add_parser("init-model", help="train the tokenizer and build the embedded tiny model")
-    _common(p, "model")
-    p.set_defaults(func=cmd_init_model)
-
-    p = sub.add_parser("validate", help="validate a dataset with Great Expectations (exit 1 if invalid)")
+def _add_validate_command(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kind", required=True, choices=KINDS,
                    help="sft (SFT, RAFT, distill), preference (DPO, reward), prompts (evaluation; RL, rejection "
                         "scored against the label), prompt-only (RL, rejection with a reward model: label "
-                        "optional), unpaired (KTO); each in TRL's standard or conversational form")
+                        "optional), unpaired (desirable/undesirable examples); each in TRL's standard or "
+                        "conversational form")
     p.add_argument("file", help="a .jsonl, .json or .parquet file, a saved datasets folder, or a folder in the "
                                 "Hub's dataset layout")
     p.add_argument("--report", default=None, help="write the JSON report here (only when valid)")
@@ -480,7 +428,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--params", default="params.yaml", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_validate)
 
-    _add_training_commands(sub)
+
+def _add_stage_commands(sub: Any) -> None:
+    """One command per stage of the registry that has one: the training-shaped ones share :func:`cmd_stage`,
+    the others have a handler of their own."""
+    own = {"generate": cmd_generate, "init-model": cmd_init_model, "evaluate": cmd_evaluate}
+    for stage in registry.commands():
+        p = sub.add_parser(stage.name, help=stage.help)
+        if stage.command == registry.TRAIN:
+            _add_training_command(p, stage)
+        elif stage.name == "validate":
+            _add_validate_command(p)
+        else:
+            _common(p, stage.section, stage)
+            if stage.name == "evaluate":
+                p.add_argument("--run-name", default="evaluate")
+            p.set_defaults(func=own[stage.name])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="alignflow", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"alignflow {rlhf_core.__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="on an error, print its traceback too (and Prefect's own failure logs); "
+                             "accepted anywhere on the command line")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    _add_stage_commands(sub)
 
     # Listed for --help only: main() hands these to their modules (PASSTHROUGH).
     sub.add_parser("serve-rm", help="serve a trained reward model over HTTP on 127.0.0.1; --token-env NAME requires a "
@@ -490,17 +464,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("diff", help="compare two runs or model versions (run ids, models:/NAME/3, NAME@champion): "
                                 "code, data md5s, params, metrics with errors; differences first (diff --help)")
     sub.add_parser("nightly", help="serve align / iterative_dpo as cron deployments (default 02:00 UTC; nightly --help)")
+    sub.add_parser("dvc-stages", help="write (--write) or check (--check) dvc.yaml and the project template's from "
+                                      "the stage registry, with each stage's code deps (dvc-stages --help)")
 
     p = sub.add_parser("init", help="scaffold a project of your own: params.yaml, dvc.yaml, prefect.yaml, data/, "
                                     "git + DVC with a local remote (refuses to overwrite existing files)")
     p.add_argument("path", help="the project folder (made if missing)")
     p.add_argument("--force", action="store_true", help="overwrite the scaffold's files where they exist")
     p.set_defaults(func=cmd_init)
-
-    p = sub.add_parser("evaluate", help="greedy exact-match accuracy of a model")
-    _common(p, "evaluate")
-    p.add_argument("--run-name", default="evaluate")
-    p.set_defaults(func=cmd_evaluate)
 
     p = sub.add_parser("flow", help="run a Prefect flow")
     p.add_argument("name", choices=["align", "iterative_dpo", "raft"])
@@ -516,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Commands implemented by a module's own ``main(argv)``; listed in build_parser for --help only.
 PASSTHROUGH = {"serve-rm": "rlhf_core.rewards.server", "nightly": "flows.nightly", "reproduce": "flows.reproduce",
-               "diff": "flows.diff"}
+               "diff": "flows.diff", "dvc-stages": "flows.dvc_stages"}
 
 
 def setup_logging(debug: bool) -> None:

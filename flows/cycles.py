@@ -30,7 +30,7 @@ from rlhf_core.data.validate import prompts_kind, require_eval_labels
 from rlhf_core.promotion.guards import fired_guards
 from rlhf_core.tracking.lineage import dvc_md5
 from rlhf_core.common.redact import redact_secrets
-from rlhf_core.stages.wrappers import lineage_tags
+from rlhf_core.tracking.lineage import lineage_tags
 from rlhf_core.embedded.tasks import write_jsonl
 from rlhf_core.tracking.mlflow_runs import Tracker, resolve_tracking_uri, start_run
 from flows.align import _run, data_fields, load_all, one_flow_at_a_time

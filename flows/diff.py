@@ -20,8 +20,8 @@ The error of a difference. Two models evaluated on the same items are compared w
 standard error (issue 20): ``sd(d) / sqrt(n)`` over the per-item differences ``d_i`` (B's result on item i
 minus A's; :func:`rlhf_core.promotion.guards.paired_delta`), not ``sqrt(se_A^2 + se_B^2)``, which treats the two
 runs as independent and, on positively correlated results, overstates the error several times. The
-per-item results are the ``guards/per_item.json`` every guarded policy stage run logs (dpo, kto, raft,
-distill, rl and the cycles' stages: its eval items with the parent's and the trained model's correct and
+per-item results are the ``guards/per_item.json`` every guarded policy stage run logs (the registry's guarded
+stages, listed by ``alignflow diff --help``, and the cycles' stages: its eval items with the parent's and the trained model's correct and
 reward). Each side's is found by one rule: the run itself when it logged one (a stage run, or the stage run
 a model version was logged from), else the latest-started run below it that did (a cycle run: its stage
 run; a flow run: its last guarded stage -- name a stage run to compare another). Then, in this order:
@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from rlhf_core.config import TrackingConfig, load_config
+from rlhf_core.config import stage_registry as registry
 from rlhf_core.promotion.guards import mean_and_se, paired_delta, unpaired_se
 from rlhf_core.tracking.mlflow_runs import resolve_tracking_uri
 
@@ -461,9 +462,14 @@ def _descendants(client: Any, run: Any) -> list[Any]:
     return sorted(found, key=lambda r: r.info.start_time or 0, reverse=True)
 
 
+def guarded_stages() -> list[str]:
+    """The stages whose runs log per-item results (``guards/per_item.json``): the registry's guarded stages."""
+    return [stage.name for stage in registry.guarded()]
+
+
 def item_source(client: Any, run_id: str) -> ItemSource:
     """Where the per-item results of the run ``run_id`` are: the run itself when it logged ``guards/per_item.json``
-    (a guarded stage run: dpo, kto, raft, distill, rl), else the latest-started run below it that did (a cycle
+    (a run of a guarded stage, :func:`guarded_stages`), else the latest-started run below it that did (a cycle
     run's stage run; a flow run's last guarded stage -- name the stage run to compare another one). The model
     md5 is the run's own ``dvc.md5.output_model`` tag (stage and cycle runs set it), else that source run's."""
     import tempfile
@@ -496,7 +502,9 @@ def open_store(uri: str) -> Any:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="alignflow diff", description=__doc__.split("\n\n")[0],
-                                epilog="A and B: run ids, models:/NAME/VERSION, models:/NAME@ALIAS or NAME@ALIAS.")
+                                epilog="A and B: run ids, models:/NAME/VERSION, models:/NAME@ALIAS or NAME@ALIAS. "
+                                       "Per-item results come from the runs of the guarded stages: "
+                                       + ", ".join(guarded_stages()) + ", and the cycles' stages.")
     p.add_argument("a", metavar="A", help="the earlier run (e.g. last night's cycle run, or NAME@champion)")
     p.add_argument("b", metavar="B", help="the later run (e.g. tonight's)")
     p.add_argument("--all", action="store_true", help="also list unchanged rows")

@@ -1,8 +1,8 @@
 """The flows' params: every section's typed config, from ``params.yaml`` and the command line's overrides.
 
 Prefect keeps a flow run's parameters in its database and UI, so an override that carries a secret
-travels as a private file instead (:func:`write_private_overrides`). Imports only the config module, so
-the command line checks a flow's config before it starts Prefect (:mod:`flows.cli`).
+travels as a private file instead (:func:`write_private_overrides`). Imports only the config module and the
+stage registry, so the command line checks a flow's config before it starts Prefect (:mod:`flows.cli`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core.config import OVERRIDE_SOURCE, SECTIONS, ConfigError, build_config, read_params, unknown_sections
+from rlhf_core.config import stage_registry as registry
 
 
 def write_private_overrides(values: dict[str, dict[str, Any]]) -> str:
@@ -52,19 +53,22 @@ def read_private_overrides(path: str) -> dict[str, dict[str, Any]]:
 
 def load_all(params_file: str | None, overrides: dict[str, dict[str, Any]] | None,
              private_overrides: str | None = None) -> dict[str, Any]:
-    """Every section's typed config, from ``params_file`` plus ``{section: {field: value}}`` overrides,
-    the secret-carrying ones read from the ``private_overrides`` file (:func:`write_private_overrides`)."""
+    """Every section's typed config (the config module's sections, and a registered stage's own where it is not
+    one of them), from ``params_file`` plus ``{section: {field: value}}`` overrides, the secret-carrying ones
+    read from the ``private_overrides`` file (:func:`write_private_overrides`)."""
+    sections = {**SECTIONS, **{s.section: s.config_class() for s in registry.STAGES.values()
+                               if s.section not in SECTIONS}}
     raw = read_params(params_file) if params_file and Path(params_file).exists() else {}
     overrides = {section: dict(values) for section, values in (overrides or {}).items()}
     if private_overrides:  # the real values of what the flow-run parameters show as ***
         for section, values in read_private_overrides(private_overrides).items():
             overrides.setdefault(section, {}).update(values)
-    unknown = set(overrides) - set(SECTIONS)
+    unknown = set(overrides) - set(sections)
     if unknown:
         raise ConfigError(f"{OVERRIDE_SOURCE}: {unknown_sections(unknown)}")
     cfg = {name: build_config(cls, name, {**(raw.get(name) or {}), **overrides.get(name, {})},
                               str(params_file or "<defaults>"), overridden=set(overrides.get(name, {})))
-           for name, cls in SECTIONS.items()}
+           for name, cls in sections.items()}
     return with_sft_registry_name(cfg)
 
 

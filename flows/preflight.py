@@ -6,7 +6,7 @@ not end in a traceback from deep inside the gate: it says which setting names th
 that value came from (``--set``, the params file, or the default), which command writes that path, and
 how to point the setting elsewhere.
 
-Run by :mod:`flows.cli` (stage commands and ``flow``); imports only the config module.
+Run by :mod:`flows.cli` (stage commands and ``flow``); imports only the config module and the stage registry.
 """
 
 from __future__ import annotations
@@ -16,17 +16,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rlhf_core.config import SECTIONS, ConfigError, read_params
+from rlhf_core.config import ConfigError, read_params
+from rlhf_core.config import stage_registry as registry
 
 DATA_FIELDS = ("train_file", "prompts_file", "eval_file", "corpus_file")
 """Config fields that name a dataset a stage reads (empty: not used)."""
 MODEL_FIELDS = ("model_path", "policy_path")
 """Config fields that name the model folder a stage starts from."""
-
-_MAKERS = {"generate": ("out_dir", "`alignflow generate` writes the embedded datasets there"),
-           "model": ("out_dir", "`alignflow init-model` builds the embedded tiny model there"),
-           "rejection": ("output_file", "`alignflow rejection` writes it")}
-_TRAINERS = ("sft", "reward", "dpo", "kto", "raft", "distill", "rl")
 
 
 def _norm(path: str) -> str:
@@ -34,14 +30,17 @@ def _norm(path: str) -> str:
 
 
 def makers(params: str | None) -> dict[str, str]:
-    """Output path (as the params file sets it) -> what writes it: the generator's folder, the tiny
-    model's folder, each trainer's ``output_dir``, rejection sampling's kept samples. Read from the file and
-    the defaults without building the configs (checking some imports torch)."""
+    """Output path (as the params file sets it) -> what writes it: each stage command's ``Stage.writes`` (the
+    generator's folder, the tiny model's folder, each trainer's ``output_dir``, rejection sampling's kept
+    samples). Read from the file and the defaults without building the configs (checking some imports torch)."""
     raw = read_params(params) if params and Path(params).exists() else {}
     out: dict[str, str] = {}
-    sections = {**_MAKERS, **{s: ("output_dir", f"`alignflow {s}` trains it") for s in _TRAINERS}}
-    for section, (name, what) in sections.items():
-        default = next(f.default for f in dataclasses.fields(SECTIONS[section]) if f.name == name)
+    for stage in registry.commands():
+        if stage.writes is None:
+            continue
+        section, (name, does) = stage.section, stage.writes
+        what = f"`alignflow {stage.name}` {does}"
+        default = next(f.default for f in dataclasses.fields(stage.config_class()) if f.name == name)
         value = (raw.get(section) or {}).get(name, default)
         if isinstance(value, str) and value:
             out.setdefault(_norm(value), what)

@@ -25,7 +25,7 @@ def validate_data(path: str, md5: str, kind: str, name: str, fields: dict[str, A
                   data_report: dict[str, Any] | None = None, eval_file: str | None = None,
                   previous: dict[str, float] | None = None, report_to_parent: bool = False) -> dict[str, Any]:
     """Great Expectations gate on one dataset; raises on failure (``md5`` is recorded in the task inputs).
-    ``desirable_field``: the unpaired (KTO) kind's boolean field. ``data_report`` (the ``data_report``
+    ``desirable_field``: the unpaired kind's boolean field. ``data_report`` (the ``data_report``
     section): also the data report, contamination checked against ``eval_file``, drift against
     ``previous`` (an earlier result's metrics); its page is logged to ``parent_run_id`` too with
     ``report_to_parent``."""

@@ -240,7 +240,7 @@ def _version_of(client: Any, cfg: TrackingConfig, model_dir: str, run_id: str, n
 def gate_blocks(run_tags: dict[str, str], guards: GuardsConfig | None) -> str | None:
     """Why the promotion gate keeps this version ``candidate`` (the stage run's ``guard.gate`` text), or None.
 
-    The stage computed its guards and the gate against its parent (:func:`rlhf_core.stages.wrappers.check_stage_guards`);
+    The stage computed its guards and the gate against its parent (:func:`rlhf_core.stages.guard.check_stage_guards`);
     here the gate is enforced when ``guards.gate`` is on. A run without guard tags (guards off, or a stage that
     has none) is judged on the champion comparison alone, as before guards existed."""
     if guards is None or not guards.gate or run_tags.get("guard.gate_passed") != "false":

@@ -33,36 +33,18 @@ from tasks.errors import StageProcessDied, StageRejected
 log = logging.getLogger(__name__)
 
 
-def _stage_fn(stage: str) -> Any:
-    from rlhf_core.stages import wrappers as stages
-
-    return {"sft": stages.sft, "reward": stages.reward, "dpo": stages.dpo, "kto": stages.kto,
-            "raft": stages.raft, "distill": stages.distill, "rl": stages.rl}[stage]
-
-
-def _config_cls(stage: str) -> tuple[type, str]:
-    from rlhf_core import config as c
-
-    return {"sft": (c.SFTConfig, "sft"), "reward": (c.RewardConfig, "reward"), "dpo": (c.DPOConfig, "dpo"),
-            "kto": (c.KTOConfig, "kto"), "raft": (c.RaftConfig, "raft"), "distill": (c.DistillConfig, "distill"),
-            "rl": (c.RLConfig, "rl")}[stage]
-
-
-GUARDED_STAGES = ("dpo", "kto", "raft", "distill", "rl")
-"""Policy stages: their model is checked against its parent (``guards`` section, rlhf_core/promotion/guards.py)."""
-
-
 def run_inline(stage: str, params: dict[str, Any], tracking: dict[str, Any],
                parent_run_id: str | None, guards: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Build the stage's typed config and run it in this process; returns its result dict. ``guards``: the
-    ``guards`` section for a policy stage (None: no guards)."""
+    """Build the stage's typed config and run its entry (rlhf_core/config/stage_registry.py) in this process; returns its
+    result dict. ``guards``: the ``guards`` section for a policy stage (None: no guards)."""
     from rlhf_core.config import GuardsConfig, TrackingConfig, build_config
+    from rlhf_core.config import stage_registry as registry
 
-    cls, section = _config_cls(stage)
+    spec = registry.get(stage)
     extra = ({"guards": build_config(GuardsConfig, "guards", guards)}
-             if guards is not None and stage in GUARDED_STAGES else {})
-    return _stage_fn(stage)(build_config(cls, section, params), build_config(TrackingConfig, "tracking", tracking),
-                            parent_run_id, **extra).to_dict()
+             if guards is not None and spec.guarded else {})
+    return spec.entry_function()(build_config(spec.config_class(), spec.section, params),
+                                 build_config(TrackingConfig, "tracking", tracking), parent_run_id, **extra).to_dict()
 
 
 def pid_file(stage: str) -> Path:

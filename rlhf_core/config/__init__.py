@@ -16,7 +16,7 @@ from rlhf_core.config.base import (MAX_INT, MAX_YAML_DEPTH, MAX_YAML_NODES, OVER
 from rlhf_core.config.data import MAX_LINE_BYTES, DataFields, DataReportConfig
 from rlhf_core.config.embedded import GenerateConfig, ModelConfig, ToolEvalConfig, ToolGenerateConfig
 from rlhf_core.config.guards import GUARD_NAMES, GuardsConfig
-from rlhf_core.config.pipeline import ALIGNMENT_STAGES, CyclesConfig, FlowConfig, TrackingConfig
+from rlhf_core.config.pipeline import CyclesConfig, FlowConfig, TrackingConfig
 from rlhf_core.config.rl import RLConfig
 from rlhf_core.config.sampling import EvalConfig, RejectionConfig
 from rlhf_core.config.sections import SECTIONS, TOOL_TASK_SECTIONS, load_config, read_params, unknown_sections
@@ -24,7 +24,7 @@ from rlhf_core.config.training import (LM_HEADS, PRECISIONS, SWITCHES, DistillCo
                                        RewardConfig, SFTConfig, TrainerConfig)
 
 __all__ = [
-    "ALIGNMENT_STAGES", "GUARD_NAMES", "LM_HEADS", "MAX_INT", "MAX_LINE_BYTES", "MAX_YAML_DEPTH", "MAX_YAML_NODES",
+    "GUARD_NAMES", "LM_HEADS", "MAX_INT", "MAX_LINE_BYTES", "MAX_YAML_DEPTH", "MAX_YAML_NODES",
     "OVERRIDE_SOURCE", "PRECISIONS", "SECTIONS", "SWITCHES", "TOOL_TASK_SECTIONS",
     "ConfigError", "CyclesConfig", "DataFields", "DataReportConfig", "DistillConfig", "DPOConfig", "EvalConfig",
     "FlowConfig", "GenerateConfig", "GuardsConfig", "KTOConfig", "ModelConfig", "RLConfig", "RaftConfig",

@@ -6,10 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlhf_core.config.base import _check
-
-
-ALIGNMENT_STAGES = ("reward", "dpo", "kto", "rejection", "raft", "distill", "rl")
-"""The post-SFT stages the align flow knows, in their natural order."""
+from rlhf_core.config.stage_registry import chain_names
 
 
 @dataclass
@@ -72,7 +69,7 @@ class FlowConfig:
     """Ray cluster (``host:port`` that ``ray start --head`` prints) that training tasks are submitted to through
     prefect-ray; each task then runs in a Ray worker there (its data-parallel ranks too). Empty: tasks run on
     this machine, where a stage with num_workers > 1 still attaches to RAY_ADDRESS when that is set."""
-    stages: list[str] = field(default_factory=lambda: list(ALIGNMENT_STAGES))
+    stages: list[str] = field(default_factory=lambda: list(chain_names()))
     """Alignment stages run after SFT, in this order: any of reward, dpo, kto, rejection, raft,
     distill, rl (rejection and rl with reward_kind model use the reward stage's model; raft
     needs rejection)."""
@@ -83,8 +80,8 @@ class FlowConfig:
                f"must be process or inline, got {self.isolation!r}")
         _check(isinstance(self.stages, list) and all(isinstance(x, str) for x in self.stages), "flow", "stages",
                f"must be a list of stage names, got {self.stages!r}")
-        unknown = [x for x in self.stages if x not in ALIGNMENT_STAGES]
-        _check(not unknown, "flow", "stages", f"unknown stage(s) {unknown}; known: {list(ALIGNMENT_STAGES)}")
+        unknown = [x for x in self.stages if x not in chain_names()]
+        _check(not unknown, "flow", "stages", f"unknown stage(s) {unknown}; known: {list(chain_names())}")
         _check("raft" not in self.stages or "rejection" in self.stages, "flow", "stages",
                "raft trains on the rejection stage's output: add rejection")
 

@@ -20,8 +20,8 @@ in TRL's *standard* form (fields hold text) or *conversational* form (fields hol
 * ``prompt-only`` (TRL's prompt-only form, for RL and rejection sampling scored by a reward
   model): prompt, and a label only where given, then held to the ``prompts`` rule
   (:func:`prompts_kind` picks between the two);
-* ``unpaired`` (KTO): prompt, completion and a boolean ``desirable_field`` (TRL's ``label``);
-  or preference pairs in any ``preference`` form, which KTO splits in two.
+* ``unpaired`` (desirable/undesirable examples): prompt, completion and a boolean ``desirable_field``
+  (TRL's ``label``); or preference pairs in any ``preference`` form, which the unpaired loss splits in two.
 
 Text fields are present, non-blank and within ``max_chars``; message lists are non-empty, each
 message an object with a string ``content`` and a role in ``formats.ROLES``; a prompt
@@ -66,7 +66,7 @@ KINDS: tuple[str, ...] = ("sft", "preference", "prompts", "prompt-only", "unpair
 PROMPT_KINDS = ("prompts", "prompt-only")
 """Kinds of prompt files: the same fields and checks, but ``prompt-only`` lets a row go without a label."""
 DESIRABLE_FIELD = "desirable"
-"""The unpaired kind's boolean field unless the caller names another (``KTOConfig.desirable_field``)."""
+"""The unpaired kind's boolean field unless the caller names another (the unpaired stage's ``desirable_field``)."""
 MAX_CHARS = DataFields.max_field_chars
 """The default per-field limit in characters (a config's ``max_field_chars`` sets it)."""
 MAX_LOCATIONS = 100
@@ -105,7 +105,7 @@ def require_eval_labels(path: str | Path, label_field: str, flow: str) -> None:
     if eval_kind(path, label_field) != "prompts":
         raise DataError(path, 0, f"no eval item has this field: the {flow} flow compares eval/accuracy (exact match) "
                         "across its models and needs a label on every eval item. For eval data without labels run "
-                        "the policy stages themselves (alignflow dpo, kto, rl, distill, raft), whose guards gate on "
+                        "the policy stages themselves (the guarded stage commands), whose guards gate on "
                         "the held-out reward or guards.metric_command (README: Guards and the promotion gate)",
                         label_field)
 
@@ -208,7 +208,7 @@ class Form:
     implicit: bool = False
     """Preference pairs without a prompt field: the prompt is what chosen and rejected share."""
     pairs: bool = False
-    """An unpaired (KTO) file holding preference pairs instead."""
+    """An unpaired file holding preference pairs instead."""
     origin: str = ""
     """``line N`` (``file:N`` in a folder) of the record that set the form; empty if none did."""
 
@@ -462,7 +462,7 @@ def _suite(kind: str, form: Form, f: DataFields, desirable_field: str, max_chars
         suite.append((E.ExpectColumnValuesToBeInSet(column=f"{f.label_field}__type_ok", value_set=[True]),
                       f.label_field, "must be a non-blank string or a finite number when present"))
     if kind == "unpaired" and not form.pairs:
-        # TRL's KTO files call this field `label`, which is our prompts' answer field: say how to map it.
+        # TRL's unpaired files call this field `label`, which is our prompts' answer field: say how to map it.
         hint = "" if desirable_field == "label" else " (a TRL file calls it 'label': set desirable_field=label)"
         suite.append((E.ExpectColumnValuesToNotBeNull(column=desirable_field), desirable_field, "missing" + hint))
         suite.append((E.ExpectColumnValuesToBeInSet(column=f"{desirable_field}__bool", value_set=[True]),
@@ -489,7 +489,7 @@ def validate_dataset(path: str | Path, kind: str, fields: DataFields | None = No
     failures are merged (:class:`_Tally`), so memory follows the chunk, not the file. Limits come from
     ``fields``: ``max_line_bytes`` (the reader) and ``max_field_chars`` (the suite, unless ``max_chars``
     is given). ``desirable_field`` (the unpaired kind's boolean) defaults to ``fields.desirable_field``
-    when ``fields`` is a KTO config, else ``"desirable"``."""
+    when ``fields`` is the unpaired stage's config, else ``"desirable"``."""
     import great_expectations as gx
 
     # GX sets this module's logger to INFO itself; its temp-folder notice is noise on stderr.

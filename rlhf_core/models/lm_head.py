@@ -1,7 +1,7 @@
 """Log-probs of chosen tokens straight from the LM head, without a ``[tokens x vocab]`` logits tensor.
 
 Every trainer but the reward model needs ``log p(y_t | x_{<t})`` of given tokens: SFT's NLL, the
-DPO/KTO sequence sums, RL's per-token ratios. The plain path (``full``) runs the whole LM head,
+preference losses' sequence sums, RL's per-token ratios. The plain path (``full``) runs the whole LM head,
 keeps float32 logits of every position for backward (16k tokens x 152k vocabulary = 10 GB, twice
 in backward) and then reads one entry per row. The alternatives, chosen by ``lm_head``:
 

@@ -1,6 +1,6 @@
 """Guards on an aligned model and the registry's promotion gate: pure math over per-item eval results.
 
-A policy stage (rl, dpo, kto, raft, distill, a cycle) turns a parent model into a child. Both answer the
+A policy stage (a guarded stage of rlhf_core/config/stage_registry.py, or a cycle) turns a parent model into a child. Both answer the
 same held-out items (:mod:`rlhf_core.promotion.probe` records, per item, whether the answer is correct, its
 reward score, its length, and along the child's answer the KL to the reference and the entropy); this
 module turns two such records into the guards and the gate's decision:

@@ -23,7 +23,7 @@ skipped. Every fault (a failed command, a missing file, a bad line, ids that dif
 is a :class:`MetricCommandError` naming the command or the file, line and field: the stage fails before its
 model is registered.
 
-Run: called by :func:`rlhf_core.stages.wrappers.check_stage_guards`; no torch, MLflow or Prefect here.
+Run: called by :func:`rlhf_core.stages.guard.check_stage_guards`; no torch, MLflow or Prefect here.
 """
 
 from __future__ import annotations

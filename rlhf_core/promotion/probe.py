@@ -24,7 +24,7 @@ settings (:func:`reusable_answers`: same eval file, items, token budget, batch s
 the probe then only scores them (entropy, KL, reward). A multi-turn probe generates its own: the stage's eval keeps
 only its first trajectories.
 
-Run: called by :func:`rlhf_core.stages.wrappers.check_stage_guards` after every policy stage.
+Run: called by :func:`rlhf_core.stages.guard.check_stage_guards` after every policy stage.
 """
 
 from __future__ import annotations

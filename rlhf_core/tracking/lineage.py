@@ -380,3 +380,20 @@ def core_fingerprint() -> str:
 @functools.cache
 def _core_fingerprint_of(root: Path) -> str:
     return f"{package_version()}:{source_hash(root)}"
+
+
+def lineage_tags(inputs: dict[str, str | Path], stage: str) -> dict[str, str]:
+    """``git.commit``, ``alignflow.stage``, ``alignflow.version``, ``dvc.md5.<name>`` for each existing input, and
+    ``git.untracked`` when the project holds files git does not track.
+
+    The version is the installed alignflow's: a project made by ``alignflow init`` has no
+    alignflow source in its commit, so the commit alone does not say which trainer ran."""
+    tags = {"git.commit": git_commit(), "alignflow.stage": stage, "alignflow.version": package_version()}
+    untracked = git_untracked()
+    if untracked:  # a dirty tree shows in git.commit's -dirty; files git does not know show here
+        tags["git.untracked"] = untracked_note(untracked)
+    for name, path in inputs.items():
+        if Path(path).exists():
+            tags[f"dvc.md5.{name}"] = dvc_md5(path)
+            tags[f"input.{name}"] = str(path)
+    return tags

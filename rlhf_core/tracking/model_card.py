@@ -3,7 +3,7 @@
 It says what the version was trained from (stage, parent model and its registered version, datasets with
 their DVC md5s, git commit, the stage's key params), its held-out eval against the parent with paired
 standard errors, every guard with its value and threshold, and the promotion decision. Built from the
-stage run's tags, params and metrics alone (what :func:`rlhf_core.stages.wrappers.check_stage_guards` and the
+stage run's tags, params and metrics alone (what :func:`rlhf_core.stages.guard.check_stage_guards` and the
 lineage tags logged), so a card can be rebuilt from the tracking store at any time.
 
 Run: called by ``tasks.registry.register_model``.

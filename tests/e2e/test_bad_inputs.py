@@ -206,7 +206,7 @@ def test_corpus_is_at_least_twenty_distinct_inputs():
 def test_gate_validates_a_file_once_per_content(isolated_project, micro_data, monkeypatch):
     """A passed file is remembered by content (+ kind, fields, validator code): the next stage that
     reads it does not run GX again; the same path with other content is validated afresh."""
-    from rlhf_core.stages import wrappers as stages
+    from rlhf_core.stages import gate
     from rlhf_core.config import DPOConfig
     from rlhf_core.data import validate as validator
 
@@ -216,10 +216,10 @@ def test_gate_validates_a_file_once_per_content(isolated_project, micro_data, mo
     data = isolated_project / "prefs.jsonl"
     data.write_bytes(micro_data["preferences"].read_bytes())
     cfg = DPOConfig(train_file=str(data))
-    stages.gate_datasets(cfg, {"preferences": (str(data), "training")})
-    stages.gate_datasets(cfg, {"preferences": (str(data), "training")})
+    gate.gate_datasets(cfg, {"preferences": (str(data), "training")})
+    gate.gate_datasets(cfg, {"preferences": (str(data), "training")})
     assert calls == [str(data)]
     data.write_bytes(data.read_bytes() + _jsonl({"prompt": "9+9=", "chosen": "18", "rejected": "18"}))
     with pytest.raises(ValidationFailed, match=r"prefs\.jsonl:\d+: field 'chosen': 'chosen' equals 'rejected'"):
-        stages.gate_datasets(cfg, {"preferences": (str(data), "training")})
+        gate.gate_datasets(cfg, {"preferences": (str(data), "training")})
     assert len(calls) == 2

@@ -1,6 +1,6 @@
 """DVC sees a code change: editing a core module a trainer imports marks every stage that runs it as changed.
 
-``dvc.yaml``'s source deps are derived by ``scripts/dvc_deps.py``; this runs real DVC in a copy of the
+``dvc.yaml``'s source deps are derived by ``alignflow dvc-stages`` (flows/dvc_stages.py); this runs real DVC in a copy of the
 project (the committed dvc.yaml and dvc.lock), without training anything: no ``dvc repro``.
 """
 

@@ -65,7 +65,7 @@ def test_dpo_command_on_pairs_holding_eval_prompts_fails_before_training(project
 def test_sft_command_logs_the_report_to_its_run_and_keeps_metrics_file_unchanged(project, micro_data, capsys):
     from mlflow.tracking import MlflowClient
 
-    from rlhf_core.stages import wrappers as stages
+    from rlhf_core.stages import gate
     from rlhf_core.config import DataReportConfig, SFTConfig, load_config
 
     assert main(["sft", "--metrics-file", "metrics/sft.json"]) == 0, capsys.readouterr().err
@@ -88,7 +88,7 @@ def test_sft_command_logs_the_report_to_its_run_and_keeps_metrics_file_unchanged
     stored["stats"]["data/marker"] = 42.0
     records[0].write_text(json.dumps(stored))
     datasets = {"sft_train": (cfg.train_file, "training"), "eval": (cfg.eval_file, "evaluation")}
-    again = stages.report_datasets(cfg, datasets, None, DataReportConfig(), cfg.eval_file)
+    again = gate.report_datasets(cfg, datasets, None, DataReportConfig(), cfg.eval_file)
     assert again["sft_train"]["stats"]["data/marker"] == 42.0
-    stricter = stages.report_datasets(cfg, datasets, None, DataReportConfig(ngram=8), cfg.eval_file)
+    stricter = gate.report_datasets(cfg, datasets, None, DataReportConfig(ngram=8), cfg.eval_file)
     assert "data/marker" not in stricter["sft_train"]["stats"]  # other thresholds: a report of its own

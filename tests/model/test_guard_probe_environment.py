@@ -105,7 +105,7 @@ def test_rl_stage_with_an_environment_probes_multi_turn_under_its_own_cache_key(
                                                                                env_spec, micro_data):
     """check_stage_guards probes an rl stage with an environment multi-turn (both models), and caches the parent under
     a key of its own: a single-turn record of the same model is never read for it."""
-    from rlhf_core.stages.wrappers import _probe_environment, _probe_settings, check_stage_guards
+    from rlhf_core.stages.guard import _probe_environment, _probe_settings, check_stage_guards
 
     cfg = RLConfig(model_path=str(tool_model), prompts_file=str(micro_data["prompts"]),
                    eval_file=str(micro_data["eval"]), output_dir=str(isolated_project / "rl"), reward_kind="function",

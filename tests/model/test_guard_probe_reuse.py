@@ -10,7 +10,7 @@ from conftest import Recorder
 from rlhf_core.config import DPOConfig, GuardsConfig, TrackingConfig
 from rlhf_core.promotion.probe import reusable_answers
 from rlhf_core.models.loading import load_causal_lm
-from rlhf_core.stages.wrappers import check_stage_guards
+from rlhf_core.stages.guard import check_stage_guards
 from rlhf_core.tracking.mlflow_runs import start_run
 from rlhf_core.trainers.dpo import train_dpo
 

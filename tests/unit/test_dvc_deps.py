@@ -1,5 +1,6 @@
-"""dvc.yaml's source deps are the ones ``scripts/dvc_deps.py`` derives from the imports, and the derivation
-follows what a stage runs: lazy imports included, other stages' code not.
+"""dvc.yaml is the one ``alignflow dvc-stages`` (flows/dvc_stages.py) writes from the stage registry, the
+project template's too, and the source deps it derives follow what a stage runs: lazy imports included,
+other stages' code not.
 
 ``tests/e2e/test_dvc_code_deps.py`` shows the effect in real DVC: an edit to a core module marks the
 stages that run it as changed.
@@ -8,30 +9,43 @@ stages that run it as changed.
 from __future__ import annotations
 
 import shutil
+import subprocess
 import sys
 
 import pytest
 import yaml
 
 from conftest import REPO
-
-sys.path.insert(0, str(REPO / "scripts"))  # scripts/ is not a package; its modules import each other by name
-import dvc_deps  # noqa: E402
+from flows import dvc_stages as dvc_deps
+from rlhf_core.config import stage_registry as registry
+from rlhf_core.config.stage_registry import DvcStage
 
 
 def _derived(root=REPO) -> dict[str, list[str]]:
-    stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
-    return dvc_deps.stage_code_deps(dvc_deps.SourceIndex(root), stages)
+    return dvc_deps.stage_code_deps(dvc_deps.SourceIndex(root), registry.dvc_stages())
 
 
-def test_committed_dvc_yaml_has_the_derived_code_deps():
+def test_committed_dvc_yaml_is_the_generated_one():
     diff = dvc_deps.check(REPO)
-    assert not diff, f"dvc.yaml's source deps are stale: run `python scripts/dvc_deps.py --write`\n{diff}"
+    assert not diff, f"dvc.yaml or the template's is stale: run `alignflow dvc-stages --write`\n{diff}"
+
+
+def test_dvc_yaml_holds_every_registered_dvc_stage_in_order():
+    committed = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    assert list(committed) == [stage.name for stage in registry.dvc_stages()]
+    template = yaml.safe_load((REPO / dvc_deps.TEMPLATE_DVC_YAML).read_text())["stages"]
+    assert list(template) == [stage.name for stage in registry.dvc_stages() if stage.in_template]
+
+
+def test_the_script_is_the_command():
+    for argv in (["scripts/dvc_deps.py", "--check"], ["-m", "flows.cli", "dvc-stages", "--check"]):
+        proc = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
 def test_derived_deps_hold_what_the_stages_run():
     derived = _derived()
-    # the modules the hand-written list had left out of sft, its trainer, and its config (its defaults)
+    # the modules the hand-written list had left out of sft, its trainer, and config.py (its defaults)
     assert {"rlhf_core/models/lm_head.py", "rlhf_core/models/precision.py", "rlhf_core/models/loading.py", "rlhf_core/models/attention.py",
             "rlhf_core/config/training.py", "rlhf_core/trainers/sft.py", "flows/cli.py"} <= set(derived["sft"])
     # another stage's trainer and the Prefect flows: the dispatch modules are read by calls
@@ -110,15 +124,17 @@ def test_closure_follows_lazy_imports_and_calls_not_other_handlers(tmp_path):
 
 def test_stages_whose_code_cannot_be_told_are_refused(tmp_path):
     index = _toy(tmp_path, TOY)
-    with pytest.raises(dvc_deps.StageError, match="has no cmd_kto"):
+    with pytest.raises(dvc_deps.StageError, match="has no cmd_stage"):  # kto: the shared training handler
         dvc_deps.command_entries(index, "alignflow kto")
+    with pytest.raises(dvc_deps.StageError, match="no command nope in the stage registry"):
+        dvc_deps.command_entries(index, "alignflow nope")
     with pytest.raises(dvc_deps.StageError, match="cannot be derived"):
         dvc_deps.command_entries(index, "bash train.sh")
     # a stage function handing a helper on as a callback: its imports would escape the reading by calls
     (tmp_path / "rlhf_core" / "stages" / "wrappers.py").write_text(TOY["rlhf_core/stages/wrappers.py"].replace("return _helper()",
                                                                                           "return map(_helper, [])"))
     with pytest.raises(dvc_deps.StageError, match="uses _helper as a value"):
-        dvc_deps.stage_code_deps(dvc_deps.SourceIndex(tmp_path), {"sft": {"cmd": "alignflow sft"}})
+        dvc_deps.stage_code_deps(dvc_deps.SourceIndex(tmp_path), [DvcStage("sft", "alignflow sft")])
 
 
 def test_every_stage_depends_on_the_whole_config_package(tmp_path):
@@ -126,8 +142,8 @@ def test_every_stage_depends_on_the_whole_config_package(tmp_path):
     dep, a module no import reaches (the toy's config/rl.py) included, and so is it without the config import."""
     index = _toy(tmp_path, TOY)
     config = {"rlhf_core/config/__init__.py", "rlhf_core/config/sections.py", "rlhf_core/config/rl.py"}
-    assert config <= set(dvc_deps.stage_code_deps(index, {"sft": {"cmd": "alignflow sft"}})["sft"])
+    assert config <= set(dvc_deps.stage_code_deps(index, [DvcStage("sft", "alignflow sft")])["sft"])
     without_config = TOY["rlhf_core/stages/wrappers.py"].replace("from rlhf_core import config", "")
     (tmp_path / "rlhf_core" / "stages" / "wrappers.py").write_text(without_config)
-    derived = dvc_deps.stage_code_deps(dvc_deps.SourceIndex(tmp_path), {"sft": {"cmd": "alignflow sft"}})
+    derived = dvc_deps.stage_code_deps(dvc_deps.SourceIndex(tmp_path), [DvcStage("sft", "alignflow sft")])
     assert config <= set(derived["sft"])

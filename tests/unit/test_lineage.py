@@ -36,7 +36,7 @@ def test_untracked_files_are_marked_beside_a_dirty_tree(tmp_path, monkeypatch):
     """A run made beside files git does not know records them (``git.untracked``); ignored files do not count."""
     import subprocess
 
-    from rlhf_core.stages.wrappers import lineage_tags
+    from rlhf_core.tracking.lineage import lineage_tags
 
     def git(*args):
         subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)

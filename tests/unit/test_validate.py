@@ -293,14 +293,16 @@ def test_where_each_input_gets_its_kind():
 
     from flows.align import dataset_kinds, load_all
     from rlhf_core.data.validate import KINDS
-    from rlhf_core.stages.wrappers import _GATE_KINDS
+    from rlhf_core.stages.gate import GATE_KINDS
+    from rlhf_core.config.stage_registry import STAGES
 
     repo = Path(__file__).resolve().parents[2]
     stages = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]
     dvc_kinds = {item["kind"] for name in ("validate", "validate_rejection")
                  for item in stages[name]["foreach"].values()}
-    assert dvc_kinds | set(_GATE_KINDS.values()) <= set(KINDS)
-    assert _GATE_KINDS["kto_train"] == "unpaired"
+    read_kinds = {read.kind for stage in STAGES.values() for read in stage.reads}
+    assert dvc_kinds | set(GATE_KINDS.values()) | read_kinds <= set(KINDS)
+    assert "unpaired" in read_kinds
     assert dataset_kinds(load_all(None, None))["preferences"] == "preference"
     assert dataset_kinds(load_all(None, {"flow": {"stages": ["kto"]}}))["preferences"] == "unpaired"
     assert dataset_kinds(load_all(None, {"flow": {"stages": ["reward", "kto"]}}))["preferences"] == "preference"

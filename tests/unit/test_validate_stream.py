@@ -80,7 +80,7 @@ def test_the_validate_command_takes_the_limits_as_settings(tmp_path, capsys):
 
 def test_both_limits_are_in_the_gate_key(tmp_path):
     """A pass under one limit must not stand for another: each limit changes the gate's cache key."""
-    from rlhf_core.stages.wrappers import _gate_key
+    from rlhf_core.stages.gate import _gate_key
 
     path = _write(tmp_path / "p.jsonl", _pairs(2))
     keys = {_gate_key(path, "preference", f) for f in (DataFields(), DataFields(max_field_chars=10),
