@@ -19,7 +19,7 @@ class GuardsConfig:
     the tool task's rl stage command (``--section tool_rl``)."""
 
     enabled: bool = True
-    """Compute the guards after every policy stage (rl, dpo, kto, raft, distill, each cycle) and log them to its
+    """Compute the guards after every policy stage (the guarded stages of the registry, each cycle) and log them to its
     run as guard/* metrics and guard.* tags; both models answer the stage's held-out eval items."""
     gate: bool = True
     """The registry moves champion only when the gate passes (eval gain and no guard fired); false: the guards
@@ -63,8 +63,8 @@ class GuardsConfig:
     """Eval-record field naming an item's slice; items without it are sliced by the embedded task's skill
     (sort, arithmetic) when their prompt parses as one, else not sliced."""
     reward_model_path: str = "models/reward"
-    """Reward model that scores held-out answers for stages without a reward of their own (dpo, kto, raft,
-    distill, cycles); rl scores with its own reward. Empty or missing folder: no reward guards for them."""
+    """Reward model that scores held-out answers for policy stages without a reward of their own (the offline
+    ones, cycles); rl scores with its own reward. Empty or missing folder: no reward guards for them."""
     advisory_guards: list[str] = field(default_factory=lambda: ["reward_disagreement"])
     """Guards that are computed, logged and shown on the model card (FIRED (advisory)) but do not block promotion.
     reward_disagreement is advisory by default: it also fires on the shipped PPO + reward model run, whose accuracy

@@ -70,9 +70,8 @@ class FlowConfig:
     prefect-ray; each task then runs in a Ray worker there (its data-parallel ranks too). Empty: tasks run on
     this machine, where a stage with num_workers > 1 still attaches to RAY_ADDRESS when that is set."""
     stages: list[str] = field(default_factory=lambda: list(chain_names()))
-    """Alignment stages run after SFT, in this order: any of reward, dpo, kto, rejection, raft,
-    distill, rl (rejection and rl with reward_kind model use the reward stage's model; raft
-    needs rejection)."""
+    """Alignment stages run after SFT, in this order: any of the stage registry's align chain (the default;
+    rejection and rl with reward_kind model use the reward stage's model; raft needs rejection)."""
 
     def __post_init__(self) -> None:
         _check(self.retries >= 0, "flow", "retries", f"must be >= 0, got {self.retries}")

@@ -1,5 +1,4 @@
-"""Trainers: one readable file per algorithm (``sft``, ``reward``, ``dpo``, ``kto``, ``distill``, ``rl``; none
-imports another), sharing the loop pieces: ``step.py`` (one optimizer step), ``batches.py`` (examples to
+"""Trainers: one readable file per algorithm (none imports another), sharing the loop pieces: ``step.py`` (one optimizer step), ``batches.py`` (examples to
 micro-batches), ``loop.py`` (the checkpointed loop), ``offline.py`` (the offline trainers' loop body);
 online RL's roles in ``rl_roles.py`` and ``rl_forward.py``; the one Ray boundary in ``ray_launcher.py``, with
 online RL's controller over actor groups (``rl_on_ray.py``) and the rollout role (``rollout_replica.py``).

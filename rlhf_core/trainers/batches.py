@@ -58,7 +58,7 @@ class MicroBatches:
     """an example's token count once collated packed (both sequences of a pair)"""
     ahead: bool = True
     """draw and collate the next step's micro-batches while the device runs this step's (False where a draw
-    runs the model, as KTO's reference point does: it must see the weights this step leaves)"""
+    runs the model, as a batch-level reference point does: it must see the weights this step leaves)"""
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The offline trainers' loop body (SFT, reward model, DPO, KTO, distillation): ``grad_accum`` micro-batches,
+"""The offline trainers' loop body (every trainer but online RL): ``grad_accum`` micro-batches,
 one optimizer step, inside :func:`rlhf_core.trainers.loop.run_checkpointed`.
 
 A trainer supplies its data as :class:`rlhf_core.trainers.batches.MicroBatches` (draw examples, count their

@@ -4,7 +4,7 @@ data-parallel launcher.
 Everything that makes actors and placement groups lives here; the trainers and roles it hosts
 (:mod:`rlhf_core.trainers`, :mod:`rlhf_core.trainers.rl_roles`) run the same in a plain process. Two entry points:
 
-* :func:`train_data_parallel` (here): N ranks of any trainer (SFT, DPO, KTO, reward model, distill)
+* :func:`train_data_parallel` (here): N ranks of any offline trainer
   as :class:`TrainerActor` s forming one ``torch.distributed`` world (gloo on CPU, NCCL on GPU);
   each rank runs the trainer function, rank 0's metrics stream back to the caller's sink.
   ``alignflow sft --set num_workers=2``.
