@@ -21,7 +21,7 @@ rounded away. ``bf16`` is TRL's default (bf16 weights) with AdamW's moments kept
 step makes an fp32 copy of the weights, steps it, and rounds it back, a chunk of parameters at a
 time, so only moments persist beyond the weights and gradients.
 
-Under DeepSpeed ZeRO (``rlhf_core.distributed.parallel.DeepSpeedStrategy``) both ``mixed`` and ``bf16`` are
+Under DeepSpeed ZeRO (``rlhf_core.distributed.strategies.DeepSpeedStrategy``) both ``mixed`` and ``bf16`` are
 DeepSpeed's own bf16 mode, whose ZeRO optimizer always keeps partitioned fp32 masters; ``mixed``
 adds fp32 gradient accumulation (``data_types.grad_accum_dtype``). The optimizer here is then a
 plain AdamW, which DeepSpeed wraps.

@@ -108,7 +108,7 @@ class _OfflineBody:
                  state: dict[str, Resumable], lineage: dict[str, str],
                  before_save: Callable[[], dict[str, float]] | None):
         from rlhf_core.models.loading import prepare_for_training
-        from rlhf_core.distributed.parallel import build_strategy
+        from rlhf_core.distributed.strategies import build_strategy
         from rlhf_core.models.precision import Precision
 
         self.cfg, self.name, self.model, self.tokenizer, self.world = cfg, name, model, tokenizer, world

@@ -27,8 +27,9 @@ from rlhf_core.config import RLConfig
 from rlhf_core.models.lm_head import prepare_kernels
 from rlhf_core.models.loading import adapter_parameters, adapters_off, export_state_dict, has_lora, load_causal_lm, \
     pick_device, prepare_for_training, resolve_checkpointing
-from rlhf_core.distributed.parallel import (LocalStrategy, World, build_strategy, current_world, disable_dropout,
-                                resident_weight_bytes, shard_frozen, train_mode)
+from rlhf_core.distributed.parallel import (LocalStrategy, World, current_world, disable_dropout, resident_weight_bytes,
+                                            train_mode)
+from rlhf_core.distributed.strategies import build_strategy, shard_frozen
 from rlhf_core.models.precision import Precision
 from rlhf_core.algorithms.rl_math import (AdvantageEstimator, LossAggregation, PolicyObjective, aggregate_loss,
                                aggregation_units, clipped_value_loss, kl_penalty, masked_mean, policy_loss)

@@ -44,7 +44,7 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, prec
     it on the model as loaded, fp32 under mixed). Its fp32 gradient-accumulation hooks are on only
     when ``distributed`` is False: DDP (or a hand all-reduce) must see the gradients in ``.grad``.
     Under ZeRO (``parallel`` zero2/zero3) the plain AdamW: DeepSpeed's bf16 mode casts the model and
-    keeps the masters (:class:`rlhf_core.distributed.parallel.DeepSpeedStrategy`).
+    keeps the masters (:class:`rlhf_core.distributed.strategies.DeepSpeedStrategy`).
     """
     from rlhf_core.models.precision import MasterWeightAdamW, Precision, cast_parameters
 
