@@ -31,9 +31,9 @@ def _reward_for_guards(stage: str, cfg: Any, guards: GuardsConfig, device: Any) 
             ident = {"function": dvc_md5(resolve_reward_file(file)), "name": fn}
         else:
             ident = None  # a server's answers may change: never cache them
-        from rlhf_core.trainers.rl import _build_reward_source
+        from rlhf_core.trainers.rl_parts import reward_source_for
 
-        return _build_reward_source(cfg, kind, device), ident
+        return reward_source_for(cfg, kind, device), ident
     if guards.reward_model_path and Path(guards.reward_model_path).is_dir():
         return (build_reward_source("model", path=guards.reward_model_path, device=device),
                 {"model": dvc_md5(guards.reward_model_path)})

@@ -52,35 +52,34 @@ import json
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from rlhf_core.config import ConfigError, RLConfig, config_to_dict
-from rlhf_core.data.formats import prompt_text, read_prompt_examples
-from rlhf_core.data.io import DataError, read_records
-from rlhf_core.data.sequences import SAMPLE_ROWS, rendered_row
-from rlhf_core.data.tokenize import IGNORE_INDEX, TokenizedExample, encode_prompt
+from rlhf_core.config import RLConfig, config_to_dict
 from rlhf_core.rollout.environments import (environment_factory, evaluate_with_environment, rollout_with_environment,
-                                    tool_conversations, trajectory_rows)
+                                    trajectory_rows)
 from rlhf_core.rollout.evaluate import evaluate_exact_match
-from rlhf_core.models.loading import load_causal_lm, load_tokenizer, merged_model, pick_device
+from rlhf_core.models.loading import load_tokenizer, merged_model, pick_device
 from rlhf_core.models.precision import Precision
 from rlhf_core.common.redact import redact_secrets
-from rlhf_core.rewards.sources import RewardKind, RewardSource, build_reward_source
+from rlhf_core.rewards.sources import RewardKind, RewardSource
 from rlhf_core.algorithms.advantages import (compute_advantages, dynamic_sampling_keep, overlong_penalty,
                                              reverse_kl_token_rewards)
 from rlhf_core.algorithms.kl import AdaptiveKLController, FixedKLController, KLController, kl_penalty
 from rlhf_core.algorithms.masked import masked_mean, masked_whiten
 from rlhf_core.algorithms.policy import explained_variance, sequence_is_mask, truncated_is_weights
 from rlhf_core.config.choices import AdvantageEstimator
-from rlhf_core.rollout.engine import HFGenerateEngine, ReleasesWeights, RolloutBatch, RolloutEngine, SamplingParams
+from rlhf_core.rollout.engine import ReleasesWeights, RolloutBatch, RolloutEngine, SamplingParams
 from rlhf_core.tracking.checkpoint import Checkpoint, Checkpointer, read_weights, run_fingerprint
 from rlhf_core.trainers.batches import EpochSampler
 from rlhf_core.trainers.loop import LoopClock, LoopPlan, MetricSink, NullSink, Timer, run_checkpointed, save_hf_dir
 from rlhf_core.trainers.step import seed_everything
+from rlhf_core.trainers.rl_parts import (Experience, GeneratorState, PhaseTimes, RLResult, Rollout, Sampled,
+                                         build_rollout_engine, check_prompt_lengths, check_teacher_tokenizer,
+                                         concat_batches, mean_or_nan, read_prompts, rendered_rollout_rows,
+                                         reward_source_for, sampling_copy, take_rows)
 from rlhf_core.trainers.rl_roles import KL_CLAMP as _KL_CLAMP
 from rlhf_core.trainers.rl_roles import BaseReference, PolicyLearner, ReferenceScorer, base_is_reference
 
@@ -89,100 +88,6 @@ _TABLE_GROUPS = 4
 _EVAL_SAMPLES = 8
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RLResult:
-    """The trained policy's directory, final metrics, greedy eval answers and the logged rollout rows."""
-
-    output_dir: Path
-    metrics: dict[str, float] = field(default_factory=dict)
-    eval_samples: list[dict[str, str]] = field(default_factory=list)
-    rollout_table: list[dict[str, Any]] = field(default_factory=list)
-    rendered_examples: list[dict[str, Any]] = field(default_factory=list)
-    """The first iteration's first samples as the policy saw and wrote them (:func:`rendered_rollout_rows`)."""
-    eval_answers: dict[str, Any] | None = None
-    """The final eval's every greedy answer and their settings (the guard probe reuses them)."""
-
-
-def read_prompts(cfg: RLConfig, tokenizer: Any) -> tuple[list[str], list[str | None], list[list[dict]] | None]:
-    """Prompts of ``cfg.prompts_file`` as the policy reads them (a conversation rendered with its chat
-    template and generation prompt, :func:`rlhf_core.data.formats.prompt_text`; standard text as it is),
-    their labels (``None`` where a record has none) and, where an environment's observations are chat-template
-    tool messages (``rl.tool_messages``), the conversations they are rendered into (else ``None``)."""
-    records = read_records(cfg.prompts_file)
-    if not records:
-        raise DataError(cfg.prompts_file, 0, "no prompts")
-    examples = read_prompt_examples(records, cfg.prompts_file, prompt_field=cfg.prompt_field,
-                                    label_field=cfg.label_field)
-    conversations = (tool_conversations(cfg.tool_messages, tokenizer, examples, cfg.prompts_file, cfg.prompt_field)
-                     if cfg.environment else None)
-    return [prompt_text(tokenizer, e.prompt) for e in examples], [e.label for e in examples], conversations
-
-
-def rendered_rollout_rows(tokenizer: Any, batch: RolloutBatch, rewards: torch.Tensor,
-                          n: int = SAMPLE_ROWS) -> list[dict[str, Any]]:
-    """The first ``n`` samples as the policy saw and wrote them: ``text`` (rendered prompt and sampled response,
-    special tokens kept, so the template's markers and the end-of-turn eos show), ``loss_spans`` (the response:
-    the tokens the policy loss covers, up to and including eos), ``prompt`` (rendered), ``completion`` (as the
-    reward source got it, special tokens skipped) and ``reward``; secrets redacted."""
-    rows = []
-    loss_mask = batch.loss_mask()
-    for i in range(min(n, len(batch))):
-        prompt = batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist()
-        kept = batch.response_mask[i].bool()
-        response = batch.response_ids[i][kept].tolist()
-        # an environment's observation tokens are not the policy's: outside the loss spans
-        labels = [tok if own else IGNORE_INDEX for tok, own in zip(response, loss_mask[i][kept].tolist())]
-        seq = TokenizedExample(prompt + response, [IGNORE_INDEX] * len(prompt) + labels)
-        rows.append(redact_secrets({**rendered_row(tokenizer, seq),
-                                    "prompt": tokenizer.decode(prompt, skip_special_tokens=False),
-                                    "completion": batch.completions[i], "reward": float(rewards[i])}))
-    return rows
-
-
-# --------------------------------------------------------------------------------------
-# Rollout batches: select groups, join top-up rounds
-# --------------------------------------------------------------------------------------
-
-
-def _pad(t: torch.Tensor, width: int, value: float, *, left: bool) -> torch.Tensor:
-    fill = torch.full((t.shape[0], width - t.shape[1]), value, dtype=t.dtype)
-    return torch.cat([fill, t] if left else [t, fill], dim=1)
-
-
-def _concat(batches: Sequence[RolloutBatch], pad_id: int) -> RolloutBatch:
-    """One batch of several rollout rounds (prompts re-left-padded, responses re-right-padded)."""
-    if len(batches) == 1:
-        return batches[0]
-    p = max(b.prompt_ids.shape[1] for b in batches)
-    r = max(b.response_ids.shape[1] for b in batches)
-    return RolloutBatch(
-        prompts=[x for b in batches for x in b.prompts], completions=[x for b in batches for x in b.completions],
-        prompt_ids=torch.cat([_pad(b.prompt_ids, p, pad_id, left=True) for b in batches]),
-        prompt_mask=torch.cat([_pad(b.prompt_mask, p, 0, left=True) for b in batches]),
-        response_ids=torch.cat([_pad(b.response_ids, r, pad_id, left=False) for b in batches]),
-        response_mask=torch.cat([_pad(b.response_mask, r, 0, left=False) for b in batches]),
-        sampling_logprobs=torch.cat([_pad(b.sampling_logprobs, r, 0.0, left=False) for b in batches]),
-        group_size=batches[0].group_size,
-        action_mask=(torch.cat([_pad(b.action_mask, r, 0, left=False) for b in batches])
-                     if batches[0].action_mask is not None else None),
-        tool_calls=torch.cat([b.tool_calls for b in batches]) if batches[0].tool_calls is not None else None)
-
-
-def _take(batch: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
-    """The rows ``rows`` (whole groups, in order) of ``batch``."""
-    idx = rows.tolist()
-    return RolloutBatch(prompts=[batch.prompts[i] for i in idx], completions=[batch.completions[i] for i in idx],
-                        prompt_ids=batch.prompt_ids[rows], prompt_mask=batch.prompt_mask[rows],
-                        response_ids=batch.response_ids[rows], response_mask=batch.response_mask[rows],
-                        sampling_logprobs=batch.sampling_logprobs[rows], group_size=batch.group_size,
-                        action_mask=batch.action_mask[rows] if batch.action_mask is not None else None,
-                        tool_calls=batch.tool_calls[rows] if batch.tool_calls is not None else None)
-
-
-def _mean(values: list[float]) -> float:
-    return float(sum(values) / len(values)) if values else float("nan")
 
 
 # --------------------------------------------------------------------------------------
@@ -225,66 +130,6 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
                     trainer.rendered_examples, outcome.eval_answers)
 
 
-@dataclass
-class Sampled:
-    """Phases 1-3: the kept rollout rows and their rewards, and what every sampling round drew."""
-
-    batch: RolloutBatch
-    rewards: torch.Tensor  # (rows,) reward of each kept sample
-    all_rewards: torch.Tensor  # (sampled rows,) every round's rewards, kept or not (logged)
-    all_lengths: torch.Tensor  # (sampled rows,) every round's response lengths
-    sampled_groups: int
-    kept_groups: int
-
-
-@dataclass
-class Rollout:
-    """A batch on its way from the engine to the update: which policy version sampled it, and when.
-
-    ``start`` and ``end`` are wall-clock seconds (``time.time()``), set by the thread that generates it."""
-
-    step: int  # the iteration that learns from it
-    version: int  # updates the engine's weights had seen when it was generated
-    start: float | None = None
-    end: float | None = None
-    sampled: Sampled | None = None
-    seconds: dict[str, float] = field(default_factory=dict)  # perf/rollout_s, perf/reward_s
-
-    def state_dict(self) -> dict[str, Any]:
-        """Tensors, strings and numbers only: a checkpoint reads its state back with weights_only."""
-        sampled = self.sampled
-        return {"step": self.step, "version": self.version, "start": self.start, "end": self.end,
-                "seconds": dict(self.seconds),
-                "sampled": {**{f.name: getattr(sampled, f.name) for f in fields(Sampled) if f.name != "batch"},
-                            "batch": {f.name: getattr(sampled.batch, f.name) for f in fields(RolloutBatch)}}}
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any]) -> Rollout:
-        sampled = dict(state["sampled"])
-        sampled["batch"] = RolloutBatch(**sampled["batch"])
-        return cls(state["step"], state["version"], state["start"], state["end"], Sampled(**sampled),
-                   dict(state["seconds"]))
-
-
-@dataclass
-class Experience:
-    """Phases 4-5: what the update consumes; tensors are ``(rows, response_len)`` unless noted."""
-
-    tensors: dict[str, torch.Tensor]  # the learner's input: ids, masks, log-probs, advantages (values, returns)
-    prompt_width: int
-    mask: torch.Tensor  # 1.0 on response tokens
-    sampling_logp: torch.Tensor  # the engine's log-probs of its samples
-    old_logp: torch.Tensor  # pi_old (the engine's when pi_old is fused into the update), masked
-    ref_logp: torch.Tensor  # masked
-    old_values: torch.Tensor | None  # the critic's (gae only)
-    fused_old: bool  # pi_old is the update's own detached log-prob (one update per batch)
-    teacher_logp: torch.Tensor | None = None  # the teacher's, masked (distill only)
-    scores: torch.Tensor | None = None  # (rows,) shaped rewards
-    advantages: torch.Tensor | None = None
-    returns: torch.Tensor | None = None
-    tis: dict[str, float] = field(default_factory=dict)  # off-policy diagnostics: TIS, MIS, async IS weights
-
-
 class RLTrainer:
     """One RL iteration as named phases, and the run's state (a :class:`rlhf_core.trainers.loop.TrainingBody`)."""
 
@@ -297,7 +142,7 @@ class RLTrainer:
         self.estimator = AdvantageEstimator(cfg.estimator)
         self.tokenizer = load_tokenizer(cfg.model_path)
         if self.estimator.needs_teacher:  # before any model loads: a mismatched teacher fails in seconds
-            _check_teacher_tokenizer(cfg, self.tokenizer)
+            check_teacher_tokenizer(cfg, self.tokenizer)
         self.learner = learner or PolicyLearner(cfg, self.device)
         # a LoRA policy's frozen base is its reference when it started from it: no second model (BaseReference)
         self.reference = reference or (BaseReference(self.learner) if base_is_reference(cfg)
@@ -306,11 +151,11 @@ class RLTrainer:
         self.teacher = (teacher or ReferenceScorer(cfg, self.device, model_path=cfg.teacher_model_path)
                         if self.estimator.needs_teacher else None)
         self.kind = RewardKind(cfg.reward_kind)
-        self.reward_source = reward_source or _build_reward_source(cfg, self.kind, self.device)
+        self.reward_source = reward_source or reward_source_for(cfg, self.kind, self.device)
         # in-process the policy is the trained model; under Ray a view refreshed from rank 0 on demand.
         # Asynchronous: a copy of its own, which the update does not write while it samples.
         self.engine = engine or build_rollout_engine(
-            cfg, self.learner.policy if not cfg.max_staleness else _sampling_copy(cfg, self.device), self.tokenizer,
+            cfg, self.learner.policy if not cfg.max_staleness else sampling_copy(cfg, self.device), self.tokenizer,
             autocast_dtype)
         # A LoRA policy's engine needs merged weights; the HF engine that holds the policy needs nothing.
         self.engine_weights = getattr(self.learner, "engine_weights", None)
@@ -322,14 +167,14 @@ class RLTrainer:
                                              max_response_bytes=cfg.reward_max_response_bytes)
                          if cfg.environment else None)
         self.prompts, self.labels, self.conversations = read_prompts(cfg, self.tokenizer)
-        _check_prompt_lengths(cfg, self.tokenizer, self.prompts)
+        check_prompt_lengths(cfg, self.tokenizer, self.prompts)
         self.sampler = EpochSampler(len(self.prompts), cfg.prompts_per_step, cfg.seed)
         # the KL controller; the learner owns the optimisers (its schedule advances once per iteration)
         self.kl_ctl: KLController = (AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
                                      if cfg.adaptive_kl else FixedKLController(cfg.kl_coef))
         self.update_gen = torch.Generator().manual_seed(cfg.seed)
         self.resumables = {"sampler": self.sampler, "kl_controller": self.kl_ctl,
-                           "update_generator": _GeneratorState(self.update_gen)}
+                           "update_generator": GeneratorState(self.update_gen)}
         self.summary: dict[str, float] = {}
         self.step_metrics: dict[str, float] = {}
         self.rollout_table: list[dict[str, Any]] = []
@@ -349,7 +194,7 @@ class RLTrainer:
         Asynchronous (``max_staleness >= 1``): this step's batch was generated during the previous step;
         the next batch's generation is launched before this step's update and runs beside it."""
         del clock
-        step_timer, perf = Timer(), _PhaseTimes()
+        step_timer, perf = Timer(), PhaseTimes()
         rollout = self.take_rollout(step, perf)
         sampled = rollout.sampled
         if not self.cfg.max_staleness and isinstance(self.engine, ReleasesWeights):
@@ -377,7 +222,7 @@ class RLTrainer:
 
     # ---- 0 (asynchronous): the batch in flight -------------------------------------------------
 
-    def take_rollout(self, step: int, perf: _PhaseTimes) -> Rollout:
+    def take_rollout(self, step: int, perf: PhaseTimes) -> Rollout:
         """Batch ``step``: the one in flight (waited for, ``perf/rollout_wait_s``), else generated now."""
         if self.pending is None:  # synchronous, the first step, or the step after a restart
             rollout = self._generate_rollout(Rollout(step, self.engine_version))
@@ -391,7 +236,7 @@ class RLTrainer:
             perf.seconds[name] = perf.seconds.get(name, 0.0) + seconds
         return rollout
 
-    def launch(self, step: int, perf: _PhaseTimes) -> None:
+    def launch(self, step: int, perf: PhaseTimes) -> None:
         """Start generating batch ``step`` on the rollout thread. The policy that will learn from it is version
         ``step - 1`` (updates done); the engine's weights may be at most ``max_staleness`` versions older, so
         when they would be, the learner's current weights (version ``step - 2``) are pushed first."""
@@ -405,7 +250,7 @@ class RLTrainer:
         self.pending = self.rollout_thread.submit(self._generate_rollout, self.in_flight)
 
     def _generate_rollout(self, rollout: Rollout) -> Rollout:
-        perf = _PhaseTimes()
+        perf = PhaseTimes()
         rollout.start = time.time()
         rollout.sampled = self.generate(rollout.step, perf)
         rollout.seconds, rollout.end = perf.seconds, time.time()
@@ -429,7 +274,7 @@ class RLTrainer:
 
     # ---- 1-3: rollout, reward, DAPO dynamic sampling -------------------------------------------
 
-    def generate(self, step: int, perf: _PhaseTimes) -> Sampled:
+    def generate(self, step: int, perf: PhaseTimes) -> Sampled:
         """``prompts_per_step`` prompts x ``group_size`` samples, scored; with DAPO's dynamic sampling,
         groups whose samples all scored the same are dropped and more prompts drawn (up to
         ``dynamic_sampling_max_rounds`` top-ups) until the batch is full."""
@@ -451,20 +296,20 @@ class RLTrainer:
                 if not keep.any():
                     continue
                 rows = keep.nonzero().squeeze(-1)
-                batch, rewards = _take(batch, rows), rewards[rows]
+                batch, rewards = take_rows(batch, rows), rewards[rows]
             kept.append(batch)
             kept_rewards.append(rewards)
             if sum(len(b) for b in kept) >= want:
                 break
         if not kept:  # every group of every round was uninformative: learn from nothing this step
             kept, kept_rewards = [batch], [rewards]
-        batch = _concat(kept, self.tokenizer.pad_token_id)
+        batch = concat_batches(kept, self.tokenizer.pad_token_id)
         if len(batch) > want:
-            batch = _take(batch, torch.arange(want))
+            batch = take_rows(batch, torch.arange(want))
         return Sampled(batch, torch.cat(kept_rewards)[:want], torch.cat(all_rewards), torch.cat(all_lengths),
                        sampled_groups, kept_groups)
 
-    def _sample_round(self, step: int, round_: int, perf: _PhaseTimes) -> tuple[RolloutBatch, torch.Tensor, int]:
+    def _sample_round(self, step: int, round_: int, perf: PhaseTimes) -> tuple[RolloutBatch, torch.Tensor, int]:
         """One draw of prompts from the sampler, sampled by the engine and scored by the reward source."""
         cfg, n = self.cfg, self.cfg.group_size
         idx = self.sampler.next()
@@ -589,7 +434,7 @@ class RLTrainer:
         # train/kl: mean over sequences of the summed per-token k3 estimate of KL(pi_old || pi_ref),
         # whatever kl_estimator the penalty uses, so runs with different penalties compare.
         if exp.fused_old:  # measured by the learner against pi_old, as below
-            mean_seq_kl, mismatch = _mean(seen["seq_kl"]), _mean(seen["logprob_mismatch"])
+            mean_seq_kl, mismatch = mean_or_nan(seen["seq_kl"]), mean_or_nan(seen["logprob_mismatch"])
         else:
             mean_seq_kl = float((kl_penalty(exp.old_logp, exp.ref_logp, "k3", clamp=_KL_CLAMP) * mask).sum(-1).mean())
             mismatch = float(masked_mean((exp.sampling_logp - exp.old_logp).abs(), mask))
@@ -604,24 +449,24 @@ class RLTrainer:
             "rollout/sampled_groups": float(sampled.sampled_groups),
             "rollout/score_mean": float(exp.scores.mean()),
             "rollout/logprob_mismatch": mismatch,
-            "train/policy_loss": _mean(seen["policy_loss"]),
+            "train/policy_loss": mean_or_nan(seen["policy_loss"]),
             "train/kl": mean_seq_kl,
-            "train/entropy": _mean(seen["entropy"]),
-            "train/clip_frac": _mean(seen["clip_frac"]),
-            "train/approx_kl": _mean(seen["approx_kl"]),
+            "train/entropy": mean_or_nan(seen["entropy"]),
+            "train/clip_frac": mean_or_nan(seen["clip_frac"]),
+            "train/approx_kl": mean_or_nan(seen["approx_kl"]),
             "train/adv_mean": float(masked_mean(advantages, mask)),
             "train/adv_std": float(masked_mean((advantages - masked_mean(advantages, mask)) ** 2, mask).sqrt()),
             "train/kl_coef": kl_coef_used,
-            "train/grad_norm": _mean(seen["grad_norm"]),
+            "train/grad_norm": mean_or_nan(seen["grad_norm"]),
             "train/lr": lr_used,
         }
         if seen["kl_loss"]:
-            metrics["train/kl_loss"] = _mean(seen["kl_loss"])
+            metrics["train/kl_loss"] = mean_or_nan(seen["kl_loss"])
         if exp.teacher_logp is not None:  # mean per response token of the k1 estimate of KL(pi_old || pi_teacher)
             metrics["rollout/teacher_reverse_kl"] = float(masked_mean(exp.old_logp - exp.teacher_logp, mask))
         if exp.old_values is not None:
-            metrics.update({"train/value_loss": _mean(seen["value_loss"]),
-                            "train/value_clip_frac": _mean(seen["value_clip_frac"]),
+            metrics.update({"train/value_loss": mean_or_nan(seen["value_loss"]),
+                            "train/value_clip_frac": mean_or_nan(seen["value_clip_frac"]),
                             "train/explained_variance": float(explained_variance(exp.tensors["old_values"],
                                                                                  exp.returns, mask))})
         metrics.update(exp.tis)
@@ -685,7 +530,7 @@ class RLTrainer:
             # as with real progress, so read it next to eval/accuracy
             rm = self.reward_source([s["prompt"] for s in result.samples], [s["completion"] for s in result.samples],
                                     [s.get("label") for s in result.samples])  # None: unlabelled eval items
-            metrics["eval/reward_model_score"] = _mean(rm)
+            metrics["eval/reward_model_score"] = mean_or_nan(rm)
         if step == 0:  # the eval before training: the run's starting point
             self.summary.update({f"{k}_start": v for k, v in metrics.items()
                                  if k in ("eval/accuracy", "eval/accuracy_stderr", "eval/reward_model_score")
@@ -749,92 +594,3 @@ class RLTrainer:
                     extra={"stage": "rl", "config": redact_secrets(config_to_dict(self.cfg)),
                            "base_model": str(self.cfg.model_path)})
         log.info("rl: final model saved in %.1f s", time.perf_counter() - started)
-
-
-class _PhaseTimes:
-    """Seconds spent in each named phase of an iteration (summed when a phase runs more than once)."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {"perf/rollout_s": 0.0, "perf/reward_s": 0.0}
-
-    def time(self, name: str, fn: Any, *args: Any) -> Any:
-        # DEBUG lines at each phase's start and end: where a step that never finishes is stuck
-        # (bench/side_by_side.py turns them on; a 7B GRPO step ran past its limit with no trace)
-        log.debug("rl: %s started", name)
-        started = Timer()
-        out = fn(*args)
-        self.seconds[name] = self.seconds.get(name, 0.0) + started.total()
-        log.debug("rl: %s done in %.2f s", name, started.total())
-        return out
-
-
-def _build_reward_source(cfg: RLConfig, kind: RewardKind, device: torch.device) -> RewardSource:
-    return build_reward_source(kind, path=cfg.reward_model_path if kind is RewardKind.MODEL else cfg.reward_function,
-                               url=cfg.reward_url, device=device, batch_size=cfg.batch_size,
-                               timeout_s=cfg.reward_timeout_s, retries=cfg.reward_retries,
-                               backoff_cap_s=cfg.reward_backoff_cap_s, deadline_s=cfg.reward_deadline_s,
-                               token_env=cfg.reward_token_env, max_response_bytes=cfg.reward_max_response_bytes)
-
-
-def _check_teacher_tokenizer(cfg: RLConfig, tokenizer: Any) -> None:
-    """The teacher scores the policy's token ids, so both must read them as the same tokens: one vocabulary."""
-    ours, theirs = tokenizer.get_vocab(), load_tokenizer(cfg.teacher_model_path).get_vocab()
-    if ours != theirs:
-        differ = sorted(set(ours.items()) ^ set(theirs.items()))[:3]
-        raise ConfigError(f"rl.teacher_model_path: the teacher's tokenizer ({cfg.teacher_model_path}, {len(theirs)} "
-                          f"tokens) differs from the policy's ({cfg.model_path}, {len(ours)} tokens), e.g. "
-                          f"{differ}; on-policy distillation scores the policy's token ids under the teacher, so "
-                          "both must share one tokenizer")
-
-
-def _check_prompt_lengths(cfg: RLConfig, tokenizer: Any, prompts: list[str]) -> None:
-    longest = max(len(encode_prompt(tokenizer, p)) for p in prompts)
-    response, name = ((cfg.max_trajectory_tokens, "max_trajectory_tokens") if cfg.environment
-                      else (cfg.max_new_tokens, "max_new_tokens"))
-    if longest + response > cfg.max_length:
-        raise ConfigError(f"rl.max_length: the longest prompt of {cfg.prompts_file} has {longest} tokens; with "
-                          f"{name} {response} that exceeds max_length {cfg.max_length}")
-
-
-# --------------------------------------------------------------------------------------
-# Checkpoints and engines
-# --------------------------------------------------------------------------------------
-
-
-class _GeneratorState:
-    """A torch.Generator seen as a checkpointable object."""
-
-    def __init__(self, generator: torch.Generator):
-        self.generator = generator
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"state": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.generator.set_state(state["state"])
-
-
-def _sampling_copy(cfg: RLConfig, device: torch.device) -> Any:
-    """A frozen copy of the starting policy for an in-process engine to sample from while the policy updates
-    (asynchronous training); held in the compute dtype, as a Ray rollout replica's."""
-    dtype = Precision.resolve(cfg.precision, device).compute_dtype or torch.float32
-    return load_causal_lm(cfg.model_path, device, dtype).eval().requires_grad_(False)
-
-
-def build_rollout_engine(cfg: RLConfig, policy: Any, tokenizer: Any,
-                         autocast_dtype: torch.dtype | None = None) -> RolloutEngine:
-    """The engine ``cfg.rollout_engine`` names; vLLM falls back to HF generate, with a warning, when absent."""
-    if cfg.rollout_engine == "vllm":
-        from rlhf_core.rollout.vllm import VLLMEngine, vllm_available
-
-        if vllm_available():
-            return VLLMEngine(cfg.model_path, tokenizer, seed=cfg.seed, memory_fraction=cfg.vllm_memory_fraction)
-        log.warning("rl: rollout_engine is vllm but vLLM cannot be imported here; using the HF engine instead")
-    if cfg.rollout_engine == "static":
-        from rlhf_core.rollout.static import StaticCacheEngine, supports
-
-        reason = supports(policy)
-        if reason is None:
-            return StaticCacheEngine(policy, tokenizer, batch_size=cfg.batch_size, autocast_dtype=autocast_dtype)
-        log.warning("rl: rollout_engine static cannot run this policy (%s); using the HF engine instead", reason)
-    return HFGenerateEngine(policy, tokenizer, batch_size=cfg.batch_size, autocast_dtype=autocast_dtype)

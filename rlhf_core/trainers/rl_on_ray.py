@@ -266,7 +266,7 @@ class RemoteRollout:
     def _split(self, method: str, rows: list[Any], params: Any, labels: list[str] | None = None) -> Any:
         """``method`` on contiguous chunks of ``rows``, a chunk per replica (replica i's seed: the seed + i), the
         batches joined in order."""
-        from rlhf_core.trainers.rl import _concat
+        from rlhf_core.trainers.rl_parts import concat_batches
 
         k = min(len(self.group), len(rows))
         size = -(-len(rows) // k)
@@ -275,7 +275,7 @@ class RemoteRollout:
             args = (rows[start:start + size],) + (() if labels is None else (labels[start:start + size],))
             seeded = replace(params, seed=None if params.seed is None else params.seed + i)
             refs.append(self.group.actors[i].call.remote(method, args[0], seeded, *args[1:]))
-        return _concat(gather(refs, "rollout"), self.pad_id)
+        return concat_batches(gather(refs, "rollout"), self.pad_id)
 
     def update_weights(self, weights: Any) -> None:
         """Push weights (a Ray object reference, fetched once per node, a state dict, or one CUDA IPC

@@ -151,7 +151,7 @@ def test_trainer_renders_tool_messages_for_conversation_prompts(chat_tool_model,
 
     from rlhf_core.config import RLConfig
     from rlhf_core.data.io import DataError
-    from rlhf_core.trainers.rl import RLTrainer, _PhaseTimes, read_prompts
+    from rlhf_core.trainers.rl import RLTrainer, PhaseTimes, read_prompts
 
     env = tmp_path / "env.py"
     env.write_text("from rlhf_core.rollout.environments import StepResult\n\nclass Env:\n    stop_tokens = ('</calc>',)\n"
@@ -168,7 +168,7 @@ def test_trainer_renders_tool_messages_for_conversation_prompts(chat_tool_model,
                    rollout_engine="hf")
     trainer = RLTrainer(cfg, Recorder())
     assert trainer.conversations == CHATS * 2
-    batch = trainer.generate(1, _PhaseTimes()).batch
+    batch = trainer.generate(1, PhaseTimes()).batch
     observation = (batch.response_mask * (1 - batch.action_mask)).bool()
     tool_text = trainer.tokenizer.decode(batch.response_ids[observation], skip_special_tokens=False)
     assert f"<|im_start|>user\n<tool_response>\n{OBS}\n</tool_response><|im_end|>" in tool_text

@@ -115,11 +115,11 @@ def test_trainer_trains_on_the_sampled_ids_and_gives_observations_no_loss_and_no
     (the engine's samples plus observations), its mask and advantages are 0 on observation tokens, and the
     policy loss has no gradient there. Then two iterations end to end: tool metrics, the trajectory table
     (text, action mask, tool calls) and the greedy multi-turn eval."""
-    from rlhf_core.trainers.rl import RLTrainer, _PhaseTimes, train_rl
+    from rlhf_core.trainers.rl import RLTrainer, PhaseTimes, train_rl
 
     cfg = _two_iterations(tool_model, scripted_env, micro_data, tmp_path)
     trainer = RLTrainer(cfg, Recorder())
-    sampled = trainer.generate(1, _PhaseTimes())
+    sampled = trainer.generate(1, PhaseTimes())
     batch = sampled.batch
     assert batch.action_mask is not None and bool((batch.action_mask[batch.response_mask.bool()] == 0).any())
     exp = trainer.score_logprobs(batch)
