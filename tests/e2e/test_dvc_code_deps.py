@@ -15,7 +15,9 @@ from helpers import cli_env, copy_project
 # rlhf_core/models/lm_head.py: the fused LM head every trainer's loss runs through (via losses, logprobs, models),
 # and one of the modules the hand-written deps had left out.
 EDITED = "rlhf_core/models/lm_head.py"
-SFT_AND_DOWNSTREAM = {"sft", "evaluate", "reward", "dpo", "kto", "rejection", "raft", "distill", "rl"}
+SFT_AND_DOWNSTREAM = {"sft", "reward", "dpo", "kto", "rejection", "raft", "distill", "rl"}
+# Not evaluate: its greedy answers come from transformers' generate and never import the LM head (its deps
+# say so); it reruns when sft's model, one of its inputs, changes.
 
 
 def _record_sources_as_built(project) -> None:
