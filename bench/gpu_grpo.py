@@ -20,7 +20,7 @@ read ``perf/overlap_s``, ``perf/rollout_wait_s`` and the per-step ``perf/*_ts`` 
 
 Weight sync by NCCL broadcast (issue 19 item 5: seconds per sync <= 0.1 s for the 0.5B model, and
 ``rollout/logprob_mismatch`` unchanged): one policy rank on one GPU, one rollout replica on the other, weights
-from rank 0 to the replica through a group of their own (``rl.weight_sync``, ``rlhf_core/distributed/weight_sync.py``). On 2
+from rank 0 to the replica through a group of their own (``rl.distribution.weight_sync``, ``rlhf_core/distributed/weight_sync.py``). On 2
 GPUs, the collective and the object store in one call (same machine, same seed), reading ``phase_s`` ->
 ``perf/weight_sync_s`` and ``logprob_mismatch`` of the two summaries::
 
@@ -132,7 +132,7 @@ def _args() -> argparse.Namespace:
                     help="asynchronous training: 1 generates the next batch during the update (with "
                          "--placement disaggregated --workers 1: one GPU learns, the other generates)")
     ap.add_argument("--weight-sync", choices=["auto", "object_store", "collective"], default="auto",
-                    help="rl.weight_sync: how rollout replicas get the weights (collective: NCCL broadcast from rank 0)")
+                    help="rl.distribution.weight_sync: how rollout replicas get the weights (collective: NCCL broadcast from rank 0)")
     ap.add_argument("--small", action="store_true", help="a micro model and short rows (CPU smoke test)")
     ap.add_argument("--sampling", choices=["copy", "master"], default="copy",
                     help="copy: the HF engine samples with a bf16 copy of the policy (default); master: with the "
@@ -168,7 +168,7 @@ def _peak_by_gpu(smi: subprocess.Popen) -> dict[str, float]:
 
 def main() -> None:
     args = _args()
-    from rlhf_core.config import RLConfig
+    from rlhf_core.config import RLConfig, build_config
     from rlhf_core.trainers import rl
     from rlhf_core.trainers.rl import train_rl
 
@@ -179,17 +179,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="gpu-grpo-"))
     model_dir, prompts, reward = _inputs(args, work)
-    cfg = RLConfig(model_path=str(model_dir), prompts_file=str(prompts), eval_file=str(prompts),
-                   output_dir=str(work / "out"), checkpoint_dir=str(work / "ckpt"),
-                   reward_function=f"{reward}:reward", estimator="grpo", max_steps=args.steps,
-                   prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.new_tokens,
-                   max_length=args.new_tokens + 64, batch_size=args.gen_batch, mini_batch_size=args.mini,
-                   micro_batch_size=args.micro, rollout_engine=args.engine,
-                   ppo_epochs=1, kl_coef=args.kl, lr=1e-6, warmup_steps=0, eval_items=1, eval_at_start=False,
-                   save_every=0, log_rollouts_every=0, precision="auto", placement=args.placement,
-                   num_workers=args.workers, rollout_workers=args.rollout_workers or args.workers,
-                   parallel=args.parallel, gradient_checkpointing=args.grad_ckpt, max_staleness=args.max_staleness,
-                   weight_sync=args.weight_sync)
+    cfg = build_config(RLConfig, "rl", {"model_path": str(model_dir), "prompts_file": str(prompts), "eval_file": str(prompts), "output_dir": str(work / "out"), "checkpoint_dir": str(work / "ckpt"), "reward.function": f"{reward}:reward", "algorithm.estimator": "grpo", "max_steps": args.steps, "rollout.prompts_per_step": args.prompts, "rollout.group_size": args.group, "rollout.max_new_tokens": args.new_tokens, "max_length": args.new_tokens + 64, "batch_size": args.gen_batch, "algorithm.mini_batch_size": args.mini, "micro_batch_size": args.micro, "rollout.engine": args.engine, "algorithm.ppo_epochs": 1, "kl.coef": args.kl, "lr": 1e-6, "warmup_steps": 0, "eval_items": 1, "eval_at_start": False, "save_every": 0, "log_rollouts_every": 0, "precision": "auto", "distribution.placement": args.placement, "num_workers": args.workers, "distribution.rollout_workers": args.rollout_workers or args.workers, "parallel": args.parallel, "gradient_checkpointing": args.grad_ckpt, "off_policy.max_staleness": args.max_staleness, "distribution.weight_sync": args.weight_sync})
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -213,7 +203,7 @@ def main() -> None:
         "what": "alignflow GRPO (train_rl), Qwen2-0.5B-shaped random weights, 32k vocab",
         "gpu": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
         "placement": args.placement, "workers": args.workers, "parallel": args.parallel,
-        "rollout_workers": cfg.rollout_workers, "gradient_checkpointing": args.grad_ckpt,
+        "rollout_workers": cfg.distribution.rollout_workers, "gradient_checkpointing": args.grad_ckpt,
         "gpus_seen": torch.cuda.device_count(), "peak_memory_used_gb_by_gpu": {k: round(v, 2) for k, v in peak_by_gpu.items()},
         "sampling": args.sampling, "engine": args.engine, "kl_coef": args.kl, "micro_batch": args.micro,
         "logprob_mismatch": round(statistics.median(m["rollout/logprob_mismatch"] for m in timed), 5),

@@ -428,7 +428,7 @@ def _peak_writer(peak_dir: str | None):
 # ``[start, end, peak GB]``. Each write reads the allocator's peak since the last one, then resets it, so the
 # windows of processes sharing a GPU can be summed at each moment (:func:`concurrent_peak_gb`): the sum of
 # their whole-run peaks counts a colocated replica's rollout memory and the learner's update memory as if both
-# were held at once, and would hide a replica that frees its weights between the two (rl.rollout_sleep).
+# were held at once, and would hide a replica that frees its weights between the two (rl.rollout.sleep).
 _PEAKS: dict[str, float] = {}
 _WINDOWS: dict[str, list[list[float]]] = {}
 _WINDOW_START = [time.time()]
@@ -822,7 +822,7 @@ def _ours_grpo(task: dict, common: dict, sink: Any, work: Path) -> dict:
     """One GRPO run of ours (one process, or Ray ranks with colocated replicas): its step times and phases."""
     import torch
 
-    from rlhf_core.config import RLConfig
+    from rlhf_core.config import RLConfig, build_config
     from rlhf_core.trainers.rl import train_rl
 
     inputs = task["inputs"]
@@ -834,19 +834,8 @@ def _ours_grpo(task: dict, common: dict, sink: Any, work: Path) -> dict:
     b = s["grpo"]
     model, data = _paths(inputs, "grpo")
     rows = b["prompts_per_step"] * b["group_size"]
-    cfg = RLConfig(model_path=model, prompts_file=data, eval_file=data, reward_function=_reward_file(work),
-                   estimator="grpo", max_steps=b["steps"], prompts_per_step=b["prompts_per_step"],
-                   group_size=b["group_size"], max_new_tokens=b["max_new_tokens"], temperature=b["temperature"],
-                   kl_coef=b["beta"], lr=b["lr"], mini_batch_size=rows,
-                   micro_batch_size=task.get("micro_rows") or b["micro_rows"],
-                   ppo_epochs=1, batch_size=rows, max_length=b["max_new_tokens"] + 64, warmup_steps=0,
-                   eval_items=1, eval_at_start=False, log_rollouts_every=0, rollout_engine="static",
-                   placement="colocated" if on_ray else "none", rollout_workers=s.get("rollout_workers", gpus),
-                   lora_rank=s.get("lora_rank", 0),
-                   # Ray only: the memory switches (--rollout-sleep, --shard-reference) as the command line sets them
-                   **({"rollout_sleep": task.get("rollout_sleep") or "auto",
-                       "shard_reference": task.get("shard_reference", "on") == "on"} if on_ray else {}),
-                   **common)
+    cfg = build_config(RLConfig, "rl", {"model_path": model, "prompts_file": data, "eval_file": data, "reward.function": _reward_file(work), "algorithm.estimator": "grpo", "max_steps": b["steps"], "rollout.prompts_per_step": b["prompts_per_step"], "rollout.group_size": b["group_size"], "rollout.max_new_tokens": b["max_new_tokens"], "rollout.temperature": b["temperature"], "kl.coef": b["beta"], "lr": b["lr"], "algorithm.mini_batch_size": rows, "micro_batch_size": task.get("micro_rows") or b["micro_rows"], "algorithm.ppo_epochs": 1, "batch_size": rows, "max_length": b["max_new_tokens"] + 64, "warmup_steps": 0, "eval_items": 1, "eval_at_start": False, "log_rollouts_every": 0, "rollout.engine": "static", "distribution.placement": "colocated" if on_ray else "none", "distribution.rollout_workers": s.get("rollout_workers", gpus), "lora_rank": s.get("lora_rank", 0), **{"rollout_sleep": task.get("rollout_sleep") or "auto",
+                       "shard_reference": task.get("shard_reference", "on") == "on"} if on_ray else {}, **common})
     _sync()
     update_profile = _UpdateProfile(task["profile"]) if task.get("profile") and not on_ray else None
     if update_profile is None and task.get("sync_census") and not on_ray:
@@ -1519,9 +1508,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="ours' rows: the gradient_checkpointing setting (default: auto; TRL's follows with "
                          "--trl-grad-ckpt match): a memory row with checkpointing on both sides")
     ap.add_argument("--rollout-sleep", choices=["auto", "on", "off"], default="",
-                    help="ours' Ray GRPO rows: rl.rollout_sleep (default: auto, on with GPUs)")
+                    help="ours' Ray GRPO rows: rl.rollout.sleep (default: auto, on with GPUs)")
     ap.add_argument("--shard-reference", choices=["on", "off"], default="on",
-                    help="ours' Ray GRPO rows under ZeRO-3: rl.shard_reference (default: on)")
+                    help="ours' Ray GRPO rows under ZeRO-3: rl.distribution.shard_reference (default: on)")
     ap.add_argument("--micro-batch-tokens", type=int, default=0,
                     help="ours' packed rows: token budget of a micro-batch (0: each draw is one micro-batch)")
     ap.add_argument("--micro-rows", type=int, default=0,

@@ -64,7 +64,7 @@ def dataset_kinds(cfg: dict[str, Any]) -> dict[str, str]:
         read_as = {r.kind for stage in chosen for r in stage.reads if r.dataset == name}
         if len(read_as) == 1:
             kinds[name] = read_as.pop()
-    readers = {"rl": RewardKind(cfg["rl"].reward_kind).reads_labels,
+    readers = {"rl": RewardKind(cfg["rl"].reward.kind).reads_labels,
                "rejection": cfg["rejection"].scorer == "rule"}
     used = [needs for stage, needs in readers.items() if stage in cfg["flow"].stages]
     if used:  # no stage reading the prompts: keep the label-required kind
@@ -238,16 +238,16 @@ def _distill(ctx: ChainContext, stage: Stage) -> dict[str, Any]:
 
 
 def _rl(ctx: ChainContext, stage: Stage) -> dict[str, Any]:
-    """Online RL from the SFT model; the flow's reward model with ``reward_kind: model``."""
+    """Online RL from the SFT model; the flow's reward model with ``reward.kind: model``."""
     rl = ctx.cfg["rl"]
     params = {**config_to_dict(rl), **ctx.data, "model_path": ctx.sft_model, "prompts_file": ctx.files["prompts"]}
     input_md5 = {"model": ctx.sft_md5, "prompts": ctx.md5["prompts"], "eval": ctx.md5["eval"]}
-    if rl.reward_kind == "model":
-        rm_path = ctx.reward_model(rl.reward_model_path)
-        params["reward_model_path"] = rm_path
+    if rl.reward.kind == "model":
+        rm_path = ctx.reward_model(rl.reward.model_path)
+        params["reward"] = {**params["reward"], "model_path": rm_path}
         input_md5["reward_model"] = dvc_md5(rm_path)
-    elif rl.reward_kind == "function":
-        input_md5["reward_function"] = dvc_md5(resolve_reward_file(rl.reward_function.rsplit(":", 1)[0]))
+    elif rl.reward.kind == "function":
+        input_md5["reward_function"] = dvc_md5(resolve_reward_file(rl.reward.function.rsplit(":", 1)[0]))
     return _run(training_task(stage.name), ctx.cache, **ctx.guarded(), params=params, input_md5=input_md5)
 
 

@@ -44,6 +44,7 @@ from rlhf_core.config import (
     field_docs,
     load_config,
     parse_overrides,
+    section_fields,
 )
 from rlhf_core.data.validate import KINDS
 from rlhf_core.config import stage_registry as registry
@@ -100,11 +101,12 @@ def stage_overrides(pairs: Sequence[str], section: str, command: str,
     the section it reads (``section``, or the command's own name); ``shared`` sections' keys
     (``guards.FIELD``) are kept whole for the caller. Any other section is an error naming the flag."""
     out: dict[str, Any] = {}
+    inner = section_fields(SECTIONS.get(section) or registry.get(command).config_class())  # rl's kl.coef ...
     for key, value in parse_overrides(list(pairs)).items():
         prefix, dot, name = key.partition(".")
-        if dot and prefix in (section, command):
+        if dot and prefix in (section, command) and prefix not in inner:
             key = name
-        elif dot and prefix not in shared:
+        elif dot and prefix not in shared and prefix not in inner:
             raise ConfigError(f"{OVERRIDE_SOURCE}: {key}: `alignflow {command}` sets fields of section "
                               f"'{section}' (FIELD=VALUE or {section}.FIELD=VALUE); "
                               f"other sections: `alignflow flow align --set {prefix}.FIELD=VALUE`")
@@ -188,7 +190,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     stage = registry.get(args.command)
     cfg_section = getattr(args, "section", None) or stage.section
     overrides = stage_overrides(args.set, cfg_section, stage.name, shared=("guards", "data_report"))
-    shared = {k: overrides.pop(k) for k in list(overrides) if "." in k}
+    shared = {k: overrides.pop(k) for k in list(overrides) if k.partition(".")[0] in ("guards", "data_report")}
     cfg = load_config(stage.config_class(), cfg_section, args.params, overrides)
     check_inputs(cfg, cfg_section, overrides, args.params)
     if getattr(args, "resume", None) is not None:

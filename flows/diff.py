@@ -7,7 +7,8 @@ the run that logged the version. Four sections are compared side by side:
 - code: the ``git.commit`` and ``alignflow.version`` tags;
 - data: every ``dvc.md5.<input>`` tag (and ``git.version_commit``, the commit that versioned a
   cycle's generated data);
-- params: the logged params;
+- params: the logged params (an old flat name of an ``rl`` field, ``kl_coef``, compared as its new dotted name,
+  ``kl.coef``, against a run that logged that: :func:`renamed_params`);
 - metrics: the latest value of each metric with its standard error where one is logged (the
   metric whose name, with ``_stderr`` removed once, is this one's: ``eval/accuracy_stderr``
   for ``eval/accuracy``, ``eval/accuracy_stderr_sft`` for ``eval/accuracy_sft``), and B - A.
@@ -54,7 +55,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from rlhf_core.config import TrackingConfig, load_config
+from rlhf_core.config import RENAMED, TrackingConfig, load_config
 from rlhf_core.config import stage_registry as registry
 from rlhf_core.promotion.guards import mean_and_se, paired_delta, unpaired_se
 from rlhf_core.tracking.mlflow_runs import resolve_tracking_uri
@@ -156,6 +157,22 @@ def _metric_row(key: str, values: tuple[dict, dict], errors: tuple[dict, dict]) 
     return row
 
 
+def renamed_params(a: dict[str, str], b: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Both runs' params in one spelling where they name one field two ways: a param logged under an old flat
+    name of rl's (``kl_coef``, or ``rl.kl_coef`` under a flow's section prefix) takes its new dotted name
+    (:data:`rlhf_core.config.RENAMED`: ``kl.coef``) when the other run logged that name and not the old one, so
+    a run from before rl's fields were grouped compares row by row with one from after."""
+    def mapped(own: dict[str, str], other: dict[str, str]) -> dict[str, str]:
+        out = {}
+        for key, value in own.items():
+            prefix, _, name = key.rpartition(".") if key not in RENAMED else ("", "", key)
+            new = f"{prefix}.{RENAMED[name]}" if prefix and name in RENAMED else RENAMED.get(key, key)
+            out[new if new != key and new in other and key not in other else key] = value
+        return out
+
+    return mapped(a, b), mapped(b, a)
+
+
 def compare(a: dict[str, dict], b: dict[str, dict]) -> list[Row]:
     """Rows for every code tag, data tag, param and metric of two runs, differences first.
 
@@ -163,6 +180,7 @@ def compare(a: dict[str, dict], b: dict[str, dict]) -> list[Row]:
     Order: changed, only in A, only in B, unchanged; within each, by section then key."""
     rows = []
     sec_a, sec_b = sections_of(a["params"], a["tags"]), sections_of(b["params"], b["tags"])
+    sec_a["params"], sec_b["params"] = renamed_params(sec_a["params"], sec_b["params"])
     for section in SECTIONS[:3]:
         for key in sorted(set(sec_a[section]) | set(sec_b[section])):
             va, vb = sec_a[section].get(key), sec_b[section].get(key)

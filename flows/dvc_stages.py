@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import dataclasses
 import difflib
 import shlex
 import sys
@@ -267,15 +266,14 @@ def param_entries(index: SourceIndex, sections: list[str]) -> list[Unit]:
     defaults of the section's config class): code a stage loads by path, e.g. its reward function."""
     if not sections:
         return []
-    from rlhf_core.config import SECTIONS, read_params
+    from rlhf_core.config import SECTIONS, build_config, config_to_dict, read_params
 
     params = read_params(index.root / "params.yaml")
     by_path = {index.relpath(m): m for m in index.known}
     units = []
-    for section in sections:
-        values = {f.name: f.default for f in dataclasses.fields(SECTIONS[section])
-                  if f.default is not dataclasses.MISSING}
-        values.update(params.get(section) or {})
+    for section in sections:  # every value the stage runs with: the file's, else the default (sections within too)
+        values = config_to_dict(build_config(SECTIONS[section], section, dict(params.get(section) or {}),
+                                             str(index.root / "params.yaml")))
         for text in _strings(values):
             path = text.partition(":")[0]
             if path in by_path:
@@ -332,7 +330,7 @@ TEMPLATE_HEADER = """\
 # as deps. Here alignflow is an installed package: every MLflow run records its version (tag
 # alignflow.version) and `alignflow reproduce` warns when the installed one differs; after
 # upgrading alignflow, `dvc repro --force` retrains with the new version. A reward function
-# file of your own (rl.reward_function) belongs in the rl stage's deps.
+# file of your own (rl.reward.function) belongs in the rl stage's deps.
 """
 
 

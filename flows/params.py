@@ -22,7 +22,7 @@ def write_private_overrides(values: dict[str, dict[str, Any]]) -> str:
     file 0600); returns its absolute path, what the flow gets as its ``private_overrides`` parameter.
 
     Why a file: Prefect stores a flow run's parameters in its database and shows them in its UI, so a
-    ``--set rl.reward_url=https://user:pass@host/?token=...`` passed as a parameter would sit there for
+    ``--set rl.reward.url=https://user:pass@host/?token=...`` passed as a parameter would sit there for
     good. The name is the content's hash, so another value is another parameter, and a retry or rerun of
     the flow run finds the same file."""
     from rlhf_core.common.atomic_io import write_text_atomic

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from rlhf_core.config import SECTIONS, field_docs  # noqa: E402  (the path above makes the checkout importable)
+from rlhf_core.config import SECTIONS, field_docs, section_fields  # noqa: E402  (the path above makes the checkout importable)
 
 OUTPUT = REPO / "docs" / "configuration.md"
 REGENERATE = "python scripts/config_reference.py --write"
@@ -34,7 +34,11 @@ HEADER = f"""# Configuration reference
      Regenerate with: {REGENERATE} -->
 
 `params.yaml` has one section per stage or concern; each section maps onto a typed dataclass
-(`rlhf_core.config.SECTIONS`), and a field not set in `params.yaml` takes the default below.
+(`rlhf_core.config.SECTIONS`), and a field not set in `params.yaml` takes the default below: `params.yaml`
+holds only what differs from these defaults. A section may group its fields in sections of its own (`rl`:
+`rollout`, `kl` ...), nested in `params.yaml` (`kl: {{coef: 0.1}}`) and dotted on the command line
+(`--set kl.coef=0.1`). A changed default reaches DVC too: the config package (`rlhf_core/config/`) is a
+dependency of every stage in `dvc.yaml`, so `dvc repro` reruns the stages a changed default may change.
 Override any field on the command line: `--set field=value` on a stage command (`--set sft.field=value`
 names the section too), `--set section.field=value` on `alignflow flow ...`. A stage command's
 `--help` lists its section's fields too (`alignflow sft --help`). Invalid values fail before anything
@@ -72,15 +76,25 @@ def cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def section_table(cls: type) -> list[str]:
+def section_table(cls: type, prefix: str = "") -> list[str]:
+    """The table of a section's own fields; each section within it (``rl.kl``) follows as a table of its own,
+    its fields named ``kl.coef`` as ``params.yaml`` nests them (``kl: {coef: ...}``) and ``--set`` names them."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
+    inner = section_fields(cls)
     rows = ["| field | type | default | what |", "| --- | --- | --- | --- |"]
     for field in dataclasses.fields(cls):
-        if not field.init:
+        if not field.init or field.name in inner:
             continue
-        rows.append(f"| `{field.name}` | {type_name(hints.get(field.name, field.type))} | {default_text(field)} "
-                    f"| {cell(docs.get(field.name, ''))} |")
+        rows.append(f"| `{prefix}{field.name}` | {type_name(hints.get(field.name, field.type))} | "
+                    f"{default_text(field)} | {cell(docs.get(field.name, ''))} |")
+    for name, section in inner.items():
+        rows += ["", f"### {name}", "", f"`{name}:` {' '.join((section.__doc__ or '').split())}", ""]
+        rows += section_table(section, f"{name}.")
+    if inner:
+        rows += ["", "Renamed fields: the flat names these had before they were grouped are still read, each "
+                 "with a notice naming its new key:", "",
+                 ", ".join(f"`{old}` → `{new}`" for old, new in getattr(cls, "renamed", {}).items()) + "."]
     return rows
 
 

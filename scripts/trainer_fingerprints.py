@@ -125,12 +125,45 @@ def md5_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def _renamed() -> dict[str, str]:
+    """``rlhf_core.config.RENAMED`` (rl's old flat field names -> dotted), read from this script's own checkout,
+    so an older checkout fingerprinted with ``PYTHONPATH`` set there builds and digests its configs the same way."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_rl_sections", Path(__file__).resolve().parents[1] / "rlhf_core"
+                                                  / "config" / "rl_sections.py")
+    module = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module.RENAMED
+
+
+def recorded_config_md5(path: Path) -> str:
+    """md5 of an ``alignflow.json`` with its recorded config in one spelling: a section within a config
+    (``kl: {coef: ...}``) as dotted names (``kl.coef``), and an old flat name mapped through
+    ``rlhf_core.config.RENAMED`` (``kl_coef`` -> ``kl.coef``), so a config recorded before rl's fields were
+    grouped digests as the same config recorded after."""
+    renamed = _renamed()
+    record = json.loads(Path(path).read_text())
+    config = record.get("config")
+    if isinstance(config, dict):
+        flat: dict[str, Any] = {}
+        for key, value in config.items():
+            if isinstance(value, dict) and key in {new.split(".")[0] for new in renamed.values()}:
+                flat.update({f"{key}.{k}": v for k, v in value.items()})
+            else:
+                flat[renamed.get(key, key)] = value
+        record["config"] = flat
+    return hashlib.md5(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
 def md5_tree(root: Path) -> dict[str, str]:
-    """Relative path -> md5 of every file under ``root`` (sorted; nothing skipped)."""
+    """Relative path -> md5 of every file under ``root`` (sorted; nothing skipped); an ``alignflow.json``'s
+    is :func:`recorded_config_md5`."""
     root = Path(root)
     if root.is_file():
         return {root.name: md5_file(root)}
-    return {str(p.relative_to(root)): md5_file(p) for p in sorted(root.rglob("*")) if p.is_file()}
+    return {str(p.relative_to(root)): recorded_config_md5(p) if p.name == "alignflow.json" else md5_file(p)
+            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def _digest(obj: Any, h: Any) -> None:
@@ -326,22 +359,26 @@ def run_raft(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
                               rejection_metrics={k: _num(v) for k, v in sorted(rej.metrics.items())})
 
 
-def _rl_cfg(w: dict[str, str], name: str, **kw: Any) -> Any:
-    from rlhf_core.config import RLConfig
+def _rl_cfg(w: dict[str, str], name: str, kw: dict[str, Any]) -> Any:
+    """The RL runs' config: these values, then ``kw`` (dotted names within rl's sections: ``kl.coef``)."""
+    from rlhf_core.config import RLConfig, build_config
 
-    values = dict(model_path=w["model"], prompts_file=w["prompts"], eval_file=w["eval"], **_dirs(name),
-                  reward_function=w["length_reward"], prompts_per_step=4, group_size=4, max_new_tokens=6,
-                  batch_size=64, mini_batch_size=8, lr=3e-3, critic_lr=3e-3, warmup_steps=0, eval_items=8,
-                  eval_at_start=True, log_rollouts_every=1, num_threads=1, precision="fp32", keep_checkpoints=2)
+    values = {"model_path": w["model"], "prompts_file": w["prompts"], "eval_file": w["eval"], **_dirs(name),
+              "reward.function": w["length_reward"], "rollout.prompts_per_step": 4, "rollout.group_size": 4,
+              "rollout.max_new_tokens": 6, "batch_size": 64, "algorithm.mini_batch_size": 8, "lr": 3e-3,
+              "algorithm.critic_lr": 3e-3, "warmup_steps": 0, "eval_items": 8, "eval_at_start": True,
+              "log_rollouts_every": 1, "num_threads": 1, "precision": "fp32", "keep_checkpoints": 2}
     values.update(kw)
-    return RLConfig(**values)
+    if not hasattr(RLConfig, "renamed"):  # a checkout from before rl's sections: the same values, flat names
+        flat = {new: old for old, new in _renamed().items()}
+        values = {flat.get(k, k): v for k, v in values.items()}
+    return build_config(RLConfig, "rl", values)
 
 
 def run_grpo(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
     from rlhf_core.trainers.rl import train_rl
 
-    cfg = _rl_cfg(w, "grpo", estimator="grpo", max_steps=4, eval_every=2, save_every=2, kl_coef=0.1,
-                  kl_estimator="k3", adaptive_kl=True, kl_target=0.05, kl_horizon=16)
+    cfg = _rl_cfg(w, "grpo", {"algorithm.estimator": "grpo", "max_steps": 4, "eval_every": 2, "save_every": 2, "kl.coef": 0.1, "kl.estimator": "k3", "kl.adaptive": True, "kl.target": 0.05, "kl.horizon": 16})
     result = train_rl(cfg, rec, show_progress=False)
     return fingerprint_result(result, rec, checkpoint_dir_after=listing(Path(cfg.checkpoint_dir)))
 
@@ -349,8 +386,7 @@ def run_grpo(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
 def run_ppo(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
     from rlhf_core.trainers.rl import train_rl
 
-    cfg = _rl_cfg(w, "ppo", estimator="gae", kl_in_reward=True, kl_estimator="k1", max_steps=3, eval_every=2,
-                  save_every=2, ppo_epochs=2)
+    cfg = _rl_cfg(w, "ppo", {"algorithm.estimator": "gae", "kl.in_reward": True, "kl.estimator": "k1", "max_steps": 3, "eval_every": 2, "save_every": 2, "algorithm.ppo_epochs": 2})
     result = train_rl(cfg, rec, show_progress=False)
     return fingerprint_result(result, rec, checkpoint_dir_after=listing(Path(cfg.checkpoint_dir)))
 
@@ -389,16 +425,14 @@ def run_sft_resume(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
 def run_grpo_resume(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
     from rlhf_core.trainers.rl import train_rl
 
-    cfg = _rl_cfg(w, "grpo_resume", estimator="grpo", max_steps=5, eval_every=2, save_every=2, adaptive_kl=True,
-                  kl_coef=0.1, kl_target=0.05, kl_horizon=16)
+    cfg = _rl_cfg(w, "grpo_resume", {"algorithm.estimator": "grpo", "max_steps": 5, "eval_every": 2, "save_every": 2, "kl.adaptive": True, "kl.coef": 0.1, "kl.target": 0.05, "kl.horizon": 16})
     return _resumed("rl", 3, train_rl, cfg, rec)
 
 
 def run_ppo_resume(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
     from rlhf_core.trainers.rl import train_rl
 
-    cfg = _rl_cfg(w, "ppo_resume", estimator="gae", kl_in_reward=True, kl_estimator="k1", max_steps=4,
-                  eval_every=2, save_every=2)
+    cfg = _rl_cfg(w, "ppo_resume", {"algorithm.estimator": "gae", "kl.in_reward": True, "kl.estimator": "k1", "max_steps": 4, "eval_every": 2, "save_every": 2})
     return _resumed("rl", 3, train_rl, cfg, rec)
 
 
@@ -424,8 +458,7 @@ def run_grpo_ray(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
         here = _where_ray_imports()
         if worker_import != here:
             raise RuntimeError(f"Ray workers import rlhf_core from {worker_import}, this process from {here}")
-        cfg = _rl_cfg(w, "grpo_ray", estimator="grpo", placement="colocated", num_workers=2, max_steps=3,
-                      eval_every=2, save_every=2)
+        cfg = _rl_cfg(w, "grpo_ray", {"algorithm.estimator": "grpo", "distribution.placement": "colocated", "num_workers": 2, "max_steps": 3, "eval_every": 2, "save_every": 2})
         result = train_rl_on_ray(cfg, rec, show_progress=False)
         return fingerprint_result(result, rec, checkpoint_dir_after=listing(Path(cfg.checkpoint_dir)))
     finally:

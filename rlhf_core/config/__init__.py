@@ -2,7 +2,8 @@
 
 By concern: ``base`` (the error type, field checks, YAML reading, typed construction), ``choices`` (the closed
 choices of enum-valued fields), ``data`` (dataset field names, the data report), ``embedded`` (the embedded
-task's data and model, the tool task), ``training`` (the offline trainers), ``rl`` (online RL), ``sampling``
+task's data and model, the tool task), ``training`` (the offline trainers), ``rl`` and ``rl_sections`` (online RL and
+its sections), ``sampling``
 (rejection sampling, evaluation), ``pipeline`` (tracking, the align flow, cycles), ``guards`` (the promotion
 guards) and ``sections`` (``SECTIONS``, reading a params file, loading one stage's config). The names below
 are the package's face: ``from rlhf_core.config import SFTConfig, load_config``.
@@ -12,12 +13,14 @@ without the ML stack.
 """
 
 from rlhf_core.config.base import (MAX_INT, MAX_YAML_DEPTH, MAX_YAML_NODES, OVERRIDE_SOURCE, ConfigError, build_config,
-                                   config_to_dict, field_docs, parse_overrides, unknown_field)
+                                   config_params, config_to_dict, field_docs, parse_overrides, section_fields,
+                                   unknown_field)
 from rlhf_core.config.data import MAX_LINE_BYTES, DataFields, DataReportConfig
 from rlhf_core.config.embedded import GenerateConfig, ModelConfig, ToolEvalConfig, ToolGenerateConfig
 from rlhf_core.config.guards import GUARD_NAMES, GuardsConfig
 from rlhf_core.config.pipeline import CyclesConfig, FlowConfig, TrackingConfig
 from rlhf_core.config.rl import RLConfig
+from rlhf_core.config.rl_sections import RENAMED
 from rlhf_core.config.sampling import EvalConfig, RejectionConfig
 from rlhf_core.config.sections import SECTIONS, TOOL_TASK_SECTIONS, load_config, read_params, unknown_sections
 from rlhf_core.config.training import (LM_HEADS, PRECISIONS, SWITCHES, DistillConfig, DPOConfig, KTOConfig, RaftConfig,
@@ -30,6 +33,7 @@ __all__ = [
     "FlowConfig", "GenerateConfig", "GuardsConfig", "KTOConfig", "ModelConfig", "RLConfig", "RaftConfig",
     "RejectionConfig", "RewardConfig", "SFTConfig", "ToolEvalConfig", "ToolGenerateConfig", "TrackingConfig",
     "TrainerConfig",
-    "build_config", "config_to_dict", "field_docs", "load_config", "parse_overrides", "read_params",
+    "RENAMED", "build_config", "config_params", "config_to_dict", "field_docs", "load_config", "parse_overrides",
+    "read_params", "section_fields",
     "unknown_field", "unknown_sections",
 ]

@@ -8,6 +8,7 @@ and naming the source of a bad value. Reading whole params files is :mod:`rlhf_c
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import types
 import typing
@@ -28,6 +29,7 @@ def _check(condition: bool, section: str, name: str, message: str) -> None:
 
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 MAX_INT = 2 ** 63
@@ -180,42 +182,144 @@ def unknown_field(section: str, key: str, known: set[str]) -> str:
     return f"{section}.{key}: unknown field; known fields are {listed}"
 
 
+def section_fields(cls: type) -> dict[str, type]:
+    """A config class's sections within it (``RLConfig``: ``kl`` -> ``KLSection`` ...): field name -> dataclass."""
+    if not dataclasses.is_dataclass(cls):
+        return {}
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)
+            if isinstance(hints.get(f.name), type) and dataclasses.is_dataclass(hints[f.name])}
+
+
+_NOTICED: set[tuple[str, str]] = set()
+
+
+def _renamed_notice(where: str, section: str, old: str, new: str) -> None:
+    """One line, once per source and key a process reads: an old flat key, read as its new dotted one."""
+    if (where, f"{section}.{old}") not in _NOTICED:
+        _NOTICED.add((where, f"{section}.{old}"))
+        log.warning("%s: %s.%s is now %s.%s (read as that; rename it)", where, section, old, section, new)
+
+
+def _regroup(cls: type, section: str, values: dict[str, Any], source: str,
+             overridden: typing.Collection[str]) -> tuple[dict[str, Any], set[str]]:
+    """``values`` with each section's keys gathered under its name: an old flat key (``cls.renamed``) and a dotted
+    one (``kl.coef``, from ``--set``) join their section's mapping. Returns them and the overridden keys' new names."""
+    renamed: dict[str, str] = getattr(cls, "renamed", {})
+    sections = section_fields(cls)
+    out: dict[str, Any] = {}
+    given: dict[str, str] = {}  # new name -> the key it was given as
+    moved: set[str] = set()
+    for key, value in values.items():
+        where = OVERRIDE_SOURCE if key in overridden else source
+        name = key
+        if isinstance(key, str) and key in renamed and not (key in sections and isinstance(value, dict)):
+            name = renamed[key]
+            _renamed_notice(where, section, key, name)
+        head, dot, rest = name.partition(".") if isinstance(name, str) else (name, "", "")
+        if head not in sections:
+            out[name] = value
+            continue
+        if not dot:
+            if not isinstance(value, dict):
+                fields = ", ".join(f.name for f in dataclasses.fields(sections[head]))
+                raise ConfigError(f"{where}: {section}.{head}: a section of fields ({fields}), got {shown(value)}")
+            items = {f"{head}.{k}": v for k, v in value.items()}
+        else:
+            items = {name: value}
+        for full, v in items.items():
+            if full in given and (key in overridden) == (given[full] in overridden):
+                raise ConfigError(f"{where}: {section}.{full} is given twice, as {section}.{given[full]} and "
+                                  f"{section}.{key}; keep {section}.{full}")
+            if full in given and key not in overridden:
+                continue  # the file's value, already overridden on the command line
+            given[full] = key if key != head else full
+            sub, field_name = full.split(".", 1)
+            out.setdefault(sub, {})[field_name] = v
+            if key in overridden:
+                moved.add(full)
+    over = {k for k in overridden if k in out and k not in sections} | moved
+    return out, over
+
+
 def build_config(cls: type[T], section: str, values: dict[str, Any], source: str = "<overrides>",
                  overridden: typing.Collection[str] = ()) -> T:
     """Construct ``cls`` from a mapping, rejecting unknown keys and mistyped values.
 
+    A section within ``cls`` (``RLConfig.kl``) is read from a nested mapping (``kl: {coef: 0.1}``), a dotted key
+    (``kl.coef``) or the old flat key ``cls.renamed`` names (``kl_coef``, with a notice naming the new key).
     ``overridden``: the keys of ``values`` that came from overrides, not from ``source``: an error in one
     of them names :data:`OVERRIDE_SOURCE` instead, so a typo on the command line never blames the file."""
     if not isinstance(values, dict):
         raise ConfigError(f"{source}: section {section!r} must be a mapping, got {type(values).__name__}")
+    sections = section_fields(cls)
+    if sections:
+        values, overridden = _regroup(cls, section, values, source, overridden)
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in values.items():
         where = OVERRIDE_SOURCE if key in overridden else source
+        if key in sections:
+            kwargs[key] = _build_section(cls, sections[key], f"{section}.{key}", value, source,
+                                         {k.split(".", 1)[1] for k in overridden if k.startswith(f"{key}.")})
+            continue
         if key not in known:
-            raise ConfigError(f"{where}: {unknown_field(section, str(key), known)}")
+            dotted = {f"{k}.{f.name}" for k, c in sections.items() for f in dataclasses.fields(c)}
+            raise ConfigError(f"{where}: {unknown_field(section, str(key), known | dotted)}")
         kwargs[key] = _coerce(value, hints[key], f"{where}: {section}.{key}")
     try:
         return cls(**kwargs)
     except ConfigError as exc:
-        message = str(exc)
-        named = re.match(r"\A(\w++)\.\w++", message)  # the checks name "section.field: ..." first
-        if named and named[1] != section:  # the same fields under another section's name (tool_rl): name this one
-            message = section + message[len(named[1]):]
-        # A check that names an overridden field (its own, or the other one of a cross-field check) blames the
-        # command line: the file's value was fine until the override changed its partner.
-        blamed = OVERRIDE_SOURCE if set(re.findall(r"\w+", message)) & set(overridden) else source
-        raise ConfigError(f"{blamed}: {message}") from None
+        raise ConfigError(_blamed(str(exc), section, source, overridden)) from None
+
+
+def _build_section(owner: type, cls: type, where: str, values: Any, source: str, overridden: set[str]) -> Any:
+    """One section within a config (``rl.kl``): its fields read as :func:`build_config` reads a section's."""
+    if dataclasses.is_dataclass(values) and isinstance(values, cls):
+        return values
+    try:
+        return build_config(cls, where, values, source, overridden)
+    except ConfigError as exc:
+        head = where.rsplit(".", 1)[1]
+        old = [k for k, v in getattr(owner, "renamed", {}).items() if k == head]
+        if old and "unknown field" in str(exc):  # e.g. rl.environment, once a string, now a section
+            raise ConfigError(f"{exc} ({where} is a section now; the value the old key {head} took goes in "
+                              f"{where}.{owner.renamed[head].split('.', 1)[1]})") from None
+        raise
+
+
+def _blamed(message: str, section: str, source: str, overridden: typing.Collection[str]) -> str:
+    """A check's message (``section.field: ...``) with this section's name and its source: the file, or
+    :data:`OVERRIDE_SOURCE` where it names an overridden field (its own, or the other one of a cross-field check:
+    the file's value was fine until the override changed its partner)."""
+    named = re.match(r"\A(\w++)\.\w++", message)  # the checks name "section.field: ..." first
+    if named and named[1] != section:  # the same fields under another section's name (tool_rl): name this one
+        message = section + message[len(named[1]):]
+    words = {w.strip(".") for w in re.findall(r"[\w.]+", message)}
+    hit = any(w == k or w.endswith(f".{k}") for w in words for k in overridden)
+    return f"{OVERRIDE_SOURCE if hit else source}: {message}"
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:
-    """Flat dict of a config's fields (for MLflow params and cache keys)."""
+    """Dict of a config's fields, a section within it as a nested dict (for cache keys and recorded configs)."""
     return dataclasses.asdict(config)
 
 
+def config_params(config: Any) -> dict[str, Any]:
+    """A config's fields as one flat mapping, a section's fields under dotted names (``kl.coef``): MLflow params."""
+    out: dict[str, Any] = {}
+    for key, value in config_to_dict(config).items():
+        if key in section_fields(type(config)):
+            out.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            out[key] = value
+    return out
+
+
 def field_docs(cls: type) -> dict[str, str]:
-    """The one-line docstring under each field, read from the source (for ``--help``)."""
+    """The one-line docstring under each field, read from the source (for ``--help``); a section's fields within
+    it (``RLConfig.kl``) follow it, named ``kl.coef``."""
     import ast
     import inspect
 
@@ -229,4 +333,6 @@ def field_docs(cls: type) -> dict[str, str]:
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
                     and isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
                 docs[node.target.id] = str(nxt.value.value).strip()
+    for name, section in section_fields(cls).items():  # a section's fields under dotted names: kl.coef
+        docs.update({f"{name}.{k}": v for k, v in field_docs(section).items()})
     return docs

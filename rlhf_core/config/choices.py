@@ -1,7 +1,7 @@
 """The closed choices of the stage configs: each enum-valued field's allowed values and what they imply.
 
 They are configuration vocabulary, so they live beside the configs that validate them (``RLConfig``
-checks ``rl.estimator`` against :class:`AdvantageEstimator` without importing torch); the modules that
+checks ``rl.algorithm.estimator`` against :class:`AdvantageEstimator` without importing torch); the modules that
 dispatch on them re-export each one under its old path (``rlhf_core.algorithms.rl_math.AdvantageEstimator``,
 ``rlhf_core.rewards.sources.RewardKind``, ``rlhf_core.rollout.environments.ToolMessages``,
 ``rlhf_core.distributed.weight_sync.WeightSync``).
@@ -13,7 +13,7 @@ from enum import Enum
 
 
 class AdvantageEstimator(str, Enum):
-    """The closed set of advantage estimators (``rl.estimator``), dispatched in
+    """The closed set of advantage estimators (``rl.algorithm.estimator``), dispatched in
     :func:`rlhf_core.algorithms.advantages.compute_advantages`."""
 
     GAE = "gae"
@@ -50,7 +50,7 @@ class AdvantageEstimator(str, Enum):
 
 class KLEstimator(str, Enum):
     """Monte-Carlo estimators of ``KL(pi || pi_ref)`` from tokens sampled by ``pi`` (Schulman 2020;
-    ``rl.kl_estimator``, computed by :func:`rlhf_core.algorithms.kl.kl_penalty`).
+    ``rl.kl.estimator``, computed by :func:`rlhf_core.algorithms.kl.kl_penalty`).
 
     With ``log_ratio = log pi - log pi_ref`` and ``r = pi_ref / pi = exp(-log_ratio)``:
     ``k1 = log_ratio`` (unbiased, high variance, can be negative);
@@ -64,7 +64,7 @@ class KLEstimator(str, Enum):
 
 
 class LossAggregation(str, Enum):
-    """How per-token losses become one scalar (``rl.loss_aggregation``); the closed set dispatched in
+    """How per-token losses become one scalar (``rl.algorithm.loss_aggregation``); the closed set dispatched in
     :func:`rlhf_core.algorithms.masked.aggregate_loss`."""
 
     TOKEN_MEAN = "token_mean"
@@ -78,7 +78,7 @@ class LossAggregation(str, Enum):
 
 
 class PolicyObjective(str, Enum):
-    """The policy-gradient surrogate (``rl.policy_objective``); the closed set dispatched in
+    """The policy-gradient surrogate (``rl.algorithm.policy_objective``); the closed set dispatched in
     :func:`rlhf_core.algorithms.policy.policy_loss`.
 
     * ``ppo_clip``: token ratios clipped inside PPO's pessimistic min (``clipped_policy_loss``);
@@ -122,7 +122,7 @@ class RewardKind(str, Enum):
 
 
 class ToolMessages(str, Enum):
-    """How an observation joins a trajectory (``rl.tool_messages``; :mod:`rlhf_core.rollout.environments`)."""
+    """How an observation joins a trajectory (``rl.environment.tool_messages``; :mod:`rlhf_core.rollout.environments`)."""
 
     AUTO = "auto"
     """chat where the prompts are conversations and the tokenizer has a chat template of its own, else text."""
@@ -133,7 +133,7 @@ class ToolMessages(str, Enum):
 
 
 class WeightSync(str, Enum):
-    """``rl.weight_sync``: how rollout replicas under Ray get the learner's weights
+    """``rl.distribution.weight_sync``: how rollout replicas under Ray get the learner's weights
     (:mod:`rlhf_core.distributed.weight_sync`'s docstring)."""
 
     AUTO = "auto"

@@ -1,7 +1,7 @@
 """Weight sync from policy rank 0 to rollout replicas through a process group of their own.
 
 Under Ray (:mod:`rlhf_core.trainers.ray_launcher`) the rollout replicas hold copies of the policy that must take the
-learner's weights after every update (``rl.weight_sync``, :class:`WeightSync`). Three paths:
+learner's weights after every update (``rl.distribution.weight_sync``, :class:`WeightSync`). Three paths:
 
 * **object store**: rank 0's state dict, copied to host memory, travels as one Ray object to every replica
   (2.9-3.7 s per sync for 0.4B weights on H100s, ``bench/results/gpu_grpo_h100x2_*``). Works anywhere.
@@ -35,7 +35,7 @@ from typing import Any, Sequence
 import torch
 
 from rlhf_core.common.offline import NO_MULTICAST_ENV
-from rlhf_core.config.choices import WeightSync  # re-exported: rl.weight_sync's values, resolved here
+from rlhf_core.config.choices import WeightSync  # re-exported: rl.distribution.weight_sync's values, resolved here
 from rlhf_core.distributed.parallel import plan_buckets
 
 

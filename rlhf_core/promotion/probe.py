@@ -7,7 +7,7 @@ its length in characters and its slice (skill), and, along the child's answer, t
 ``KL(child || reference)`` summed over the answer's tokens (its eos included), computed exactly over the
 vocabulary. :mod:`rlhf_core.promotion.guards` turns the two records into guards.
 
-A stage with an environment (``rl.environment``: multi-turn tool use) is probed as its own eval answers
+A stage with an environment (``rl.environment.spec``: multi-turn tool use) is probed as its own eval answers
 (:func:`probe_with_environment`): greedily multi-turn with the same environment, turn limit and token budgets,
 correct where the reward of the trajectory (the rule reward reads the final answer) is 1; length, entropy and KL
 count the policy's own tokens, never the tool's observations (the training loss's mask). A single-turn probe of
@@ -166,7 +166,7 @@ def probe(model: Any, tokenizer: Any, items: EvalItems, *, reward_fn: RewardFn |
 
 @dataclass(frozen=True)
 class ProbeEnvironment:
-    """The multi-turn setting of a stage with an environment (``rl.environment``): the probe answers with the same
+    """The multi-turn setting of a stage with an environment (``rl.environment.spec``): the probe answers with the same
     environment, turn limit and token budgets as the stage's own eval
     (:func:`rlhf_core.rollout.environments.evaluate_with_environment`)."""
 
@@ -179,7 +179,7 @@ class ProbeEnvironment:
     max_trajectory_tokens: int
     max_new_tokens: int
     tool_messages: str = "text"
-    """How observations join a trajectory (``rl.tool_messages``; :class:`rlhf_core.rollout.environments.ToolMessages`)."""
+    """How observations join a trajectory (``rl.environment.tool_messages``; :class:`rlhf_core.rollout.environments.ToolMessages`)."""
     prompt_field: str = "prompt"
 
 

@@ -16,7 +16,7 @@ environment steps:
 * ``max_turns`` bounds the model's turns and ``max_trajectory_tokens`` the response (turns and
   observations together); a trajectory that reaches either ends where it is.
 
-How an observation joins the trajectory is ``rl.tool_messages`` (:class:`ToolMessages`). ``text``: its text's
+How an observation joins the trajectory is ``rl.environment.tool_messages`` (:class:`ToolMessages`). ``text``: its text's
 ids right after the turn, inside the model's turn, and a turn that ends at eos ends the episode (the embedded
 tool task: text prompts, no chat template). ``chat``: a turn ends at eos as well as at a stop token and either
 is a step (the environment parses a tool call from the turn's text and ends the episode, ``done``, where there
@@ -32,9 +32,9 @@ all have it), so the engines need nothing multi-turn of their own. Our engine pr
 afresh (observations are written by the next prefill, never inside a captured CUDA graph); vLLM's
 prefix cache reuses the earlier turns' KV blocks.
 
-Environments come from a Python file, like reward functions (``rl.environment:
+Environments come from a Python file, like reward functions (``rl.environment.spec:
 path/to/env.py:make_env``, a zero-argument factory returning a fresh environment per trajectory),
-or over HTTP (``rl.environment: http://host/step``) with the reward server's timeouts, retries,
+or over HTTP (``rl.environment.spec: http://host/step``) with the reward server's timeouts, retries,
 deadline and bearer-token handling (:class:`HttpEnvironment`).
 """
 
@@ -51,7 +51,7 @@ from rlhf_core.common.redact import redact_secrets
 from rlhf_core.rewards.sources import DEFAULT_MAX_RESPONSE_BYTES, HttpRewardSource, RewardError, load_function
 from rlhf_core.rollout.engine import RolloutBatch, SamplingParams, _left_pad
 from rlhf_core.common.shown import shown, shown_error
-from rlhf_core.config.choices import ToolMessages  # re-exported: rl.tool_messages's values, dispatched here
+from rlhf_core.config.choices import ToolMessages  # re-exported: rl.environment.tool_messages's values, dispatched here
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ def environment_factory(spec: str, *, stop_tokens: Sequence[str] = (), timeout_s
     ``stop_tokens``; ``None`` for ``max_response_bytes`` is the reward client's default cap)."""
     if spec.startswith(("http://", "https://")):
         if not stop_tokens:
-            raise ValueError("rl.environment_stop_tokens: an HTTP environment needs the tokens that end a model "
+            raise ValueError("rl.environment.stop_tokens: an HTTP environment needs the tokens that end a model "
                              "turn (e.g. ['</calc>'])")
 
         transport = HttpRewardSource(spec, timeout_s=timeout_s, retries=retries, backoff_cap_s=backoff_cap_s,
@@ -224,7 +224,7 @@ def tool_turn_text(tokenizer: Any, history: Sequence[dict[str, Any]], assistant:
     if end < len(head):
         raise ValueError(f"chat template: an assistant turn does not end with the tokenizer's eos token {eos!r}, so "
                          "a model turn cannot end where the template ends it (make the end-of-turn token the eos, "
-                         "or use rl.tool_messages: text)")
+                         "or use rl.environment.tool_messages: text)")
     cut = upto[:end + len(eos)]
     if not full.startswith(cut):
         raise ValueError("chat template is not prefix-stable: a tool message after an assistant turn changes how "

@@ -64,7 +64,7 @@ def final_answer(completion: str) -> str:
 
 
 def reward(prompts: Sequence[str], completions: Sequence[str], labels: Sequence[str | None]) -> list[float]:
-    """Rule reward of a tool trajectory (``rl.reward_function: rlhf_core/rollout/tool_task.py:reward``): 1.0 where the
+    """Rule reward of a tool trajectory (``rl.reward.function: rlhf_core/rollout/tool_task.py:reward``): 1.0 where the
     answer after the last ``</result>`` is exactly the label, else 0.0. Calling the tool earns nothing by
     itself; it pays only through the answer."""
     del prompts
@@ -98,7 +98,7 @@ class CalculatorEnv:
 
 
 def make_env() -> CalculatorEnv:
-    """``rl.environment: rlhf_core/rollout/tool_task.py:make_env``."""
+    """``rl.environment.spec: rlhf_core/rollout/tool_task.py:make_env``."""
     return CalculatorEnv()
 
 

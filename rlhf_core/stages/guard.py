@@ -23,11 +23,11 @@ def _reward_for_guards(stage: str, cfg: Any, guards: GuardsConfig, device: Any) 
     from rlhf_core.rewards.sources import RewardKind, build_reward_source, resolve_reward_file
 
     if stage == "rl":
-        kind = RewardKind(cfg.reward_kind)
+        kind = RewardKind(cfg.reward.kind)
         if kind is RewardKind.MODEL:
-            ident: Any = {"model": dvc_md5(cfg.reward_model_path)}
+            ident: Any = {"model": dvc_md5(cfg.reward.model_path)}
         elif kind is RewardKind.FUNCTION:
-            file, fn = cfg.reward_function.rsplit(":", 1)
+            file, fn = cfg.reward.function.rsplit(":", 1)
             ident = {"function": dvc_md5(resolve_reward_file(file)), "name": fn}
         else:
             ident = None  # a server's answers may change: never cache them
@@ -49,7 +49,7 @@ def check_stage_guards(stage: str, cfg: Any, child_dir: Path, guards: GuardsConf
 
     ``eval_answers``: the stage's final eval's greedy answers (:class:`rlhf_core.rollout.evaluate.GreedyAnswers`), reused
     for the child when their settings are the probe's (:func:`rlhf_core.promotion.probe.reusable_answers`). A stage with
-    an environment (``rl.environment``) is probed multi-turn with it, as its own eval answers
+    an environment (``rl.environment.spec``) is probed multi-turn with it, as its own eval answers
     (:func:`_probe_environment`; tag ``guard.probe``). With ``guards.gate_metric: command`` the user's metric command scores both models first
     (:func:`_metric_command_scores`); any fault there fails the stage before its model is registered."""
     from rlhf_core.promotion.probe import read_eval_items
@@ -65,7 +65,7 @@ def check_stage_guards(stage: str, cfg: Any, child_dir: Path, guards: GuardsConf
     reward_fn, reward_id = _reward_for_guards(stage, cfg, guards, device)
     env = _probe_environment(stage, cfg)
     run.set_tags({"guard.probe": "single-turn" if env is None else
-                  f"multi-turn with the environment {redact_secrets(cfg.environment)} (max_turns {env.max_turns}, "
+                  f"multi-turn with the environment {redact_secrets(cfg.environment.spec)} (max_turns {env.max_turns}, "
                   f"max_trajectory_tokens {env.max_trajectory_tokens}, max_new_tokens {env.max_new_tokens})"})
     parent, parent_answers = _probe_parent(cfg, guards, items, reward_fn, reward_id, device, env)
     child, child_answers = _probe_child(cfg, child_dir, tokenizer, items, reward_fn, device, eval_answers, run, env)
@@ -100,15 +100,15 @@ def _probe_environment(stage: str, cfg: Any) -> Any:
     from rlhf_core.promotion.probe import ProbeEnvironment
     from rlhf_core.rewards.sources import resolve_reward_file
 
-    if stage != "rl" or not getattr(cfg, "environment", ""):
+    if stage != "rl" or not cfg.environment.spec:
         return None
-    spec = cfg.environment
-    make_env = environment_factory(spec, stop_tokens=cfg.environment_stop_tokens, timeout_s=cfg.reward_timeout_s,
-                                   retries=cfg.reward_retries, backoff_cap_s=cfg.reward_backoff_cap_s,
-                                   deadline_s=cfg.reward_deadline_s, token_env=cfg.environment_token_env,
-                                   max_response_bytes=cfg.reward_max_response_bytes)
-    limits = {"max_turns": cfg.max_turns, "max_trajectory_tokens": cfg.max_trajectory_tokens,
-              "max_new_tokens": cfg.max_new_tokens, "tool_messages": cfg.tool_messages}
+    spec = cfg.environment.spec
+    make_env = environment_factory(spec, stop_tokens=cfg.environment.stop_tokens, timeout_s=cfg.reward.timeout_s,
+                                   retries=cfg.reward.retries, backoff_cap_s=cfg.reward.backoff_cap_s,
+                                   deadline_s=cfg.reward.deadline_s, token_env=cfg.environment.token_env,
+                                   max_response_bytes=cfg.reward.max_response_bytes)
+    limits = {"max_turns": cfg.environment.max_turns, "max_trajectory_tokens": cfg.environment.max_trajectory_tokens,
+              "max_new_tokens": cfg.rollout.max_new_tokens, "tool_messages": cfg.environment.tool_messages}
     identity = None  # a server's replies may change: never cache them
     if not spec.startswith(("http://", "https://")):
         file, fn = spec.rsplit(":", 1)
@@ -116,11 +116,16 @@ def _probe_environment(stage: str, cfg: Any) -> Any:
     return ProbeEnvironment(make_env, identity, **limits, prompt_field=cfg.prompt_field)
 
 
+def _max_new_tokens(cfg: Any) -> int:
+    """The stage's generation budget an answer is probed with: rl's rollouts' (``rl.rollout.max_new_tokens``), else 12."""
+    return getattr(getattr(cfg, "rollout", None), "max_new_tokens", 12)
+
+
 def _probe_settings(cfg: Any, guards: GuardsConfig, reward_id: Any, env: Any = None) -> dict[str, Any]:
     """What the parent's probe depends on besides the model and the eval file (its cache key's settings); a
     multi-turn probe adds its environment's identity, so it never reads a single-turn record (and single-turn keys
     stay what they were)."""
-    settings = {"max_items": getattr(cfg, "eval_items", 1000), "max_new_tokens": getattr(cfg, "max_new_tokens", 12),
+    settings = {"max_items": getattr(cfg, "eval_items", 1000), "max_new_tokens": _max_new_tokens(cfg),
                 "reward": reward_id, "fields": [cfg.prompt_field, cfg.label_field, guards.slice_field], "probe": 1}
     if env is not None:
         settings["environment"] = env.identity
@@ -173,13 +178,13 @@ def _probe_child(cfg: Any, child_dir: Path, tokenizer: Any, items: Any, reward_f
         return out
     answers = reusable_answers(eval_answers, child_model, eval_file=cfg.eval_file,
                                max_items=getattr(cfg, "eval_items", 1000),
-                               max_new_tokens=getattr(cfg, "max_new_tokens", 12), prompt_field=cfg.prompt_field,
+                               max_new_tokens=_max_new_tokens(cfg), prompt_field=cfg.prompt_field,
                                n_items=len(items.prompts))
     run.set_tags({"guard.child_answers": "reused from the stage's final eval" if answers is not None
                   else "generated by the probe"})
     reference = load_causal_lm(reference_dir, device)
     out = probe(child_model, tokenizer, items, reward_fn=reward_fn, reference=reference,
-                max_new_tokens=getattr(cfg, "max_new_tokens", 12), answers=answers)
+                max_new_tokens=_max_new_tokens(cfg), answers=answers)
     del child_model, reference
     return out
 

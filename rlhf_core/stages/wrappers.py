@@ -33,7 +33,7 @@ from rlhf_core.config import (
     RLConfig,
     SFTConfig,
     TrackingConfig,
-    config_to_dict,
+    config_params,
 )
 from rlhf_core.tracking.lineage import dvc_md5, lineage_tags
 from rlhf_core.tracking.stage_run import maybe_run
@@ -80,7 +80,7 @@ def generate(cfg: GenerateConfig, tracking: TrackingConfig | None = None,
     result = StageResult(outputs, {k: dvc_md5(v) for k, v in outputs.items()})
     with maybe_run(tracking, "generate", parent_run_id, lineage_tags({}, "generate")) as run:
         if run is not None:
-            run.log_params(config_to_dict(cfg))
+            run.log_params(config_params(cfg))
             run.set_tags({f"dvc.md5.output_{k}": v for k, v in result.md5.items()})
     return result
 
@@ -129,7 +129,7 @@ def init_model(cfg: ModelConfig, tracking: TrackingConfig | None = None,
                          {"model/n_parameters": float(count_parameters(out))})
     with maybe_run(tracking, "build-model", parent_run_id, lineage_tags({"corpus": cfg.corpus_file}, "init_model")) as run:
         if run is not None:
-            run.log_params(config_to_dict(cfg))
+            run.log_params(config_params(cfg))
             run.log_metrics(result.metrics, 0)
             run.set_tags({"dvc.md5.output_model": result.md5["model"]})
     return result
@@ -184,7 +184,7 @@ def validate(path: str | Path, kind: str, fields: DataFields | None = None,
 
 def _launcher(train_fn: Any, cfg: Any) -> Any:
     """``train_fn`` itself, or the Ray launcher that runs it on several workers / role actors."""
-    if getattr(cfg, "placement", "none") != "none":
+    if getattr(getattr(cfg, "distribution", None), "placement", "none") != "none":
         from rlhf_core.trainers.rl_on_ray import train_rl_on_ray
 
         return train_rl_on_ray
@@ -381,17 +381,17 @@ def rl(cfg: RLConfig, tracking: TrackingConfig, parent_run_id: str | None = None
     from rlhf_core.trainers.rl import train_rl
 
     extra: dict[str, str] = {}
-    if RewardKind(cfg.reward_kind) is RewardKind.MODEL:
-        extra["reward_model"] = cfg.reward_model_path
+    if RewardKind(cfg.reward.kind) is RewardKind.MODEL:
+        extra["reward_model"] = cfg.reward.model_path
     if cfg.critic_model_path:
         extra["critic"] = cfg.critic_model_path
-    if cfg.teacher_model_path:
-        extra["teacher"] = cfg.teacher_model_path
+    if cfg.distill.teacher_model_path:
+        extra["teacher"] = cfg.distill.teacher_model_path
     return _train_stage("rl", cfg, tracking, parent_run_id, train_fn=train_rl,
                         datasets={"prompts": (cfg.prompts_file, "training"),
                                   "eval": (cfg.eval_file, "evaluation")},
                         metrics_file=metrics_file, show_progress=show_progress, data_report=data_report, guards=guards, extra_inputs=extra,
-                        gate_kinds={"prompts": prompts_kind(RewardKind(cfg.reward_kind).reads_labels)})
+                        gate_kinds={"prompts": prompts_kind(RewardKind(cfg.reward.kind).reads_labels)})
 
 
 # --------------------------------------------------------------------------------------
@@ -407,9 +407,9 @@ def rejection(cfg: RejectionConfig, tracking: TrackingConfig, parent_run_id: str
 
     inputs = {"policy": cfg.policy_path, "prompts": cfg.prompts_file}
     if cfg.scorer == "reward_model":
-        inputs["reward_model"] = cfg.reward_model_path
+        inputs["reward_model"] = cfg.reward.model_path
     with start_run(tracking, "rejection", parent_run_id, lineage_tags(inputs, "rejection")) as run:
-        run.log_params(config_to_dict(cfg))
+        run.log_params(config_params(cfg))
         run.log_input(cfg.prompts_file, "prompts", dvc_md5(cfg.prompts_file), "sampling")
         result = rejection_sample(cfg, show_progress=show_progress)
         outputs = {"kept": str(result.output_file), "pairs": str(result.pairs_file)}
@@ -439,7 +439,7 @@ def evaluate(cfg: EvalConfig, tracking: TrackingConfig, parent_run_id: str | Non
         torch.set_num_threads(cfg.num_threads)
     inputs = {"model": cfg.model_path, "eval": cfg.eval_file}
     with start_run(tracking, run_name, parent_run_id, lineage_tags(inputs, "evaluate")) as run:
-        run.log_params(config_to_dict(cfg))
+        run.log_params(config_params(cfg))
         run.log_input(cfg.eval_file, "eval", dvc_md5(cfg.eval_file), "evaluation")
         started = time.perf_counter()
         model = load_causal_lm(cfg.model_path)

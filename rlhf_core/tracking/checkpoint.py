@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from rlhf_core.common.atomic_io import fsync_path, write_text_atomic
-from rlhf_core.config import config_to_dict
+from rlhf_core.config import config_params
 from rlhf_core.tracking.lineage import core_fingerprint, dvc_md5, file_sha256
 from rlhf_core.tracking.manifest import read_manifest, verify_manifest, write_manifest
 
@@ -73,8 +73,8 @@ _NOT_FINGERPRINTED = frozenset({"resume", "save_every", "keep_checkpoints", "che
                                 # how the work is spread, not what is computed: a checkpoint holds whole
                                 # tensors by name, so a run may resume on fewer or more workers (the
                                 # sums then differ in float rounding order only)
-                                "num_workers", "parallel", "offload_optimizer", "num_threads", "placement",
-                                "rollout_workers"})
+                                "num_workers", "parallel", "offload_optimizer", "num_threads",
+                                "distribution.placement", "distribution.rollout_workers"})
 
 
 class TrainingInterrupted(RuntimeError):
@@ -108,7 +108,7 @@ def _path_signature(value: str) -> list[Any] | None:
     return None
 
 
-# A config value naming code to run: ``path/to/file.py:function`` (e.g. ``rl.reward_function``).
+# A config value naming code to run: ``path/to/file.py:function`` (e.g. ``rl.reward.function``).
 _CODE_SPEC = re.compile(r"^(?P<file>[^:]+\.py):(?P<function>[A-Za-z_][A-Za-z0-9_]*)$")
 
 
@@ -135,7 +135,7 @@ def run_fingerprint(cfg: Any) -> str:
     Stats, not content hashes, for data and models: a multi-GB model would otherwise be read at
     every start. A false mismatch (a touched file) only costs a fresh start; DVC's md5s guard outputs.
     """
-    params = {k: v for k, v in config_to_dict(cfg).items() if k not in _NOT_FINGERPRINTED}
+    params = {k: v for k, v in config_params(cfg).items() if k not in _NOT_FINGERPRINTED}
     inputs = {k: sig for k, v in params.items() if isinstance(v, str) and (sig := _path_signature(v)) is not None}
     code = {k: sig for k, v in params.items() if isinstance(v, str) and (sig := _code_file_signature(v)) is not None}
     blob = json.dumps({"params": params, "inputs": inputs, "code_files": code, "core": core_fingerprint()},

@@ -16,9 +16,10 @@ from typing import Any
 
 from rlhf_core.config import GUARD_NAMES
 
-KEY_PARAMS = ("estimator", "reward_kind", "reward_function", "reward_model_path", "kl_coef", "kl_estimator",
-              "kl_in_reward", "policy_objective", "loss", "beta", "nll_weight", "lr", "max_steps", "batch_size",
-              "prompts_per_step", "group_size", "temperature", "seed")
+KEY_PARAMS = ("algorithm.estimator", "reward.kind", "reward.function", "reward.model_path", "reward_model_path",
+              "kl.coef", "kl.estimator", "kl.in_reward", "algorithm.policy_objective", "loss", "beta", "nll_weight",
+              "lr", "max_steps", "batch_size", "rollout.prompts_per_step", "rollout.group_size", "rollout.temperature",
+              "temperature", "seed")
 """Params shown on the card when the stage has them (all params stay on the source run)."""
 
 

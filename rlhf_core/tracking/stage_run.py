@@ -11,7 +11,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from rlhf_core.config import TrackingConfig, config_to_dict
+from rlhf_core.config import TrackingConfig, config_params
 from rlhf_core.tracking.lineage import dvc_md5, lineage_tags
 
 def log_report_files(run: Any, name: str, html: str, report: dict[str, Any]) -> None:
@@ -52,7 +52,7 @@ def open_stage_run(tracking: TrackingConfig, name: str, parent_run_id: str | Non
     from rlhf_core.tracking.mlflow_runs import start_run
 
     with start_run(tracking, name, parent_run_id, lineage_tags(stage_inputs(cfg, datasets, extra_inputs), name)) as run:
-        run.log_params(config_to_dict(cfg))
+        run.log_params(config_params(cfg))
         for ds_name, (path, context) in datasets.items():
             run.log_input(path, ds_name, dvc_md5(path), context)
         for ds_name, report in reports.items():

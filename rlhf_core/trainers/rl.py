@@ -100,10 +100,10 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
              learner: Any = None, reference: Any = None, teacher: Any = None) -> RLResult:
     """Optimise ``cfg.model_path`` online against a reward and save an HF directory at ``cfg.output_dir``.
 
-    ``engine`` and ``reward_source`` default to the engine ``cfg.rollout_engine`` names on the
-    policy and the source ``cfg.reward_kind`` names; ``learner`` and ``reference`` default to an
+    ``engine`` and ``reward_source`` default to the engine ``cfg.rollout.engine`` names on the
+    policy and the source ``cfg.reward.kind`` names; ``learner`` and ``reference`` default to an
     in-process :class:`PolicyLearner` and :class:`ReferenceScorer` (:mod:`rlhf_core.trainers.rl_roles`);
-    ``teacher`` (``estimator: distill`` only) to a :class:`ReferenceScorer` of ``cfg.teacher_model_path``.
+    ``teacher`` (``estimator: distill`` only) to a :class:`ReferenceScorer` of ``cfg.distill.teacher_model_path``.
     The Ray launcher passes proxies of actor groups with the same methods (``alignflow rl --set
     placement=colocated``). With ``cfg.resume`` an interrupted run of the same config and inputs
     continues from its newest checkpoint in ``cfg.checkpoint_dir``
@@ -139,7 +139,7 @@ class RLTrainer:
         self.cfg, self.sink = cfg, sink
         self.device = pick_device()
         autocast_dtype = Precision.resolve(cfg.precision, self.device).compute_dtype
-        self.estimator = AdvantageEstimator(cfg.estimator)
+        self.estimator = AdvantageEstimator(cfg.algorithm.estimator)
         self.tokenizer = load_tokenizer(cfg.model_path)
         if self.estimator.needs_teacher:  # before any model loads: a mismatched teacher fails in seconds
             check_teacher_tokenizer(cfg, self.tokenizer)
@@ -148,30 +148,30 @@ class RLTrainer:
         self.reference = reference or (BaseReference(self.learner) if base_is_reference(cfg)
                                        else ReferenceScorer(cfg, self.device))
         # on-policy distillation's teacher: the reference's machinery (frozen, compute dtype, same placement)
-        self.teacher = (teacher or ReferenceScorer(cfg, self.device, model_path=cfg.teacher_model_path)
+        self.teacher = (teacher or ReferenceScorer(cfg, self.device, model_path=cfg.distill.teacher_model_path)
                         if self.estimator.needs_teacher else None)
-        self.kind = RewardKind(cfg.reward_kind)
+        self.kind = RewardKind(cfg.reward.kind)
         self.reward_source = reward_source or reward_source_for(cfg, self.kind, self.device)
         # in-process the policy is the trained model; under Ray a view refreshed from rank 0 on demand.
         # Asynchronous: a copy of its own, which the update does not write while it samples.
         self.engine = engine or build_rollout_engine(
-            cfg, self.learner.policy if not cfg.max_staleness else sampling_copy(cfg, self.device), self.tokenizer,
+            cfg, self.learner.policy if not cfg.off_policy.max_staleness else sampling_copy(cfg, self.device), self.tokenizer,
             autocast_dtype)
         # A LoRA policy's engine needs merged weights; the HF engine that holds the policy needs nothing.
         self.engine_weights = getattr(self.learner, "engine_weights", None)
         # multi-turn rollouts: a fresh environment per trajectory (rlhf_core/rollout/environments.py); None: single-turn
-        self.make_env = (environment_factory(cfg.environment, stop_tokens=cfg.environment_stop_tokens,
-                                             timeout_s=cfg.reward_timeout_s, retries=cfg.reward_retries,
-                                             backoff_cap_s=cfg.reward_backoff_cap_s, deadline_s=cfg.reward_deadline_s,
-                                             token_env=cfg.environment_token_env,
-                                             max_response_bytes=cfg.reward_max_response_bytes)
-                         if cfg.environment else None)
+        self.make_env = (environment_factory(cfg.environment.spec, stop_tokens=cfg.environment.stop_tokens,
+                                             timeout_s=cfg.reward.timeout_s, retries=cfg.reward.retries,
+                                             backoff_cap_s=cfg.reward.backoff_cap_s, deadline_s=cfg.reward.deadline_s,
+                                             token_env=cfg.environment.token_env,
+                                             max_response_bytes=cfg.reward.max_response_bytes)
+                         if cfg.environment.spec else None)
         self.prompts, self.labels, self.conversations = read_prompts(cfg, self.tokenizer)
         check_prompt_lengths(cfg, self.tokenizer, self.prompts)
-        self.sampler = EpochSampler(len(self.prompts), cfg.prompts_per_step, cfg.seed)
+        self.sampler = EpochSampler(len(self.prompts), cfg.rollout.prompts_per_step, cfg.seed)
         # the KL controller; the learner owns the optimisers (its schedule advances once per iteration)
-        self.kl_ctl: KLController = (AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
-                                     if cfg.adaptive_kl else FixedKLController(cfg.kl_coef))
+        self.kl_ctl: KLController = (AdaptiveKLController(cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
+                                     if cfg.kl.adaptive else FixedKLController(cfg.kl.coef))
         self.update_gen = torch.Generator().manual_seed(cfg.seed)
         self.resumables = {"sampler": self.sampler, "kl_controller": self.kl_ctl,
                            "update_generator": GeneratorState(self.update_gen)}
@@ -184,7 +184,7 @@ class RLTrainer:
         self.pending: Future | None = None
         self.in_flight: Rollout | None = None  # what the pending future fills in (its timestamps, read for overlap)
         self.engine_version, self.sync_due = 0, False
-        self.rollout_thread = ThreadPoolExecutor(1, thread_name_prefix="rl-rollout") if cfg.max_staleness else None
+        self.rollout_thread = ThreadPoolExecutor(1, thread_name_prefix="rl-rollout") if cfg.off_policy.max_staleness else None
 
     # ---- one iteration: the algorithm ----------------------------------------------------------
 
@@ -197,9 +197,9 @@ class RLTrainer:
         step_timer, perf = Timer(), PhaseTimes()
         rollout = self.take_rollout(step, perf)
         sampled = rollout.sampled
-        if not self.cfg.max_staleness and isinstance(self.engine, ReleasesWeights):
+        if not self.cfg.off_policy.max_staleness and isinstance(self.engine, ReleasesWeights):
             self.engine.release_weights()  # colocated replicas' weights: freed until this step's sync refills them
-        if self.cfg.max_staleness and step < self.cfg.max_steps:
+        if self.cfg.off_policy.max_staleness and step < self.cfg.max_steps:
             self.launch(step + 1, perf)
         if not self.rendered_examples:  # the first iteration's samples, for a reviewer (RLResult)
             self.rendered_examples = rendered_rollout_rows(self.tokenizer, sampled.batch, sampled.rewards)
@@ -210,7 +210,7 @@ class RLTrainer:
         update_start = time.time()
         seen, lr_used = perf.time("perf/update_s", self.update, exp, step)
         update_end = time.time()
-        if not self.cfg.max_staleness:  # asynchronous: weights move at the next launch, when the gap needs it
+        if not self.cfg.off_policy.max_staleness:  # asynchronous: weights move at the next launch, when the gap needs it
             perf.time("perf/weight_sync_s", self.sync_weights)
         metrics = self.iteration_metrics(sampled, exp, seen, lr_used)
         metrics.update(perf.seconds)
@@ -240,7 +240,7 @@ class RLTrainer:
         """Start generating batch ``step`` on the rollout thread. The policy that will learn from it is version
         ``step - 1`` (updates done); the engine's weights may be at most ``max_staleness`` versions older, so
         when they would be, the learner's current weights (version ``step - 2``) are pushed first."""
-        if self.sync_due or (step - 1) - self.engine_version > self.cfg.max_staleness:
+        if self.sync_due or (step - 1) - self.engine_version > self.cfg.off_policy.max_staleness:
             perf.time("perf/weight_sync_s", self.sync_weights)
             self.engine_version, self.sync_due = step - 2, False
         # The thread draws prompts from the sampler and samples with a per-step seed (a private RNG stream in
@@ -264,7 +264,7 @@ class RLTrainer:
         policy that generated this batch and the one it updates."""
         out = {"perf/rollout_start_ts": rollout.start, "perf/rollout_end_ts": rollout.end,
                "perf/update_start_ts": update_start, "perf/update_end_ts": update_end, "perf/overlap_s": 0.0}
-        if self.cfg.max_staleness:
+        if self.cfg.off_policy.max_staleness:
             out["async/staleness"] = float(rollout.step - 1 - rollout.version)
         running = self.in_flight if self.pending is not None else None
         if running is not None and running.start is not None:  # the thread's own timestamps
@@ -278,21 +278,21 @@ class RLTrainer:
         """``prompts_per_step`` prompts x ``group_size`` samples, scored; with DAPO's dynamic sampling,
         groups whose samples all scored the same are dropped and more prompts drawn (up to
         ``dynamic_sampling_max_rounds`` top-ups) until the batch is full."""
-        cfg, n = self.cfg, self.cfg.group_size
-        want = cfg.prompts_per_step * n
+        cfg, n = self.cfg, self.cfg.rollout.group_size
+        want = cfg.rollout.prompts_per_step * n
         kept: list[RolloutBatch] = []
         kept_rewards: list[torch.Tensor] = []
         all_rewards: list[torch.Tensor] = []
         all_lengths: list[torch.Tensor] = []
         sampled_groups = kept_groups = 0
-        for round_ in range(1 + (cfg.dynamic_sampling_max_rounds if cfg.dynamic_sampling else 0)):
+        for round_ in range(1 + (cfg.dapo.dynamic_sampling_max_rounds if cfg.dapo.dynamic_sampling else 0)):
             batch, rewards, n_prompts = self._sample_round(step, round_, perf)
             all_rewards.append(rewards)
             all_lengths.append(batch.response_lengths().float())
             keep = dynamic_sampling_keep(rewards, n) if n >= 2 else torch.ones(len(batch), dtype=torch.bool)
             sampled_groups += n_prompts
             kept_groups += int(keep.view(-1, n)[:, 0].sum())
-            if cfg.dynamic_sampling:
+            if cfg.dapo.dynamic_sampling:
                 if not keep.any():
                     continue
                 rows = keep.nonzero().squeeze(-1)
@@ -311,16 +311,16 @@ class RLTrainer:
 
     def _sample_round(self, step: int, round_: int, perf: PhaseTimes) -> tuple[RolloutBatch, torch.Tensor, int]:
         """One draw of prompts from the sampler, sampled by the engine and scored by the reward source."""
-        cfg, n = self.cfg, self.cfg.group_size
+        cfg, n = self.cfg, self.cfg.rollout.group_size
         idx = self.sampler.next()
-        params = SamplingParams(n=n, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+        params = SamplingParams(n=n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens,
                                 seed=cfg.seed * 1_000_003 + step * 101 + round_)
         row_labels = [self.labels[i] for i in idx for _ in range(n)]
         if self.make_env is not None:  # multi-turn: engine turns and environment steps, then the reward source
             conversations = None if self.conversations is None else [self.conversations[i] for i in idx]
             batch, env_rewards = perf.time("perf/rollout_s", lambda: rollout_with_environment(
                 self.engine, self.tokenizer, [self.prompts[i] for i in idx], [self.labels[i] for i in idx], params,
-                self.make_env, max_turns=cfg.max_turns, max_trajectory_tokens=cfg.max_trajectory_tokens,
+                self.make_env, max_turns=cfg.environment.max_turns, max_trajectory_tokens=cfg.environment.max_trajectory_tokens,
                 conversations=conversations))
             rewards = perf.time("perf/reward_s", self.reward_source, batch.prompts, batch.completions, row_labels)
             return batch, torch.tensor(rewards, dtype=torch.float32) + env_rewards, len(idx)
@@ -332,9 +332,9 @@ class RLTrainer:
         """Each kept sample's score: its reward, plus DAPO's soft overlong penalty when configured."""
         cfg = self.cfg
         scores = sampled.rewards.clone()
-        if cfg.overlong_max_len:
+        if cfg.dapo.overlong_max_len:
             lengths = sampled.batch.response_lengths()
-            scores = scores + overlong_penalty(lengths, cfg.overlong_max_len, cfg.overlong_cache_len)
+            scores = scores + overlong_penalty(lengths, cfg.dapo.overlong_max_len, cfg.dapo.overlong_cache_len)
         return scores
 
     # ---- 4: old / reference log-probs and values (no grad) -------------------------------------
@@ -354,10 +354,10 @@ class RLTrainer:
         # One update per batch: pi_old is the update's own detached log-prob (PolicyLearner.update),
         # so the no-grad policy forward is skipped; not where the advantages themselves need pi_old.
         # Nor where pi_old / pi_engine is needed here (TIS, MIS, the asynchronous IS weights).
-        fused_old = (cfg.recompute_old_logprobs and cfg.ppo_epochs == 1 and cfg.mini_batch_size >= len(batch)
-                     and not has_critic and not cfg.kl_in_reward and cfg.tis_cap == 0
-                     and not self.estimator.needs_teacher and cfg.mis_threshold == 0 and cfg.max_staleness == 0)
-        recompute = cfg.recompute_old_logprobs and not fused_old
+        fused_old = (cfg.off_policy.recompute_old_logprobs and cfg.algorithm.ppo_epochs == 1 and cfg.algorithm.mini_batch_size >= len(batch)
+                     and not has_critic and not cfg.kl.in_reward and cfg.off_policy.tis_cap == 0
+                     and not self.estimator.needs_teacher and cfg.off_policy.mis_threshold == 0 and cfg.off_policy.max_staleness == 0)
+        recompute = cfg.off_policy.recompute_old_logprobs and not fused_old
         scored = self.learner.score(tensors, prompt_width) if recompute or has_critic else {}
         old_logp = scored["old_logp"].to(device) if recompute else sampling_logp
         ref_logp = self.reference.logprobs(tensors, prompt_width).to(device)
@@ -374,23 +374,23 @@ class RLTrainer:
         """Advantages and returns into ``exp``, weighted by truncated IS when ``tis_cap`` is set, responses
         outside the ``mis_threshold`` band masked out of the loss."""
         cfg, mask = self.cfg, exp.mask
-        kl_tokens = kl_penalty(exp.old_logp, exp.ref_logp, cfg.kl_estimator, clamp=_KL_CLAMP,
-                               k3_cap=cfg.kl_k3_cap or None) * mask
-        token_rewards = -self.kl_ctl.value * kl_tokens if cfg.kl_in_reward else None
+        kl_tokens = kl_penalty(exp.old_logp, exp.ref_logp, cfg.kl.estimator, clamp=_KL_CLAMP,
+                               k3_cap=cfg.kl.k3_cap or None) * mask
+        token_rewards = -self.kl_ctl.value * kl_tokens if cfg.kl.in_reward else None
         if exp.teacher_logp is not None:  # on-policy distillation: r_t = -(log pi_old - log pi_teacher)(y_t)
             distill = reverse_kl_token_rewards(exp.old_logp, exp.teacher_logp, mask, clamp=_KL_CLAMP)
             token_rewards = distill if token_rewards is None else token_rewards + distill
         exp.scores = scores.to(self.device)
-        advantages, returns = compute_advantages(self.estimator, scores=exp.scores, mask=mask, group_size=cfg.group_size,
+        advantages, returns = compute_advantages(self.estimator, scores=exp.scores, mask=mask, group_size=cfg.rollout.group_size,
                                                  values=exp.old_values, token_rewards=token_rewards,
-                                                 gamma=cfg.gamma, lam=cfg.lam,
-                                                 distill_reward_coef=cfg.distill_reward_coef)
+                                                 gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
+                                                 distill_reward_coef=cfg.distill.reward_coef)
         if self.estimator is AdvantageEstimator.GAE:
             advantages = masked_whiten(advantages, mask)  # PPO's batch-level normalisation
-        if cfg.tis_cap > 0:  # engine/trainer mismatch: weight each token by min(pi_old / pi_engine, C)
-            weights = truncated_is_weights(exp.old_logp, exp.sampling_logp * mask, mask, cfg.tis_cap)
+        if cfg.off_policy.tis_cap > 0:  # engine/trainer mismatch: weight each token by min(pi_old / pi_engine, C)
+            weights = truncated_is_weights(exp.old_logp, exp.sampling_logp * mask, mask, cfg.off_policy.tis_cap)
             exp.tis = {"train/tis_weight_mean": float(masked_mean(weights, mask)),
-                       "train/tis_capped_frac": float(masked_mean((weights >= cfg.tis_cap).float(), mask))}
+                       "train/tis_capped_frac": float(masked_mean((weights >= cfg.off_policy.tis_cap).float(), mask))}
             advantages = advantages * weights
         loss_mask = self.off_policy_mask(exp)
         exp.advantages, exp.returns = advantages, returns
@@ -403,13 +403,13 @@ class RLTrainer:
         """The update's token mask: ``exp.mask`` less the responses Seq-MIS drops (``mis_threshold``), and the
         diagnostics of pi_old / pi_engine (the stale or mismatched engine) into ``exp.tis``."""
         cfg, mask = self.cfg, exp.mask
-        if not cfg.mis_threshold and not cfg.max_staleness:
+        if not cfg.off_policy.mis_threshold and not cfg.off_policy.max_staleness:
             return mask
         log_ratio = (exp.old_logp - exp.sampling_logp * mask).clamp(-_KL_CLAMP, _KL_CLAMP)
         exp.tis["async/is_weight_mean"] = float(masked_mean(torch.exp(log_ratio), mask))
         keep = torch.ones(len(mask), dtype=mask.dtype, device=mask.device)
-        if cfg.mis_threshold:
-            keep, _ = sequence_is_mask(exp.old_logp, exp.sampling_logp * mask, mask, cfg.mis_threshold)
+        if cfg.off_policy.mis_threshold:
+            keep, _ = sequence_is_mask(exp.old_logp, exp.sampling_logp * mask, mask, cfg.off_policy.mis_threshold)
         exp.tis["async/mis_masked_frac"] = float(1.0 - keep.mean())
         return mask * keep.unsqueeze(-1)
 
@@ -417,7 +417,7 @@ class RLTrainer:
 
     def update(self, exp: Experience, step: int) -> tuple[dict[str, list[float]], float]:
         """The learner's optimizer steps; returns their diagnostics and the learning rate used."""
-        orders = [torch.randperm(len(exp.mask), generator=self.update_gen) for _ in range(self.cfg.ppo_epochs)]
+        orders = [torch.randperm(len(exp.mask), generator=self.update_gen) for _ in range(self.cfg.algorithm.ppo_epochs)]
         seen = self.learner.update(exp.tensors, exp.prompt_width, orders, self.kl_ctl.value, step)
         return seen, self.learner.end_iteration()
 
@@ -485,7 +485,7 @@ class RLTrainer:
             return
         batch = sampled.batch
         rows = [{"step": step, "prompt": batch.prompts[i], "completion": batch.completions[i],
-                 "reward": float(sampled.rewards[i])} for i in range(min(len(batch), _TABLE_GROUPS * cfg.group_size))]
+                 "reward": float(sampled.rewards[i])} for i in range(min(len(batch), _TABLE_GROUPS * cfg.rollout.group_size))]
         if batch.action_mask is not None:  # trajectories: their text, which tokens were the policy's, tool calls
             for row, traj in zip(rows, trajectory_rows(self.tokenizer, batch, sampled.rewards, len(rows))):
                 row.update(text=traj["text"], action_mask=traj["action_mask"], tool_calls=traj["tool_calls"],
@@ -510,19 +510,19 @@ class RLTrainer:
         cfg = self.cfg
         result = evaluate_exact_match(self.learner.view(), self.tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
                                       label_field=cfg.label_field, max_items=cfg.eval_items,
-                                      max_new_tokens=cfg.max_new_tokens, n_samples=cfg.eval_items)
+                                      max_new_tokens=cfg.rollout.max_new_tokens, n_samples=cfg.eval_items)
         metrics = result.metrics("eval")
         samples = result.samples[:_EVAL_SAMPLES]
         if self.make_env is not None:  # greedy multi-turn answers with the environment's tool
             from rlhf_core.rewards.sources import load_function
 
-            reward_fn = (load_function(cfg.reward_function)[2] if self.kind is RewardKind.FUNCTION
+            reward_fn = (load_function(cfg.reward.function)[2] if self.kind is RewardKind.FUNCTION
                          else self.reward_source)
             tool_metrics, trajectories = evaluate_with_environment(
                 self.learner.view(), self.tokenizer, cfg.eval_file, self.make_env, reward_fn,
-                max_items=cfg.eval_items, max_turns=cfg.max_turns, max_trajectory_tokens=cfg.max_trajectory_tokens,
-                max_new_tokens=cfg.max_new_tokens, prompt_field=cfg.prompt_field, label_field=cfg.label_field,
-                tool_messages=cfg.tool_messages)
+                max_items=cfg.eval_items, max_turns=cfg.environment.max_turns, max_trajectory_tokens=cfg.environment.max_trajectory_tokens,
+                max_new_tokens=cfg.rollout.max_new_tokens, prompt_field=cfg.prompt_field, label_field=cfg.label_field,
+                tool_messages=cfg.environment.tool_messages)
             metrics.update({k: v for k, v in tool_metrics.items() if k != "eval/n_items"})
             samples = [{k: str(v) for k, v in t.items()} for t in trajectories]
         if self.kind is RewardKind.MODEL:
@@ -563,7 +563,7 @@ class RLTrainer:
                 raise ValueError(f"{ckpt.path}: checkpoint has no {key} state")
             obj.load_state_dict(ckpt.state["objects"][key])
         self.sync_weights()  # an engine of its own (vLLM, asynchronous) samples from the restored weights
-        self.engine_version, self.sync_due = ckpt.step, bool(self.cfg.max_staleness)
+        self.engine_version, self.sync_due = ckpt.step, bool(self.cfg.off_policy.max_staleness)
         if "rollout" in ckpt.state.get("async", {}):  # the batch that was in flight, as it was generated
             self.pending = Future()
             self.pending.set_result(Rollout.from_state(ckpt.state["async"]["rollout"]))

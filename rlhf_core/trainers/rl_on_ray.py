@@ -103,7 +103,7 @@ class RemoteLearner:
             handles = self.group.call_all("share_weights", dtype)
             if all(h is not None for h in handles):
                 return PerReplica(handles)
-            if self.cfg.parallel == "zero3" and not self.cfg.lora_rank and self.cfg.rollout_engine != "vllm":
+            if self.cfg.parallel == "zero3" and not self.cfg.lora_rank and self.cfg.rollout.engine != "vllm":
                 if self._buckets is None:  # planned once: the parameters never change
                     self._buckets = self.group.call_all("weight_buckets", SYNC_BUCKET_BYTES, dtype)[0]
                 return ZeroBuckets(self.group, self._buckets, dtype)
@@ -184,13 +184,13 @@ class ZeroBuckets:
 
 
 def resolve_rollout_sleep(cfg: Any, gpus: bool) -> bool:
-    """``rl.rollout_sleep`` for this run: ``on`` as configured (the config checked it can work), ``auto`` on GPUs
+    """``rl.rollout.sleep`` for this run: ``on`` as configured (the config checked it can work), ``auto`` on GPUs
     where it can (colocated replicas sharing a GPU with the learner, synchronous, hf or static engine, whole-weight
     syncs); off on CPUs, where the replica's weights are host memory and nothing is gained."""
-    if cfg.rollout_sleep != "auto":
-        return cfg.rollout_sleep == "on"
-    return (gpus and cfg.placement == "colocated" and cfg.rollout_engine in ("hf", "static") and not cfg.lora_rank
-            and not cfg.max_staleness)
+    if cfg.rollout.sleep != "auto":
+        return cfg.rollout.sleep == "on"
+    return (gpus and cfg.distribution.placement == "colocated" and cfg.rollout.engine in ("hf", "static") and not cfg.lora_rank
+            and not cfg.off_policy.max_staleness)
 
 
 def _engine_dtype(cfg: Any) -> torch.dtype | None:
@@ -203,7 +203,7 @@ def _engine_dtype(cfg: Any) -> torch.dtype | None:
 
 @dataclass
 class CollectiveSync:
-    """``rl.weight_sync`` collective (:mod:`rlhf_core.distributed.weight_sync`): policy rank 0 and ``replicas`` form a group
+    """``rl.distribution.weight_sync`` collective (:mod:`rlhf_core.distributed.weight_sync`): policy rank 0 and ``replicas`` form a group
     of their own. Per sync every learner rank walks the buckets (ZeRO-3: each gathered by all of them), rank 0
     broadcasts each, and the replicas receive it into their engines; the first actor to fail fails the sync."""
 
@@ -234,18 +234,18 @@ class RemoteRollout:
                  collective: CollectiveSync | None = None, sleeps: bool = False):
         self.group, self.pad_id, self.inner_name = group, pad_id, inner_name
         self.beside_ranks, self.collective = beside_ranks, collective
-        self.sleeps = sleeps  # rl.rollout_sleep resolved (:func:`resolve_rollout_sleep`)
+        self.sleeps = sleeps  # rl.rollout.sleep resolved (:func:`resolve_rollout_sleep`)
         self._said_freed = False
 
     def release_weights(self) -> int:
-        """rl.rollout_sleep: every replica frees its weights until the next sync (:meth:`RolloutReplica.release_weights`);
+        """rl.rollout.sleep: every replica frees its weights until the next sync (:meth:`RolloutReplica.release_weights`);
         returns the bytes freed over all replicas (0 when the replicas keep their weights)."""
         if not self.sleeps:
             return 0
         freed = sum(self.group.call_all("release_weights"))
         if not self._said_freed:
             log.warning("ray: rollout replicas free %.1f MB of weights each between a rollout and the weight sync "
-                        "(rl.rollout_sleep)", freed / len(self.group) / 2**20)
+                        "(rl.rollout.sleep)", freed / len(self.group) / 2**20)
             self._said_freed = True
         return freed
 
@@ -310,7 +310,7 @@ def _reward_model(cfg: Any) -> Any:
     from rlhf_core.models.loading import pick_device
     from rlhf_core.rewards.sources import build_reward_source
 
-    return build_reward_source("model", path=cfg.reward_model_path, device=pick_device(), batch_size=cfg.batch_size)
+    return build_reward_source("model", path=cfg.reward.model_path, device=pick_device(), batch_size=cfg.batch_size)
 
 
 def _reference(cfg: Any, rank: int, size: int, model_path: str | None = None) -> Any:
@@ -331,10 +331,10 @@ def _learner(cfg: Any) -> Any:
 
 
 def _open_weight_sync(cfg: Any, policy: ActorGroup, rollout: ActorGroup, beside_rank0: Sequence[int]) -> CollectiveSync:
-    """``rl.weight_sync`` collective: the buckets planned on every learner rank, then policy rank 0 (group rank
+    """``rl.distribution.weight_sync`` collective: the buckets planned on every learner rank, then policy rank 0 (group rank
     0, hosting the group's store) and every replica (ranks 1..) join a group of their own."""
     if beside_rank0:
-        raise ValueError(f"rl.weight_sync collective: rollout replica(s) {list(beside_rank0)} share policy rank 0's "
+        raise ValueError(f"rl.distribution.weight_sync collective: rollout replica(s) {list(beside_rank0)} share policy rank 0's "
                          f"GPU (colocated placement), and NCCL cannot put two ranks of one group on one GPU; use "
                          f"weight_sync auto (CUDA IPC to colocated replicas) or placement disaggregated")
     layout = policy.call_all("sync_layout", SYNC_BUCKET_BYTES, _engine_dtype(cfg))[0]
@@ -350,17 +350,17 @@ def _open_weight_sync(cfg: Any, policy: ActorGroup, rollout: ActorGroup, beside_
 
 
 def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> Any:
-    """:func:`rlhf_core.trainers.rl.train_rl` with its models in Ray actors placed as ``cfg.placement`` says."""
+    """:func:`rlhf_core.trainers.rl.train_rl` with its models in Ray actors placed as ``cfg.distribution.placement`` says."""
     from rlhf_core.algorithms.rl_math import AdvantageEstimator
     from rlhf_core.trainers.rl import train_rl
     from rlhf_core.trainers.rl_roles import BaseReference, base_is_reference, reference_sharded
 
-    if cfg.placement not in ("colocated", "disaggregated"):
-        raise ValueError(f"rl.placement must be colocated or disaggregated to run on Ray, got {cfg.placement!r}")
-    workers, replicas = cfg.num_workers, cfg.rollout_workers
-    reward_model = cfg.reward_kind == "model"
-    teacher = AdvantageEstimator(cfg.estimator).needs_teacher  # on-policy distillation: teacher ranks beside the references
-    colocated = cfg.placement == "colocated"
+    if cfg.distribution.placement not in ("colocated", "disaggregated"):
+        raise ValueError(f"rl.distribution.placement must be colocated or disaggregated to run on Ray, got {cfg.distribution.placement!r}")
+    workers, replicas = cfg.num_workers, cfg.distribution.rollout_workers
+    reward_model = cfg.reward.kind == "model"
+    teacher = AdvantageEstimator(cfg.algorithm.estimator).needs_teacher  # on-policy distillation: teacher ranks beside the references
+    colocated = cfg.distribution.placement == "colocated"
     # a reference rank beside each policy rank, in either placement (module docstring); none where a LoRA
     # policy's frozen base is the reference (the policy ranks score it with their adapters off)
     base_ref = base_is_reference(cfg)
@@ -400,7 +400,7 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
             teachers = launcher.group(ReferenceActor, "teacher", *pgs["reference"], share=share, num_threads=threads,
                                       world=sharded)
             teachers.build(_reference, cfg, per_rank=lambda i: {"rank": i, "size": workers,
-                                                                "model_path": cfg.teacher_model_path})
+                                                                "model_path": cfg.distill.teacher_model_path})
             teacher_scorer = RemoteReference(teachers)
         reward_source = None
         if reward_model:
@@ -408,7 +408,7 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
             rm.build(_reward_model, cfg)
             reward_source = RemoteReward(rm)
         log.warning("ray: rl %s placement: %d policy rank(s), %d reference%s, %d rollout replica(s)%s, ready in %.1f s",
-                    cfg.placement, workers, n_refs, " (ZeRO-3 partitioned)" if sharded and n_refs else "", replicas,
+                    cfg.distribution.placement, workers, n_refs, " (ZeRO-3 partitioned)" if sharded and n_refs else "", replicas,
                     " and a reward model" if reward_model else "", time.perf_counter() - started)
         engine = _remote_engine(cfg, launcher, pgs, policy, rollout)
         result = train_rl(cfg, sink, show_progress, engine=engine, reward_source=reward_source,
@@ -421,20 +421,20 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
 
 def _remote_engine(cfg: Any, launcher: Launcher, pgs: dict[str, Any], policy: ActorGroup,
                    rollout: ActorGroup) -> RemoteRollout:
-    """The controller's engine over the replicas: how weights reach them (``rl.weight_sync``, the collective
-    group opened here when it is that) and whether they free their weights between phases (``rl.rollout_sleep``)."""
+    """The controller's engine over the replicas: how weights reach them (``rl.distribution.weight_sync``, the collective
+    group opened here when it is that) and whether they free their weights between phases (``rl.rollout.sleep``)."""
     from rlhf_core.models.loading import load_tokenizer
     from rlhf_core.distributed.weight_sync import SyncPath, WeightSync, resolve_path
 
-    path = resolve_path(WeightSync(cfg.weight_sync), gpus=launcher.use_gpus, colocated=cfg.placement == "colocated",
-                        lora=bool(cfg.lora_rank), engine=cfg.rollout_engine)
+    path = resolve_path(WeightSync(cfg.distribution.weight_sync), gpus=launcher.use_gpus, colocated=cfg.distribution.placement == "colocated",
+                        lora=bool(cfg.lora_rank), engine=cfg.rollout.engine)
     collective = None
     if path is SyncPath.COLLECTIVE:
         (policy_pg, policy_bundles), (rollout_pg, rollout_bundles) = pgs["policy"], pgs["rollout"]
         beside_rank0 = [i for i, b in enumerate(rollout_bundles)
                         if launcher.use_gpus and rollout_pg is policy_pg and b == list(policy_bundles)[0]]
         collective = _open_weight_sync(cfg, policy, rollout, beside_rank0)
-    return RemoteRollout(rollout, load_tokenizer(cfg.model_path).pad_token_id, cfg.rollout_engine,
+    return RemoteRollout(rollout, load_tokenizer(cfg.model_path).pad_token_id, cfg.rollout.engine,
                          collective=collective,
-                         beside_ranks=path is SyncPath.BESIDE and cfg.rollout_workers == cfg.num_workers,
+                         beside_ranks=path is SyncPath.BESIDE and cfg.distribution.rollout_workers == cfg.num_workers,
                          sleeps=resolve_rollout_sleep(cfg, launcher.use_gpus))

@@ -48,14 +48,14 @@ def read_prompts(cfg: RLConfig, tokenizer: Any) -> tuple[list[str], list[str | N
     """Prompts of ``cfg.prompts_file`` as the policy reads them (a conversation rendered with its chat
     template and generation prompt, :func:`rlhf_core.data.formats.prompt_text`; standard text as it is),
     their labels (``None`` where a record has none) and, where an environment's observations are chat-template
-    tool messages (``rl.tool_messages``), the conversations they are rendered into (else ``None``)."""
+    tool messages (``rl.environment.tool_messages``), the conversations they are rendered into (else ``None``)."""
     records = read_records(cfg.prompts_file)
     if not records:
         raise DataError(cfg.prompts_file, 0, "no prompts")
     examples = read_prompt_examples(records, cfg.prompts_file, prompt_field=cfg.prompt_field,
                                     label_field=cfg.label_field)
-    conversations = (tool_conversations(cfg.tool_messages, tokenizer, examples, cfg.prompts_file, cfg.prompt_field)
-                     if cfg.environment else None)
+    conversations = (tool_conversations(cfg.environment.tool_messages, tokenizer, examples, cfg.prompts_file, cfg.prompt_field)
+                     if cfg.environment.spec else None)
     return [prompt_text(tokenizer, e.prompt) for e in examples], [e.label for e in examples], conversations
 
 
@@ -202,19 +202,19 @@ class PhaseTimes:
 
 
 def reward_source_for(cfg: RLConfig, kind: RewardKind, device: torch.device) -> RewardSource:
-    return build_reward_source(kind, path=cfg.reward_model_path if kind is RewardKind.MODEL else cfg.reward_function,
-                               url=cfg.reward_url, device=device, batch_size=cfg.batch_size,
-                               timeout_s=cfg.reward_timeout_s, retries=cfg.reward_retries,
-                               backoff_cap_s=cfg.reward_backoff_cap_s, deadline_s=cfg.reward_deadline_s,
-                               token_env=cfg.reward_token_env, max_response_bytes=cfg.reward_max_response_bytes)
+    return build_reward_source(kind, path=cfg.reward.model_path if kind is RewardKind.MODEL else cfg.reward.function,
+                               url=cfg.reward.url, device=device, batch_size=cfg.batch_size,
+                               timeout_s=cfg.reward.timeout_s, retries=cfg.reward.retries,
+                               backoff_cap_s=cfg.reward.backoff_cap_s, deadline_s=cfg.reward.deadline_s,
+                               token_env=cfg.reward.token_env, max_response_bytes=cfg.reward.max_response_bytes)
 
 
 def check_teacher_tokenizer(cfg: RLConfig, tokenizer: Any) -> None:
     """The teacher scores the policy's token ids, so both must read them as the same tokens: one vocabulary."""
-    ours, theirs = tokenizer.get_vocab(), load_tokenizer(cfg.teacher_model_path).get_vocab()
+    ours, theirs = tokenizer.get_vocab(), load_tokenizer(cfg.distill.teacher_model_path).get_vocab()
     if ours != theirs:
         differ = sorted(set(ours.items()) ^ set(theirs.items()))[:3]
-        raise ConfigError(f"rl.teacher_model_path: the teacher's tokenizer ({cfg.teacher_model_path}, {len(theirs)} "
+        raise ConfigError(f"rl.distill.teacher_model_path: the teacher's tokenizer ({cfg.distill.teacher_model_path}, {len(theirs)} "
                           f"tokens) differs from the policy's ({cfg.model_path}, {len(ours)} tokens), e.g. "
                           f"{differ}; on-policy distillation scores the policy's token ids under the teacher, so "
                           "both must share one tokenizer")
@@ -222,8 +222,8 @@ def check_teacher_tokenizer(cfg: RLConfig, tokenizer: Any) -> None:
 
 def check_prompt_lengths(cfg: RLConfig, tokenizer: Any, prompts: list[str]) -> None:
     longest = max(len(encode_prompt(tokenizer, p)) for p in prompts)
-    response, name = ((cfg.max_trajectory_tokens, "max_trajectory_tokens") if cfg.environment
-                      else (cfg.max_new_tokens, "max_new_tokens"))
+    response, name = ((cfg.environment.max_trajectory_tokens, "environment.max_trajectory_tokens")
+                      if cfg.environment.spec else (cfg.rollout.max_new_tokens, "rollout.max_new_tokens"))
     if longest + response > cfg.max_length:
         raise ConfigError(f"rl.max_length: the longest prompt of {cfg.prompts_file} has {longest} tokens; with "
                           f"{name} {response} that exceeds max_length {cfg.max_length}")
@@ -256,14 +256,14 @@ def sampling_copy(cfg: RLConfig, device: torch.device) -> Any:
 
 def build_rollout_engine(cfg: RLConfig, policy: Any, tokenizer: Any,
                          autocast_dtype: torch.dtype | None = None) -> RolloutEngine:
-    """The engine ``cfg.rollout_engine`` names; vLLM falls back to HF generate, with a warning, when absent."""
-    if cfg.rollout_engine == "vllm":
+    """The engine ``cfg.rollout.engine`` names; vLLM falls back to HF generate, with a warning, when absent."""
+    if cfg.rollout.engine == "vllm":
         from rlhf_core.rollout.vllm import VLLMEngine, vllm_available
 
         if vllm_available():
-            return VLLMEngine(cfg.model_path, tokenizer, seed=cfg.seed, memory_fraction=cfg.vllm_memory_fraction)
+            return VLLMEngine(cfg.model_path, tokenizer, seed=cfg.seed, memory_fraction=cfg.rollout.vllm_memory_fraction)
         log.warning("rl: rollout_engine is vllm but vLLM cannot be imported here; using the HF engine instead")
-    if cfg.rollout_engine == "static":
+    if cfg.rollout.engine == "static":
         from rlhf_core.rollout.static import StaticCacheEngine, supports
 
         reason = supports(policy)

@@ -55,7 +55,7 @@ SEEN_KEYS = ("policy_loss", "clip_frac", "approx_kl", "entropy", "kl_loss", "val
 
 class ReferenceScorer:
     """A frozen model's log-probs of rows ``rank::N`` of an experience: the reference policy of the KL term
-    or, given ``model_path`` (``cfg.teacher_model_path``), the teacher of on-policy distillation."""
+    or, given ``model_path`` (``cfg.distill.teacher_model_path``), the teacher of on-policy distillation."""
 
     def __init__(self, cfg: RLConfig, device: torch.device | None = None, world: World | None = None,
                  model_path: str | None = None):
@@ -83,7 +83,7 @@ class ReferenceScorer:
         exp = _to(exp, self.device)
         shard = _sharded(self.world, exp, prompt_width, self.cfg.batch_size, self.model, self.head)
         packed = self.packing
-        out = _in_chunks(lambda e, p: token_logprobs(self.model, e, p, self.cfg.temperature, share_prompts=not packed,
+        out = _in_chunks(lambda e, p: token_logprobs(self.model, e, p, self.cfg.rollout.temperature, share_prompts=not packed,
                                                   head=self.head, packed=packed)[0],
                          exp, prompt_width, shard.rows.to(self.device), shard.n_chunks)
         if self.sharded:  # layers ZeRO-3's prefetcher gathered ahead stay whole until released: back before the update
@@ -93,9 +93,9 @@ class ReferenceScorer:
 
 
 def reference_sharded(cfg: RLConfig) -> bool:
-    """Whether the reference and teacher ranks partition their frozen weights (``rl.shard_reference``): Ray ranks
+    """Whether the reference and teacher ranks partition their frozen weights (``rl.distribution.shard_reference``): Ray ranks
     under ZeRO-3, more than one. Their actors then form a torch.distributed world of their own."""
-    return cfg.shard_reference and cfg.parallel == "zero3" and cfg.placement != "none" and cfg.num_workers > 1
+    return cfg.distribution.shard_reference and cfg.parallel == "zero3" and cfg.distribution.placement != "none" and cfg.num_workers > 1
 
 
 def base_is_reference(cfg: RLConfig) -> bool:
@@ -150,13 +150,13 @@ class PolicyLearner:
     def __init__(self, cfg: RLConfig, device: torch.device | None = None, world: World | None = None):
         self.cfg, self.device, self.world = cfg, device or pick_device(), world or current_world()
         self.precision = Precision.resolve(cfg.precision, self.device)
-        self.aggregation = LossAggregation(cfg.loss_aggregation)
-        self.objective = PolicyObjective(cfg.policy_objective)
+        self.aggregation = LossAggregation(cfg.algorithm.loss_aggregation)
+        self.objective = PolicyObjective(cfg.algorithm.policy_objective)
         # Each objective's own bounds: GSPO's sequence ratio has its own (paper-scale) pair; CISPO caps its
         # weight at 1 + clip_high with no lower bound (MiniMax-M1 Sec. 3.1).
-        self.clip = {PolicyObjective.PPO_CLIP: (cfg.clip_low, cfg.clip_high),
-                     PolicyObjective.GSPO: (cfg.gspo_clip_low, cfg.gspo_clip_high),
-                     PolicyObjective.CISPO: (None, cfg.clip_high)}[self.objective]
+        self.clip = {PolicyObjective.PPO_CLIP: (cfg.algorithm.clip_low, cfg.algorithm.clip_high),
+                     PolicyObjective.GSPO: (cfg.algorithm.gspo_clip_low, cfg.algorithm.gspo_clip_high),
+                     PolicyObjective.CISPO: (None, cfg.algorithm.clip_high)}[self.objective]
         # Dropout stays off (and eval mode, gradients still flow): the update must score tokens
         # with the same function that sampled them, or the importance ratios are noise.
         self.policy = load_causal_lm(cfg.model_path, self.device, self.precision.load_dtype).eval()
@@ -167,7 +167,7 @@ class PolicyLearner:
                  " (auto: varlen attention)" if cfg.packing == "auto" and self.packing else
                  " (auto: no varlen attention here)" if cfg.packing == "auto" else "")
         # gradient_checkpointing auto: from the update's largest micro-batch (rows x max_length)
-        rows = cfg.micro_batch_size or -(-cfg.mini_batch_size // self.world.size)
+        rows = cfg.micro_batch_size or -(-cfg.algorithm.mini_batch_size // self.world.size)
         self.checkpointing, why = resolve_checkpointing(cfg.gradient_checkpointing, self.policy,
                                                         rows * cfg.max_length,
                                                         self.precision.value)
@@ -180,7 +180,7 @@ class PolicyLearner:
         self.scheduler = build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
         # Micro-batches per mini-batch on each rank (the same count on every rank and mini-batch: DeepSpeed
         # counts accumulation steps itself).
-        share = -(-cfg.mini_batch_size // self.world.size)
+        share = -(-cfg.algorithm.mini_batch_size // self.world.size)
         self.micro_batches = -(-share // cfg.micro_batch_size) if cfg.micro_batch_size else 1
         # The schedule is stepped here once per iteration (end_iteration), not by DeepSpeed per optimizer step.
         self.strategy = build_strategy(cfg.parallel, self.policy, self.optimizer, None, self.world,
@@ -193,7 +193,7 @@ class PolicyLearner:
         local = type(self.strategy) is LocalStrategy  # DDPStrategy subclasses it
         self.share_prompts = local
         self.critic = self.critic_opt = self.critic_sched = self.critic_strategy = None
-        if AdvantageEstimator(cfg.estimator).needs_critic:
+        if AdvantageEstimator(cfg.algorithm.estimator).needs_critic:
             from rlhf_core.rewards.model import load_reward_model
 
             self.critic = load_reward_model(cfg.critic_model_path or cfg.model_path, self.device,
@@ -201,7 +201,7 @@ class PolicyLearner:
             disable_dropout(self.critic)
             prepare_for_training(self.critic, gradient_checkpointing=self.checkpointing)
             # the critic's gradients are summed by hand after backward (below): no fp32 hooks when distributed
-            self.critic_opt = build_optimizer(self.critic, cfg.critic_lr, cfg.weight_decay, self.precision,
+            self.critic_opt = build_optimizer(self.critic, cfg.algorithm.critic_lr, cfg.weight_decay, self.precision,
                                               distributed=self.world.distributed)
             self.critic_sched = build_scheduler(self.critic_opt, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
             # The critic is called through its submodules (backbone, then the score head on every
@@ -237,7 +237,7 @@ class PolicyLearner:
     def _chunked_logprobs(self, exp: dict[str, torch.Tensor], prompt_width: int, shard: _Sharded) -> torch.Tensor:
         """``(my_rows, R)`` the policy's log-probs of this rank's rows, no gradient, in ``shard``'s chunks."""
         return _in_chunks(
-            lambda e, p: token_logprobs(self.strategy.module, e, p, self.cfg.temperature, head=self.head,
+            lambda e, p: token_logprobs(self.strategy.module, e, p, self.cfg.rollout.temperature, head=self.head,
                                         share_prompts=self.share_prompts, packed=self.packing)[0],
             exp, prompt_width, shard.rows.to(self.device), shard.n_chunks)
 
@@ -264,8 +264,8 @@ class PolicyLearner:
         checkpointing = train_mode(self.policy) if self.checkpointing else nullcontext()
         with checkpointing:
             for order in orders:
-                for start in range(0, len(order), cfg.mini_batch_size):
-                    mb_rows = order[start:start + cfg.mini_batch_size]
+                for start in range(0, len(order), cfg.algorithm.mini_batch_size):
+                    mb_rows = order[start:start + cfg.algorithm.mini_batch_size]
                     index = mb_rows[world.rows(len(mb_rows))].to(self.device)  # one copy, not one a key
                     mb = {k: v[index] for k, v in exp.items()}
                     self._policy_step(mb, prompt_width, kl_coef, step, seen)
@@ -301,7 +301,7 @@ class PolicyLearner:
         sums = stats.diagnostics
         seen["grad_norm"].append(stats.grad_norm)
         seen["policy_loss"].append(sums[1])
-        if not cfg.kl_in_reward and kl_coef > 0:
+        if not cfg.kl.in_reward and kl_coef > 0:
             seen["kl_loss"].append(sums[2])
         seen["clip_frac"].append(sums[3])
         seen["approx_kl"].append(sums[4])
@@ -317,21 +317,21 @@ class PolicyLearner:
         cfg, agg = self.cfg, self.aggregation
         (m, width), packed, units = part
         fused_old = "old_logp" not in m
-        logp, entropy = token_logprobs(model, m, width, cfg.temperature, with_entropy=True,
-                                       entropy_grad=cfg.entropy_coef != 0, share_prompts=self.share_prompts,
+        logp, entropy = token_logprobs(model, m, width, cfg.rollout.temperature, with_entropy=True,
+                                       entropy_grad=cfg.algorithm.entropy_coef != 0, share_prompts=self.share_prompts,
                                        head=self.head, packed=packed)
         old_logp = logp.detach() * m["mask"] if fused_old else m["old_logp"]
         pg_loss, stats = policy_loss(self.objective, logp, old_logp, m["advantages"], m["mask"],
-                                     clip_low=self.clip[0], clip_high=self.clip[1], dual_clip=cfg.dual_clip or None,
-                                     aggregation=agg, max_len=cfg.max_new_tokens)
+                                     clip_low=self.clip[0], clip_high=self.clip[1], dual_clip=cfg.algorithm.dual_clip or None,
+                                     aggregation=agg, max_len=cfg.rollout.max_new_tokens)
         loss = pg_loss
-        if cfg.entropy_coef:
-            loss = loss - cfg.entropy_coef * aggregate_loss(entropy, m["mask"], agg, cfg.max_new_tokens)
+        if cfg.algorithm.entropy_coef:
+            loss = loss - cfg.algorithm.entropy_coef * aggregate_loss(entropy, m["mask"], agg, cfg.rollout.max_new_tokens)
         kl_loss = torch.zeros(())
-        if not cfg.kl_in_reward and kl_coef > 0:  # GRPO, Eq. 3: + beta * KL(pi || pi_ref)
-            kl_loss = aggregate_loss(kl_penalty(logp, m["ref_logp"], cfg.kl_estimator, clamp=KL_CLAMP,
-                                                k3_cap=cfg.kl_k3_cap or None),
-                                     m["mask"], agg, cfg.max_new_tokens)
+        if not cfg.kl.in_reward and kl_coef > 0:  # GRPO, Eq. 3: + beta * KL(pi || pi_ref)
+            kl_loss = aggregate_loss(kl_penalty(logp, m["ref_logp"], cfg.kl.estimator, clamp=KL_CLAMP,
+                                                k3_cap=cfg.kl.k3_cap or None),
+                                     m["mask"], agg, cfg.rollout.max_new_tokens)
             loss = loss + kl_coef * kl_loss
         share = units / total_units
         diagnostics = _step_diagnostics(share, (loss, pg_loss, kl_loss, stats.clip_frac, stats.approx_kl,
@@ -359,12 +359,12 @@ class PolicyLearner:
         cfg = self.cfg
         values = token_values(model, mb, prompt_width)
         value_loss, value_clip_frac = clipped_value_loss(values, mb["old_values"], mb["returns"], mb["mask"],
-                                                         clip_eps=cfg.value_clip or None)
+                                                         clip_eps=cfg.algorithm.value_clip or None)
         units = float(mb["mask"].sum())  # the value loss is a token mean
         share = units / max(self.world.all_reduce_sum([units])[0], 1.0)
         diagnostics = torch.stack([value_loss.detach().to(torch.float64) * share,
                                    value_clip_frac.detach().to(torch.float64) * share])
-        return cfg.vf_coef * value_loss * share, units, diagnostics
+        return cfg.algorithm.vf_coef * value_loss * share, units, diagnostics
 
     def end_iteration(self) -> float:
         """Advance the schedules once (one per iteration); returns the policy lr the iteration used."""
@@ -474,7 +474,7 @@ class PolicyLearner:
         torch.cuda.synchronize(self.device)  # the replica copies after this call returns
         return {"cuda_ipc": reduce_tensor(self._staging), "layout": layout, "last": index == len(self._buckets) - 1}
 
-    # ---- rl.weight_sync collective: rank 0 broadcasts to replicas on other GPUs (rlhf_core.distributed.weight_sync) ----
+    # ---- rl.distribution.weight_sync collective: rank 0 broadcasts to replicas on other GPUs (rlhf_core.distributed.weight_sync) ----
 
     def sync_layout(self, max_bytes: int, dtype: torch.dtype | None = None) -> Layout:
         """Every rank: plan the collective sync's buckets (parameters in order, at most ``max_bytes`` each in

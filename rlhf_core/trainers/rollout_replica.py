@@ -1,8 +1,8 @@
 """The rollout role under Ray: a rollout engine on its own copy of the policy, inside a rollout actor.
 
 Built by :func:`rlhf_core.trainers.rl_on_ray.train_rl_on_ray` in each :class:`rlhf_core.trainers.ray_launcher.RolloutActor`;
-it generates for the controller, takes the learner's weights however ``rl.weight_sync`` moves them (a state dict,
-CUDA IPC handles, ZeRO-3 buckets, or a broadcast in a weight-sync group), and under ``rl.rollout_sleep`` frees
+it generates for the controller, takes the learner's weights however ``rl.distribution.weight_sync`` moves them (a state dict,
+CUDA IPC handles, ZeRO-3 buckets, or a broadcast in a weight-sync group), and under ``rl.rollout.sleep`` frees
 them between a rollout and the next sync.
 """
 
@@ -18,7 +18,7 @@ def replicas_hold_adapters(cfg: Any) -> bool:
     so each sync sends the adapters alone (the static and HF engines sample through them; vLLM takes merged
     weights). Without this a 32B LoRA policy's sync was its whole merged model, 65.5 GB through the object
     store, for ~0.3 GB of adapters (BENCHMARKS.md, issue 22's memory plan)."""
-    return bool(cfg.lora_rank) and cfg.rollout_engine != "vllm"
+    return bool(cfg.lora_rank) and cfg.rollout.engine != "vllm"
 
 
 class RolloutReplica:
@@ -42,7 +42,7 @@ class RolloutReplica:
                                  lora_dropout=cfg.lora_dropout)
         policy.eval().requires_grad_(False)
         self.engine = build_rollout_engine(cfg, policy, load_tokenizer(cfg.model_path), self.dtype)
-        self._released: dict[str, torch.Size] | None = None  # rl.rollout_sleep: the shapes of released weights
+        self._released: dict[str, torch.Size] | None = None  # rl.rollout.sleep: the shapes of released weights
         self._filled: set[str] = set()
 
     def generate(self, prompts: Sequence[str], params: Any) -> Any:
@@ -61,7 +61,7 @@ class RolloutReplica:
         release_memory()
         return batch
 
-    # ---- rl.rollout_sleep: the weights' memory handed back between a rollout and the next sync ------
+    # ---- rl.rollout.sleep: the weights' memory handed back between a rollout and the next sync ------
     #
     # vLLM's sleep mode (level 2) for our engines: a colocated replica's copy of the policy is needed only
     # while it generates, and the sync after every update overwrites all of it, so between the two it is
@@ -77,7 +77,7 @@ class RolloutReplica:
 
         model = self.engine.model
         if getattr(self.engine, "sampler", None) is not None:
-            raise RuntimeError("rollout replica: rl.rollout_sleep cannot release a replica that samples through a "
+            raise RuntimeError("rollout replica: rl.rollout.sleep cannot release a replica that samples through a "
                                "copy of its weights in another dtype")
         if self._released is not None:
             return 0
@@ -111,7 +111,7 @@ class RolloutReplica:
 
     def _check_awake(self) -> None:
         if self._released is not None:
-            raise RuntimeError("rollout replica: its weights were released after the last rollout (rl.rollout_sleep) "
+            raise RuntimeError("rollout replica: its weights were released after the last rollout (rl.rollout.sleep) "
                                "and no weight sync has refilled them since")
 
     def update_weights(self, weights: Any) -> None:
@@ -144,7 +144,7 @@ class RolloutReplica:
         if payload["last"] and getattr(self.engine, "sampler", None) is not None:
             self.engine.update_weights(self.engine.model)
 
-    # ---- rl.weight_sync collective: a receiver of the weight-sync group (rlhf_core.distributed.weight_sync) ------
+    # ---- rl.distribution.weight_sync collective: a receiver of the weight-sync group (rlhf_core.distributed.weight_sync) ------
 
     def join_weight_sync(self, addr: str, port: int, rank: int, size: int, timeout_s: float, layout: Any) -> None:
         """Rank ``rank`` (>= 1) of the weight-sync group. The layout must name every parameter of the engine's

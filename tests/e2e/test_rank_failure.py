@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_core.config import RLConfig, SFTConfig, config_to_dict
+from rlhf_core.config import RLConfig, SFTConfig, build_config, config_to_dict
 from rlhf_core.tracking.lineage import dvc_md5
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
@@ -158,18 +158,12 @@ def test_killed_grpo_learner_rank_fails_fast_and_the_retry_resumes_exactly(isola
     reward.write_text("def reward(prompts, completions, labels):\n    return [len(c) / 10 for c in completions]\n")
 
     def params(name: str) -> dict:
-        return config_to_dict(RLConfig(
-            model_path=str(micro_model), prompts_file=str(micro_data["prompts"]), eval_file=str(micro_data["eval"]),
-            output_dir=str(project / name / "model"), checkpoint_dir=str(project / name / "ckpt"),
-            reward_function=f"{reward}:reward", max_steps=6, prompts_per_step=4, group_size=4, max_new_tokens=6,
-            batch_size=64, mini_batch_size=8, lr=3e-3, warmup_steps=0, eval_items=4, eval_at_start=False,
-            num_threads=1, precision="fp32", save_every=2, keep_checkpoints=10, log_rollouts_every=0,
-            placement="colocated", num_workers=2, parallel="zero2"))
+        return config_to_dict(build_config(RLConfig, "rl", {"model_path": str(micro_model), "prompts_file": str(micro_data["prompts"]), "eval_file": str(micro_data["eval"]), "output_dir": str(project / name / "model"), "checkpoint_dir": str(project / name / "ckpt"), "reward.function": f"{reward}:reward", "max_steps": 6, "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 6, "batch_size": 64, "algorithm.mini_batch_size": 8, "lr": 3e-3, "warmup_steps": 0, "eval_items": 4, "eval_at_start": False, "num_threads": 1, "precision": "fp32", "save_every": 2, "keep_checkpoints": 10, "log_rollouts_every": 0, "distribution.placement": "colocated", "num_workers": 2, "parallel": "zero2"}))
 
     killed = params("killed")
     _, resumed_from = _run_killed(train_rl, killed, {"prompts": dvc_md5(micro_data["prompts"])}, project,
                                   "rl-learner:5", monkeypatch)
     assert _resumed_from(project) == [4.0]
-    whole = train_rl_on_ray(RLConfig(**params("whole")), show_progress=False)
+    whole = train_rl_on_ray(build_config(RLConfig, "rl", {**params("whole")}), show_progress=False)
     assert dvc_md5(whole.output_dir / "model.safetensors") == dvc_md5(Path(killed["output_dir"]) / "model.safetensors")
     _same_optimizer_state(resumed_from, project / "whole" / "ckpt" / "step-0000004")

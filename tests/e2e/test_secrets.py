@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from flows.cli import main
-from rlhf_core.config import ConfigError, RLConfig
+from rlhf_core.config import ConfigError, RLConfig, build_config
 from rlhf_core.common.redact import redact_secrets, register_secret, register_url_secrets
 from rlhf_core.rewards.sources import HttpRewardSource, RewardError
 
@@ -133,14 +133,14 @@ def test_reward_token_env_must_name_a_set_variable(monkeypatch):
     monkeypatch.delenv("ALIGNFLOW_UNSET_TOKEN", raising=False)
     with pytest.raises(ConfigError, match=r"rl\.reward_token_env: environment variable ALIGNFLOW_UNSET_TOKEN is not "
                                           r"set"):
-        RLConfig(**base, reward_token_env="ALIGNFLOW_UNSET_TOKEN")
+        build_config(RLConfig, "rl", {**base, "reward.token_env": "ALIGNFLOW_UNSET_TOKEN"})
     with pytest.raises(ConfigError, match=r"rl\.reward_token_env: must be the NAME of an environment variable") as err:
-        RLConfig(**base, reward_token_env="tok-pasted-by-mistake")  # the token itself, not a name
+        build_config(RLConfig, "rl", {**base, "reward.token_env": "tok-pasted-by-mistake"})  # the token itself, not a name
     assert "tok-pasted-by-mistake" not in str(err.value)
     monkeypatch.setenv(ENV_NAME, ENV_TOKEN)
-    assert RLConfig(**base, reward_token_env=ENV_NAME).reward_token_env == ENV_NAME
+    assert build_config(RLConfig, "rl", {**base, "reward.token_env": ENV_NAME}).reward.token_env == ENV_NAME
     # unused (and unchecked) when rewards do not come from a server
-    assert RLConfig(reward_token_env="ALIGNFLOW_UNSET_TOKEN").reward_kind == "function"
+    assert build_config(RLConfig, "rl", {"reward.token_env": "ALIGNFLOW_UNSET_TOKEN"}).reward.kind == "function"
 
 
 def test_redact_secrets_rules():
@@ -254,7 +254,7 @@ def _prefect_records(flow_run_id: str):
 
 
 def test_set_secrets_stay_out_of_prefect(isolated_project, echo_server, prefect_server):
-    """``alignflow flow align --set rl.reward_url=http://bob:PW@host/5xx?token=TOK``: the URL reaches
+    """``alignflow flow align --set rl.reward.url=http://bob:PW@host/5xx?token=TOK``: the URL reaches
     the rl stage (the server sees the request and its Basic auth), yet Prefect's API holds no
     secret: the flow-run parameters show the override redacted, plus the path of a private 0600
     file with the real value (named by its sha256, so a changed value is a changed parameter);
@@ -272,8 +272,8 @@ def test_set_secrets_stay_out_of_prefect(isolated_project, echo_server, prefect_
     url = f"http://bob:{USER_PASS}@127.0.0.1:{echo_server.port}/5xx?token={QUERY_TOKEN}"
     echo_server.authorizations.clear()
     started = time.time()
-    code = main(["flow", "align", "--set", "flow.stages=[rl]", "--set", "flow.retries=0", "--set", "rl.reward_kind=http",
-                 "--set", f"rl.reward_url={url}", "--set", "rl.reward_retries=0", "--set", "rl.eval_at_start=false"])
+    code = main(["flow", "align", "--set", "flow.stages=[rl]", "--set", "flow.retries=0", "--set", "rl.reward.kind=http",
+                 "--set", f"rl.reward.url={url}", "--set", "rl.reward.retries=0", "--set", "rl.eval_at_start=false"])
     assert code == 1  # the 500 page fails the rl stage (RewardError)
     assert echo_server.authorizations == [f"Basic {BASIC}"], "the real URL, credentials included, reached the stage"
 
@@ -299,6 +299,6 @@ def test_set_secrets_stay_out_of_prefect(isolated_project, echo_server, prefect_
     from flows.cli import _flow_overrides
 
     other = url.replace(QUERY_TOKEN, "tok-other-5e6f7a")
-    assert _flow_overrides([f"rl.reward_url={url}"])[1] == str(private)
-    assert _flow_overrides([f"rl.reward_url={other}"])[1] != str(private)
+    assert _flow_overrides([f"rl.reward.url={url}"])[1] == str(private)
+    assert _flow_overrides([f"rl.reward.url={other}"])[1] != str(private)
     assert _flow_overrides(["dpo.max_steps=4"]) == ({"dpo": {"max_steps": 4}}, None)  # no secret, no file

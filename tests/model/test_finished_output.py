@@ -16,7 +16,7 @@ import math
 import pytest
 
 from rlhf_core.tracking.checkpoint import FINISHED_FILE, Checkpointer, clear_checkpoints, run_fingerprint
-from rlhf_core.config import RLConfig, SFTConfig
+from rlhf_core.config import RLConfig, build_config, SFTConfig
 from rlhf_core.tracking.lineage import dvc_md5
 from rlhf_core.trainers.rl import train_rl
 from rlhf_core.trainers.sft import train_sft
@@ -34,12 +34,12 @@ def _rl(micro_model, micro_data, root, **kw) -> RLConfig:
     reward = root / "length_reward.py"
     reward.parent.mkdir(parents=True, exist_ok=True)
     reward.write_text("def reward(prompts, completions, labels):\n    return [len(c) / 10 for c in completions]\n")
-    return RLConfig(**{**dict(model_path=str(micro_model), prompts_file=str(micro_data["prompts"]),
+    return build_config(RLConfig, "rl", {**{**dict(model_path=str(micro_model), prompts_file=str(micro_data["prompts"]),
                               eval_file=str(micro_data["eval"]), output_dir=str(root / "out"),
                               checkpoint_dir=str(root / "ckpt"), reward_function=f"{reward}:reward", max_steps=3,
                               prompts_per_step=4, group_size=4, max_new_tokens=6, batch_size=64, mini_batch_size=8,
                               lr=3e-3, warmup_steps=0, eval_items=8, eval_at_start=True, save_every=2,
-                              num_threads=1), **kw})
+                              num_threads=1), **kw}})
 
 
 def _same(a: dict[str, float], b: dict[str, float]) -> bool:

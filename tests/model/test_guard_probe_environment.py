@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from rlhf_core.config import GuardsConfig, RLConfig
+from rlhf_core.config import GuardsConfig, RLConfig, build_config
 from rlhf_core.rollout.environments import evaluate_with_environment
 from rlhf_core.promotion.probe import (ProbeEnvironment, load_cached, probe_key, probe_with_environment, read_eval_items,
                                    trajectory_statistics)
@@ -107,10 +107,7 @@ def test_rl_stage_with_an_environment_probes_multi_turn_under_its_own_cache_key(
     a key of its own: a single-turn record of the same model is never read for it."""
     from rlhf_core.stages.guard import _probe_environment, _probe_settings, check_stage_guards
 
-    cfg = RLConfig(model_path=str(tool_model), prompts_file=str(micro_data["prompts"]),
-                   eval_file=str(micro_data["eval"]), output_dir=str(isolated_project / "rl"), reward_kind="function",
-                   reward_function="rlhf_core/rollout/tool_task.py:reward", environment=env_spec, eval_items=N_ITEMS,
-                   **LIMITS)
+    cfg = build_config(RLConfig, "rl", {"model_path": str(tool_model), "prompts_file": str(micro_data["prompts"]), "eval_file": str(micro_data["eval"]), "output_dir": str(isolated_project / "rl"), "reward.kind": "function", "reward.function": "rlhf_core/rollout/tool_task.py:reward", "environment.spec": env_spec, "eval_items": N_ITEMS, **LIMITS})
     single = dataclasses.replace(cfg, environment="")
     guards = GuardsConfig()
     runs = {}

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import Recorder
-from rlhf_core.config import RLConfig, SFTConfig
+from rlhf_core.config import RLConfig, build_config, SFTConfig
 from rlhf_core.models.loading import export_state_dict, load_causal_lm, merged_model, prepare_for_training
 from rlhf_core.trainers.loop import save_hf_dir
 from rlhf_core.trainers.sft import train_sft
@@ -145,7 +145,7 @@ def _rl(micro_model, micro_data, tmp_path, reward_function, **kw) -> RLConfig:
                   lr=3e-3, warmup_steps=0, weight_decay=0.0, eval_items=4, eval_at_start=False, num_threads=1,
                   precision="fp32", save_every=0)
     values.update(kw)
-    return RLConfig(**values)
+    return build_config(RLConfig, "rl", {**values})
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +275,7 @@ def test_a_lora_replica_takes_the_adapters_alone_and_samples_as_the_merged_weigh
 
 def test_a_released_replica_holds_no_weights_until_a_sync_refills_them(micro_model, micro_data, tmp_path,
                                                                       length_reward):
-    """``rl.rollout_sleep``: a replica that released its weights holds none of their bytes (its RoPE buffers
+    """``rl.rollout.sleep``: a replica that released its weights holds none of their bytes (its RoPE buffers
     stay), refuses to sample, and refuses a sync that would leave a weight unwritten (the strict load); a
     whole sync gives it storage again and it samples what it sampled before, token for token."""
     from rlhf_core.distributed.parallel import resident_weight_bytes
@@ -380,7 +380,7 @@ def test_lora_grpo_on_ray_resumes_from_its_checkpoint_as_the_uninterrupted_run(r
 @pytest.mark.slow  # DeepSpeed's CPU op build, then a ZeRO-3 GRPO run on Ray
 def test_zero3_reference_ranks_partition_the_weights_and_score_as_the_whole_model(ray_local, micro_model, micro_data,
                                                                                   tmp_path, length_reward, caplog):
-    """``rl.shard_reference`` under ZeRO-3: two reference actors forming a world of their own each hold about half
+    """``rl.distribution.shard_reference`` under ZeRO-3: two reference actors forming a world of their own each hold about half
     of the frozen weights' bytes and, on 7 rows (one rank scores a row fewer: the ranks still agree on the
     chunks, since every ZeRO-3 forward is a collective), give the log-probs a whole reference gives (fp32, to
     1e-6). Then a colocated GRPO run on two ZeRO-3 policy ranks starts partitioned reference ranks and logs a KL

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlhf_core.tracking.checkpoint import FORMAT_VERSION, Checkpointer, clear_checkpoints, load_weights, run_fingerprint
-from rlhf_core.config import DPOConfig, RewardConfig, RLConfig, SFTConfig
+from rlhf_core.config import DPOConfig, RewardConfig, RLConfig, build_config, SFTConfig
 from rlhf_core.tracking.lineage import dvc_md5
 from rlhf_core.trainers.dpo import train_dpo
 from rlhf_core.trainers.loop import InjectedFault
@@ -49,12 +49,12 @@ def _reward(micro_model, micro_data, root, **kw) -> RewardConfig:
 def _rl(micro_model, micro_data, root, **kw) -> RLConfig:
     reward = root.parent / "length_reward.py"
     reward.write_text("def reward(prompts, completions, labels):\n    return [len(c) / 10 for c in completions]\n")
-    return RLConfig(**{**dict(model_path=str(micro_model), prompts_file=str(micro_data["prompts"]),
+    return build_config(RLConfig, "rl", {**{**dict(model_path=str(micro_model), prompts_file=str(micro_data["prompts"]),
                               eval_file=str(micro_data["eval"]), output_dir=str(root / "out"),
                               checkpoint_dir=str(root / "ckpt"), reward_function=f"{reward}:reward", max_steps=5,
                               prompts_per_step=4, group_size=4, max_new_tokens=6, batch_size=64, mini_batch_size=8,
                               lr=3e-3, warmup_steps=0, eval_items=8, eval_at_start=True, adaptive_kl=True,
-                              kl_coef=0.1, log_rollouts_every=1, save_every=2, num_threads=1), **kw})
+                              kl_coef=0.1, log_rollouts_every=1, save_every=2, num_threads=1), **kw}})
 
 
 TRAINERS = {

@@ -448,13 +448,13 @@ def test_http_bad_replies(body, expect):
 
 
 def _rl_cfg(micro_model, micro_data, tmp_path, url, **kw):
-    from rlhf_core.config import RLConfig
+    from rlhf_core.config import RLConfig, build_config
 
-    return RLConfig(**{**dict(model_path=str(micro_model), prompts_file=str(micro_data["prompts"]),
+    return build_config(RLConfig, "rl", {**{**dict(model_path=str(micro_model), prompts_file=str(micro_data["prompts"]),
                               eval_file=str(micro_data["eval"]), output_dir=str(tmp_path / "rl"),
                               checkpoint_dir=str(tmp_path / "ckpt"), reward_kind="http", reward_url=url,
                               max_steps=2, prompts_per_step=2, group_size=2, max_new_tokens=4, mini_batch_size=4,
-                              eval_items=8, eval_at_start=False, num_threads=1), **kw})
+                              eval_items=8, eval_at_start=False, num_threads=1), **kw}})
 
 
 def test_rl_run_survives_a_server_that_fails_twice(micro_model, micro_data, tmp_path):

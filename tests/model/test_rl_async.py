@@ -16,7 +16,7 @@ import torch
 from conftest import Recorder, stop_after
 from safetensors.torch import load_file
 
-from rlhf_core.config import RLConfig
+from rlhf_core.config import RLConfig, build_config
 from rlhf_core.tracking.lineage import dvc_md5
 from rlhf_core.trainers.rl import train_rl
 
@@ -44,7 +44,7 @@ def _cfg(micro_model, micro_data, root, **kw) -> RLConfig:
               "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 6, "batch_size": 64, "mini_batch_size": 8,
               "lr": 3e-3, "warmup_steps": 0, "eval_items": 8, "eval_at_start": False, "save_every": 0,
               "num_threads": 1}
-    return RLConfig(**{**values, **kw})
+    return build_config(RLConfig, "rl", {**{**values, **kw}})
 
 
 def test_synchronous_default_logs_the_pre_async_metrics(micro_model, micro_data, tmp_path):

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf_core.common import redact
-from rlhf_core.config import ConfigError, RLConfig
+from rlhf_core.config import ConfigError, RLConfig, build_config
 from rlhf_core.rewards.sources import RewardError
 from rlhf_core.trainers.rl import train_rl
 from conftest import Recorder
@@ -45,7 +45,7 @@ def _cfg(micro_model, micro_data, tmp_path, reward_function, **overrides) -> RLC
                   lr=3e-3, critic_lr=3e-3, warmup_steps=0, weight_decay=0.0, eval_items=8, eval_at_start=False,
                   log_rollouts_every=1, num_threads=1)
     values.update(overrides)
-    return RLConfig(**values)
+    return build_config(RLConfig, "rl", {**values})
 
 
 def _changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> bool:
@@ -153,7 +153,7 @@ def test_dynamic_sampling_drops_groups_that_all_scored_the_same(micro_model, mic
     result = train_rl(cfg, sink, show_progress=False)
     kept = sink.series("rollout/kept_groups_frac")
     assert all(0 < k < 1 for k in kept), kept
-    assert all(s > cfg.prompts_per_step for s in sink.series("rollout/sampled_groups"))  # topped up
+    assert all(s > cfg.rollout.prompts_per_step for s in sink.series("rollout/sampled_groups"))  # topped up
     assert result.rollout_table and not any(r["prompt"].startswith("sort") for r in result.rollout_table)
 
 
@@ -215,24 +215,24 @@ def test_rl_stage_gate_takes_label_less_prompts_only_with_a_reward_model(isolate
 
 
 def test_config_rejects_inconsistent_rl_settings():
-    with pytest.raises(ConfigError, match=r"rl.kl_in_reward: grpo scores whole sequences"):
-        RLConfig(estimator="grpo", kl_in_reward=True)
-    with pytest.raises(ConfigError, match=r"rl.group_size: must be >= 2 for rloo"):
-        RLConfig(estimator="rloo", group_size=1)
-    with pytest.raises(ConfigError, match=r"rl.estimator: must be one of"):
-        RLConfig(estimator="ppo")
-    with pytest.raises(ConfigError, match=r"rl.mini_batch_size: must be <= prompts_per_step x group_size"):
-        RLConfig(prompts_per_step=2, group_size=4, mini_batch_size=16)
-    with pytest.raises(ConfigError, match=r"rl.overlong_cache_len"):
-        RLConfig(overlong_max_len=20, overlong_cache_len=4, max_new_tokens=12)
-    RLConfig(estimator="gae", group_size=1, kl_in_reward=True, mini_batch_size=16)  # PPO needs no groups
+    with pytest.raises(ConfigError, match=r"rl.kl.in_reward: grpo scores whole sequences"):
+        build_config(RLConfig, "rl", {"algorithm.estimator": "grpo", "kl.in_reward": True})
+    with pytest.raises(ConfigError, match=r"rl.rollout.group_size: must be >= 2 for rloo"):
+        build_config(RLConfig, "rl", {"algorithm.estimator": "rloo", "rollout.group_size": 1})
+    with pytest.raises(ConfigError, match=r"rl.algorithm.estimator: must be one of"):
+        build_config(RLConfig, "rl", {"algorithm.estimator": "ppo"})
+    with pytest.raises(ConfigError, match=r"rl.algorithm.mini_batch_size: must be <= prompts_per_step x group_size"):
+        build_config(RLConfig, "rl", {"rollout.prompts_per_step": 2, "rollout.group_size": 4, "algorithm.mini_batch_size": 16})
+    with pytest.raises(ConfigError, match=r"rl.dapo.overlong_cache_len"):
+        build_config(RLConfig, "rl", {"dapo.overlong_max_len": 20, "dapo.overlong_cache_len": 4, "rollout.max_new_tokens": 12})
+    build_config(RLConfig, "rl", {"algorithm.estimator": "gae", "rollout.group_size": 1, "kl.in_reward": True, "algorithm.mini_batch_size": 16})  # PPO needs no groups
 
 
 def test_config_rejects_a_negative_k3_cap():
-    with pytest.raises(ConfigError, match=r"rl.kl_k3_cap: must be >= 0 \(an upper bound on each token's k3 value; "
+    with pytest.raises(ConfigError, match=r"rl.kl.k3_cap: must be >= 0 \(an upper bound on each token's k3 value; "
                                           r"0 disables the cap\), got -1.0"):
-        RLConfig(kl_k3_cap=-1.0)
-    assert RLConfig(kl_k3_cap=0.0).kl_k3_cap == 0.0  # no cap
+        build_config(RLConfig, "rl", {"kl.k3_cap": -1.0})
+    assert build_config(RLConfig, "rl", {"kl.k3_cap": 0.0}).kl.k3_cap == 0.0  # no cap
 
 
 @pytest.mark.parametrize("max_grad_norm", [0.0, 1.0])
@@ -401,7 +401,7 @@ def test_chunked_trimmed_logprobs_equal_one_full_pass(micro_model, micro_data, t
     scorer = ReferenceScorer(learner.cfg, torch.device("cpu"))
     chunked = scorer.logprobs(exp, p)
     with torch.no_grad():
-        full, _ = token_logprobs(scorer.model, exp, p, learner.cfg.temperature)
+        full, _ = token_logprobs(scorer.model, exp, p, learner.cfg.rollout.temperature)
     torch.testing.assert_close(chunked * mask, full * mask, atol=1e-5, rtol=0)
 
 
@@ -517,7 +517,7 @@ def test_on_policy_distillation_refuses_a_teacher_with_another_tokenizer(micro_m
     tok.save_pretrained(teacher)
     sink = Recorder()
     cfg = _cfg(micro_model, micro_data, tmp_path, length_reward, estimator="distill", teacher_model_path=str(teacher))
-    with pytest.raises(ConfigError, match=r"rl.teacher_model_path: the teacher.s tokenizer .* differs from the "
+    with pytest.raises(ConfigError, match=r"rl.distill.teacher_model_path: the teacher.s tokenizer .* differs from the "
                                           r"policy's .* share one tokenizer"):
         train_rl(cfg, sink, show_progress=False)
     assert not sink.rows and not Path(cfg.output_dir).exists()

@@ -140,7 +140,7 @@ def test_grpo_run_with_the_vllm_engine(vllm_model, micro_data, tmp_path):
 
 
 def _vllm_rl_cfg(vllm_model, micro_data, tmp_path, **kw):
-    from rlhf_core.config import RLConfig
+    from rlhf_core.config import RLConfig, build_config
 
     reward = tmp_path / "length_reward.py"
     reward.write_text("def reward(prompts, completions, labels):\n    return [len(c) / 10 for c in completions]\n")
@@ -149,7 +149,7 @@ def _vllm_rl_cfg(vllm_model, micro_data, tmp_path, **kw):
                   checkpoint_dir=str(tmp_path / "ckpt"), reward_function=f"{reward}:reward", max_steps=3,
                   prompts_per_step=4, group_size=4, max_new_tokens=6, mini_batch_size=8, eval_items=8,
                   eval_at_start=False, rollout_engine="vllm", vllm_memory_fraction=0.2, tis_cap=2.0, num_threads=1)
-    return RLConfig(**{**values, **kw})
+    return build_config(RLConfig, "rl", {**{**values, **kw}})
 
 
 @pytest.mark.slow

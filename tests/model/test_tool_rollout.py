@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import Recorder, recomputed_logprobs
 
-from rlhf_core.config import RLConfig
+from rlhf_core.config import RLConfig, build_config
 from rlhf_core.rollout.environments import rollout_with_environment
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 from rlhf_core.algorithms.rl_math import policy_loss
@@ -48,13 +48,13 @@ def _rollout(engine, tokenizer, params, **kw):
 
 def _two_iterations(tool_model, env, micro_data, tmp_path, **kw) -> RLConfig:
     """Two RL iterations of 4 prompts x 4 trajectories with ``env``, up to 3 turns, on the HF engine."""
-    return RLConfig(**{**dict(
+    return build_config(RLConfig, "rl", {**{**dict(
         model_path=str(tool_model), prompts_file=str(micro_data["prompts"]), eval_file=str(micro_data["eval"]),
         output_dir=str(tmp_path / "rl"), checkpoint_dir=str(tmp_path / "ckpt"),
         reward_function=str(REPO / "rlhf_core/rollout/tool_task.py:reward"), environment=env, max_turns=3,
         max_trajectory_tokens=20, max_new_tokens=6, max_steps=2, prompts_per_step=4, group_size=4, batch_size=64,
         mini_batch_size=16, lr=3e-3, warmup_steps=0, eval_items=8, eval_at_start=False, log_rollouts_every=1,
-        num_threads=1, rollout_engine="hf"), **kw})
+        num_threads=1, rollout_engine="hf"), **kw}})
 
 
 def test_trajectory_is_the_sampled_ids_plus_the_observation_ids(tool_model, scripted_env):
@@ -156,13 +156,7 @@ def test_an_environment_server_that_is_down_stops_the_run_with_a_clear_error_and
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cfg = RLConfig(model_path=str(tool_model), prompts_file=str(micro_data["prompts"]),
-                   eval_file=str(micro_data["eval"]), output_dir=str(tmp_path / "rl"),
-                   checkpoint_dir=str(tmp_path / "ckpt"), reward_function=str(REPO / "rlhf_core/rollout/tool_task.py:reward"),
-                   environment=f"http://127.0.0.1:{port}/step", environment_stop_tokens=["</calc>"],
-                   reward_retries=1, reward_backoff_cap_s=0.01, max_turns=2, max_trajectory_tokens=20,
-                   max_new_tokens=6, max_steps=2, prompts_per_step=4, group_size=2, batch_size=64, mini_batch_size=8,
-                   eval_at_start=False, num_threads=1, rollout_engine="hf")
+    cfg = build_config(RLConfig, "rl", {"model_path": str(tool_model), "prompts_file": str(micro_data["prompts"]), "eval_file": str(micro_data["eval"]), "output_dir": str(tmp_path / "rl"), "checkpoint_dir": str(tmp_path / "ckpt"), "reward.function": str(REPO / "rlhf_core/rollout/tool_task.py:reward"), "environment.spec": f"http://127.0.0.1:{port}/step", "environment.stop_tokens": ["</calc>"], "reward.retries": 1, "reward.backoff_cap_s": 0.01, "environment.max_turns": 2, "environment.max_trajectory_tokens": 20, "rollout.max_new_tokens": 6, "max_steps": 2, "rollout.prompts_per_step": 4, "rollout.group_size": 2, "batch_size": 64, "algorithm.mini_batch_size": 8, "eval_at_start": False, "num_threads": 1, "rollout.engine": "hf"})
     with pytest.raises(EnvironmentFailure, match=rf"environment server http://127.0.0.1:{port}/step: failed after 2 "
                                                  "attempts; last error: connection failed"):
         train_rl(cfg, Recorder(), show_progress=False)

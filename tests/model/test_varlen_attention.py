@@ -228,7 +228,7 @@ def test_packed_rl_training_on_varlen_equals_padded_sdpa(micro_model, micro_data
     fused into the update, 4 micro-batches, the reference in no-grad chunks) with every micro-batch one
     padding-free row through the varlen path equal the padded run on SDPA: the same rollouts (engine untouched), per-step losses and KL (1e-4 relative) and final weights
     within 1e-3 of the update. A token budget is refused for rl (its micro-batches are rows)."""
-    from rlhf_core.config import ConfigError, RLConfig
+    from rlhf_core.config import ConfigError, RLConfig, build_config
     from rlhf_core.trainers.rl import train_rl
 
     reward = tmp_path / "length_reward.py"
@@ -236,12 +236,7 @@ def test_packed_rl_training_on_varlen_equals_padded_sdpa(micro_model, micro_data
 
     def run(name, **kw):
         out, sink = tmp_path / name, Recorder()
-        cfg = RLConfig(model_path=str(micro_model), prompts_file=str(micro_data["prompts"]),
-                       eval_file=str(micro_data["eval"]), output_dir=str(out / "rl"), checkpoint_dir=str(out / "ckpt"),
-                       reward_function=f"{reward}:reward", max_steps=3, prompts_per_step=4, group_size=4,
-                       max_new_tokens=6, batch_size=8, mini_batch_size=16, micro_batch_size=4, kl_coef=0.04,
-                       lr=3e-3, warmup_steps=0, weight_decay=0.0, eval_items=4, eval_at_start=False,
-                       log_rollouts_every=0, num_threads=1, **kw)
+        cfg = build_config(RLConfig, "rl", {"model_path": str(micro_model), "prompts_file": str(micro_data["prompts"]), "eval_file": str(micro_data["eval"]), "output_dir": str(out / "rl"), "checkpoint_dir": str(out / "ckpt"), "reward.function": f"{reward}:reward", "max_steps": 3, "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 6, "batch_size": 8, "algorithm.mini_batch_size": 16, "micro_batch_size": 4, "kl.coef": 0.04, "lr": 3e-3, "warmup_steps": 0, "weight_decay": 0.0, "eval_items": 4, "eval_at_start": False, "log_rollouts_every": 0, "num_threads": 1, **kw})
         train_rl(cfg, sink, show_progress=False)
         return sink, load_file(str(out / "rl" / "model.safetensors"))
 

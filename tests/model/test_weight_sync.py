@@ -1,4 +1,4 @@
-"""``rl.weight_sync: collective`` on real Ray (local instance, CPU, gloo): policy rank 0 and the rollout replicas
+"""``rl.distribution.weight_sync: collective`` on real Ray (local instance, CPU, gloo): policy rank 0 and the rollout replicas
 in a torch.distributed group of their own (rlhf_core/distributed/weight_sync.py). After a sync every replica holds rank 0's
 weights bitwise; GRPO logs the same metrics through the collective as through the object store (same seed);
 a replica that stops answering or dies fails the sync within the collective timeout instead of hanging.
@@ -15,7 +15,7 @@ import ray
 import torch
 
 from conftest import Recorder
-from rlhf_core.config import RLConfig
+from rlhf_core.config import RLConfig, build_config
 
 _TIMEOUT_S = 10.0
 
@@ -29,7 +29,7 @@ def _rl(micro_model, micro_data, root, **kw) -> RLConfig:
                   batch_size=64, mini_batch_size=8, lr=3e-3, warmup_steps=0, weight_decay=0.0, eval_items=4,
                   eval_at_start=False, num_threads=1, precision="fp32", save_every=0, placement="disaggregated",
                   num_workers=2, rollout_workers=2, weight_sync="collective")
-    return RLConfig(**{**values, **kw})
+    return build_config(RLConfig, "rl", {**{**values, **kw}})
 
 
 @pytest.mark.parametrize("parallel", ["ddp", pytest.param("zero3", marks=pytest.mark.slow)])

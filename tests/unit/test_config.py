@@ -137,36 +137,36 @@ def test_scale_out_fields_are_checked():
         SFTConfig(offload_optimizer=True)
     with pytest.raises(ConfigError, match=r"rl.num_workers: 2 policy workers need Ray"):
         RLConfig(num_workers=2)
-    with pytest.raises(ConfigError, match=r"rl.placement: must be none, colocated or disaggregated"):
-        RLConfig(placement="spread")
+    with pytest.raises(ConfigError, match=r"rl.distribution.placement: must be none, colocated or disaggregated"):
+        build_config(RLConfig, "rl", {"distribution.placement": "spread"})
     # one process's engine would sample from ZeRO-3's empty placeholders (a size-0 reshape on an H200, 2026-12-03)
     with pytest.raises(ConfigError, match=r"rl.parallel: zero3 partitions the policy's weights.*placement colocated"):
         RLConfig(parallel="zero3")
-    assert RLConfig(parallel="zero3", placement="colocated").parallel == "zero3"
-    assert RLConfig(parallel="zero2").placement == "none"  # ZeRO-2 keeps whole weights on every rank
+    assert build_config(RLConfig, "rl", {"parallel": "zero3", "distribution.placement": "colocated"}).parallel == "zero3"
+    assert RLConfig(parallel="zero2").distribution.placement == "none"  # ZeRO-2 keeps whole weights on every rank
 
 
 def test_rollout_sleep_is_checked_and_resolved_by_where_it_can_work():
-    """rl.rollout_sleep is auto, on or off; on needs colocated replicas of the hf or static engine that take whole
+    """rl.rollout.sleep is auto, on or off; on needs colocated replicas of the hf or static engine that take whole
     weights (no LoRA); auto turns it on only with GPUs and only where on would be accepted."""
     from rlhf_core.config import ConfigError, RLConfig
     from rlhf_core.trainers.rl_on_ray import resolve_rollout_sleep
 
-    colocated = RLConfig(placement="colocated", rollout_sleep="on")
+    colocated = build_config(RLConfig, "rl", {"distribution.placement": "colocated", "rollout.sleep": "on"})
     assert resolve_rollout_sleep(colocated, gpus=False) and resolve_rollout_sleep(colocated, gpus=True)
-    assert not resolve_rollout_sleep(RLConfig(placement="colocated"), gpus=False)  # CPUs: nothing to gain
-    assert resolve_rollout_sleep(RLConfig(placement="colocated"), gpus=True)
+    assert not resolve_rollout_sleep(build_config(RLConfig, "rl", {"distribution.placement": "colocated"}), gpus=False)  # CPUs: nothing to gain
+    assert resolve_rollout_sleep(build_config(RLConfig, "rl", {"distribution.placement": "colocated"}), gpus=True)
     for kw in ({"placement": "disaggregated"}, {"placement": "colocated", "lora_rank": 4},
                {"placement": "colocated", "rollout_engine": "vllm"}, {"placement": "colocated", "rollout_sleep": "off"}):
-        assert not resolve_rollout_sleep(RLConfig(**kw), gpus=True), kw
-    with pytest.raises(ConfigError, match=r"rl.rollout_sleep: must be auto, on or off, got 'yes'"):
-        RLConfig(rollout_sleep="yes")
-    with pytest.raises(ConfigError, match=r"rl.rollout_sleep: on frees colocated Ray replicas' weights"):
-        RLConfig(rollout_sleep="on", placement="disaggregated")
-    with pytest.raises(ConfigError, match=r"rl.rollout_sleep: on needs a sync of the whole weights"):
-        RLConfig(rollout_sleep="on", placement="colocated", lora_rank=4)
-    with pytest.raises(ConfigError, match=r"rl.rollout_sleep: on needs the hf or static engine"):
-        RLConfig(rollout_sleep="on", placement="colocated", rollout_engine="vllm")
+        assert not resolve_rollout_sleep(build_config(RLConfig, "rl", {**kw}), gpus=True), kw
+    with pytest.raises(ConfigError, match=r"rl.rollout.sleep: must be auto, on or off, got 'yes'"):
+        build_config(RLConfig, "rl", {"rollout.sleep": "yes"})
+    with pytest.raises(ConfigError, match=r"rl.rollout.sleep: on frees colocated Ray replicas' weights"):
+        build_config(RLConfig, "rl", {"rollout.sleep": "on", "distribution.placement": "disaggregated"})
+    with pytest.raises(ConfigError, match=r"rl.rollout.sleep: on needs a sync of the whole weights"):
+        build_config(RLConfig, "rl", {"rollout.sleep": "on", "distribution.placement": "colocated", "lora_rank": 4})
+    with pytest.raises(ConfigError, match=r"rl.rollout.sleep: on needs the hf or static engine"):
+        build_config(RLConfig, "rl", {"rollout.sleep": "on", "distribution.placement": "colocated", "rollout.engine": "vllm"})
 
 
 def test_rl_policy_objective_and_its_clip_fields():
@@ -174,17 +174,17 @@ def test_rl_policy_objective_and_its_clip_fields():
     bounds PPO's unclipped branch, is refused for cispo (its clipped weight has no such branch)."""
     from rlhf_core.config import RLConfig
 
-    assert RLConfig().policy_objective == "ppo_clip"
-    assert (RLConfig().gspo_clip_low, RLConfig().gspo_clip_high) == (3e-4, 4e-4)
-    assert RLConfig(policy_objective="gspo", dual_clip=3.0).policy_objective == "gspo"
-    with pytest.raises(ConfigError, match=r"rl.policy_objective: must be one of \['ppo_clip', 'gspo', 'cispo'\]"):
-        RLConfig(policy_objective="grpo")
-    with pytest.raises(ConfigError, match=r"rl.gspo_clip_low: must be in \[0, 1\), got 1.0"):
-        RLConfig(policy_objective="gspo", gspo_clip_low=1.0)
-    with pytest.raises(ConfigError, match=r"rl.gspo_clip_high: must be >= 0"):
-        RLConfig(gspo_clip_high=-1e-4)
-    with pytest.raises(ConfigError, match=r"rl.dual_clip: must be 0 with policy_objective cispo"):
-        RLConfig(policy_objective="cispo", dual_clip=3.0)
+    assert RLConfig().algorithm.policy_objective == "ppo_clip"
+    assert (RLConfig().algorithm.gspo_clip_low, RLConfig().algorithm.gspo_clip_high) == (3e-4, 4e-4)
+    assert build_config(RLConfig, "rl", {"algorithm.policy_objective": "gspo", "algorithm.dual_clip": 3.0}).algorithm.policy_objective == "gspo"
+    with pytest.raises(ConfigError, match=r"rl.algorithm.policy_objective: must be one of \['ppo_clip', 'gspo', 'cispo'\]"):
+        build_config(RLConfig, "rl", {"algorithm.policy_objective": "grpo"})
+    with pytest.raises(ConfigError, match=r"rl.algorithm.gspo_clip_low: must be in \[0, 1\), got 1.0"):
+        build_config(RLConfig, "rl", {"algorithm.policy_objective": "gspo", "algorithm.gspo_clip_low": 1.0})
+    with pytest.raises(ConfigError, match=r"rl.algorithm.gspo_clip_high: must be >= 0"):
+        build_config(RLConfig, "rl", {"algorithm.gspo_clip_high": -1e-4})
+    with pytest.raises(ConfigError, match=r"rl.algorithm.dual_clip: must be 0 with algorithm.policy_objective cispo"):
+        build_config(RLConfig, "rl", {"algorithm.policy_objective": "cispo", "algorithm.dual_clip": 3.0})
 
 
 def test_async_training_and_sequence_masking_fields_are_checked():
@@ -193,18 +193,18 @@ def test_async_training_and_sequence_masking_fields_are_checked():
     mis_threshold is 0 (off) or a band edge > 1, and needs pi_old recomputed as well."""
     from rlhf_core.config import ConfigError, RLConfig
 
-    assert (RLConfig().max_staleness, RLConfig().mis_threshold) == (0, 0.0)
-    assert RLConfig(max_staleness=2, placement="disaggregated", mis_threshold=2.0).max_staleness == 2
-    with pytest.raises(ConfigError, match=r"rl.max_staleness: must be an integer >= 0 \(0 = synchronous\), got -1"):
-        RLConfig(max_staleness=-1)
-    with pytest.raises(ConfigError, match=r"rl.max_staleness: needs recompute_old_logprobs: true"):
-        RLConfig(max_staleness=1, recompute_old_logprobs=False)
-    with pytest.raises(ConfigError, match=r"rl.max_staleness: overlaps generation with the update, but colocated"):
-        RLConfig(max_staleness=1, placement="colocated")
-    with pytest.raises(ConfigError, match=r"rl.mis_threshold: must be 0 \(off\) or > 1"):
-        RLConfig(mis_threshold=0.5)
-    with pytest.raises(ConfigError, match=r"rl.mis_threshold: needs recompute_old_logprobs: true"):
-        RLConfig(mis_threshold=2.0, recompute_old_logprobs=False)
+    assert (RLConfig().off_policy.max_staleness, RLConfig().off_policy.mis_threshold) == (0, 0.0)
+    assert build_config(RLConfig, "rl", {"off_policy.max_staleness": 2, "distribution.placement": "disaggregated", "off_policy.mis_threshold": 2.0}).off_policy.max_staleness == 2
+    with pytest.raises(ConfigError, match=r"rl.off_policy.max_staleness: must be an integer >= 0 \(0 = synchronous\), got -1"):
+        build_config(RLConfig, "rl", {"off_policy.max_staleness": -1})
+    with pytest.raises(ConfigError, match=r"rl.off_policy.max_staleness: needs off_policy.recompute_old_logprobs: true"):
+        build_config(RLConfig, "rl", {"off_policy.max_staleness": 1, "off_policy.recompute_old_logprobs": False})
+    with pytest.raises(ConfigError, match=r"rl.off_policy.max_staleness: overlaps generation with the update, but colocated"):
+        build_config(RLConfig, "rl", {"off_policy.max_staleness": 1, "distribution.placement": "colocated"})
+    with pytest.raises(ConfigError, match=r"rl.off_policy.mis_threshold: must be 0 \(off\) or > 1"):
+        build_config(RLConfig, "rl", {"off_policy.mis_threshold": 0.5})
+    with pytest.raises(ConfigError, match=r"rl.off_policy.mis_threshold: needs off_policy.recompute_old_logprobs: true"):
+        build_config(RLConfig, "rl", {"off_policy.mis_threshold": 2.0, "off_policy.recompute_old_logprobs": False})
 
 
 def test_on_policy_distillation_fields_are_checked():
@@ -212,20 +212,19 @@ def test_on_policy_distillation_fields_are_checked():
     dynamic sampling (a reward tie says nothing of the teacher's signal); it runs under Ray placement too."""
     from rlhf_core.config import ConfigError, RLConfig
 
-    cfg = RLConfig(estimator="distill", teacher_model_path="models/teacher", distill_reward_coef=0.5,
-                   kl_in_reward=True, kl_estimator="k1")
-    assert cfg.teacher_model_path == "models/teacher" and cfg.distill_reward_coef == 0.5
-    with pytest.raises(ConfigError, match=r"rl.teacher_model_path: must name the teacher's model directory"):
-        RLConfig(estimator="distill")
-    with pytest.raises(ConfigError, match=r"rl.teacher_model_path: is only used by estimator distill"):
-        RLConfig(teacher_model_path="models/teacher")
-    with pytest.raises(ConfigError, match=r"rl.distill_reward_coef: is only used by estimator distill"):
-        RLConfig(distill_reward_coef=1.0)
-    with pytest.raises(ConfigError, match=r"rl.distill_reward_coef: must be >= 0"):
-        RLConfig(estimator="distill", teacher_model_path="t", distill_reward_coef=-1.0)
-    with pytest.raises(ConfigError, match=r"rl.dynamic_sampling: drops groups"):
-        RLConfig(estimator="distill", teacher_model_path="t", dynamic_sampling=True)
-    assert RLConfig(estimator="distill", teacher_model_path="t", placement="colocated").placement == "colocated"
+    cfg = build_config(RLConfig, "rl", {"algorithm.estimator": "distill", "distill.teacher_model_path": "models/teacher", "distill.reward_coef": 0.5, "kl.in_reward": True, "kl.estimator": "k1"})
+    assert cfg.distill.teacher_model_path == "models/teacher" and cfg.distill.reward_coef == 0.5
+    with pytest.raises(ConfigError, match=r"rl.distill.teacher_model_path: must name the teacher's model directory"):
+        build_config(RLConfig, "rl", {"algorithm.estimator": "distill"})
+    with pytest.raises(ConfigError, match=r"rl.distill.teacher_model_path: is only used by estimator distill"):
+        build_config(RLConfig, "rl", {"distill.teacher_model_path": "models/teacher"})
+    with pytest.raises(ConfigError, match=r"rl.distill.reward_coef: is only used by estimator distill"):
+        build_config(RLConfig, "rl", {"distill.reward_coef": 1.0})
+    with pytest.raises(ConfigError, match=r"rl.distill.reward_coef: must be >= 0"):
+        build_config(RLConfig, "rl", {"algorithm.estimator": "distill", "distill.teacher_model_path": "t", "distill.reward_coef": -1.0})
+    with pytest.raises(ConfigError, match=r"rl.dapo.dynamic_sampling: drops groups"):
+        build_config(RLConfig, "rl", {"algorithm.estimator": "distill", "distill.teacher_model_path": "t", "dapo.dynamic_sampling": True})
+    assert build_config(RLConfig, "rl", {"algorithm.estimator": "distill", "distill.teacher_model_path": "t", "distribution.placement": "colocated"}).distribution.placement == "colocated"
 
 
 def test_compile_layers_switch_reads_yaml_booleans_and_resolves_by_setting():

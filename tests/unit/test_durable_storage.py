@@ -24,7 +24,7 @@ import torch
 from rlhf_core.tracking import lineage
 from rlhf_core.tracking.checkpoint import StorageError, run_fingerprint, storage_errno, storage_guard, sweep_temps, temp_sibling
 from rlhf_core.tracking.manifest import read_manifest, verify_manifest, write_manifest
-from rlhf_core.config import RLConfig
+from rlhf_core.config import RLConfig, build_config
 
 needs_dev_full = pytest.mark.skipif(not (os.path.exists("/dev/full") and stat.S_ISCHR(os.stat("/dev/full").st_mode)),
                                     reason="the /dev/full device (Linux) gives a real ENOSPC")
@@ -92,9 +92,7 @@ def test_storage_error_is_permanent_for_prefect_and_survives_pickling():
 
 
 def _rl_cfg(tmp_path, reward_file):
-    return RLConfig(model_path=str(tmp_path / "model"), prompts_file=str(tmp_path / "prompts.jsonl"),
-                    reward_function=f"{reward_file}:reward", output_dir=str(tmp_path / "out"),
-                    checkpoint_dir=str(tmp_path / "ckpt"))
+    return build_config(RLConfig, "rl", {"model_path": str(tmp_path / "model"), "prompts_file": str(tmp_path / "prompts.jsonl"), "reward.function": f"{reward_file}:reward", "output_dir": str(tmp_path / "out"), "checkpoint_dir": str(tmp_path / "ckpt")})
 
 
 def test_fingerprint_follows_the_reward_files_bytes_not_its_timestamp(tmp_path):

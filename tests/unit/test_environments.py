@@ -16,7 +16,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from rlhf_core.config import ConfigError, RLConfig, ToolGenerateConfig
+from rlhf_core.config import ConfigError, RLConfig, build_config, ToolGenerateConfig
 from rlhf_core.rollout.environments import EnvironmentFailure, StepResult, environment_factory
 from rlhf_core.algorithms.rl_math import compute_advantages, gae, policy_loss
 from rlhf_core.embedded.tasks import Problem
@@ -97,17 +97,17 @@ def test_policy_loss_has_no_gradient_on_observation_tokens():
 
 
 def test_rl_config_rejects_bad_environment_settings():
-    with pytest.raises(ConfigError, match="environment: must be path/to/env.py:function"):
-        RLConfig(environment="env.py")
+    with pytest.raises(ConfigError, match="environment.spec: must be path/to/env.py:function"):
+        build_config(RLConfig, "rl", {"environment.spec": "env.py"})
     with pytest.raises(ConfigError, match="environment_stop_tokens"):
-        RLConfig(environment="http://127.0.0.1:9/step")
+        build_config(RLConfig, "rl", {"environment.spec": "http://127.0.0.1:9/step"})
     with pytest.raises(ConfigError, match="max_turns"):
-        RLConfig(environment="env.py:make_env", max_turns=0)
+        build_config(RLConfig, "rl", {"environment.spec": "env.py:make_env", "environment.max_turns": 0})
     # multi-turn rollouts run under Ray placement too (the environment stays in the controller)
-    assert RLConfig(environment="env.py:make_env", placement="colocated").placement == "colocated"
+    assert build_config(RLConfig, "rl", {"environment.spec": "env.py:make_env", "distribution.placement": "colocated"}).distribution.placement == "colocated"
     with pytest.raises(ConfigError, match="environment_stop_tokens"):
-        RLConfig(environment_stop_tokens=["</calc>"])
-    assert RLConfig(environment="env.py:make_env").max_turns == 2
+        build_config(RLConfig, "rl", {"environment.stop_tokens": ["</calc>"]})
+    assert build_config(RLConfig, "rl", {"environment.spec": "env.py:make_env"}).environment.max_turns == 2
 
 
 # ---- an HTTP environment that is down, slow or returns garbage -----------------------------------------

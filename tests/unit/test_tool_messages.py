@@ -1,4 +1,4 @@
-"""Tool turns as chat-template ``tool`` messages (``rl.tool_messages``), without a model: the text a template puts
+"""Tool turns as chat-template ``tool`` messages (``rl.environment.tool_messages``), without a model: the text a template puts
 between an assistant turn's end and the next assistant turn, the mode's resolution and checks, and the rollout's
 bookkeeping with a scripted engine.
 
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlhf_core.config import ConfigError, RLConfig
+from rlhf_core.config import ConfigError, RLConfig, build_config
 from rlhf_core.data.formats import PromptExample
 from rlhf_core.data.io import DataError
 from rlhf_core.rollout.environments import (OBSERVATION, StepResult, rollout_with_environment, tool_conversations,
@@ -83,11 +83,11 @@ def test_auto_is_chat_only_for_conversations_with_a_template_of_the_tokenizer_s_
 
 
 def test_config_names_the_field():
-    with pytest.raises(ConfigError, match=r"rl.tool_messages: must be one of \['auto', 'text', 'chat'\]"):
-        RLConfig(environment="env.py:make_env", tool_messages="tool")
-    with pytest.raises(ConfigError, match="rl.tool_messages: is only used with an environment"):
-        RLConfig(tool_messages="chat")
-    assert RLConfig(environment="env.py:make_env", tool_messages="chat").tool_messages == "chat"
+    with pytest.raises(ConfigError, match=r"rl.environment.tool_messages: must be one of \['auto', 'text', 'chat'\]"):
+        build_config(RLConfig, "rl", {"environment.spec": "env.py:make_env", "environment.tool_messages": "tool"})
+    with pytest.raises(ConfigError, match="rl.environment.tool_messages: is only used with an environment"):
+        build_config(RLConfig, "rl", {"environment.tool_messages": "chat"})
+    assert build_config(RLConfig, "rl", {"environment.spec": "env.py:make_env", "environment.tool_messages": "chat"}).environment.tool_messages == "chat"
 
 
 class _Scripted:

@@ -1,12 +1,12 @@
 """The bucket helpers of the collective weight sync (rlhf_core/distributed/weight_sync.py) on hand-made tensors, the one place
-``rl.weight_sync: auto`` is decided, and the config's checks. The group itself: tests/model/test_weight_sync.py."""
+``rl.distribution.weight_sync: auto`` is decided, and the config's checks. The group itself: tests/model/test_weight_sync.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from rlhf_core.config import ConfigError, RLConfig
+from rlhf_core.config import ConfigError, RLConfig, build_config
 from rlhf_core.distributed.weight_sync import (SyncPath, TensorSpec, WeightSync, bucket_views, buffer_numels, flatten_bucket,
                                    plan_layout, resolve_path, unflatten_bucket)
 
@@ -62,10 +62,10 @@ def test_auto_picks_ipc_beside_collective_apart_object_store_on_cpus(choice, gpu
 
 def test_config_rejects_an_unknown_sync_and_collective_where_it_cannot_work():
     base = dict(prompts_file="p.jsonl", placement="disaggregated")
-    assert RLConfig(**base, weight_sync="collective").weight_sync == "collective"
-    with pytest.raises(ConfigError, match="rl.weight_sync: must be one of"):
-        RLConfig(**base, weight_sync="nccl")
+    assert build_config(RLConfig, "rl", {**base, "distribution.weight_sync": "collective"}).distribution.weight_sync == "collective"
+    with pytest.raises(ConfigError, match="rl.distribution.weight_sync: must be one of"):
+        build_config(RLConfig, "rl", {**base, "distribution.weight_sync": "nccl"})
     with pytest.raises(ConfigError, match="placement none"):
-        RLConfig(prompts_file="p.jsonl", weight_sync="collective")
+        build_config(RLConfig, "rl", {"prompts_file": "p.jsonl", "distribution.weight_sync": "collective"})
     with pytest.raises(ConfigError, match="LoRA"):
-        RLConfig(**base, weight_sync="collective", lora_rank=4)
+        build_config(RLConfig, "rl", {**base, "distribution.weight_sync": "collective", "lora_rank": 4})
