@@ -59,7 +59,7 @@ def main() -> int:
     overrides = {}
     if args.root:
         root = Path(args.root)
-        overrides = {"model_path": str(root / "models/sft"), "reward_model_path": str(root / "models/reward"),
+        overrides = {"model_path": str(root / "models/sft"), "reward.model_path": str(root / "models/reward"),
                      "prompts_file": str(root / "data/embedded/prompts.jsonl"),
                      "eval_file": str(root / "data/embedded/eval.jsonl")}
     overrides.update(parse_overrides(args.set))

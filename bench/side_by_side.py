@@ -822,7 +822,7 @@ def _ours_grpo(task: dict, common: dict, sink: Any, work: Path) -> dict:
     """One GRPO run of ours (one process, or Ray ranks with colocated replicas): its step times and phases."""
     import torch
 
-    from rlhf_core.config import RLConfig, build_config
+    from rlhf_core.config import RENAMED, RLConfig, build_config, config_params
     from rlhf_core.trainers.rl import train_rl
 
     inputs = task["inputs"]
@@ -859,7 +859,7 @@ def _ours_grpo(task: dict, common: dict, sink: Any, work: Path) -> dict:
             "logprob_mismatch": [m.get("rollout/logprob_mismatch") for m in steps],
             "engine": "alignflow StaticCacheEngine" + (" + CUDA graphs" if torch.cuda.is_available() else ""),
             "launch": f"Ray, colocated, {inputs['parallel']}" if on_ray else "one process",
-            "settings": {k: getattr(cfg, k) for k in ("precision", "gradient_checkpointing", "fused_kernels",
+            "settings": {k: config_params(cfg)[RENAMED.get(k, k)] for k in ("precision", "gradient_checkpointing", "fused_kernels",
                                                       "compile_layers", "lm_head", "packing", "num_workers", "parallel",
                                                       "micro_batch_size", "mini_batch_size", "kl_coef",
                                                       "lora_rank", "rollout_workers", "rollout_sleep",
@@ -909,7 +909,7 @@ def _ours_offline(task: dict, common: dict, sink: Any, work: Path) -> dict:
             # decoder-layer attention calls by path in this process (packed rows on a GPU: varlen); one rank's
             # under Ray ranks live in other processes, so both stay 0 there
             "attention_layer_calls": dict(attention.calls),
-            "settings": {k: getattr(cfg, k) for k in ("precision", "gradient_checkpointing", "fused_kernels",
+            "settings": {k: config_params(cfg)[RENAMED.get(k, k)] for k in ("precision", "gradient_checkpointing", "fused_kernels",
                                                       "compile_layers", "lm_head", "packing", "micro_batch_tokens",
                                                       "num_workers", "parallel", "batch_size", "grad_accum",
                                                       "max_length", "weight_decay")},

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core.common.redact import redact_secrets
+from rlhf_core.config import SECTIONS, section_fields
 
 ABSENT = object()  # a field on one side only (not a string: a stored "<absent>" is just a value)
 SECRET_WORDS = {"token", "secret", "password", "passwd", "apikey", "credential", "credentials"}
@@ -93,6 +94,7 @@ def why_untrusted(section: str, field: str, values: list[Any], worktree: Path) -
     """Why a difference in ``section.field`` may only come from a trusted store, or None.
     ``naming setting`` only for a plain name on both sides (:data:`PLAIN_NAME`)."""
     strings = [s for v in values for s in strings_in(v)]
+    field = field.replace(".", "_")  # a field within a section by its whole name: reward.token_env -> reward_token_env
     if (section, field) in NAMING_FIELDS:
         plain = all(v is ABSENT or (isinstance(v, str) and PLAIN_NAME.match(v)) for v in values)
         return NAMING if plain else "tracking setting"
@@ -113,6 +115,21 @@ def why_untrusted(section: str, field: str, values: list[Any], worktree: Path) -
     return None
 
 
+def _flat(section: str, values: dict[str, Any]) -> dict[str, Any]:
+    """A section's fields field by field: a section within it (rl's ``kl: {coef: ..}``) as dotted names
+    (``kl.coef``), an old flat name of such a field as its dotted one (``kl_coef``, the class's ``renamed``), so
+    a record from before rl's fields were grouped compares with a commit from after."""
+    cls = SECTIONS.get(section)
+    inner, renamed = section_fields(cls) if cls else {}, getattr(cls, "renamed", {})
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if key in inner and isinstance(value, dict):
+            out.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            out[renamed.get(key, key)] = value
+    return out
+
+
 def review_config(stored: dict[str, Any], commit: dict[str, Any], worktree: Path,
                   store_is_local: bool = False) -> ConfigReview:
     """Compare the stored params (``reproduce.json``) with the commit's ``params.yaml`` plus its
@@ -120,6 +137,8 @@ def review_config(stored: dict[str, Any], commit: dict[str, Any], worktree: Path
     worktree. ``store_is_local``: the store is this project's SQLite file (:func:`local_store`), so a
     naming difference is allowed."""
     review = ConfigReview([], [], [])
+    stored = {section: _flat(section, values) for section, values in stored.items()}
+    commit = {section: _flat(section, values) for section, values in commit.items()}
     for section in sorted(set(stored) | set(commit)):
         ours, theirs = stored.get(section, {}), commit.get(section, {})
         for field in sorted(set(ours) | set(theirs)):

@@ -208,7 +208,7 @@ def _regroup(cls: type, section: str, values: dict[str, Any], source: str,
     renamed: dict[str, str] = getattr(cls, "renamed", {})
     sections = section_fields(cls)
     out: dict[str, Any] = {}
-    given: dict[str, str] = {}  # new name -> the key it was given as
+    given: dict[str, tuple[str, bool]] = {}  # new name -> the key it was given as, and whether overridden
     moved: set[str] = set()
     for key, value in values.items():
         where = OVERRIDE_SOURCE if key in overridden else source
@@ -228,12 +228,13 @@ def _regroup(cls: type, section: str, values: dict[str, Any], source: str,
         else:
             items = {name: value}
         for full, v in items.items():
-            if full in given and (key in overridden) == (given[full] in overridden):
-                raise ConfigError(f"{where}: {section}.{full} is given twice, as {section}.{given[full]} and "
-                                  f"{section}.{key}; keep {section}.{full}")
+            label = full if key == head else key  # as the source spelled it: kl_coef, kl.coef, or kl: {coef: }
+            if full in given and (key in overridden) == given[full][1]:
+                raise ConfigError(f"{where}: {section}.{full} is given twice, as {section}.{given[full][0]} and "
+                                  f"{section}.{label}; keep {section}.{full}")
             if full in given and key not in overridden:
                 continue  # the file's value, already overridden on the command line
-            given[full] = key if key != head else full
+            given[full] = (label, key in overridden)
             sub, field_name = full.split(".", 1)
             out.setdefault(sub, {})[field_name] = v
             if key in overridden:

@@ -99,13 +99,13 @@ def test_policy_loss_has_no_gradient_on_observation_tokens():
 def test_rl_config_rejects_bad_environment_settings():
     with pytest.raises(ConfigError, match="environment.spec: must be path/to/env.py:function"):
         build_config(RLConfig, "rl", {"environment.spec": "env.py"})
-    with pytest.raises(ConfigError, match="environment_stop_tokens"):
+    with pytest.raises(ConfigError, match="environment.stop_tokens"):
         build_config(RLConfig, "rl", {"environment.spec": "http://127.0.0.1:9/step"})
     with pytest.raises(ConfigError, match="max_turns"):
         build_config(RLConfig, "rl", {"environment.spec": "env.py:make_env", "environment.max_turns": 0})
     # multi-turn rollouts run under Ray placement too (the environment stays in the controller)
     assert build_config(RLConfig, "rl", {"environment.spec": "env.py:make_env", "distribution.placement": "colocated"}).distribution.placement == "colocated"
-    with pytest.raises(ConfigError, match="environment_stop_tokens"):
+    with pytest.raises(ConfigError, match="environment.stop_tokens"):
         build_config(RLConfig, "rl", {"environment.stop_tokens": ["</calc>"]})
     assert build_config(RLConfig, "rl", {"environment.spec": "env.py:make_env"}).environment.max_turns == 2
 

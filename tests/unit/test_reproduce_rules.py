@@ -204,13 +204,13 @@ def test_only_a_sqlite_file_inside_the_project_is_a_local_store(tmp_path):
     ("cycles", "registered_model", "https://evil/x", False),
     ("tracking", "tracking_uri", "sqlite:///elsewhere.db", False),  # a tracking target, not a name
     ("tracking", "artifact_dir", "/srv/artifacts", False),
-    ("rl", "reward_function", "other.py:reward", False),
+    ("rl", "reward.function", "other.py:reward", False),
 ])
 def test_naming_settings_need_no_trust_only_for_the_projects_own_store(tmp_path, section, field, value, relaxed):
     commit = {"tracking": {"experiment": "alignflow", "registered_model": "alignflow-sft", "tracking_uri": "",
                            "artifact_dir": "mlartifacts"},
               "cycles": {"registered_model": "alignflow-policy"},
-              "rl": {"reward_function": "rlhf_core/embedded/reward.py:reward"}}
+              "rl": {"reward": {"function": "rlhf_core/embedded/reward.py:reward"}}}
     stored = json.loads(json.dumps(commit))
     stored[section][field] = value
     local = review_config(stored, commit, tmp_path, store_is_local=True)
