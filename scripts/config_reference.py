@@ -38,7 +38,9 @@ HEADER = f"""# Configuration reference
 holds only what differs from these defaults. A section may group its fields in sections of its own (`rl`:
 `rollout`, `kl` ...), nested in `params.yaml` (`kl: {{coef: 0.1}}`) and dotted on the command line
 (`--set kl.coef=0.1`). A changed default reaches DVC too: the config package (`rlhf_core/config/`) is a
-dependency of every stage in `dvc.yaml`, so `dvc repro` reruns the stages a changed default may change.
+dependency of every stage in `dvc.yaml`, so `dvc repro` reruns the stages a changed default may change. A
+section whose fields all take their defaults stays in `params.yaml` as `name: {{}}`: a stage in `dvc.yaml`
+lists its params by section name, and `dvc status` reports a section missing from the file as deleted.
 Override any field on the command line: `--set field=value` on a stage command (`--set sft.field=value`
 names the section too), `--set section.field=value` on `alignflow flow ...`. A stage command's
 `--help` lists its section's fields too (`alignflow sft --help`). Invalid values fail before anything

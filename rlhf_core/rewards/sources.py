@@ -271,7 +271,7 @@ def _read_token(name: str) -> str:
     """The bearer token in environment variable ``name``, registered for redaction."""
     value = os.environ.get(name, "")
     if not value:
-        raise RewardError(f"reward_token_env: environment variable {name} is not set (or is empty); export the "
+        raise RewardError(f"reward.token_env: environment variable {name} is not set (or is empty); export the "
                           f"reward server's token under that name")
     register_secret(value)
     return value

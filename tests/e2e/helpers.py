@@ -27,8 +27,8 @@ MICRO_PARAMS = {
     "rejection": {"n_samples": 4, "max_prompts": 30},
     "raft": {"max_steps": 6, "batch_size": 16, "warmup_steps": 1, "eval_items": 40},
     "distill": {"max_steps": 6, "batch_size": 16, "warmup_steps": 1, "eval_items": 40},
-    "rl": {"max_steps": 2, "prompts_per_step": 4, "group_size": 4, "eval_items": 40, "mini_batch_size": 16,
-           "save_every": 0},
+    "rl": {"max_steps": 2, "rollout": {"prompts_per_step": 4, "group_size": 4}, "eval_items": 40,
+           "algorithm": {"mini_batch_size": 16}, "save_every": 0},
     "evaluate": {"max_items": 40},
     "tracking": {"experiment": "alignflow-test"},
     # Micro models cannot gain 2 standard errors in a few steps: the guards are computed and logged (and the
@@ -44,7 +44,8 @@ def write_micro_params(folder: Path) -> Path:
     """The shipped params.yaml with micro sizes merged in."""
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     for section, values in MICRO_PARAMS.items():
-        params[section].update(values)
+        for key, value in values.items():  # a section within one (rl's rollout) merged, not replaced
+            params[section][key] = {**params[section].get(key, {}), **value} if isinstance(value, dict) else value
     out = folder / "params.yaml"
     out.write_text(yaml.safe_dump(params, sort_keys=False))
     return out

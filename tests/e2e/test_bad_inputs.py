@@ -46,7 +46,7 @@ def dpo(content: bytes, expect: str) -> Case:
 
 
 def rl_reward(code: str, expect: str) -> Case:
-    return Case(["rl", "--set", "reward_function={bad}:reward"], code.encode(), expect, suffix=".py")
+    return Case(["rl", "--set", "reward.function={bad}:reward"], code.encode(), expect, suffix=".py")
 
 
 CASES: dict[str, Case] = {
@@ -98,12 +98,12 @@ CASES: dict[str, Case] = {
                                      r"bad\.py.*returned 1 rewards? for \d+ samples"),
     "reward_nan": rl_reward("def reward(prompts, completions, labels):\n    return [float('nan')] * len(prompts)\n",
                             r"bad\.py.*sample 0: reward nan is not finite"),
-    "reward_function_missing": Case(["rl", "--set", "reward_function={bad}:score"], b"def reward(p, c, l):\n    return []\n",
+    "reward_function_missing": Case(["rl", "--set", "reward.function={bad}:score"], b"def reward(p, c, l):\n    return []\n",
                                     r"bad\.py.*score", suffix=".py"),
     # ---- reward-server replies ----------------------------------------------------------------
-    "server_wrong_length": Case(["rl", "--set", "reward_kind=http", "--set", "reward_url={url}"], None,
+    "server_wrong_length": Case(["rl", "--set", "reward.kind=http", "--set", "reward.url={url}"], None,
                                 r"127\.0\.0\.1:\d+/score.*returned 1 rewards for \d+ samples"),
-    "server_not_json": Case(["rl", "--set", "reward_kind=http", "--set", "reward_url={url_html}"], None,
+    "server_not_json": Case(["rl", "--set", "reward.kind=http", "--set", "reward.url={url_html}"], None,
                             r"127\.0\.0\.1:\d+/html.*not JSON"),
 }
 
@@ -150,8 +150,8 @@ def project(isolated_project, micro_model, micro_data):
     params = {
         "sft": {**common, "train_file": str(micro_data["sft"]), "batch_size": 8},
         "dpo": {**common, "train_file": str(micro_data["preferences"]), "batch_size": 8},
-        "rl": {**common, "prompts_file": str(micro_data["prompts"]), "prompts_per_step": 2, "group_size": 2,
-               "mini_batch_size": 4, "max_new_tokens": 4, "eval_at_start": False},
+        "rl": {**common, "prompts_file": str(micro_data["prompts"]), "rollout.prompts_per_step": 2, "rollout.group_size": 2,
+               "algorithm.mini_batch_size": 4, "rollout.max_new_tokens": 4, "eval_at_start": False},
         "tracking": {"experiment": "bad-inputs"},
     }
     (isolated_project / "params.yaml").write_text(yaml.safe_dump(params))
@@ -169,12 +169,12 @@ def test_bad_input_is_refused_with_its_source(name, project, bad_server, micro_m
     subst = {"bad": bad, "nomodel": nomodel, "missing": project / "missing-model",
              "url": f"{bad_server.base}/score", "url_html": f"{bad_server.base}/html"}
     argv = [a.format(**subst) for a in case.argv]
-    if argv[0] == "rl" and "reward_function" not in " ".join(argv):
+    if argv[0] == "rl" and "reward.function" not in " ".join(argv):
         reward = project / "ok_reward.py"
         reward.write_text("def reward(prompts, completions, labels):\n    return [0.0] * len(prompts)\n")
-        argv += ["--set", f"reward_function={reward}:reward"]
-    if argv[0] == "rl" and "reward_kind=http" in argv:
-        argv += ["--set", "reward_retries=0", "--set", "reward_timeout_s=5"]
+        argv += ["--set", f"reward.function={reward}:reward"]
+    if argv[0] == "rl" and "reward.kind=http" in argv:
+        argv += ["--set", "reward.retries=0", "--set", "reward.timeout_s=5"]
 
     code = main(argv)
     err = capsys.readouterr().err

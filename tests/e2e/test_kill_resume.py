@@ -41,9 +41,9 @@ def _sections(micro_model: Path, micro_data: dict[str, Path], project: Path) -> 
         "sft": {**common, "train_file": str(micro_data["sft"]), "max_steps": 80, "batch_size": 16, "save_every": 4},
         "dpo": {**common, "train_file": str(micro_data["preferences"]), "max_steps": 40, "batch_size": 8,
                 "save_every": 3, "beta": 0.5},
-        "rl": {**common, "prompts_file": str(micro_data["prompts"]), "reward_function": f"{reward}:reward",
-               "max_steps": 12, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 6, "batch_size": 64,
-               "mini_batch_size": 8, "eval_items": 8, "eval_at_start": False, "save_every": 2,
+        "rl": {**common, "prompts_file": str(micro_data["prompts"]), "reward.function": f"{reward}:reward",
+               "max_steps": 12, "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 6, "batch_size": 64,
+               "algorithm.mini_batch_size": 8, "eval_items": 8, "eval_at_start": False, "save_every": 2,
                "log_rollouts_every": 0},
     }
 

@@ -114,7 +114,7 @@ def test_a_tampered_reproduce_json_is_refused_before_anything_runs(committed_pro
     (precious / "keep.txt").write_text("mine")
     stored = _commit_params(project)
     stored["flow"]["stages"] = ["rl"]
-    stored["rl"]["reward_function"] = f"{evil}:reward"
+    stored["rl"]["reward"]["function"] = f"{evil}:reward"
     stored["rl"]["max_steps"] = 3  # an ordinary difference: shown, allowed
     stored["sft"]["output_dir"] = str(precious)
     run_id = _stored_run(project, stored, _git(project, "rev-parse", "HEAD"))
@@ -122,15 +122,15 @@ def test_a_tampered_reproduce_json_is_refused_before_anything_runs(committed_pro
     refused = _reproduce(project, run_id)
     assert refused.returncode != 0
     assert "rl.max_steps: 3 (stored) vs 2 (commit)" in refused.stdout  # the user always sees the difference
-    assert f'rl.reward_function: "{evil}:reward" (stored)' in refused.stdout
-    assert "rl.reward_function" in refused.stderr and "[code" in refused.stderr
+    assert f'rl.reward.function: "{evil}:reward" (stored)' in refused.stdout
+    assert "rl.reward.function" in refused.stderr and "[code" in refused.stderr
     assert "sft.output_dir" in refused.stderr and "--trust" in refused.stderr
     assert "rl.max_steps" not in refused.stderr
 
     trusted = _reproduce(project, run_id, "--trust")
     assert trusted.returncode != 0
     assert "sft.output_dir" in trusted.stderr and "even with --trust" in trusted.stderr
-    assert "rl.reward_function" not in trusted.stderr  # trusted: only the escape is refused
+    assert "rl.reward.function" not in trusted.stderr  # trusted: only the escape is refused
 
     assert not marker.exists()  # the tampered reward file never ran
     assert (precious / "keep.txt").read_text() == "mine"  # nor was the folder removed
@@ -158,8 +158,9 @@ def test_review_refuses_code_urls_tracking_and_escaping_outputs(tmp_path):
     which never pass."""
     worktree, outside = tmp_path / "worktree", tmp_path / "outside"
     worktree.mkdir(), outside.mkdir()
-    commit = {"rl": {"reward_function": "rlhf_core/embedded/reward.py:reward", "reward_url": "", "max_steps": 2,
-                     "lr": 3e-4, "max_new_tokens": 12, "output_dir": "models/rl", "model_path": "models/sft"},
+    commit = {"rl": {"reward": {"function": "rlhf_core/embedded/reward.py:reward", "url": ""}, "max_steps": 2,
+                     "lr": 3e-4, "rollout": {"max_new_tokens": 12}, "output_dir": "models/rl",
+                     "model_path": "models/sft"},
               "tracking": {"experiment": "alignflow"}, "flow": {"ray_address": ""}}
 
     def review(**changes):
@@ -169,13 +170,13 @@ def test_review_refuses_code_urls_tracking_and_escaping_outputs(tmp_path):
             stored[section][field] = value
         return review_config(stored, commit, worktree)
 
-    ordinary = review(rl__max_steps=5, rl__lr=1e-3, rl__max_new_tokens=16)  # as `--set` at the time would
+    ordinary = review(**{"rl__max_steps": 5, "rl__lr": 1e-3, "rl__rollout.max_new_tokens": 16})  # as `--set` at the time would
     assert len(ordinary.differences) == 3 and not ordinary.untrusted and not ordinary.escapes
     assert "rl.max_steps: 5 (stored) vs 2 (commit)" in ordinary.differences
     enforce(ordinary, trust=False, worktree=worktree)  # allowed, no --trust needed
 
-    for key, value, reason in (("rl__reward_function", "other.py:reward", "code"),
-                               ("rl__reward_url", "https://rm.example/score?token=s3cr3t-value", "URL"),
+    for key, value, reason in (("rl__reward.function", "other.py:reward", "code"),
+                               ("rl__reward.url", "https://rm.example/score?token=s3cr3t-value", "URL"),
                                ("flow__ray_address", "10.0.0.9:6379", "network"),
                                ("tracking__experiment", "elsewhere", "tracking"),
                                ("rl__output_dir", "models/rl2", "output path"),

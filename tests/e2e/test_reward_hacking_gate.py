@@ -35,8 +35,8 @@ def _rl(micro_model, micro_data, capsys, *extra) -> dict:
     from flows.cli import main
 
     code = main(["rl", "--set", f"model_path={micro_model}", "--set", f"prompts_file={micro_data['prompts']}",
-                 "--set", f"eval_file={micro_data['eval']}", "--set", "reward_function=zeros.py:reward",
-                 "--set", "max_steps=4", "--set", "prompts_per_step=8", "--set", "max_new_tokens=8",
+                 "--set", f"eval_file={micro_data['eval']}", "--set", "reward.function=zeros.py:reward",
+                 "--set", "max_steps=4", "--set", "rollout.prompts_per_step=8", "--set", "rollout.max_new_tokens=8",
                  "--set", "lr=0.01", "--set", "eval_items=50", "--set", "eval_at_start=false",
                  "--set", "checkpoint_dir=checkpoints/rl-guards", *extra, "--register", "policy"])
     out = capsys.readouterr().out
@@ -47,7 +47,7 @@ def _rl(micro_model, micro_data, capsys, *extra) -> dict:
 def test_a_hacked_reward_fires_the_guard_and_the_version_is_not_promoted(project, micro_model, micro_data, capsys):
     from mlflow import MlflowClient
 
-    out = _rl(micro_model, micro_data, capsys, "--set", "kl_coef=0.01")
+    out = _rl(micro_model, micro_data, capsys, "--set", "kl.coef=0.01")
     assert out["metrics"]["guard/reward_hacking_fired"] == 1.0
     assert out["metrics"]["guard/reward_delta"] > 2 * out["metrics"]["guard/reward_delta_se"]
     assert out["metrics"]["guard/eval_delta"] <= 2 * out["metrics"]["guard/eval_delta_se"]

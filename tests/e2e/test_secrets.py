@@ -1,5 +1,5 @@
 """No secrets in MLflow, logs, errors or model folders: a reward-server URL with credentials or a
-query token, and a token passed by environment-variable name (``reward_token_env``)."""
+query token, and a token passed by environment-variable name (``reward.token_env``)."""
 
 from __future__ import annotations
 
@@ -129,12 +129,12 @@ def test_redaction_of_registered_secrets_and_env_names():
 
 
 def test_reward_token_env_must_name_a_set_variable(monkeypatch):
-    base = dict(reward_kind="http", reward_url="http://127.0.0.1:9/score")
+    base = {"reward.kind": "http", "reward.url": "http://127.0.0.1:9/score"}
     monkeypatch.delenv("ALIGNFLOW_UNSET_TOKEN", raising=False)
-    with pytest.raises(ConfigError, match=r"rl\.reward_token_env: environment variable ALIGNFLOW_UNSET_TOKEN is not "
+    with pytest.raises(ConfigError, match=r"rl\.reward\.token_env: environment variable ALIGNFLOW_UNSET_TOKEN is not "
                                           r"set"):
         build_config(RLConfig, "rl", {**base, "reward.token_env": "ALIGNFLOW_UNSET_TOKEN"})
-    with pytest.raises(ConfigError, match=r"rl\.reward_token_env: must be the NAME of an environment variable") as err:
+    with pytest.raises(ConfigError, match=r"rl\.reward\.token_env: must be the NAME of an environment variable") as err:
         build_config(RLConfig, "rl", {**base, "reward.token_env": "tok-pasted-by-mistake"})  # the token itself, not a name
     assert "tok-pasted-by-mistake" not in str(err.value)
     monkeypatch.setenv(ENV_NAME, ENV_TOKEN)
@@ -179,8 +179,8 @@ def test_reward_url_secrets_stay_out_of_mlflow_and_the_model(isolated_project, m
         url = f"http://bob:{SECRETS[0]}@127.0.0.1:{server.server_address[1]}/score?token={SECRETS[1]}"
         (isolated_project / "params.yaml").write_text(yaml.safe_dump({
             "rl": {"model_path": str(micro_model), "prompts_file": str(micro_data["prompts"]),
-                   "eval_file": str(micro_data["eval"]), "reward_kind": "http", "reward_url": url, "max_steps": 1,
-                   "prompts_per_step": 2, "group_size": 2, "mini_batch_size": 4, "max_new_tokens": 4,
+                   "eval_file": str(micro_data["eval"]), "reward.kind": "http", "reward.url": url, "max_steps": 1,
+                   "rollout.prompts_per_step": 2, "rollout.group_size": 2, "algorithm.mini_batch_size": 4, "rollout.max_new_tokens": 4,
                    "eval_items": 8, "eval_at_start": False, "num_threads": 1},
             "tracking": {"experiment": "secrets", "log_model": False}}))
         assert main(["rl"]) == 0
@@ -209,9 +209,9 @@ def test_failing_rl_stage_leaks_no_token_to_stderr_or_mlflow(isolated_project, m
     url = f"http://127.0.0.1:{echo_server.port}/5xx?token={QUERY_TOKEN}"
     (isolated_project / "params.yaml").write_text(yaml.safe_dump({
         "rl": {"model_path": str(micro_model), "prompts_file": str(micro_data["prompts"]),
-               "eval_file": str(micro_data["eval"]), "reward_kind": "http", "reward_url": url,
-               "reward_token_env": ENV_NAME, "reward_retries": 0, "max_steps": 1, "prompts_per_step": 2,
-               "group_size": 2, "mini_batch_size": 4, "max_new_tokens": 4, "eval_items": 8, "eval_at_start": False,
+               "eval_file": str(micro_data["eval"]), "reward.kind": "http", "reward.url": url,
+               "reward.token_env": ENV_NAME, "reward.retries": 0, "max_steps": 1, "rollout.prompts_per_step": 2,
+               "rollout.group_size": 2, "algorithm.mini_batch_size": 4, "rollout.max_new_tokens": 4, "eval_items": 8, "eval_at_start": False,
                "num_threads": 1},
         "tracking": {"experiment": "secrets-fail", "log_model": False}}))
     echo_server.authorizations.clear()
@@ -222,7 +222,7 @@ def test_failing_rl_stage_leaks_no_token_to_stderr_or_mlflow(isolated_project, m
 
     client = MlflowClient(tracking_uri=f"sqlite:///{isolated_project / 'mlflow.db'}")
     [run] = client.search_runs([client.get_experiment_by_name("secrets-fail").experiment_id])
-    assert run.info.status == "FAILED" and run.data.params["reward_token_env"] == ENV_NAME
+    assert run.info.status == "FAILED" and run.data.params["reward.token_env"] == ENV_NAME
     stored = json.dumps({"params": run.data.params, "tags": run.data.tags})
     for secret in (QUERY_TOKEN, ENV_TOKEN):
         assert secret not in stored and secret not in printed.out and secret not in printed.err

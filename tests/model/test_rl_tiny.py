@@ -208,7 +208,7 @@ def test_rl_stage_gate_takes_label_less_prompts_only_with_a_reward_model(isolate
     assert (Path(result.outputs["model"]) / "model.safetensors").exists()
     assert math.isfinite(result.metrics["eval/reward_model_score"])
 
-    rule = _cfg(micro_model, micro_data, isolated_project / "rule", RLConfig.reward_function, prompts_file=str(bare))
+    rule = _cfg(micro_model, micro_data, isolated_project / "rule", RLConfig().reward.function, prompts_file=str(bare))
     with pytest.raises(ValidationFailed, match=r"prompt_only.jsonl:1: field 'label': missing"):
         stages.rl(rule, tracking, show_progress=False)
     assert not (isolated_project / "rule").exists()
