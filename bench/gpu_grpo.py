@@ -20,7 +20,8 @@ read ``perf/overlap_s``, ``perf/rollout_wait_s`` and the per-step ``perf/*_ts`` 
 
 Weight sync by NCCL broadcast (issue 19 item 5: seconds per sync <= 0.1 s for the 0.5B model, and
 ``rollout/logprob_mismatch`` unchanged): one policy rank on one GPU, one rollout replica on the other, weights
-from rank 0 to the replica through a group of their own (``rl.distribution.weight_sync``, ``rlhf_core/distributed/weight_sync.py``). On 2
+from rank 0 to the replica through a group of their own (``rl.distribution.weight_sync``,
+``rlhf_core/distributed/weight_sync.py``). On 2
 GPUs, the collective and the object store in one call (same machine, same seed), reading ``phase_s`` ->
 ``perf/weight_sync_s`` and ``logprob_mismatch`` of the two summaries::
 
@@ -179,7 +180,22 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="gpu-grpo-"))
     model_dir, prompts, reward = _inputs(args, work)
-    cfg = build_config(RLConfig, "rl", {"model_path": str(model_dir), "prompts_file": str(prompts), "eval_file": str(prompts), "output_dir": str(work / "out"), "checkpoint_dir": str(work / "ckpt"), "reward.function": f"{reward}:reward", "algorithm.estimator": "grpo", "max_steps": args.steps, "rollout.prompts_per_step": args.prompts, "rollout.group_size": args.group, "rollout.max_new_tokens": args.new_tokens, "max_length": args.new_tokens + 64, "batch_size": args.gen_batch, "algorithm.mini_batch_size": args.mini, "micro_batch_size": args.micro, "rollout.engine": args.engine, "algorithm.ppo_epochs": 1, "kl.coef": args.kl, "lr": 1e-6, "warmup_steps": 0, "eval_items": 1, "eval_at_start": False, "save_every": 0, "log_rollouts_every": 0, "precision": "auto", "distribution.placement": args.placement, "num_workers": args.workers, "distribution.rollout_workers": args.rollout_workers or args.workers, "parallel": args.parallel, "gradient_checkpointing": args.grad_ckpt, "off_policy.max_staleness": args.max_staleness, "distribution.weight_sync": args.weight_sync})
+    cfg = build_config(RLConfig, "rl", {"model_path": str(model_dir), "prompts_file": str(prompts),
+                                        "eval_file": str(prompts), "output_dir": str(work / "out"),
+                                        "checkpoint_dir": str(work / "ckpt"), "reward.function": f"{reward}:reward",
+                                        "algorithm.estimator": "grpo", "max_steps": args.steps,
+                                        "rollout.prompts_per_step": args.prompts, "rollout.group_size": args.group,
+                                        "rollout.max_new_tokens": args.new_tokens, "max_length": args.new_tokens + 64,
+                                        "batch_size": args.gen_batch, "algorithm.mini_batch_size": args.mini,
+                                        "micro_batch_size": args.micro, "rollout.engine": args.engine,
+                                        "algorithm.ppo_epochs": 1, "kl.coef": args.kl, "lr": 1e-6, "warmup_steps": 0,
+                                        "eval_items": 1, "eval_at_start": False, "save_every": 0,
+                                        "log_rollouts_every": 0, "precision": "auto",
+                                        "distribution.placement": args.placement, "num_workers": args.workers,
+                                        "distribution.rollout_workers": args.rollout_workers or args.workers,
+                                        "parallel": args.parallel, "gradient_checkpointing": args.grad_ckpt,
+                                        "off_policy.max_staleness": args.max_staleness,
+                                        "distribution.weight_sync": args.weight_sync})
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()

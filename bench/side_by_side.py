@@ -834,8 +834,24 @@ def _ours_grpo(task: dict, common: dict, sink: Any, work: Path) -> dict:
     b = s["grpo"]
     model, data = _paths(inputs, "grpo")
     rows = b["prompts_per_step"] * b["group_size"]
-    cfg = build_config(RLConfig, "rl", {"model_path": model, "prompts_file": data, "eval_file": data, "reward.function": _reward_file(work), "algorithm.estimator": "grpo", "max_steps": b["steps"], "rollout.prompts_per_step": b["prompts_per_step"], "rollout.group_size": b["group_size"], "rollout.max_new_tokens": b["max_new_tokens"], "rollout.temperature": b["temperature"], "kl.coef": b["beta"], "lr": b["lr"], "algorithm.mini_batch_size": rows, "micro_batch_size": task.get("micro_rows") or b["micro_rows"], "algorithm.ppo_epochs": 1, "batch_size": rows, "max_length": b["max_new_tokens"] + 64, "warmup_steps": 0, "eval_items": 1, "eval_at_start": False, "log_rollouts_every": 0, "rollout.engine": "static", "distribution.placement": "colocated" if on_ray else "none", "distribution.rollout_workers": s.get("rollout_workers", gpus), "lora_rank": s.get("lora_rank", 0), **{"rollout_sleep": task.get("rollout_sleep") or "auto",
-                       "shard_reference": task.get("shard_reference", "on") == "on"} if on_ray else {}, **common})
+    cfg = build_config(RLConfig, "rl", {"model_path": model, "prompts_file": data, "eval_file": data,
+                                        "reward.function": _reward_file(work), "algorithm.estimator": "grpo",
+                                        "max_steps": b["steps"], "rollout.prompts_per_step": b["prompts_per_step"],
+                                        "rollout.group_size": b["group_size"],
+                                        "rollout.max_new_tokens": b["max_new_tokens"],
+                                        "rollout.temperature": b["temperature"], "kl.coef": b["beta"], "lr": b["lr"],
+                                        "algorithm.mini_batch_size": rows, "micro_batch_size": task.get("micro_rows")
+                                        or b["micro_rows"], "algorithm.ppo_epochs": 1, "batch_size": rows,
+                                        "max_length": b["max_new_tokens"] + 64, "warmup_steps": 0, "eval_items": 1,
+                                        "eval_at_start": False, "log_rollouts_every": 0, "rollout.engine": "static",
+                                        "distribution.placement": "colocated" if on_ray else "none",
+                                        "distribution.rollout_workers": s.get("rollout_workers", gpus),
+                                        "lora_rank": s.get("lora_rank", 0),
+                       # Ray only: the memory switches (--rollout-sleep, --shard-reference) as the command line sets them
+                       **({"rollout.sleep": task.get("rollout_sleep") or "auto",
+                           "distribution.shard_reference": task.get("shard_reference", "on") == "on"} if on_ray
+                           else {}),
+                       **common})
     _sync()
     update_profile = _UpdateProfile(task["profile"]) if task.get("profile") and not on_ray else None
     if update_profile is None and task.get("sync_census") and not on_ray:
@@ -859,7 +875,8 @@ def _ours_grpo(task: dict, common: dict, sink: Any, work: Path) -> dict:
             "logprob_mismatch": [m.get("rollout/logprob_mismatch") for m in steps],
             "engine": "alignflow StaticCacheEngine" + (" + CUDA graphs" if torch.cuda.is_available() else ""),
             "launch": f"Ray, colocated, {inputs['parallel']}" if on_ray else "one process",
-            "settings": {k: config_params(cfg)[RENAMED.get(k, k)] for k in ("precision", "gradient_checkpointing", "fused_kernels",
+            "settings": {k: config_params(cfg)[RENAMED.get(k, k)] for k in ("precision", "gradient_checkpointing",
+                                                                            "fused_kernels",
                                                       "compile_layers", "lm_head", "packing", "num_workers", "parallel",
                                                       "micro_batch_size", "mini_batch_size", "kl_coef",
                                                       "lora_rank", "rollout_workers", "rollout_sleep",
@@ -909,7 +926,8 @@ def _ours_offline(task: dict, common: dict, sink: Any, work: Path) -> dict:
             # decoder-layer attention calls by path in this process (packed rows on a GPU: varlen); one rank's
             # under Ray ranks live in other processes, so both stay 0 there
             "attention_layer_calls": dict(attention.calls),
-            "settings": {k: config_params(cfg)[RENAMED.get(k, k)] for k in ("precision", "gradient_checkpointing", "fused_kernels",
+            "settings": {k: config_params(cfg)[RENAMED.get(k, k)] for k in ("precision", "gradient_checkpointing",
+                                                                            "fused_kernels",
                                                       "compile_layers", "lm_head", "packing", "micro_batch_tokens",
                                                       "num_workers", "parallel", "batch_size", "grad_accum",
                                                       "max_length", "weight_decay")},

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from rlhf_core.config import SECTIONS, field_docs, section_fields  # noqa: E402  (the path above makes the checkout importable)
+from rlhf_core.config import SECTIONS, field_docs, section_fields  # noqa: E402  (the path above: the checkout)
 
 OUTPUT = REPO / "docs" / "configuration.md"
 REGENERATE = "python scripts/config_reference.py --write"
@@ -79,8 +79,8 @@ def cell(text: str) -> str:
 
 
 def section_table(cls: type, prefix: str = "") -> list[str]:
-    """The table of a section's own fields; each section within it (``rl.kl``) follows as a table of its own,
-    its fields named ``kl.coef`` as ``params.yaml`` nests them (``kl: {coef: ...}``) and ``--set`` names them."""
+    """The table of a section's own fields; each section within it (``rl.kl``) follows as a table of its own, its fields
+    named ``kl.coef`` as ``params.yaml`` nests them (``kl: {coef: ...}``) and ``--set`` names them."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     inner = section_fields(cls)

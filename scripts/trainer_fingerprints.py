@@ -126,8 +126,8 @@ def md5_file(path: Path) -> str:
 
 
 def _renamed() -> dict[str, str]:
-    """``rlhf_core.config.RENAMED`` (rl's old flat field names -> dotted), read from this script's own checkout,
-    so an older checkout fingerprinted with ``PYTHONPATH`` set there builds and digests its configs the same way."""
+    """``rlhf_core.config.RENAMED`` (rl's old flat field names -> dotted), read from this script's own checkout, so an
+    older checkout fingerprinted with ``PYTHONPATH`` set there builds and digests its configs the same way."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("_rl_sections", Path(__file__).resolve().parents[1] / "rlhf_core"
@@ -138,10 +138,9 @@ def _renamed() -> dict[str, str]:
 
 
 def recorded_config_md5(path: Path) -> str:
-    """md5 of an ``alignflow.json`` with its recorded config in one spelling: a section within a config
-    (``kl: {coef: ...}``) as dotted names (``kl.coef``), and an old flat name mapped through
-    ``rlhf_core.config.RENAMED`` (``kl_coef`` -> ``kl.coef``), so a config recorded before rl's fields were
-    grouped digests as the same config recorded after."""
+    """md5 of an ``alignflow.json`` with its recorded config in one spelling: a section within a config (``kl: {coef:
+    ...}``) as dotted names (``kl.coef``), and an old flat name mapped through ``rlhf_core.config.RENAMED`` (``kl_coef``
+    -> ``kl.coef``), so a config recorded before rl's fields were grouped digests as the same config recorded after."""
     renamed = _renamed()
     record = json.loads(Path(path).read_text())
     config = record.get("config")
@@ -157,8 +156,8 @@ def recorded_config_md5(path: Path) -> str:
 
 
 def md5_tree(root: Path) -> dict[str, str]:
-    """Relative path -> md5 of every file under ``root`` (sorted; nothing skipped); an ``alignflow.json``'s
-    is :func:`recorded_config_md5`."""
+    """Relative path -> md5 of every file under ``root`` (sorted; nothing skipped); an ``alignflow.json``'s is
+    :func:`recorded_config_md5`."""
     root = Path(root)
     if root.is_file():
         return {root.name: md5_file(root)}
@@ -378,7 +377,9 @@ def _rl_cfg(w: dict[str, str], name: str, kw: dict[str, Any]) -> Any:
 def run_grpo(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
     from rlhf_core.trainers.rl import train_rl
 
-    cfg = _rl_cfg(w, "grpo", {"algorithm.estimator": "grpo", "max_steps": 4, "eval_every": 2, "save_every": 2, "kl.coef": 0.1, "kl.estimator": "k3", "kl.adaptive": True, "kl.target": 0.05, "kl.horizon": 16})
+    cfg = _rl_cfg(w, "grpo", {"algorithm.estimator": "grpo", "max_steps": 4, "eval_every": 2, "save_every": 2,
+                              "kl.coef": 0.1, "kl.estimator": "k3", "kl.adaptive": True, "kl.target": 0.05,
+                              "kl.horizon": 16})
     result = train_rl(cfg, rec, show_progress=False)
     return fingerprint_result(result, rec, checkpoint_dir_after=listing(Path(cfg.checkpoint_dir)))
 
@@ -386,7 +387,8 @@ def run_grpo(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
 def run_ppo(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
     from rlhf_core.trainers.rl import train_rl
 
-    cfg = _rl_cfg(w, "ppo", {"algorithm.estimator": "gae", "kl.in_reward": True, "kl.estimator": "k1", "max_steps": 3, "eval_every": 2, "save_every": 2, "algorithm.ppo_epochs": 2})
+    cfg = _rl_cfg(w, "ppo", {"algorithm.estimator": "gae", "kl.in_reward": True, "kl.estimator": "k1", "max_steps": 3,
+                             "eval_every": 2, "save_every": 2, "algorithm.ppo_epochs": 2})
     result = train_rl(cfg, rec, show_progress=False)
     return fingerprint_result(result, rec, checkpoint_dir_after=listing(Path(cfg.checkpoint_dir)))
 
@@ -425,14 +427,16 @@ def run_sft_resume(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
 def run_grpo_resume(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
     from rlhf_core.trainers.rl import train_rl
 
-    cfg = _rl_cfg(w, "grpo_resume", {"algorithm.estimator": "grpo", "max_steps": 5, "eval_every": 2, "save_every": 2, "kl.adaptive": True, "kl.coef": 0.1, "kl.target": 0.05, "kl.horizon": 16})
+    cfg = _rl_cfg(w, "grpo_resume", {"algorithm.estimator": "grpo", "max_steps": 5, "eval_every": 2, "save_every": 2,
+                                     "kl.adaptive": True, "kl.coef": 0.1, "kl.target": 0.05, "kl.horizon": 16})
     return _resumed("rl", 3, train_rl, cfg, rec)
 
 
 def run_ppo_resume(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
     from rlhf_core.trainers.rl import train_rl
 
-    cfg = _rl_cfg(w, "ppo_resume", {"algorithm.estimator": "gae", "kl.in_reward": True, "kl.estimator": "k1", "max_steps": 4, "eval_every": 2, "save_every": 2})
+    cfg = _rl_cfg(w, "ppo_resume", {"algorithm.estimator": "gae", "kl.in_reward": True, "kl.estimator": "k1",
+                                    "max_steps": 4, "eval_every": 2, "save_every": 2})
     return _resumed("rl", 3, train_rl, cfg, rec)
 
 
@@ -458,7 +462,8 @@ def run_grpo_ray(w: dict[str, str], rec: Recorder) -> dict[str, Any]:
         here = _where_ray_imports()
         if worker_import != here:
             raise RuntimeError(f"Ray workers import rlhf_core from {worker_import}, this process from {here}")
-        cfg = _rl_cfg(w, "grpo_ray", {"algorithm.estimator": "grpo", "distribution.placement": "colocated", "num_workers": 2, "max_steps": 3, "eval_every": 2, "save_every": 2})
+        cfg = _rl_cfg(w, "grpo_ray", {"algorithm.estimator": "grpo", "distribution.placement": "colocated",
+                                      "num_workers": 2, "max_steps": 3, "eval_every": 2, "save_every": 2})
         result = train_rl_on_ray(cfg, rec, show_progress=False)
         return fingerprint_result(result, rec, checkpoint_dir_after=listing(Path(cfg.checkpoint_dir)))
     finally:

@@ -203,8 +203,8 @@ def _renamed_notice(where: str, section: str, old: str, new: str) -> None:
 
 def _regroup(cls: type, section: str, values: dict[str, Any], source: str,
              overridden: typing.Collection[str]) -> tuple[dict[str, Any], set[str]]:
-    """``values`` with each section's keys gathered under its name: an old flat key (``cls.renamed``) and a dotted
-    one (``kl.coef``, from ``--set``) join their section's mapping. Returns them and the overridden keys' new names."""
+    """``values`` with each section's keys gathered under its name: an old flat key (``cls.renamed``) and a dotted one
+    (``kl.coef``, from ``--set``) join their section's mapping. Returns them and the overridden keys' new names."""
     renamed: dict[str, str] = getattr(cls, "renamed", {})
     sections = section_fields(cls)
     out: dict[str, Any] = {}
@@ -292,8 +292,8 @@ def _build_section(owner: type, cls: type, where: str, values: Any, source: str,
 
 def _blamed(message: str, section: str, source: str, overridden: typing.Collection[str]) -> str:
     """A check's message (``section.field: ...``) with this section's name and its source: the file, or
-    :data:`OVERRIDE_SOURCE` where it names an overridden field (its own, or the other one of a cross-field check:
-    the file's value was fine until the override changed its partner)."""
+    :data:`OVERRIDE_SOURCE` where it names an overridden field (its own, or the other one of a cross-field check: the
+    file's value was fine until the override changed its partner)."""
     named = re.match(r"\A(\w++)\.\w++", message)  # the checks name "section.field: ..." first
     if named and named[1] != section:  # the same fields under another section's name (tool_rl): name this one
         message = section + message[len(named[1]):]
@@ -319,8 +319,8 @@ def config_params(config: Any) -> dict[str, Any]:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """The one-line docstring under each field, read from the source (for ``--help``); a section's fields within
-    it (``RLConfig.kl``) follow it, named ``kl.coef``."""
+    """The one-line docstring under each field, read from the source (for ``--help``); a section's fields within it
+    (``RLConfig.kl``) follow it, named ``kl.coef``."""
     import ast
     import inspect
 

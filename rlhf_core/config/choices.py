@@ -122,7 +122,8 @@ class RewardKind(str, Enum):
 
 
 class ToolMessages(str, Enum):
-    """How an observation joins a trajectory (``rl.environment.tool_messages``; :mod:`rlhf_core.rollout.environments`)."""
+    """How an observation joins a trajectory (``rl.environment.tool_messages``;
+    :mod:`rlhf_core.rollout.environments`)."""
 
     AUTO = "auto"
     """chat where the prompts are conversations and the tokenizer has a chat template of its own, else text."""

@@ -122,7 +122,8 @@ class RLConfig(TrainerConfig):
     def _check_environment(self) -> None:
         """Multi-turn rollouts: the environment's spec, turn and token limits, where it can run."""
         s = self.section
-        _check(self.environment.max_turns >= 1, s, "environment.max_turns", f"must be >= 1, got {self.environment.max_turns}")
+        _check(self.environment.max_turns >= 1, s, "environment.max_turns",
+               f"must be >= 1, got {self.environment.max_turns}")
         _check(self.environment.max_trajectory_tokens >= 1, s, "environment.max_trajectory_tokens",
                f"must be >= 1, got {self.environment.max_trajectory_tokens}")
         if not self.environment.spec:
@@ -140,9 +141,12 @@ class RLConfig(TrainerConfig):
             _check(file_part.endswith(".py") and func.isidentifier(), s, "environment.spec",
                    f"must be path/to/env.py:function or an http(s):// URL, got {spec!r}")
         _check(self.max_length >= self.environment.max_trajectory_tokens + 1, s, "environment.max_trajectory_tokens",
-               f"must leave room for a prompt within max_length ({self.max_length}), got {self.environment.max_trajectory_tokens}")
-        _check(not self.dapo.overlong_max_len or self.dapo.overlong_max_len <= self.environment.max_trajectory_tokens, s, "dapo.overlong_max_len",
-               f"must be <= environment.max_trajectory_tokens ({self.environment.max_trajectory_tokens}) with an environment")
+               f"must leave room for a prompt within max_length ({self.max_length}), got "
+               f"{self.environment.max_trajectory_tokens}")
+        _check(not self.dapo.overlong_max_len or self.dapo.overlong_max_len <= self.environment.max_trajectory_tokens,
+               s, "dapo.overlong_max_len",
+               f"must be <= environment.max_trajectory_tokens ({self.environment.max_trajectory_tokens}) with an "
+               "environment")
 
     def _check_choices(self) -> tuple[AdvantageEstimator, RewardKind]:
         """Check the enum-valued fields; return the (AdvantageEstimator, RewardKind) they name."""
@@ -164,7 +168,8 @@ class RLConfig(TrainerConfig):
         """Trainer fields rl does not use must keep their neutral values; prompts must be named."""
         s = self.section
         _check(self.train_file == "", s, "train_file", "rl reads its prompts from prompts_file; leave train_file empty")
-        _check(self.grad_accum == 1, s, "grad_accum", "must be 1 (algorithm.mini_batch_size rows make one optimizer step)")
+        _check(self.grad_accum == 1, s, "grad_accum",
+               "must be 1 (algorithm.mini_batch_size rows make one optimizer step)")
         _check(bool(self.prompts_file), s, "prompts_file", "must name the prompts file")
 
     def _check_reward(self, kind: RewardKind) -> None:
@@ -180,7 +185,8 @@ class RLConfig(TrainerConfig):
                    f"must start with http:// or https:// for reward.kind http, got {redact_secrets(self.reward.url)!r}")
         _check(self.reward.timeout_s > 0, s, "reward.timeout_s", f"must be > 0, got {self.reward.timeout_s}")
         _check(self.reward.retries >= 0, s, "reward.retries", f"must be >= 0, got {self.reward.retries}")
-        _check(self.reward.backoff_cap_s >= 0, s, "reward.backoff_cap_s", f"must be >= 0, got {self.reward.backoff_cap_s}")
+        _check(self.reward.backoff_cap_s >= 0, s, "reward.backoff_cap_s",
+               f"must be >= 0, got {self.reward.backoff_cap_s}")
         _check(self.reward.deadline_s > 0, s, "reward.deadline_s", f"must be > 0, got {self.reward.deadline_s}")
         _check(self.reward.max_response_bytes > 0, s, "reward.max_response_bytes",
                f"must be > 0, got {self.reward.max_response_bytes}")
@@ -202,7 +208,8 @@ class RLConfig(TrainerConfig):
     def _check_rollout(self) -> None:
         """Rollout engine, its off-policy correction, and where roles and workers run."""
         s = self.section
-        _check(self.off_policy.tis_cap >= 0, s, "off_policy.tis_cap", f"must be >= 0 (0 = off), got {self.off_policy.tis_cap}")
+        _check(self.off_policy.tis_cap >= 0, s, "off_policy.tis_cap",
+               f"must be >= 0 (0 = off), got {self.off_policy.tis_cap}")
         _check(self.off_policy.tis_cap == 0 or self.off_policy.recompute_old_logprobs, s, "off_policy.tis_cap",
                "needs off_policy.recompute_old_logprobs: true (without it pi_old is the engine's own log-prob)")
         self._check_async()
@@ -212,7 +219,8 @@ class RLConfig(TrainerConfig):
                f"must be in (0, 1], got {self.rollout.vllm_memory_fraction}")
         _check(self.distribution.placement in ("none", "colocated", "disaggregated"), s, "distribution.placement",
                f"must be none, colocated or disaggregated, got {self.distribution.placement!r}")
-        _check(self.distribution.rollout_workers >= 1, s, "distribution.rollout_workers", f"must be >= 1, got {self.distribution.rollout_workers}")
+        _check(self.distribution.rollout_workers >= 1, s, "distribution.rollout_workers",
+               f"must be >= 1, got {self.distribution.rollout_workers}")
         _check(self.num_workers == 1 or self.distribution.placement != "none", s, "num_workers",
                f"{self.num_workers} policy workers need Ray: set placement to colocated or disaggregated")
         # without Ray the engine samples from this process's policy, whose weights ZeRO-3 holds as empty
@@ -243,7 +251,8 @@ class RLConfig(TrainerConfig):
     def _check_weight_sync(self) -> None:
         """rl.weight_sync: a known path, and collective only where it can work."""
         s, values = self.section, [e.value for e in WeightSync]
-        _check(self.distribution.weight_sync in values, s, "distribution.weight_sync", f"must be one of {values}, got {self.distribution.weight_sync!r}")
+        _check(self.distribution.weight_sync in values, s, "distribution.weight_sync",
+               f"must be one of {values}, got {self.distribution.weight_sync!r}")
         if self.distribution.weight_sync != WeightSync.COLLECTIVE.value:
             return
         _check(self.distribution.placement != "none", s, "distribution.weight_sync",
@@ -256,17 +265,22 @@ class RLConfig(TrainerConfig):
     def _check_async(self) -> None:
         """Asynchronous training and sequence-level masking: both compare pi_old with the engine's log-probs."""
         s = self.section
-        _check(isinstance(self.off_policy.max_staleness, int) and self.off_policy.max_staleness >= 0, s, "off_policy.max_staleness",
+        _check(isinstance(self.off_policy.max_staleness, int) and self.off_policy.max_staleness >= 0, s,
+               "off_policy.max_staleness",
                f"must be an integer >= 0 (0 = synchronous), got {self.off_policy.max_staleness!r}")
         _check(self.off_policy.mis_threshold == 0 or self.off_policy.mis_threshold > 1, s, "off_policy.mis_threshold",
-               f"must be 0 (off) or > 1 (the band is [1 / off_policy.mis_threshold, off_policy.mis_threshold]), got {self.off_policy.mis_threshold}")
-        _check(self.off_policy.mis_threshold == 0 or self.off_policy.recompute_old_logprobs, s, "off_policy.mis_threshold",
-               "needs off_policy.recompute_old_logprobs: true (without it pi_old is the engine's own log-prob: the ratio is 1)")
+               "must be 0 (off) or > 1 (the band is [1 / off_policy.mis_threshold, off_policy.mis_threshold]), got "
+               f"{self.off_policy.mis_threshold}")
+        _check(self.off_policy.mis_threshold == 0 or self.off_policy.recompute_old_logprobs, s,
+               "off_policy.mis_threshold",
+               "needs off_policy.recompute_old_logprobs: true (without it pi_old is the engine's own log-prob: the "
+               "ratio is 1)")
         if self.off_policy.max_staleness:
             # pi_old must be the policy being updated (the proximal policy); the stale engine's log-probs are the
             # behaviour policy that TIS and MIS correct for, never the clipping anchor
             _check(self.off_policy.recompute_old_logprobs, s, "off_policy.max_staleness",
-                   "needs off_policy.recompute_old_logprobs: true (a stale rollout's own log-probs cannot anchor the PPO ratio)")
+                   "needs off_policy.recompute_old_logprobs: true (a stale rollout's own log-probs cannot anchor the "
+                   "PPO ratio)")
             _check(self.distribution.placement != "colocated", s, "off_policy.max_staleness",
                    "overlaps generation with the update, but colocated roles share each GPU and take turns; "
                    "use placement disaggregated (rollout replicas on their own GPUs) or none")
@@ -282,26 +296,36 @@ class RLConfig(TrainerConfig):
                      "algorithm.mini_batch_size"):
             _check(self._value(name) >= 1, s, name, f"must be >= 1, got {self._value(name)}")
         _check(not estimator.needs_groups or self.rollout.group_size >= 2, s, "rollout.group_size",
-               f"must be >= 2 for {estimator.value} (its baseline compares samples of one prompt), got {self.rollout.group_size}")
+               f"must be >= 2 for {estimator.value} (its baseline compares samples of one prompt), got "
+               f"{self.rollout.group_size}")
         rows = self.rollout.prompts_per_step * self.rollout.group_size
         _check(self.algorithm.mini_batch_size <= rows, s, "algorithm.mini_batch_size",
-               f"must be <= rollout.prompts_per_step x rollout.group_size = {rows}, got {self.algorithm.mini_batch_size}")
+               f"must be <= rollout.prompts_per_step x rollout.group_size = {rows}, got "
+               f"{self.algorithm.mini_batch_size}")
 
     def _check_update(self) -> None:
         """Sampling, PPO clipping, critic and return parameters of the update."""
         s = self.section
-        _check(self.rollout.temperature > 0, s, "rollout.temperature", f"must be > 0 (rollouts are sampled), got {self.rollout.temperature}")
+        _check(self.rollout.temperature > 0, s, "rollout.temperature",
+               f"must be > 0 (rollouts are sampled), got {self.rollout.temperature}")
         _check(0 < self.rollout.top_p <= 1, s, "rollout.top_p", f"must be in (0, 1], got {self.rollout.top_p}")
         _check(self.algorithm.critic_lr > 0, s, "algorithm.critic_lr", f"must be > 0, got {self.algorithm.critic_lr}")
-        _check(0.0 <= self.algorithm.clip_low < 1.0, s, "algorithm.clip_low", f"must be in [0, 1), got {self.algorithm.clip_low}")
+        _check(0.0 <= self.algorithm.clip_low < 1.0, s, "algorithm.clip_low",
+               f"must be in [0, 1), got {self.algorithm.clip_low}")
         _check(self.algorithm.clip_high >= 0, s, "algorithm.clip_high", f"must be >= 0, got {self.algorithm.clip_high}")
-        _check(self.algorithm.dual_clip == 0 or self.algorithm.dual_clip > 1, s, "algorithm.dual_clip", f"must be 0 (off) or > 1, got {self.algorithm.dual_clip}")
-        _check(0.0 <= self.algorithm.gspo_clip_low < 1.0, s, "algorithm.gspo_clip_low", f"must be in [0, 1), got {self.algorithm.gspo_clip_low}")
-        _check(self.algorithm.gspo_clip_high >= 0, s, "algorithm.gspo_clip_high", f"must be >= 0, got {self.algorithm.gspo_clip_high}")
-        _check(self.algorithm.dual_clip == 0 or PolicyObjective(self.algorithm.policy_objective).supports_dual_clip, s, "algorithm.dual_clip",
-               f"must be 0 with algorithm.policy_objective {self.algorithm.policy_objective}: its clipped weight has no unclipped branch "
+        _check(self.algorithm.dual_clip == 0 or self.algorithm.dual_clip > 1, s, "algorithm.dual_clip",
+               f"must be 0 (off) or > 1, got {self.algorithm.dual_clip}")
+        _check(0.0 <= self.algorithm.gspo_clip_low < 1.0, s, "algorithm.gspo_clip_low",
+               f"must be in [0, 1), got {self.algorithm.gspo_clip_low}")
+        _check(self.algorithm.gspo_clip_high >= 0, s, "algorithm.gspo_clip_high",
+               f"must be >= 0, got {self.algorithm.gspo_clip_high}")
+        _check(self.algorithm.dual_clip == 0 or PolicyObjective(self.algorithm.policy_objective).supports_dual_clip,
+               s, "algorithm.dual_clip",
+               f"must be 0 with algorithm.policy_objective {self.algorithm.policy_objective}: its clipped weight has "
+               "no unclipped branch "
                "to bound")
-        _check(self.algorithm.value_clip >= 0, s, "algorithm.value_clip", f"must be >= 0 (0 = off), got {self.algorithm.value_clip}")
+        _check(self.algorithm.value_clip >= 0, s, "algorithm.value_clip",
+               f"must be >= 0 (0 = off), got {self.algorithm.value_clip}")
         _check(self.algorithm.vf_coef > 0, s, "algorithm.vf_coef", f"must be > 0, got {self.algorithm.vf_coef}")
         for name in ("algorithm.gamma", "algorithm.lam"):
             _check(0.0 <= self._value(name) <= 1.0, s, name, f"must be in [0, 1], got {self._value(name)}")
@@ -323,14 +347,18 @@ class RLConfig(TrainerConfig):
     def _check_dapo(self) -> None:
         """Entropy bonus, DAPO dynamic sampling and overlong penalty, rollout logging."""
         s = self.section
-        _check(self.algorithm.entropy_coef >= 0, s, "algorithm.entropy_coef", f"must be >= 0, got {self.algorithm.entropy_coef}")
+        _check(self.algorithm.entropy_coef >= 0, s, "algorithm.entropy_coef",
+               f"must be >= 0, got {self.algorithm.entropy_coef}")
         _check(not self.dapo.dynamic_sampling or self.rollout.group_size >= 2, s, "dapo.dynamic_sampling",
-               f"needs rollout.group_size >= 2 (it drops groups whose samples all scored the same), got {self.rollout.group_size}")
+               "needs rollout.group_size >= 2 (it drops groups whose samples all scored the same), got "
+               f"{self.rollout.group_size}")
         _check(self.dapo.dynamic_sampling_max_rounds >= 0, s, "dapo.dynamic_sampling_max_rounds",
                f"must be >= 0, got {self.dapo.dynamic_sampling_max_rounds}")
         if self.dapo.overlong_max_len or self.dapo.overlong_cache_len:
-            _check(0 < self.dapo.overlong_cache_len <= self.dapo.overlong_max_len <= self.rollout.max_new_tokens, s, "dapo.overlong_cache_len",
-                   f"need 0 < dapo.overlong_cache_len <= dapo.overlong_max_len <= rollout.max_new_tokens ({self.rollout.max_new_tokens}), "
+            _check(0 < self.dapo.overlong_cache_len <= self.dapo.overlong_max_len <= self.rollout.max_new_tokens, s,
+                   "dapo.overlong_cache_len",
+                   "need 0 < dapo.overlong_cache_len <= dapo.overlong_max_len <= rollout.max_new_tokens "
+                   f"({self.rollout.max_new_tokens}), "
                    f"got {self.dapo.overlong_cache_len} and {self.dapo.overlong_max_len}")
         _check(self.log_rollouts_every >= 0, s, "log_rollouts_every", f"must be >= 0, got {self.log_rollouts_every}")
 

@@ -1,8 +1,7 @@
 """Online RL's sections within its section (``rl.rollout``, ``rl.kl`` ...): one small dataclass per concern, and
-:data:`RENAMED`, every flat field name the ``rl`` section had before its fields were grouped, with its dotted
-name now (read from ``params.yaml`` and ``--set`` with a notice naming the new key, and mapped by
-``alignflow diff`` when it compares runs logged under either name). The checks across them are RLConfig's
-(:mod:`rlhf_core.config.rl`)."""
+:data:`RENAMED`, every flat field name the ``rl`` section had before its fields were grouped, with its dotted name now
+(read from ``params.yaml`` and ``--set`` with a notice naming the new key, and mapped by ``alignflow diff`` when it
+compares runs logged under either name). The checks across them are RLConfig's (:mod:`rlhf_core.config.rl`)."""
 
 from __future__ import annotations
 
@@ -14,10 +13,10 @@ class RolloutSection:
     """``rl.rollout``: how rollouts are sampled: the engine, prompts and samples per step, sampling settings."""
 
     engine: str = "static"
-    """static (our decode loop, rlhf_core/rollout/static.py: static KV cache, prompts prefilled once per group,
-    CUDA graphs on a GPU; Llama-family models, falls back to hf with a warning otherwise), hf (transformers
-    generate on the policy itself) or vllm (a vLLM engine whose weights are synced after every update; falls
-    back to hf, with a warning, when vLLM cannot be imported)."""
+    """static (our decode loop, rlhf_core/rollout/static.py: static KV cache, prompts prefilled once per group, CUDA
+    graphs on a GPU; Llama-family models, falls back to hf with a warning otherwise), hf (transformers generate on the
+    policy itself) or vllm (a vLLM engine whose weights are synced after every update; falls back to hf, with a warning,
+    when vLLM cannot be imported)."""
     prompts_per_step: int = 32
     """Prompts sampled per iteration (after DAPO filtering: groups kept per iteration)."""
     group_size: int = 8
@@ -31,15 +30,15 @@ class RolloutSection:
     vllm_memory_fraction: float = 0.1
     """rollout.engine vllm: fraction of GPU memory (of RAM on CPU) vLLM reserves for its KV cache."""
     sleep: str = "auto"
-    """Colocated Ray replicas free their weights' memory once a rollout is done, and the weight sync after the
-    update allocates and fills them again (vLLM's sleep mode, level 2, for our engines): the reference, old
-    log-prob and update phases run without the replica's copy of the policy on the GPU. on, off or auto (on with
-    GPUs where it can work: colocated, synchronous, hf or static engine, whole-weight syncs, i.e. no LoRA)."""
+    """Colocated Ray replicas free their weights' memory once a rollout is done, and the weight sync after the update
+    allocates and fills them again (vLLM's sleep mode, level 2, for our engines): the reference, old log-prob and update
+    phases run without the replica's copy of the policy on the GPU. on, off or auto (on with GPUs where it can work:
+    colocated, synchronous, hf or static engine, whole-weight syncs, i.e. no LoRA)."""
 
 
 @dataclass
 class RewardSection:
-    """``rl.reward``: where rewards come from: a function, a reward model or a reward server, and the server's limits."""
+    """``rl.reward``: where rewards come from (a function, a reward model or a reward server), the server's limits."""
 
     kind: str = "function"
     """Where rewards come from: function (a .py file), model (a reward model directory) or http."""
@@ -60,33 +59,33 @@ class RewardSection:
     max_response_bytes: int = 4 * 1024 * 1024
     """Largest reply body the reward or environment server may send; a larger one is refused unread."""
     token_env: str = ""
-    """NAME of the environment variable holding the reward server's token (sent as Authorization: Bearer); never
-    the token itself, so configs, Prefect parameters and MLflow hold the name only. Empty: no token."""
+    """NAME of the environment variable holding the reward server's token (sent as Authorization: Bearer); never the
+    token itself, so configs, Prefect parameters and MLflow hold the name only. Empty: no token."""
 
 
 @dataclass
 class EnvironmentSection:
-    """``rl.environment``: multi-turn rollouts with a tool: the environment, its stop tokens and the trajectory limits."""
+    """``rl.environment``: multi-turn rollouts with a tool: the environment, its stop tokens, trajectory limits."""
 
     spec: str = ""
-    """Multi-turn rollouts with a tool (rlhf_core/rollout/environments.py): path/to/env.py:make_env (a function returning a
-    fresh environment) or an http(s):// environment server (the reward_* timeout, retry, backoff and deadline
-    settings apply to it too); empty: single-turn rollouts, as without this field."""
+    """Multi-turn rollouts with a tool (rlhf_core/rollout/environments.py): path/to/env.py:make_env (a function
+    returning a fresh environment) or an http(s):// environment server (the reward_* timeout, retry, backoff and
+    deadline settings apply to it too); empty: single-turn rollouts, as without this field."""
     stop_tokens: list[str] = field(default_factory=list)
-    """An HTTP environment's tokens that end a model turn (e.g. a tool call's closing tag); a file environment
-    names its own."""
+    """An HTTP environment's tokens that end a model turn (e.g. a tool call's closing tag); a file environment names its
+    own."""
     token_env: str = ""
     """NAME of the environment variable holding the environment server's token (Authorization: Bearer)."""
     max_turns: int = 2
     """With an environment: model turns per trajectory (tool calls + the answer)."""
     max_trajectory_tokens: int = 32
-    """With an environment: response tokens per trajectory, model turns and observations together
-    (each turn is also capped at rollout.max_new_tokens)."""
+    """With an environment: response tokens per trajectory, model turns and observations together (each turn is also
+    capped at rollout.max_new_tokens)."""
     tool_messages: str = "auto"
     """With an environment: how an observation joins a trajectory (environments.ToolMessages): chat (a chat-template
-    tool message, then the next assistant turn's generation prompt; a turn ending at eos is a step too), text (its
-    text appended inside the model's turn) or auto (chat where prompts_file holds conversations and the tokenizer
-    has a chat template of its own that renders tool turns, else text)."""
+    tool message, then the next assistant turn's generation prompt; a turn ending at eos is a step too), text (its text
+    appended inside the model's turn) or auto (chat where prompts_file holds conversations and the tokenizer has a chat
+    template of its own that renders tool turns, else text)."""
 
 
 @dataclass
@@ -97,23 +96,26 @@ class AlgorithmSection:
     """Advantage estimator: gae (PPO, trains a critic), reinforce++, reinforce++-baseline, rloo, grpo, dr-grpo, or
     distill (on-policy distillation from distill.teacher_model_path: per-token reverse-KL rewards, discount 0)."""
     policy_objective: str = "ppo_clip"
-    """Policy-gradient surrogate (rl_math.PolicyObjective): ppo_clip (PPO's min over token ratios clipped to
-    [1 - algorithm.clip_low, 1 + algorithm.clip_high]), gspo (GSPO-token, Zheng et al. 2025: one length-normalised ratio per
-    response, clipped to [1 - algorithm.gspo_clip_low, 1 + algorithm.gspo_clip_high]) or cispo (MiniMax-M1: REINFORCE weighted by
-    the detached token ratio capped at 1 + algorithm.clip_high, no lower bound, no token's gradient dropped)."""
+    """Policy-gradient surrogate (rl_math.PolicyObjective): ppo_clip (PPO's min over token ratios clipped to [1 -
+    algorithm.clip_low, 1 + algorithm.clip_high]), gspo (GSPO-token, Zheng et al. 2025: one length-normalised ratio per
+    response, clipped to [1 - algorithm.gspo_clip_low, 1 + algorithm.gspo_clip_high]) or cispo (MiniMax-M1: REINFORCE
+    weighted by the detached token ratio capped at 1 + algorithm.clip_high, no lower bound, no token's gradient
+    dropped)."""
     ppo_epochs: int = 1
     """Passes over each iteration's rollouts (PPO's K epochs)."""
     mini_batch_size: int = 128
-    """Rollout rows per optimizer step (policy and critic); with rollout.prompts_per_step x rollout.group_size rows and one
-    PPO epoch, one update per batch (pi_old is then the update's own detached log-prob: no extra forward)."""
+    """Rollout rows per optimizer step (policy and critic); with rollout.prompts_per_step x rollout.group_size rows and
+    one PPO epoch, one update per batch (pi_old is then the update's own detached log-prob: no extra forward)."""
     clip_low: float = 0.2
-    """PPO clip epsilon below 1 (ratio >= 1 - algorithm.clip_low), in [0, 1); ppo_clip only (cispo has no lower bound)."""
+    """PPO clip epsilon below 1 (ratio >= 1 - algorithm.clip_low), in [0, 1); ppo_clip only (cispo has no lower
+    bound)."""
     clip_high: float = 0.28
-    """PPO clip epsilon above 1 (ratio <= 1 + algorithm.clip_high); above algorithm.clip_low is DAPO's clip-higher. cispo caps its
-    importance weight at 1 + algorithm.clip_high (a token ratio too, so the same scale)."""
+    """PPO clip epsilon above 1 (ratio <= 1 + algorithm.clip_high); above algorithm.clip_low is DAPO's clip-higher.
+    cispo caps its importance weight at 1 + algorithm.clip_high (a token ratio too, so the same scale)."""
     gspo_clip_low: float = 0.0003
-    """gspo: clip epsilon below 1 of the sequence ratio, in [0, 1); the paper's 3e-4. Own fields, not algorithm.clip_low:
-    a geometric mean over the response moves ~1000x less than a token ratio, and 0.2 would never bind."""
+    """gspo: clip epsilon below 1 of the sequence ratio, in [0, 1); the paper's 3e-4. Own fields, not
+    algorithm.clip_low: a geometric mean over the response moves ~1000x less than a token ratio, and 0.2 would never
+    bind."""
     gspo_clip_high: float = 0.0004
     """gspo: clip epsilon above 1 of the sequence ratio, >= 0; the paper's 4e-4."""
     dual_clip: float = 0.0
@@ -129,25 +131,26 @@ class AlgorithmSection:
     entropy_coef: float = 0.0
     """Weight of an entropy bonus subtracted from the policy loss; 0 = off (entropy is logged either way)."""
     loss_aggregation: str = "token_mean"
-    """How token losses are reduced: token_mean (DAPO), seq_mean_token_mean (GRPO) or seq_mean_token_sum_norm (Dr.GRPO)."""
+    """How token losses are reduced: token_mean (DAPO), seq_mean_token_mean (GRPO) or seq_mean_token_sum_norm
+    (Dr.GRPO)."""
     critic_lr: float = 1e-3
     """Peak learning rate of the critic's AdamW (estimator gae only)."""
 
 
 @dataclass
 class KLSection:
-    """``rl.kl``: the KL penalty to the reference: its weight, estimator, where it applies and the adaptive controller."""
+    """``rl.kl``: the KL penalty to the reference: its weight, estimator, where it applies, the adaptive controller."""
 
     coef: float = 0.1
     """beta: weight of the KL to the reference (initial value when kl.adaptive); 0 = no KL term."""
     estimator: str = "k3"
     """Per-token KL estimator of the penalty: k1, k2 or k3 (k1 is the usual choice inside the reward)."""
     k3_cap: float = 10.0
-    """Upper bound on each token's k3 value in the penalty (verl, OpenRLHF: 10); 0 disables. Where it binds
-    the token's KL gradient is zero (rl_math.kl_penalty); train/kl is logged uncapped."""
+    """Upper bound on each token's k3 value in the penalty (verl, OpenRLHF: 10); 0 disables. Where it binds the token's
+    KL gradient is zero (rl_math.kl_penalty); train/kl is logged uncapped."""
     in_reward: bool = False
-    """Fold -beta * KL into token rewards (PPO, REINFORCE++) instead of adding beta * KL to the loss (GRPO);
-    only for gae and the reinforce++ variants."""
+    """Fold -beta * KL into token rewards (PPO, REINFORCE++) instead of adding beta * KL to the loss (GRPO); only for
+    gae and the reinforce++ variants."""
     adaptive: bool = False
     """Adapt beta towards kl.target (Ziegler et al. 2019) instead of keeping it fixed."""
     target: float = 0.1
@@ -175,20 +178,20 @@ class OffPolicySection:
     """``rl.off_policy``: asynchrony and the corrections for samples not drawn from the policy being updated."""
 
     max_staleness: int = 0
-    """Asynchronous training: 0 = synchronous (each batch sampled from the policy it updates); k >= 1 = the next
-    batch is generated while the current one updates, from a policy at most k updates old (weights are pushed
-    to the engine only when the gap would exceed k). Needs off_policy.recompute_old_logprobs; not with placement colocated;
-    under disaggregated placement the reference runs on the policy ranks' bundles, the reward model on the replicas'."""
+    """Asynchronous training: 0 = synchronous (each batch sampled from the policy it updates); k >= 1 = the next batch
+    is generated while the current one updates, from a policy at most k updates old (weights are pushed to the engine
+    only when the gap would exceed k). Needs off_policy.recompute_old_logprobs; not with placement colocated; under
+    disaggregated placement the reference runs on the policy ranks' bundles, the reward model on the replicas'."""
     recompute_old_logprobs: bool = True
-    """Recompute old log-probs with one no-grad policy forward; false uses the engine's sampling log-probs
-    (exact only when the engine samples from the trained weights with the same numerics)."""
+    """Recompute old log-probs with one no-grad policy forward; false uses the engine's sampling log-probs (exact only
+    when the engine samples from the trained weights with the same numerics)."""
     tis_cap: float = 0.0
-    """Truncated importance sampling (Yao et al. 2025): weight each token's policy-gradient term by
-    min(pi_old / pi_engine, off_policy.tis_cap) to correct for an engine (vLLM) that samples slightly off the
-    trainer's policy; 0 = off, 2 is the paper's choice. Needs off_policy.recompute_old_logprobs."""
+    """Truncated importance sampling (Yao et al. 2025): weight each token's policy-gradient term by min(pi_old /
+    pi_engine, off_policy.tis_cap) to correct for an engine (vLLM) that samples slightly off the trainer's policy; 0 =
+    off, 2 is the paper's choice. Needs off_policy.recompute_old_logprobs."""
     mis_threshold: float = 0.0
-    """Sequence-level masked importance sampling (Seq-MIS, rl_math.sequence_is_mask): a response whose ratio
-    pi_old(y) / pi_engine(y) leaves [1 / off_policy.mis_threshold, off_policy.mis_threshold] is masked out of the loss, whether the
+    """Sequence-level masked importance sampling (Seq-MIS, rl_math.sequence_is_mask): a response whose ratio pi_old(y) /
+    pi_engine(y) leaves [1 / off_policy.mis_threshold, off_policy.mis_threshold] is masked out of the loss, whether the
     engine's numerics or its staleness (off_policy.max_staleness) caused the gap; 0 = off, else > 1 (e.g. 2)."""
 
 
@@ -197,21 +200,22 @@ class DistributionSection:
     """``rl.distribution``: where the roles run under Ray, the rollout replicas and how they get the weights."""
 
     placement: str = "none"
-    """none (every role in this process) or, through Ray, colocated (policy, reference, reward model and
-    rollout engine share each worker's bundle) or disaggregated (each role its own bundles)."""
+    """none (every role in this process) or, through Ray, colocated (policy, reference, reward model and rollout engine
+    share each worker's bundle) or disaggregated (each role its own bundles)."""
     rollout_workers: int = 1
     """Rollout engine replicas under Ray (prompts are split across them); ignored with placement none."""
     weight_sync: str = "auto"
-    """How Ray rollout replicas get the learner's weights after an update (rlhf_core/distributed/distribution.weight_sync.py): object_store
-    (rank 0's weights as one Ray object to every replica; works anywhere), collective (policy rank 0 and the
-    replicas in a torch.distributed group of their own, weights broadcast in 1 GiB buckets: NCCL on GPUs,
-    gloo on CPUs; replicas must not share rank 0's GPU) or auto (GPUs: CUDA IPC for colocated replicas,
-    collective for replicas on GPUs of their own with the hf/static engines; CPUs: object_store)."""
+    """How Ray rollout replicas get the learner's weights after an update
+    (rlhf_core/distributed/distribution.weight_sync.py): object_store (rank 0's weights as one Ray object to every
+    replica; works anywhere), collective (policy rank 0 and the replicas in a torch.distributed group of their own,
+    weights broadcast in 1 GiB buckets: NCCL on GPUs, gloo on CPUs; replicas must not share rank 0's GPU) or auto (GPUs:
+    CUDA IPC for colocated replicas, collective for replicas on GPUs of their own with the hf/static engines; CPUs:
+    object_store)."""
     shard_reference: bool = True
     """parallel zero3 on Ray: the reference (and distillation teacher) ranks partition the frozen weights as the
-    policy's are, a DeepSpeed ZeRO-3 engine without an optimizer, so a GPU holds 1/num_workers of them and gathers
-    each layer for its forward (a 7B reference: 3.8 GB a GPU on four instead of 15.2); false: each reference rank
-    holds the whole model (no gathers, more memory)."""
+    policy's are, a DeepSpeed ZeRO-3 engine without an optimizer, so a GPU holds 1/num_workers of them and gathers each
+    layer for its forward (a 7B reference: 3.8 GB a GPU on four instead of 15.2); false: each reference rank holds the
+    whole model (no gathers, more memory)."""
 
 
 @dataclass
@@ -219,12 +223,12 @@ class DistillSection:
     """``rl.distill``: on-policy distillation (estimator distill): the teacher and the weight of the sequence reward."""
 
     teacher_model_path: str = ""
-    """Frozen teacher of on-policy distillation (estimator distill, required there, unused otherwise): it scores
-    the policy's sampled tokens and each token's reward is -(log pi - log pi_teacher). Same tokenizer as the
-    policy (checked at load); loaded like the reference (policy's compute dtype, no gradients)."""
+    """Frozen teacher of on-policy distillation (estimator distill, required there, unused otherwise): it scores the
+    policy's sampled tokens and each token's reward is -(log pi - log pi_teacher). Same tokenizer as the policy (checked
+    at load); loaded like the reference (policy's compute dtype, no gradients)."""
     reward_coef: float = 0.0
-    """estimator distill: weight of the sequence reward (reward.kind's) added to every token's advantage;
-    0 = pure distillation (the reward is still computed and logged)."""
+    """estimator distill: weight of the sequence reward (reward.kind's) added to every token's advantage; 0 = pure
+    distillation (the reward is still computed and logged)."""
 
 
 RENAMED: dict[str, str] = {
@@ -256,8 +260,8 @@ RENAMED: dict[str, str] = {
     "weight_sync": "distribution.weight_sync", "shard_reference": "distribution.shard_reference",
     "teacher_model_path": "distill.teacher_model_path", "distill_reward_coef": "distill.reward_coef",
 }
-"""Old flat name of an ``rl`` field -> its name within the sections (``kl_coef`` -> ``kl.coef``): the one table
-that params files, ``--set`` overrides and ``alignflow diff`` read old names through."""
+"""Old flat name of an ``rl`` field -> its name within the sections (``kl_coef`` -> ``kl.coef``): the one table that
+params files, ``--set`` overrides and ``alignflow diff`` read old names through."""
 
 SECTION_CLASSES: dict[str, type] = {
     "rollout": RolloutSection,

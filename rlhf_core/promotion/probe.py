@@ -179,7 +179,8 @@ class ProbeEnvironment:
     max_trajectory_tokens: int
     max_new_tokens: int
     tool_messages: str = "text"
-    """How observations join a trajectory (``rl.environment.tool_messages``; :class:`rlhf_core.rollout.environments.ToolMessages`)."""
+    """How observations join a trajectory (``rl.environment.tool_messages``;
+    :class:`rlhf_core.rollout.environments.ToolMessages`)."""
     prompt_field: str = "prompt"
 
 

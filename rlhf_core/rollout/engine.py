@@ -165,10 +165,10 @@ class RolloutEngine(Protocol):
 
 @runtime_checkable
 class ReleasesWeights(Protocol):
-    """An engine whose weights' memory can be handed back between a rollout and the next weight sync (colocated
-    Ray replicas under ``rl.rollout.sleep``, :class:`rlhf_core.trainers.rl_on_ray.RemoteRollout`): the controller
-    calls :meth:`release_weights` once a step's rollout is done, and the sync after the update allocates and
-    fills them again. Only where every rollout is followed by a sync of the whole weights (synchronous)."""
+    """An engine whose weights' memory can be handed back between a rollout and the next weight sync (colocated Ray
+    replicas under ``rl.rollout.sleep``, :class:`rlhf_core.trainers.rl_on_ray.RemoteRollout`): the controller calls
+    :meth:`release_weights` once a step's rollout is done, and the sync after the update allocates and fills them again.
+    Only where every rollout is followed by a sync of the whole weights (synchronous)."""
 
     def release_weights(self) -> int:
         """Free the weights until the next ``update_weights``; the bytes freed (0 where this engine keeps them)."""
@@ -177,8 +177,8 @@ class ReleasesWeights(Protocol):
 
 @runtime_checkable
 class LoadsWeightBuckets(Protocol):
-    """An engine that takes new weights a bucket at a time (``rl.distribution.weight_sync`` collective, :mod:`rlhf_core.distributed.weight_sync`):
-    the seam a Ray rollout replica hands each broadcast bucket through."""
+    """An engine that takes new weights a bucket at a time (``rl.distribution.weight_sync`` collective,
+    :mod:`rlhf_core.distributed.weight_sync`): the seam a Ray rollout replica hands each broadcast bucket through."""
 
     def load_weight_bucket(self, weights: Mapping[str, torch.Tensor], last: bool) -> None:
         """Copy ``weights`` (named tensors by the policy's parameter names, on the engine's device, valid only

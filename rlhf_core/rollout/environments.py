@@ -16,8 +16,8 @@ environment steps:
 * ``max_turns`` bounds the model's turns and ``max_trajectory_tokens`` the response (turns and
   observations together); a trajectory that reaches either ends where it is.
 
-How an observation joins the trajectory is ``rl.environment.tool_messages`` (:class:`ToolMessages`). ``text``: its text's
-ids right after the turn, inside the model's turn, and a turn that ends at eos ends the episode (the embedded
+How an observation joins the trajectory is ``rl.environment.tool_messages`` (:class:`ToolMessages`). ``text``: its
+text's ids right after the turn, inside the model's turn, and a turn that ends at eos ends the episode (the embedded
 tool task: text prompts, no chat template). ``chat``: a turn ends at eos as well as at a stop token and either
 is a step (the environment parses a tool call from the turn's text and ends the episode, ``done``, where there
 is none: a final answer); the observation is rendered by the model's chat template as a ``tool`` message

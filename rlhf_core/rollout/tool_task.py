@@ -65,8 +65,8 @@ def final_answer(completion: str) -> str:
 
 def reward(prompts: Sequence[str], completions: Sequence[str], labels: Sequence[str | None]) -> list[float]:
     """Rule reward of a tool trajectory (``rl.reward.function: rlhf_core/rollout/tool_task.py:reward``): 1.0 where the
-    answer after the last ``</result>`` is exactly the label, else 0.0. Calling the tool earns nothing by
-    itself; it pays only through the answer."""
+    answer after the last ``</result>`` is exactly the label, else 0.0. Calling the tool earns nothing by itself; it
+    pays only through the answer."""
     del prompts
     missing = [i for i, y in enumerate(labels) if y is None]
     if missing:

@@ -75,8 +75,8 @@ class WeightSyncExtension:
 
     def alignflow_load_bucket(self, weights: dict[str, torch.Tensor] | None = None, blob: bytes | None = None,
                               last: bool = False) -> None:
-        """One bucket of a collective sync (``rl.distribution.weight_sync`` collective), by HF parameter names: ``weights`` when
-        the engine core shares this process, else ``blob`` (the bucket as safetensors bytes).
+        """One bucket of a collective sync (``rl.distribution.weight_sync`` collective), by HF parameter names:
+        ``weights`` when the engine core shares this process, else ``blob`` (the bucket as safetensors bytes).
 
         The buckets are held until the ``last`` one and then reloaded in place together (vLLM maps HF names onto
         its fused layers, qkv and gate/up): its in-place reload re-processes a layer's kernels only from a load

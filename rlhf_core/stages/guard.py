@@ -117,7 +117,7 @@ def _probe_environment(stage: str, cfg: Any) -> Any:
 
 
 def _max_new_tokens(cfg: Any) -> int:
-    """The stage's generation budget an answer is probed with: rl's rollouts' (``rl.rollout.max_new_tokens``), else 12."""
+    """The generation budget an answer is probed with: rl's rollouts' (``rl.rollout.max_new_tokens``), else 12."""
     return getattr(getattr(cfg, "rollout", None), "max_new_tokens", 12)
 
 

@@ -155,7 +155,8 @@ class RLTrainer:
         # in-process the policy is the trained model; under Ray a view refreshed from rank 0 on demand.
         # Asynchronous: a copy of its own, which the update does not write while it samples.
         self.engine = engine or build_rollout_engine(
-            cfg, self.learner.policy if not cfg.off_policy.max_staleness else sampling_copy(cfg, self.device), self.tokenizer,
+            cfg, self.learner.policy if not cfg.off_policy.max_staleness else sampling_copy(cfg, self.device),
+            self.tokenizer,
             autocast_dtype)
         # A LoRA policy's engine needs merged weights; the HF engine that holds the policy needs nothing.
         self.engine_weights = getattr(self.learner, "engine_weights", None)
@@ -184,7 +185,8 @@ class RLTrainer:
         self.pending: Future | None = None
         self.in_flight: Rollout | None = None  # what the pending future fills in (its timestamps, read for overlap)
         self.engine_version, self.sync_due = 0, False
-        self.rollout_thread = ThreadPoolExecutor(1, thread_name_prefix="rl-rollout") if cfg.off_policy.max_staleness else None
+        self.rollout_thread = (ThreadPoolExecutor(1, thread_name_prefix="rl-rollout") if cfg.off_policy.max_staleness
+                               else None)
 
     # ---- one iteration: the algorithm ----------------------------------------------------------
 
@@ -210,7 +212,7 @@ class RLTrainer:
         update_start = time.time()
         seen, lr_used = perf.time("perf/update_s", self.update, exp, step)
         update_end = time.time()
-        if not self.cfg.off_policy.max_staleness:  # asynchronous: weights move at the next launch, when the gap needs it
+        if not self.cfg.off_policy.max_staleness:  # asynchronous: weights move at the next launch, when needed
             perf.time("perf/weight_sync_s", self.sync_weights)
         metrics = self.iteration_metrics(sampled, exp, seen, lr_used)
         metrics.update(perf.seconds)
@@ -313,14 +315,16 @@ class RLTrainer:
         """One draw of prompts from the sampler, sampled by the engine and scored by the reward source."""
         cfg, n = self.cfg, self.cfg.rollout.group_size
         idx = self.sampler.next()
-        params = SamplingParams(n=n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens,
+        params = SamplingParams(n=n, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                max_new_tokens=cfg.rollout.max_new_tokens,
                                 seed=cfg.seed * 1_000_003 + step * 101 + round_)
         row_labels = [self.labels[i] for i in idx for _ in range(n)]
         if self.make_env is not None:  # multi-turn: engine turns and environment steps, then the reward source
             conversations = None if self.conversations is None else [self.conversations[i] for i in idx]
             batch, env_rewards = perf.time("perf/rollout_s", lambda: rollout_with_environment(
                 self.engine, self.tokenizer, [self.prompts[i] for i in idx], [self.labels[i] for i in idx], params,
-                self.make_env, max_turns=cfg.environment.max_turns, max_trajectory_tokens=cfg.environment.max_trajectory_tokens,
+                self.make_env, max_turns=cfg.environment.max_turns,
+                max_trajectory_tokens=cfg.environment.max_trajectory_tokens,
                 conversations=conversations))
             rewards = perf.time("perf/reward_s", self.reward_source, batch.prompts, batch.completions, row_labels)
             return batch, torch.tensor(rewards, dtype=torch.float32) + env_rewards, len(idx)
@@ -354,9 +358,11 @@ class RLTrainer:
         # One update per batch: pi_old is the update's own detached log-prob (PolicyLearner.update),
         # so the no-grad policy forward is skipped; not where the advantages themselves need pi_old.
         # Nor where pi_old / pi_engine is needed here (TIS, MIS, the asynchronous IS weights).
-        fused_old = (cfg.off_policy.recompute_old_logprobs and cfg.algorithm.ppo_epochs == 1 and cfg.algorithm.mini_batch_size >= len(batch)
+        fused_old = (cfg.off_policy.recompute_old_logprobs and cfg.algorithm.ppo_epochs == 1
+                     and cfg.algorithm.mini_batch_size >= len(batch)
                      and not has_critic and not cfg.kl.in_reward and cfg.off_policy.tis_cap == 0
-                     and not self.estimator.needs_teacher and cfg.off_policy.mis_threshold == 0 and cfg.off_policy.max_staleness == 0)
+                     and not self.estimator.needs_teacher and cfg.off_policy.mis_threshold == 0
+                     and cfg.off_policy.max_staleness == 0)
         recompute = cfg.off_policy.recompute_old_logprobs and not fused_old
         scored = self.learner.score(tensors, prompt_width) if recompute or has_critic else {}
         old_logp = scored["old_logp"].to(device) if recompute else sampling_logp
@@ -381,7 +387,8 @@ class RLTrainer:
             distill = reverse_kl_token_rewards(exp.old_logp, exp.teacher_logp, mask, clamp=_KL_CLAMP)
             token_rewards = distill if token_rewards is None else token_rewards + distill
         exp.scores = scores.to(self.device)
-        advantages, returns = compute_advantages(self.estimator, scores=exp.scores, mask=mask, group_size=cfg.rollout.group_size,
+        advantages, returns = compute_advantages(self.estimator, scores=exp.scores, mask=mask,
+                                                 group_size=cfg.rollout.group_size,
                                                  values=exp.old_values, token_rewards=token_rewards,
                                                  gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
                                                  distill_reward_coef=cfg.distill.reward_coef)
@@ -417,7 +424,8 @@ class RLTrainer:
 
     def update(self, exp: Experience, step: int) -> tuple[dict[str, list[float]], float]:
         """The learner's optimizer steps; returns their diagnostics and the learning rate used."""
-        orders = [torch.randperm(len(exp.mask), generator=self.update_gen) for _ in range(self.cfg.algorithm.ppo_epochs)]
+        orders = [torch.randperm(len(exp.mask), generator=self.update_gen)
+                  for _ in range(self.cfg.algorithm.ppo_epochs)]
         seen = self.learner.update(exp.tensors, exp.prompt_width, orders, self.kl_ctl.value, step)
         return seen, self.learner.end_iteration()
 
@@ -485,7 +493,8 @@ class RLTrainer:
             return
         batch = sampled.batch
         rows = [{"step": step, "prompt": batch.prompts[i], "completion": batch.completions[i],
-                 "reward": float(sampled.rewards[i])} for i in range(min(len(batch), _TABLE_GROUPS * cfg.rollout.group_size))]
+                 "reward": float(sampled.rewards[i])} for i in range(min(len(batch),
+                                                                         _TABLE_GROUPS * cfg.rollout.group_size))]
         if batch.action_mask is not None:  # trajectories: their text, which tokens were the policy's, tool calls
             for row, traj in zip(rows, trajectory_rows(self.tokenizer, batch, sampled.rewards, len(rows))):
                 row.update(text=traj["text"], action_mask=traj["action_mask"], tool_calls=traj["tool_calls"],
@@ -520,7 +529,8 @@ class RLTrainer:
                          else self.reward_source)
             tool_metrics, trajectories = evaluate_with_environment(
                 self.learner.view(), self.tokenizer, cfg.eval_file, self.make_env, reward_fn,
-                max_items=cfg.eval_items, max_turns=cfg.environment.max_turns, max_trajectory_tokens=cfg.environment.max_trajectory_tokens,
+                max_items=cfg.eval_items, max_turns=cfg.environment.max_turns,
+                max_trajectory_tokens=cfg.environment.max_trajectory_tokens,
                 max_new_tokens=cfg.rollout.max_new_tokens, prompt_field=cfg.prompt_field, label_field=cfg.label_field,
                 tool_messages=cfg.environment.tool_messages)
             metrics.update({k: v for k, v in tool_metrics.items() if k != "eval/n_items"})

@@ -184,12 +184,13 @@ class ZeroBuckets:
 
 
 def resolve_rollout_sleep(cfg: Any, gpus: bool) -> bool:
-    """``rl.rollout.sleep`` for this run: ``on`` as configured (the config checked it can work), ``auto`` on GPUs
-    where it can (colocated replicas sharing a GPU with the learner, synchronous, hf or static engine, whole-weight
-    syncs); off on CPUs, where the replica's weights are host memory and nothing is gained."""
+    """``rl.rollout.sleep`` for this run: ``on`` as configured (the config checked it can work), ``auto`` on GPUs where
+    it can (colocated replicas sharing a GPU with the learner, synchronous, hf or static engine, whole-weight syncs);
+    off on CPUs, where the replica's weights are host memory and nothing is gained."""
     if cfg.rollout.sleep != "auto":
         return cfg.rollout.sleep == "on"
-    return (gpus and cfg.distribution.placement == "colocated" and cfg.rollout.engine in ("hf", "static") and not cfg.lora_rank
+    return (gpus and cfg.distribution.placement == "colocated" and cfg.rollout.engine in ("hf", "static")
+            and not cfg.lora_rank
             and not cfg.off_policy.max_staleness)
 
 
@@ -203,9 +204,10 @@ def _engine_dtype(cfg: Any) -> torch.dtype | None:
 
 @dataclass
 class CollectiveSync:
-    """``rl.distribution.weight_sync`` collective (:mod:`rlhf_core.distributed.weight_sync`): policy rank 0 and ``replicas`` form a group
-    of their own. Per sync every learner rank walks the buckets (ZeRO-3: each gathered by all of them), rank 0
-    broadcasts each, and the replicas receive it into their engines; the first actor to fail fails the sync."""
+    """``rl.distribution.weight_sync`` collective (:mod:`rlhf_core.distributed.weight_sync`): policy rank 0 and
+    ``replicas`` form a group of their own. Per sync every learner rank walks the buckets (ZeRO-3: each gathered by all
+    of them), rank 0 broadcasts each, and the replicas receive it into their engines; the first actor to fail fails the
+    sync."""
 
     learners: ActorGroup
     replicas: list[Any]
@@ -238,8 +240,9 @@ class RemoteRollout:
         self._said_freed = False
 
     def release_weights(self) -> int:
-        """rl.rollout.sleep: every replica frees its weights until the next sync (:meth:`RolloutReplica.release_weights`);
-        returns the bytes freed over all replicas (0 when the replicas keep their weights)."""
+        """rl.rollout.sleep: every replica frees its weights until the next sync
+        (:meth:`RolloutReplica.release_weights`); returns the bytes freed over all replicas (0 when the replicas keep
+        their weights)."""
         if not self.sleeps:
             return 0
         freed = sum(self.group.call_all("release_weights"))
@@ -331,10 +334,11 @@ def _learner(cfg: Any) -> Any:
 
 
 def _open_weight_sync(cfg: Any, policy: ActorGroup, rollout: ActorGroup, beside_rank0: Sequence[int]) -> CollectiveSync:
-    """``rl.distribution.weight_sync`` collective: the buckets planned on every learner rank, then policy rank 0 (group rank
-    0, hosting the group's store) and every replica (ranks 1..) join a group of their own."""
+    """``rl.distribution.weight_sync`` collective: the buckets planned on every learner rank, then policy rank 0 (group
+    rank 0, hosting the group's store) and every replica (ranks 1..) join a group of their own."""
     if beside_rank0:
-        raise ValueError(f"rl.distribution.weight_sync collective: rollout replica(s) {list(beside_rank0)} share policy rank 0's "
+        raise ValueError(f"rl.distribution.weight_sync collective: rollout replica(s) {list(beside_rank0)} share "
+                         "policy rank 0's "
                          f"GPU (colocated placement), and NCCL cannot put two ranks of one group on one GPU; use "
                          f"weight_sync auto (CUDA IPC to colocated replicas) or placement disaggregated")
     layout = policy.call_all("sync_layout", SYNC_BUCKET_BYTES, _engine_dtype(cfg))[0]
@@ -350,16 +354,19 @@ def _open_weight_sync(cfg: Any, policy: ActorGroup, rollout: ActorGroup, beside_
 
 
 def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> Any:
-    """:func:`rlhf_core.trainers.rl.train_rl` with its models in Ray actors placed as ``cfg.distribution.placement`` says."""
+    """:func:`rlhf_core.trainers.rl.train_rl` with its models in Ray actors placed as ``cfg.distribution.placement``
+    says."""
     from rlhf_core.algorithms.rl_math import AdvantageEstimator
     from rlhf_core.trainers.rl import train_rl
     from rlhf_core.trainers.rl_roles import BaseReference, base_is_reference, reference_sharded
 
     if cfg.distribution.placement not in ("colocated", "disaggregated"):
-        raise ValueError(f"rl.distribution.placement must be colocated or disaggregated to run on Ray, got {cfg.distribution.placement!r}")
+        raise ValueError("rl.distribution.placement must be colocated or disaggregated to run on Ray, got "
+                         f"{cfg.distribution.placement!r}")
     workers, replicas = cfg.num_workers, cfg.distribution.rollout_workers
     reward_model = cfg.reward.kind == "model"
-    teacher = AdvantageEstimator(cfg.algorithm.estimator).needs_teacher  # on-policy distillation: teacher ranks beside the references
+    # on-policy distillation: teacher ranks beside the references
+    teacher = AdvantageEstimator(cfg.algorithm.estimator).needs_teacher
     colocated = cfg.distribution.placement == "colocated"
     # a reference rank beside each policy rank, in either placement (module docstring); none where a LoRA
     # policy's frozen base is the reference (the policy ranks score it with their adapters off)
@@ -408,7 +415,8 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
             rm.build(_reward_model, cfg)
             reward_source = RemoteReward(rm)
         log.warning("ray: rl %s placement: %d policy rank(s), %d reference%s, %d rollout replica(s)%s, ready in %.1f s",
-                    cfg.distribution.placement, workers, n_refs, " (ZeRO-3 partitioned)" if sharded and n_refs else "", replicas,
+                    cfg.distribution.placement, workers, n_refs, " (ZeRO-3 partitioned)" if sharded and n_refs
+                    else "", replicas,
                     " and a reward model" if reward_model else "", time.perf_counter() - started)
         engine = _remote_engine(cfg, launcher, pgs, policy, rollout)
         result = train_rl(cfg, sink, show_progress, engine=engine, reward_source=reward_source,
@@ -421,12 +429,14 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
 
 def _remote_engine(cfg: Any, launcher: Launcher, pgs: dict[str, Any], policy: ActorGroup,
                    rollout: ActorGroup) -> RemoteRollout:
-    """The controller's engine over the replicas: how weights reach them (``rl.distribution.weight_sync``, the collective
-    group opened here when it is that) and whether they free their weights between phases (``rl.rollout.sleep``)."""
+    """The controller's engine over the replicas: how weights reach them (``rl.distribution.weight_sync``, the
+    collective group opened here when it is that) and whether they free their weights between phases
+    (``rl.rollout.sleep``)."""
     from rlhf_core.models.loading import load_tokenizer
     from rlhf_core.distributed.weight_sync import SyncPath, WeightSync, resolve_path
 
-    path = resolve_path(WeightSync(cfg.distribution.weight_sync), gpus=launcher.use_gpus, colocated=cfg.distribution.placement == "colocated",
+    path = resolve_path(WeightSync(cfg.distribution.weight_sync), gpus=launcher.use_gpus,
+                        colocated=cfg.distribution.placement == "colocated",
                         lora=bool(cfg.lora_rank), engine=cfg.rollout.engine)
     collective = None
     if path is SyncPath.COLLECTIVE:

@@ -45,16 +45,17 @@ class RLResult:
 
 
 def read_prompts(cfg: RLConfig, tokenizer: Any) -> tuple[list[str], list[str | None], list[list[dict]] | None]:
-    """Prompts of ``cfg.prompts_file`` as the policy reads them (a conversation rendered with its chat
-    template and generation prompt, :func:`rlhf_core.data.formats.prompt_text`; standard text as it is),
-    their labels (``None`` where a record has none) and, where an environment's observations are chat-template
-    tool messages (``rl.environment.tool_messages``), the conversations they are rendered into (else ``None``)."""
+    """Prompts of ``cfg.prompts_file`` as the policy reads them (a conversation rendered with its chat template and
+    generation prompt, :func:`rlhf_core.data.formats.prompt_text`; standard text as it is), their labels (``None`` where
+    a record has none) and, where an environment's observations are chat-template tool messages
+    (``rl.environment.tool_messages``), the conversations they are rendered into (else ``None``)."""
     records = read_records(cfg.prompts_file)
     if not records:
         raise DataError(cfg.prompts_file, 0, "no prompts")
     examples = read_prompt_examples(records, cfg.prompts_file, prompt_field=cfg.prompt_field,
                                     label_field=cfg.label_field)
-    conversations = (tool_conversations(cfg.environment.tool_messages, tokenizer, examples, cfg.prompts_file, cfg.prompt_field)
+    conversations = (tool_conversations(cfg.environment.tool_messages, tokenizer, examples, cfg.prompts_file,
+                                        cfg.prompt_field)
                      if cfg.environment.spec else None)
     return [prompt_text(tokenizer, e.prompt) for e in examples], [e.label for e in examples], conversations
 
@@ -214,7 +215,8 @@ def check_teacher_tokenizer(cfg: RLConfig, tokenizer: Any) -> None:
     ours, theirs = tokenizer.get_vocab(), load_tokenizer(cfg.distill.teacher_model_path).get_vocab()
     if ours != theirs:
         differ = sorted(set(ours.items()) ^ set(theirs.items()))[:3]
-        raise ConfigError(f"rl.distill.teacher_model_path: the teacher's tokenizer ({cfg.distill.teacher_model_path}, {len(theirs)} "
+        raise ConfigError(f"rl.distill.teacher_model_path: the teacher's tokenizer ({cfg.distill.teacher_model_path}, "
+                          f"{len(theirs)} "
                           f"tokens) differs from the policy's ({cfg.model_path}, {len(ours)} tokens), e.g. "
                           f"{differ}; on-policy distillation scores the policy's token ids under the teacher, so "
                           "both must share one tokenizer")
@@ -261,7 +263,8 @@ def build_rollout_engine(cfg: RLConfig, policy: Any, tokenizer: Any,
         from rlhf_core.rollout.vllm import VLLMEngine, vllm_available
 
         if vllm_available():
-            return VLLMEngine(cfg.model_path, tokenizer, seed=cfg.seed, memory_fraction=cfg.rollout.vllm_memory_fraction)
+            return VLLMEngine(cfg.model_path, tokenizer, seed=cfg.seed,
+                              memory_fraction=cfg.rollout.vllm_memory_fraction)
         log.warning("rl: rollout_engine is vllm but vLLM cannot be imported here; using the HF engine instead")
     if cfg.rollout.engine == "static":
         from rlhf_core.rollout.static import StaticCacheEngine, supports

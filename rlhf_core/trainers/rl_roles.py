@@ -54,8 +54,8 @@ SEEN_KEYS = ("policy_loss", "clip_frac", "approx_kl", "entropy", "kl_loss", "val
 
 
 class ReferenceScorer:
-    """A frozen model's log-probs of rows ``rank::N`` of an experience: the reference policy of the KL term
-    or, given ``model_path`` (``cfg.distill.teacher_model_path``), the teacher of on-policy distillation."""
+    """A frozen model's log-probs of rows ``rank::N`` of an experience: the reference policy of the KL term or, given
+    ``model_path`` (``cfg.distill.teacher_model_path``), the teacher of on-policy distillation."""
 
     def __init__(self, cfg: RLConfig, device: torch.device | None = None, world: World | None = None,
                  model_path: str | None = None):
@@ -83,7 +83,8 @@ class ReferenceScorer:
         exp = _to(exp, self.device)
         shard = _sharded(self.world, exp, prompt_width, self.cfg.batch_size, self.model, self.head)
         packed = self.packing
-        out = _in_chunks(lambda e, p: token_logprobs(self.model, e, p, self.cfg.rollout.temperature, share_prompts=not packed,
+        out = _in_chunks(lambda e, p: token_logprobs(self.model, e, p, self.cfg.rollout.temperature,
+                                                     share_prompts=not packed,
                                                   head=self.head, packed=packed)[0],
                          exp, prompt_width, shard.rows.to(self.device), shard.n_chunks)
         if self.sharded:  # layers ZeRO-3's prefetcher gathered ahead stay whole until released: back before the update
@@ -93,9 +94,10 @@ class ReferenceScorer:
 
 
 def reference_sharded(cfg: RLConfig) -> bool:
-    """Whether the reference and teacher ranks partition their frozen weights (``rl.distribution.shard_reference``): Ray ranks
-    under ZeRO-3, more than one. Their actors then form a torch.distributed world of their own."""
-    return cfg.distribution.shard_reference and cfg.parallel == "zero3" and cfg.distribution.placement != "none" and cfg.num_workers > 1
+    """Whether the reference and teacher ranks partition their frozen weights (``rl.distribution.shard_reference``): Ray
+    ranks under ZeRO-3, more than one. Their actors then form a torch.distributed world of their own."""
+    return (cfg.distribution.shard_reference and cfg.parallel == "zero3" and cfg.distribution.placement != "none"
+            and cfg.num_workers > 1)
 
 
 def base_is_reference(cfg: RLConfig) -> bool:
@@ -322,11 +324,13 @@ class PolicyLearner:
                                        head=self.head, packed=packed)
         old_logp = logp.detach() * m["mask"] if fused_old else m["old_logp"]
         pg_loss, stats = policy_loss(self.objective, logp, old_logp, m["advantages"], m["mask"],
-                                     clip_low=self.clip[0], clip_high=self.clip[1], dual_clip=cfg.algorithm.dual_clip or None,
+                                     clip_low=self.clip[0], clip_high=self.clip[1],
+                                     dual_clip=cfg.algorithm.dual_clip or None,
                                      aggregation=agg, max_len=cfg.rollout.max_new_tokens)
         loss = pg_loss
         if cfg.algorithm.entropy_coef:
-            loss = loss - cfg.algorithm.entropy_coef * aggregate_loss(entropy, m["mask"], agg, cfg.rollout.max_new_tokens)
+            loss = loss - cfg.algorithm.entropy_coef * aggregate_loss(entropy, m["mask"], agg,
+                                                                      cfg.rollout.max_new_tokens)
         kl_loss = torch.zeros(())
         if not cfg.kl.in_reward and kl_coef > 0:  # GRPO, Eq. 3: + beta * KL(pi || pi_ref)
             kl_loss = aggregate_loss(kl_penalty(logp, m["ref_logp"], cfg.kl.estimator, clamp=KL_CLAMP,
@@ -474,7 +478,7 @@ class PolicyLearner:
         torch.cuda.synchronize(self.device)  # the replica copies after this call returns
         return {"cuda_ipc": reduce_tensor(self._staging), "layout": layout, "last": index == len(self._buckets) - 1}
 
-    # ---- rl.distribution.weight_sync collective: rank 0 broadcasts to replicas on other GPUs (rlhf_core.distributed.weight_sync) ----
+    # ---- rl.distribution.weight_sync collective: rank 0 broadcasts to replicas on other GPUs (distributed.weight_sync)
 
     def sync_layout(self, max_bytes: int, dtype: torch.dtype | None = None) -> Layout:
         """Every rank: plan the collective sync's buckets (parameters in order, at most ``max_bytes`` each in

@@ -1,9 +1,9 @@
 """The rollout role under Ray: a rollout engine on its own copy of the policy, inside a rollout actor.
 
 Built by :func:`rlhf_core.trainers.rl_on_ray.train_rl_on_ray` in each :class:`rlhf_core.trainers.ray_launcher.RolloutActor`;
-it generates for the controller, takes the learner's weights however ``rl.distribution.weight_sync`` moves them (a state dict,
-CUDA IPC handles, ZeRO-3 buckets, or a broadcast in a weight-sync group), and under ``rl.rollout.sleep`` frees
-them between a rollout and the next sync.
+it generates for the controller, takes the learner's weights however ``rl.distribution.weight_sync`` moves them (a
+state dict, CUDA IPC handles, ZeRO-3 buckets, or a broadcast in a weight-sync group), and under ``rl.rollout.sleep``
+frees them between a rollout and the next sync.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ class RolloutReplica:
         if payload["last"] and getattr(self.engine, "sampler", None) is not None:
             self.engine.update_weights(self.engine.model)
 
-    # ---- rl.distribution.weight_sync collective: a receiver of the weight-sync group (rlhf_core.distributed.weight_sync) ------
+    # ---- rl.distribution.weight_sync collective: a receiver of the weight-sync group (distributed.weight_sync) ------
 
     def join_weight_sync(self, addr: str, port: int, rank: int, size: int, timeout_s: float, layout: Any) -> None:
         """Rank ``rank`` (>= 1) of the weight-sync group. The layout must name every parameter of the engine's

@@ -98,7 +98,8 @@ CASES: dict[str, Case] = {
                                      r"bad\.py.*returned 1 rewards? for \d+ samples"),
     "reward_nan": rl_reward("def reward(prompts, completions, labels):\n    return [float('nan')] * len(prompts)\n",
                             r"bad\.py.*sample 0: reward nan is not finite"),
-    "reward_function_missing": Case(["rl", "--set", "reward.function={bad}:score"], b"def reward(p, c, l):\n    return []\n",
+    "reward_function_missing": Case(["rl", "--set", "reward.function={bad}:score"],
+                                    b"def reward(p, c, l):\n    return []\n",
                                     r"bad\.py.*score", suffix=".py"),
     # ---- reward-server replies ----------------------------------------------------------------
     "server_wrong_length": Case(["rl", "--set", "reward.kind=http", "--set", "reward.url={url}"], None,
@@ -150,7 +151,8 @@ def project(isolated_project, micro_model, micro_data):
     params = {
         "sft": {**common, "train_file": str(micro_data["sft"]), "batch_size": 8},
         "dpo": {**common, "train_file": str(micro_data["preferences"]), "batch_size": 8},
-        "rl": {**common, "prompts_file": str(micro_data["prompts"]), "rollout.prompts_per_step": 2, "rollout.group_size": 2,
+        "rl": {**common, "prompts_file": str(micro_data["prompts"]), "rollout.prompts_per_step": 2,
+               "rollout.group_size": 2,
                "algorithm.mini_batch_size": 4, "rollout.max_new_tokens": 4, "eval_at_start": False},
         "tracking": {"experiment": "bad-inputs"},
     }

@@ -42,7 +42,8 @@ def _sections(micro_model: Path, micro_data: dict[str, Path], project: Path) -> 
         "dpo": {**common, "train_file": str(micro_data["preferences"]), "max_steps": 40, "batch_size": 8,
                 "save_every": 3, "beta": 0.5},
         "rl": {**common, "prompts_file": str(micro_data["prompts"]), "reward.function": f"{reward}:reward",
-               "max_steps": 12, "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 6, "batch_size": 64,
+               "max_steps": 12, "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 6,
+               "batch_size": 64,
                "algorithm.mini_batch_size": 8, "eval_items": 8, "eval_at_start": False, "save_every": 2,
                "log_rollouts_every": 0},
     }

@@ -158,7 +158,21 @@ def test_killed_grpo_learner_rank_fails_fast_and_the_retry_resumes_exactly(isola
     reward.write_text("def reward(prompts, completions, labels):\n    return [len(c) / 10 for c in completions]\n")
 
     def params(name: str) -> dict:
-        return config_to_dict(build_config(RLConfig, "rl", {"model_path": str(micro_model), "prompts_file": str(micro_data["prompts"]), "eval_file": str(micro_data["eval"]), "output_dir": str(project / name / "model"), "checkpoint_dir": str(project / name / "ckpt"), "reward.function": f"{reward}:reward", "max_steps": 6, "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 6, "batch_size": 64, "algorithm.mini_batch_size": 8, "lr": 3e-3, "warmup_steps": 0, "eval_items": 4, "eval_at_start": False, "num_threads": 1, "precision": "fp32", "save_every": 2, "keep_checkpoints": 10, "log_rollouts_every": 0, "distribution.placement": "colocated", "num_workers": 2, "parallel": "zero2"}))
+        return config_to_dict(build_config(RLConfig, "rl", {"model_path": str(micro_model),
+                                                            "prompts_file": str(micro_data["prompts"]),
+                                                            "eval_file": str(micro_data["eval"]),
+                                                            "output_dir": str(project / name / "model"),
+                                                            "checkpoint_dir": str(project / name / "ckpt"),
+                                                            "reward.function": f"{reward}:reward", "max_steps": 6,
+                                                            "rollout.prompts_per_step": 4, "rollout.group_size": 4,
+                                                            "rollout.max_new_tokens": 6, "batch_size": 64,
+                                                            "algorithm.mini_batch_size": 8, "lr": 3e-3,
+                                                            "warmup_steps": 0, "eval_items": 4,
+                                                            "eval_at_start": False, "num_threads": 1,
+                                                            "precision": "fp32", "save_every": 2,
+                                                            "keep_checkpoints": 10, "log_rollouts_every": 0,
+                                                            "distribution.placement": "colocated", "num_workers": 2,
+                                                            "parallel": "zero2"}))
 
     killed = params("killed")
     _, resumed_from = _run_killed(train_rl, killed, {"prompts": dvc_md5(micro_data["prompts"])}, project,

@@ -170,7 +170,8 @@ def test_review_refuses_code_urls_tracking_and_escaping_outputs(tmp_path):
             stored[section][field] = value
         return review_config(stored, commit, worktree)
 
-    ordinary = review(**{"rl__max_steps": 5, "rl__lr": 1e-3, "rl__rollout.max_new_tokens": 16})  # as `--set` at the time would
+    ordinary = review(**{"rl__max_steps": 5, "rl__lr": 1e-3,
+                         "rl__rollout.max_new_tokens": 16})  # as `--set` at the time would
     assert len(ordinary.differences) == 3 and not ordinary.untrusted and not ordinary.escapes
     assert "rl.max_steps: 5 (stored) vs 2 (commit)" in ordinary.differences
     enforce(ordinary, trust=False, worktree=worktree)  # allowed, no --trust needed

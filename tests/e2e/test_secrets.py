@@ -135,7 +135,8 @@ def test_reward_token_env_must_name_a_set_variable(monkeypatch):
                                           r"set"):
         build_config(RLConfig, "rl", {**base, "reward.token_env": "ALIGNFLOW_UNSET_TOKEN"})
     with pytest.raises(ConfigError, match=r"rl\.reward\.token_env: must be the NAME of an environment variable") as err:
-        build_config(RLConfig, "rl", {**base, "reward.token_env": "tok-pasted-by-mistake"})  # the token itself, not a name
+        build_config(RLConfig, "rl", {**base,
+                                      "reward.token_env": "tok-pasted-by-mistake"})  # the token itself, not a name
     assert "tok-pasted-by-mistake" not in str(err.value)
     monkeypatch.setenv(ENV_NAME, ENV_TOKEN)
     assert build_config(RLConfig, "rl", {**base, "reward.token_env": ENV_NAME}).reward.token_env == ENV_NAME
@@ -180,7 +181,8 @@ def test_reward_url_secrets_stay_out_of_mlflow_and_the_model(isolated_project, m
         (isolated_project / "params.yaml").write_text(yaml.safe_dump({
             "rl": {"model_path": str(micro_model), "prompts_file": str(micro_data["prompts"]),
                    "eval_file": str(micro_data["eval"]), "reward.kind": "http", "reward.url": url, "max_steps": 1,
-                   "rollout.prompts_per_step": 2, "rollout.group_size": 2, "algorithm.mini_batch_size": 4, "rollout.max_new_tokens": 4,
+                   "rollout.prompts_per_step": 2, "rollout.group_size": 2, "algorithm.mini_batch_size": 4,
+                   "rollout.max_new_tokens": 4,
                    "eval_items": 8, "eval_at_start": False, "num_threads": 1},
             "tracking": {"experiment": "secrets", "log_model": False}}))
         assert main(["rl"]) == 0
@@ -211,7 +213,8 @@ def test_failing_rl_stage_leaks_no_token_to_stderr_or_mlflow(isolated_project, m
         "rl": {"model_path": str(micro_model), "prompts_file": str(micro_data["prompts"]),
                "eval_file": str(micro_data["eval"]), "reward.kind": "http", "reward.url": url,
                "reward.token_env": ENV_NAME, "reward.retries": 0, "max_steps": 1, "rollout.prompts_per_step": 2,
-               "rollout.group_size": 2, "algorithm.mini_batch_size": 4, "rollout.max_new_tokens": 4, "eval_items": 8, "eval_at_start": False,
+               "rollout.group_size": 2, "algorithm.mini_batch_size": 4, "rollout.max_new_tokens": 4, "eval_items": 8,
+               "eval_at_start": False,
                "num_threads": 1},
         "tracking": {"experiment": "secrets-fail", "log_model": False}}))
     echo_server.authorizations.clear()
@@ -272,7 +275,8 @@ def test_set_secrets_stay_out_of_prefect(isolated_project, echo_server, prefect_
     url = f"http://bob:{USER_PASS}@127.0.0.1:{echo_server.port}/5xx?token={QUERY_TOKEN}"
     echo_server.authorizations.clear()
     started = time.time()
-    code = main(["flow", "align", "--set", "flow.stages=[rl]", "--set", "flow.retries=0", "--set", "rl.reward.kind=http",
+    code = main(["flow", "align", "--set", "flow.stages=[rl]", "--set", "flow.retries=0", "--set",
+                 "rl.reward.kind=http",
                  "--set", f"rl.reward.url={url}", "--set", "rl.reward.retries=0", "--set", "rl.eval_at_start=false"])
     assert code == 1  # the 500 page fails the rl stage (RewardError)
     assert echo_server.authorizations == [f"Basic {BASIC}"], "the real URL, credentials included, reached the stage"

@@ -228,7 +228,13 @@ def run_offline_stages(base: Path, data: dict[str, Path], out: Path, tpl: Templa
 
 def run_grpo_and_evaluate(models: dict[str, Path], data: dict[str, Path], out: Path, tpl: Template) -> None:
     """GRPO from the DPO policy, rewarded by the reward model, then evaluation of its result."""
-    cfg = build_config(RLConfig, "rl", {**{**_common(models["dpo"], out, "rl"), "batch_size": 16}, "prompts_file": str(data["prompts"]), "eval_file": str(data["eval"]), "algorithm.estimator": "grpo", "reward.kind": "model", "reward.model_path": str(models["rm"]), "rollout.prompts_per_step": 2, "rollout.group_size": 2, "rollout.max_new_tokens": 6, "algorithm.mini_batch_size": 4, "eval_items": 4, "eval_at_start": False, "log_rollouts_every": 1})
+    cfg = build_config(RLConfig, "rl", {**{**_common(models["dpo"], out, "rl"), "batch_size": 16},
+                                        "prompts_file": str(data["prompts"]), "eval_file": str(data["eval"]),
+                                        "algorithm.estimator": "grpo", "reward.kind": "model",
+                                        "reward.model_path": str(models["rm"]), "rollout.prompts_per_step": 2,
+                                        "rollout.group_size": 2, "rollout.max_new_tokens": 6,
+                                        "algorithm.mini_batch_size": 4, "eval_items": 4, "eval_at_start": False,
+                                        "log_rollouts_every": 1})
     rl = train_rl(cfg, show_progress=False)
     assert rl.rendered_examples
     for row in rl.rendered_examples:

@@ -107,7 +107,11 @@ def test_rl_stage_with_an_environment_probes_multi_turn_under_its_own_cache_key(
     a key of its own: a single-turn record of the same model is never read for it."""
     from rlhf_core.stages.guard import _probe_environment, _probe_settings, check_stage_guards
 
-    cfg = build_config(RLConfig, "rl", {"model_path": str(tool_model), "prompts_file": str(micro_data["prompts"]), "eval_file": str(micro_data["eval"]), "output_dir": str(isolated_project / "rl"), "reward.kind": "function", "reward.function": "rlhf_core/rollout/tool_task.py:reward", "environment.spec": env_spec, "eval_items": N_ITEMS, **LIMITS})
+    cfg = build_config(RLConfig, "rl", {"model_path": str(tool_model), "prompts_file": str(micro_data["prompts"]),
+                                        "eval_file": str(micro_data["eval"]),
+                                        "output_dir": str(isolated_project / "rl"), "reward.kind": "function",
+                                        "reward.function": "rlhf_core/rollout/tool_task.py:reward",
+                                        "environment.spec": env_spec, "eval_items": N_ITEMS, **LIMITS})
     single = dataclasses.replace(cfg, environment=dataclasses.replace(cfg.environment, spec=""))
     guards = GuardsConfig()
     runs = {}

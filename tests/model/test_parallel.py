@@ -380,7 +380,8 @@ def test_lora_grpo_on_ray_resumes_from_its_checkpoint_as_the_uninterrupted_run(r
 @pytest.mark.slow  # DeepSpeed's CPU op build, then a ZeRO-3 GRPO run on Ray
 def test_zero3_reference_ranks_partition_the_weights_and_score_as_the_whole_model(ray_local, micro_model, micro_data,
                                                                                   tmp_path, length_reward, caplog):
-    """``rl.distribution.shard_reference`` under ZeRO-3: two reference actors forming a world of their own each hold about half
+    """``rl.distribution.shard_reference`` under ZeRO-3: two reference actors forming a world of their own each hold
+    about half
     of the frozen weights' bytes and, on 7 rows (one rank scores a row fewer: the ranks still agree on the
     chunks, since every ZeRO-3 forward is a collective), give the log-probs a whole reference gives (fp32, to
     1e-6). Then a colocated GRPO run on two ZeRO-3 policy ranks starts partitioned reference ranks and logs a KL

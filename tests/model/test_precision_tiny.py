@@ -168,7 +168,17 @@ def test_rl_gae_mixed_resumes_bit_identical(micro_model, micro_data, tmp_path, m
     reward.write_text("def reward(prompts, completions, labels):\n    return [len(c) / 10 for c in completions]\n")
 
     def cfg(root):
-        return build_config(RLConfig, "rl", {"model_path": str(micro_model), "prompts_file": str(micro_data["prompts"]), "eval_file": str(micro_data["eval"]), "output_dir": str(root / "out"), "checkpoint_dir": str(root / "ckpt"), "reward.function": f"{reward}:reward", "max_steps": 5, "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 6, "batch_size": 64, "algorithm.mini_batch_size": 8, "micro_batch_size": 4, "lr": 3e-3, "warmup_steps": 0, "eval_items": 8, "algorithm.estimator": "gae", "kl.in_reward": True, "kl.estimator": "k1", "save_every": 2, "num_threads": 1, "precision": "mixed"})
+        return build_config(RLConfig, "rl", {"model_path": str(micro_model),
+                                             "prompts_file": str(micro_data["prompts"]),
+                                             "eval_file": str(micro_data["eval"]), "output_dir": str(root / "out"),
+                                             "checkpoint_dir": str(root / "ckpt"),
+                                             "reward.function": f"{reward}:reward", "max_steps": 5,
+                                             "rollout.prompts_per_step": 4, "rollout.group_size": 4,
+                                             "rollout.max_new_tokens": 6, "batch_size": 64,
+                                             "algorithm.mini_batch_size": 8, "micro_batch_size": 4, "lr": 3e-3,
+                                             "warmup_steps": 0, "eval_items": 8, "algorithm.estimator": "gae",
+                                             "kl.in_reward": True, "kl.estimator": "k1", "save_every": 2,
+                                             "num_threads": 1, "precision": "mixed"})
 
     whole_sink, sink = Recorder(), Recorder()
     whole = train_rl(cfg(tmp_path / "whole"), whole_sink, show_progress=False)

@@ -221,11 +221,14 @@ def test_config_rejects_inconsistent_rl_settings():
         build_config(RLConfig, "rl", {"algorithm.estimator": "rloo", "rollout.group_size": 1})
     with pytest.raises(ConfigError, match=r"rl.algorithm.estimator: must be one of"):
         build_config(RLConfig, "rl", {"algorithm.estimator": "ppo"})
-    with pytest.raises(ConfigError, match=r"rl.algorithm.mini_batch_size: must be <= prompts_per_step x group_size"):
-        build_config(RLConfig, "rl", {"rollout.prompts_per_step": 2, "rollout.group_size": 4, "algorithm.mini_batch_size": 16})
+    with pytest.raises(ConfigError, match=r"rl.algorithm.mini_batch_size: must be <= rollout.prompts_per_step x rollout.group_size"):
+        build_config(RLConfig, "rl", {"rollout.prompts_per_step": 2, "rollout.group_size": 4,
+                                      "algorithm.mini_batch_size": 16})
     with pytest.raises(ConfigError, match=r"rl.dapo.overlong_cache_len"):
-        build_config(RLConfig, "rl", {"dapo.overlong_max_len": 20, "dapo.overlong_cache_len": 4, "rollout.max_new_tokens": 12})
-    build_config(RLConfig, "rl", {"algorithm.estimator": "gae", "rollout.group_size": 1, "kl.in_reward": True, "algorithm.mini_batch_size": 16})  # PPO needs no groups
+        build_config(RLConfig, "rl", {"dapo.overlong_max_len": 20, "dapo.overlong_cache_len": 4,
+                                      "rollout.max_new_tokens": 12})
+    build_config(RLConfig, "rl", {"algorithm.estimator": "gae", "rollout.group_size": 1, "kl.in_reward": True,
+                                  "algorithm.mini_batch_size": 16})  # PPO needs no groups
 
 
 def test_config_rejects_a_negative_k3_cap():

@@ -119,7 +119,9 @@ def test_update_weights_in_place_and_the_trainers_model(micro_model):
 
 
 def test_rl_config_picks_it_and_falls_back_for_models_it_cannot_run(micro_model, micro_data, tmp_path, caplog):
-    cfg = build_config(RLConfig, "rl", {"model_path": str(micro_model), "prompts_file": str(micro_data["prompts"]), "rollout.engine": "static", "output_dir": str(tmp_path / "o"), "checkpoint_dir": str(tmp_path / "c")})
+    cfg = build_config(RLConfig, "rl", {"model_path": str(micro_model), "prompts_file": str(micro_data["prompts"]),
+                                        "rollout.engine": "static", "output_dir": str(tmp_path / "o"),
+                                        "checkpoint_dir": str(tmp_path / "c")})
     model, tok = load_causal_lm(micro_model, torch.device("cpu")), load_tokenizer(micro_model)
     assert build_rollout_engine(cfg, model, tok).name == "static"
     from rlhf_core.models.loading import prepare_for_training

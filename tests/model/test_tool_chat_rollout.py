@@ -1,4 +1,5 @@
-"""Chat-mode multi-turn rollouts on a micro model with a Qwen2.5-style template (``rl.environment.tool_messages: chat``): the
+"""Chat-mode multi-turn rollouts on a micro model with a Qwen2.5-style template (``rl.environment.tool_messages:
+chat``): the
 prompt and the trajectory decode to exactly what the chat template renders for the conversation (user, assistant
 turn, tool message, assistant turn, ...), sampled tokens kept as sampled; observation tokens are masked.
 
@@ -142,7 +143,8 @@ def test_chat_trajectories_decode_to_the_template_s_rendering_of_the_conversatio
 
 
 def test_trainer_renders_tool_messages_for_conversation_prompts(chat_tool_model, tmp_path):
-    """rl.environment.tool_messages auto on a conversations file and a tokenizer with its own template: the trainer's rollouts
+    """rl.environment.tool_messages auto on a conversations file and a tokenizer with its own template: the trainer's
+    rollouts
     and its greedy multi-turn eval hold the template's tool messages, masked; text prompts with chat fail at load,
     naming the file, line and field."""
     import json
@@ -160,7 +162,15 @@ def test_trainer_renders_tool_messages_for_conversation_prompts(chat_tool_model,
                    "def make_env():\n    return Env()\n")
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps({"prompt": c, "label": "15"}) + "\n" for c in CHATS * 2))
-    cfg = build_config(RLConfig, "rl", {"model_path": str(chat_tool_model), "prompts_file": str(chats), "eval_file": str(chats), "output_dir": str(tmp_path / "rl"), "checkpoint_dir": str(tmp_path / "ckpt"), "reward.function": "rlhf_core/rollout/tool_task.py:reward", "environment.spec": f"{env}:make_env", "environment.max_turns": 2, "environment.max_trajectory_tokens": 80, "rollout.max_new_tokens": 6, "max_length": 160, "rollout.prompts_per_step": 2, "rollout.group_size": 2, "batch_size": 16, "algorithm.mini_batch_size": 4, "eval_items": 4, "eval_at_start": False, "num_threads": 1, "rollout.engine": "hf"})
+    cfg = build_config(RLConfig, "rl", {"model_path": str(chat_tool_model), "prompts_file": str(chats),
+                                        "eval_file": str(chats), "output_dir": str(tmp_path / "rl"),
+                                        "checkpoint_dir": str(tmp_path / "ckpt"),
+                                        "reward.function": "rlhf_core/rollout/tool_task.py:reward",
+                                        "environment.spec": f"{env}:make_env", "environment.max_turns": 2,
+                                        "environment.max_trajectory_tokens": 80, "rollout.max_new_tokens": 6,
+                                        "max_length": 160, "rollout.prompts_per_step": 2, "rollout.group_size": 2,
+                                        "batch_size": 16, "algorithm.mini_batch_size": 4, "eval_items": 4,
+                                        "eval_at_start": False, "num_threads": 1, "rollout.engine": "hf"})
     trainer = RLTrainer(cfg, Recorder())
     assert trainer.conversations == CHATS * 2
     batch = trainer.generate(1, PhaseTimes()).batch
@@ -174,7 +184,8 @@ def test_trainer_renders_tool_messages_for_conversation_prompts(chat_tool_model,
     text = tmp_path / "text.jsonl"
     text.write_text(json.dumps({"prompt": "12+3=", "label": "15"}) + "\n")
     with pytest.raises(DataError, match=r"text.jsonl:1: field 'prompt': is text, and tool_messages chat"):
-        read_prompts(build_config(RLConfig, "rl", {**{**cfg.__dict__, "prompts_file": str(text), "tool_messages": "chat"}}),
+        read_prompts(build_config(RLConfig, "rl", {**{**cfg.__dict__, "prompts_file": str(text),
+                                                      "tool_messages": "chat"}}),
                      trainer.tokenizer)
 
 

@@ -156,7 +156,17 @@ def test_an_environment_server_that_is_down_stops_the_run_with_a_clear_error_and
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cfg = build_config(RLConfig, "rl", {"model_path": str(tool_model), "prompts_file": str(micro_data["prompts"]), "eval_file": str(micro_data["eval"]), "output_dir": str(tmp_path / "rl"), "checkpoint_dir": str(tmp_path / "ckpt"), "reward.function": str(REPO / "rlhf_core/rollout/tool_task.py:reward"), "environment.spec": f"http://127.0.0.1:{port}/step", "environment.stop_tokens": ["</calc>"], "reward.retries": 1, "reward.backoff_cap_s": 0.01, "environment.max_turns": 2, "environment.max_trajectory_tokens": 20, "rollout.max_new_tokens": 6, "max_steps": 2, "rollout.prompts_per_step": 4, "rollout.group_size": 2, "batch_size": 64, "algorithm.mini_batch_size": 8, "eval_at_start": False, "num_threads": 1, "rollout.engine": "hf"})
+    cfg = build_config(RLConfig, "rl", {"model_path": str(tool_model), "prompts_file": str(micro_data["prompts"]),
+                                        "eval_file": str(micro_data["eval"]), "output_dir": str(tmp_path / "rl"),
+                                        "checkpoint_dir": str(tmp_path / "ckpt"),
+                                        "reward.function": str(REPO / "rlhf_core/rollout/tool_task.py:reward"),
+                                        "environment.spec": f"http://127.0.0.1:{port}/step",
+                                        "environment.stop_tokens": ["</calc>"], "reward.retries": 1,
+                                        "reward.backoff_cap_s": 0.01, "environment.max_turns": 2,
+                                        "environment.max_trajectory_tokens": 20, "rollout.max_new_tokens": 6,
+                                        "max_steps": 2, "rollout.prompts_per_step": 4, "rollout.group_size": 2,
+                                        "batch_size": 64, "algorithm.mini_batch_size": 8, "eval_at_start": False,
+                                        "num_threads": 1, "rollout.engine": "hf"})
     with pytest.raises(EnvironmentFailure, match=rf"environment server http://127.0.0.1:{port}/step: failed after 2 "
                                                  "attempts; last error: connection failed"):
         train_rl(cfg, Recorder(), show_progress=False)

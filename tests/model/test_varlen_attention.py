@@ -236,7 +236,16 @@ def test_packed_rl_training_on_varlen_equals_padded_sdpa(micro_model, micro_data
 
     def run(name, **kw):
         out, sink = tmp_path / name, Recorder()
-        cfg = build_config(RLConfig, "rl", {"model_path": str(micro_model), "prompts_file": str(micro_data["prompts"]), "eval_file": str(micro_data["eval"]), "output_dir": str(out / "rl"), "checkpoint_dir": str(out / "ckpt"), "reward.function": f"{reward}:reward", "max_steps": 3, "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 6, "batch_size": 8, "algorithm.mini_batch_size": 16, "micro_batch_size": 4, "kl.coef": 0.04, "lr": 3e-3, "warmup_steps": 0, "weight_decay": 0.0, "eval_items": 4, "eval_at_start": False, "log_rollouts_every": 0, "num_threads": 1, **kw})
+        cfg = build_config(RLConfig, "rl", {"model_path": str(micro_model),
+                                            "prompts_file": str(micro_data["prompts"]),
+                                            "eval_file": str(micro_data["eval"]), "output_dir": str(out / "rl"),
+                                            "checkpoint_dir": str(out / "ckpt"),
+                                            "reward.function": f"{reward}:reward", "max_steps": 3,
+                                            "rollout.prompts_per_step": 4, "rollout.group_size": 4,
+                                            "rollout.max_new_tokens": 6, "batch_size": 8,
+                                            "algorithm.mini_batch_size": 16, "micro_batch_size": 4, "kl.coef": 0.04,
+                                            "lr": 3e-3, "warmup_steps": 0, "weight_decay": 0.0, "eval_items": 4,
+                                            "eval_at_start": False, "log_rollouts_every": 0, "num_threads": 1, **kw})
         train_rl(cfg, sink, show_progress=False)
         return sink, load_file(str(out / "rl" / "model.safetensors"))
 

@@ -1,4 +1,5 @@
-"""``rl.distribution.weight_sync: collective`` on real Ray (local instance, CPU, gloo): policy rank 0 and the rollout replicas
+"""``rl.distribution.weight_sync: collective`` on real Ray (local instance, CPU, gloo): policy rank 0 and the rollout
+replicas
 in a torch.distributed group of their own (rlhf_core/distributed/weight_sync.py). After a sync every replica holds rank 0's
 weights bitwise; GRPO logs the same metrics through the collective as through the object store (same seed);
 a replica that stops answering or dies fails the sync within the collective timeout instead of hanging.

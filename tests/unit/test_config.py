@@ -142,7 +142,8 @@ def test_scale_out_fields_are_checked():
     # one process's engine would sample from ZeRO-3's empty placeholders (a size-0 reshape on an H200, 2026-12-03)
     with pytest.raises(ConfigError, match=r"rl.parallel: zero3 partitions the policy's weights.*placement colocated"):
         RLConfig(parallel="zero3")
-    assert build_config(RLConfig, "rl", {"parallel": "zero3", "distribution.placement": "colocated"}).parallel == "zero3"
+    assert build_config(RLConfig, "rl", {"parallel": "zero3",
+                                         "distribution.placement": "colocated"}).parallel == "zero3"
     assert RLConfig(parallel="zero2").distribution.placement == "none"  # ZeRO-2 keeps whole weights on every rank
 
 
@@ -154,7 +155,8 @@ def test_rollout_sleep_is_checked_and_resolved_by_where_it_can_work():
 
     colocated = build_config(RLConfig, "rl", {"distribution.placement": "colocated", "rollout.sleep": "on"})
     assert resolve_rollout_sleep(colocated, gpus=False) and resolve_rollout_sleep(colocated, gpus=True)
-    assert not resolve_rollout_sleep(build_config(RLConfig, "rl", {"distribution.placement": "colocated"}), gpus=False)  # CPUs: nothing to gain
+    assert not resolve_rollout_sleep(build_config(RLConfig, "rl", {"distribution.placement": "colocated"}),
+                                     gpus=False)  # CPUs: nothing to gain
     assert resolve_rollout_sleep(build_config(RLConfig, "rl", {"distribution.placement": "colocated"}), gpus=True)
     for kw in ({"placement": "disaggregated"}, {"placement": "colocated", "lora_rank": 4},
                {"placement": "colocated", "rollout_engine": "vllm"}, {"placement": "colocated", "rollout_sleep": "off"}):
@@ -166,7 +168,8 @@ def test_rollout_sleep_is_checked_and_resolved_by_where_it_can_work():
     with pytest.raises(ConfigError, match=r"rl.rollout.sleep: on needs a sync of the whole weights"):
         build_config(RLConfig, "rl", {"rollout.sleep": "on", "distribution.placement": "colocated", "lora_rank": 4})
     with pytest.raises(ConfigError, match=r"rl.rollout.sleep: on needs the hf or static engine"):
-        build_config(RLConfig, "rl", {"rollout.sleep": "on", "distribution.placement": "colocated", "rollout.engine": "vllm"})
+        build_config(RLConfig, "rl", {"rollout.sleep": "on", "distribution.placement": "colocated",
+                                      "rollout.engine": "vllm"})
 
 
 def test_rl_policy_objective_and_its_clip_fields():
@@ -176,8 +179,10 @@ def test_rl_policy_objective_and_its_clip_fields():
 
     assert RLConfig().algorithm.policy_objective == "ppo_clip"
     assert (RLConfig().algorithm.gspo_clip_low, RLConfig().algorithm.gspo_clip_high) == (3e-4, 4e-4)
-    assert build_config(RLConfig, "rl", {"algorithm.policy_objective": "gspo", "algorithm.dual_clip": 3.0}).algorithm.policy_objective == "gspo"
-    with pytest.raises(ConfigError, match=r"rl.algorithm.policy_objective: must be one of \['ppo_clip', 'gspo', 'cispo'\]"):
+    assert build_config(RLConfig, "rl", {"algorithm.policy_objective": "gspo",
+                                         "algorithm.dual_clip": 3.0}).algorithm.policy_objective == "gspo"
+    with pytest.raises(ConfigError,
+                       match=r"rl.algorithm.policy_objective: must be one of \['ppo_clip', 'gspo', 'cispo'\]"):
         build_config(RLConfig, "rl", {"algorithm.policy_objective": "grpo"})
     with pytest.raises(ConfigError, match=r"rl.algorithm.gspo_clip_low: must be in \[0, 1\), got 1.0"):
         build_config(RLConfig, "rl", {"algorithm.policy_objective": "gspo", "algorithm.gspo_clip_low": 1.0})
@@ -194,16 +199,21 @@ def test_async_training_and_sequence_masking_fields_are_checked():
     from rlhf_core.config import ConfigError, RLConfig
 
     assert (RLConfig().off_policy.max_staleness, RLConfig().off_policy.mis_threshold) == (0, 0.0)
-    assert build_config(RLConfig, "rl", {"off_policy.max_staleness": 2, "distribution.placement": "disaggregated", "off_policy.mis_threshold": 2.0}).off_policy.max_staleness == 2
-    with pytest.raises(ConfigError, match=r"rl.off_policy.max_staleness: must be an integer >= 0 \(0 = synchronous\), got -1"):
+    assert build_config(RLConfig, "rl", {"off_policy.max_staleness": 2, "distribution.placement": "disaggregated",
+                                         "off_policy.mis_threshold": 2.0}).off_policy.max_staleness == 2
+    with pytest.raises(ConfigError,
+                       match=r"rl.off_policy.max_staleness: must be an integer >= 0 \(0 = synchronous\), got -1"):
         build_config(RLConfig, "rl", {"off_policy.max_staleness": -1})
-    with pytest.raises(ConfigError, match=r"rl.off_policy.max_staleness: needs off_policy.recompute_old_logprobs: true"):
+    with pytest.raises(ConfigError,
+                       match=r"rl.off_policy.max_staleness: needs off_policy.recompute_old_logprobs: true"):
         build_config(RLConfig, "rl", {"off_policy.max_staleness": 1, "off_policy.recompute_old_logprobs": False})
-    with pytest.raises(ConfigError, match=r"rl.off_policy.max_staleness: overlaps generation with the update, but colocated"):
+    with pytest.raises(ConfigError,
+                       match=r"rl.off_policy.max_staleness: overlaps generation with the update, but colocated"):
         build_config(RLConfig, "rl", {"off_policy.max_staleness": 1, "distribution.placement": "colocated"})
     with pytest.raises(ConfigError, match=r"rl.off_policy.mis_threshold: must be 0 \(off\) or > 1"):
         build_config(RLConfig, "rl", {"off_policy.mis_threshold": 0.5})
-    with pytest.raises(ConfigError, match=r"rl.off_policy.mis_threshold: needs off_policy.recompute_old_logprobs: true"):
+    with pytest.raises(ConfigError,
+                       match=r"rl.off_policy.mis_threshold: needs off_policy.recompute_old_logprobs: true"):
         build_config(RLConfig, "rl", {"off_policy.mis_threshold": 2.0, "off_policy.recompute_old_logprobs": False})
 
 
@@ -212,7 +222,9 @@ def test_on_policy_distillation_fields_are_checked():
     dynamic sampling (a reward tie says nothing of the teacher's signal); it runs under Ray placement too."""
     from rlhf_core.config import ConfigError, RLConfig
 
-    cfg = build_config(RLConfig, "rl", {"algorithm.estimator": "distill", "distill.teacher_model_path": "models/teacher", "distill.reward_coef": 0.5, "kl.in_reward": True, "kl.estimator": "k1"})
+    cfg = build_config(RLConfig, "rl", {"algorithm.estimator": "distill",
+                                        "distill.teacher_model_path": "models/teacher", "distill.reward_coef": 0.5,
+                                        "kl.in_reward": True, "kl.estimator": "k1"})
     assert cfg.distill.teacher_model_path == "models/teacher" and cfg.distill.reward_coef == 0.5
     with pytest.raises(ConfigError, match=r"rl.distill.teacher_model_path: must name the teacher's model directory"):
         build_config(RLConfig, "rl", {"algorithm.estimator": "distill"})
@@ -221,10 +233,13 @@ def test_on_policy_distillation_fields_are_checked():
     with pytest.raises(ConfigError, match=r"rl.distill.reward_coef: is only used by estimator distill"):
         build_config(RLConfig, "rl", {"distill.reward_coef": 1.0})
     with pytest.raises(ConfigError, match=r"rl.distill.reward_coef: must be >= 0"):
-        build_config(RLConfig, "rl", {"algorithm.estimator": "distill", "distill.teacher_model_path": "t", "distill.reward_coef": -1.0})
+        build_config(RLConfig, "rl", {"algorithm.estimator": "distill", "distill.teacher_model_path": "t",
+                                      "distill.reward_coef": -1.0})
     with pytest.raises(ConfigError, match=r"rl.dapo.dynamic_sampling: drops groups"):
-        build_config(RLConfig, "rl", {"algorithm.estimator": "distill", "distill.teacher_model_path": "t", "dapo.dynamic_sampling": True})
-    assert build_config(RLConfig, "rl", {"algorithm.estimator": "distill", "distill.teacher_model_path": "t", "distribution.placement": "colocated"}).distribution.placement == "colocated"
+        build_config(RLConfig, "rl", {"algorithm.estimator": "distill", "distill.teacher_model_path": "t",
+                                      "dapo.dynamic_sampling": True})
+    assert build_config(RLConfig, "rl", {"algorithm.estimator": "distill", "distill.teacher_model_path": "t",
+                                         "distribution.placement": "colocated"}).distribution.placement == "colocated"
 
 
 def test_compile_layers_switch_reads_yaml_booleans_and_resolves_by_setting():

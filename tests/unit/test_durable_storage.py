@@ -92,7 +92,10 @@ def test_storage_error_is_permanent_for_prefect_and_survives_pickling():
 
 
 def _rl_cfg(tmp_path, reward_file):
-    return build_config(RLConfig, "rl", {"model_path": str(tmp_path / "model"), "prompts_file": str(tmp_path / "prompts.jsonl"), "reward.function": f"{reward_file}:reward", "output_dir": str(tmp_path / "out"), "checkpoint_dir": str(tmp_path / "ckpt")})
+    return build_config(RLConfig, "rl", {"model_path": str(tmp_path / "model"),
+                                         "prompts_file": str(tmp_path / "prompts.jsonl"),
+                                         "reward.function": f"{reward_file}:reward",
+                                         "output_dir": str(tmp_path / "out"), "checkpoint_dir": str(tmp_path / "ckpt")})
 
 
 def test_fingerprint_follows_the_reward_files_bytes_not_its_timestamp(tmp_path):

@@ -104,7 +104,8 @@ def test_rl_config_rejects_bad_environment_settings():
     with pytest.raises(ConfigError, match="max_turns"):
         build_config(RLConfig, "rl", {"environment.spec": "env.py:make_env", "environment.max_turns": 0})
     # multi-turn rollouts run under Ray placement too (the environment stays in the controller)
-    assert build_config(RLConfig, "rl", {"environment.spec": "env.py:make_env", "distribution.placement": "colocated"}).distribution.placement == "colocated"
+    assert build_config(RLConfig, "rl", {"environment.spec": "env.py:make_env",
+                                         "distribution.placement": "colocated"}).distribution.placement == "colocated"
     with pytest.raises(ConfigError, match="environment.stop_tokens"):
         build_config(RLConfig, "rl", {"environment.stop_tokens": ["</calc>"]})
     assert build_config(RLConfig, "rl", {"environment.spec": "env.py:make_env"}).environment.max_turns == 2

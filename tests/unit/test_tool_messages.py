@@ -1,4 +1,5 @@
-"""Tool turns as chat-template ``tool`` messages (``rl.environment.tool_messages``), without a model: the text a template puts
+"""Tool turns as chat-template ``tool`` messages (``rl.environment.tool_messages``), without a model: the text a
+template puts
 between an assistant turn's end and the next assistant turn, the mode's resolution and checks, and the rollout's
 bookkeeping with a scripted engine.
 
@@ -87,7 +88,8 @@ def test_config_names_the_field():
         build_config(RLConfig, "rl", {"environment.spec": "env.py:make_env", "environment.tool_messages": "tool"})
     with pytest.raises(ConfigError, match="rl.environment.tool_messages: is only used with an environment"):
         build_config(RLConfig, "rl", {"environment.tool_messages": "chat"})
-    assert build_config(RLConfig, "rl", {"environment.spec": "env.py:make_env", "environment.tool_messages": "chat"}).environment.tool_messages == "chat"
+    assert build_config(RLConfig, "rl", {"environment.spec": "env.py:make_env",
+                                         "environment.tool_messages": "chat"}).environment.tool_messages == "chat"
 
 
 class _Scripted:
