@@ -164,7 +164,7 @@ def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
 # Names other trainers (TRL, HF Trainer) use for a field alignflow spells differently: "did you mean" for them.
 KNOWN_ALIASES = {"learning_rate": "lr", "per_device_train_batch_size": "batch_size",
                  "gradient_accumulation_steps": "grad_accum", "model_name_or_path": "model_path",
-                 "num_generations": "group_size", "max_seq_length": "max_length"}
+                 "num_generations": "rollout.group_size", "max_seq_length": "max_length"}
 
 
 def unknown_field(section: str, key: str, known: set[str]) -> str:
@@ -221,6 +221,8 @@ def _regroup(cls: type, section: str, values: dict[str, Any], source: str,
             out[name] = value
             continue
         if not dot:
+            if dataclasses.is_dataclass(value) and isinstance(value, sections[head]):  # a built section: its values
+                value = dataclasses.asdict(value)
             if not isinstance(value, dict):
                 fields = ", ".join(f.name for f in dataclasses.fields(sections[head]))
                 raise ConfigError(f"{where}: {section}.{head}: a section of fields ({fields}), got {shown(value)}")
@@ -277,8 +279,6 @@ def build_config(cls: type[T], section: str, values: dict[str, Any], source: str
 
 def _build_section(owner: type, cls: type, where: str, values: Any, source: str, overridden: set[str]) -> Any:
     """One section within a config (``rl.kl``): its fields read as :func:`build_config` reads a section's."""
-    if dataclasses.is_dataclass(values) and isinstance(values, cls):
-        return values
     try:
         return build_config(cls, where, values, source, overridden)
     except ConfigError as exc:

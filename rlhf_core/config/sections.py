@@ -5,8 +5,11 @@
 (:data:`SECTIONS`); every field has a one-line docstring, and ``__post_init__`` rejects values a user
 could plausibly get wrong with a message that names the section and field.
 
+The shipped ``params.yaml`` holds only what differs from the dataclass defaults. A section may group its fields
+in sections of its own (``rl``'s ``kl``, ``rollout`` ...): nested in the file, dotted on the command line.
+
 Command-line overrides use ``--set field=value`` (YAML syntax for the value), e.g.
-``alignflow sft --set lr=3e-4 --set max_steps=200``.
+``alignflow sft --set lr=3e-4 --set max_steps=200`` or ``alignflow rl --set kl.coef=0.05``.
 """
 
 from __future__ import annotations

@@ -147,6 +147,7 @@ def test_trainer_renders_tool_messages_for_conversation_prompts(chat_tool_model,
     rollouts
     and its greedy multi-turn eval hold the template's tool messages, masked; text prompts with chat fail at load,
     naming the file, line and field."""
+    import dataclasses
     import json
 
     from conftest import Recorder
@@ -184,8 +185,8 @@ def test_trainer_renders_tool_messages_for_conversation_prompts(chat_tool_model,
     text = tmp_path / "text.jsonl"
     text.write_text(json.dumps({"prompt": "12+3=", "label": "15"}) + "\n")
     with pytest.raises(DataError, match=r"text.jsonl:1: field 'prompt': is text, and tool_messages chat"):
-        read_prompts(build_config(RLConfig, "rl", {**{**cfg.__dict__, "prompts_file": str(text),
-                                                      "tool_messages": "chat"}}),
+        read_prompts(dataclasses.replace(cfg, prompts_file=str(text),
+                                         environment=dataclasses.replace(cfg.environment, tool_messages="chat")),
                      trainer.tokenizer)
 
 
