@@ -455,7 +455,7 @@ class HttpRewardSource:
         try:
             return read_capped(reply, self.max_response_bytes, deadline)
         except ReplyTooLarge as exc:
-            raise RewardError(redact_secrets(f"{where}: reply {exc} (reward_max_response_bytes); refused, not "
+            raise RewardError(redact_secrets(f"{where}: reply {exc} (reward.max_response_bytes); refused, not "
                                              "retried")) from None
 
     @staticmethod

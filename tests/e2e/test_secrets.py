@@ -193,7 +193,7 @@ def test_reward_url_secrets_stay_out_of_mlflow_and_the_model(isolated_project, m
     client = MlflowClient(tracking_uri=f"sqlite:///{isolated_project / 'mlflow.db'}")
     [run] = client.search_runs([client.get_experiment_by_name("secrets").experiment_id])
     stored = json.dumps({"params": run.data.params, "tags": run.data.tags})
-    assert "reward_url" in run.data.params and "***" in run.data.params["reward_url"]
+    assert "reward.url" in run.data.params and "***" in run.data.params["reward.url"]
     beside_model = (isolated_project / "models" / "rl" / "alignflow.json").read_text()
     for secret in SECRETS:
         assert secret not in stored and secret not in beside_model
@@ -289,11 +289,11 @@ def test_set_secrets_stay_out_of_prefect(isolated_project, echo_server, prefect_
         assert secret not in prefect_text, (secret, prefect_text[:5000])
     assert "train-rl" in prefect_text and "HTTP 500" in prefect_text  # the task ran and failed on the server
     params = flow_run.parameters
-    assert params["overrides"]["rl"]["reward_url"] == f"http://***@127.0.0.1:{echo_server.port}/5xx?token=***"
+    assert params["overrides"]["rl"]["reward.url"] == f"http://***@127.0.0.1:{echo_server.port}/5xx?token=***"
     assert params["overrides"]["flow"] == {"stages": ["rl"], "retries": 0}  # what holds no secret stays readable
     private = Path(params["private_overrides"])
     assert stat.S_IMODE(private.stat().st_mode) == 0o600 and stat.S_IMODE(private.parent.stat().st_mode) == 0o700
-    assert json.loads(private.read_text()) == {"rl": {"reward_url": url}}
+    assert json.loads(private.read_text()) == {"rl": {"reward.url": url}}
     # the result files Prefect wrote for this flow hold no secret either
     storage = Path(os.environ["PREFECT_LOCAL_STORAGE_PATH"])
     for path in (p for p in storage.rglob("*") if p.is_file() and p.stat().st_mtime >= started):

@@ -158,9 +158,10 @@ def test_rollout_sleep_is_checked_and_resolved_by_where_it_can_work():
     assert not resolve_rollout_sleep(build_config(RLConfig, "rl", {"distribution.placement": "colocated"}),
                                      gpus=False)  # CPUs: nothing to gain
     assert resolve_rollout_sleep(build_config(RLConfig, "rl", {"distribution.placement": "colocated"}), gpus=True)
-    for kw in ({"placement": "disaggregated"}, {"placement": "colocated", "lora_rank": 4},
-               {"placement": "colocated", "rollout_engine": "vllm"}, {"placement": "colocated", "rollout_sleep": "off"}):
-        assert not resolve_rollout_sleep(build_config(RLConfig, "rl", {**kw}), gpus=True), kw
+    for kw in ({"distribution.placement": "disaggregated"}, {"distribution.placement": "colocated", "lora_rank": 4},
+               {"distribution.placement": "colocated", "rollout.engine": "vllm"},
+               {"distribution.placement": "colocated", "rollout.sleep": "off"}):
+        assert not resolve_rollout_sleep(build_config(RLConfig, "rl", kw), gpus=True), kw
     with pytest.raises(ConfigError, match=r"rl.rollout.sleep: must be auto, on or off, got 'yes'"):
         build_config(RLConfig, "rl", {"rollout.sleep": "yes"})
     with pytest.raises(ConfigError, match=r"rl.rollout.sleep: on frees colocated Ray replicas' weights"):

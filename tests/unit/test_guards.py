@@ -150,11 +150,11 @@ def test_model_card_names_parent_data_eval_guards_and_decision():
     report = check_guards(_record([0, 1, 0, 1], [0] * 4), _record([0, 1, 0, 1], [1] * 4), GuardsConfig())
     tags = {"alignflow.stage": "rl", "git.commit": "abc123", "input.model": "models/sft", "dvc.md5.model": "m5.dir",
             "input.eval": "data/eval.jsonl", "dvc.md5.eval": "e5", "dvc.md5.output_model": "o5.dir", **report.tags()}
-    card = render_model_card("policy", "3", "run1", tags, {"kl_coef": "0.01", "lr": "0.0003"},
+    card = render_model_card("policy", "3", "run1", tags, {"kl.coef": "0.01", "lr": "0.0003"},
                              report.metrics(), {"promoted": False, "verdict": "candidate v3: not promoted",
                                                 "gate": "gate blocked: reward_hacking"}, "alignflow-sft v1")
     for text in ("policy v3: candidate (not promoted)", "`models/sft` (DVC md5 `m5.dir`)", "alignflow-sft v1",
-                 "| eval | `data/eval.jsonl` | `e5` |", "| kl_coef | `0.01` |", "+0.0000 ± 0.0000",
+                 "| eval | `data/eval.jsonl` | `e5` |", "| kl.coef | `0.01` |", "+0.0000 ± 0.0000",
                  "Guards (fired: reward_hacking; blocking promotion: reward_hacking)", "| reward_hacking | FIRED: reward +1.0000", "gate blocked"):
         assert text in card, (text, card)
 

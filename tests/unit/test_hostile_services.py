@@ -303,7 +303,7 @@ def test_a_huge_reply_is_refused_at_the_cap_without_reading_it_all(hostile, clie
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert expect in msg and "reward_max_response_bytes" in msg, msg
+    assert expect in msg and "reward.max_response_bytes" in msg, msg
     assert elapsed < 5.0, elapsed
     assert peak < 6 * CAP, peak
     assert hostile.done[mode].wait(5.0)

@@ -309,7 +309,7 @@ def test_where_each_input_gets_its_kind():
     # The prompts file: labels optional only when every stage that reads it scores with a reward model.
     assert dataset_kinds(load_all(None, None))["prompts"] == "prompts"  # the default RL's reward function
     assert dataset_kinds(load_all(None, None))["eval"] == "prompts"
-    model_rl = {"rl": {"reward_kind": "model"}}
+    model_rl = {"rl": {"reward": {"kind": "model"}}}
     assert dataset_kinds(load_all(None, {"flow": {"stages": ["rl", "rejection"]}, **model_rl}))["prompts"] == \
         "prompt-only"
     rule = {"rejection": {"scorer": "rule"}, **model_rl}

@@ -21,9 +21,11 @@ from hypothesis import strategies as st
 from flows.cli import _section_overrides, stage_overrides
 from flows.params import load_all
 from rlhf_core.config import (MAX_YAML_DEPTH, OVERRIDE_SOURCE, SECTIONS, ConfigError, SFTConfig, build_config,
-                              load_config, parse_overrides, read_params)
+                              load_config, parse_overrides, read_params, section_fields)
 
-FIELDS = sorted({(name, f.name) for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)})
+FIELDS = sorted({(name, f.name) for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+                | {(name, f"{inner}.{f.name}") for name, cls in SECTIONS.items()  # rl's kl.coef ...
+                   for inner, section in section_fields(cls).items() for f in dataclasses.fields(section)})
 SPECIAL = ["[", "]", "{a: 1}", "{", ".inf", "-.inf", ".nan", "1e999", "-1e999", "~", "null", "", " ", "yes", "no",
            "10" * 2200, "9" * 5000, str(2 ** 63), str(-2 ** 63), "0x1F", "0o17", "1_000", "2020-13-45", "2020-01-01",
            "*a", "&a 1", "!!binary aGk=", "!!python/object:os.system", "%YAML 1.1", "- a\n- b", "a: 1\na: 2",
@@ -86,7 +88,8 @@ def test_a_flows_overrides_are_typed_or_refused_naming_the_command_line(pairs):
 @example(field=("model", "added_tokens"), value=5).via("a list[str] field given an int: TypeError")
 @example(field=("flow", "stages"), value=[1, [2]])
 @example(field=("guards", "advisory_guards"), value=[["a"]]).via("an unhashable item: TypeError")
-@example(field=("rl", "environment_stop_tokens"), value=None)
+@example(field=("rl", "environment.stop_tokens"), value=None)
+@example(field=("rl", "environment"), value={"path": "env.py:f"}).via("a section given a field it does not have")
 @example(field=("tool_guards", "advisory_guards"), value=[0]).via("a check of guards' fields under tool_guards")
 @example(field=("sft", "seed"), value=10 ** 5000).via("an int no message can print")
 @example(field=("sft", "packing"), value=10 ** 5000)
