@@ -35,6 +35,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlhf_core.common.offline import NO_MULTICAST_ENV, OFFLINE_ENV, STACK_DUMP_ENV
+from rlhf_core.distributed.parallel import join_world
 from rlhf_core.models.layer_compile import BACKEND_ENV as COMPILE_BACKEND_ENV
 
 log = logging.getLogger(__name__)
@@ -156,21 +157,9 @@ class _Worker:
         return ray.util.get_node_ip_address(), port
 
     def join_world(self, addr: str, port: int, rank: int, size: int, timeout_s: float) -> int:
-        """``torch.distributed.init_process_group``: NCCL when this actor has a GPU, else gloo; a
-        collective waits at most ``timeout_s`` for its peers."""
-        import datetime
-
-        import torch.distributed as dist
-
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        # What torchrun would set; DeepSpeed reads them. Ray shows each actor only its own GPU(s),
-        # so the local device is always 0.
-        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size),
-                          LOCAL_RANK="0")
-        if backend == "nccl":
-            torch.cuda.set_device(0)  # Ray exposes this actor's GPU(s) as CUDA_VISIBLE_DEVICES
-        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        """Rank ``rank`` of a world of ``size`` (:func:`rlhf_core.distributed.parallel.join_world`); a collective
+        waits at most ``timeout_s`` for its peers."""
+        join_world(addr, port, rank, size, timeout_s)
         return os.getpid()
 
     def build(self, factory: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
