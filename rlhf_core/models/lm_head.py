@@ -181,7 +181,7 @@ def unwrap(model: Any) -> Any:
 
 
 @contextmanager
-def _head_bypassed(model: Any) -> Iterator[Any]:
+def head_bypassed(model: Any) -> Iterator[Any]:
     """Within the block, ``model(...)`` returns the final hidden states as ``.logits``; yields the LM head.
 
     The head is swapped for ``Identity`` on the unwrapped model and put back after, so a DDP or
@@ -219,7 +219,7 @@ def scored_logprobs(model: Any, inputs: dict[str, torch.Tensor], positions: torc
         logits = _select(model(**inputs, use_cache=False, **forward_kwargs).logits, positions)  # (N, V)
         logp, entropy = _chunk_logprobs(torch.nn.Identity(), logits, targets, temperature, with_entropy)
         return logp, (entropy if with_entropy else None)
-    with _head_bypassed(model) as lm_head:
+    with head_bypassed(model) as lm_head:
         hidden = _select(model(**inputs, use_cache=False, **forward_kwargs).logits, positions)  # (N, H)
     return head_logprobs(lm_head, hidden, targets, head, temperature=temperature, with_entropy=with_entropy)
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from rlhf_core.models.attention import VARLEN, packed_forward_kwargs
-from rlhf_core.models.lm_head import LMHead, _head_bypassed, bypasses_head, head_logprobs, unwrap
+from rlhf_core.models.lm_head import LMHead, bypasses_head, head_bypassed, head_logprobs, unwrap
 from rlhf_core.distributed.parallel import World
 from rlhf_core.algorithms.rl_math import entropy_from_logits
 from rlhf_core.data.tokenize import group_by_tokens
@@ -263,7 +263,7 @@ def token_logprobs(model: Any, exp: dict[str, torch.Tensor], prompt_width: int, 
     model returns hidden states and no ``(rows, R, V)`` logits exist at all.
     """
     if bypasses_head(model, head):
-        with _head_bypassed(model) as lm_head:
+        with head_bypassed(model) as lm_head:
             hidden = _response_logits(model, exp, prompt_width, share_prompts, packed)  # (rows, R, H): hidden states
         rows, R = exp["response_ids"].shape
         logp, entropy = head_logprobs(lm_head, hidden.reshape(rows * R, -1), exp["response_ids"].reshape(-1), head,
@@ -332,8 +332,8 @@ def by_length(exp: dict[str, torch.Tensor], rows: torch.Tensor, prompt_width: in
 
 
 @torch.no_grad()
-def _in_chunks(fn: Any, exp: dict[str, torch.Tensor], prompt_width: int, rows: torch.Tensor,
-               n_chunks: int) -> torch.Tensor:
+def in_chunks(fn: Any, exp: dict[str, torch.Tensor], prompt_width: int, rows: torch.Tensor,
+              n_chunks: int) -> torch.Tensor:
     """``fn(chunk, chunk_prompt_width)`` over ``n_chunks`` chunks of the rows ``rows`` of ``exp`` (no gradient).
 
     Rows are grouped by length and each chunk trimmed (:func:`trim_padding`); results come back
@@ -353,7 +353,7 @@ def _in_chunks(fn: Any, exp: dict[str, torch.Tensor], prompt_width: int, rows: t
     return out
 
 
-def _to(exp: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+def to(exp: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device) for k, v in exp.items()}
 
 
@@ -398,7 +398,7 @@ def chunk_bytes_per_row(model: Any, head: LMHead, width: int, response_len: int)
     return width * 2 * intermediate * itemsize
 
 
-class _Sharded:
+class Sharded:
     """Rows of this rank and the chunking every rank agrees on."""
 
     def __init__(self, world: World, rows: int, batch_size: int, row_bytes: int = 0):
@@ -409,7 +409,7 @@ class _Sharded:
         self.n_chunks = max(1, by_rows, by_bytes)
 
 
-def _sharded(world: World, exp: dict[str, torch.Tensor], prompt_width: int, batch_size: int, model: Any,
-             head: LMHead) -> _Sharded:
+def sharded(world: World, exp: dict[str, torch.Tensor], prompt_width: int, batch_size: int, model: Any,
+            head: LMHead) -> Sharded:
     rows, width = exp["input_ids"].shape
-    return _Sharded(world, rows, batch_size, chunk_bytes_per_row(model, head, width, width - prompt_width))
+    return Sharded(world, rows, batch_size, chunk_bytes_per_row(model, head, width, width - prompt_width))
