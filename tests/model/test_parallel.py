@@ -402,9 +402,7 @@ def test_zero3_reference_ranks_partition_the_weights_and_score_as_the_whole_mode
     batch = HFGenerateEngine(whole.model, load_tokenizer(micro_model)).generate(
         ["12+30=", "7*8=", "sort 321=", "1+1=", "9-4=", "3*3=", "sort 12="], SamplingParams(n=1, max_new_tokens=6,
                                                                                             seed=3))
-    ids, attention = batch.sequences()
-    exp = {"input_ids": ids, "attention_mask": attention, "position_ids": batch.position_ids(),
-           "response_ids": batch.response_ids}
+    exp = batch.learner_inputs()
     p = batch.prompt_ids.shape[1]
     launcher = rl_ray.Launcher(use_gpus=False)
     with launcher.running():
