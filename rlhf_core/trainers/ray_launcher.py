@@ -259,8 +259,10 @@ class Launcher:
     """Creates placement groups and actor groups for one run, and removes them at the end.
 
     From the run's config (a ``TrainerConfig``): ``collective_timeout_s``, how long a world's collectives wait for
-    a peer, and ``stack_dump_s``, each actor's periodic stack dumps; :attr:`release_memory` is what every actor
-    is started with."""
+    a peer that stopped answering (its default is long enough for a 7B checkpoint gather; a peer that *died* is
+    noticed sooner: Ray reports the dead actor and :func:`gather` tears the group down within seconds), and
+    ``stack_dump_s``, each actor's periodic stack dumps; :attr:`release_memory` is what every actor is started
+    with."""
 
     release_memory = True
     """Actors hand the CUDA allocator's cache back between RL phases (they may share a GPU with colocated roles;
