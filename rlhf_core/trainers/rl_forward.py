@@ -9,7 +9,6 @@ Used by :mod:`rlhf_core.trainers.rl_roles`, the roles that hold the models. Only
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -357,19 +356,22 @@ def to(exp: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Te
     return {k: v.to(device) for k, v in exp.items()}
 
 
+RELEASE_MEMORY = False
+"""Whether :func:`release_memory` hands the cache back in this process: True in Ray's actors (colocated roles on
+one GPU), set by :class:`rlhf_core.trainers.ray_launcher.Launcher` as it starts them; a bench A/B sets it by name."""
+
+
 def release_memory() -> None:
-    """Hand cached CUDA allocator blocks back between phases where this process shares its GPU with others:
-    Ray's actors (colocated roles on one GPU), whose workers get ``ALIGNFLOW_RELEASE_MEMORY=1`` from
-    :func:`rlhf_core.trainers.ray_launcher.connect`. One process holding every role needs no hand-back: its roles share
+    """Hand cached CUDA allocator blocks back between phases where this process shares its GPU with others
+    (:data:`RELEASE_MEMORY`). One process holding every role needs no hand-back: its roles share
     one caching allocator, and each ``empty_cache`` (a ``cudaFree`` of every cached segment, which waits for
-    the device) made the next phase allocate its segments afresh, three times an RL iteration.
-    ``ALIGNFLOW_RELEASE_MEMORY=1`` / ``0`` forces either (for A/Bs). Nothing on a CPU.
+    the device) made the next phase allocate its segments afresh, three times an RL iteration. Nothing on a CPU.
 
     Only the allocator's cache: a full ``gc.collect()`` here cost 0.2 s per call (three per RL
     iteration) with transformers loaded, measured on the embedded default, and the phases'
     tensors are freed by reference counting, not by the cycle collector.
     """
-    if os.environ.get("ALIGNFLOW_RELEASE_MEMORY", "0") == "1" and torch.cuda.is_available() \
+    if RELEASE_MEMORY and torch.cuda.is_available() \
             and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 

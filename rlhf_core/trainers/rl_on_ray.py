@@ -38,7 +38,7 @@ from rlhf_core.models.loading import (adapter_parameters, copy_adapters, load_ca
 from rlhf_core.models.precision import Precision
 from rlhf_core.rewards.sources import build_reward_source
 from rlhf_core.trainers.ray_launcher import (ActorGroup, Launcher, ReferenceActor, RewardModelActor, RolloutActor,
-                                             TrainerActor, cluster_has_gpus, collective_timeout_s, connect, gather)
+                                             TrainerActor, cluster_has_gpus, connect, gather)
 from rlhf_core.trainers.rl import train_rl
 from rlhf_core.trainers.rl_parts import concat_batches
 from rlhf_core.trainers.rl_roles import (BaseReference, PolicyLearner, ReferenceScorer, base_is_reference,
@@ -72,7 +72,7 @@ class RemoteLearner:
         # 131 GB fp32 copy here, for ~0.3 GB of adapters (BENCHMARKS.md, issue 22's plan).
         self.adapters_only = bool(cfg.lora_rank)
         dtype = getattr(torch, group.call_all("base_dtype")[0]) if self.adapters_only else torch.float32
-        self.policy = load_causal_lm(cfg.model_path, torch.device("cpu"), dtype)
+        self.policy = load_causal_lm(cfg.model_path, torch.device("cpu"), dtype, cfg.attention)
         if self.adapters_only:
             prepare_for_training(self.policy, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
                                  lora_dropout=cfg.lora_dropout)
@@ -308,7 +308,8 @@ class RemoteReward:
 
 
 def _reward_model(cfg: Any) -> Any:
-    return build_reward_source("model", path=cfg.reward_model_path, device=pick_device(), batch_size=cfg.batch_size)
+    return build_reward_source("model", path=cfg.reward_model_path, device=pick_device(), batch_size=cfg.batch_size,
+                               attention=cfg.attention)
 
 
 def _reference(cfg: Any, rank: int, size: int, model_path: str | None = None) -> Any:
@@ -331,7 +332,7 @@ def _open_weight_sync(cfg: Any, policy: ActorGroup, rollout: ActorGroup, beside_
                          f"weight_sync auto (CUDA IPC to colocated replicas) or placement disaggregated")
     layout = policy.call_all("sync_layout", SYNC_BUCKET_BYTES, _engine_dtype(cfg))[0]
     addr, port = ray.get(policy.actors[0].rendezvous.remote())
-    size, timeout = len(rollout) + 1, collective_timeout_s()
+    size, timeout = len(rollout) + 1, cfg.collective_timeout_s
     refs = [policy.actors[0].call.remote("join_weight_sync", addr, port, size, timeout)]
     refs += [a.call.remote("join_weight_sync", addr, port, i + 1, size, timeout, layout)
              for i, a in enumerate(rollout.actors)]
@@ -356,7 +357,7 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
     sharded = reference_sharded(cfg)  # ZeRO-3: reference and teacher ranks each form a world and partition
     bundles = workers if colocated else workers + replicas
     connect(min_cpus=bundles)
-    launcher = Launcher(cluster_has_gpus())
+    launcher = Launcher(cluster_has_gpus(), cfg)
     started = time.perf_counter()
     with launcher.running():  # a failed rank tears every group down at once (no wait on its peers)
         if colocated:

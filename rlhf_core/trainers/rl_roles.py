@@ -62,7 +62,8 @@ class ReferenceScorer:
         self.cfg, self.device, self.world = cfg, device or pick_device(), world or current_world()
         # frozen: held in the trained policy's compute dtype (bf16 under mixed and bf16), no masters
         dtype = Precision.resolve(cfg.precision, self.device).weight_dtype
-        self.model = load_causal_lm(model_path or cfg.ref_model_path or cfg.model_path, self.device, dtype)
+        self.model = load_causal_lm(model_path or cfg.ref_model_path or cfg.model_path, self.device, dtype,
+                                    cfg.attention)
         self.model.eval().requires_grad_(False)
         self.head = prepare_kernels(cfg, self.model)
         self.packing = resolve_packing(cfg.packing, self.model)
@@ -159,7 +160,7 @@ class PolicyLearner:
                      PolicyObjective.CISPO: (None, cfg.clip_high)}[self.objective]
         # Dropout stays off (and eval mode, gradients still flow): the update must score tokens
         # with the same function that sampled them, or the importance ratios are noise.
-        self.policy = load_causal_lm(cfg.model_path, self.device, self.precision.load_dtype).eval()
+        self.policy = load_causal_lm(cfg.model_path, self.device, self.precision.load_dtype, cfg.attention).eval()
         disable_dropout(self.policy)
         self.head = prepare_kernels(cfg, self.policy)
         self.packing = resolve_packing(cfg.packing, self.policy)
@@ -197,7 +198,7 @@ class PolicyLearner:
             from rlhf_core.rewards.model import load_reward_model
 
             self.critic = load_reward_model(cfg.critic_model_path or cfg.model_path, self.device,
-                                            self.precision.load_dtype).eval()
+                                            self.precision.load_dtype, cfg.attention).eval()
             disable_dropout(self.critic)
             prepare_for_training(self.critic, gradient_checkpointing=self.checkpointing)
             # the critic's gradients are summed by hand after backward (below): no fp32 hooks when distributed
