@@ -194,9 +194,7 @@ def check_numerics(engines: dict, model, prompts: list[str], device) -> dict:
         first_diff = [(ra != rb).nonzero()[0].item() if (ra != rb).any() else width
                       for ra, rb in zip(a.response_ids[:, :width], b.response_ids[:, :width])]
         batch = engines[name].generate(prompts[:16], SamplingParams(n=4, temperature=1.0, max_new_tokens=128, seed=9))
-        ids, mask = batch.sequences()
-        exp = {"input_ids": ids.to(device), "attention_mask": mask.to(device),
-               "position_ids": batch.position_ids().to(device), "response_ids": batch.response_ids.to(device)}
+        exp = {k: v.to(device) for k, v in batch.learner_inputs().items()}
         with torch.no_grad():
             lp, _ = token_logprobs(model, exp, batch.prompt_ids.shape[1], 1.0)
         m = batch.response_mask.bool()

@@ -265,14 +265,12 @@ def _grads_and_cost_vs_fp32(grads: dict, exact: dict, times: list[float], peak: 
 def packed_part(small: bool, device: torch.device, reps: int) -> dict:
     """Padding-free rows against padded rows through SDPA: per-sequence log-prob sums and parameter
     gradients, bf16, signed per-sequence weights, each against fp32 padded rows. Packed rows run through
-    both attention paths (``ALIGNFLOW_ATTENTION``): ``varlen`` (torch's flash varlen kernel, what
+    both attention paths (a trainer config's ``attention``): ``varlen`` (torch's flash varlen kernel, what
     ``packing: true`` gets on a GPU) and ``sdpa`` (transformers' dense block-diagonal mask)."""
-    import os
-
     from rlhf_core.models import attention
     from rlhf_core.data.tokenize import TokenizedExample, collate_packed, collate_padded
     from rlhf_core.algorithms.logprobs import sequence_sums
-    from rlhf_core.models.loading import ATTENTION_ENV, load_causal_lm
+    from rlhf_core.models.loading import load_causal_lm
 
     model_dir, vocab = _model_dir(small, "packed-")
     g = torch.Generator().manual_seed(2)
@@ -297,8 +295,7 @@ def packed_part(small: bool, device: torch.device, reps: int) -> dict:
                                             ("padded-sdpa", False, dtype, "sdpa"),
                                             ("packed-sdpa", True, dtype, "sdpa"),
                                             ("packed-varlen", True, dtype, "varlen")):
-        os.environ[ATTENTION_ENV] = impl
-        model = load_causal_lm(model_dir, device).to(model_dtype)
+        model = load_causal_lm(model_dir, device, attention=impl).to(model_dtype)
         batch = collate_packed(examples) if packed else collate_padded(examples, 0)
 
         def step():
@@ -319,7 +316,6 @@ def packed_part(small: bool, device: torch.device, reps: int) -> dict:
                          "max_abs_dsum_vs_fp32": float((sums - exact[0]).abs().max()),
                          **_grads_and_cost_vs_fp32(grads, exact[1], times, peak)}
         model = None  # freed before the next variant loads
-    os.environ.pop(ATTENTION_ENV, None)
     out["results"] = results
     return out
 
@@ -362,7 +358,7 @@ def compiled_part(small: bool, device: torch.device, reps: int) -> dict:
     weights = (torch.randn(rows, generator=g) * 2).to(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out: dict = {"rows": rows, "tokens": sum(len(e.input_ids) for e in first), "dtype": str(dtype),
-                 "backend": layer_compile.backend()}
+                 "backend": "inductor"}
     results, exact = {}, None
     # compiled variants first: liger's RoPE patch (the eager variants' fused kernels) replaces a module-level
     # function of the model's file for every model loaded after it, compiled ones included
@@ -375,7 +371,7 @@ def compiled_part(small: bool, device: torch.device, reps: int) -> dict:
         reference = name.startswith("fp32")
         if not reference:
             cfg = types.SimpleNamespace(section=name, fused_kernels="auto", compile_layers=compiled, num_workers=1,
-                                        parallel="ddp", lora_rank=0)
+                                        parallel="ddp", lora_rank=0, compile_backend=out["backend"])
             prepare_decoder_kernels(cfg, model)
         collate = (lambda ex: collate_packed(ex)) if packed else (lambda ex: collate_padded(ex, 0))
         batch = collate(first)
@@ -417,9 +413,7 @@ def rl_packed_part(small: bool, device: torch.device, reps: int) -> dict:
     by the three layouts the trainer has: padded rows, each distinct prompt once (the default), and one
     padding-free row (``rl.packing``, torch's varlen flash kernel on a GPU); bf16, advantage-weighted backward,
     each against fp32 padded rows: log-prob deltas, gradient error, time and peak memory."""
-    import os
-
-    from rlhf_core.models.loading import ATTENTION_ENV, load_causal_lm
+    from rlhf_core.models.loading import load_causal_lm
     from rlhf_core.trainers.rl_forward import token_logprobs
 
     model_dir, vocab = _model_dir(small, "rlpacked-")
@@ -446,8 +440,7 @@ def rl_packed_part(small: bool, device: torch.device, reps: int) -> dict:
                                          ("padded", dtype, {}, "sdpa"),
                                          ("shared-prompts", dtype, {"share_prompts": True}, "auto"),
                                          ("packed-varlen", dtype, {"packed": True}, "auto")):
-        os.environ[ATTENTION_ENV] = impl
-        model = load_causal_lm(model_dir, device).to(model_dtype).eval()
+        model = load_causal_lm(model_dir, device, attention=impl).to(model_dtype).eval()
 
         def step():
             model.zero_grad(set_to_none=True)
@@ -465,7 +458,6 @@ def rl_packed_part(small: bool, device: torch.device, reps: int) -> dict:
                          "mean_abs_dlogp_vs_fp32": float((logp - exact[0]).abs().sum() / mask.sum()),
                          **_grads_and_cost_vs_fp32(grads, exact[1], times, peak)}
         model = None  # freed before the next variant loads
-    os.environ.pop(ATTENTION_ENV, None)
     out["results"] = results
     return out
 
@@ -638,11 +630,9 @@ def pair_tree_part(small: bool, device: torch.device, reps: int) -> dict:
     against padded rows and one padding-free row (varlen on a GPU), bf16, each against fp32 padded rows: DPO's
     per-sequence response log-prob sums and the reward model's scores, signed per-sequence weights in backward;
     value deltas, gradient error, time and peak memory."""
-    import os
-
     from rlhf_core.data.tokenize import collate_pair_tree, collate_pairs
     from rlhf_core.algorithms.logprobs import response_logprobs
-    from rlhf_core.models.loading import ATTENTION_ENV, load_causal_lm
+    from rlhf_core.models.loading import load_causal_lm
     from rlhf_core.rewards.model import load_reward_model, pair_rewards
 
     from transformers import AutoConfig
@@ -666,9 +656,8 @@ def pair_tree_part(small: bool, device: torch.device, reps: int) -> dict:
                                                 ("padded", "padded", dtype, "sdpa"),
                                                 ("tree", "tree", dtype, "sdpa"),
                                                 ("packed-varlen", "packed", dtype, "auto")):
-            os.environ[ATTENTION_ENV] = impl
             torch.manual_seed(0)  # the reward model's new score head: the same random init in every variant
-            model = load(model_dir, device).to(model_dtype)
+            model = load(model_dir, device, attention=impl).to(model_dtype)
             batch = layouts[layout]
 
             def step():
@@ -686,7 +675,6 @@ def pair_tree_part(small: bool, device: torch.device, reps: int) -> dict:
                              **_grads_and_cost_vs_fp32(grads, exact[1], times, peak)}
             model = None  # freed before the next variant loads
         out[what] = results
-    os.environ.pop(ATTENTION_ENV, None)
     return out
 
 

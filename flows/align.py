@@ -36,7 +36,7 @@ from prefect.runtime import flow_run
 from flows.params import load_all
 from rlhf_core.config import ConfigError, DataFields, FlowConfig, TrackingConfig, config_to_dict
 from rlhf_core.data.validate import prompts_kind, require_eval_labels
-from rlhf_core.tracking.lineage import dvc_md5, project_relative
+from rlhf_core.tracking.lineage import dvc_md5, project_relative, use_hash_cache
 from rlhf_core.common.redact import redact_secrets
 from rlhf_core.rewards.sources import RewardKind, resolve_reward_file
 from rlhf_core.config import stage_registry as registry
@@ -452,6 +452,7 @@ def align(
     """Run the alignment pipeline; returns paths, md5s, run ids and the headline metrics.
     ``private_overrides``: a file of overrides that carry secrets (:func:`write_private_overrides`)."""
     cfg = load_all(params_file, overrides, private_overrides)
+    use_hash_cache(cfg["tracking"].hash_cache)
     # Recorded as project-relative where inside the project (reproduce.json, alignflow.json, input.* tags), so
     # a rerun of the commit in another folder records the same paths (rlhf_core.tracking.lineage.project_relative).
     given = {name: project_relative(path) if path else None for name, path in

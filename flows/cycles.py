@@ -28,7 +28,7 @@ from prefect.runtime import flow_run
 from rlhf_core.config import ConfigError, CyclesConfig, config_to_dict
 from rlhf_core.data.validate import prompts_kind, require_eval_labels
 from rlhf_core.promotion.guards import fired_guards
-from rlhf_core.tracking.lineage import dvc_md5
+from rlhf_core.tracking.lineage import dvc_md5, use_hash_cache
 from rlhf_core.common.redact import redact_secrets
 from rlhf_core.tracking.lineage import lineage_tags
 from rlhf_core.embedded.tasks import write_jsonl
@@ -275,6 +275,7 @@ def run_cycles(kind: str, params_file: str | None, overrides: dict[str, dict[str
                cycles: int | None, private_overrides: str | None = None) -> dict[str, Any]:
     """The body both flows share; ``kind`` is ``iterative_dpo`` or ``raft``."""
     cfg = load_all(params_file, overrides, private_overrides)
+    use_hash_cache(cfg["tracking"].hash_cache)
     plan = plan_cycles(kind, cfg, cycles)
     tracking, cyc = cfg["tracking"], plan.cyc
     with one_flow_at_a_time(kind), start_run(tracking, kind, tags=plan.tags) as parent:

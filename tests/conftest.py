@@ -75,9 +75,7 @@ def recomputed_logprobs(model, batch, temperature: float = 1.0):
 
     from rlhf_core.trainers.rl_forward import token_logprobs
 
-    ids, attention = batch.sequences()
-    exp = {"input_ids": ids, "attention_mask": attention, "position_ids": batch.position_ids(),
-           "response_ids": batch.response_ids}
+    exp = batch.learner_inputs()
     with torch.no_grad():
         return token_logprobs(model, exp, batch.prompt_ids.shape[1], temperature)[0]
 

@@ -51,26 +51,21 @@ def apply_offline_env() -> None:
         os.environ.setdefault(key, value)
 
 
-# Diagnostics for a run that hangs (a step that never ends on a large model): with ALIGNFLOW_STACK_DUMP_S=N,
-# every process that imports rlhf_core -- the driver and each Ray actor, which inherit it -- writes every
-# thread's Python stack to stderr every N seconds (Ray forwards actors' stderr to the driver's). Off by default,
-# and for hangs only: faulthandler's watchdog reads running threads' frames without the GIL, and one dump killed a
-# 7B ZeRO-3 rank mid-update (BENCHMARKS.md, 7B GRPO).
-STACK_DUMP_ENV = "ALIGNFLOW_STACK_DUMP_S"
-
-
-def arm_stack_dumps() -> None:
-    """Start the periodic stack dumps :data:`STACK_DUMP_ENV` asks for (no-op when unset or not a positive number)."""
+# Diagnostics for a run that hangs (a step that never ends on a large model): a trainer config's stack_dump_s=N
+# arms these in the stage's process (rlhf_core.stages.wrappers) and in each Ray actor of the run
+# (rlhf_core.trainers.ray_launcher), which write every thread's Python stack to stderr every N seconds (Ray forwards
+# actors' stderr to the driver's). Off by default, and for hangs only: faulthandler's watchdog reads running
+# threads' frames without the GIL, and one dump killed a 7B ZeRO-3 rank mid-update (BENCHMARKS.md, 7B GRPO).
+def arm_stack_dumps(every_s: float) -> None:
+    """Write every thread's stack to stderr every ``every_s`` seconds from now on (0: none, an earlier stage's
+    dumps stopped)."""
     import faulthandler
     import sys
 
-    try:
-        every = float(os.environ.get(STACK_DUMP_ENV, "0"))
-    except ValueError:
-        return
-    if every > 0:
-        faulthandler.dump_traceback_later(every, repeat=True, file=sys.stderr)
+    if every_s > 0:
+        faulthandler.dump_traceback_later(every_s, repeat=True, file=sys.stderr)
+    else:
+        faulthandler.cancel_dump_traceback_later()
 
 
 apply_offline_env()
-arm_stack_dumps()

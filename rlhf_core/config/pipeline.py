@@ -39,8 +39,12 @@ class TrackingConfig:
     registry_settle_s: float = 2.0
     """On a shared tracking server (http(s) or a database server, which the project's lock cannot guard), seconds a
     promotion waits, twice, before re-reading the champion alias to catch a concurrent flow's overwrite."""
+    hash_cache: str | bool = ""
+    """File of the md5 cache of inputs (empty: <project>/.alignflow/hash-cache.json; off or false: none)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.hash_cache, bool):  # YAML 1.1: a bare off is a boolean
+            self.hash_cache = "" if self.hash_cache else "off"
         _check(self.connect_patience_s >= 0, "tracking", "connect_patience_s",
                f"must be >= 0 seconds, got {self.connect_patience_s}")
         _check(self.model_storage in ("copy", "reference"), "tracking", "model_storage",

@@ -37,14 +37,10 @@ TOOL_TASK_SECTIONS = ("tool_generate", "tool_model", "tool_sft", "tool_data_repo
 SECTIONS: dict[str, type] = {
     "generate": GenerateConfig,
     "model": ModelConfig,
-    "sft": SFTConfig,
-    "dpo": DPOConfig,
-    "reward": RewardConfig,
-    "kto": KTOConfig,
-    "distill": DistillConfig,
+    # a trainer's config class names its own section (``section``, the one its errors name)
+    **{cls.section: cls for cls in (SFTConfig, DPOConfig, RewardConfig, KTOConfig, DistillConfig)},
     "rejection": RejectionConfig,
-    "raft": RaftConfig,
-    "rl": RLConfig,
+    **{cls.section: cls for cls in (RaftConfig, RLConfig)},
     "cycles": CyclesConfig,
     "data_report": DataReportConfig,
     "evaluate": EvalConfig,

@@ -14,6 +14,8 @@ from rlhf_core.config.data import DataFields
 PRECISIONS = ("auto", "fp32", "mixed", "bf16")
 SWITCHES = ("auto", "on", "off")
 LM_HEADS = ("auto", "chunked", "liger", "full")
+ATTENTIONS = ("auto", "sdpa", "varlen")
+COMPILE_BACKENDS = ("inductor", "aot_eager")
 
 
 @dataclass
@@ -110,6 +112,17 @@ class TrainerConfig(DataFields):
     """LoRA scale numerator: updates are scaled by lora_alpha / lora_rank."""
     lora_dropout: float = 0.0
     """Dropout on the LoRA branch's input."""
+    attention: str = "auto"
+    """Attention of the training and scoring passes: auto (torch's variable-length flash kernel on a GPU, SDPA
+    elsewhere), sdpa, or varlen (forced; its torch reference on a CPU)."""
+    compile_backend: str = "inductor"
+    """torch.compile backend of compile_layers: inductor, or aot_eager (the same traced graphs run by eager
+    kernels: tells a difference of inductor's kernels from one of the tracing; CPU tests use it)."""
+    collective_timeout_s: float = 600.0
+    """Seconds a rank waits in a collective for a peer that stopped answering before the run fails."""
+    stack_dump_s: float = 0.0
+    """Every this many seconds each process of the run writes every thread's Python stack to stderr (for a
+    run that hangs; 0: off)."""
 
     def __post_init__(self) -> None:
         s = self.section
@@ -139,9 +152,13 @@ class TrainerConfig(DataFields):
             if isinstance(getattr(self, name), bool):
                 setattr(self, name, "on" if getattr(self, name) else "off")
         for name, allowed in (("gradient_checkpointing", SWITCHES), ("fused_kernels", SWITCHES),
-                              ("compile_layers", SWITCHES), ("lm_head", LM_HEADS)):
+                              ("compile_layers", SWITCHES), ("lm_head", LM_HEADS), ("attention", ATTENTIONS),
+                              ("compile_backend", COMPILE_BACKENDS)):
             _check(getattr(self, name) in allowed, s, name,
                    f"must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        _check(self.collective_timeout_s > 0, s, "collective_timeout_s",
+               f"must be > 0 seconds, got {self.collective_timeout_s}")
+        _check(self.stack_dump_s >= 0, s, "stack_dump_s", f"must be >= 0 seconds (0: off), got {self.stack_dump_s}")
         _check(self.logit_chunk_tokens >= 1, s, "logit_chunk_tokens", f"must be >= 1, got {self.logit_chunk_tokens}")
         _check(self.micro_batch_tokens >= 0, s, "micro_batch_tokens", f"must be >= 0, got {self.micro_batch_tokens}")
         _check(self.micro_batch_tokens == 0 or self.packing, s, "micro_batch_tokens",

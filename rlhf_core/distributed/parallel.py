@@ -209,15 +209,15 @@ class Strategy(Protocol):
 # group of :func:`rlhf_core.trainers.step.build_optimizer` shares one learning rate.
 
 
-def _named_trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+def named_trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
-def _group_lr(param_groups: Sequence[dict[str, Any]]) -> float:
+def group_lr(param_groups: Sequence[dict[str, Any]]) -> float:
     return float(param_groups[0]["lr"]) if param_groups else 0.0
 
 
-def _set_lr(param_groups: Sequence[dict[str, Any]], lr: float) -> None:
+def set_lr(param_groups: Sequence[dict[str, Any]], lr: float) -> None:
     # The schedule's value for the next step; a fresh optimizer would otherwise take its first
     # step after resume at the initial learning rate.
     for group in param_groups:
@@ -304,12 +304,12 @@ class LocalStrategy:
 
     def optimizer_state(self) -> dict[str, Any]:
         """AdamW's state by parameter name (every DDP rank holds all of it; rank 0's is saved)."""
-        out: dict[str, Any] = {"lr": _group_lr(self.optimizer.param_groups), "step": {},
+        out: dict[str, Any] = {"lr": group_lr(self.optimizer.param_groups), "step": {},
                                **{key: {} for key in ADAM_MOMENTS}}
         masters = isinstance(self.optimizer, MasterWeightAdamW) and self.optimizer.precision is Precision.MIXED
         if masters:
             out["master"] = {}
-        for name, param in _named_trainable(self.model).items():
+        for name, param in named_trainable(self.model).items():
             state = self.optimizer.state.get(state_key(self.optimizer, param))
             if state:
                 for key in ("step", *ADAM_MOMENTS):
@@ -323,7 +323,7 @@ class LocalStrategy:
         optimizer steps, as ``torch.optim.Optimizer.load_state_dict`` does; masters, where saved, into
         the optimizer and the model)."""
         fused = bool(self.optimizer.defaults.get("fused") or self.optimizer.defaults.get("capturable"))
-        for name, param in _named_trainable(self.model).items():
+        for name, param in named_trainable(self.model).items():
             if name in state["step"]:
                 key = state_key(self.optimizer, param)
                 step = state["step"][name].detach().clone().float()  # fused kernels want it on the device
@@ -331,16 +331,16 @@ class LocalStrategy:
                     "step": step.to(key.device) if fused else step.cpu(),
                     **{k: state[k][name].to(key.device, key.dtype, copy=True) for k in ADAM_MOMENTS}}
         if "master" in state and isinstance(self.optimizer, MasterWeightAdamW):
-            params = _named_trainable(self.model)
+            params = named_trainable(self.model)
             self.optimizer.set_masters({params[n]: v for n, v in state["master"].items() if n in params})
-        _set_lr(self.optimizer.param_groups, state["lr"])
+        set_lr(self.optimizer.param_groups, state["lr"])
 
     def load_weights(self, weights: dict[str, torch.Tensor], where: str) -> None:
         """``weights`` into the model, and into the fp32 masters where the optimizer holds them (exactly
         when ``weights`` are fp32; a checkpoint's bf16 weights are followed by its saved masters)."""
         assign_weights(self.model, weights, where)
         if isinstance(self.optimizer, MasterWeightAdamW):
-            self.optimizer.set_masters({p: weights.get(n, p) for n, p in _named_trainable(self.model).items()})
+            self.optimizer.set_masters({p: weights.get(n, p) for n, p in named_trainable(self.model).items()})
 
     def masters_into_model(self) -> None:
         """End of training: the model holds the fp32 masters (mixed precision), so it is saved in full
@@ -392,14 +392,32 @@ class DDPStrategy(LocalStrategy):
         return nullcontext() if last else self.module.no_sync()
 
 
+def join_world(addr: str, port: int, rank: int, size: int, timeout_s: float | None = None) -> None:
+    """``torch.distributed.init_process_group`` as ``rank`` of ``size`` (rank 0 hosts the store at ``addr:port``):
+    NCCL on a GPU, gloo on a CPU; a collective waits at most ``timeout_s`` for its peers (``None``: torch's default).
+
+    Sets what torchrun would (DeepSpeed reads them). The local device is always 0: Ray shows each actor only its
+    own GPU(s) (``CUDA_VISIBLE_DEVICES``), and a world of one takes the first."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK="0")
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+    timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=size, **timeout)
+
+
 def join_world_of_one() -> None:
     """A ``torch.distributed`` group of this process alone, unless it is in one already.
 
     DeepSpeed needs a process group, also for one rank (ZeRO in one process: ``offload_optimizer`` on one GPU, or a
     one-GPU Ray policy, which forms no group of its own); without one it looks for MPI and fails where ``mpi4py``
-    is missing. What torchrun gives a single process: rank 0 of 1 on the loopback, NCCL on a GPU, gloo on a CPU.
+    is missing. What torchrun gives a single process: rank 0 of 1 on the loopback (:func:`join_world`).
     A world of one stays a world of one (:attr:`World.distributed` is False)."""
-    import os
     import socket
 
     import torch.distributed as dist
@@ -409,11 +427,7 @@ def join_world_of_one() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(0)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    join_world("127.0.0.1", port, 0, 1)
 
 
 def resident_weight_bytes(model: torch.nn.Module) -> int:

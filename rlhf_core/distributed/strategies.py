@@ -15,8 +15,8 @@ from typing import Any, Sequence
 import torch
 
 from rlhf_core.distributed.parallel import (ADAM_MOMENTS, PARALLEL_CHOICES, DDPStrategy, LocalStrategy, Strategy, World,
-                                            _group_lr, _named_trainable, _set_lr, assign_weights, current_world,
-                                            join_world_of_one)
+                                            assign_weights, current_world, group_lr, join_world_of_one,
+                                            named_trainable, set_lr)
 from rlhf_core.models.precision import Precision, cast_parameters
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class DeepSpeedStrategy:
             config["bf16"] = {"enabled": True}
             if precision is Precision.MIXED:
                 config["data_types"] = {"grad_accum_dtype": "fp32"}
-            initial = {n: p.detach().to("cpu", copy=True) for n, p in _named_trainable(model).items()
+            initial = {n: p.detach().to("cpu", copy=True) for n, p in named_trainable(model).items()
                        if p.dtype == torch.float32}
         if offload_optimizer:
             config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -150,12 +150,12 @@ class DeepSpeedStrategy:
         from deepspeed.utils import safe_get_full_fp32_param
 
         base, flats = self._base_state(), self._flat_partitions()
-        out: dict[str, Any] = {"lr": _group_lr(self.engine.optimizer.param_groups), "step": {},
+        out: dict[str, Any] = {"lr": group_lr(self.engine.optimizer.param_groups), "step": {},
                                **{key: {} for key in ADAM_MOMENTS}}
         keep = torch.distributed.get_rank() == 0
         if self.bf16:  # the fp32 masters are the trained weights; the module holds their bf16 cast
             out["master"] = {}
-            for name, param in _named_trainable(self.engine.module).items():
+            for name, param in named_trainable(self.engine.module).items():
                 whole = safe_get_full_fp32_param(param)  # a collective, like the moments' gather
                 if keep:
                     out["master"][name] = whole.detach().cpu()
@@ -163,7 +163,7 @@ class DeepSpeedStrategy:
             return out  # before the first step: no state yet (the same on every rank)
         self._link_states()
         step = torch.tensor(float(base[flats[0]]["step"]), dtype=torch.float32)
-        for name, param in _named_trainable(self.engine.module).items():
+        for name, param in named_trainable(self.engine.module).items():
             out["step"][name] = step
             for key in ADAM_MOMENTS:
                 whole = safe_get_full_optimizer_state(param, key)  # every rank takes part in the gather
@@ -175,7 +175,7 @@ class DeepSpeedStrategy:
         """Scatter a by-name state into this world's partitions (any world size wrote it)."""
         from deepspeed.utils import safe_set_full_optimizer_state
 
-        _set_lr(self.engine.optimizer.param_groups, state["lr"])
+        set_lr(self.engine.optimizer.param_groups, state["lr"])
         if "master" in state and self.bf16:
             self._set_masters(state["master"], "the checkpoint's master weights")
         if not state["step"]:
@@ -187,7 +187,7 @@ class DeepSpeedStrategy:
             entry = base.setdefault(flat, {key: torch.zeros_like(flat) for key in ADAM_MOMENTS})
             entry["step"] = torch.tensor(step, dtype=torch.float32)  # torch AdamW's type for it
         self._link_states()
-        for name, param in _named_trainable(self.engine.module).items():
+        for name, param in named_trainable(self.engine.module).items():
             if name in state["step"]:
                 for key in ADAM_MOMENTS:
                     safe_set_full_optimizer_state(param, state[key][name].to(torch.float32), key)
@@ -208,7 +208,7 @@ class DeepSpeedStrategy:
 
         tied = {p.data_ptr(): n for n, p in self.engine.module.state_dict(keep_vars=True).items()
                 if n in weights} if self.stage < 3 else {}
-        for name, param in _named_trainable(self.engine.module).items():
+        for name, param in named_trainable(self.engine.module).items():
             value = weights.get(name)
             if value is None and self.stage < 3:
                 value = weights.get(tied.get(param.data_ptr(), ""))
@@ -227,7 +227,7 @@ class DeepSpeedStrategy:
             return
         from deepspeed.utils import safe_get_full_fp32_param
 
-        params = _named_trainable(self.engine.module)
+        params = named_trainable(self.engine.module)
         whole = {name: safe_get_full_fp32_param(param) for name, param in params.items()}
         cast_parameters(self.engine.module, torch.float32)
         with torch.no_grad():
@@ -268,7 +268,7 @@ def shard_frozen(model: torch.nn.Module, kind: str, world: World | None = None) 
 
     A 7B reference held whole beside a ZeRO-3 policy was 15.2 GB of the 106.6 GB a GPU of our 7B GRPO step on
     four GPUs (BENCHMARKS.md); partitioned it is 3.8 GB plus the layers in flight. Every rank must then run the
-    same number of forwards: the no-grad chunking agrees on it (:class:`rlhf_core.trainers.rl_forward._Sharded`).
+    same number of forwards: the no-grad chunking agrees on it (:class:`rlhf_core.trainers.rl_forward.Sharded`).
     Call it after the model's kernels are prepared (liger patches modules in place). The parameters must
     have one dtype: bf16 (DeepSpeed's bf16 mode) or fp32.
     """

@@ -17,7 +17,7 @@ learner's weights after every update (``rl.distribution.weight_sync``, :class:`W
 The group is built from the backend classes directly (``ProcessGroupGloo`` / ``ProcessGroupNCCL`` over a
 ``TCPStore``), as vLLM's stateless process groups are: ``init_process_group`` allows one default world per
 process, and rank 0 already belongs to the training world. A collective waits at most the launcher's
-collective timeout (``ALIGNFLOW_COLLECTIVE_TIMEOUT_S``) for a peer; a peer that *dies* closes its sockets (gloo
+collective timeout (``collective_timeout_s`` of the run config) for a peer; a peer that *dies* closes its sockets (gloo
 fails at once) and Ray reports the dead actor to the controller, which fails the step within seconds.
 
 Only torch here (no Ray): the flatten/unflatten helpers are tested with hand-made tensors

@@ -22,7 +22,6 @@ and sequence count every step, and one symbolic graph serves them all instead of
 from __future__ import annotations
 
 import logging
-import os
 import types
 from typing import Any
 
@@ -30,25 +29,13 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BACKEND_ENV", "INDUCTOR_OPTIONS", "backend", "compile_decoder_layers", "decoder_layers",
-           "use_compiled_layers"]
+__all__ = ["INDUCTOR_OPTIONS", "compile_decoder_layers", "decoder_layers", "use_compiled_layers"]
 
 # Inductor compiles in this process (here and in rlhf_core.rollout.static's decode step): its default pool of
 # compile workers (one per core), started by the first compile, each importing torch, kept every core busy
 # through the next steps, and the host-bound ones ran ~2x slower there (a 0.5B GRPO step's log-prob and update
 # phases; BENCHMARKS.md); the compile needs only seconds.
 INDUCTOR_OPTIONS = {"compile_threads": 1}
-
-# Backend of the compile (default inductor). Tests on a CPU set "aot_eager" (the same traced forward and
-# backward graphs, run by eager kernels) to check tracing and numerics without a C++ build per graph; it is
-# also how to tell a numerics difference of inductor's kernels from one of the tracing. Ray actors inherit it.
-BACKEND_ENV = "ALIGNFLOW_COMPILE_BACKEND"
-
-
-def backend() -> str:
-    """The backend the layers compile with (:data:`BACKEND_ENV`, default inductor)."""
-    return os.environ.get(BACKEND_ENV, "") or "inductor"
-
 
 def decoder_layers(model: Any) -> list[torch.nn.Module]:
     """The decoder layers of ``model`` (DDP/DeepSpeed and peft wrappers looked through): the modules whose
@@ -82,14 +69,13 @@ def use_compiled_layers(setting: str, device: torch.device, *, parallel: str, lo
 
 
 class _Compiled:
-    """One compiled forward per decoder-layer class, shared by every layer of that class (and by every
+    """One compiled forward per decoder-layer class and backend, shared by every layer of that class (and by every
     model in the process: policy and reference), with its eager fallback."""
 
-    def __init__(self, eager: Any):
+    def __init__(self, eager: Any, backend: Any):
         self.eager = eager
-        name = backend()
-        self.graph = torch.compile(eager, dynamic=True, fullgraph=True, backend=name,
-                                   options=INDUCTOR_OPTIONS if name == "inductor" else None)
+        self.graph = torch.compile(eager, dynamic=True, fullgraph=True, backend=backend,
+                                   options=INDUCTOR_OPTIONS if backend == "inductor" else None)
         self.failed: str | None = None
 
     def __call__(self, layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -106,18 +92,21 @@ class _Compiled:
             return self.eager(layer, *args, **kwargs)
 
 
-_COMPILED: dict[type, _Compiled] = {}
+_COMPILED: dict[tuple[type, Any], _Compiled] = {}
 
 
-def compile_decoder_layers(model: Any) -> int:
-    """Route every decoder layer of ``model`` (:func:`decoder_layers`) through its class's compiled forward;
-    returns how many layers. Only each instance's ``forward`` is replaced: parameters, their names, hooks and
-    gradient checkpointing (which wraps the module call) stay as they were. Idempotent."""
+def compile_decoder_layers(model: Any, backend: Any = "inductor") -> int:
+    """Route every decoder layer of ``model`` (:func:`decoder_layers`) through its class's forward compiled by
+    ``backend`` (a trainer config's ``compile_backend``: inductor, or aot_eager, the same traced forward and
+    backward graphs run by eager kernels: CPU tests check tracing and numerics with it, without a C++ build per
+    graph, and it tells a numerics difference of inductor's kernels from one of the tracing); returns how many
+    layers. Only each instance's ``forward`` is replaced: parameters, their names, hooks and gradient
+    checkpointing (which wraps the module call) stay as they were. Idempotent."""
     layers = decoder_layers(model)
     for layer in layers:
-        cls = type(layer)
-        if cls not in _COMPILED:
-            _COMPILED[cls] = _Compiled(cls.forward)
-        compiled = _COMPILED[cls]
+        key = (type(layer), backend)
+        if key not in _COMPILED:
+            _COMPILED[key] = _Compiled(type(layer).forward, backend)
+        compiled = _COMPILED[key]
         layer.forward = types.MethodType(compiled, layer)
     return len(layers)

@@ -181,7 +181,7 @@ def unwrap(model: Any) -> Any:
 
 
 @contextmanager
-def _head_bypassed(model: Any) -> Iterator[Any]:
+def head_bypassed(model: Any) -> Iterator[Any]:
     """Within the block, ``model(...)`` returns the final hidden states as ``.logits``; yields the LM head.
 
     The head is swapped for ``Identity`` on the unwrapped model and put back after, so a DDP or
@@ -219,7 +219,7 @@ def scored_logprobs(model: Any, inputs: dict[str, torch.Tensor], positions: torc
         logits = _select(model(**inputs, use_cache=False, **forward_kwargs).logits, positions)  # (N, V)
         logp, entropy = _chunk_logprobs(torch.nn.Identity(), logits, targets, temperature, with_entropy)
         return logp, (entropy if with_entropy else None)
-    with _head_bypassed(model) as lm_head:
+    with head_bypassed(model) as lm_head:
         hidden = _select(model(**inputs, use_cache=False, **forward_kwargs).logits, positions)  # (N, H)
     return head_logprobs(lm_head, hidden, targets, head, temperature=temperature, with_entropy=with_entropy)
 
@@ -331,8 +331,8 @@ def use_fused_kernels(setting: str, device: torch.device) -> bool:
 # Decoders whose RMSNorm is ``weight * normalize(x)`` (no offset on the weight, unlike Gemma's ``1 + weight``),
 # where torch's own fused RMSNorm kernel replaces liger's (:func:`apply_fused_kernels`).
 TORCH_RMS_NORM_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-# ``liger`` keeps liger's RMSNorm on those too (the A/B in bench/side_by_side.py compares the two).
-RMS_NORM_ENV = "ALIGNFLOW_RMS_NORM"
+TORCH_RMS_NORM = True
+"""Whether those get torch's RMSNorm; False keeps liger's on them too (a bench A/B sets it by name)."""
 
 
 def apply_fused_kernels(model: Any) -> None:
@@ -349,13 +349,10 @@ def apply_fused_kernels(model: Any) -> None:
     Not applied where the decoder layers are compiled (:mod:`rlhf_core.models.layer_compile`): inductor fuses a
     layer's norms, rotary and SwiGLU itself, and a forward replaced on each module instance is a different
     object in every layer, which the compiled graph's guards check by identity (a recompile per layer)."""
-    import os
-
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
     base = unwrap(model)
-    torch_norm = (getattr(getattr(base, "config", None), "model_type", None) in TORCH_RMS_NORM_TYPES
-                  and os.environ.get(RMS_NORM_ENV, "torch") != "liger")
+    torch_norm = TORCH_RMS_NORM and getattr(getattr(base, "config", None), "model_type", None) in TORCH_RMS_NORM_TYPES
     _apply_liger_kernel_to_instance(model=base, rope=True, rms_norm=not torch_norm, swiglu=True,
                                     cross_entropy=False, fused_linear_cross_entropy=False)
     if torch_norm:
@@ -443,7 +440,7 @@ def prepare_decoder_kernels(cfg: Any, *models: Any) -> bool:
         if fused and not compiled:  # compiled layers get inductor's fusions instead
             apply_fused_kernels(model)
         if compiled:
-            layers += compile_decoder_layers(model)
+            layers += compile_decoder_layers(model, getattr(cfg, "compile_backend", "inductor"))
     log.info("%s: decoder layers compiled: %s%s", cfg.section, why,
              f" ({layers} layers)" if compiled else "")
     return fused

@@ -9,7 +9,6 @@ writes nothing into the folder.
 from __future__ import annotations
 
 import json
-import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -85,13 +84,10 @@ def load_tokenizer(path: str | Path, padding_side: str = "right") -> Any:
     return ensure_chat_template(tok)
 
 
-# Attention for the training and scoring passes: auto (torch's variable-length flash kernel on a GPU,
-# rlhf_core.models.attention; SDPA elsewhere), sdpa, or varlen (forced; its torch reference on a CPU: tests, A/B).
-ATTENTION_ENV = "ALIGNFLOW_ATTENTION"
-
-
-def attn_implementation(path: Path, device: torch.device) -> str:
-    """The ``attn_implementation`` a model directory loads with on ``device`` (see :data:`ATTENTION_ENV`).
+def attn_implementation(path: Path, device: torch.device, choice: str = "auto") -> str:
+    """The ``attn_implementation`` a model directory loads with on ``device`` for ``choice`` (a trainer config's
+    ``attention``): auto (torch's variable-length flash kernel on a GPU, :mod:`rlhf_core.models.attention`; SDPA
+    elsewhere), sdpa, or varlen (forced; its torch reference on a CPU: tests, A/Bs).
 
     SDPA serves padded rows everywhere and packed rows on a CPU (a dense block-diagonal mask; correct,
     but no faster than padding). On a GPU packed rows go through flash attention's variable-length
@@ -103,7 +99,6 @@ def attn_implementation(path: Path, device: torch.device) -> str:
 
     from rlhf_core.models import attention
 
-    choice = os.environ.get(ATTENTION_ENV, "auto")
     if choice == "sdpa":
         return "sdpa"
     check_json_files(path)
@@ -112,12 +107,14 @@ def attn_implementation(path: Path, device: torch.device) -> str:
     try:
         varlen = attention.use_varlen(config, device, choice)
     except ValueError as exc:
-        raise ValueError(f"{ATTENTION_ENV}: {exc}") from None
+        raise ValueError(f"attention: {exc}") from None
     return attention.register() if varlen else "sdpa"
 
 
-def load_causal_lm(path: str | Path, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> Any:
-    """An ``AutoModelForCausalLM`` from a local directory, its parameters in ``dtype`` on ``device``.
+def load_causal_lm(path: str | Path, device: torch.device | None = None, dtype: torch.dtype = torch.float32,
+                   attention: str = "auto") -> Any:
+    """An ``AutoModelForCausalLM`` from a local directory, its parameters in ``dtype`` on ``device``, its attention
+    as ``attention`` says (:func:`attn_implementation`).
 
     Trainers pick ``dtype`` from their precision regime (:class:`rlhf_core.models.precision.Precision`):
     ``load_dtype`` for the trained model, ``weight_dtype`` for frozen ones. transformers keeps
@@ -129,7 +126,7 @@ def load_causal_lm(path: str | Path, device: torch.device | None = None, dtype: 
     if not (path / "config.json").exists():
         raise ModelLoadError(f"{path}: not a Hugging Face model directory (no config.json)")
     device = device or pick_device()
-    implementation = attn_implementation(path, device)
+    implementation = attn_implementation(path, device, attention)
     weights = " / ".join(sorted(p.name for p in path.glob("*.safetensors*"))) or "weights"
     with refusing(path, f"a causal LM (config.json, generation_config.json, {weights})"):
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=implementation)

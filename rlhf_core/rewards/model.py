@@ -25,17 +25,20 @@ from rlhf_core.models.loading import ModelLoadError, attn_implementation, pick_d
 MEAN_KEY, STD_KEY = "alignflow_reward_mean", "alignflow_reward_std"
 
 
-def load_reward_model(path: str | Path, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> Any:
+def load_reward_model(path: str | Path, device: torch.device | None = None, dtype: torch.dtype = torch.float32,
+                      attention: str = "auto") -> Any:
     """A scalar-head model from an HF directory (a trained reward model, or an LM to start one from),
-    its parameters in ``dtype`` (see :func:`rlhf_core.models.loading.load_causal_lm`)."""
+    its parameters in ``dtype`` and its attention as ``attention`` says (see
+    :func:`rlhf_core.models.loading.load_causal_lm`)."""
     from transformers import AutoModelForSequenceClassification
 
     path = Path(path)
     if not (path / "config.json").exists():
         raise ModelLoadError(f"{path}: not a Hugging Face model directory (no config.json)")
     device = device or pick_device()
+    implementation = attn_implementation(path, device, attention)
     model = AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1, dtype=dtype,
-                                                               attn_implementation=attn_implementation(path, device))
+                                                               attn_implementation=implementation)
     if model.config.pad_token_id is None:
         raise ModelLoadError(f"{path}: config has no pad_token_id; the reward head needs it to find the last token")
     return model.to(device)

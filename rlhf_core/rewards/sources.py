@@ -101,12 +101,13 @@ class RewardModelSource:
     """Normalised scores of a reward model directory (see :mod:`rlhf_core.rewards.model`); labels unused."""
 
     def __init__(self, path: str | Path, device: torch.device | str | None = None, batch_size: int = 64,
-                 max_length: int = 256):
+                 max_length: int = 256, attention: str = "auto"):
         from rlhf_core.models.loading import load_tokenizer
         from rlhf_core.rewards.model import load_reward_model
 
         self.path = Path(path)
-        self.model = load_reward_model(self.path, torch.device(device) if isinstance(device, str) else device)
+        self.model = load_reward_model(self.path, torch.device(device) if isinstance(device, str) else device,
+                                       attention=attention)
         self.tokenizer = load_tokenizer(self.path)
         self.batch_size, self.max_length = batch_size, max_length
 
@@ -512,9 +513,10 @@ def build_reward_source(kind: RewardKind | str, *, path: str | Path | None = Non
                         device: torch.device | str | None = None, batch_size: int = 64,
                         timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 1.0,
                         backoff_cap_s: float = 30.0, deadline_s: float = 300.0, token_env: str = "",
-                        max_response_bytes: int | None = None) -> RewardSource:
-    """The reward source of ``kind``: ``model`` and ``function`` need ``path``, ``http`` needs ``url``
-    (and takes the retry, deadline, ``token_env`` and reply-size options of :class:`HttpRewardSource`)."""
+                        max_response_bytes: int | None = None, attention: str = "auto") -> RewardSource:
+    """The reward source of ``kind``: ``model`` and ``function`` need ``path`` (a model loads with ``attention``,
+    :func:`rlhf_core.models.loading.attn_implementation`), ``http`` needs ``url`` (and takes the retry, deadline,
+    ``token_env`` and reply-size options of :class:`HttpRewardSource`)."""
     try:
         kind = RewardKind(kind)
     except ValueError:
@@ -529,5 +531,5 @@ def build_reward_source(kind: RewardKind | str, *, path: str | Path | None = Non
     if not path:
         raise ValueError(f"reward kind '{kind.value}' needs a path")
     if kind is RewardKind.MODEL:
-        return RewardModelSource(path, device=device, batch_size=batch_size)
+        return RewardModelSource(path, device=device, batch_size=batch_size, attention=attention)
     return FunctionRewardSource(str(path))

@@ -140,6 +140,14 @@ class RolloutBatch:
         _, mask = self.sequences()
         return (mask.cumsum(-1) - 1).clamp(min=0)
 
+    def learner_inputs(self) -> dict[str, torch.Tensor]:
+        """What the learner scores the rows from (:func:`rlhf_core.trainers.rl_forward.token_logprobs`):
+        ``input_ids``, ``attention_mask`` and ``position_ids``, each ``(B*n, P+R)`` (:meth:`sequences`,
+        :meth:`position_ids`), and the ``(B*n, R)`` ``response_ids`` it takes the log-probs of."""
+        ids, attention = self.sequences()
+        return {"input_ids": ids, "attention_mask": attention, "position_ids": self.position_ids(),
+                "response_ids": self.response_ids}
+
     def response_lengths(self) -> torch.Tensor:
         """``(B*n,)`` long: tokens generated per row, eos included."""
         return self.response_mask.sum(-1)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core.common.atomic_io import write_text_atomic
+from rlhf_core.common.offline import arm_stack_dumps
 from rlhf_core.config import (
     DataFields,
     DataReportConfig,
@@ -35,7 +36,7 @@ from rlhf_core.config import (
     TrackingConfig,
     config_params,
 )
-from rlhf_core.tracking.lineage import dvc_md5, lineage_tags
+from rlhf_core.tracking.lineage import dvc_md5, lineage_tags, use_hash_cache
 from rlhf_core.tracking.stage_run import maybe_run
 
 RENDERED_EXAMPLES = "samples/rendered_examples.json"
@@ -57,6 +58,12 @@ class StageResult:
         return dict(self.__dict__)
 
 
+def _use_tracking(tracking: TrackingConfig | None) -> None:
+    """This process's md5 cache as ``tracking.hash_cache`` says, when a stage is given a tracking config."""
+    if tracking is not None:
+        use_hash_cache(tracking.hash_cache)
+
+
 def _write_json_atomic(obj: Any, path: str | Path) -> Path:
     return write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
@@ -69,6 +76,7 @@ def _write_json_atomic(obj: Any, path: str | Path) -> Path:
 def generate(cfg: GenerateConfig, tracking: TrackingConfig | None = None,
              parent_run_id: str | None = None) -> StageResult:
     """Write the embedded task's datasets (deterministic in ``cfg.seed``)."""
+    _use_tracking(tracking)
     from rlhf_core.embedded.tasks import ProblemSpace, generate_datasets
 
     # The config carries every ProblemSpace field under the same name (plus sizes and seed).
@@ -106,6 +114,7 @@ def init_model(cfg: ModelConfig, tracking: TrackingConfig | None = None,
 
     from rlhf_core.data.formats import plain_text
 
+    _use_tracking(tracking)
     # A conversational file's words, not the reprs of its message lists.
     texts = [plain_text(r.get("prompt")) + plain_text(r.get("completion")) + plain_text(r.get("messages"))
              for r in read_records(cfg.corpus_file)]
@@ -163,6 +172,7 @@ def validate(path: str | Path, kind: str, fields: DataFields | None = None,
     from rlhf_core.data.validate import ValidationFailed, validate_dataset
     from rlhf_core.stages.gate import data_report_of, remember_pass
 
+    _use_tracking(tracking)
     with maybe_run(tracking, f"validate-{name or kind}", parent_run_id,
                     lineage_tags({"dataset": path}, "validate")) as run:
         report = validate_dataset(path, kind, fields, desirable_field=desirable_field)
@@ -223,6 +233,8 @@ def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: s
     from rlhf_core.stages.gate import gate_inputs
     from rlhf_core.tracking.stage_run import open_stage_run
 
+    arm_stack_dumps(cfg.stack_dump_s)
+    _use_tracking(tracking)
     reports = gate_inputs(cfg, datasets, gate_kinds, data_report)
     with open_stage_run(tracking, name, parent_run_id, cfg, datasets, extra_inputs, reports) as run:
         result, out_md5 = _train(name, cfg, train_fn, run, show_progress)
@@ -405,6 +417,7 @@ def rejection(cfg: RejectionConfig, tracking: TrackingConfig, parent_run_id: str
     from rlhf_core.rollout.rejection import rejection_sample
     from rlhf_core.tracking.mlflow_runs import start_run
 
+    _use_tracking(tracking)
     inputs = {"policy": cfg.policy_path, "prompts": cfg.prompts_file}
     if cfg.scorer == "reward_model":
         inputs["reward_model"] = cfg.reward.model_path
@@ -435,6 +448,7 @@ def evaluate(cfg: EvalConfig, tracking: TrackingConfig, parent_run_id: str | Non
     from rlhf_core.models.loading import load_causal_lm, load_tokenizer
     from rlhf_core.tracking.mlflow_runs import start_run
 
+    _use_tracking(tracking)
     if not torch.cuda.is_available():
         torch.set_num_threads(cfg.num_threads)
     inputs = {"model": cfg.model_path, "eval": cfg.eval_file}

@@ -8,7 +8,7 @@ machines where DVC is not installed; a test checks these against ``dvc`` itself.
 
 Hashing is cached per file, keyed on (absolute path, size, mtime_ns, inode) — the key DVC's
 own state database uses — in one JSON file per project, ``<project>/.alignflow/hash-cache.json``
-(:class:`HashCache`; ``ALIGNFLOW_HASH_CACHE=off`` disables it, ``=<path>`` moves it). A 7B
+(:class:`HashCache`; the config's ``tracking.hash_cache`` moves it or turns it off, :func:`use_hash_cache`). A 7B
 model directory (~15 GB) is hashed several times per stage; with the cache only the first
 pass reads its weights (files under 1 MiB are always re-read). The trade-off is DVC's: a file
 rewritten in place with the same size, mtime and inode keeps its old md5.
@@ -68,7 +68,8 @@ def file_sha256(path: str | Path) -> str:
 # The hash cache
 # --------------------------------------------------------------------------------------
 
-HASH_CACHE_ENV = "ALIGNFLOW_HASH_CACHE"
+_hash_cache_setting = ""
+"""This process's ``tracking.hash_cache`` (:func:`use_hash_cache`): empty for the project's file, off, or a path."""
 MAX_CACHE_ENTRIES = 100_000
 """Beyond this, the entries hashed longest ago are dropped (a 7B model is a handful of files)."""
 MIN_CACHED_BYTES = 1 << 20
@@ -77,6 +78,14 @@ leaving them out keeps the cache to the weight files it is for."""
 _CACHE_VERSION = 1
 _LOCK_TIMEOUT_S = 30.0
 _RACY_NS = 1_000_000_000  # above any mtime granularity of ext4, xfs, NFS
+
+
+def use_hash_cache(setting: str) -> None:
+    """Make ``setting`` (``tracking.hash_cache``: empty for ``<project>/.alignflow/hash-cache.json``, ``off``, or a
+    file) the cache every :func:`dvc_md5` of this process uses; the flows' and stages' entry points call it with
+    their config's."""
+    global _hash_cache_setting
+    _hash_cache_setting = setting
 
 
 class HashCache:
@@ -100,8 +109,9 @@ class HashCache:
 
     @classmethod
     def default(cls) -> "HashCache":
-        """The project's cache, or a memory-only one under ``ALIGNFLOW_HASH_CACHE=off``."""
-        setting = os.environ.get(HASH_CACHE_ENV, "").strip()
+        """The cache ``tracking.hash_cache`` names (:func:`use_hash_cache`): the project's, another file, or a
+        memory-only one (off)."""
+        setting = _hash_cache_setting.strip()
         if setting.lower() in ("off", "0", "false", "no"):
             return cls(None)
         if setting:

@@ -67,8 +67,9 @@ def train_distill(cfg: DistillConfig, sink: MetricSink | None = None, show_progr
     # ---- load: student, frozen teacher (in the student's compute dtype), sequences -------
     tokenizer = load_tokenizer(cfg.model_path)
     check_same_vocabulary(cfg.model_path, tokenizer, cfg.teacher_path, load_tokenizer(cfg.teacher_path))
-    model = load_causal_lm(cfg.model_path, device, precision.load_dtype)
-    teacher = load_causal_lm(cfg.teacher_path, device, precision.weight_dtype).eval().requires_grad_(False)
+    model = load_causal_lm(cfg.model_path, device, precision.load_dtype, cfg.attention)
+    teacher = load_causal_lm(cfg.teacher_path, device, precision.weight_dtype, cfg.attention)
+    teacher.eval().requires_grad_(False)
     if teacher.config.vocab_size != model.config.vocab_size:
         raise ModelLoadError(f"{cfg.teacher_path}: vocab_size {teacher.config.vocab_size} != student's "
                              f"{model.config.vocab_size} ({cfg.model_path})")

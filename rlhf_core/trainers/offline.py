@@ -33,8 +33,8 @@ def load_policy_and_reference(cfg: Any, device: torch.device) -> tuple[Any, Any]
     from rlhf_core.models.precision import Precision
 
     precision = Precision.resolve(cfg.precision, device)
-    policy = load_causal_lm(cfg.model_path, device, precision.load_dtype)
-    reference = load_causal_lm(cfg.ref_model_path or cfg.model_path, device, precision.weight_dtype)
+    policy = load_causal_lm(cfg.model_path, device, precision.load_dtype, cfg.attention)
+    reference = load_causal_lm(cfg.ref_model_path or cfg.model_path, device, precision.weight_dtype, cfg.attention)
     return policy, reference.eval().requires_grad_(False)
 
 

@@ -34,35 +34,20 @@ import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlhf_core.common.offline import NO_MULTICAST_ENV, OFFLINE_ENV, STACK_DUMP_ENV
-from rlhf_core.models.layer_compile import BACKEND_ENV as COMPILE_BACKEND_ENV
+from rlhf_core.common.offline import NO_MULTICAST_ENV, OFFLINE_ENV, arm_stack_dumps
+from rlhf_core.distributed.parallel import join_world
+from rlhf_core.trainers import rl_forward
 
 log = logging.getLogger(__name__)
 
-# How long a rank waits in a collective for a peer that stopped answering (gloo's and NCCL's own
-# default is 30 minutes). A peer that *died* is noticed sooner: Ray reports the dead actor and
-# gather() below tears the group down within seconds. Long enough for a 7B checkpoint gather.
-COLLECTIVE_TIMEOUT_ENV = "ALIGNFLOW_COLLECTIVE_TIMEOUT_S"
-_DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 # NVLink multicast off in every actor unless the user sets these (rlhf_core.common.offline.NO_MULTICAST_ENV says why).
 _NO_MULTICAST = NO_MULTICAST_ENV
 # Test hooks (rlhf_core.trainers.loop.inject_fault) reach the actors through their runtime env.
-# Test and diagnostic hooks each actor inherits from the driver's environment (rlhf_core.common.offline.STACK_DUMP_ENV:
-# periodic stack dumps of a run that hangs; rlhf_core.models.layer_compile.BACKEND_ENV: the compiled layers' backend).
-_FAULT_ENV = ("ALIGNFLOW_FAULT", "ALIGNFLOW_FAULT_RANK", "ALIGNFLOW_FAULT_SIGNAL", COLLECTIVE_TIMEOUT_ENV,
-              STACK_DUMP_ENV, COMPILE_BACKEND_ENV)
+_FAULT_ENV = ("ALIGNFLOW_FAULT", "ALIGNFLOW_FAULT_RANK", "ALIGNFLOW_FAULT_SIGNAL")
 
 
 class RankFailed(RuntimeError):
     """An actor of a group died or raised; the group was torn down (a retry starts fresh ones)."""
-
-
-def collective_timeout_s() -> float:
-    value = os.environ.get(COLLECTIVE_TIMEOUT_ENV, "")
-    try:
-        return float(value) if value else _DEFAULT_COLLECTIVE_TIMEOUT_S
-    except ValueError:
-        raise ValueError(f"{COLLECTIVE_TIMEOUT_ENV}={value!r} is not a number of seconds") from None
 
 
 def gather(refs: Sequence[Any], what: str, on_wait: Callable[[], None] | None = None,
@@ -101,12 +86,9 @@ def gather(refs: Sequence[Any], what: str, on_wait: Callable[[], None] | None = 
 
 
 def worker_env() -> dict[str, str]:
-    """The environment every Ray worker starts with: the offline switches, NVLink multicast off (unless the
-    driver's environment says otherwise), and ``ALIGNFLOW_RELEASE_MEMORY=1`` (a worker may share its GPU with
-    colocated roles: :func:`rlhf_core.trainers.rl_forward.release_memory` hands the allocator's cache back
-    between phases; the driver's own setting wins)."""
-    return {**OFFLINE_ENV, **{k: os.environ.get(k, v) for k, v in _NO_MULTICAST.items()},
-            "ALIGNFLOW_RELEASE_MEMORY": os.environ.get("ALIGNFLOW_RELEASE_MEMORY", "1")}
+    """The environment every Ray worker starts with: the offline switches and NVLink multicast off (unless the
+    driver's environment says otherwise)."""
+    return {**OFFLINE_ENV, **{k: os.environ.get(k, v) for k, v in _NO_MULTICAST.items()}}
 
 
 def connect(min_cpus: float = 0.0) -> str:
@@ -140,12 +122,18 @@ def cluster_has_gpus() -> bool:
 
 
 class _Worker:
-    """Hosts one role object (or runs one trainer function) in an actor; optionally a rank of a world."""
+    """Hosts one role object (or runs one trainer function) in an actor; optionally a rank of a world.
 
-    def __init__(self, cwd: str, num_threads: int):
+    ``stack_dump_s``: the run's periodic stack dumps (:func:`rlhf_core.common.offline.arm_stack_dumps`).
+    ``release_memory``: whether this process hands the CUDA allocator's cache back between RL phases
+    (:data:`rlhf_core.trainers.rl_forward.RELEASE_MEMORY`; an actor may share its GPU with colocated roles)."""
+
+    def __init__(self, cwd: str, num_threads: int, stack_dump_s: float, release_memory: bool):
         if os.path.isdir(cwd):  # relative paths in configs mean the driver's directory (same machine/NFS)
             os.chdir(cwd)
         torch.set_num_threads(num_threads)
+        arm_stack_dumps(stack_dump_s)
+        rl_forward.RELEASE_MEMORY = release_memory
         self.role: Any = None
 
     def rendezvous(self) -> tuple[str, int]:
@@ -156,21 +144,9 @@ class _Worker:
         return ray.util.get_node_ip_address(), port
 
     def join_world(self, addr: str, port: int, rank: int, size: int, timeout_s: float) -> int:
-        """``torch.distributed.init_process_group``: NCCL when this actor has a GPU, else gloo; a
-        collective waits at most ``timeout_s`` for its peers."""
-        import datetime
-
-        import torch.distributed as dist
-
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        # What torchrun would set; DeepSpeed reads them. Ray shows each actor only its own GPU(s),
-        # so the local device is always 0.
-        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size),
-                          LOCAL_RANK="0")
-        if backend == "nccl":
-            torch.cuda.set_device(0)  # Ray exposes this actor's GPU(s) as CUDA_VISIBLE_DEVICES
-        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        """Rank ``rank`` of a world of ``size`` (:func:`rlhf_core.distributed.parallel.join_world`); a collective
+        waits at most ``timeout_s`` for its peers."""
+        join_world(addr, port, rank, size, timeout_s)
         return os.getpid()
 
     def build(self, factory: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
@@ -213,20 +189,21 @@ class RewardModelActor(_Worker):
 
 
 class ActorGroup:
-    """``n`` actors of one class, one per placement-group bundle; optionally one torch.distributed world."""
+    """``n`` actors of one class, one per placement-group bundle; optionally one torch.distributed world whose
+    collectives wait ``launcher.collective_timeout_s`` for a peer."""
 
     def __init__(self, actor_cls: Any, name: str, pg: PlacementGroup, bundles: Sequence[int], *, num_cpus: float,
-                 num_gpus: float, num_threads: int, world: bool):
+                 num_gpus: float, num_threads: int, world: bool, launcher: "Launcher"):
         self.name = name
         hooks = {k: os.environ[k] for k in _FAULT_ENV if k in os.environ}
         self.actors = [actor_cls.options(
             num_cpus=num_cpus, num_gpus=num_gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b),
             **({"runtime_env": {"env_vars": hooks}} if hooks else {}),
-        ).remote(os.getcwd(), num_threads) for b in bundles]
+        ).remote(os.getcwd(), num_threads, launcher.stack_dump_s, launcher.release_memory) for b in bundles]
         if world and len(self.actors) > 1:
             addr, port = ray.get(self.actors[0].rendezvous.remote())
-            timeout = collective_timeout_s()
+            timeout = launcher.collective_timeout_s
             gather([a.join_world.remote(addr, port, i, len(self.actors), timeout) for i, a in enumerate(self.actors)],
                    f"{name} joining its world")
 
@@ -268,10 +245,22 @@ class ActorGroup:
 
 
 class Launcher:
-    """Creates placement groups and actor groups for one run, and removes them at the end."""
+    """Creates placement groups and actor groups for one run, and removes them at the end.
 
-    def __init__(self, use_gpus: bool):
+    From the run's config (a ``TrainerConfig``): ``collective_timeout_s``, how long a world's collectives wait for
+    a peer that stopped answering (its default is long enough for a 7B checkpoint gather; a peer that *died* is
+    noticed sooner: Ray reports the dead actor and :func:`gather` tears the group down within seconds), and
+    ``stack_dump_s``, each actor's periodic stack dumps; :attr:`release_memory` is what every actor is started
+    with."""
+
+    release_memory = True
+    """Actors hand the CUDA allocator's cache back between RL phases (they may share a GPU with colocated roles;
+    a bench A/B sets this by name)."""
+
+    def __init__(self, use_gpus: bool, cfg: Any):
         self.use_gpus = use_gpus
+        self.collective_timeout_s: float = cfg.collective_timeout_s
+        self.stack_dump_s: float = cfg.stack_dump_s
         self.groups: list[ActorGroup] = []
         self.pgs: list[PlacementGroup] = []
 
@@ -286,7 +275,7 @@ class Launcher:
     def group(self, actor_cls: Any, name: str, pg: PlacementGroup, bundles: Sequence[int], *, share: float,
               num_threads: int, world: bool = False) -> ActorGroup:
         g = ActorGroup(actor_cls, name, pg, bundles, num_cpus=share, num_gpus=share if self.use_gpus else 0,
-                       num_threads=num_threads, world=world)
+                       num_threads=num_threads, world=world, launcher=self)
         self.groups.append(g)
         return g
 
@@ -340,7 +329,7 @@ def train_data_parallel(train_fn: Callable[..., Any], cfg: Any, sink: Any = None
     connect(min_cpus=cfg.num_workers)
     queue = Queue()
     try:
-        with Launcher(cluster_has_gpus()).running() as launcher:
+        with Launcher(cluster_has_gpus(), cfg).running() as launcher:
             pg = launcher.bundles(cfg.num_workers)
             group = launcher.group(TrainerActor, "trainer", pg, range(cfg.num_workers), share=1.0,
                                    num_threads=cfg.num_threads, world=True)

@@ -82,7 +82,8 @@ def train_reward_model(cfg: RewardConfig, sink: MetricSink | None = None, show_p
     # ---- load: backbone + scalar head, pairs, held-out split ------------------------------
     tokenizer = load_tokenizer(cfg.model_path)
     device = pick_device()
-    model = load_reward_model(cfg.model_path, device, Precision.resolve(cfg.precision, device).load_dtype)
+    model = load_reward_model(cfg.model_path, device, Precision.resolve(cfg.precision, device).load_dtype,
+                              cfg.attention)
     prepare_decoder_kernels(cfg, model)  # fused RMSNorm/RoPE/SwiGLU and the attention backend on a GPU
     examples = read_pairs(cfg, cfg.train_file)
     if cfg.eval_file:

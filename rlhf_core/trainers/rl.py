@@ -347,11 +347,8 @@ class RLTrainer:
         """pi_old (unless fused into the update), the reference's log-probs, the critic's values and the teacher's
         log-probs."""
         cfg, device = self.cfg, self.device
-        ids, attention = batch.sequences()
         prompt_width = batch.prompt_ids.shape[1]
-        tensors = {"input_ids": ids, "attention_mask": attention, "position_ids": batch.position_ids(),
-                   "response_ids": batch.response_ids}
-        tensors = {k: v.to(device) for k, v in tensors.items()}
+        tensors = {k: v.to(device) for k, v in batch.learner_inputs().items()}
         mask = batch.loss_mask().to(device).float()  # the policy's tokens: observations carry no loss, no advantage
         sampling_logp = batch.sampling_logprobs.to(device)
         has_critic = self.estimator.needs_critic

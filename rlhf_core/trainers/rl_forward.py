@@ -9,14 +9,13 @@ Used by :mod:`rlhf_core.trainers.rl_roles`, the roles that hold the models. Only
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from rlhf_core.models.attention import VARLEN, packed_forward_kwargs
-from rlhf_core.models.lm_head import LMHead, _head_bypassed, bypasses_head, head_logprobs, unwrap
+from rlhf_core.models.lm_head import LMHead, bypasses_head, head_bypassed, head_logprobs, unwrap
 from rlhf_core.distributed.parallel import World
 from rlhf_core.algorithms.rl_math import entropy_from_logits
 from rlhf_core.data.tokenize import group_by_tokens
@@ -263,7 +262,7 @@ def token_logprobs(model: Any, exp: dict[str, torch.Tensor], prompt_width: int, 
     model returns hidden states and no ``(rows, R, V)`` logits exist at all.
     """
     if bypasses_head(model, head):
-        with _head_bypassed(model) as lm_head:
+        with head_bypassed(model) as lm_head:
             hidden = _response_logits(model, exp, prompt_width, share_prompts, packed)  # (rows, R, H): hidden states
         rows, R = exp["response_ids"].shape
         logp, entropy = head_logprobs(lm_head, hidden.reshape(rows * R, -1), exp["response_ids"].reshape(-1), head,
@@ -332,8 +331,8 @@ def by_length(exp: dict[str, torch.Tensor], rows: torch.Tensor, prompt_width: in
 
 
 @torch.no_grad()
-def _in_chunks(fn: Any, exp: dict[str, torch.Tensor], prompt_width: int, rows: torch.Tensor,
-               n_chunks: int) -> torch.Tensor:
+def in_chunks(fn: Any, exp: dict[str, torch.Tensor], prompt_width: int, rows: torch.Tensor,
+              n_chunks: int) -> torch.Tensor:
     """``fn(chunk, chunk_prompt_width)`` over ``n_chunks`` chunks of the rows ``rows`` of ``exp`` (no gradient).
 
     Rows are grouped by length and each chunk trimmed (:func:`trim_padding`); results come back
@@ -353,23 +352,26 @@ def _in_chunks(fn: Any, exp: dict[str, torch.Tensor], prompt_width: int, rows: t
     return out
 
 
-def _to(exp: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+def to(exp: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device) for k, v in exp.items()}
 
 
+RELEASE_MEMORY = False
+"""Whether :func:`release_memory` hands the cache back in this process: True in Ray's actors (colocated roles on
+one GPU), set by :class:`rlhf_core.trainers.ray_launcher.Launcher` as it starts them; a bench A/B sets it by name."""
+
+
 def release_memory() -> None:
-    """Hand cached CUDA allocator blocks back between phases where this process shares its GPU with others:
-    Ray's actors (colocated roles on one GPU), whose workers get ``ALIGNFLOW_RELEASE_MEMORY=1`` from
-    :func:`rlhf_core.trainers.ray_launcher.connect`. One process holding every role needs no hand-back: its roles share
+    """Hand cached CUDA allocator blocks back between phases where this process shares its GPU with others
+    (:data:`RELEASE_MEMORY`). One process holding every role needs no hand-back: its roles share
     one caching allocator, and each ``empty_cache`` (a ``cudaFree`` of every cached segment, which waits for
-    the device) made the next phase allocate its segments afresh, three times an RL iteration.
-    ``ALIGNFLOW_RELEASE_MEMORY=1`` / ``0`` forces either (for A/Bs). Nothing on a CPU.
+    the device) made the next phase allocate its segments afresh, three times an RL iteration. Nothing on a CPU.
 
     Only the allocator's cache: a full ``gc.collect()`` here cost 0.2 s per call (three per RL
     iteration) with transformers loaded, measured on the embedded default, and the phases'
     tensors are freed by reference counting, not by the cycle collector.
     """
-    if os.environ.get("ALIGNFLOW_RELEASE_MEMORY", "0") == "1" and torch.cuda.is_available() \
+    if RELEASE_MEMORY and torch.cuda.is_available() \
             and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 
@@ -398,7 +400,7 @@ def chunk_bytes_per_row(model: Any, head: LMHead, width: int, response_len: int)
     return width * 2 * intermediate * itemsize
 
 
-class _Sharded:
+class Sharded:
     """Rows of this rank and the chunking every rank agrees on."""
 
     def __init__(self, world: World, rows: int, batch_size: int, row_bytes: int = 0):
@@ -409,7 +411,7 @@ class _Sharded:
         self.n_chunks = max(1, by_rows, by_bytes)
 
 
-def _sharded(world: World, exp: dict[str, torch.Tensor], prompt_width: int, batch_size: int, model: Any,
-             head: LMHead) -> _Sharded:
+def sharded(world: World, exp: dict[str, torch.Tensor], prompt_width: int, batch_size: int, model: Any,
+            head: LMHead) -> Sharded:
     rows, width = exp["input_ids"].shape
-    return _Sharded(world, rows, batch_size, chunk_bytes_per_row(model, head, width, width - prompt_width))
+    return Sharded(world, rows, batch_size, chunk_bytes_per_row(model, head, width, width - prompt_width))

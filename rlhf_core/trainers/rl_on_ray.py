@@ -30,9 +30,21 @@ from typing import Any, Sequence
 import ray
 import torch
 
+from rlhf_core.algorithms.rl_math import AdvantageEstimator
+from rlhf_core.distributed.parallel import World, assign_weights
+from rlhf_core.distributed.weight_sync import SyncPath, WeightSync, resolve_path
+from rlhf_core.models.loading import (adapter_parameters, copy_adapters, load_causal_lm, load_tokenizer, pick_device,
+                                      prepare_for_training)
+from rlhf_core.models.precision import Precision
+from rlhf_core.rewards.sources import build_reward_source
 from rlhf_core.trainers.ray_launcher import (ActorGroup, Launcher, ReferenceActor, RewardModelActor, RolloutActor,
-                                             TrainerActor, cluster_has_gpus, collective_timeout_s, connect, gather)
+                                             TrainerActor, cluster_has_gpus, connect, gather)
+from rlhf_core.trainers.rl import train_rl
+from rlhf_core.trainers.rl_parts import concat_batches
+from rlhf_core.trainers.rl_roles import (BaseReference, PolicyLearner, ReferenceScorer, base_is_reference,
+                                         reference_sharded)
 from rlhf_core.trainers.rollout_replica import RolloutReplica, replicas_hold_adapters
+from rlhf_core.trainers.step import seed_everything
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +64,6 @@ class RemoteLearner:
     """The controller's handle on the policy learner group: same methods as :class:`PolicyLearner`."""
 
     def __init__(self, group: ActorGroup, cfg: Any):
-        from rlhf_core.models.loading import load_causal_lm, prepare_for_training
-
         self.group, self.cfg = group, cfg
         # A CPU copy of the policy for evaluation and saving, refreshed from rank 0 on demand. A LoRA policy's is
         # what the ranks hold, the frozen base (in their dtype) with adapters injected, and a refresh fetches the
@@ -62,7 +72,7 @@ class RemoteLearner:
         # 131 GB fp32 copy here, for ~0.3 GB of adapters (BENCHMARKS.md, issue 22's plan).
         self.adapters_only = bool(cfg.lora_rank)
         dtype = getattr(torch, group.call_all("base_dtype")[0]) if self.adapters_only else torch.float32
-        self.policy = load_causal_lm(cfg.model_path, torch.device("cpu"), dtype)
+        self.policy = load_causal_lm(cfg.model_path, torch.device("cpu"), dtype, cfg.attention)
         if self.adapters_only:
             prepare_for_training(self.policy, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
                                  lora_dropout=cfg.lora_dropout)
@@ -119,8 +129,6 @@ class RemoteLearner:
     def view(self) -> Any:
         """The controller's copy of the policy with rank 0's current weights."""
         if not self._fresh:
-            from rlhf_core.models.loading import adapter_parameters, copy_adapters
-
             started = time.perf_counter()
             weights = self._rank0_weights(None, self.adapters_only)
             if self.adapters_only:  # the frozen base is here already (strictly the adapters' names)
@@ -146,8 +154,6 @@ class RemoteLearner:
     def load_state_dict(self, state: dict[str, Any], policy_weights: dict[str, torch.Tensor]) -> None:
         """A checkpoint's state and weights on every rank (stored once in the object store) and in the
         controller's view."""
-        from rlhf_core.distributed.parallel import assign_weights
-
         assign_weights(self.policy, policy_weights, "rl checkpoint")
         self.group.call_all("load_state_dict", state, ray.put(policy_weights))
         self._fresh = True
@@ -190,15 +196,11 @@ def resolve_rollout_sleep(cfg: Any, gpus: bool) -> bool:
     if cfg.rollout.sleep != "auto":
         return cfg.rollout.sleep == "on"
     return (gpus and cfg.distribution.placement == "colocated" and cfg.rollout.engine in ("hf", "static")
-            and not cfg.lora_rank
-            and not cfg.off_policy.max_staleness)
+            and not cfg.lora_rank and not cfg.off_policy.max_staleness)
 
 
 def _engine_dtype(cfg: Any) -> torch.dtype | None:
     """The dtype rollout replicas hold their weights in (the compute dtype; ``None``: the policy's own)."""
-    from rlhf_core.models.loading import pick_device
-    from rlhf_core.models.precision import Precision
-
     return Precision.resolve(cfg.precision, pick_device()).compute_dtype
 
 
@@ -269,8 +271,6 @@ class RemoteRollout:
     def _split(self, method: str, rows: list[Any], params: Any, labels: list[str] | None = None) -> Any:
         """``method`` on contiguous chunks of ``rows``, a chunk per replica (replica i's seed: the seed + i), the
         batches joined in order."""
-        from rlhf_core.trainers.rl_parts import concat_batches
-
         k = min(len(self.group), len(rows))
         size = -(-len(rows) // k)
         refs = []
@@ -310,23 +310,15 @@ class RemoteReward:
 
 
 def _reward_model(cfg: Any) -> Any:
-    from rlhf_core.models.loading import pick_device
-    from rlhf_core.rewards.sources import build_reward_source
-
-    return build_reward_source("model", path=cfg.reward.model_path, device=pick_device(), batch_size=cfg.batch_size)
+    return build_reward_source("model", path=cfg.reward.model_path, device=pick_device(), batch_size=cfg.batch_size,
+                               attention=cfg.attention)
 
 
 def _reference(cfg: Any, rank: int, size: int, model_path: str | None = None) -> Any:
-    from rlhf_core.distributed.parallel import World
-    from rlhf_core.trainers.rl_roles import ReferenceScorer
-
     return ReferenceScorer(cfg, world=World(rank, size), model_path=model_path)
 
 
 def _learner(cfg: Any) -> Any:
-    from rlhf_core.trainers.step import seed_everything
-    from rlhf_core.trainers.rl_roles import PolicyLearner
-
     # a LoRA policy's adapters start random (peft's A); seeded, every run of a config starts from the same ones,
     # as one process does (train_rl seeds before it builds the learner)
     seed_everything(cfg.seed)
@@ -343,7 +335,7 @@ def _open_weight_sync(cfg: Any, policy: ActorGroup, rollout: ActorGroup, beside_
                          f"weight_sync auto (CUDA IPC to colocated replicas) or placement disaggregated")
     layout = policy.call_all("sync_layout", SYNC_BUCKET_BYTES, _engine_dtype(cfg))[0]
     addr, port = ray.get(policy.actors[0].rendezvous.remote())
-    size, timeout = len(rollout) + 1, collective_timeout_s()
+    size, timeout = len(rollout) + 1, cfg.collective_timeout_s
     refs = [policy.actors[0].call.remote("join_weight_sync", addr, port, size, timeout)]
     refs += [a.call.remote("join_weight_sync", addr, port, i + 1, size, timeout, layout)
              for i, a in enumerate(rollout.actors)]
@@ -356,10 +348,6 @@ def _open_weight_sync(cfg: Any, policy: ActorGroup, rollout: ActorGroup, beside_
 def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> Any:
     """:func:`rlhf_core.trainers.rl.train_rl` with its models in Ray actors placed as ``cfg.distribution.placement``
     says."""
-    from rlhf_core.algorithms.rl_math import AdvantageEstimator
-    from rlhf_core.trainers.rl import train_rl
-    from rlhf_core.trainers.rl_roles import BaseReference, base_is_reference, reference_sharded
-
     if cfg.distribution.placement not in ("colocated", "disaggregated"):
         raise ValueError("rl.distribution.placement must be colocated or disaggregated to run on Ray, got "
                          f"{cfg.distribution.placement!r}")
@@ -375,7 +363,7 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
     sharded = reference_sharded(cfg)  # ZeRO-3: reference and teacher ranks each form a world and partition
     bundles = workers if colocated else workers + replicas
     connect(min_cpus=bundles)
-    launcher = Launcher(cluster_has_gpus())
+    launcher = Launcher(cluster_has_gpus(), cfg)
     started = time.perf_counter()
     with launcher.running():  # a failed rank tears every group down at once (no wait on its peers)
         if colocated:
@@ -415,8 +403,8 @@ def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> A
             rm.build(_reward_model, cfg)
             reward_source = RemoteReward(rm)
         log.warning("ray: rl %s placement: %d policy rank(s), %d reference%s, %d rollout replica(s)%s, ready in %.1f s",
-                    cfg.distribution.placement, workers, n_refs, " (ZeRO-3 partitioned)" if sharded and n_refs
-                    else "", replicas,
+                    cfg.distribution.placement, workers, n_refs,
+                    " (ZeRO-3 partitioned)" if sharded and n_refs else "", replicas,
                     " and a reward model" if reward_model else "", time.perf_counter() - started)
         engine = _remote_engine(cfg, launcher, pgs, policy, rollout)
         result = train_rl(cfg, sink, show_progress, engine=engine, reward_source=reward_source,
@@ -432,9 +420,6 @@ def _remote_engine(cfg: Any, launcher: Launcher, pgs: dict[str, Any], policy: Ac
     """The controller's engine over the replicas: how weights reach them (``rl.distribution.weight_sync``, the
     collective group opened here when it is that) and whether they free their weights between phases
     (``rl.rollout.sleep``)."""
-    from rlhf_core.models.loading import load_tokenizer
-    from rlhf_core.distributed.weight_sync import SyncPath, WeightSync, resolve_path
-
     path = resolve_path(WeightSync(cfg.distribution.weight_sync), gpus=launcher.use_gpus,
                         colocated=cfg.distribution.placement == "colocated",
                         lora=bool(cfg.lora_rank), engine=cfg.rollout.engine)

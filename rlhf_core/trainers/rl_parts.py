@@ -207,7 +207,8 @@ def reward_source_for(cfg: RLConfig, kind: RewardKind, device: torch.device) -> 
                                url=cfg.reward.url, device=device, batch_size=cfg.batch_size,
                                timeout_s=cfg.reward.timeout_s, retries=cfg.reward.retries,
                                backoff_cap_s=cfg.reward.backoff_cap_s, deadline_s=cfg.reward.deadline_s,
-                               token_env=cfg.reward.token_env, max_response_bytes=cfg.reward.max_response_bytes)
+                               token_env=cfg.reward.token_env, max_response_bytes=cfg.reward.max_response_bytes,
+                               attention=cfg.attention)
 
 
 def check_teacher_tokenizer(cfg: RLConfig, tokenizer: Any) -> None:
@@ -253,7 +254,7 @@ def sampling_copy(cfg: RLConfig, device: torch.device) -> Any:
     """A frozen copy of the starting policy for an in-process engine to sample from while the policy updates
     (asynchronous training); held in the compute dtype, as a Ray rollout replica's."""
     dtype = Precision.resolve(cfg.precision, device).compute_dtype or torch.float32
-    return load_causal_lm(cfg.model_path, device, dtype).eval().requires_grad_(False)
+    return load_causal_lm(cfg.model_path, device, dtype, cfg.attention).eval().requires_grad_(False)
 
 
 def build_rollout_engine(cfg: RLConfig, policy: Any, tokenizer: Any,

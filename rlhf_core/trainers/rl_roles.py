@@ -34,10 +34,10 @@ from rlhf_core.models.precision import Precision
 from rlhf_core.algorithms.rl_math import (AdvantageEstimator, LossAggregation, PolicyObjective, aggregate_loss,
                                aggregation_units, clipped_value_loss, kl_penalty, masked_mean, policy_loss)
 from rlhf_core.trainers.loop import inject_fault
-from rlhf_core.trainers.rl_forward import (_in_chunks, _sharded, _Sharded, _to, by_length, pack_rows, release_memory,
-                                           resolve_packing, token_logprobs, token_values, trim_padding)
+from rlhf_core.trainers.rl_forward import (Sharded, by_length, in_chunks, pack_rows, release_memory, resolve_packing,
+                                           sharded, to, token_logprobs, token_values, trim_padding)
 from rlhf_core.trainers.step import accumulate_and_step, build_optimizer, build_scheduler
-from rlhf_core.distributed.weight_sync import Layout, SyncGroup, flatten_bucket, plan_layout
+from rlhf_core.distributed.weight_sync import Layout, SyncGroup, TensorSpec, flatten_bucket, plan_layout
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,8 @@ class ReferenceScorer:
         self.cfg, self.device, self.world = cfg, device or pick_device(), world or current_world()
         # frozen: held in the trained policy's compute dtype (bf16 under mixed and bf16), no masters
         dtype = Precision.resolve(cfg.precision, self.device).weight_dtype
-        self.model = load_causal_lm(model_path or cfg.ref_model_path or cfg.model_path, self.device, dtype)
+        self.model = load_causal_lm(model_path or cfg.ref_model_path or cfg.model_path, self.device, dtype,
+                                    cfg.attention)
         self.model.eval().requires_grad_(False)
         self.head = prepare_kernels(cfg, self.model)
         self.packing = resolve_packing(cfg.packing, self.model)
@@ -80,13 +81,13 @@ class ReferenceScorer:
 
     def logprobs(self, exp: dict[str, torch.Tensor], prompt_width: int) -> torch.Tensor:
         """``(my_rows, R)`` log-probs of this rank's rows (``log_softmax(logits / T)``, as the policy's)."""
-        exp = _to(exp, self.device)
-        shard = _sharded(self.world, exp, prompt_width, self.cfg.batch_size, self.model, self.head)
+        exp = to(exp, self.device)
+        shard = sharded(self.world, exp, prompt_width, self.cfg.batch_size, self.model, self.head)
         packed = self.packing
-        out = _in_chunks(lambda e, p: token_logprobs(self.model, e, p, self.cfg.rollout.temperature,
-                                                     share_prompts=not packed,
-                                                  head=self.head, packed=packed)[0],
-                         exp, prompt_width, shard.rows.to(self.device), shard.n_chunks)
+        out = in_chunks(lambda e, p: token_logprobs(self.model, e, p, self.cfg.rollout.temperature,
+                                                    share_prompts=not packed,
+                                                 head=self.head, packed=packed)[0],
+                        exp, prompt_width, shard.rows.to(self.device), shard.n_chunks)
         if self.sharded:  # layers ZeRO-3's prefetcher gathered ahead stay whole until released: back before the update
             self.model.optimizer.empty_partition_cache()
         release_memory()
@@ -161,7 +162,7 @@ class PolicyLearner:
                      PolicyObjective.CISPO: (None, cfg.algorithm.clip_high)}[self.objective]
         # Dropout stays off (and eval mode, gradients still flow): the update must score tokens
         # with the same function that sampled them, or the importance ratios are noise.
-        self.policy = load_causal_lm(cfg.model_path, self.device, self.precision.load_dtype).eval()
+        self.policy = load_causal_lm(cfg.model_path, self.device, self.precision.load_dtype, cfg.attention).eval()
         disable_dropout(self.policy)
         self.head = prepare_kernels(cfg, self.policy)
         self.packing = resolve_packing(cfg.packing, self.policy)
@@ -199,7 +200,7 @@ class PolicyLearner:
             from rlhf_core.rewards.model import load_reward_model
 
             self.critic = load_reward_model(cfg.critic_model_path or cfg.model_path, self.device,
-                                            self.precision.load_dtype).eval()
+                                            self.precision.load_dtype, cfg.attention).eval()
             disable_dropout(self.critic)
             prepare_for_training(self.critic, gradient_checkpointing=self.checkpointing)
             # the critic's gradients are summed by hand after backward (below): no fp32 hooks when distributed
@@ -215,13 +216,13 @@ class PolicyLearner:
 
     def score(self, exp: dict[str, torch.Tensor], prompt_width: int) -> dict[str, torch.Tensor]:
         """``old_logp`` (and ``old_values`` with a critic) of this rank's rows, each ``(my_rows, R)``."""
-        exp = _to(exp, self.device)
-        shard = _sharded(self.world, exp, prompt_width, self.cfg.batch_size, self.policy, self.head)
+        exp = to(exp, self.device)
+        shard = sharded(self.world, exp, prompt_width, self.cfg.batch_size, self.policy, self.head)
         rows = shard.rows.to(self.device)
         out = {"old_logp": self._chunked_logprobs(exp, prompt_width, shard).cpu()}
         if self.critic is not None:
-            out["old_values"] = _in_chunks(lambda e, p: token_values(self.critic, e, p), exp, prompt_width, rows,
-                                           shard.n_chunks).cpu()
+            out["old_values"] = in_chunks(lambda e, p: token_values(self.critic, e, p), exp, prompt_width, rows,
+                                          shard.n_chunks).cpu()
         release_memory()
         return out
 
@@ -229,16 +230,16 @@ class PolicyLearner:
         """``(my_rows, R)`` log-probs of this rank's rows under the policy's frozen base, its LoRA adapters
         switched off: the reference of a LoRA run whose reference is its starting model (:func:`base_is_reference`),
         with no second copy of the weights. Every rank takes part (ZeRO-3 gathers in each forward)."""
-        exp = _to(exp, self.device)
-        shard = _sharded(self.world, exp, prompt_width, self.cfg.batch_size, self.policy, self.head)
+        exp = to(exp, self.device)
+        shard = sharded(self.world, exp, prompt_width, self.cfg.batch_size, self.policy, self.head)
         with adapters_off(self.policy):  # the object the strategy wraps
             out = self._chunked_logprobs(exp, prompt_width, shard)
         release_memory()
         return out.cpu()
 
-    def _chunked_logprobs(self, exp: dict[str, torch.Tensor], prompt_width: int, shard: _Sharded) -> torch.Tensor:
+    def _chunked_logprobs(self, exp: dict[str, torch.Tensor], prompt_width: int, shard: Sharded) -> torch.Tensor:
         """``(my_rows, R)`` the policy's log-probs of this rank's rows, no gradient, in ``shard``'s chunks."""
-        return _in_chunks(
+        return in_chunks(
             lambda e, p: token_logprobs(self.strategy.module, e, p, self.cfg.rollout.temperature, head=self.head,
                                         share_prompts=self.share_prompts, packed=self.packing)[0],
             exp, prompt_width, shard.rows.to(self.device), shard.n_chunks)
@@ -261,7 +262,7 @@ class PolicyLearner:
         """
         inject_fault("rl-learner", step)  # test hook: a learner rank dies as iteration ``step`` updates
         cfg, world = self.cfg, self.world
-        exp = _to(exp, self.device)
+        exp = to(exp, self.device)
         seen: dict[str, list[float]] = {k: [] for k in SEEN_KEYS}
         checkpointing = train_mode(self.policy) if self.checkpointing else nullcontext()
         with checkpointing:
@@ -324,8 +325,8 @@ class PolicyLearner:
                                        head=self.head, packed=packed)
         old_logp = logp.detach() * m["mask"] if fused_old else m["old_logp"]
         pg_loss, stats = policy_loss(self.objective, logp, old_logp, m["advantages"], m["mask"],
-                                     clip_low=self.clip[0], clip_high=self.clip[1],
-                                     dual_clip=cfg.algorithm.dual_clip or None,
+                                     clip_low=self.clip[0], clip_high=self.clip[1], dual_clip=cfg.algorithm.dual_clip
+                                     or None,
                                      aggregation=agg, max_len=cfg.rollout.max_new_tokens)
         loss = pg_loss
         if cfg.algorithm.entropy_coef:
@@ -455,7 +456,7 @@ class PolicyLearner:
         params = dict(self.policy.named_parameters())
         layout = plan_layout([(n, tuple(getattr(p, "ds_shape", p.shape)), p.dtype) for n, p in params.items()],
                              max_bytes, dtype)  # the collective sync's planning (rlhf_core.distributed.weight_sync)
-        self._buckets = [[(spec.name, params[spec.name]) for spec in bucket] for bucket in layout]
+        self._buckets = [(bucket, [params[spec.name] for spec in bucket]) for bucket in layout]
         self._staging = None
         self._staging_numel = max(sum(spec.numel for spec in bucket) for bucket in layout)
         return len(self._buckets)
@@ -465,16 +466,16 @@ class PolicyLearner:
         returns the buffer's CUDA IPC handle (the replica maps it once) and the bucket's layout."""
         from torch.multiprocessing.reductions import reduce_tensor
 
-        bucket = self._buckets[index]
-        params = [p for _, p in bucket]
+        bucket, params = self._buckets[index]
         if self._staging is None:
             self._staging = torch.empty(self._staging_numel, dtype=dtype or params[0].dtype, device=self.device)
-        layout, offset = [], 0
+        staged = [TensorSpec(spec.name, spec.shape, self._staging.dtype) for spec in bucket]  # one buffer, one dtype
         with torch.no_grad(), self.strategy.gathered(params):
-            for name, p in bucket:
-                self._staging[offset:offset + p.numel()].copy_(p.data.reshape(-1))
-                layout.append((name, tuple(p.shape), offset))
-                offset += p.numel()
+            flatten_bucket([p.data for p in params], staged, {self._staging.dtype: self._staging})
+        layout, offset = [], 0
+        for spec in staged:
+            layout.append((spec.name, spec.shape, offset))
+            offset += spec.numel
         torch.cuda.synchronize(self.device)  # the replica copies after this call returns
         return {"cuda_ipc": reduce_tensor(self._staging), "layout": layout, "last": index == len(self._buckets) - 1}
 

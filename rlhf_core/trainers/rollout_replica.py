@@ -36,7 +36,7 @@ class RolloutReplica:
         device = pick_device()
         self.dtype = Precision.resolve(cfg.precision, device).compute_dtype
         # loaded in the compute dtype directly: parameters bf16, buffers (RoPE's inv_freq) fp32, as the learner's
-        policy = load_causal_lm(cfg.model_path, device, self.dtype or torch.float32)
+        policy = load_causal_lm(cfg.model_path, device, self.dtype or torch.float32, cfg.attention)
         if replicas_hold_adapters(cfg):  # the learner's adapter layout: each sync sends the adapters alone
             prepare_for_training(policy, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
                                  lora_dropout=cfg.lora_dropout)

@@ -84,7 +84,7 @@ def train_sft(cfg: SFTConfig, sink: MetricSink | None = None, show_progress: boo
     # ---- load: model, tokenizer, data -------------------------------------------------
     tokenizer = load_tokenizer(cfg.model_path)
     device = pick_device()
-    model = load_causal_lm(cfg.model_path, device, Precision.resolve(cfg.precision, device).load_dtype)
+    model = load_causal_lm(cfg.model_path, device, Precision.resolve(cfg.precision, device).load_dtype, cfg.attention)
     head = prepare_kernels(cfg, model)  # fused kernels, and how the LM head scores tokens
     fields = dict(prompt_field=cfg.prompt_field, completion_field=cfg.completion_field,
                   messages_field=cfg.messages_field, max_length=cfg.max_length)

@@ -14,6 +14,7 @@ import pytest
 
 from rlhf_core.tracking.checkpoint import StorageError
 from rlhf_core.config import ModelConfig
+from rlhf_core.tracking import lineage
 from rlhf_core.tracking.lineage import dvc_md5
 from rlhf_core.stages.wrappers import init_model
 
@@ -35,7 +36,7 @@ def small_tmpfs(tmp_path):
 
 
 def test_a_failed_rebuild_keeps_the_previous_base_model(micro_data, small_tmpfs, monkeypatch):
-    monkeypatch.setenv("ALIGNFLOW_HASH_CACHE", "off")
+    monkeypatch.setattr(lineage, "_hash_cache_setting", "off")  # tracking.hash_cache: off
     out = small_tmpfs / "base"
     common = dict(corpus_file=str(micro_data["sft"]), out_dir=str(out), vocab_size=280, num_layers=2,
                   max_positions=64, seed=0)

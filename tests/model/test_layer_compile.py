@@ -30,11 +30,11 @@ CPU = torch.device("cpu")
 
 @pytest.fixture()
 def aot_eager(monkeypatch):
-    """Compile through dynamo + AOTAutograd with eager kernels; a fresh compile cache before and after."""
-    monkeypatch.setenv(layer_compile.BACKEND_ENV, "aot_eager")
+    """The backend to compile with (dynamo + AOTAutograd, eager kernels: ``compile_backend: aot_eager``); a fresh
+    compile cache before and after."""
     monkeypatch.setattr(layer_compile, "_COMPILED", {})
     torch._dynamo.reset()
-    yield
+    yield "aot_eager"
     torch._dynamo.reset()
 
 
@@ -64,7 +64,7 @@ def test_compiled_layers_equal_eager(aot_eager, micro_model, llama_chat_model, m
     model_dir = micro_model if arch == "qwen2" else llama_chat_model
     tok, pairs = _pairs(model_dir, micro_data)
     eager, compiled = load_causal_lm(model_dir, CPU), load_causal_lm(model_dir, CPU)
-    assert layer_compile.compile_decoder_layers(compiled) == compiled.config.num_hidden_layers
+    assert layer_compile.compile_decoder_layers(compiled, aot_eager) == compiled.config.num_hidden_layers
     weights = torch.linspace(-1.5, 2.0, 2 * len(pairs))
     graphs = counters["stats"]["unique_graphs"]
     for i, (packed, n) in enumerate(((False, 6), (True, 6), (False, 4), (True, 3), (False, 5), (True, 5), (False, 2))):
@@ -91,7 +91,7 @@ def test_generation_runs_the_eager_layers(aot_eager, micro_model):
     compiled for it."""
     tok = load_tokenizer(micro_model, padding_side="left")
     eager, compiled = load_causal_lm(micro_model, CPU), load_causal_lm(micro_model, CPU)
-    layer_compile.compile_decoder_layers(compiled)
+    layer_compile.compile_decoder_layers(compiled, aot_eager)
     inputs = tok(["12+7=", "sort 3142="], return_tensors="pt", padding=True)
     graphs = counters["stats"]["unique_graphs"]
     outs = [m.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
@@ -125,7 +125,7 @@ def test_rl_prefix_tree_runs_the_compiled_layers(aot_eager, micro_model):
     exp, P, mask = _grouped_rows(load_tokenizer(micro_model))
     weights = torch.linspace(-1.0, 2.0, mask.numel()).view_as(mask) * mask
     eager, compiled = load_causal_lm(micro_model, CPU), load_causal_lm(micro_model, CPU)
-    layer_compile.compile_decoder_layers(compiled)
+    layer_compile.compile_decoder_layers(compiled, aot_eager)
     graphs = counters["stats"]["unique_graphs"]
     out = []
     for model in (eager, compiled):
@@ -144,13 +144,12 @@ def _failing_backend(gm, example_inputs):
     raise RuntimeError("this backend cannot compile")
 
 
-def test_compile_failure_falls_back_to_eager(aot_eager, micro_model, micro_data, monkeypatch, caplog):
+def test_compile_failure_falls_back_to_eager(aot_eager, micro_model, micro_data, caplog):
     """A backend that fails (here: one that raises): a warning naming the layer class and the cause, the
     eager layers from then on, the same values."""
-    monkeypatch.setattr(layer_compile, "backend", lambda: _failing_backend)
     tok, pairs = _pairs(micro_model, micro_data)
     eager, compiled = load_causal_lm(micro_model, CPU), load_causal_lm(micro_model, CPU)
-    layer_compile.compile_decoder_layers(compiled)
+    layer_compile.compile_decoder_layers(compiled, _failing_backend)
     batch = collate_pairs(pairs, tok.pad_token_id)
     weights = torch.ones(2 * len(pairs))
     with caplog.at_level(logging.WARNING, logger="rlhf_core.models.layer_compile"):
@@ -168,7 +167,8 @@ def test_sft_with_compiled_layers_trains_as_eager(aot_eager, micro_model, micro_
         cfg = SFTConfig(model_path=str(micro_model), train_file=str(micro_data["sft"]), eval_file=str(micro_data["eval"]),
                         output_dir=str(tmp_path / setting / "out"), checkpoint_dir=str(tmp_path / setting / "ckpt"),
                         max_steps=3, batch_size=8, lr=3e-3, warmup_steps=0, eval_items=4, save_every=0,
-                        num_threads=1, log_every=1, precision="fp32", packing=True, compile_layers=setting)
+                        num_threads=1, log_every=1, precision="fp32", packing=True, compile_layers=setting,
+                        compile_backend=aot_eager)
         sink = Recorder()
         train_sft(cfg, sink, show_progress=False)
         return sink

@@ -122,9 +122,7 @@ def _rl_rows(micro_model, prompts: list[str], seed: int):
     model = load_causal_lm(micro_model, torch.device("cpu")).eval()
     batch = HFGenerateEngine(model, load_tokenizer(micro_model)).generate(
         prompts, SamplingParams(n=3, max_new_tokens=6, seed=seed))
-    ids, attention = batch.sequences()
-    exp = {"input_ids": ids, "attention_mask": attention, "position_ids": batch.position_ids(),
-           "response_ids": batch.response_ids}
+    exp = batch.learner_inputs()
     return model, exp, batch.prompt_ids.shape[1], batch.response_mask.float()
 
 
@@ -160,7 +158,7 @@ def test_no_grad_chunks_count_vocabulary_logits_only_where_the_model_makes_them(
     """A no-grad log-prob pass (reference, pi_old) is split by its largest transient: float32 logits
     ``R x V`` a row with the model's own head, the decoder's MLP projection ``width x 2I`` with a bypassed
     head, which bounds its own logits; any split gives the same log-probs."""
-    from rlhf_core.trainers.rl_forward import _CHUNK_BYTES, _Sharded, _in_chunks, chunk_bytes_per_row, token_logprobs
+    from rlhf_core.trainers.rl_forward import _CHUNK_BYTES, Sharded, chunk_bytes_per_row, in_chunks, token_logprobs
     from rlhf_core.distributed.parallel import World
 
     model = load_causal_lm(micro_model, torch.device("cpu")).eval()
@@ -171,15 +169,15 @@ def test_no_grad_chunks_count_vocabulary_logits_only_where_the_model_makes_them(
     # 1.5B GRPO reference pass (512 rows, 19 + 256 tokens, V = 151,936, I = 8,960, bf16): 38 chunks by
     # the logits it never makes, 3 by its MLP projection
     logits_row, mlp_row = 256 * 151_936 * 4, 275 * 2 * 8_960 * 2
-    assert _Sharded(World(), 512, 512, logits_row).n_chunks == 38
-    assert _Sharded(World(), 512, 512, mlp_row).n_chunks == 3 == -(-512 * mlp_row // _CHUNK_BYTES)
-    assert _Sharded(World(), 512, 32, mlp_row).n_chunks == 16  # the micro-batch rows, where fewer
+    assert Sharded(World(), 512, 512, logits_row).n_chunks == 38
+    assert Sharded(World(), 512, 512, mlp_row).n_chunks == 3 == -(-512 * mlp_row // _CHUNK_BYTES)
+    assert Sharded(World(), 512, 32, mlp_row).n_chunks == 16  # the micro-batch rows, where fewer
 
     model, exp, p, mask = _rl_rows(micro_model, ["12+30=", "7*8=", "sort 321=", "1+1="], seed=2)
     rows = torch.arange(len(mask))
     with torch.no_grad():
-        by = {n: _in_chunks(lambda e, w: token_logprobs(model, e, w, 1.0, share_prompts=True, head=CHUNK)[0],
-                            exp, p, rows, n) * mask for n in (1, 3, 12)}
+        by = {n: in_chunks(lambda e, w: token_logprobs(model, e, w, 1.0, share_prompts=True, head=CHUNK)[0],
+                           exp, p, rows, n) * mask for n in (1, 3, 12)}
     torch.testing.assert_close(by[3], by[1], atol=1e-5, rtol=0)
     torch.testing.assert_close(by[12], by[1], atol=1e-5, rtol=0)
 

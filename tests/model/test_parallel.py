@@ -77,19 +77,17 @@ def test_zero2_in_one_process_takes_the_plain_step(micro_model, micro_data, tmp_
         assert abs(x - y) <= 1e-4 * abs(x), (la, lz)
 
 
-def test_two_workers_with_compiled_layers_take_the_eager_step(ray_local, micro_model, micro_data, tmp_path,
-                                                               monkeypatch):
+def test_two_workers_with_compiled_layers_take_the_eager_step(ray_local, micro_model, micro_data, tmp_path):
     """``compile_layers: on`` under DDP (what ``auto`` picks on GPUs): two Ray workers whose decoder layers run
-    compiled (dynamo + AOTAutograd, eager kernels: ``ALIGNFLOW_COMPILE_BACKEND`` reaches the actors) take the
+    compiled (dynamo + AOTAutograd, eager kernels: ``compile_backend: aot_eager`` reaches the actors) take the
     steps one eager process takes: losses within 1e-4 relative, final weights within 1e-3."""
-    from rlhf_core.models.layer_compile import BACKEND_ENV
     from rlhf_core.trainers.ray_launcher import train_data_parallel
 
-    monkeypatch.setenv(BACKEND_ENV, "aot_eager")
     one, two = Recorder(), Recorder()
     a = train_sft(_sft(micro_model, micro_data, tmp_path / "one", max_steps=3), one, show_progress=False)
     b = train_data_parallel(train_sft, _sft(micro_model, micro_data, tmp_path / "two", max_steps=3, num_workers=2,
-                                            compile_layers="on"), two, show_progress=False)
+                                            compile_layers="on", compile_backend="aot_eager"), two,
+                          show_progress=False)
     la, lb = one.series("train/loss"), two.series("train/loss")
     assert len(la) == len(lb) == 3 and la[-1] != la[0]
     for x, y in zip(la, lb):
@@ -319,7 +317,7 @@ def test_a_lora_controller_copy_takes_the_adapters_alone_and_merges_as_rank_0(ra
 
     cfg = _rl(micro_model, micro_data, tmp_path, length_reward, lora_rank=4, lora_alpha=8.0, num_workers=2,
               placement="colocated")
-    launcher = rl_ray.Launcher(use_gpus=False)
+    launcher = rl_ray.Launcher(False, cfg)
     with launcher.running():
         policy = launcher.group(rl_ray.TrainerActor, "policy", launcher.bundles(2), [0, 1], share=1.0, num_threads=1,
                                 world=True)
@@ -403,11 +401,9 @@ def test_zero3_reference_ranks_partition_the_weights_and_score_as_the_whole_mode
     batch = HFGenerateEngine(whole.model, load_tokenizer(micro_model)).generate(
         ["12+30=", "7*8=", "sort 321=", "1+1=", "9-4=", "3*3=", "sort 12="], SamplingParams(n=1, max_new_tokens=6,
                                                                                             seed=3))
-    ids, attention = batch.sequences()
-    exp = {"input_ids": ids, "attention_mask": attention, "position_ids": batch.position_ids(),
-           "response_ids": batch.response_ids}
+    exp = batch.learner_inputs()
     p = batch.prompt_ids.shape[1]
-    launcher = rl_ray.Launcher(use_gpus=False)
+    launcher = rl_ray.Launcher(False, cfg)
     with launcher.running():
         group = launcher.group(rl_ray.ReferenceActor, "reference", launcher.bundles(2), [0, 1], share=1.0,
                                num_threads=1, world=True)

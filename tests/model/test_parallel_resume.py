@@ -93,16 +93,15 @@ def test_injected_fault_is_an_error_not_a_hang(ray_local, micro_model, micro_dat
 def test_a_hung_rank_fails_the_group_after_the_collective_timeout(ray_local, micro_model, micro_data, tmp_path,
                                                                   monkeypatch):
     """Rank 1 freezes (SIGSTOP: alive, silent) after step 1; rank 0 waits in the next step's all-reduce
-    until ``ALIGNFLOW_COLLECTIVE_TIMEOUT_S`` (5 s here) and raises; the launcher kills both and the call
+    until ``collective_timeout_s`` (5 s here) and raises; the launcher kills both and the call
     fails well within a minute instead of gloo's default 30."""
     import time
 
-    monkeypatch.setenv("ALIGNFLOW_COLLECTIVE_TIMEOUT_S", "5")
     monkeypatch.setenv("ALIGNFLOW_FAULT", f"sft:1:{tmp_path / 'frozen'}")
     monkeypatch.setenv("ALIGNFLOW_FAULT_RANK", "1")
     monkeypatch.setenv("ALIGNFLOW_FAULT_SIGNAL", "STOP")
     with pytest.raises(Exception) as failure:
-        _run(_cfg(micro_model, micro_data, tmp_path, save_every=0))
+        _run(_cfg(micro_model, micro_data, tmp_path, save_every=0, collective_timeout_s=5.0))
     took = time.time() - (tmp_path / "frozen").stat().st_mtime
     print(f"hung rank: the call failed {took:.1f} s after rank 1 froze: {type(failure.value).__name__}: "
           f"{str(failure.value).splitlines()[-1][:200]}")

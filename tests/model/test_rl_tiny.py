@@ -314,9 +314,7 @@ def _learner_and_experience(micro_model, micro_data, tmp_path, **overrides):
     tok = load_tokenizer(micro_model)
     batch = HFGenerateEngine(learner.policy, tok).generate(["12+30=", "7*8=", "sort 321=", "1+1="],
                                                            SamplingParams(n=4, max_new_tokens=6, seed=1))
-    ids, attention = batch.sequences()
-    exp = {"input_ids": ids, "attention_mask": attention, "position_ids": batch.position_ids(),
-           "response_ids": batch.response_ids}
+    exp = batch.learner_inputs()
     p = batch.prompt_ids.shape[1]
     mask = batch.response_mask.float()
     exp.update(mask=mask, ref_logp=ReferenceScorer(cfg, torch.device("cpu")).logprobs(exp, p) * mask,

@@ -59,9 +59,7 @@ def test_sampled_logprobs_match_the_trainer(engine, vllm_model):
     batch = engine.generate(PROMPTS, params)
     assert len(batch) == 12 and batch.group_size == 4 and batch.prompts[:4] == [PROMPTS[0]] * 4
     assert (batch.response_lengths() >= 1).all()
-    ids, mask = batch.sequences()
-    exp = {"input_ids": ids, "attention_mask": mask, "position_ids": batch.position_ids(),
-           "response_ids": batch.response_ids}
+    exp = batch.learner_inputs()
     with torch.no_grad():
         trainer, _ = token_logprobs(model, exp, batch.prompt_ids.shape[1], params.temperature)
     m = batch.response_mask.bool()

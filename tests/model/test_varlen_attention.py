@@ -3,7 +3,7 @@
 On a CPU the varlen path runs its torch reference (causal SDPA per sequence) through the same
 transformers dispatch, segment bookkeeping and mask rule the GPU kernel runs behind; the GPU kernel's
 own comparison is ``bench/gpu_lm_head_check.py --parts packed`` (result under ``bench/results/``). Models load with it
-here by ``ALIGNFLOW_ATTENTION=varlen``. Tolerances: fp32, only summation order differs (1e-4 relative,
+here by ``attention="varlen"`` (a trainer config's ``attention``). Tolerances: fp32, only summation order differs (1e-4 relative,
 1e-6 absolute on values and gradients); upstream gradients are per-sequence weights of both signs.
 """
 
@@ -20,7 +20,7 @@ from rlhf_core.config import DPOConfig, RewardConfig
 from rlhf_core.data.io import read_records
 from rlhf_core.data.tokenize import collate_pairs
 from rlhf_core.algorithms.logprobs import response_logprobs
-from rlhf_core.models.loading import ATTENTION_ENV, load_causal_lm, load_tokenizer
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 from rlhf_core.rewards.model import load_reward_model, pair_rewards
 from rlhf_core.trainers.dpo import train_dpo
 from rlhf_core.trainers.reward import train_reward_model
@@ -103,9 +103,8 @@ def test_packed_varlen_logprobs_rewards_and_gradients_equal_padded_sdpa(micro_mo
     padded, packed = collate_pairs(pairs, tok.pad_token_id), collate_pairs(pairs, tok.pad_token_id, packed=True)
     torch.manual_seed(0)  # the same random score head on both reward models
     sdpa_lm, sdpa_rm = load_causal_lm(micro_model, CPU), load_reward_model(micro_model, CPU)
-    monkeypatch.setenv(ATTENTION_ENV, "varlen")
     torch.manual_seed(0)
-    lm, rm = load_causal_lm(micro_model, CPU), load_reward_model(micro_model, CPU)
+    lm, rm = (load(micro_model, CPU, attention="varlen") for load in (load_causal_lm, load_reward_model))
     assert lm.config._attn_implementation == rm.config._attn_implementation == attention.VARLEN
     assert sdpa_lm.config._attn_implementation == "sdpa"
     layers = lm.config.num_hidden_layers
@@ -124,15 +123,14 @@ def test_packed_varlen_logprobs_rewards_and_gradients_equal_padded_sdpa(micro_mo
     assert not worked_out_in_model
 
 
-def test_host_bounds_equal_the_first_layers(micro_model, micro_data, monkeypatch):
+def test_host_bounds_equal_the_first_layers(micro_model, micro_data):
     """The packed row's bounds handed to the model as forward arguments (worked out from the collated
     CPU positions) give exactly the logits of the model working them out itself from its own copy; a
     model without varlen attention gets no such arguments."""
     tok, pairs = _pairs(micro_model, micro_data)
     packed = collate_pairs(pairs, tok.pad_token_id, packed=True)
     assert attention.packed_forward_kwargs(load_causal_lm(micro_model, CPU), packed["position_ids"], CPU) == {}
-    monkeypatch.setenv(ATTENTION_ENV, "varlen")
-    lm = load_causal_lm(micro_model, CPU)
+    lm = load_causal_lm(micro_model, CPU, attention="varlen")
     extra = attention.packed_forward_kwargs(lm, packed["position_ids"], CPU)
     cu, longest = attention.segment_bounds(packed["position_ids"], 1)
     assert torch.equal(extra["cu_seq_lens_q"], cu) and extra["max_length_q"] == longest == max(map(len, sum(pairs, ())))
@@ -156,9 +154,8 @@ def test_packed_row_skips_mask_preparation_where_the_decoder_takes_a_mapping(mic
     calls = []
     original = masking_utils.find_packed_sequence_indices
     monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda p: calls.append(1) or original(p))
-    monkeypatch.setenv(ATTENTION_ENV, "varlen")
     for path, maps in ((micro_model, True), (llama_chat_model, False)):
-        lm = load_causal_lm(path, CPU)
+        lm = load_causal_lm(path, CPU, attention="varlen")
         extra = attention.packed_forward_kwargs(lm, packed["position_ids"], CPU)
         assert ("attention_mask" in extra) == maps, path
         with torch.no_grad():
@@ -172,7 +169,7 @@ def test_packed_row_skips_mask_preparation_where_the_decoder_takes_a_mapping(mic
     assert not attention._skips_mask_preparation(Qwen2Config(use_sliding_window=True, sliding_window=64))
 
 
-def test_varlen_model_generates_and_saves_like_sdpa(micro_model, micro_data, monkeypatch, tmp_path):
+def test_varlen_model_generates_and_saves_like_sdpa(micro_model, micro_data, tmp_path):
     """Generation (left-padded prompts, a KV cache) on the varlen model is SDPA's, token for token; a model
     saved from it names no alignflow attention in its config, so plain transformers loads it."""
     from transformers import AutoModelForCausalLM
@@ -181,18 +178,16 @@ def test_varlen_model_generates_and_saves_like_sdpa(micro_model, micro_data, mon
     prompts = [r["prompt"] for r in read_records(micro_data["eval"])[:4]]
     enc = tok(prompts, return_tensors="pt", padding=True)
     sdpa_lm = load_causal_lm(micro_model, CPU)
-    monkeypatch.setenv(ATTENTION_ENV, "varlen")
-    lm = load_causal_lm(micro_model, CPU)
+    lm = load_causal_lm(micro_model, CPU, attention="varlen")
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
     assert torch.equal(lm.generate(**enc, **kw), sdpa_lm.generate(**enc, **kw))
     lm.save_pretrained(tmp_path / "saved")
     assert attention.VARLEN not in (tmp_path / "saved" / "config.json").read_text()
-    monkeypatch.delenv(ATTENTION_ENV)
     AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))
 
 
 @pytest.mark.parametrize("stage", ["dpo_live", "reward"])
-def test_packed_varlen_training_equals_padded_sdpa(stage, micro_model, micro_data, tmp_path, monkeypatch):
+def test_packed_varlen_training_equals_padded_sdpa(stage, micro_model, micro_data, tmp_path):
     """3 steps padded (SDPA) and packed under a token budget (varlen): the same per-step loss and gradient
     norm (1e-4 relative) and final weights within 1e-3 of the update (test_packing_tiny's criterion)."""
     step = dict(max_steps=3, batch_size=6, grad_accum=2, lr=3e-3, warmup_steps=0, num_threads=1,
@@ -210,9 +205,8 @@ def test_packed_varlen_training_equals_padded_sdpa(stage, micro_model, micro_dat
         return sink, load_file(str(result.output_dir / "model.safetensors"))
 
     base, w0 = run("padded")
-    monkeypatch.setenv(ATTENTION_ENV, "varlen")
     before = attention.calls["varlen"]
-    sink, w = run("varlen", packing=True, micro_batch_tokens=40)
+    sink, w = run("varlen", packing=True, micro_batch_tokens=40, attention="varlen")
     assert attention.calls["varlen"] > before
     for metric in ("train/loss", "train/grad_norm"):
         assert base.series(metric) == pytest.approx(sink.series(metric), rel=1e-4), metric
@@ -223,7 +217,7 @@ def test_packed_varlen_training_equals_padded_sdpa(stage, micro_model, micro_dat
     assert update > 0 and gap / update <= 1e-3, gap / update
 
 
-def test_packed_rl_training_on_varlen_equals_padded_sdpa(micro_model, micro_data, tmp_path, monkeypatch):
+def test_packed_rl_training_on_varlen_equals_padded_sdpa(micro_model, micro_data, tmp_path):
     """``rl.packing`` (auto: on where the model attends with varlen, off on SDPA): 3 GRPO steps (KL loss, pi_old
     fused into the update, 4 micro-batches, the reference in no-grad chunks) with every micro-batch one
     padding-free row through the varlen path equal the padded run on SDPA: the same rollouts (engine untouched), per-step losses and KL (1e-4 relative) and final weights
@@ -252,8 +246,7 @@ def test_packed_rl_training_on_varlen_equals_padded_sdpa(micro_model, micro_data
     before = attention.calls["varlen"]
     base, w0 = run("padded")  # packing auto (the default) on SDPA: padded rows
     assert attention.calls["varlen"] == before
-    monkeypatch.setenv(ATTENTION_ENV, "varlen")
-    sink, w = run("packed")  # packing auto where the model attends with varlen (a GPU's choice): packed
+    sink, w = run("packed", attention="varlen")  # packing auto where the model attends with varlen (a GPU's choice): packed
     assert attention.calls["varlen"] > before
     assert base.series("rollout/response_length") == sink.series("rollout/response_length")
     for metric in ("train/policy_loss", "train/kl_loss", "train/kl"):
@@ -270,7 +263,7 @@ def test_packed_rl_training_on_varlen_equals_padded_sdpa(micro_model, micro_data
         RLConfig(packing="sometimes")
 
 
-def test_rl_prefix_tree_on_a_varlen_model_takes_sdpa_with_its_mask(micro_model, monkeypatch):
+def test_rl_prefix_tree_on_a_varlen_model_takes_sdpa_with_its_mask(micro_model):
     """RL's shared-prompt pass hands the model a 4D tree mask: on a model loaded with varlen attention (a GPU's
     default) every layer routes it to SDPA, and the log-probs equal the SDPA model's padded rows."""
     from rlhf_core.models.loading import load_tokenizer
@@ -279,8 +272,7 @@ def test_rl_prefix_tree_on_a_varlen_model_takes_sdpa_with_its_mask(micro_model, 
 
     exp, P, mask = _grouped_rows(load_tokenizer(micro_model))
     sdpa_lm = load_causal_lm(micro_model, CPU)
-    monkeypatch.setenv(ATTENTION_ENV, "varlen")
-    lm = load_causal_lm(micro_model, CPU)
+    lm = load_causal_lm(micro_model, CPU, attention="varlen")
     assert lm.config._attn_implementation == attention.VARLEN
     with torch.no_grad():
         padded, _ = token_logprobs(sdpa_lm, exp, P, 1.0)

@@ -46,10 +46,9 @@ def test_collective_sync_gives_every_replica_rank0s_weights_and_a_dead_replica_f
     from rlhf_core.trainers.rl_on_ray import RemoteLearner, RemoteRollout
     from rlhf_core.trainers.rollout_replica import RolloutReplica
 
-    monkeypatch.setenv(rl_ray.COLLECTIVE_TIMEOUT_ENV, str(_TIMEOUT_S))
     monkeypatch.setattr(rl_on_ray, "SYNC_BUCKET_BYTES", 4096)
-    cfg = _rl(micro_model, micro_data, tmp_path, parallel=parallel)
-    launcher = Launcher(use_gpus=False)
+    cfg = _rl(micro_model, micro_data, tmp_path, parallel=parallel, collective_timeout_s=_TIMEOUT_S)
+    launcher = Launcher(False, cfg)
     try:
         pg = launcher.bundles(4)
         policy = launcher.group(TrainerActor, "policy", pg, [0, 1], share=1.0, num_threads=1, world=True)

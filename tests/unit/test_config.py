@@ -61,7 +61,7 @@ def test_unknown_field_and_section(tmp_path):
     with pytest.raises(ConfigError, match=r"params.yaml: sft.max_step: unknown field; did you mean sft.max_steps\?"):
         load_config(SFTConfig, "sft", params)
     params.write_text(yaml.safe_dump({"sft": {"zzz": 1}}))  # nothing close: the known fields, clipped
-    with pytest.raises(ConfigError, match=r"sft.zzz: unknown field; known fields are batch_size, .*\(\d+ in all\)$"):
+    with pytest.raises(ConfigError, match=r"sft.zzz: unknown field; known fields are attention, batch_size, .*\(\d+ in all\)$"):
         load_config(SFTConfig, "sft", params)
     params.write_text(yaml.safe_dump({"sftt": {}}))
     with pytest.raises(ConfigError, match=r"unknown section\(s\) \['sftt'\]"):

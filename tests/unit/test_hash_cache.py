@@ -153,20 +153,26 @@ def test_corrupt_cache_is_ignored_with_a_warning(tmp_path, caplog):
     assert "unknown layout" in caplog.text
 
 
-def test_env_switch_and_default_location(tmp_path, monkeypatch):
+def test_config_setting_and_default_location(tmp_path, monkeypatch):
+    """``tracking.hash_cache``: empty for the project's file, a path elsewhere, off (or YAML's bare off) for none."""
+    from rlhf_core.config import TrackingConfig, build_config
+
     model = _model_dir(tmp_path)
     monkeypatch.setenv("ALIGNFLOW_HOME", str(tmp_path / "project"))
-    monkeypatch.delenv(lineage.HASH_CACHE_ENV, raising=False)
+    monkeypatch.setattr(lineage, "_hash_cache_setting", "")
+    lineage.use_hash_cache(TrackingConfig().hash_cache)
     default = tmp_path / "project" / ".alignflow" / "hash-cache.json"
     assert HashCache.default().path == default
     expected = dvc_md5(model, cache=False)
     assert dvc_md5(model) == expected and default.exists()
 
-    monkeypatch.setenv(lineage.HASH_CACHE_ENV, str(tmp_path / "elsewhere.json"))
+    lineage.use_hash_cache(str(tmp_path / "elsewhere.json"))
     assert dvc_md5(model) == expected and (tmp_path / "elsewhere.json").exists()
 
     default.unlink()
-    monkeypatch.setenv(lineage.HASH_CACHE_ENV, "off")
+    off = build_config(TrackingConfig, "tracking", {"hash_cache": False})  # what YAML makes of a bare off
+    assert off.hash_cache == "off"
+    lineage.use_hash_cache(off.hash_cache)
     assert HashCache.default().path is None
     assert dvc_md5(model) == expected and not default.exists()
 
