@@ -160,8 +160,8 @@ def _metric_row(key: str, values: tuple[dict, dict], errors: tuple[dict, dict]) 
 def renamed_params(a: dict[str, str], b: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
     """Both runs' params in one spelling where they name one field two ways: a param logged under an old flat name of
     rl's (``kl_coef``, or ``rl.kl_coef`` under a flow's section prefix) takes its new dotted name
-    (:data:`rlhf_core.config.RENAMED`: ``kl.coef``) when the other run logged that name and not the old one, so a run
-    from before rl's fields were grouped compares row by row with one from after."""
+    (:data:`rlhf_core.config.RENAMED`: ``kl.coef``) when the other run logged that name and not the old one, so runs
+    logged under either spelling compare row by row."""
     def mapped(own: dict[str, str], other: dict[str, str]) -> dict[str, str]:
         out = {}
         for key, value in own.items():

@@ -117,8 +117,8 @@ def why_untrusted(section: str, field: str, values: list[Any], worktree: Path) -
 
 def _flat(section: str, values: dict[str, Any]) -> dict[str, Any]:
     """A section's fields field by field: a section within it (rl's ``kl: {coef: ..}``) as dotted names (``kl.coef``),
-    an old flat name of such a field as its dotted one (``kl_coef``, the class's ``renamed``), so a record from before
-    rl's fields were grouped compares with a commit from after."""
+    the flat name of such a field as its dotted one (``kl_coef``, the class's ``renamed``), so a record and a commit
+    that spell a field differently compare field by field."""
     cls = SECTIONS.get(section)
     inner, renamed = section_fields(cls) if cls else {}, getattr(cls, "renamed", {})
     out: dict[str, Any] = {}

@@ -94,8 +94,8 @@ def section_table(cls: type, prefix: str = "") -> list[str]:
         rows += ["", f"### {name}", "", f"`{name}:` {' '.join((section.__doc__ or '').split())}", ""]
         rows += section_table(section, f"{name}.")
     if inner:
-        rows += ["", "Renamed fields: the flat names these had before they were grouped are still read, each "
-                 "with a notice naming its new key:", "",
+        rows += ["", "Flat names: each of these fields is also read under a flat name, with a notice naming its "
+                 "dotted key:", "",
                  ", ".join(f"`{old}` → `{new}`" for old, new in getattr(cls, "renamed", {}).items()) + "."]
     return rows
 

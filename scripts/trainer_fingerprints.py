@@ -140,7 +140,7 @@ def _renamed() -> dict[str, str]:
 def recorded_config_md5(path: Path) -> str:
     """md5 of an ``alignflow.json`` with its recorded config in one spelling: a section within a config (``kl: {coef:
     ...}``) as dotted names (``kl.coef``), and an old flat name mapped through ``rlhf_core.config.RENAMED`` (``kl_coef``
-    -> ``kl.coef``), so a config recorded before rl's fields were grouped digests as the same config recorded after."""
+    -> ``kl.coef``), so a config recorded under either spelling digests the same."""
     renamed = _renamed()
     record = json.loads(Path(path).read_text())
     config = record.get("config")
@@ -368,7 +368,7 @@ def _rl_cfg(w: dict[str, str], name: str, kw: dict[str, Any]) -> Any:
               "algorithm.critic_lr": 3e-3, "warmup_steps": 0, "eval_items": 8, "eval_at_start": True,
               "log_rollouts_every": 1, "num_threads": 1, "precision": "fp32", "keep_checkpoints": 2}
     values.update(kw)
-    if not hasattr(RLConfig, "renamed"):  # a checkout from before rl's sections: the same values, flat names
+    if not hasattr(RLConfig, "renamed"):  # a checkout whose RLConfig is flat: the same values, flat names
         flat = {new: old for old, new in _renamed().items()}
         values = {flat.get(k, k): v for k, v in values.items()}
     return build_config(RLConfig, "rl", values)

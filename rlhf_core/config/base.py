@@ -284,7 +284,7 @@ def _build_section(owner: type, cls: type, where: str, values: Any, source: str,
     except ConfigError as exc:
         head = where.rsplit(".", 1)[1]
         old = [k for k, v in getattr(owner, "renamed", {}).items() if k == head]
-        if old and "unknown field" in str(exc):  # e.g. rl.environment, once a string, now a section
+        if old and "unknown field" in str(exc):  # e.g. rl.environment: a section, its spec a string
             raise ConfigError(f"{exc} ({where} is a section now; the value the old key {head} took goes in "
                               f"{where}.{owner.renamed[head].split('.', 1)[1]})") from None
         raise

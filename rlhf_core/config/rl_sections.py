@@ -1,7 +1,7 @@
 """Online RL's sections within its section (``rl.rollout``, ``rl.kl`` ...): one small dataclass per concern, and
-:data:`RENAMED`, every flat field name the ``rl`` section had before its fields were grouped, with its dotted name now
-(read from ``params.yaml`` and ``--set`` with a notice naming the new key, and mapped by ``alignflow diff`` when it
-compares runs logged under either name). The checks across them are RLConfig's (:mod:`rlhf_core.config.rl`)."""
+:data:`RENAMED`, the flat name each of their fields is also read under (``kl_coef`` for ``kl.coef``: from
+``params.yaml`` and ``--set`` with a notice naming the dotted key, and mapped by ``alignflow diff`` when it compares
+runs logged under either name). The checks across them are RLConfig's (:mod:`rlhf_core.config.rl`)."""
 
 from __future__ import annotations
 
