@@ -34,12 +34,15 @@ def _rl(micro_model, micro_data, root, **kw) -> RLConfig:
     reward = root / "length_reward.py"
     reward.parent.mkdir(parents=True, exist_ok=True)
     reward.write_text("def reward(prompts, completions, labels):\n    return [len(c) / 10 for c in completions]\n")
-    return build_config(RLConfig, "rl", {**{**dict(model_path=str(micro_model), prompts_file=str(micro_data["prompts"]),
-                              eval_file=str(micro_data["eval"]), output_dir=str(root / "out"),
-                              checkpoint_dir=str(root / "ckpt"), reward_function=f"{reward}:reward", max_steps=3,
-                              prompts_per_step=4, group_size=4, max_new_tokens=6, batch_size=64, mini_batch_size=8,
-                              lr=3e-3, warmup_steps=0, eval_items=8, eval_at_start=True, save_every=2,
-                              num_threads=1), **kw}})
+    return build_config(RLConfig, "rl", {**{**{"model_path": str(micro_model),
+                                               "prompts_file": str(micro_data["prompts"]),
+                              "eval_file": str(micro_data["eval"]), "output_dir": str(root / "out"),
+                              "checkpoint_dir": str(root / "ckpt"), "reward.function": f"{reward}:reward",
+                              "max_steps": 3,
+                              "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 6,
+                              "batch_size": 64, "algorithm.mini_batch_size": 8,
+                              "lr": 3e-3, "warmup_steps": 0, "eval_items": 8, "eval_at_start": True, "save_every": 2,
+                              "num_threads": 1}, **kw}})
 
 
 def _same(a: dict[str, float], b: dict[str, float]) -> bool:

@@ -136,12 +136,14 @@ def test_token_budget_with_uneven_micro_batch_counts_takes_one_process_step(ray_
 
 
 def _rl(micro_model, micro_data, tmp_path, reward_function, **kw) -> RLConfig:
-    values = dict(model_path=str(micro_model), prompts_file=str(micro_data["prompts"]),
-                  eval_file=str(micro_data["eval"]), output_dir=str(tmp_path / "rl"),
-                  checkpoint_dir=str(tmp_path / "ckpt"), reward_function=reward_function, max_steps=2,
-                  prompts_per_step=4, group_size=4, max_new_tokens=6, batch_size=64, mini_batch_size=8,
-                  lr=3e-3, warmup_steps=0, weight_decay=0.0, eval_items=4, eval_at_start=False, num_threads=1,
-                  precision="fp32", save_every=0)
+    values = {"model_path": str(micro_model), "prompts_file": str(micro_data["prompts"]),
+              "eval_file": str(micro_data["eval"]), "output_dir": str(tmp_path / "rl"),
+              "checkpoint_dir": str(tmp_path / "ckpt"), "reward.function": reward_function, "max_steps": 2,
+              "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 6, "batch_size": 64,
+              "algorithm.mini_batch_size": 8,
+              "lr": 3e-3, "warmup_steps": 0, "weight_decay": 0.0, "eval_items": 4, "eval_at_start": False,
+              "num_threads": 1,
+              "precision": "fp32", "save_every": 0}
     values.update(kw)
     return build_config(RLConfig, "rl", {**values})
 
@@ -169,8 +171,9 @@ def test_grpo_runs_on_ray_with_either_placement(ray_local, micro_model, micro_da
     local, remote = Recorder(), Recorder()
     train_rl(_rl(micro_model, micro_data, tmp_path / "local", length_reward), local, show_progress=False)
     with caplog.at_level(logging.WARNING, logger="rlhf_core.trainers.rl_on_ray"):
-        result = train_rl_on_ray(_rl(micro_model, micro_data, tmp_path / "ray", length_reward, placement=placement,
-                                     num_workers=2, rollout_sleep="on" if placement == "colocated" else "auto"),
+        result = train_rl_on_ray(_rl(micro_model, micro_data, tmp_path / "ray", length_reward,
+                                     **{"distribution.placement": placement},
+                                     num_workers=2, **{"rollout.sleep": "on" if placement == "colocated" else "auto"}),
                                  remote, show_progress=False)
     assert ("rollout replicas free" in caplog.text) == (placement == "colocated")
     before = load_file(str(micro_model / "model.safetensors"))
@@ -201,7 +204,7 @@ def test_lora_policy_takes_its_own_base_as_the_reference(ray_local, micro_model,
     from rlhf_core.trainers.rl_roles import ReferenceScorer, base_is_reference
 
     def cfg(name, **kw):
-        return _rl(micro_model, micro_data, tmp_path / name, length_reward, kl_coef=0.05, lora_rank=4,
+        return _rl(micro_model, micro_data, tmp_path / name, length_reward, **{"kl.coef": 0.05}, lora_rank=4,
                    lora_alpha=8.0, **kw)
 
     separate, base, remote = Recorder(), Recorder(), Recorder()
@@ -240,7 +243,7 @@ def test_a_lora_replica_takes_the_adapters_alone_and_samples_as_the_merged_weigh
     cfg = _rl(micro_model, micro_data, tmp_path, length_reward, lora_rank=4, lora_alpha=8.0)
     assert replicas_hold_adapters(cfg) and not replicas_hold_adapters(_rl(micro_model, micro_data, tmp_path,
                                                                           length_reward, lora_rank=4,
-                                                                          rollout_engine="vllm"))
+                                                                          **{"rollout.engine": "vllm"}))
     learner = PolicyLearner(cfg, torch.device("cpu"))
     torch.manual_seed(0)
     with torch.no_grad():  # trained adapters: B away from its zero start
@@ -316,7 +319,7 @@ def test_a_lora_controller_copy_takes_the_adapters_alone_and_merges_as_rank_0(ra
     from rlhf_core.models.loading import adapter_parameters, export_state_dict
 
     cfg = _rl(micro_model, micro_data, tmp_path, length_reward, lora_rank=4, lora_alpha=8.0, num_workers=2,
-              placement="colocated")
+              **{"distribution.placement": "colocated"})
     launcher = rl_ray.Launcher(False, cfg)
     with launcher.running():
         policy = launcher.group(rl_ray.TrainerActor, "policy", launcher.bundles(2), [0, 1], share=1.0, num_threads=1,
@@ -358,7 +361,8 @@ def test_lora_grpo_on_ray_resumes_from_its_checkpoint_as_the_uninterrupted_run(r
 
     def cfg(name):
         return _rl(micro_model, micro_data, tmp_path / name, length_reward, lora_rank=4, lora_alpha=8.0,
-                   kl_coef=0.05, num_workers=2, placement="colocated", max_steps=4, save_every=2,
+                   **{"kl.coef": 0.05}, num_workers=2, **{"distribution.placement": "colocated"}, max_steps=4,
+                   save_every=2,
                    keep_checkpoints=10)
 
     monkeypatch.setenv("ALIGNFLOW_FAULT", "rl-learner:3")
@@ -392,11 +396,14 @@ def test_zero3_reference_ranks_partition_the_weights_and_score_as_the_whole_mode
     from rlhf_core.rollout.engine import HFGenerateEngine, SamplingParams
     from rlhf_core.trainers.rl_roles import ReferenceScorer, reference_sharded
 
-    cfg = _rl(micro_model, micro_data, tmp_path, length_reward, kl_coef=0.05, num_workers=2, placement="colocated",
+    cfg = _rl(micro_model, micro_data, tmp_path, length_reward, **{"kl.coef": 0.05}, num_workers=2,
+              **{"distribution.placement": "colocated"},
               parallel="zero3")
     assert reference_sharded(cfg) and not reference_sharded(_rl(micro_model, micro_data, tmp_path, length_reward,
-                                                                 num_workers=2, placement="colocated",
-                                                                 parallel="zero3", shard_reference=False))
+                                                                 num_workers=2,
+                                                                 **{"distribution.placement": "colocated"},
+                                                                 parallel="zero3",
+                                                                 **{"distribution.shard_reference": False}))
     whole = ReferenceScorer(cfg, torch.device("cpu"))  # one process: nothing to partition over
     batch = HFGenerateEngine(whole.model, load_tokenizer(micro_model)).generate(
         ["12+30=", "7*8=", "sort 321=", "1+1=", "9-4=", "3*3=", "sort 12="], SamplingParams(n=1, max_new_tokens=6,
@@ -439,8 +446,10 @@ def test_lora_grpo_under_zero3_scores_the_base_on_the_policy_ranks(ray_local, mi
 
     sink = Recorder()
     with caplog.at_level(logging.WARNING, logger="rlhf_core.trainers.rl_on_ray"):
-        train_rl_on_ray(_rl(micro_model, micro_data, tmp_path, length_reward, kl_coef=0.05, lora_rank=4, lora_alpha=8.0,
-                            num_workers=ranks, placement="colocated", parallel="zero3"), sink, show_progress=False)
+        train_rl_on_ray(_rl(micro_model, micro_data, tmp_path, length_reward, **{"kl.coef": 0.05}, lora_rank=4,
+                            lora_alpha=8.0,
+                            num_workers=ranks, **{"distribution.placement": "colocated"}, parallel="zero3"), sink,
+                            show_progress=False)
     assert f"{ranks} policy rank(s), 0 reference" in caplog.text
     kl = sink.series("train/kl")
     assert len(kl) == 2 and abs(kl[0]) <= 1e-7 and kl[1] > 0, kl
@@ -456,10 +465,10 @@ def test_packed_grpo_on_two_ray_ranks_takes_the_padded_one_process_update(ray_lo
     from rlhf_core.trainers.rl import train_rl
 
     local, remote = Recorder(), Recorder()
-    train_rl(_rl(micro_model, micro_data, tmp_path / "local", length_reward, kl_coef=0.05), local,
+    train_rl(_rl(micro_model, micro_data, tmp_path / "local", length_reward, **{"kl.coef": 0.05}), local,
              show_progress=False)
-    train_rl_on_ray(_rl(micro_model, micro_data, tmp_path / "ray", length_reward, kl_coef=0.05, num_workers=2,
-                        placement="colocated", packing=True), remote, show_progress=False)
+    train_rl_on_ray(_rl(micro_model, micro_data, tmp_path / "ray", length_reward, **{"kl.coef": 0.05}, num_workers=2,
+                        **{"distribution.placement": "colocated"}, packing=True), remote, show_progress=False)
     assert local.series("rollout/reward_mean") == remote.series("rollout/reward_mean")
     for key in ("train/policy_loss", "train/kl_loss", "train/kl", "train/grad_norm"):
         assert len(local.series(key)) == 2, key
@@ -491,7 +500,8 @@ def test_on_policy_distillation_on_ray_scores_with_teacher_actors(ray_local, mic
     train_rl(_rl(micro_model, micro_data, tmp_path / "local", length_reward, **kw), local, show_progress=False)
     # under Ray the controller loads no scorer of its own: the teacher's log-probs come from the actors
     monkeypatch.setattr("rlhf_core.trainers.rl.ReferenceScorer", lambda *a, **k: pytest.fail("scored in-process"))
-    train_rl_on_ray(_rl(micro_model, micro_data, tmp_path / "ray", length_reward, placement="colocated",
+    train_rl_on_ray(_rl(micro_model, micro_data, tmp_path / "ray", length_reward,
+                        **{"distribution.placement": "colocated"},
                         num_workers=2, **kw), remote, show_progress=False)
     assert len(local.series("rollout/teacher_reverse_kl")) == 2
     for key in ("rollout/teacher_reverse_kl", "train/policy_loss", "train/grad_norm"):

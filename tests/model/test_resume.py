@@ -49,12 +49,16 @@ def _reward(micro_model, micro_data, root, **kw) -> RewardConfig:
 def _rl(micro_model, micro_data, root, **kw) -> RLConfig:
     reward = root.parent / "length_reward.py"
     reward.write_text("def reward(prompts, completions, labels):\n    return [len(c) / 10 for c in completions]\n")
-    return build_config(RLConfig, "rl", {**{**dict(model_path=str(micro_model), prompts_file=str(micro_data["prompts"]),
-                              eval_file=str(micro_data["eval"]), output_dir=str(root / "out"),
-                              checkpoint_dir=str(root / "ckpt"), reward_function=f"{reward}:reward", max_steps=5,
-                              prompts_per_step=4, group_size=4, max_new_tokens=6, batch_size=64, mini_batch_size=8,
-                              lr=3e-3, warmup_steps=0, eval_items=8, eval_at_start=True, adaptive_kl=True,
-                              kl_coef=0.1, log_rollouts_every=1, save_every=2, num_threads=1), **kw}})
+    return build_config(RLConfig, "rl", {**{**{"model_path": str(micro_model),
+                                               "prompts_file": str(micro_data["prompts"]),
+                              "eval_file": str(micro_data["eval"]), "output_dir": str(root / "out"),
+                              "checkpoint_dir": str(root / "ckpt"), "reward.function": f"{reward}:reward",
+                              "max_steps": 5,
+                              "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 6,
+                              "batch_size": 64, "algorithm.mini_batch_size": 8,
+                              "lr": 3e-3, "warmup_steps": 0, "eval_items": 8, "eval_at_start": True,
+                              "kl.adaptive": True,
+                              "kl.coef": 0.1, "log_rollouts_every": 1, "save_every": 2, "num_threads": 1}, **kw}})
 
 
 TRAINERS = {
@@ -130,7 +134,8 @@ def test_checkpoint_state_loads_weights_only(micro_model, micro_data, tmp_path, 
     a PPO checkpoint carries the critic, whose weights moved away from the backbone it started from."""
     from safetensors.torch import load_file
 
-    cfg = _rl(micro_model, micro_data, tmp_path, estimator="gae", kl_in_reward=True, kl_estimator="k1")
+    cfg = _rl(micro_model, micro_data, tmp_path, **{"algorithm.estimator": "gae", "kl.in_reward": True,
+                                                    "kl.estimator": "k1"})
     monkeypatch.setenv("ALIGNFLOW_FAULT", "rl:2")
     with pytest.raises(InjectedFault):
         train_rl(cfg, show_progress=False)

@@ -450,11 +450,13 @@ def test_http_bad_replies(body, expect):
 def _rl_cfg(micro_model, micro_data, tmp_path, url, **kw):
     from rlhf_core.config import RLConfig, build_config
 
-    return build_config(RLConfig, "rl", {**{**dict(model_path=str(micro_model), prompts_file=str(micro_data["prompts"]),
-                              eval_file=str(micro_data["eval"]), output_dir=str(tmp_path / "rl"),
-                              checkpoint_dir=str(tmp_path / "ckpt"), reward_kind="http", reward_url=url,
-                              max_steps=2, prompts_per_step=2, group_size=2, max_new_tokens=4, mini_batch_size=4,
-                              eval_items=8, eval_at_start=False, num_threads=1), **kw}})
+    return build_config(RLConfig, "rl", {**{**{"model_path": str(micro_model),
+                                               "prompts_file": str(micro_data["prompts"]),
+                              "eval_file": str(micro_data["eval"]), "output_dir": str(tmp_path / "rl"),
+                              "checkpoint_dir": str(tmp_path / "ckpt"), "reward.kind": "http", "reward.url": url,
+                              "max_steps": 2, "rollout.prompts_per_step": 2, "rollout.group_size": 2,
+                              "rollout.max_new_tokens": 4, "algorithm.mini_batch_size": 4,
+                              "eval_items": 8, "eval_at_start": False, "num_threads": 1}, **kw}})
 
 
 def test_rl_run_survives_a_server_that_fails_twice(micro_model, micro_data, tmp_path):
@@ -470,8 +472,8 @@ def test_rl_run_survives_a_server_that_fails_twice(micro_model, micro_data, tmp_
 
     stub = _Stub(respond)
     try:
-        result = train_rl(_rl_cfg(micro_model, micro_data, tmp_path, stub.url, reward_retries=2,
-                                  reward_timeout_s=5), show_progress=False)
+        result = train_rl(_rl_cfg(micro_model, micro_data, tmp_path, stub.url, **{"reward.retries": 2},
+                                  **{"reward.timeout_s": 5}), show_progress=False)
         assert stub.calls == 4  # 3 for iteration 1 (two failures, one answer) + 1 for iteration 2
         assert (result.output_dir / "model.safetensors").exists()
         assert result.metrics["rollout/reward_mean"] == pytest.approx(0.25)
@@ -486,7 +488,7 @@ def test_rl_run_against_a_dead_server_fails_within_timeout_times_attempts(micro_
 
     stub = _Stub(lambda call, n: (200, {"rewards": [0.0] * n}), delay_s=5.0)
     try:
-        cfg = _rl_cfg(micro_model, micro_data, tmp_path, stub.url, reward_retries=1, reward_timeout_s=0.5)
+        cfg = _rl_cfg(micro_model, micro_data, tmp_path, stub.url, **{"reward.retries": 1, "reward.timeout_s": 0.5})
         start = time.monotonic()
         with pytest.raises(RewardError, match=r"127\.0\.0\.1:\d+/score.*after 2 attempts; last error: timed out "
                                               r"after 0\.5s"):

@@ -72,8 +72,9 @@ def test_async_generates_the_next_batch_during_the_update(micro_model, micro_dat
     from the policy one update back (async/staleness 1). Its IS weights pi_old / pi_engine therefore leave 1,
     and the policy still learns (weights move, metrics finite)."""
     sink = Recorder()
-    result = train_rl(_cfg(micro_model, micro_data, tmp_path, max_steps=4, max_staleness=1, tis_cap=2.0,
-                           mis_threshold=2.0), sink, show_progress=False)
+    result = train_rl(_cfg(micro_model, micro_data, tmp_path, max_steps=4, **{"off_policy.max_staleness": 1,
+                                                                              "off_policy.tis_cap": 2.0},
+                           **{"off_policy.mis_threshold": 2.0}), sink, show_progress=False)
     assert sink.series("async/staleness") == [0.0, 1.0, 1.0, 1.0]
     gen_start, upd_end = sink.series("perf/rollout_start_ts"), sink.series("perf/update_end_ts")
     for k in range(3):
@@ -100,7 +101,8 @@ def test_async_runs_with_the_hf_engine_a_lora_policy_dynamic_sampling_and_a_crit
     the stale samples come from the current critic); each run trains 3 iterations from one update back
     (staleness 0, 1, 1) with finite metrics."""
     sink = Recorder()
-    train_rl(_cfg(micro_model, micro_data, tmp_path, max_staleness=1, **variant), sink, show_progress=False)
+    train_rl(_cfg(micro_model, micro_data, tmp_path, **{"off_policy.max_staleness": 1}, **variant), sink,
+             show_progress=False)
     assert sink.series("async/staleness") == [0.0, 1.0, 1.0]
     assert sink.steps("perf/weight_sync_s") == [2]  # batch 3's launch: the engine would be 2 updates back
     assert all(math.isfinite(v) for _, row in sink.rows for v in row.values())
@@ -119,8 +121,9 @@ def test_async_run_stopped_with_a_batch_in_flight_resumes_bit_identically(stalen
     save = staleness + 1
 
     def cfg(root):
-        return _cfg(micro_model, micro_data, root, max_steps=5, save_every=save, max_staleness=staleness,
-                    tis_cap=2.0)
+        return _cfg(micro_model, micro_data, root, max_steps=5, save_every=save,
+                    **{"off_policy.max_staleness": staleness},
+                    **{"off_policy.tis_cap": 2.0})
 
     whole_sink, resumed_sink = Recorder(), Recorder()
     whole = train_rl(cfg(tmp_path / "whole"), whole_sink, show_progress=False)
@@ -145,8 +148,9 @@ def test_async_on_ray_disaggregated_generates_on_the_replica_while_the_learner_u
     from rlhf_core.trainers.rl_on_ray import train_rl_on_ray
 
     sink = Recorder()
-    result = train_rl_on_ray(_cfg(micro_model, micro_data, tmp_path, max_steps=4, max_staleness=1, tis_cap=2.0,
-                                  placement="disaggregated", num_workers=2, precision="fp32"),
+    result = train_rl_on_ray(_cfg(micro_model, micro_data, tmp_path, max_steps=4, **{"off_policy.max_staleness": 1,
+                                                                                     "off_policy.tis_cap": 2.0},
+                                  **{"distribution.placement": "disaggregated"}, num_workers=2, precision="fp32"),
                              sink, show_progress=False)
     assert sink.series("async/staleness") == [0.0, 1.0, 1.0, 1.0]
     gen_start, upd_end = sink.series("perf/rollout_start_ts"), sink.series("perf/update_end_ts")

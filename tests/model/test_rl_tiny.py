@@ -38,12 +38,14 @@ def length_reward(tmp_path_factory) -> str:
 
 
 def _cfg(micro_model, micro_data, tmp_path, reward_function, **overrides) -> RLConfig:
-    values = dict(model_path=str(micro_model), prompts_file=str(micro_data["prompts"]),
-                  eval_file=str(micro_data["eval"]), output_dir=str(tmp_path / "rl"),
-                  checkpoint_dir=str(tmp_path / "ckpt"), reward_function=reward_function, max_steps=2,
-                  prompts_per_step=4, group_size=4, max_new_tokens=6, batch_size=64, mini_batch_size=8,
-                  lr=3e-3, critic_lr=3e-3, warmup_steps=0, weight_decay=0.0, eval_items=8, eval_at_start=False,
-                  log_rollouts_every=1, num_threads=1)
+    values = {"model_path": str(micro_model), "prompts_file": str(micro_data["prompts"]),
+              "eval_file": str(micro_data["eval"]), "output_dir": str(tmp_path / "rl"),
+              "checkpoint_dir": str(tmp_path / "ckpt"), "reward.function": reward_function, "max_steps": 2,
+              "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 6, "batch_size": 64,
+              "algorithm.mini_batch_size": 8,
+              "lr": 3e-3, "algorithm.critic_lr": 3e-3, "warmup_steps": 0, "weight_decay": 0.0, "eval_items": 8,
+              "eval_at_start": False,
+              "log_rollouts_every": 1, "num_threads": 1}
     values.update(overrides)
     return build_config(RLConfig, "rl", {**values})
 
@@ -58,8 +60,9 @@ def test_every_estimator_updates_the_policy(estimator, micro_model, micro_data, 
     stable names. weight_decay is 0, so any change comes from the gradient of the RL loss."""
     token_level = estimator in ("gae", "reinforce++", "reinforce++-baseline")
     sink = Recorder()
-    cfg = _cfg(micro_model, micro_data, tmp_path, length_reward, estimator=estimator, kl_in_reward=token_level,
-               kl_estimator="k1" if token_level else "k3", save_every=0)
+    cfg = _cfg(micro_model, micro_data, tmp_path, length_reward, **{"algorithm.estimator": estimator,
+                                                                    "kl.in_reward": token_level},
+               **{"kl.estimator": "k1" if token_level else "k3"}, save_every=0)
     result = train_rl(cfg, sink, show_progress=False)
 
     assert _changed(load_file(str(micro_model / "model.safetensors")),
@@ -101,8 +104,9 @@ def test_gspo_and_cispo_update_the_policy_and_clip_their_own_way(micro_model, mi
     runs = {}
     for objective in ("ppo_clip", "gspo", "cispo"):
         sink = Recorder()
-        cfg = _cfg(micro_model, micro_data, tmp_path / objective, length_reward, policy_objective=objective,
-                   ppo_epochs=2, save_every=0)
+        cfg = _cfg(micro_model, micro_data, tmp_path / objective, length_reward,
+                   **{"algorithm.policy_objective": objective},
+                   **{"algorithm.ppo_epochs": 2}, save_every=0)
         result = train_rl(cfg, sink, show_progress=False)
         runs[objective] = sink, load_file(str(result.output_dir / "model.safetensors"))
     for objective in ("gspo", "cispo"):
@@ -120,7 +124,7 @@ def test_rule_reward_and_sampling_logprobs_match_the_recomputed_ones(micro_model
     log-probs equal the trainer's recomputed old log-probs (same weights, same logits / T)."""
     sink = Recorder()
     cfg = _cfg(micro_model, micro_data, tmp_path, str(REPO / "rlhf_core/embedded/reward.py") + ":reward",
-               max_steps=1, entropy_coef=0.01, temperature=0.7)
+               max_steps=1, **{"algorithm.entropy_coef": 0.01, "rollout.temperature": 0.7})
     train_rl(cfg, sink, show_progress=False)
     assert 0.0 <= sink.series("rollout/reward_mean")[0] <= 1.0
     assert sink.series("rollout/logprob_mismatch")[0] < 1e-4
@@ -131,8 +135,8 @@ def test_adaptive_kl_controller(micro_model, micro_data, tmp_path, length_reward
     1 + clip(KL / target - 1, -0.2, 0.2): step 1 samples from the reference (KL = 0, so x0.8);
     step 2's policy has moved far past a 1e-6 nat target (so x1.2)."""
     sink = Recorder()
-    cfg = _cfg(micro_model, micro_data, tmp_path, length_reward, max_steps=3, adaptive_kl=True, kl_coef=0.1,
-               kl_target=1e-6, kl_horizon=16)
+    cfg = _cfg(micro_model, micro_data, tmp_path, length_reward, max_steps=3, **{"kl.adaptive": True, "kl.coef": 0.1},
+               **{"kl.target": 1e-6, "kl.horizon": 16})
     result = train_rl(cfg, sink, show_progress=False)
     beta = sink.series("train/kl_coef")
     assert beta[0] == pytest.approx(0.1)
@@ -148,8 +152,8 @@ def test_dynamic_sampling_drops_groups_that_all_scored_the_same(micro_model, mic
     path.write_text("def reward(prompts, completions, labels):\n"
                     "    return [1.0 if p.startswith('sort') else len(c) / 10 for p, c in zip(prompts, completions)]\n")
     sink = Recorder()
-    cfg = _cfg(micro_model, micro_data, tmp_path, f"{path}:reward", dynamic_sampling=True,
-               dynamic_sampling_max_rounds=3)
+    cfg = _cfg(micro_model, micro_data, tmp_path, f"{path}:reward", **{"dapo.dynamic_sampling": True},
+               **{"dapo.dynamic_sampling_max_rounds": 3})
     result = train_rl(cfg, sink, show_progress=False)
     kept = sink.series("rollout/kept_groups_frac")
     assert all(0 < k < 1 for k in kept), kept
@@ -177,9 +181,10 @@ def test_ppo_with_a_reward_model(micro_model, micro_data, micro_rm, tmp_path):
     """PPO scored by a reward model: the critic starts from the reward model (OpenRLHF's choice),
     and the RM's mean score of greedy eval answers is logged at the start and the end."""
     sink = Recorder()
-    cfg = _cfg(micro_model, micro_data, tmp_path, "unused.py:reward", estimator="gae", reward_kind="model",
-               reward_model_path=str(micro_rm), critic_model_path=str(micro_rm), kl_in_reward=True,
-               kl_estimator="k1", eval_at_start=True)
+    cfg = _cfg(micro_model, micro_data, tmp_path, "unused.py:reward", **{"algorithm.estimator": "gae",
+                                                                         "reward.kind": "model"},
+               **{"reward.model_path": str(micro_rm)}, critic_model_path=str(micro_rm), **{"kl.in_reward": True},
+               **{"kl.estimator": "k1"}, eval_at_start=True)
     result = train_rl(cfg, sink, show_progress=False)
     assert sink.steps("eval/reward_model_score") == [0, 2]
     assert all(math.isfinite(v) for v in sink.series("eval/reward_model_score"))
@@ -203,7 +208,7 @@ def test_rl_stage_gate_takes_label_less_prompts_only_with_a_reward_model(isolate
     bare.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": r["prompt"]}]}) + "\n" for r in rows))
     tracking = TrackingConfig(experiment="prompt-only", log_model=False)
     cfg = _cfg(micro_model, micro_data, isolated_project, "unused.py:reward", prompts_file=str(bare),
-               reward_kind="model", reward_model_path=str(micro_rm))
+               **{"reward.kind": "model", "reward.model_path": str(micro_rm)})
     result = stages.rl(cfg, tracking, show_progress=False)
     assert (Path(result.outputs["model"]) / "model.safetensors").exists()
     assert math.isfinite(result.metrics["eval/reward_model_score"])
@@ -221,7 +226,8 @@ def test_config_rejects_inconsistent_rl_settings():
         build_config(RLConfig, "rl", {"algorithm.estimator": "rloo", "rollout.group_size": 1})
     with pytest.raises(ConfigError, match=r"rl.algorithm.estimator: must be one of"):
         build_config(RLConfig, "rl", {"algorithm.estimator": "ppo"})
-    with pytest.raises(ConfigError, match=r"rl.algorithm.mini_batch_size: must be <= rollout.prompts_per_step x rollout.group_size"):
+    with pytest.raises(ConfigError,
+                       match=r"rl.algorithm.mini_batch_size: must be <= rollout.prompts_per_step x rollout.group_size"):
         build_config(RLConfig, "rl", {"rollout.prompts_per_step": 2, "rollout.group_size": 4,
                                       "algorithm.mini_batch_size": 16})
     with pytest.raises(ConfigError, match=r"rl.dapo.overlong_cache_len"):
@@ -257,9 +263,11 @@ def test_critic_gradient_that_overflows_stops_before_the_critic_step(micro_model
     path = tmp_path / "huge_reward.py"
     path.write_text("def reward(prompts, completions, labels):\n"
                     "    return [6e18] * len(completions)\n")
-    cfg = _cfg(micro_model, micro_data, tmp_path, f"{path}:reward", estimator="gae", kl_in_reward=True,
-               kl_estimator="k1", max_steps=1, save_every=0, max_grad_norm=max_grad_norm, max_new_tokens=1,
-               mini_batch_size=2)
+    cfg = _cfg(micro_model, micro_data, tmp_path, f"{path}:reward", **{"algorithm.estimator": "gae",
+                                                                       "kl.in_reward": True},
+               **{"kl.estimator": "k1"}, max_steps=1, save_every=0, max_grad_norm=max_grad_norm,
+               **{"rollout.max_new_tokens": 1},
+               **{"algorithm.mini_batch_size": 2})
     torch.manual_seed(0)  # the critic's fresh score head
     learner = PolicyLearner(cfg, torch.device("cpu"))
     critic_before = {k: v.clone() for k, v in learner.critic.state_dict().items()}
@@ -306,7 +314,7 @@ def _learner_and_experience(micro_model, micro_data, tmp_path, **overrides):
     from rlhf_core.rollout.engine import HFGenerateEngine, SamplingParams
     from rlhf_core.trainers.rl_roles import PolicyLearner, ReferenceScorer
 
-    cfg = _cfg(micro_model, micro_data, tmp_path, "unused.py:reward", mini_batch_size=16, **overrides)
+    cfg = _cfg(micro_model, micro_data, tmp_path, "unused.py:reward", **{"algorithm.mini_batch_size": 16}, **overrides)
     torch.manual_seed(0)
     learner = PolicyLearner(cfg, torch.device("cpu"))
     from rlhf_core.models.loading import load_tokenizer
@@ -363,14 +371,16 @@ def test_one_update_per_batch_skips_the_old_logprob_forward(micro_model, micro_d
     original = PolicyLearner.score
     monkeypatch.setattr(PolicyLearner, "score", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
     sink = Recorder()
-    cfg = _cfg(micro_model, micro_data, tmp_path, length_reward, mini_batch_size=16, micro_batch_size=8,
+    cfg = _cfg(micro_model, micro_data, tmp_path, length_reward, **{"algorithm.mini_batch_size": 16},
+               micro_batch_size=8,
                save_every=0)
     train_rl(cfg, sink, show_progress=False)
     assert calls == []
     for key in ("train/kl", "rollout/logprob_mismatch", "train/policy_loss", "train/entropy"):
         assert len(sink.series(key)) == 2 and all(math.isfinite(v) for v in sink.series(key))
     assert max(sink.series("rollout/logprob_mismatch")) < 1e-4
-    cfg = _cfg(micro_model, micro_data, tmp_path / "two", length_reward, mini_batch_size=8, save_every=0)
+    cfg = _cfg(micro_model, micro_data, tmp_path / "two", length_reward, **{"algorithm.mini_batch_size": 8},
+               save_every=0)
     train_rl(cfg, Recorder(), show_progress=False)
     assert len(calls) == 2  # two mini-batches per batch: pi_old must be computed before the first step
 
@@ -458,8 +468,8 @@ def test_on_policy_distillation_lowers_the_reverse_kl_to_the_teacher(micro_model
     no sequence reward), so the policy moves and rollout/teacher_reverse_kl (mean per token) falls
     over 30 iterations (about a second)."""
     sink = Recorder()
-    cfg = _cfg(micro_model, micro_data, tmp_path, length_reward, estimator="distill",
-               teacher_model_path=str(sft_teacher), kl_coef=0.0, max_steps=30, save_every=0,
+    cfg = _cfg(micro_model, micro_data, tmp_path, length_reward, **{"algorithm.estimator": "distill"},
+               **{"distill.teacher_model_path": str(sft_teacher), "kl.coef": 0.0}, max_steps=30, save_every=0,
                log_rollouts_every=0)
     result = train_rl(cfg, sink, show_progress=False)
 
@@ -480,8 +490,9 @@ def test_on_policy_distillation_mixed_with_the_sequence_reward_and_a_kl_in_rewar
     """distill_reward_coef 1 and -beta * k1 to the reference folded into the token rewards: both add to the
     teacher's per-token reward; two iterations run with finite metrics and move the policy."""
     sink = Recorder()
-    cfg = _cfg(micro_model, micro_data, tmp_path, length_reward, estimator="distill",
-               teacher_model_path=str(sft_teacher), distill_reward_coef=1.0, kl_in_reward=True, kl_estimator="k1",
+    cfg = _cfg(micro_model, micro_data, tmp_path, length_reward, **{"algorithm.estimator": "distill"},
+               **{"distill.teacher_model_path": str(sft_teacher), "distill.reward_coef": 1.0, "kl.in_reward": True,
+                  "kl.estimator": "k1"},
                save_every=0, log_rollouts_every=0)
     result = train_rl(cfg, sink, show_progress=False)
     assert _changed(load_file(str(micro_model / "model.safetensors")),
@@ -507,7 +518,8 @@ def test_on_policy_distillation_refuses_a_teacher_with_another_tokenizer(micro_m
     tok.add_tokens(["<extra-token>"])
     tok.save_pretrained(teacher)
     sink = Recorder()
-    cfg = _cfg(micro_model, micro_data, tmp_path, length_reward, estimator="distill", teacher_model_path=str(teacher))
+    cfg = _cfg(micro_model, micro_data, tmp_path, length_reward, **{"algorithm.estimator": "distill",
+                                                                    "distill.teacher_model_path": str(teacher)})
     with pytest.raises(ConfigError, match=r"rl.distill.teacher_model_path: the teacher.s tokenizer .* differs from the "
                                           r"policy's .* share one tokenizer"):
         train_rl(cfg, sink, show_progress=False)
@@ -537,7 +549,7 @@ def test_rollout_table_redacts_a_secret_in_a_completion(micro_model, micro_data,
                     "    return [len(c) / 10 for c in completions]\n")
     sink = Recorder()
     result = train_rl(_cfg(micro_model, micro_data, tmp_path, f"{path}:reward", max_steps=1, save_every=0,
-                           max_new_tokens=12), sink, show_progress=False)
+                           **{"rollout.max_new_tokens": 12}), sink, show_progress=False)
     secrets = redact._registered - secret_registry
     assert secrets, "the reward function registered no completion (shorter than MIN_SECRET_LEN?)"
     logged = json.dumps([rows for _, rows in sink.tables]) + json.dumps(result.rollout_table)

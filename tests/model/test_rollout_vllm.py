@@ -142,11 +142,13 @@ def _vllm_rl_cfg(vllm_model, micro_data, tmp_path, **kw):
 
     reward = tmp_path / "length_reward.py"
     reward.write_text("def reward(prompts, completions, labels):\n    return [len(c) / 10 for c in completions]\n")
-    values = dict(model_path=str(vllm_model), prompts_file=str(micro_data["prompts"]),
-                  eval_file=str(micro_data["eval"]), output_dir=str(tmp_path / "rl"),
-                  checkpoint_dir=str(tmp_path / "ckpt"), reward_function=f"{reward}:reward", max_steps=3,
-                  prompts_per_step=4, group_size=4, max_new_tokens=6, mini_batch_size=8, eval_items=8,
-                  eval_at_start=False, rollout_engine="vllm", vllm_memory_fraction=0.2, tis_cap=2.0, num_threads=1)
+    values = {"model_path": str(vllm_model), "prompts_file": str(micro_data["prompts"]),
+              "eval_file": str(micro_data["eval"]), "output_dir": str(tmp_path / "rl"),
+              "checkpoint_dir": str(tmp_path / "ckpt"), "reward.function": f"{reward}:reward", "max_steps": 3,
+              "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.max_new_tokens": 6,
+              "algorithm.mini_batch_size": 8, "eval_items": 8,
+              "eval_at_start": False, "rollout.engine": "vllm", "rollout.vllm_memory_fraction": 0.2,
+              "off_policy.tis_cap": 2.0, "num_threads": 1}
     return build_config(RLConfig, "rl", {**{**values, **kw}})
 
 
@@ -162,7 +164,8 @@ def test_grpo_with_a_vllm_replica_in_a_ray_actor(vllm_model, micro_data, tmp_pat
 
     sink = Recorder()
     try:
-        result = train_rl_on_ray(_vllm_rl_cfg(vllm_model, micro_data, tmp_path, placement="disaggregated"), sink,
+        result = train_rl_on_ray(_vllm_rl_cfg(vllm_model, micro_data, tmp_path,
+                                              **{"distribution.placement": "disaggregated"}), sink,
                                  show_progress=False)
     finally:
         ray.shutdown()

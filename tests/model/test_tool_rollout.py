@@ -48,13 +48,16 @@ def _rollout(engine, tokenizer, params, **kw):
 
 def _two_iterations(tool_model, env, micro_data, tmp_path, **kw) -> RLConfig:
     """Two RL iterations of 4 prompts x 4 trajectories with ``env``, up to 3 turns, on the HF engine."""
-    return build_config(RLConfig, "rl", {**{**dict(
-        model_path=str(tool_model), prompts_file=str(micro_data["prompts"]), eval_file=str(micro_data["eval"]),
-        output_dir=str(tmp_path / "rl"), checkpoint_dir=str(tmp_path / "ckpt"),
-        reward_function=str(REPO / "rlhf_core/rollout/tool_task.py:reward"), environment=env, max_turns=3,
-        max_trajectory_tokens=20, max_new_tokens=6, max_steps=2, prompts_per_step=4, group_size=4, batch_size=64,
-        mini_batch_size=16, lr=3e-3, warmup_steps=0, eval_items=8, eval_at_start=False, log_rollouts_every=1,
-        num_threads=1, rollout_engine="hf"), **kw}})
+    return build_config(RLConfig, "rl", {**{**{
+        "model_path": str(tool_model), "prompts_file": str(micro_data["prompts"]), "eval_file": str(micro_data["eval"]),
+        "output_dir": str(tmp_path / "rl"), "checkpoint_dir": str(tmp_path / "ckpt"),
+        "reward.function": str(REPO / "rlhf_core/rollout/tool_task.py:reward"), "environment.spec": env,
+        "environment.max_turns": 3,
+        "environment.max_trajectory_tokens": 20, "rollout.max_new_tokens": 6, "max_steps": 2,
+        "rollout.prompts_per_step": 4, "rollout.group_size": 4, "batch_size": 64,
+        "algorithm.mini_batch_size": 16, "lr": 3e-3, "warmup_steps": 0, "eval_items": 8, "eval_at_start": False,
+        "log_rollouts_every": 1,
+        "num_threads": 1, "rollout.engine": "hf"}, **kw}})
 
 
 def test_trajectory_is_the_sampled_ids_plus_the_observation_ids(tool_model, scripted_env):
@@ -186,8 +189,8 @@ def test_multi_turn_rollouts_run_on_ray_replicas_with_the_environment_in_the_con
 
     from rlhf_core.trainers.rl_on_ray import train_rl_on_ray
 
-    cfg = _two_iterations(tool_model, scripted_env, micro_data, tmp_path, placement="disaggregated",
-                          num_workers=1, rollout_workers=2, precision="fp32")
+    cfg = _two_iterations(tool_model, scripted_env, micro_data, tmp_path, **{"distribution.placement": "disaggregated"},
+                          num_workers=1, **{"distribution.rollout_workers": 2}, precision="fp32")
     sink = Recorder()
     result = train_rl_on_ray(cfg, sink, show_progress=False)
     assert len(sink.series("rollout/tool_call_rate")) == 2 and sink.series("rollout/tool_call_rate")[0] > 0

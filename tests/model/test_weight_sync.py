@@ -24,12 +24,16 @@ _TIMEOUT_S = 10.0
 def _rl(micro_model, micro_data, root, **kw) -> RLConfig:
     reward = root.parent / "length_reward.py"
     reward.write_text("def reward(prompts, completions, labels):\n    return [len(c) / 10 for c in completions]\n")
-    values = dict(model_path=str(micro_model), prompts_file=str(micro_data["prompts"]),
-                  eval_file=str(micro_data["eval"]), output_dir=str(root / "rl"), checkpoint_dir=str(root / "ckpt"),
-                  reward_function=f"{reward}:reward", max_steps=2, prompts_per_step=4, group_size=4, max_new_tokens=6,
-                  batch_size=64, mini_batch_size=8, lr=3e-3, warmup_steps=0, weight_decay=0.0, eval_items=4,
-                  eval_at_start=False, num_threads=1, precision="fp32", save_every=0, placement="disaggregated",
-                  num_workers=2, rollout_workers=2, weight_sync="collective")
+    values = {"model_path": str(micro_model), "prompts_file": str(micro_data["prompts"]),
+              "eval_file": str(micro_data["eval"]), "output_dir": str(root / "rl"),
+              "checkpoint_dir": str(root / "ckpt"),
+              "reward.function": f"{reward}:reward", "max_steps": 2, "rollout.prompts_per_step": 4,
+              "rollout.group_size": 4, "rollout.max_new_tokens": 6,
+              "batch_size": 64, "algorithm.mini_batch_size": 8, "lr": 3e-3, "warmup_steps": 0, "weight_decay": 0.0,
+              "eval_items": 4,
+              "eval_at_start": False, "num_threads": 1, "precision": "fp32", "save_every": 0,
+              "distribution.placement": "disaggregated",
+              "num_workers": 2, "distribution.rollout_workers": 2, "distribution.weight_sync": "collective"}
     return build_config(RLConfig, "rl", {**{**values, **kw}})
 
 
@@ -97,7 +101,8 @@ def test_grpo_logs_the_same_metrics_through_the_collective_as_through_the_object
     runs = {}
     for sync in ("object_store", "collective"):
         sink = Recorder()
-        train_rl_on_ray(_rl(micro_model, micro_data, tmp_path / sync, num_workers=1, weight_sync=sync), sink,
+        train_rl_on_ray(_rl(micro_model, micro_data, tmp_path / sync, num_workers=1,
+                            **{"distribution.weight_sync": sync}), sink,
                         show_progress=False)
         runs[sync] = sink
     names = [k for _, m in runs["object_store"].rows for k in m if k.startswith(("rollout/", "train/", "eval/"))]

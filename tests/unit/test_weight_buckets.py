@@ -61,7 +61,7 @@ def test_auto_picks_ipc_beside_collective_apart_object_store_on_cpus(choice, gpu
 
 
 def test_config_rejects_an_unknown_sync_and_collective_where_it_cannot_work():
-    base = dict(prompts_file="p.jsonl", placement="disaggregated")
+    base = {"prompts_file": "p.jsonl", "distribution.placement": "disaggregated"}
     assert build_config(RLConfig, "rl", {**base,
                                          "distribution.weight_sync": "collective"}).distribution.weight_sync == "collective"
     with pytest.raises(ConfigError, match="rl.distribution.weight_sync: must be one of"):
