@@ -7,7 +7,9 @@ registries, and a user's nightly run must not depend on one.
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
 
 OFFLINE_ENV: dict[str, str] = {
     "DO_NOT_TRACK": "true",
@@ -61,9 +63,6 @@ STACK_DUMP_ENV = "ALIGNFLOW_STACK_DUMP_S"
 
 def arm_stack_dumps() -> None:
     """Start the periodic stack dumps :data:`STACK_DUMP_ENV` asks for (no-op when unset or not a positive number)."""
-    import faulthandler
-    import sys
-
     try:
         every = float(os.environ.get(STACK_DUMP_ENV, "0"))
     except ValueError:

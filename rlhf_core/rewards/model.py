@@ -28,7 +28,7 @@ MEAN_KEY, STD_KEY = "alignflow_reward_mean", "alignflow_reward_std"
 def load_reward_model(path: str | Path, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> Any:
     """A scalar-head model from an HF directory (a trained reward model, or an LM to start one from),
     its parameters in ``dtype`` (see :func:`rlhf_core.models.loading.load_causal_lm`)."""
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification  # lazy: transformers (~1 s; with a model only)
 
     path = Path(path)
     if not (path / "config.json").exists():

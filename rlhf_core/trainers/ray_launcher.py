@@ -21,6 +21,7 @@ on the head node; see README "Scale out with Ray"), or starts a local instance.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 import os
@@ -31,10 +32,13 @@ from typing import Any, Callable, Iterator, Sequence
 
 import ray
 import torch
+import torch.distributed as dist
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.queue import Queue
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlhf_core.common.offline import NO_MULTICAST_ENV, OFFLINE_ENV, STACK_DUMP_ENV
+from rlhf_core.distributed.parallel import current_world
 from rlhf_core.models.layer_compile import BACKEND_ENV as COMPILE_BACKEND_ENV
 
 log = logging.getLogger(__name__)
@@ -158,10 +162,6 @@ class _Worker:
     def join_world(self, addr: str, port: int, rank: int, size: int, timeout_s: float) -> int:
         """``torch.distributed.init_process_group``: NCCL when this actor has a GPU, else gloo; a
         collective waits at most ``timeout_s`` for its peers."""
-        import datetime
-
-        import torch.distributed as dist
-
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         # What torchrun would set; DeepSpeed reads them. Ray shows each actor only its own GPU(s),
         # so the local device is always 0.
@@ -184,8 +184,6 @@ class _Worker:
         return fn(*args, **kwargs)
 
     def leave_world(self) -> None:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
         if hasattr(self.role, "close"):
@@ -323,8 +321,6 @@ class _QueueSink:
 
 
 def _run_rank(train_fn: Callable[..., Any], cfg: Any, queue: Any, show_progress: bool) -> Any:
-    from rlhf_core.distributed.parallel import current_world
-
     sink = _QueueSink(queue) if current_world().is_main else None
     return train_fn(cfg, sink=sink, show_progress=show_progress and current_world().is_main)
 
@@ -335,8 +331,6 @@ def train_data_parallel(train_fn: Callable[..., Any], cfg: Any, sink: Any = None
     Returns rank 0's result (the output directory and metrics); rank 0's metrics reach ``sink``
     while the run goes. Same global batch as one worker (see :mod:`rlhf_core.distributed.parallel`).
     """
-    from ray.util.queue import Queue
-
     connect(min_cpus=cfg.num_workers)
     queue = Queue()
     try:

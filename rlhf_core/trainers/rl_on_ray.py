@@ -30,9 +30,21 @@ from typing import Any, Sequence
 import ray
 import torch
 
+from rlhf_core.algorithms.rl_math import AdvantageEstimator
+from rlhf_core.distributed.parallel import World, assign_weights
+from rlhf_core.distributed.weight_sync import SyncPath, WeightSync, resolve_path
+from rlhf_core.models.loading import (
+    adapter_parameters, copy_adapters, load_causal_lm, load_tokenizer, pick_device, prepare_for_training)
+from rlhf_core.models.precision import Precision
+from rlhf_core.rewards.sources import build_reward_source
 from rlhf_core.trainers.ray_launcher import (ActorGroup, Launcher, ReferenceActor, RewardModelActor, RolloutActor,
                                              TrainerActor, cluster_has_gpus, collective_timeout_s, connect, gather)
+from rlhf_core.trainers.rl import train_rl
+from rlhf_core.trainers.rl_parts import concat_batches
+from rlhf_core.trainers.rl_roles import (
+    BaseReference, PolicyLearner, ReferenceScorer, base_is_reference, reference_sharded)
 from rlhf_core.trainers.rollout_replica import RolloutReplica, replicas_hold_adapters
+from rlhf_core.trainers.step import seed_everything
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +64,6 @@ class RemoteLearner:
     """The controller's handle on the policy learner group: same methods as :class:`PolicyLearner`."""
 
     def __init__(self, group: ActorGroup, cfg: Any):
-        from rlhf_core.models.loading import load_causal_lm, prepare_for_training
-
         self.group, self.cfg = group, cfg
         # A CPU copy of the policy for evaluation and saving, refreshed from rank 0 on demand. A LoRA policy's is
         # what the ranks hold, the frozen base (in their dtype) with adapters injected, and a refresh fetches the
@@ -119,8 +129,6 @@ class RemoteLearner:
     def view(self) -> Any:
         """The controller's copy of the policy with rank 0's current weights."""
         if not self._fresh:
-            from rlhf_core.models.loading import adapter_parameters, copy_adapters
-
             started = time.perf_counter()
             weights = self._rank0_weights(None, self.adapters_only)
             if self.adapters_only:  # the frozen base is here already (strictly the adapters' names)
@@ -146,8 +154,6 @@ class RemoteLearner:
     def load_state_dict(self, state: dict[str, Any], policy_weights: dict[str, torch.Tensor]) -> None:
         """A checkpoint's state and weights on every rank (stored once in the object store) and in the
         controller's view."""
-        from rlhf_core.distributed.parallel import assign_weights
-
         assign_weights(self.policy, policy_weights, "rl checkpoint")
         self.group.call_all("load_state_dict", state, ray.put(policy_weights))
         self._fresh = True
@@ -195,9 +201,6 @@ def resolve_rollout_sleep(cfg: Any, gpus: bool) -> bool:
 
 def _engine_dtype(cfg: Any) -> torch.dtype | None:
     """The dtype rollout replicas hold their weights in (the compute dtype; ``None``: the policy's own)."""
-    from rlhf_core.models.loading import pick_device
-    from rlhf_core.models.precision import Precision
-
     return Precision.resolve(cfg.precision, pick_device()).compute_dtype
 
 
@@ -266,8 +269,6 @@ class RemoteRollout:
     def _split(self, method: str, rows: list[Any], params: Any, labels: list[str] | None = None) -> Any:
         """``method`` on contiguous chunks of ``rows``, a chunk per replica (replica i's seed: the seed + i), the
         batches joined in order."""
-        from rlhf_core.trainers.rl_parts import concat_batches
-
         k = min(len(self.group), len(rows))
         size = -(-len(rows) // k)
         refs = []
@@ -307,23 +308,14 @@ class RemoteReward:
 
 
 def _reward_model(cfg: Any) -> Any:
-    from rlhf_core.models.loading import pick_device
-    from rlhf_core.rewards.sources import build_reward_source
-
     return build_reward_source("model", path=cfg.reward_model_path, device=pick_device(), batch_size=cfg.batch_size)
 
 
 def _reference(cfg: Any, rank: int, size: int, model_path: str | None = None) -> Any:
-    from rlhf_core.distributed.parallel import World
-    from rlhf_core.trainers.rl_roles import ReferenceScorer
-
     return ReferenceScorer(cfg, world=World(rank, size), model_path=model_path)
 
 
 def _learner(cfg: Any) -> Any:
-    from rlhf_core.trainers.step import seed_everything
-    from rlhf_core.trainers.rl_roles import PolicyLearner
-
     # a LoRA policy's adapters start random (peft's A); seeded, every run of a config starts from the same ones,
     # as one process does (train_rl seeds before it builds the learner)
     seed_everything(cfg.seed)
@@ -351,10 +343,6 @@ def _open_weight_sync(cfg: Any, policy: ActorGroup, rollout: ActorGroup, beside_
 
 def train_rl_on_ray(cfg: Any, sink: Any = None, show_progress: bool = True) -> Any:
     """:func:`rlhf_core.trainers.rl.train_rl` with its models in Ray actors placed as ``cfg.placement`` says."""
-    from rlhf_core.algorithms.rl_math import AdvantageEstimator
-    from rlhf_core.trainers.rl import train_rl
-    from rlhf_core.trainers.rl_roles import BaseReference, base_is_reference, reference_sharded
-
     if cfg.placement not in ("colocated", "disaggregated"):
         raise ValueError(f"rl.placement must be colocated or disaggregated to run on Ray, got {cfg.placement!r}")
     workers, replicas = cfg.num_workers, cfg.rollout_workers
@@ -423,9 +411,6 @@ def _remote_engine(cfg: Any, launcher: Launcher, pgs: dict[str, Any], policy: Ac
                    rollout: ActorGroup) -> RemoteRollout:
     """The controller's engine over the replicas: how weights reach them (``rl.weight_sync``, the collective
     group opened here when it is that) and whether they free their weights between phases (``rl.rollout_sleep``)."""
-    from rlhf_core.models.loading import load_tokenizer
-    from rlhf_core.distributed.weight_sync import SyncPath, WeightSync, resolve_path
-
     path = resolve_path(WeightSync(cfg.weight_sync), gpus=launcher.use_gpus, colocated=cfg.placement == "colocated",
                         lora=bool(cfg.lora_rank), engine=cfg.rollout_engine)
     collective = None
