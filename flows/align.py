@@ -30,19 +30,22 @@ from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from filelock import FileLock, Timeout
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from flows.params import load_all
+from rlhf_core.common.offline import OFFLINE_ENV
 from rlhf_core.config import ConfigError, DataFields, FlowConfig, TrackingConfig, config_to_dict
 from rlhf_core.data.validate import prompts_kind, require_eval_labels
+from rlhf_core.promotion.guards import fired_guards
 from rlhf_core.tracking.lineage import dvc_md5, project_relative, use_hash_cache
 from rlhf_core.common.redact import redact_secrets
 from rlhf_core.rewards.sources import RewardKind, resolve_reward_file
 from rlhf_core.config import stage_registry as registry
 from rlhf_core.config.stage_registry import Stage
 from rlhf_core.tracking.lineage import lineage_tags
-from rlhf_core.tracking.mlflow_runs import Tracker, resolve_tracking_uri, start_run
+from rlhf_core.tracking.mlflow_runs import Tracker, project_root, resolve_tracking_uri, start_run
 from tasks.data import generate_data, sample_best_of_n, validate_data
 from tasks.evaluation import evaluate_model
 from tasks.base_model import build_base_model
@@ -87,10 +90,6 @@ def one_flow_at_a_time(name: str) -> Iterator[None]:
     unchanged stages coming from the cache. Flows that must run side by side use separate
     project folders (clones). The lock is released by the OS if the process dies.
     """
-    from filelock import FileLock, Timeout
-
-    from rlhf_core.tracking.mlflow_runs import project_root
-
     path = project_root() / ".alignflow" / "flow.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(path))
@@ -135,9 +134,7 @@ def _run(task_fn: Any, flow_cfg: FlowConfig, **kwargs: Any) -> dict[str, Any]:
 
 def _submit_to_ray(task_fn: Any, parameters: dict[str, Any], address: str) -> dict[str, Any]:
     """Run one task on the Ray cluster at ``address`` through prefect-ray's task runner; wait for it."""
-    from prefect_ray import RayTaskRunner
-
-    from rlhf_core.common.offline import OFFLINE_ENV
+    from prefect_ray import RayTaskRunner  # lazy: prefect_ray (Ray-submitted tasks only)
 
     runner = RayTaskRunner(address=address, init_kwargs={"runtime_env": {"env_vars": dict(OFFLINE_ENV)}})
     with runner:
@@ -396,8 +393,6 @@ def headline_metrics(before: dict[str, Any], after: dict[str, Any],
 def model_lineage_tags(base_md5: str, sft: dict[str, Any], aligned: dict[str, dict[str, Any]]) -> dict[str, str]:
     """The parent run's tags naming every model's md5 and every stage's MLflow run, and each policy stage's
     fired guards (``guard.fired.<stage>``)."""
-    from rlhf_core.promotion.guards import fired_guards
-
     return {**{f"guard.fired.{stage}": ",".join(fired_guards(r["metrics"])) or "none"
                for stage, r in aligned.items() if any(k.startswith("guard/") for k in r["metrics"])},
             "dvc.md5.model_base": base_md5, "dvc.md5.model_sft": sft["md5"]["model"],

@@ -28,11 +28,13 @@ import json
 import logging
 import signal
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any, Sequence
 
 import rlhf_core  # offline switches first
 from flows import errors
+from rlhf_core.common.redact import redact_secrets
 from rlhf_core.config import (
     OVERRIDE_SOURCE,
     SECTIONS,
@@ -44,9 +46,10 @@ from rlhf_core.config import (
     field_docs,
     load_config,
     parse_overrides,
+    read_params,
     section_fields,
 )
-from rlhf_core.data.validate import KINDS
+from rlhf_core.data.validate import KINDS, ValidationFailed
 from rlhf_core.config import stage_registry as registry
 from rlhf_core.config.stage_registry import Stage
 
@@ -84,8 +87,6 @@ class _Parser(argparse.ArgumentParser):
 
 def _field_listing(section: str, cls: type) -> str:
     """The ``--help`` epilog of a stage command: each field of its section on lines of its own."""
-    import textwrap
-
     docs = field_docs(cls)
     width = max(len(k) for k in docs) + 2
     lines = [f"fields of '{section}' (--set FIELD=VALUE):"]
@@ -120,7 +121,7 @@ def _print(obj: Any) -> None:
 
 def _stage_cfg(args: argparse.Namespace) -> Any:
     """The command's config from params.yaml and ``--set``, its input files and start model checked."""
-    from flows.preflight import check_inputs
+    from flows.preflight import check_inputs  # lazy: dispatch (keeps each stage's DVC deps its own)
 
     stage = registry.get(args.command)
     cfg_section = getattr(args, "section", None) or stage.section
@@ -132,7 +133,7 @@ def _stage_cfg(args: argparse.Namespace) -> Any:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     cfg = _stage_cfg(args)
-    from rlhf_core.stages import wrappers as stages
+    from rlhf_core.stages import wrappers as stages  # lazy: stages (~30 ms of modules --help skips)
 
     _print(stages.generate(cfg).to_dict())
     return 0
@@ -140,15 +141,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_init_model(args: argparse.Namespace) -> int:
     cfg = _stage_cfg(args)
-    from rlhf_core.stages import wrappers as stages
+    from rlhf_core.stages import wrappers as stages  # lazy: stages (~30 ms of modules --help skips)
 
     _print(stages.init_model(cfg).to_dict())
     return 0
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from rlhf_core.stages import wrappers as stages
-    from rlhf_core.data.validate import ValidationFailed
+    from rlhf_core.stages import wrappers as stages  # lazy: stages (~30 ms of modules --help skips)
 
     overrides = stage_overrides(args.set, "sft", "validate")  # field names: the sft section's, as the flows read them
     # The unpaired kind's boolean field lives in its stage's own config, not DataFields.
@@ -174,7 +174,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def _require_checkpoint(cfg: Any, section: str) -> None:
     """``--resume``: there must be a checkpoint of this run (same config and inputs) to continue, or its
     finished output, saved but not yet tracked (the stage stopped before registering it)."""
-    from rlhf_core.tracking.checkpoint import Checkpointer, run_fingerprint
+    from rlhf_core.tracking.checkpoint import Checkpointer, run_fingerprint  # lazy: torch (light CLI start)
 
     checkpointer = Checkpointer(cfg.checkpoint_dir, run_fingerprint(cfg))
     if checkpointer.latest() is None and checkpointer.finished() is None:
@@ -185,7 +185,7 @@ def _require_checkpoint(cfg: Any, section: str) -> None:
 def cmd_stage(args: argparse.Namespace) -> int:
     """A training-shaped stage command: runs the registry's entry of ``args.command`` with tracking, its guards
     and data report, and an optional metrics file."""
-    from flows.preflight import check_inputs
+    from flows.preflight import check_inputs  # lazy: dispatch (keeps each stage's DVC deps its own)
 
     stage = registry.get(args.command)
     cfg_section = getattr(args, "section", None) or stage.section
@@ -233,8 +233,6 @@ def _task_section(section: str, shared: str, params: str) -> str:
     """The params section of a stage section's data report or guards (``shared``: ``data_report``, ``guards``):
     ``tool_sft`` reads ``tool_data_report`` and ``tool_rl`` ``tool_guards`` where the params file has them (the tool
     task's answers repeat more; a tool call legitimately lengthens its answers), every other section ``shared``."""
-    from rlhf_core.config import read_params
-
     prefix = section.rpartition("_")[0]
     own = f"{prefix}_{shared}"
     if prefix and own in SECTIONS and Path(params).exists() and own in read_params(params):
@@ -244,7 +242,7 @@ def _task_section(section: str, shared: str, params: str) -> str:
 
 def _register(name: str, result: Any, tracking: TrackingConfig, guards: GuardsConfig) -> dict[str, Any]:
     """Register a policy stage's model as ``candidate`` of ``name``; ``champion`` only through the gate."""
-    from tasks.registry import register_model
+    from tasks.registry import register_model  # lazy: prefect (light CLI start)
 
     if not tracking.log_model:
         raise ConfigError("--register: tracking.log_model is false, so no model is registered")
@@ -256,7 +254,7 @@ def _register(name: str, result: Any, tracking: TrackingConfig, guards: GuardsCo
 
 
 def cmd_init(args: argparse.Namespace) -> int:
-    from flows.scaffold import init_project
+    from flows.scaffold import init_project  # lazy: prefect (light CLI start)
 
     made = init_project(args.path, force=args.force)
     print(f"alignflow project in {made.root}: {', '.join(made.written)}")
@@ -272,7 +270,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     cfg = _stage_cfg(args)
     tracking = load_config(TrackingConfig, "tracking", args.params)
-    from rlhf_core.stages import wrappers as stages
+    from rlhf_core.stages import wrappers as stages  # lazy: stages (~30 ms of modules --help skips)
 
     _print(stages.evaluate(cfg, tracking, run_name=args.run_name).to_dict())
     return 0
@@ -296,8 +294,7 @@ def _flow_overrides(pairs: Sequence[str]) -> tuple[dict[str, dict[str, Any]], st
     (a URL's ``user:pass@`` or ``?token=``, a field named like ``token``) is shown there redacted
     (``***``), and its real value goes to a private file whose path is the second parameter
     (:func:`flows.params.write_private_overrides`). Secret-free overrides stay readable as given."""
-    from flows.params import write_private_overrides
-    from rlhf_core.common.redact import redact_secrets
+    from flows.params import write_private_overrides  # lazy: dispatch (keeps each stage's DVC deps its own)
 
     overrides = _section_overrides(pairs)
     secret = {section: {name: value for name, value in values.items() if redact_secrets(value, name) != value}
@@ -311,8 +308,8 @@ def _flow_overrides(pairs: Sequence[str]) -> tuple[dict[str, dict[str, Any]], st
 def _check_flow_config(args: argparse.Namespace, overrides: dict[str, dict[str, Any]], private: str | None) -> None:
     """Every section's config and the flow's own input paths, checked before Prefect starts: a typo is one
     line naming its source in a second, not a failed flow run."""
-    from flows.params import load_all
-    from flows.preflight import check_flow_inputs
+    from flows.params import load_all  # lazy: dispatch (keeps each stage's DVC deps its own)
+    from flows.preflight import check_flow_inputs  # lazy: dispatch (keeps each stage's DVC deps its own)
 
     load_all(args.params, overrides, private)
     check_flow_inputs({f"--{k.replace('_', '-')}": getattr(args, k, None)
@@ -324,7 +321,7 @@ def cmd_flow(args: argparse.Namespace) -> int:
         return _cmd_cycles(args)
     overrides, private = _flow_overrides(args.set)
     _check_flow_config(args, overrides, private)
-    from flows.align import align  # Prefect, MLflow and torch: only once the config holds
+    from flows.align import align  # lazy: prefect (with MLflow and torch: only once the config holds)
     summary = align(params_file=args.params, overrides=overrides, sft_file=args.sft_file,
                     preference_file=args.preference_file, prompts_file=args.prompts_file,
                     eval_file=args.eval_file, base_model=args.base_model, private_overrides=private)
@@ -374,7 +371,7 @@ def _write_summary(summary: dict[str, Any], path: str) -> None:
 def _cmd_cycles(args: argparse.Namespace) -> int:
     overrides, private = _flow_overrides(args.set)
     _check_flow_config(args, overrides, private)
-    from flows import cycles
+    from flows import cycles  # lazy: prefect (light CLI start)
     summary = getattr(cycles, args.name)(params_file=args.params, overrides=overrides, cycles=args.cycles,
                                          private_overrides=private)
     path = args.summary if args.summary != DEFAULT_SUMMARY else f"metrics/{args.name}_summary.json"

@@ -51,6 +51,7 @@ import argparse
 import json
 import re
 import sys
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -409,7 +410,7 @@ def _not_found(exc: Exception) -> bool:
 
 
 def _get_run(client: Any, run_id: str, ref: str) -> Any:
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # lazy: mlflow (light `diff --help`)
 
     try:
         return client.get_run(run_id)
@@ -423,7 +424,7 @@ def _get_run(client: Any, run_id: str, ref: str) -> Any:
 def resolve_ref(client: Any, ref: str) -> tuple[str, str | None]:
     """``(run_id, model version label or None)`` for a run id, ``models:/NAME/N``, ``models:/NAME@ALIAS``
     or ``NAME@ALIAS``."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # lazy: mlflow (light `diff --help`)
 
     match = MODEL_URI.match(ref) or BARE_ALIAS.match(ref)
     if match is None:
@@ -461,7 +462,7 @@ def load_view(client: Any, ref: str) -> RunView:
 
 
 def _has_per_item(client: Any, run_id: str) -> bool:
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # lazy: mlflow (light `diff --help`)
 
     try:
         return any(f.path == PER_ITEM for f in client.list_artifacts(run_id, PER_ITEM.rsplit("/", 1)[0]))
@@ -490,8 +491,6 @@ def item_source(client: Any, run_id: str) -> ItemSource:
     (a run of a guarded stage, :func:`guarded_stages`), else the latest-started run below it that did (a cycle
     run's stage run; a flow run's last guarded stage -- name the stage run to compare another one). The model
     md5 is the run's own ``dvc.md5.output_model`` tag (stage and cycle runs set it), else that source run's."""
-    import tempfile
-
     run = _get_run(client, run_id, run_id)
     own_md5 = run.data.tags.get(MODEL_TAG)
     for candidate in [run] + _descendants(client, run):
@@ -506,7 +505,7 @@ def item_source(client: Any, run_id: str) -> ItemSource:
 
 def open_store(uri: str) -> Any:
     """An MlflowClient on ``uri``; a sqlite file that does not exist is an error, not a new empty store."""
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # lazy: mlflow (light `diff --help`)
 
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
         raise DiffError(f"no MLflow store at {uri} (run from the project folder, or pass --tracking-uri)")

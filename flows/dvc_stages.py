@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
 from flows.source_graph import PACKAGES, REPO, from_base, import_targets, module_files
-from rlhf_core.config import stage_registry as registry
+from rlhf_core.config import SECTIONS, build_config, config_to_dict, read_params, stage_registry as registry
 from rlhf_core.config.stage_registry import DvcStage
 
 DISPATCH = ("flows.cli", "rlhf_core.stages.wrappers")
@@ -266,7 +266,6 @@ def param_entries(index: SourceIndex, sections: list[str]) -> list[Unit]:
     defaults of the section's config class): code a stage loads by path, e.g. its reward function."""
     if not sections:
         return []
-    from rlhf_core.config import SECTIONS, build_config, config_to_dict, read_params
 
     params = read_params(index.root / "params.yaml")
     by_path = {index.relpath(m): m for m in index.known}
@@ -283,8 +282,6 @@ def param_entries(index: SourceIndex, sections: list[str]) -> list[Unit]:
 
 def _sections(stage: DvcStage) -> list[str]:
     """The params.yaml sections a DVC stage lists (``sft``, or ``sft.lr`` -> ``sft``)."""
-    from rlhf_core.config import SECTIONS
-
     names = [p.split(".")[0] for p in stage.params]
     return [name for name in names if name in SECTIONS]
 

@@ -22,6 +22,8 @@ import re
 import sys
 import traceback
 
+from rlhf_core.common.redact import redact_secrets
+
 MAX_LINES = 5
 """The most lines an error message takes on stderr (the traceback aside, under ``--debug``)."""
 MAX_CHARS = 400
@@ -88,8 +90,6 @@ def message(exc: BaseException) -> str:
     """The bounded, redacted message of one of the project's errors. A failed validation keeps its header
     and each failure's first line (file:line, field, what is wrong) before the details, and points at
     ``alignflow validate``, which prints the whole report."""
-    from rlhf_core.common.redact import redact_secrets
-
     report = getattr(exc, "report", None)
     if report is None or not hasattr(report, "failures"):
         return bounded(redact_secrets(str(exc)).splitlines())
@@ -112,8 +112,6 @@ def report(exc: BaseException, debug: bool) -> int | None:
     if code is None:
         return None
     if debug:  # the traceback, then the whole message; redacted like the rest (a URL's token in a message)
-        from rlhf_core.common.redact import redact_secrets
-
         sys.stderr.write(redact_secrets("".join(traceback.format_exception(exc))))
         print(f"error: {redact_secrets(str(exc))}", file=sys.stderr)
         return code

@@ -25,10 +25,10 @@ DEFAULT_CRON = "0 2 * * *"
 def build_deployments(flows: Sequence[str], cron: str = DEFAULT_CRON, timezone: str = "UTC",
                       params_file: str = "params.yaml", paused: bool = False) -> list[Any]:
     """Runner deployments ``<flow>/nightly-<flow>`` with a cron schedule in ``timezone``."""
-    from prefect.schedules import Cron
+    from prefect.schedules import Cron  # lazy: prefect (light `nightly --help`)
 
-    from flows.align import align
-    from flows.cycles import iterative_dpo
+    from flows.align import align  # lazy: prefect (light `nightly --help`)
+    from flows.cycles import iterative_dpo  # lazy: prefect (light `nightly --help`)
 
     known = {"align": align, "iterative_dpo": iterative_dpo}
     unknown = [f for f in flows if f not in known]
@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--params", default="params.yaml", help="params file the scheduled runs read")
     args = parser.parse_args(argv)
 
-    from prefect import serve
+    from prefect import serve  # lazy: prefect (light `nightly --help`)
 
     serve(*build_deployments(args.flow or ["align"], args.cron, args.timezone, args.params))
     return 0

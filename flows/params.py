@@ -13,8 +13,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rlhf_core.common.atomic_io import write_text_atomic
 from rlhf_core.config import OVERRIDE_SOURCE, SECTIONS, ConfigError, build_config, read_params, unknown_sections
 from rlhf_core.config import stage_registry as registry
+from rlhf_core.tracking.mlflow_runs import project_root
 
 
 def write_private_overrides(values: dict[str, dict[str, Any]]) -> str:
@@ -25,9 +27,6 @@ def write_private_overrides(values: dict[str, dict[str, Any]]) -> str:
     ``--set rl.reward.url=https://user:pass@host/?token=...`` passed as a parameter would sit there for
     good. The name is the content's hash, so another value is another parameter, and a retry or rerun of
     the flow run finds the same file."""
-    from rlhf_core.common.atomic_io import write_text_atomic
-    from rlhf_core.tracking.mlflow_runs import project_root
-
     text = json.dumps(values, sort_keys=True)
     folder = project_root() / ".alignflow" / "private"
     folder.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,7 @@ are reviewed against the commit's own before anything runs (:mod:`flows.reproduc
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import json
 import os
@@ -60,8 +61,10 @@ from flows.reproduce_compare import (
 )
 from flows.reproduce_inputs import RecordedInput, place_inputs, recorded_inputs
 from flows.reproduce_trust import ConfigReview, enforce, local_store, review_config, strings_in
-from rlhf_core.tracking.lineage import HashCache, dvc_md5, project_relative
+from rlhf_core.config import TrackingConfig, load_config
+from rlhf_core.tracking.lineage import HashCache, dvc_md5, package_version, project_relative
 from rlhf_core.common.redact import redact_secrets
+from rlhf_core.tracking.mlflow_runs import resolve_tracking_uri
 
 RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 HEX_SHA = re.compile(r"^[0-9a-f]{7,64}$")  # sha-1 or sha-256, possibly abbreviated
@@ -101,7 +104,8 @@ def dvc_cache_folder(project: Path) -> Path | None:
     when the project has no DVC."""
     if not (project / ".dvc").is_dir():
         return None
-    from dvc.config import Config  # relative paths resolved against the project's `.dvc/`
+    # relative paths resolved against the project's `.dvc/`
+    from dvc.config import Config  # lazy: dvc (light `reproduce --help`)
 
     configured = Config(dvc_dir=str(project / ".dvc"))["cache"].get("dir")
     return Path(configured).resolve() if configured else (project / ".dvc" / "cache").resolve()
@@ -120,7 +124,8 @@ def share_dvc_storage(worktree: Path, project: Path, env: dict[str, str]) -> Non
     def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
         return subprocess.run([*dvc, *args], cwd=cwd, env=env, capture_output=True, text=True)
 
-    from dvc.config import Config  # DVC's own reading: relative paths resolved against the project's `.dvc/`
+    # DVC's own reading: relative paths resolved against the project's `.dvc/`
+    from dvc.config import Config  # lazy: dvc (light `reproduce --help`)
 
     cache = dvc_cache_folder(project)
     if cache is not None:
@@ -184,8 +189,6 @@ def stored_commit(run_id: str, tags: dict[str, str]) -> tuple[str, list[str]]:
 def version_warning(run_id: str, tags: dict[str, str]) -> list[str]:
     """A warning when the run's ``alignflow.version`` tag is not the installed alignflow's version:
     the rerun trains with the installed one (a project's commit holds no alignflow code)."""
-    from rlhf_core.tracking.lineage import package_version
-
     recorded, installed = tags.get("alignflow.version"), package_version()
     if recorded is None or recorded == installed:
         return []
@@ -353,7 +356,7 @@ def compare_runs(client: Any, run: Any, rerun: Any, views: Views, roots: Roots) 
 
 def registry_state(client: Any, params: dict[str, Any]) -> dict[str, Any]:
     """Versions and aliases of every registered model the stored params name: all a rerun could touch."""
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # lazy: mlflow (light `reproduce --help`)
 
     names = {str((params.get(section) or {}).get("registered_model") or "") for section in ("tracking", "cycles")}
     state: dict[str, Any] = {}
@@ -384,7 +387,7 @@ def record_result(client: Any, run_id: str, rerun_id: str, result: dict[str, Any
 
 def reproduce_run(run_id: str, tracking_uri: str, workdir: Path, trust: bool = False) -> dict[str, Any]:
     """Rerun the flow run ``run_id`` from its commit and data, compare, record the result; returns the report."""
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # lazy: mlflow (light `reproduce --help`)
 
     client = MlflowClient(tracking_uri=tracking_uri)
     run = client.get_run(run_id)
@@ -426,10 +429,10 @@ def task_states(flow_run_id: str) -> dict[str, int]:
     """How many of the flow run's task runs ended in each state (``Cached`` would be a cache hit)."""
     if not flow_run_id:
         return {}
-    import asyncio
 
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.orchestration import get_client  # lazy: prefect (light `reproduce --help`)
+    from prefect.client.schemas.filters import (  # lazy: prefect (light `reproduce --help`)
+        FlowRunFilter, FlowRunFilterId)
 
     async def fetch() -> dict[str, int]:
         async with get_client() as client:
@@ -546,9 +549,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="alignflow-reproduce-"))
     try:
         if RUN_ID.match(args.target):
-            from rlhf_core.config import TrackingConfig, load_config
-            from rlhf_core.tracking.mlflow_runs import resolve_tracking_uri
-
             tracking = load_config(TrackingConfig, "tracking", args.params if Path(args.params).exists() else None)
             result = reproduce_run(args.target, resolve_tracking_uri(tracking), workdir, trust=args.trust)
         else:

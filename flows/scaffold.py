@@ -84,7 +84,7 @@ def ensure_git_repo(root: Path) -> bool:
 def init_dvc(root: Path) -> Path:
     """``dvc init`` (``--subdir`` below a repository's top level), then the local default remote;
     returns the remote's folder. An existing ``.dvc`` (``--force``) is kept as it is."""
-    from dvc.repo import Repo
+    from dvc.repo import Repo  # lazy: dvc (`alignflow init` without DVC skips it)
 
     remote = root / DVC_REMOTE_DIR
     if (root / ".dvc").exists():

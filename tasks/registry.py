@@ -52,6 +52,7 @@ from rlhf_core.tracking.mlflow_runs import (
     prune_model_versions,
     resolve_tracking_uri,
 )
+from rlhf_core.tracking.model_card import render_model_card
 
 CANDIDATE, CHAMPION = "candidate", "champion"
 METRIC_TAG = "eval_accuracy"
@@ -133,7 +134,7 @@ def set_alias(client: Any, name: str, alias: str, version: str, attempts: int = 
     although nothing is wrong with its request (seen under load on a shared server). The row exists by
     then, so the retry updates it; :func:`hold_title` then settles which model keeps ``champion``.
     """
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # lazy: mlflow (only when a model is registered)
 
     for attempt in range(attempts):
         try:
@@ -266,8 +267,8 @@ def register_model(model_dir: str, run_id: str, accuracy: float | None, register
     gate (``guards``: the ``guards`` section; None skips the gate) and beats the champion. ``accuracy`` None (eval
     items without labels): champion only through a passed gate (:func:`promote_on_gate`). The version's
     description becomes its model card (:func:`model_card`); the stage's ``guard.*`` tags are copied onto it."""
-    import mlflow
-    from mlflow import MlflowClient
+    import mlflow  # lazy: mlflow (only when a model is registered)
+    from mlflow import MlflowClient  # lazy: mlflow (only when a model is registered)
 
     cfg = build_config(TrackingConfig, "tracking", tracking)
     guards_cfg = build_config(GuardsConfig, "guards", guards) if guards is not None else None
@@ -347,7 +348,5 @@ def parent_version(client: Any, tags: dict[str, str], limit: int = 200) -> str |
 
 def model_card(client: Any, name: str, version: str, run: Any, outcome: dict[str, Any]) -> str:
     """The version's description (:func:`rlhf_core.tracking.model_card.render_model_card`) from its source run."""
-    from rlhf_core.tracking.model_card import render_model_card
-
     return render_model_card(name, version, run.info.run_id, run.data.tags, run.data.params, run.data.metrics,
                              outcome, parent_version(client, run.data.tags))

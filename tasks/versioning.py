@@ -89,7 +89,7 @@ def version_paths(root: str | Path, paths: Sequence[str | Path], message: str, *
     commit holding this version and each path's DVC md5. When every path is unchanged since
     the last commit nothing is committed and HEAD is returned.
     """
-    from dvc.repo import Repo
+    from dvc.repo import Repo  # lazy: dvc (only when data is versioned)
 
     root = Path(root).resolve()
     rel = [str(Path(p).resolve().relative_to(root)) if Path(p).is_absolute() else str(p) for p in paths]

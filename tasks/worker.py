@@ -28,6 +28,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import rlhf_core  # noqa: F401  (offline switches first)
+from rlhf_core.config import GuardsConfig, TrackingConfig, build_config, stage_registry as registry
+from rlhf_core.tracking.mlflow_runs import project_root
+from tasks.common import PERMANENT_ERRORS
 from tasks.errors import StageProcessDied, StageRejected
 
 log = logging.getLogger(__name__)
@@ -37,9 +41,6 @@ def run_inline(stage: str, params: dict[str, Any], tracking: dict[str, Any],
                parent_run_id: str | None, guards: dict[str, Any] | None = None) -> dict[str, Any]:
     """Build the stage's typed config and run its entry (rlhf_core/config/stage_registry.py) in this process; returns its
     result dict. ``guards``: the ``guards`` section for a policy stage (None: no guards)."""
-    from rlhf_core.config import GuardsConfig, TrackingConfig, build_config
-    from rlhf_core.config import stage_registry as registry
-
     spec = registry.get(stage)
     extra = ({"guards": build_config(GuardsConfig, "guards", guards)}
              if guards is not None and spec.guarded else {})
@@ -48,8 +49,6 @@ def run_inline(stage: str, params: dict[str, Any], tracking: dict[str, Any],
 
 
 def pid_file(stage: str) -> Path:
-    from rlhf_core.tracking.mlflow_runs import project_root
-
     return project_root() / ".alignflow" / "workers" / f"{stage}.pid"
 
 
@@ -88,9 +87,6 @@ def run_in_child(stage: str, params: dict[str, Any], tracking: dict[str, Any],
 
 
 def main(argv: list[str]) -> int:
-    import rlhf_core  # noqa: F401  (offline switches first)
-    from tasks.common import PERMANENT_ERRORS
-
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     request_path, result_path = Path(argv[0]), Path(argv[1])
     request = json.loads(request_path.read_text())

@@ -7,7 +7,9 @@ registries, and a user's nightly run must not depend on one.
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
 
 OFFLINE_ENV: dict[str, str] = {
     "DO_NOT_TRACK": "true",
@@ -59,9 +61,6 @@ def apply_offline_env() -> None:
 def arm_stack_dumps(every_s: float) -> None:
     """Write every thread's stack to stderr every ``every_s`` seconds from now on (0: none, an earlier stage's
     dumps stopped)."""
-    import faulthandler
-    import sys
-
     if every_s > 0:
         faulthandler.dump_traceback_later(every_s, repeat=True, file=sys.stderr)
     else:

@@ -7,7 +7,10 @@ and naming the source of a bad value. Reading whole params files is :mod:`rlhf_c
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import difflib
+import inspect
 import logging
 import re
 import types
@@ -170,8 +173,6 @@ KNOWN_ALIASES = {"learning_rate": "lr", "per_device_train_batch_size": "batch_si
 def unknown_field(section: str, key: str, known: set[str]) -> str:
     """``section.key: unknown field; did you mean section.<closest>?`` (difflib, or a known alias), else the
     known fields, clipped so the message stays a few lines."""
-    import difflib
-
     alias = KNOWN_ALIASES.get(key)
     close = [alias] if alias in known else difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
     if close:
@@ -321,9 +322,6 @@ def config_params(config: Any) -> dict[str, Any]:
 def field_docs(cls: type) -> dict[str, str]:
     """The one-line docstring under each field, read from the source (for ``--help``); a section's fields within it
     (``RLConfig.kl``) follow it, named ``kl.coef``."""
-    import ast
-    import inspect
-
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):

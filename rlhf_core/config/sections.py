@@ -14,6 +14,7 @@ Command-line overrides use ``--set field=value`` (YAML syntax for the value), e.
 
 from __future__ import annotations
 
+import difflib
 import typing
 from pathlib import Path
 from typing import Any
@@ -83,8 +84,6 @@ def read_params(path: str | Path) -> dict[str, Any]:
 
 def unknown_sections(unknown: typing.Collection[str]) -> str:
     """``unknown section(s) [...]; did you mean ...?`` (difflib), else the known sections."""
-    import difflib
-
     names = sorted(shown(name) if not isinstance(name, str) else name for name in unknown)
     close = {name: difflib.get_close_matches(name, sorted(SECTIONS), n=1, cutoff=0.6) for name in names}
     if all(close.values()):

@@ -150,7 +150,7 @@ def _refuse_lone_surrogates(obj: dict, text: str, path: Path, line: int) -> None
 
 
 def _iter_parquet(path: Path) -> Iterator[Record]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # lazy: pyarrow (parquet inputs only)
 
     line = 0
     with _open(path) as fh:  # an unreadable file is named as such, not as a corrupt one
@@ -168,7 +168,7 @@ PARQUET_BATCH_ROWS = 8192
 
 
 def _iter_datasets_dir(path: Path) -> Iterator[Record]:
-    import datasets
+    import datasets  # lazy: datasets (Arrow folders only)
 
     if _saved_empty(path):
         return
@@ -203,7 +203,7 @@ def is_saved_dataset(path: Path) -> bool:
 def hub_train_files(path: str | Path) -> list[Path]:
     """The train split's data files of a folder in the Hub's dataset layout, as
     ``datasets.load_dataset(path)`` resolves them (README ``configs:``, split name patterns)."""
-    import datasets
+    import datasets  # lazy: datasets (Arrow folders only)
 
     path = Path(path)
     scripts = sorted(p.relative_to(path).as_posix() for p in path.rglob("*.py"))

@@ -151,7 +151,7 @@ class Check:
 def _frame(examples: list[Example], records: Sequence[Record], eval_index: quality.EvalIndex | None,
            prompt_field: str, answer_field: str | None, reward_field: str | None) -> Any:
     """The report's frame: lengths, reward, and a 0/1 column per row-level check."""
-    import pandas as pd
+    import pandas as pd  # lazy: pandas (light CLI start)
 
     cols: dict[str, list[Any]] = {name: [ex.texts[name] for ex in examples] for name in examples[0].texts}
     for name in examples[0].texts:
@@ -235,7 +235,7 @@ def data_report(path: str | Path, kind: str, cfg: DataReportConfig | None = None
 
     ``eval_file``: the eval set to test prompts against (``None``: no contamination check, as for
     the eval set itself). ``previous``: the previous cycle's :attr:`DataReport.stats`, for drift."""
-    import great_expectations as gx
+    import great_expectations as gx  # lazy: great_expectations (light CLI start)
 
     logging.getLogger("great_expectations.data_context.types.base").setLevel(logging.WARNING)
     if kind not in KINDS:
@@ -269,7 +269,8 @@ def data_report(path: str | Path, kind: str, cfg: DataReportConfig | None = None
 
 def _validate(df: Any, checks: list[Check], kind: str, gx: Any) -> tuple[Any, list[Any]]:
     """GX's validation result of the checks on ``df``, and its results in the checks' order."""
-    from great_expectations.data_context.types.base import ProgressBarsConfig
+    from great_expectations.data_context.types.base import (  # lazy: great_expectations (light CLI start)
+        ProgressBarsConfig)
 
     context = gx.get_context(mode="ephemeral")
     context.variables.progress_bars = ProgressBarsConfig(globally=False)
@@ -299,9 +300,10 @@ def _failure(check: Check, df: Any, records: Sequence[Record], path: str | Path)
 
 def render_html(report: DataReport, result: Any) -> str:
     """GX's data-docs page of ``result``, under a short summary of ``report``."""
-    import numpy as np
-    from great_expectations.render.renderer import ValidationResultsPageRenderer
-    from great_expectations.render.view import DefaultJinjaPageView
+    import numpy as np  # lazy: numpy (light CLI start)
+    from great_expectations.render.renderer import (  # lazy: great_expectations (light CLI start)
+        ValidationResultsPageRenderer)
+    from great_expectations.render.view import DefaultJinjaPageView  # lazy: great_expectations (light CLI start)
 
     for res in result.results:  # GX's num_to_str fails on numpy scalars (repr 'np.float64(...)')
         info = res.result or {}

@@ -68,7 +68,8 @@ class SuiteRunner:
     one frame per chunk. ``items`` are ``(expectation, field, message)`` as the gate's suites give them."""
 
     def __init__(self, gx: Any, name: str, items: Sequence[tuple[Any, str, str]]):
-        from great_expectations.data_context.types.base import ProgressBarsConfig
+        from great_expectations.data_context.types.base import (  # lazy: great_expectations (light CLI start)
+            ProgressBarsConfig)
 
         context = gx.get_context(mode="ephemeral")
         # GX's per-metric progress bars would bury the report on stderr.

@@ -490,7 +490,7 @@ def validate_dataset(path: str | Path, kind: str, fields: DataFields | None = No
     ``fields``: ``max_line_bytes`` (the reader) and ``max_field_chars`` (the suite, unless ``max_chars``
     is given). ``desirable_field`` (the unpaired kind's boolean) defaults to ``fields.desirable_field``
     when ``fields`` is the unpaired stage's config, else ``"desirable"``."""
-    import great_expectations as gx
+    import great_expectations as gx  # lazy: great_expectations (light CLI start)
 
     # GX sets this module's logger to INFO itself; its temp-folder notice is noise on stderr.
     logging.getLogger("great_expectations.data_context.types.base").setLevel(logging.WARNING)
@@ -542,7 +542,7 @@ def _frame(chunk: Sequence[Record], first: int, kind: str, form: Form, f: DataFi
            seen: SeenRows) -> Any:
     """One chunk's frame, indexed by position from ``first``: every row's cells and helper columns,
     with the duplicate check's ``__unique`` column filled from ``seen`` (every earlier chunk's keys)."""
-    import pandas as pd
+    import pandas as pd  # lazy: pandas (light CLI start)
 
     rows = [_row(r.data, kind, form, f, desirable_field) for r in chunk]
     keys = [col for col, _ in _columns(kind, form, f)]

@@ -44,13 +44,18 @@ each checkpoint. Both calls, and
 
 from __future__ import annotations
 
+import datetime
 import logging
 import math
+import os
+import socket
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Iterator, Protocol, Sequence
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from rlhf_core.models.precision import MasterWeightAdamW, Precision, state_key
 
@@ -89,7 +94,6 @@ class World:
         """Element-wise sum of ``values`` over ranks (float64 on the CPU group; a no-op for one rank)."""
         if not self.distributed:
             return [float(v) for v in values]
-        import torch.distributed as dist
 
         t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_collective_device())
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
@@ -99,7 +103,6 @@ class World:
         """Element-wise maximum of ``values`` over ranks (e.g. the micro-batch count every rank must run)."""
         if not self.distributed:
             return [float(v) for v in values]
-        import torch.distributed as dist
 
         t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_collective_device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -109,8 +112,6 @@ class World:
         """``tensor`` (on the collective's device: CUDA under NCCL, the CPU under gloo) replaced in place by its
         element-wise maximum over ranks, queued on the device without the host waiting; returned."""
         if self.distributed:
-            import torch.distributed as dist
-
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return tensor
 
@@ -119,7 +120,6 @@ class World:
         which DDP's forward hook would not see)."""
         if not self.distributed:
             return
-        import torch.distributed as dist
 
         for param in model.parameters():
             if param.grad is not None:
@@ -129,7 +129,6 @@ class World:
         """Every rank's ``obj`` (picklable) in rank order on rank 0, None on the others; ``[obj]`` alone."""
         if not self.distributed:
             return [obj]
-        import torch.distributed as dist
 
         out: list[Any] | None = [None] * self.size if self.is_main else None
         dist.gather_object(obj, out, dst=0)
@@ -137,23 +136,17 @@ class World:
 
     def barrier(self) -> None:
         if self.distributed:
-            import torch.distributed as dist
-
             dist.barrier()
 
 
 def current_world() -> World:
     """The ``torch.distributed`` world this process joined, or a world of one."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return World(dist.get_rank(), dist.get_world_size())
     return World()
 
 
 def _collective_device() -> torch.device:
-    import torch.distributed as dist
-
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
@@ -381,8 +374,6 @@ class DDPStrategy(LocalStrategy):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None, world: World):
-        from torch.nn.parallel import DistributedDataParallel
-
         super().__init__(model, optimizer, scheduler)
         device_ids = [torch.cuda.current_device()] if next(model.parameters()).is_cuda else None
         self.module = DistributedDataParallel(model, device_ids=device_ids)
@@ -398,11 +389,6 @@ def join_world(addr: str, port: int, rank: int, size: int, timeout_s: float | No
 
     Sets what torchrun would (DeepSpeed reads them). The local device is always 0: Ray shows each actor only its
     own GPU(s) (``CUDA_VISIBLE_DEVICES``), and a world of one takes the first."""
-    import datetime
-    import os
-
-    import torch.distributed as dist
-
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK="0")
     if backend == "nccl":
@@ -418,10 +404,6 @@ def join_world_of_one() -> None:
     one-GPU Ray policy, which forms no group of its own); without one it looks for MPI and fails where ``mpi4py``
     is missing. What torchrun gives a single process: rank 0 of 1 on the loopback (:func:`join_world`).
     A world of one stays a world of one (:attr:`World.distributed` is False)."""
-    import socket
-
-    import torch.distributed as dist
-
     if dist.is_initialized():
         return
     with socket.socket() as s:

@@ -36,7 +36,7 @@ class DeepSpeedStrategy:
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None, world: World, *, stage: int,
                  grad_accum: int, max_grad_norm: float, offload_optimizer: bool,
                  precision: Precision = Precision.FP32):
-        import deepspeed
+        import deepspeed  # lazy: deepspeed (ZeRO only; optional on CPU)
 
         join_world_of_one()
         self.stage, self.model, self.bf16 = stage, model, precision is not Precision.FP32
@@ -107,7 +107,7 @@ class DeepSpeedStrategy:
         """Every parameter (or only ``params``, read-only) whole on every rank inside the block."""
         if self.stage < 3:
             return nullcontext()
-        import deepspeed
+        import deepspeed  # lazy: deepspeed (ZeRO only; optional on CPU)
 
         # Parameters the ZeRO-3 prefetcher fetched for a forward that did not run (the last eval pass's
         # look-ahead) are still in flight; gathering them and partitioning again on exit fails with
@@ -145,9 +145,9 @@ class DeepSpeedStrategy:
     def optimizer_state(self) -> dict[str, Any]:
         """AdamW's state by parameter name, each tensor whole, on rank 0 (a collective: every rank calls
         it; the others get the learning rate and step only, not a CPU copy of everything)."""
-        from deepspeed.utils import safe_get_full_optimizer_state
+        from deepspeed.utils import safe_get_full_optimizer_state  # lazy: deepspeed (ZeRO only; optional on CPU)
 
-        from deepspeed.utils import safe_get_full_fp32_param
+        from deepspeed.utils import safe_get_full_fp32_param  # lazy: deepspeed (ZeRO only; optional on CPU)
 
         base, flats = self._base_state(), self._flat_partitions()
         out: dict[str, Any] = {"lr": group_lr(self.engine.optimizer.param_groups), "step": {},
@@ -173,7 +173,7 @@ class DeepSpeedStrategy:
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         """Scatter a by-name state into this world's partitions (any world size wrote it)."""
-        from deepspeed.utils import safe_set_full_optimizer_state
+        from deepspeed.utils import safe_set_full_optimizer_state  # lazy: deepspeed (ZeRO only; optional on CPU)
 
         set_lr(self.engine.optimizer.param_groups, state["lr"])
         if "master" in state and self.bf16:
@@ -204,7 +204,7 @@ class DeepSpeedStrategy:
     def _set_masters(self, weights: dict[str, torch.Tensor], where: str) -> None:
         """``weights`` (whole tensors by name, the same on every rank) into the fp32 partitions the
         optimizer steps; a tied parameter saved once is found under its other name (ZeRO-1/2)."""
-        from deepspeed.utils import safe_set_full_fp32_param
+        from deepspeed.utils import safe_set_full_fp32_param  # lazy: deepspeed (ZeRO only; optional on CPU)
 
         tied = {p.data_ptr(): n for n, p in self.engine.module.state_dict(keep_vars=True).items()
                 if n in weights} if self.stage < 3 else {}
@@ -225,7 +225,7 @@ class DeepSpeedStrategy:
         if self.stage == 3:
             log.info("zero3 with bf16: the final model is saved as the bf16 working weights, not the fp32 masters")
             return
-        from deepspeed.utils import safe_get_full_fp32_param
+        from deepspeed.utils import safe_get_full_fp32_param  # lazy: deepspeed (ZeRO only; optional on CPU)
 
         params = named_trainable(self.engine.module)
         whole = {name: safe_get_full_fp32_param(param) for name, param in params.items()}
@@ -275,7 +275,7 @@ def shard_frozen(model: torch.nn.Module, kind: str, world: World | None = None) 
     world = world or current_world()
     if kind != "zero3" or not world.distributed:
         return model
-    import deepspeed
+    import deepspeed  # lazy: deepspeed (ZeRO only; optional on CPU)
 
     dtypes = {p.dtype for p in model.parameters()}
     if dtypes - {torch.bfloat16, torch.float32} or len(dtypes) != 1:

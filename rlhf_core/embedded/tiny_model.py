@@ -23,8 +23,9 @@ SPECIAL_TOKENS = ("<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 def _train_tokenizer_in_process(corpus: Path, out_dir: Path, vocab_size: int) -> None:
     """Train and save a byte-level BPE tokenizer (runs inside the subprocess only)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import (  # lazy: tokenizers (tokenizer subprocess only)
+        Tokenizer, decoders, models, pre_tokenizers, trainers)
+    from transformers import PreTrainedTokenizerFast  # lazy: transformers (light `alignflow validate`)
 
     tok = Tokenizer(models.BPE())
     # Digits one per token, then byte-level so any UTF-8 text round-trips exactly.
@@ -92,8 +93,9 @@ def build_tiny_model(
     saved directory is indistinguishable in shape from a hub checkpoint. ``added_tokens`` become
     single tokens of the saved tokenizer (and rows of the embedding).
     """
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import torch  # lazy: torch (light `alignflow validate`)
+    from transformers import (  # lazy: transformers (light `alignflow validate`)
+        AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     if chat_template is not None:
@@ -130,7 +132,7 @@ def build_tiny_model(
 
 def count_parameters(model_dir: Path) -> int:
     """Parameter count read from the saved safetensors (no model instantiation)."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # lazy: safetensors (light `alignflow validate`)
 
     total = 0
     for file in sorted(Path(model_dir).glob("*.safetensors")):

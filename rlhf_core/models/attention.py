@@ -42,7 +42,7 @@ VARLEN = "alignflow_varlen"
 def _kernel() -> Any | None:
     """torch's ``varlen_attn`` (torch >= 2.10 with CUDA), or ``None``."""
     try:
-        from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention.varlen import varlen_attn  # lazy: torch (optional: varlen_attn is in newer torch only)
     except ImportError:
         return None
     return varlen_attn
@@ -205,7 +205,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: ``query (B, H, T, D)``, ``key/value (B, H_kv, S, D)``;
     returns ``(B, T, H, D)``. Varlen when there is no mask and no cache (``T == S``), else SDPA."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import (  # lazy: transformers (~1 s; with a model only)
+        sdpa_attention_forward)
 
     position_ids = kwargs.get("position_ids")
     B, H, T, D = query.shape
@@ -229,7 +230,7 @@ def _mask(**kwargs: Any) -> torch.Tensor | None:
     the sequences come from ``position_ids``); SDPA's mask everywhere else (transformers' keyword
     arguments passed on unchanged). Causal LMs with extra mask terms (images, block overlays) are
     not among the models this is switched on for (:func:`use_varlen` callers: decoder-only text LMs)."""
-    from transformers.masking_utils import sdpa_mask
+    from transformers.masking_utils import sdpa_mask  # lazy: transformers (~1 s; with a model only)
 
     q_offset, kv_offset = kwargs.get("q_offset"), kwargs.get("kv_offset", 0)
     plain = (kwargs.get("attention_mask") is None and isinstance(q_offset, int) and isinstance(kv_offset, int)
@@ -239,8 +240,8 @@ def _mask(**kwargs: Any) -> torch.Tensor | None:
 
 def register() -> str:
     """Register :data:`VARLEN` with transformers (idempotent); its name, for ``attn_implementation``."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers import AttentionInterface  # lazy: transformers (~1 s; with a model only)
+    from transformers.masking_utils import AttentionMaskInterface  # lazy: transformers (~1 s; with a model only)
 
     AttentionInterface.register(VARLEN, attention_forward)
     AttentionMaskInterface.register(VARLEN, _mask)

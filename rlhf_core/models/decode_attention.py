@@ -48,8 +48,8 @@ def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 @functools.cache
 def _kernel():
-    import triton
-    import triton.language as tl
+    import triton  # lazy: triton (optional: GPU only)
+    import triton.language as tl  # lazy: triton (optional: GPU only)
 
     @triton.jit
     def decode_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_k_ptr, used_ptr, scale,
@@ -95,7 +95,7 @@ def available() -> bool:
     """Whether :func:`decode_attention` can run here: Triton importable and a CUDA device (or Triton's
     interpreter, ``TRITON_INTERPRET=1``, which runs the kernel on CPU tensors: the tests)."""
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401  # lazy: triton (optional: GPU only)
     except ImportError:
         return False
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"

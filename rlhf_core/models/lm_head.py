@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+import types
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -39,6 +41,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from rlhf_core.models.attention import packed_forward_kwargs
 from rlhf_core.models.layer_compile import compile_decoder_layers, use_compiled_layers
 
 log = logging.getLogger(__name__)
@@ -147,7 +150,8 @@ def liger_token_logprobs(weight: torch.Tensor, hidden: torch.Tensor, targets: to
     (:func:`liger_chunk_mem_const`; a chunk's transient logits are ``chunk x V`` in the weight's dtype);
     0 keeps liger's own default chunking.
     """
-    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    from liger_kernel.transformers.functional import (  # lazy: liger_kernel (optional gpu extra)
+        liger_fused_linear_cross_entropy)
 
     x = hidden.to(weight.dtype)
     if temperature != 1.0:
@@ -291,8 +295,6 @@ def labelled_token_logprobs(model: Any, batch: dict[str, torch.Tensor], head: LM
     copied over with the inputs, so neither pass waits for the device (:func:`scored_logprobs`); the
     packed-row bounds likewise (:func:`rlhf_core.models.attention.packed_forward_kwargs`).
     """
-    from rlhf_core.models.attention import packed_forward_kwargs
-
     device = next(unwrap(model).parameters()).device
     inputs = {k: batch[k].to(device, non_blocking=True) for k in MODEL_INPUTS if k in batch}
     extra = packed_forward_kwargs(model, batch["position_ids"], device) if "attention_mask" not in batch \
@@ -349,7 +351,7 @@ def apply_fused_kernels(model: Any) -> None:
     Not applied where the decoder layers are compiled (:mod:`rlhf_core.models.layer_compile`): inductor fuses a
     layer's norms, rotary and SwiGLU itself, and a forward replaced on each module instance is a different
     object in every layer, which the compiled graph's guards check by identity (a recompile per layer)."""
-    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance  # lazy: liger_kernel (optional gpu extra)
 
     base = unwrap(model)
     torch_norm = TORCH_RMS_NORM and getattr(getattr(base, "config", None), "model_type", None) in TORCH_RMS_NORM_TYPES
@@ -373,8 +375,6 @@ def use_torch_rms_norm(model: Any) -> int:
     """Route every Llama-family RMSNorm module in ``model`` (``weight`` and ``variance_epsilon``, class
     name ending in ``RMSNorm``) through :func:`_torch_rms_norm`; returns how many. Parameters and their
     names stay as they are (only the instance's ``forward`` is replaced), so checkpoints do not change."""
-    import types
-
     count = 0
     for module in unwrap(model).modules():
         if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon") \

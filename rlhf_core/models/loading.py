@@ -16,6 +16,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from rlhf_core.data.chat import ensure_chat_template
+from rlhf_core.models import attention
 
 
 class ModelLoadError(ValueError):
@@ -64,7 +65,7 @@ def refusing(path: Path, files: str) -> Iterator[None]:
 
 def load_tokenizer(path: str | Path, padding_side: str = "right") -> Any:
     """Tokenizer of a model directory, with a pad token and a chat template guaranteed."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers (~1 s; with a model only)
 
     path = Path(path)
     if not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
@@ -95,9 +96,7 @@ def attn_implementation(path: Path, device: torch.device, choice: str = "auto") 
     Flex attention was tried for packed rows before: no backward on a CPU, slower than padded SDPA on a
     GPU once compiled, and a compile per packed length (BENCHMARKS.md).
     """
-    from transformers import AutoConfig
-
-    from rlhf_core.models import attention
+    from transformers import AutoConfig  # lazy: transformers (~1 s; with a model only)
 
     if choice == "sdpa":
         return "sdpa"
@@ -120,7 +119,7 @@ def load_causal_lm(path: str | Path, device: torch.device | None = None, dtype: 
     ``load_dtype`` for the trained model, ``weight_dtype`` for frozen ones. transformers keeps
     buffers (RoPE's ``inv_freq``) in fp32 whatever ``dtype`` is.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: transformers (~1 s; with a model only)
 
     path = Path(path)
     if not (path / "config.json").exists():
@@ -202,7 +201,7 @@ def prepare_for_training(model: Any, *, gradient_checkpointing: bool = False, lo
     if gradient_checkpointing:
         enable_checkpointing(model)
     if lora_rank > 0:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig, get_peft_model  # lazy: peft (LoRA only; several seconds to import)
 
         config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
                             target_modules="all-linear", bias="none")
@@ -239,7 +238,7 @@ def adapters_off(model: Any) -> Iterator[None]:
     its frozen base: the reference of a LoRA run that started from that base. ``model`` is the model itself (a
     DDP or DeepSpeed wrapper holds the same object). Which parameters require a gradient is put back as it
     was (peft's switch also clears and resets it)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer  # lazy: peft (LoRA only; several seconds to import)
 
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
     if not layers:
@@ -263,7 +262,7 @@ def merged_model(model: Any) -> Any:
     """
     if not has_lora(model):
         return model
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer  # lazy: peft (LoRA only; several seconds to import)
 
     for module in model.modules():
         if isinstance(module, BaseTunerLayer):
@@ -274,7 +273,7 @@ def merged_model(model: Any) -> Any:
 
 def _unwrap_lora_layers(model: Any) -> None:
     """Replace each (merged) LoRA layer by its base layer, so names and modules are the plain model's."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer  # lazy: peft (LoRA only; several seconds to import)
 
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
@@ -290,7 +289,7 @@ def export_state_dict(model: Any) -> dict[str, torch.Tensor]:
     """
     if not has_lora(model):
         return {k: v.detach() for k, v in model.state_dict().items()}
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer  # lazy: peft (LoRA only; several seconds to import)
 
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
     for layer in layers:

@@ -42,7 +42,8 @@ from rlhf_core.common.atomic_io import write_text_atomic
 from rlhf_core.data.formats import prompt_text, read_prompt_examples
 from rlhf_core.data.io import read_records
 from rlhf_core.data.tokenize import encode_prompt
-from rlhf_core.rollout.environments import OBSERVATION
+from rlhf_core.rollout.engine import HFGenerateEngine, SamplingParams
+from rlhf_core.rollout.environments import OBSERVATION, rollout_with_environment, tool_conversations
 from rlhf_core.rollout.evaluate import _question, greedy_answers
 from rlhf_core.promotion.guards import ProbeRecord
 from rlhf_core.embedded.tasks import is_correct, parse_prompt
@@ -229,9 +230,6 @@ def probe_with_environment(model: Any, tokenizer: Any, items: EvalItems, env: Pr
     (HF engine, same batch size, greedy): per item the reward of the trajectory plus the environment's own, correct
     where that is >= 1 (the rule reward's 0/1 on the final answer). Length, entropy and KL count the policy's
     tokens only (:func:`trajectory_statistics`)."""
-    from rlhf_core.rollout.environments import rollout_with_environment, tool_conversations
-    from rlhf_core.rollout.engine import HFGenerateEngine, SamplingParams
-
     labels = [None if y is None else str(y) for y in items.labels]
     # chat mode renders tool turns into the conversations, as the stage's eval does
     conversations = tool_conversations(env.tool_messages, tokenizer, items.examples, items.source, env.prompt_field)

@@ -30,7 +30,7 @@ def load_reward_model(path: str | Path, device: torch.device | None = None, dtyp
     """A scalar-head model from an HF directory (a trained reward model, or an LM to start one from),
     its parameters in ``dtype`` and its attention as ``attention`` says (see
     :func:`rlhf_core.models.loading.load_causal_lm`)."""
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification  # lazy: transformers (~1 s; with a model only)
 
     path = Path(path)
     if not (path / "config.json").exists():

@@ -49,6 +49,7 @@ from starlette.concurrency import run_in_threadpool
 from rlhf_core.common.atomic_io import write_text_atomic
 from rlhf_core.common.bounded_http import loads_strict
 from rlhf_core.common.redact import register_secret
+from rlhf_core.rewards.sources import RewardModelSource
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_MAX_ITEMS = 4096
@@ -197,9 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         register_secret(token)
 
-    import uvicorn
-
-    from rlhf_core.rewards.sources import RewardModelSource
+    import uvicorn  # lazy: uvicorn (the reward server only)
 
     source = RewardModelSource(args.model, device=args.device, batch_size=args.batch_size)
     # Bind before announcing: with --port 0 only the bound socket knows its port, and a

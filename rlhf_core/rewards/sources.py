@@ -42,6 +42,8 @@ import torch
 from rlhf_core.common.redact import redact_secrets, register_secret, register_url_secrets
 from rlhf_core.common.shown import shown
 from rlhf_core.config.choices import RewardKind  # re-exported: users' reward files and the configs name it
+from rlhf_core.models.loading import load_tokenizer
+from rlhf_core.rewards.model import load_reward_model, score
 
 
 class RewardError(RuntimeError):
@@ -102,9 +104,6 @@ class RewardModelSource:
 
     def __init__(self, path: str | Path, device: torch.device | str | None = None, batch_size: int = 64,
                  max_length: int = 256, attention: str = "auto"):
-        from rlhf_core.models.loading import load_tokenizer
-        from rlhf_core.rewards.model import load_reward_model
-
         self.path = Path(path)
         self.model = load_reward_model(self.path, torch.device(device) if isinstance(device, str) else device,
                                        attention=attention)
@@ -117,8 +116,6 @@ class RewardModelSource:
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str],
                  labels: Sequence[str | None]) -> list[float]:
-        from rlhf_core.rewards.model import score
-
         _check_inputs(self.name, prompts, completions, labels)
         if not prompts:
             return []
@@ -410,9 +407,9 @@ class HttpRewardSource:
     def _post(self, body: dict[str, Any], where: str, timeout: float) -> bytes:
         """One POST, all of it within ``timeout``: the 200 reply's body (at most ``max_response_bytes``),
         :class:`_Retry` for a transient failure, :class:`RewardError` otherwise."""
-        import requests
+        import requests  # lazy: requests (HTTP rewards only)
 
-        from rlhf_core.common.bounded_http import Deadline, deadline_session
+        from rlhf_core.common.bounded_http import Deadline, deadline_session  # lazy: requests (HTTP rewards only)
 
         if self._session is None:
             self._session = deadline_session()
@@ -437,7 +434,7 @@ class HttpRewardSource:
 
     def _read_reply(self, reply: Any, where: str, deadline: Any) -> bytes:
         """The body of a 200 ``reply``, or the error its status or size calls for (see :meth:`_post`)."""
-        from rlhf_core.common.bounded_http import ReplyTooLarge, read_capped
+        from rlhf_core.common.bounded_http import ReplyTooLarge, read_capped  # lazy: requests (HTTP rewards only)
 
         code = reply.status_code
         if code == 429:
@@ -478,7 +475,7 @@ class HttpRewardSource:
 def _loads(data: bytes, where: str) -> Any:
     """A reply body as strict JSON (:func:`rlhf_core.common.bounded_http.loads_strict`), else a :class:`RewardError`
     saying why, with a redacted excerpt."""
-    from rlhf_core.common.bounded_http import loads_strict
+    from rlhf_core.common.bounded_http import loads_strict  # lazy: requests (HTTP rewards only)
 
     try:
         return loads_strict(data)

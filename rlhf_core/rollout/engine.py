@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Protocol, Sequence, runtime_checkable
@@ -29,6 +30,7 @@ from typing import Any, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 import torch
 
 from rlhf_core.data.tokenize import encode_prompt
+from rlhf_core.models.loading import copy_adapters, load_causal_lm
 
 
 @dataclass(frozen=True)
@@ -238,7 +240,7 @@ def _plain_generation_config(model: Any, eos_id: int, pad_id: int) -> Iterator[N
     ``repetition_penalty=1.05`` would silently sample from a distribution other than
     ``softmax(logits / T)`` and break the log-prob contract above.
     """
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # lazy: transformers (~1 s; generation only)
 
     saved = model.generation_config
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
@@ -325,8 +327,6 @@ class HFGenerateEngine:
         self.autocast_dtype = autocast_dtype
         self.sampler = None
         if autocast_dtype is not None and next(model.parameters()).dtype != autocast_dtype:
-            import copy
-
             self.sampler = copy.deepcopy(model).to(autocast_dtype).eval().requires_grad_(False)
 
     @property
@@ -344,12 +344,9 @@ class HFGenerateEngine:
                         mine.copy_(theirs)
             return
         if isinstance(weights, (str, Path)):
-            from rlhf_core.models.loading import load_causal_lm
-
             weights = load_causal_lm(weights, torch.device("cpu"))
         if isinstance(weights, torch.nn.Module):
             weights = weights.state_dict()
-        from rlhf_core.models.loading import copy_adapters
 
         if not copy_adapters(self.model, weights):  # not a LoRA policy's adapters alone: the whole weights
             self.model.load_state_dict(weights, strict=True)
@@ -416,9 +413,9 @@ class HFGenerateEngine:
     def _generate_chunk(self, encoded: Sequence[list[int]], params: SamplingParams,
                         device: torch.device) -> tuple[torch.Tensor, ...]:
         """Prompt ids/mask, response ids/mask and log-probs of one batch, each ``(rows * n, L)`` on the CPU."""
-        from transformers import LogitsProcessorList
-        from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                            TopPLogitsWarper)
+        from transformers import LogitsProcessorList  # lazy: transformers (~1 s; generation only)
+        from transformers.generation.logits_process import (  # lazy: transformers (~1 s; generation only)
+            TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         ids, mask = _left_pad(encoded, pad)

@@ -48,10 +48,16 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 import torch
 
 from rlhf_core.common.redact import redact_secrets
+from rlhf_core.data.chat import PLAIN_CHAT_TEMPLATE, render_chat
+from rlhf_core.data.formats import is_conversational, prompt_text, read_prompt_examples
+from rlhf_core.data.io import DataError, read_records
+from rlhf_core.data.tokenize import encode_prompt
+from rlhf_core.embedded.tasks import parse_prompt
 from rlhf_core.rewards.sources import DEFAULT_MAX_RESPONSE_BYTES, HttpRewardSource, RewardError, load_function
-from rlhf_core.rollout.engine import RolloutBatch, SamplingParams, _left_pad
+from rlhf_core.rollout.engine import HFGenerateEngine, RolloutBatch, SamplingParams, _left_pad
 from rlhf_core.common.shown import shown, shown_error
 from rlhf_core.config.choices import ToolMessages  # re-exported: rl.environment.tool_messages's values, dispatched here
+from rlhf_core.rollout.evaluate import accuracy_with_stderr
 
 log = logging.getLogger(__name__)
 
@@ -210,8 +216,6 @@ def tool_turn_text(tokenizer: Any, history: Sequence[dict[str, Any]], assistant:
     turn holds no eos or the template is not prefix-stable (a later message re-renders an earlier one), and
     :class:`rlhf_core.data.chat.ChatTemplateError` (a ValueError) where rendering fails.
     """
-    from rlhf_core.data.chat import render_chat
-
     head = render_chat(tokenizer, list(history), True)
     turn = [*history, {"role": "assistant", "content": assistant}]
     upto = render_chat(tokenizer, turn, False)
@@ -242,10 +246,6 @@ def tool_conversations(mode: str, tokenizer: Any, examples: Sequence[Any], path:
     is checked here, before any rollout, by rendering one tool turn after the first prompt
     (:func:`tool_turn_text`): an error for ``chat``; for ``auto``, text and a warning saying why.
     """
-    from rlhf_core.data.formats import is_conversational
-    from rlhf_core.data.io import DataError
-    from rlhf_core.data.chat import PLAIN_CHAT_TEMPLATE
-
     chosen = ToolMessages(mode)
     text = next((e for e in examples if not is_conversational(e.prompt)), None)
     own = getattr(tokenizer, "chat_template", None)
@@ -368,8 +368,6 @@ def _start_trajectories(tokenizer: Any, prompts: Sequence[str], labels: Sequence
                         make_env: Callable[[], Environment],
                         conversations: Sequence[Sequence[dict[str, Any]]] | None) -> list[_Trajectory]:
     """``n`` trajectories per prompt, each with a fresh environment reset on the prompt and its label."""
-    from rlhf_core.data.tokenize import encode_prompt
-
     if conversations is not None and len(conversations) != len(prompts):
         raise ValueError(f"rollout_with_environment: {len(conversations)} conversations for {len(prompts)} prompts")
     rows: list[_Trajectory] = []
@@ -481,12 +479,6 @@ def evaluate_with_environment(model: Any, tokenizer: Any, eval_file: str, make_e
     task (``eval/accuracy_arithmetic_tool``), ``eval/tool_call_rate`` (share of items with at least one tool
     call) and ``eval/tool_calls_mean``; also the first trajectories (:func:`trajectory_rows`).
     """
-    from rlhf_core.data.formats import prompt_text, read_prompt_examples
-    from rlhf_core.data.io import read_records
-    from rlhf_core.rollout.evaluate import accuracy_with_stderr
-    from rlhf_core.rollout.engine import HFGenerateEngine
-    from rlhf_core.embedded.tasks import parse_prompt
-
     examples = read_prompt_examples(read_records(eval_file, limit=max_items), eval_file, prompt_field=prompt_field,
                                     label_field=label_field)
     conversations = tool_conversations(tool_messages, tokenizer, examples, eval_file, prompt_field)

@@ -22,6 +22,7 @@ from rlhf_core.data.io import DataError, read_records
 from rlhf_core.data.tokenize import encode_prompt
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer, pick_device
 from rlhf_core.embedded.tasks import normalize_completion, rule_reward, write_jsonl
+from rlhf_core.rewards.model import load_reward_model, score
 
 
 @dataclass
@@ -75,7 +76,6 @@ def _score(cfg: RejectionConfig, examples: list[PromptExample], prompts: list[st
     if cfg.scorer == "rule":
         labels = [str(e.label) for e in examples for _ in range(k)]
         return rule_reward([p for p in prompts for _ in range(k)], flat, labels)
-    from rlhf_core.rewards.model import load_reward_model, score
 
     rm = load_reward_model(cfg.reward_model_path, device)
     rm_tokenizer = load_tokenizer(cfg.reward_model_path)

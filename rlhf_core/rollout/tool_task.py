@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from rlhf_core.common.atomic_io import write_text_atomic
 from rlhf_core.config import ToolEvalConfig, ToolGenerateConfig, load_config
 from rlhf_core.embedded.tasks import (
     Problem,
@@ -87,7 +88,7 @@ class CalculatorEnv:
         del prompt, label
 
     def step(self, action: str) -> Any:
-        from rlhf_core.rollout.environments import StepResult
+        from rlhf_core.rollout.environments import StepResult  # lazy: torch (the generate command needs no model)
 
         call = action.rsplit(CALL_OPEN, 1)[-1].removesuffix(CALL_CLOSE)
         match = _EXPR_RE.match(call)
@@ -151,11 +152,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not args.model or not args.out:
         parser.error("evaluate needs --model and --out")
-    import torch
+    import torch  # lazy: torch (the generate command needs no model)
 
-    from rlhf_core.common.atomic_io import write_text_atomic
-    from rlhf_core.rollout.environments import evaluate_with_environment
-    from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+    from rlhf_core.rollout.environments import (  # lazy: torch (the generate command needs no model)
+        evaluate_with_environment)
+    from rlhf_core.models.loading import (  # lazy: torch (the generate command needs no model)
+        load_causal_lm, load_tokenizer)
 
     cfg = load_config(ToolEvalConfig, "tool_evaluate", args.params)
     torch.set_num_threads(cfg.num_threads)

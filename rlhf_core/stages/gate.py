@@ -9,13 +9,18 @@ a training stage, and ``validate``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 from rlhf_core.common.atomic_io import write_text_atomic
 from rlhf_core.config import DataFields, DataReportConfig, config_to_dict
+from rlhf_core.data import io, quality, report as reporter, streaming, validate as validator
+from rlhf_core.data.report import data_report
+from rlhf_core.data.validate import ValidationFailed, eval_kind
 from rlhf_core.tracking.lineage import dvc_md5
+from rlhf_core.tracking.mlflow_runs import project_root
 from rlhf_core.tracking.stage_run import log_report_files
 
 
@@ -33,11 +38,6 @@ GATE_KINDS = {"sft_train": "sft", "distill_train": "sft", "kept_samples": "sft",
 def _gate_key(path: str | Path, kind: str, fields: DataFields, desirable_field: str | None = None) -> str:
     """What a passed validation depends on: the file's content, the kind, the field names, the size
     limits and the validator's own code (a changed suite must not trust old passes)."""
-    import hashlib
-
-    from rlhf_core.data import io, streaming
-    from rlhf_core.data import validate as validator
-
     limits = ("max_field_chars", "max_line_bytes")
     names = {f: getattr(fields, f) for f in DataFields.__dataclass_fields__ if f not in limits}
     if kind == "unpaired":  # only this kind reads it; other kinds keep their keys
@@ -49,8 +49,6 @@ def _gate_key(path: str | Path, kind: str, fields: DataFields, desirable_field: 
 
 
 def _gate_record(path: str | Path, kind: str, fields: DataFields, desirable_field: str | None = None) -> Path:
-    from rlhf_core.tracking.mlflow_runs import project_root
-
     return project_root() / ".alignflow" / "validated" / f"{_gate_key(path, kind, fields, desirable_field)}.json"
 
 
@@ -68,13 +66,11 @@ def gate_datasets(fields: DataFields, datasets: dict[str, tuple[str, str]],
     A file that already passed — same content, kind, fields and validator code, recorded under
     ``.alignflow/validated/`` by :func:`rlhf_core.stages.wrappers.validate` or an earlier gate — is not validated again (in
     a flow or ``dvc repro`` the validate step just did it). ``kinds`` overrides :data:`GATE_KINDS` by name."""
-    from rlhf_core.data.validate import ValidationFailed, validate_dataset
-
     for name, (path, _) in datasets.items():
         kind = (kinds or {}).get(name) or GATE_KINDS.get(name)
         if kind is None or not path or _gate_record(path, kind, fields).exists():
             continue
-        report = validate_dataset(path, kind, fields)
+        report = validator.validate_dataset(path, kind, fields)  # looked up per call: a test wraps it
         if not report.success:
             raise ValidationFailed(report)
         remember_pass(path, kind, fields, report.n_rows)
@@ -83,11 +79,6 @@ def gate_datasets(fields: DataFields, datasets: dict[str, tuple[str, str]],
 def _report_key(path: str | Path, kind: str, fields: DataFields, cfg: DataReportConfig, eval_file: str) -> str:
     """What a passed data report depends on: the gate's key (file content, kind, fields, validator code),
     the thresholds, the eval set's content and the report's own code (changed checks must not trust old passes)."""
-    import hashlib
-
-    from rlhf_core.data import quality
-    from rlhf_core.data import report as reporter
-
     code = [hashlib.sha256(Path(m.__file__).read_bytes()).hexdigest() for m in (reporter, quality)]
     blob = json.dumps({"gate": _gate_key(path, kind, fields), "thresholds": config_to_dict(cfg),
                        "eval_md5": dvc_md5(eval_file) if eval_file else None, "report": code}, sort_keys=True)
@@ -104,10 +95,6 @@ def report_datasets(fields: DataFields, datasets: dict[str, tuple[str, str]], ki
     A passed report is kept under ``.alignflow/data_reports/`` keyed on :func:`_report_key` (as the gate's
     passes are), so a repeated stage reads it instead of running the report again. No drift check here:
     a stage command has no previous cycle to compare with."""
-    from rlhf_core.data.report import data_report
-    from rlhf_core.data.validate import ValidationFailed
-    from rlhf_core.tracking.mlflow_runs import project_root
-
     out: dict[str, dict[str, Any]] = {}
     for name, (path, context) in datasets.items():
         kind = (kinds or {}).get(name) or GATE_KINDS.get(name)
@@ -130,9 +117,6 @@ def data_report_of(path: str | Path, kind: str, fields: DataFields | None, cfg: 
                  eval_file: str | None, previous: dict[str, float] | None, run: Any, parent_run_id: str | None,
                  name: str) -> dict[str, float]:
     """Run the data report, log its page, JSON and rates; raise ``ValidationFailed`` if it fails."""
-    from rlhf_core.data.report import data_report
-    from rlhf_core.data.validate import ValidationFailed
-
     report = data_report(path, kind, cfg, fields, eval_file, previous)
     if run is not None:
         runs = [run] + ([type(run)(run.client, parent_run_id)] if parent_run_id and hasattr(run, "client") else [])
@@ -153,8 +137,6 @@ def gate_inputs(cfg: Any, datasets: dict[str, tuple[str, str]], gate_kinds: dict
     (:func:`rlhf_core.data.validate.eval_kind`; a mix is a ``DataError`` naming file, line and field)."""
     kinds = dict(gate_kinds or {})
     if datasets.get("eval", ("", ""))[0] and "eval" not in kinds:  # labelled, or not at all (a mix: DataError)
-        from rlhf_core.data.validate import eval_kind
-
         kinds["eval"] = eval_kind(datasets["eval"][0], cfg.label_field)
     gate_datasets(cfg, datasets, kinds)
     return (report_datasets(cfg, datasets, kinds, data_report, getattr(cfg, "eval_file", "") or "")

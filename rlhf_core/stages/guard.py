@@ -10,17 +10,23 @@ registered.
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 from typing import Any
 
+from rlhf_core.common.redact import redact_secrets
 from rlhf_core.config import GuardsConfig
+from rlhf_core.promotion.guards import check_guards, gate
+from rlhf_core.promotion.metric_command import pair_scores, read_scores, run_metric_command
 from rlhf_core.tracking.lineage import dvc_md5
+from rlhf_core.tracking.mlflow_runs import project_root
 
 
 def _reward_for_guards(stage: str, cfg: Any, guards: GuardsConfig, device: Any) -> tuple[Any, Any]:
     """The held-out reward and its identity (a cache key part; None: never cache): rl's own reward (model,
     function or server), else the reward model of ``guards.reward_model_path`` when that folder exists."""
-    from rlhf_core.rewards.sources import RewardKind, build_reward_source, resolve_reward_file
+    from rlhf_core.rewards.sources import (  # lazy: torch (light `alignflow validate`)
+        RewardKind, build_reward_source, resolve_reward_file)
 
     if stage == "rl":
         kind = RewardKind(cfg.reward.kind)
@@ -31,7 +37,7 @@ def _reward_for_guards(stage: str, cfg: Any, guards: GuardsConfig, device: Any) 
             ident = {"function": dvc_md5(resolve_reward_file(file)), "name": fn}
         else:
             ident = None  # a server's answers may change: never cache them
-        from rlhf_core.trainers.rl_parts import reward_source_for
+        from rlhf_core.trainers.rl_parts import reward_source_for  # lazy: torch (light `alignflow validate`)
 
         return reward_source_for(cfg, kind, device), ident
     if guards.reward_model_path and Path(guards.reward_model_path).is_dir():
@@ -52,10 +58,8 @@ def check_stage_guards(stage: str, cfg: Any, child_dir: Path, guards: GuardsConf
     an environment (``rl.environment.spec``) is probed multi-turn with it, as its own eval answers
     (:func:`_probe_environment`; tag ``guard.probe``). With ``guards.gate_metric: command`` the user's metric command scores both models first
     (:func:`_metric_command_scores`); any fault there fails the stage before its model is registered."""
-    from rlhf_core.promotion.probe import read_eval_items
-    from rlhf_core.promotion.guards import check_guards, gate
-    from rlhf_core.models.loading import load_tokenizer, pick_device
-    from rlhf_core.common.redact import redact_secrets
+    from rlhf_core.promotion.probe import read_eval_items  # lazy: torch (light `alignflow validate`)
+    from rlhf_core.models.loading import load_tokenizer, pick_device  # lazy: torch (light `alignflow validate`)
 
     metric = _metric_command_scores(cfg, guards, child_dir, run) if guards.gate_metric == "command" else None
     device = pick_device()
@@ -96,9 +100,9 @@ def check_stage_guards(stage: str, cfg: Any, child_dir: Path, guards: GuardsConf
 def _probe_environment(stage: str, cfg: Any) -> Any:
     """The multi-turn probe setting of an rl stage with an environment (the environment, turn limit and token
     budgets of its own eval, :func:`rlhf_core.rollout.environments.evaluate_with_environment`), else None (single-turn)."""
-    from rlhf_core.rollout.environments import environment_factory
-    from rlhf_core.promotion.probe import ProbeEnvironment
-    from rlhf_core.rewards.sources import resolve_reward_file
+    from rlhf_core.rollout.environments import environment_factory  # lazy: torch (light `alignflow validate`)
+    from rlhf_core.promotion.probe import ProbeEnvironment  # lazy: torch (light `alignflow validate`)
+    from rlhf_core.rewards.sources import resolve_reward_file  # lazy: torch (light `alignflow validate`)
 
     if stage != "rl" or not cfg.environment.spec:
         return None
@@ -137,9 +141,9 @@ def _probe_parent(cfg: Any, guards: GuardsConfig, items: Any, reward_fn: Any, re
     """The parent's probe record and answers: from the cache under ``.alignflow/probes/`` when there (never for a
     reward or an environment without an identity, a server), else answered now (multi-turn with ``env`` when
     given) and cached."""
-    from rlhf_core.promotion.probe import load_cached, probe, probe_key, probe_with_environment, save_cached
-    from rlhf_core.models.loading import load_causal_lm, load_tokenizer
-    from rlhf_core.tracking.mlflow_runs import project_root
+    from rlhf_core.promotion.probe import (  # lazy: torch (light `alignflow validate`)
+        load_cached, probe, probe_key, probe_with_environment, save_cached)
+    from rlhf_core.models.loading import load_causal_lm, load_tokenizer  # lazy: torch (light `alignflow validate`)
 
     parent_dir = Path(cfg.model_path)
     settings = _probe_settings(cfg, guards, reward_id, env)
@@ -165,8 +169,9 @@ def _probe_child(cfg: Any, child_dir: Path, tokenizer: Any, items: Any, reward_f
     """The trained model's probe record (KL against ``cfg.ref_model_path``, else the parent) and answers; the
     stage's final-eval answers stand in for generating them again when they match (tag ``guard.child_answers``).
     With ``env`` the child answers multi-turn, afresh (the stage's eval keeps only its first trajectories)."""
-    from rlhf_core.promotion.probe import probe, probe_with_environment, reusable_answers
-    from rlhf_core.models.loading import load_causal_lm
+    from rlhf_core.promotion.probe import (  # lazy: torch (light `alignflow validate`)
+        probe, probe_with_environment, reusable_answers)
+    from rlhf_core.models.loading import load_causal_lm  # lazy: torch (light `alignflow validate`)
 
     reference_dir = Path(getattr(cfg, "ref_model_path", "") or cfg.model_path)
     child_model = load_causal_lm(child_dir, device)
@@ -194,11 +199,7 @@ def _metric_command_scores(cfg: Any, guards: GuardsConfig, child_dir: Path,
     """``guards.metric_command``'s per-item scores of the parent (cached on its md5, the eval file's, the command
     and the md5 of each existing file the command names) and of the child, paired by id
     (:mod:`rlhf_core.promotion.metric_command`); the pairs go to the run as ``guards/metric_scores.json``."""
-    import shlex
-
-    from rlhf_core.promotion.probe import probe_key
-    from rlhf_core.promotion.metric_command import pair_scores, read_scores, run_metric_command
-    from rlhf_core.tracking.mlflow_runs import project_root
+    from rlhf_core.promotion.probe import probe_key  # lazy: torch (light `alignflow validate`)
 
     root, parent_dir = project_root(), Path(cfg.model_path)
     named = sorted({t for t in shlex.split(guards.metric_command) if "{" not in t and (root / t).is_file()})

@@ -9,8 +9,10 @@ paths and hashes — never tensors or models — so orchestration layers stay th
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,8 +38,12 @@ from rlhf_core.config import (
     TrackingConfig,
     config_params,
 )
+from rlhf_core.data.formats import plain_text
+from rlhf_core.data.io import read_records
+from rlhf_core.data.validate import ValidationFailed, prompts_kind, validate_dataset
 from rlhf_core.tracking.lineage import dvc_md5, lineage_tags, use_hash_cache
-from rlhf_core.tracking.stage_run import maybe_run
+from rlhf_core.tracking.mlflow_runs import start_run
+from rlhf_core.tracking.stage_run import maybe_run, open_stage_run
 
 RENDERED_EXAMPLES = "samples/rendered_examples.json"
 """A training stage's first sequences as its model saw them (chat template and all), with the spans that
@@ -76,9 +82,10 @@ def _write_json_atomic(obj: Any, path: str | Path) -> Path:
 def generate(cfg: GenerateConfig, tracking: TrackingConfig | None = None,
              parent_run_id: str | None = None) -> StageResult:
     """Write the embedded task's datasets (deterministic in ``cfg.seed``)."""
-    _use_tracking(tracking)
-    from rlhf_core.embedded.tasks import ProblemSpace, generate_datasets
+    from rlhf_core.embedded.tasks import (  # lazy: dispatch (keeps each stage's DVC deps its own)
+        ProblemSpace, generate_datasets)
 
+    _use_tracking(tracking)
     # The config carries every ProblemSpace field under the same name (plus sizes and seed).
     space = ProblemSpace(**{name: getattr(cfg, name) for name in ProblemSpace.__dataclass_fields__})
     paths = generate_datasets(Path(cfg.out_dir), seed=cfg.seed, n_sft=cfg.n_sft, n_preference=cfg.n_preference,
@@ -106,13 +113,10 @@ def init_model(cfg: ModelConfig, tracking: TrackingConfig | None = None,
     previous model moved aside and removed only after (``checkpoint.replace_dir``): a crash at
     any point leaves the old model or the new one, never none and never half of one.
     """
-    import tempfile
-
-    from rlhf_core.tracking.checkpoint import fsync_tree, replace_dir, storage_guard, sweep_temps, temp_sibling
-    from rlhf_core.data.io import read_records
-    from rlhf_core.embedded.tiny_model import build_tiny_model, count_parameters, train_tokenizer
-
-    from rlhf_core.data.formats import plain_text
+    from rlhf_core.tracking.checkpoint import (  # lazy: torch (light `alignflow validate`)
+        fsync_tree, replace_dir, storage_guard, sweep_temps, temp_sibling)
+    from rlhf_core.embedded.tiny_model import (  # lazy: dispatch (keeps each stage's DVC deps its own)
+        build_tiny_model, count_parameters, train_tokenizer)
 
     _use_tracking(tracking)
     # A conversational file's words, not the reprs of its message lists.
@@ -169,8 +173,8 @@ def validate(path: str | Path, kind: str, fields: DataFields | None = None,
     parent run too with ``report_to_parent``, a cycle's own run), and a failed check raises
     ``ValidationFailed`` with its report. ``report_file`` keeps the gate's report alone.
     """
-    from rlhf_core.data.validate import ValidationFailed, validate_dataset
-    from rlhf_core.stages.gate import data_report_of, remember_pass
+    from rlhf_core.stages.gate import (  # lazy: dispatch (keeps each stage's DVC deps its own)
+        data_report_of, remember_pass)
 
     _use_tracking(tracking)
     with maybe_run(tracking, f"validate-{name or kind}", parent_run_id,
@@ -195,13 +199,11 @@ def validate(path: str | Path, kind: str, fields: DataFields | None = None,
 def _launcher(train_fn: Any, cfg: Any) -> Any:
     """``train_fn`` itself, or the Ray launcher that runs it on several workers / role actors."""
     if getattr(getattr(cfg, "distribution", None), "placement", "none") != "none":
-        from rlhf_core.trainers.rl_on_ray import train_rl_on_ray
+        from rlhf_core.trainers.rl_on_ray import train_rl_on_ray  # lazy: ray (multi-worker runs only)
 
         return train_rl_on_ray
     if cfg.num_workers > 1:
-        import functools
-
-        from rlhf_core.trainers.ray_launcher import train_data_parallel
+        from rlhf_core.trainers.ray_launcher import train_data_parallel  # lazy: ray (multi-worker runs only)
 
         return functools.partial(train_data_parallel, train_fn)
     return train_fn
@@ -230,8 +232,7 @@ def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: s
     saved output instead of training again (:func:`rlhf_core.trainers.loop.run_checkpointed`), and the
     retry continues the same MLflow run, which registers one model version.
     """
-    from rlhf_core.stages.gate import gate_inputs
-    from rlhf_core.tracking.stage_run import open_stage_run
+    from rlhf_core.stages.gate import gate_inputs  # lazy: dispatch (keeps each stage's DVC deps its own)
 
     arm_stack_dumps(cfg.stack_dump_s)
     _use_tracking(tracking)
@@ -239,7 +240,8 @@ def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: s
     with open_stage_run(tracking, name, parent_run_id, cfg, datasets, extra_inputs, reports) as run:
         result, out_md5 = _train(name, cfg, train_fn, run, show_progress)
         if guards is not None and guards.enabled and getattr(cfg, "eval_file", ""):
-            from rlhf_core.stages.guard import check_stage_guards
+            from rlhf_core.stages.guard import (  # lazy: dispatch (keeps each stage's DVC deps its own)
+                check_stage_guards)
 
             result.metrics.update(check_stage_guards(name, cfg, Path(result.output_dir), guards, run,
                                                      getattr(result, "eval_answers", None)))
@@ -251,7 +253,7 @@ def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: s
 def _train(name: str, cfg: Any, train_fn: Any, run: Any, show_progress: bool) -> tuple[Any, str]:
     """The trainer (in this process or through the Ray launcher), its curves and output recorded into ``run``;
     returns its result and the output model's md5."""
-    from rlhf_core.tracking.plots import RecordingSink
+    from rlhf_core.tracking.plots import RecordingSink  # lazy: dispatch (keeps each stage's DVC deps its own)
 
     sink = RecordingSink(run)
     result = _launcher(train_fn, cfg)(cfg, sink=sink, show_progress=show_progress)
@@ -261,12 +263,12 @@ def _train(name: str, cfg: Any, train_fn: Any, run: Any, show_progress: bool) ->
 def _record_training(run: Any, title: str, result: Any, history: Any) -> str:
     """Log what the trainer left to ``run``: its curves (``history``: the sink's; ``title`` above them), eval samples
     and rendered examples; tag and return the output model's md5."""
-    from rlhf_core.tracking.plots import curves_figure
+    from rlhf_core.tracking.plots import curves_figure  # lazy: dispatch (keeps each stage's DVC deps its own)
 
     figure = curves_figure(history, title)
     if figure is not None and hasattr(run, "log_figure"):
         run.log_figure(figure, "curves.png")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # lazy: matplotlib (only when curves are drawn)
 
         plt.close(figure)
     if getattr(result, "eval_samples", None):
@@ -282,8 +284,8 @@ def _register(name: str, cfg: Any, run: Any, result: Any, register_as: str | Non
               metrics_file: str | Path | None) -> str | None:
     """The model registered (``register_as``), the metrics file written, then the checkpoints cleared; returns
     the registered model's URI."""
-    from rlhf_core.tracking.checkpoint import clear_checkpoints
-    from rlhf_core.trainers.loop import inject_fault
+    from rlhf_core.tracking.checkpoint import clear_checkpoints  # lazy: torch (light `alignflow validate`)
+    from rlhf_core.trainers.loop import inject_fault  # lazy: torch (light `alignflow validate`)
 
     inject_fault(name, "tracking")  # test hook (ALIGNFLOW_FAULT=<stage>:tracking): saved, not yet registered
     model_uri = run.log_hf_model(result.output_dir, register_as) if register_as else None
@@ -303,7 +305,7 @@ def sft(cfg: SFTConfig, tracking: TrackingConfig, parent_run_id: str | None = No
         metrics_file: str | Path | None = None, show_progress: bool = True,
         data_report: DataReportConfig | None = None) -> StageResult:
     """Supervised fine-tuning, tracked with lineage; the model is logged and registered."""
-    from rlhf_core.trainers.sft import train_sft
+    from rlhf_core.trainers.sft import train_sft  # lazy: torch (light `alignflow validate`)
 
     return _train_stage("sft", cfg, tracking, parent_run_id, train_fn=train_sft,
                         datasets={"sft_train": (cfg.train_file, "training"), "eval": (cfg.eval_file, "evaluation")},
@@ -316,7 +318,7 @@ def dpo(cfg: DPOConfig, tracking: TrackingConfig, parent_run_id: str | None = No
         guards: GuardsConfig | None = None,
         data_report: DataReportConfig | None = None) -> StageResult:
     """DPO/IPO/cDPO on preference pairs, tracked with lineage."""
-    from rlhf_core.trainers.dpo import train_dpo
+    from rlhf_core.trainers.dpo import train_dpo  # lazy: torch (light `alignflow validate`)
 
     return _train_stage("dpo", cfg, tracking, parent_run_id, train_fn=train_dpo,
                         datasets={"preferences": (cfg.train_file, "training"),
@@ -328,7 +330,7 @@ def reward(cfg: RewardConfig, tracking: TrackingConfig, parent_run_id: str | Non
            metrics_file: str | Path | None = None, show_progress: bool = True,
         data_report: DataReportConfig | None = None) -> StageResult:
     """Reward-model training, tracked with lineage; held-out pairwise accuracy and margin."""
-    from rlhf_core.trainers.reward import train_reward_model
+    from rlhf_core.trainers.reward import train_reward_model  # lazy: torch (light `alignflow validate`)
 
     datasets = {"preferences": (cfg.train_file, "training")}
     if cfg.eval_file:
@@ -342,7 +344,7 @@ def kto(cfg: KTOConfig, tracking: TrackingConfig, parent_run_id: str | None = No
         guards: GuardsConfig | None = None,
         data_report: DataReportConfig | None = None) -> StageResult:
     """KTO on unpaired (or split preference) examples, tracked with lineage."""
-    from rlhf_core.trainers.kto import train_kto
+    from rlhf_core.trainers.kto import train_kto  # lazy: torch (light `alignflow validate`)
 
     return _train_stage("kto", cfg, tracking, parent_run_id, train_fn=train_kto,
                         datasets={"kto_train": (cfg.train_file, "training"), "eval": (cfg.eval_file, "evaluation")},
@@ -355,7 +357,7 @@ def distill(cfg: DistillConfig, tracking: TrackingConfig, parent_run_id: str | N
         guards: GuardsConfig | None = None,
         data_report: DataReportConfig | None = None) -> StageResult:
     """Knowledge distillation from ``cfg.teacher_path``, tracked with lineage (the teacher is an input)."""
-    from rlhf_core.trainers.distill import train_distill
+    from rlhf_core.trainers.distill import train_distill  # lazy: torch (light `alignflow validate`)
 
     return _train_stage("distill", cfg, tracking, parent_run_id, train_fn=train_distill,
                         datasets={"distill_train": (cfg.train_file, "training"),
@@ -369,7 +371,7 @@ def raft(cfg: RaftConfig, tracking: TrackingConfig, parent_run_id: str | None = 
         guards: GuardsConfig | None = None,
         data_report: DataReportConfig | None = None) -> StageResult:
     """SFT of the policy on its own kept best-of-n samples (one RAFT round), tracked with lineage."""
-    from rlhf_core.trainers.sft import train_sft
+    from rlhf_core.trainers.sft import train_sft  # lazy: torch (light `alignflow validate`)
 
     return _train_stage("raft", cfg, tracking, parent_run_id, train_fn=train_sft,
                         datasets={"kept_samples": (cfg.train_file, "training"),
@@ -388,9 +390,8 @@ def rl(cfg: RLConfig, tracking: TrackingConfig, parent_run_id: str | None = None
     that reads them (:attr:`RewardKind.reads_labels`); the eval file has a label on every item (exact match) or
     on none (no accuracy: ``eval/reward_model_score`` and the guards' reward gate, see :func:`_train_stage`).
     """
-    from rlhf_core.data.validate import prompts_kind
-    from rlhf_core.rewards.sources import RewardKind
-    from rlhf_core.trainers.rl import train_rl
+    from rlhf_core.rewards.sources import RewardKind  # lazy: torch (light `alignflow validate`)
+    from rlhf_core.trainers.rl import train_rl  # lazy: torch (light `alignflow validate`)
 
     extra: dict[str, str] = {}
     if RewardKind(cfg.reward.kind) is RewardKind.MODEL:
@@ -414,8 +415,7 @@ def rl(cfg: RLConfig, tracking: TrackingConfig, parent_run_id: str | None = None
 def rejection(cfg: RejectionConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
               metrics_file: str | Path | None = None, show_progress: bool = True) -> StageResult:
     """Best-of-n sampling scored by the reward model or the rule; writes kept samples and pairs."""
-    from rlhf_core.rollout.rejection import rejection_sample
-    from rlhf_core.tracking.mlflow_runs import start_run
+    from rlhf_core.rollout.rejection import rejection_sample  # lazy: torch (light `alignflow validate`)
 
     _use_tracking(tracking)
     inputs = {"policy": cfg.policy_path, "prompts": cfg.prompts_file}
@@ -442,11 +442,10 @@ def rejection(cfg: RejectionConfig, tracking: TrackingConfig, parent_run_id: str
 def evaluate(cfg: EvalConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
              run_name: str = "evaluate") -> StageResult:
     """Greedy exact-match accuracy of ``cfg.model_path``; writes ``cfg.output_file``."""
-    import torch
+    import torch  # lazy: torch (light `alignflow validate`)
 
-    from rlhf_core.rollout.evaluate import evaluate_exact_match
-    from rlhf_core.models.loading import load_causal_lm, load_tokenizer
-    from rlhf_core.tracking.mlflow_runs import start_run
+    from rlhf_core.rollout.evaluate import evaluate_exact_match  # lazy: torch (light `alignflow validate`)
+    from rlhf_core.models.loading import load_causal_lm, load_tokenizer  # lazy: torch (light `alignflow validate`)
 
     _use_tracking(tracking)
     if not torch.cuda.is_available():

@@ -52,9 +52,13 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
+from filelock import FileLock, Timeout
+from safetensors.torch import load_file
 
 from rlhf_core.common.atomic_io import fsync_path, write_text_atomic
 from rlhf_core.config import config_params
+from rlhf_core.distributed.parallel import assign_weights
+from rlhf_core.rewards.sources import resolve_reward_file
 from rlhf_core.tracking.lineage import core_fingerprint, dvc_md5, file_sha256
 from rlhf_core.tracking.manifest import read_manifest, verify_manifest, write_manifest
 
@@ -118,8 +122,6 @@ def _code_file_signature(spec: str) -> str | None:
     Contents, not stats: the file is small, and an edited reward function must not continue a run
     that was scored by the old one.
     """
-    from rlhf_core.rewards.sources import resolve_reward_file
-
     match = _CODE_SPEC.match(spec)
     if match is None:
         return None
@@ -182,8 +184,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of an HF directory's ``*.safetensors`` files (on the CPU)."""
-    from safetensors.torch import load_file
-
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{directory}: no *.safetensors weights in this checkpoint")
@@ -196,8 +196,6 @@ def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
 def load_weights(model: torch.nn.Module, directory: str | Path) -> None:
     """Load the safetensors weights of an HF directory into a plain (unpartitioned) ``model`` in place;
     a model under a data-parallel strategy loads through ``Strategy.load_weights`` instead."""
-    from rlhf_core.distributed.parallel import assign_weights
-
     assign_weights(model, read_weights(directory), str(directory))
 
 
@@ -476,8 +474,6 @@ class Checkpointer:
         """Own ``root`` for the whole run: a second run of the stage on the same project (another
         flow started at the same time) waits here, and says so, instead of sharing checkpoints.
         Once held, the temp folders of killed runs are swept (no other writer can be using them)."""
-        from filelock import FileLock, Timeout
-
         with storage_guard(self.root, f"{name}: cannot use the checkpoint folder"):
             self.root.mkdir(parents=True, exist_ok=True)
             lock = FileLock(str(self.root / ".lock"))
@@ -507,8 +503,6 @@ def clear_checkpoints(root: str | Path) -> None:
     Under the folder's lock (:meth:`Checkpointer.hold`), taken without waiting: a run of the same stage
     training there now (another flow) keeps its checkpoints, and clears after itself when its stage ends.
     """
-    from filelock import FileLock, Timeout
-
     root = Path(root)
     if not root.is_dir():
         return

@@ -41,6 +41,7 @@ from typing import Any
 
 import rlhf_core
 from rlhf_core.common.atomic_io import write_text_atomic
+from rlhf_core.tracking.mlflow_runs import project_root
 
 log = logging.getLogger(__name__)
 _CHUNK = 1 << 20
@@ -116,7 +117,6 @@ class HashCache:
             return cls(None)
         if setting:
             return cls(Path(setting).expanduser().resolve())
-        from rlhf_core.tracking.mlflow_runs import project_root
 
         return cls(project_root() / ".alignflow" / "hash-cache.json")
 
@@ -160,7 +160,7 @@ class HashCache:
         """Merge this instance's new entries into the cache file (no-op when nothing was hashed)."""
         if self.path is None or not self._new:
             return
-        from filelock import FileLock, Timeout
+        from filelock import FileLock, Timeout  # lazy: filelock (~50 ms; light CLI start)
 
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)

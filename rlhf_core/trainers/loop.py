@@ -15,6 +15,7 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -24,6 +25,10 @@ from typing import Any, Callable, Protocol
 import torch
 from tqdm.auto import tqdm
 
+from rlhf_core.distributed.parallel import World, current_world
+from rlhf_core.tracking.checkpoint import (
+    StorageError, TrainingInterrupted, fsync_tree, replace_dir, rng_state, set_rng_state, sigterm_checkpoints,
+    storage_guard, sweep_temps, temp_sibling)
 from rlhf_core.trainers.step import phase
 
 log = logging.getLogger(__name__)
@@ -161,9 +166,6 @@ def run_checkpointed(plan: LoopPlan, checkpointer: Any, body: TrainingBody, *, s
     of a data-parallel ``world`` runs this; rank 0 alone holds the run's lock, writes checkpoints and
     logs. Evaluation time is kept out of ``perf/train_seconds``.
     """
-    from rlhf_core.tracking.checkpoint import TrainingInterrupted, sigterm_checkpoints
-    from rlhf_core.distributed.parallel import World
-
     world = world or World()
     clock, evals = LoopClock(), _Evaluations(body, sink)
     with checkpointer.hold(plan.name) if world.is_main else nullcontext():
@@ -250,8 +252,6 @@ class _Evaluations:
 def _resume(plan: LoopPlan, checkpointer: Any, body: TrainingBody, sink: MetricSink, evals: _Evaluations,
             world: Any) -> int:
     """Restore the newest checkpoint of this run when ``plan.resume``; returns the first step to run."""
-    from rlhf_core.tracking.checkpoint import set_rng_state
-
     found = checkpointer.latest() if plan.resume else None
     if found is None:
         return 1
@@ -268,8 +268,6 @@ def _resume(plan: LoopPlan, checkpointer: Any, body: TrainingBody, sink: MetricS
 
 def _save(checkpointer: Any, body: TrainingBody, step: int, evals: _Evaluations, world: Any) -> Path | None:
     """Write a checkpoint of ``step`` (the body's state plus the loop's own); None where this rank writes none."""
-    from rlhf_core.tracking.checkpoint import rng_state
-
     rngs = world.gather_to_main(rng_state())  # before the body's collectives: same order on every rank
     written = body.checkpoint()
     if written is None:
@@ -293,8 +291,6 @@ def save_hf_dir(model: Any, tokenizer: Any, out_dir: str | Path, extra: dict[str
     :class:`rlhf_core.tracking.checkpoint.StorageError`. ``extra`` is written as ``alignflow.json`` beside
     the weights (deterministic content only: no timestamps, so DVC md5s repeat).
     """
-    from rlhf_core.tracking.checkpoint import fsync_tree, replace_dir, storage_guard, sweep_temps, temp_sibling
-
     out_dir = Path(out_dir)
     tmp = temp_sibling(out_dir)
     try:
@@ -345,8 +341,6 @@ def preflight_storage(plan: LoopPlan, checkpointer: Any, body: Any) -> None:
     output's parent are writable (a probe file is created and removed) and have free space for
     ``(keep + 1)`` checkpoints (the newest is written before the oldest is pruned; fewer when the run
     saves fewer) and the output, less what this run's folder already holds (a resume replaces it)."""
-    from rlhf_core.tracking.checkpoint import StorageError, storage_guard
-
     needs = body.storage_needs()
     saves = plan.max_steps // plan.save_every if plan.save_every else 1  # 1: a SIGTERM checkpoint
     n_ckpt = min(checkpointer.keep + 1, max(saves, 1))
@@ -396,8 +390,6 @@ def inject_fault(stage: str, step: int | str) -> None:
         return
     only_rank = os.environ.get("ALIGNFLOW_FAULT_RANK")
     if only_rank is not None:
-        from rlhf_core.distributed.parallel import current_world
-
         if current_world().rank != int(only_rank):
             return
     if len(parts) == 3:
@@ -408,8 +400,6 @@ def inject_fault(stage: str, step: int | str) -> None:
         marker.write_text(f"{stage}:{step}\n")
     how = os.environ.get("ALIGNFLOW_FAULT_SIGNAL")
     if how in ("KILL", "STOP"):  # STOP: the process freezes, alive but silent (a hung rank)
-        import signal
-
         os.kill(os.getpid(), signal.SIGKILL if how == "KILL" else signal.SIGSTOP)
     raise InjectedFault(f"{stage}: fault injected after step {step} (ALIGNFLOW_FAULT={spec})")
 

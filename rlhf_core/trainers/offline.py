@@ -16,8 +16,15 @@ from typing import Any, Callable
 
 import torch
 
+from rlhf_core.common.redact import redact_secrets
+from rlhf_core.config import config_to_dict
 from rlhf_core.data.tokenize import group_by_tokens
+from rlhf_core.distributed.parallel import current_world
+from rlhf_core.distributed.strategies import build_strategy
+from rlhf_core.models.loading import (
+    enable_checkpointing, load_causal_lm, merged_model, prepare_for_training, resolve_checkpointing)
 from rlhf_core.models.precision import Precision
+from rlhf_core.tracking.checkpoint import Checkpointer, read_weights, run_fingerprint
 from rlhf_core.trainers.batches import EmptyMicroBatch, MicroBatches, real_tokens
 from rlhf_core.trainers.loop import (LoopClock, LoopPlan, MetricSink, NullSink, Resumable, StorageNeeds,
                                      estimate_state_bytes, run_checkpointed, save_hf_dir)
@@ -29,9 +36,6 @@ log = logging.getLogger(__name__)
 def load_policy_and_reference(cfg: Any, device: torch.device) -> tuple[Any, Any]:
     """The policy a preference trainer trains (``cfg.model_path``, in its precision's load dtype) and the
     frozen reference (``cfg.ref_model_path`` or the policy's start, in the compute dtype, no gradients)."""
-    from rlhf_core.models.loading import load_causal_lm
-    from rlhf_core.models.precision import Precision
-
     precision = Precision.resolve(cfg.precision, device)
     policy = load_causal_lm(cfg.model_path, device, precision.load_dtype, cfg.attention)
     reference = load_causal_lm(cfg.ref_model_path or cfg.model_path, device, precision.weight_dtype, cfg.attention)
@@ -78,9 +82,6 @@ def run_training(
     model is saved with ``lineage`` (plus stage, config and base model) in ``alignflow.json``
     (``before_save()``, if given, runs first and its metrics are added).
     """
-    from rlhf_core.tracking.checkpoint import Checkpointer, run_fingerprint
-    from rlhf_core.distributed.parallel import current_world
-
     world = current_world()
     if not world.is_main:  # every rank runs the loop; rank 0 logs, checkpoints and saves
         sink, show_progress = NullSink(), False
@@ -107,10 +108,6 @@ class _OfflineBody:
                  units_fn: Callable[[Any], int], step_metrics: Callable[[], dict[str, float]] | None,
                  state: dict[str, Resumable], lineage: dict[str, str],
                  before_save: Callable[[], dict[str, float]] | None):
-        from rlhf_core.models.loading import prepare_for_training
-        from rlhf_core.distributed.strategies import build_strategy
-        from rlhf_core.models.precision import Precision
-
         self.cfg, self.name, self.model, self.tokenizer, self.world = cfg, name, model, tokenizer, world
         self.batches, self.loss_fn, self._evaluate, self.units_fn = batches, loss_fn, evaluate, units_fn
         self.step_metrics, self.state, self.lineage, self.before_save = step_metrics, state, lineage, before_save
@@ -132,8 +129,6 @@ class _OfflineBody:
 
     def restore(self, ckpt: Any) -> None:
         """Weights, optimizer, schedule, sampler and counters (on every rank; any world size wrote them)."""
-        from rlhf_core.tracking.checkpoint import read_weights
-
         self.strategy.load_weights(read_weights(ckpt.path), str(ckpt.path))
         self.scheduler.load_state_dict(ckpt.state["scheduler"])
         self.strategy.load_optimizer_state(ckpt.state["optimizer"])
@@ -202,8 +197,6 @@ class _OfflineBody:
     def _decide_checkpointing(self, micro: list[dict[str, torch.Tensor]]) -> None:
         """Resolve ``gradient_checkpointing`` (auto: from a memory estimate of the largest micro-batch
         this run can draw: ``micro_batch_tokens``, or its sequences x ``max_length``) and log the choice."""
-        from rlhf_core.models.loading import enable_checkpointing, resolve_checkpointing
-
         cfg = self.cfg
         sequences = max(_count_sequences(mb) for mb in micro)
         tokens = cfg.micro_batch_tokens or sequences * cfg.max_length
@@ -239,10 +232,6 @@ class _OfflineBody:
             self.model, masters=self.precision.keeps_masters(self.cfg.parallel)))
 
     def save_final(self) -> None:
-        from rlhf_core.config import config_to_dict
-        from rlhf_core.common.redact import redact_secrets
-        from rlhf_core.models.loading import merged_model
-
         if self.before_save is not None:
             self.saved_metrics = self.before_save()
         # Only deterministic content next to the weights, so DVC md5s repeat across runs. LoRA

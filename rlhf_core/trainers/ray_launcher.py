@@ -31,11 +31,13 @@ from typing import Any, Callable, Iterator, Sequence
 
 import ray
 import torch
+import torch.distributed as dist
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.queue import Queue
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlhf_core.common.offline import NO_MULTICAST_ENV, OFFLINE_ENV, arm_stack_dumps
-from rlhf_core.distributed.parallel import join_world
+from rlhf_core.distributed.parallel import current_world, join_world
 from rlhf_core.trainers import rl_forward
 
 log = logging.getLogger(__name__)
@@ -160,8 +162,6 @@ class _Worker:
         return fn(*args, **kwargs)
 
     def leave_world(self) -> None:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
         if hasattr(self.role, "close"):
@@ -312,8 +312,6 @@ class _QueueSink:
 
 
 def _run_rank(train_fn: Callable[..., Any], cfg: Any, queue: Any, show_progress: bool) -> Any:
-    from rlhf_core.distributed.parallel import current_world
-
     sink = _QueueSink(queue) if current_world().is_main else None
     return train_fn(cfg, sink=sink, show_progress=show_progress and current_world().is_main)
 
@@ -324,8 +322,6 @@ def train_data_parallel(train_fn: Callable[..., Any], cfg: Any, sink: Any = None
     Returns rank 0's result (the output directory and metrics); rank 0's metrics reach ``sink``
     while the run goes. Same global batch as one worker (see :mod:`rlhf_core.distributed.parallel`).
     """
-    from ray.util.queue import Queue
-
     connect(min_cpus=cfg.num_workers)
     queue = Queue()
     try:

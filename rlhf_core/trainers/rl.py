@@ -64,7 +64,7 @@ from rlhf_core.rollout.evaluate import evaluate_exact_match
 from rlhf_core.models.loading import load_tokenizer, merged_model, pick_device
 from rlhf_core.models.precision import Precision
 from rlhf_core.common.redact import redact_secrets
-from rlhf_core.rewards.sources import RewardKind, RewardSource
+from rlhf_core.rewards.sources import RewardKind, RewardSource, load_function
 from rlhf_core.algorithms.advantages import (compute_advantages, dynamic_sampling_keep, overlong_penalty,
                                              reverse_kl_token_rewards)
 from rlhf_core.algorithms.kl import AdaptiveKLController, FixedKLController, KLController, kl_penalty
@@ -74,7 +74,9 @@ from rlhf_core.config.choices import AdvantageEstimator
 from rlhf_core.rollout.engine import ReleasesWeights, RolloutBatch, RolloutEngine, SamplingParams
 from rlhf_core.tracking.checkpoint import Checkpoint, Checkpointer, read_weights, run_fingerprint
 from rlhf_core.trainers.batches import EpochSampler
-from rlhf_core.trainers.loop import LoopClock, LoopPlan, MetricSink, NullSink, Timer, run_checkpointed, save_hf_dir
+from rlhf_core.trainers.loop import (
+    LoopClock, LoopPlan, MetricSink, NullSink, StorageNeeds, Timer, estimate_state_bytes, run_checkpointed,
+    save_hf_dir)
 from rlhf_core.trainers.step import seed_everything
 from rlhf_core.trainers.rl_parts import (Experience, GeneratorState, PhaseTimes, RLResult, Rollout, Sampled,
                                          build_rollout_engine, check_prompt_lengths, check_teacher_tokenizer,
@@ -520,8 +522,6 @@ class RLTrainer:
         metrics = result.metrics("eval")
         samples = result.samples[:_EVAL_SAMPLES]
         if self.make_env is not None:  # greedy multi-turn answers with the environment's tool
-            from rlhf_core.rewards.sources import load_function
-
             reward_fn = (load_function(cfg.reward.function)[2] if self.kind is RewardKind.FUNCTION
                          else self.reward_source)
             tool_metrics, trajectories = evaluate_with_environment(
@@ -581,9 +581,6 @@ class RLTrainer:
 
     def storage_needs(self) -> Any:
         """The loop's disk preflight: the policy's size (and a critic of its shape in each checkpoint)."""
-        from rlhf_core.models.precision import Precision
-        from rlhf_core.trainers.loop import StorageNeeds, estimate_state_bytes
-
         masters = Precision.resolve(self.cfg.precision, self.device).keeps_masters(self.cfg.parallel)
         checkpoint, output = estimate_state_bytes(self.learner.view(), masters=masters)
         return StorageNeeds(Path(self.cfg.output_dir), checkpoint * (2 if self.estimator.needs_critic else 1), output)

@@ -9,6 +9,7 @@ Used by :mod:`rlhf_core.trainers.rl_roles`, the roles that hold the models. Only
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +40,6 @@ def _keeps_logits(model: Any) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _forward_takes(cls: type, name: str) -> bool:
-    import inspect
-
     return name in inspect.signature(cls.forward).parameters
 
 

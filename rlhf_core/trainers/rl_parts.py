@@ -25,6 +25,8 @@ from rlhf_core.models.precision import Precision
 from rlhf_core.rewards.sources import RewardSource, build_reward_source
 from rlhf_core.rollout.engine import HFGenerateEngine, RolloutBatch, RolloutEngine
 from rlhf_core.rollout.environments import tool_conversations
+from rlhf_core.rollout.static import StaticCacheEngine, supports
+from rlhf_core.rollout.vllm import VLLMEngine, vllm_available
 from rlhf_core.trainers.loop import Timer
 
 log = logging.getLogger(__name__)
@@ -261,15 +263,11 @@ def build_rollout_engine(cfg: RLConfig, policy: Any, tokenizer: Any,
                          autocast_dtype: torch.dtype | None = None) -> RolloutEngine:
     """The engine ``cfg.rollout.engine`` names; vLLM falls back to HF generate, with a warning, when absent."""
     if cfg.rollout.engine == "vllm":
-        from rlhf_core.rollout.vllm import VLLMEngine, vllm_available
-
         if vllm_available():
             return VLLMEngine(cfg.model_path, tokenizer, seed=cfg.seed,
                               memory_fraction=cfg.rollout.vllm_memory_fraction)
         log.warning("rl: rollout_engine is vllm but vLLM cannot be imported here; using the HF engine instead")
     if cfg.rollout.engine == "static":
-        from rlhf_core.rollout.static import StaticCacheEngine, supports
-
         reason = supports(policy)
         if reason is None:
             return StaticCacheEngine(policy, tokenizer, batch_size=cfg.batch_size, autocast_dtype=autocast_dtype)

@@ -22,6 +22,7 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import reduce_tensor
 
 from rlhf_core.config import RLConfig
 from rlhf_core.models.lm_head import prepare_kernels
@@ -33,6 +34,7 @@ from rlhf_core.distributed.strategies import build_strategy, shard_frozen
 from rlhf_core.models.precision import Precision
 from rlhf_core.algorithms.rl_math import (AdvantageEstimator, LossAggregation, PolicyObjective, aggregate_loss,
                                aggregation_units, clipped_value_loss, kl_penalty, masked_mean, policy_loss)
+from rlhf_core.rewards.model import load_reward_model
 from rlhf_core.trainers.loop import inject_fault
 from rlhf_core.trainers.rl_forward import (Sharded, by_length, in_chunks, pack_rows, release_memory, resolve_packing,
                                            sharded, to, token_logprobs, token_values, trim_padding)
@@ -197,8 +199,6 @@ class PolicyLearner:
         self.share_prompts = local
         self.critic = self.critic_opt = self.critic_sched = self.critic_strategy = None
         if AdvantageEstimator(cfg.algorithm.estimator).needs_critic:
-            from rlhf_core.rewards.model import load_reward_model
-
             self.critic = load_reward_model(cfg.critic_model_path or cfg.model_path, self.device,
                                             self.precision.load_dtype, cfg.attention).eval()
             disable_dropout(self.critic)
@@ -419,7 +419,6 @@ class PolicyLearner:
         """
         if self.device.type != "cuda" or has_lora(self.policy) or getattr(self.strategy, "stage", 0) == 3:
             return None
-        from torch.multiprocessing.reductions import reduce_tensor
 
         state = self.policy.state_dict()
         if getattr(self, "_shared", None) is None:
@@ -464,8 +463,6 @@ class PolicyLearner:
     def share_bucket(self, index: int, dtype: torch.dtype | None = None) -> dict[str, Any]:
         """Every rank: bucket ``index`` whole (gathered under ZeRO-3) copied into this rank's staging buffer;
         returns the buffer's CUDA IPC handle (the replica maps it once) and the bucket's layout."""
-        from torch.multiprocessing.reductions import reduce_tensor
-
         bucket, params = self._buckets[index]
         if self._staging is None:
             self._staging = torch.empty(self._staging_numel, dtype=dtype or params[0].dtype, device=self.device)

@@ -12,6 +12,14 @@ from typing import Any, Sequence
 
 import torch
 
+from rlhf_core.distributed.parallel import resident_weight_bytes
+from rlhf_core.distributed.weight_sync import SyncGroup, bucket_views, unflatten_bucket
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer, pick_device, prepare_for_training
+from rlhf_core.models.precision import Precision
+from rlhf_core.rollout.engine import LoadsWeightBuckets
+from rlhf_core.trainers.rl import build_rollout_engine
+from rlhf_core.trainers.rl_forward import release_memory
+
 
 def replicas_hold_adapters(cfg: Any) -> bool:
     """Whether rollout replicas hold a LoRA policy as the learner does, the frozen base with adapters injected,
@@ -29,10 +37,6 @@ class RolloutReplica:
     """
 
     def __init__(self, cfg: Any):
-        from rlhf_core.models.loading import load_causal_lm, load_tokenizer, pick_device, prepare_for_training
-        from rlhf_core.models.precision import Precision
-        from rlhf_core.trainers.rl import build_rollout_engine
-
         device = pick_device()
         self.dtype = Precision.resolve(cfg.precision, device).compute_dtype
         # loaded in the compute dtype directly: parameters bf16, buffers (RoPE's inv_freq) fp32, as the learner's
@@ -46,16 +50,12 @@ class RolloutReplica:
         self._filled: set[str] = set()
 
     def generate(self, prompts: Sequence[str], params: Any) -> Any:
-        from rlhf_core.trainers.rl_forward import release_memory
-
         self._check_awake()
         batch = self.engine.generate(prompts, params)
         release_memory()  # colocated: the KV cache's blocks go back before the learner's phase
         return batch
 
     def generate_ids(self, encoded: Sequence[list[int]], params: Any, prompts: Sequence[str]) -> Any:
-        from rlhf_core.trainers.rl_forward import release_memory
-
         self._check_awake()
         batch = self.engine.generate_ids(encoded, params, prompts)
         release_memory()
@@ -72,9 +72,6 @@ class RolloutReplica:
     def release_weights(self) -> int:
         """Free the engine's weights (buffers such as RoPE tables stay); returns the bytes freed. A sync must
         refill every one before the next :meth:`generate`."""
-        from rlhf_core.distributed.parallel import resident_weight_bytes
-        from rlhf_core.trainers.rl_forward import release_memory
-
         model = self.engine.model
         if getattr(self.engine, "sampler", None) is not None:
             raise RuntimeError("rollout replica: rl.rollout.sleep cannot release a replica that samples through a "
@@ -149,9 +146,6 @@ class RolloutReplica:
     def join_weight_sync(self, addr: str, port: int, rank: int, size: int, timeout_s: float, layout: Any) -> None:
         """Rank ``rank`` (>= 1) of the weight-sync group. The layout must name every parameter of the engine's
         model, in the dtype it holds them (a mismatch would leave weights stale without a word)."""
-        from rlhf_core.models.loading import pick_device
-        from rlhf_core.distributed.weight_sync import SyncGroup
-
         model = getattr(self.engine, "model", None)  # vLLM's lives in its workers: names mapped by load_weights
         if model is not None:
             params = dict(model.named_parameters())
@@ -169,9 +163,6 @@ class RolloutReplica:
         """One sync: each bucket broadcast from policy rank 0 into the flat buffers, handed to the engine as
         named views (:class:`rlhf_core.rollout.engine.LoadsWeightBuckets`: copied in place), or, for an engine without
         that seam, gathered into one state dict for its ``update_weights``."""
-        from rlhf_core.rollout.engine import LoadsWeightBuckets
-        from rlhf_core.distributed.weight_sync import bucket_views, unflatten_bucket
-
         group, layout = self._sync_group, self._sync_layout
         whole: dict[str, torch.Tensor] = {}
         self._wake()

@@ -15,7 +15,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from rlhf_core.models.precision import Precision
+from rlhf_core.distributed.parallel import World
+from rlhf_core.models.precision import MasterWeightAdamW, Precision, cast_parameters
 
 
 def phase(name: str) -> Any:
@@ -46,8 +47,6 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, prec
     Under ZeRO (``parallel`` zero2/zero3) the plain AdamW: DeepSpeed's bf16 mode casts the model and
     keeps the masters (:class:`rlhf_core.distributed.strategies.DeepSpeedStrategy`).
     """
-    from rlhf_core.models.precision import MasterWeightAdamW, Precision, cast_parameters
-
     decay, no_decay = [], []
     for _name, param in model.named_parameters():
         if not param.requires_grad:
@@ -76,7 +75,7 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, prec
 def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
                     min_lr_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warmup then cosine decay to ``min_lr_ratio * lr`` (transformers' schedule)."""
-    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup  # lazy: transformers (~1 s; LR schedule only)
 
     return get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps, min_lr_rate=min_lr_ratio
@@ -142,8 +141,6 @@ def accumulate_and_step(
     launched with a device flag that makes it skip them (:func:`rlhf_core.distributed.parallel.optimizer_step`). (Under
     DeepSpeed the engine clips and steps in one call; its norm is checked after.)
     """
-    from rlhf_core.distributed.parallel import World
-
     world = world or World()
     total = world.all_reduce_sum([sum(units_fn(mb) for mb in micro_batches)])[0] if units_fn is not None else 1
     sums: list[torch.Tensor] = []
