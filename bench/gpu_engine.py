@@ -233,7 +233,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from gpu_grpo import build_model, build_tokenizer
-    from side_by_side import SMALL_SHAPE as SMALL
+    from side_by_side_parts.settings import SMALL_SHAPE as SMALL
 
     from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 
