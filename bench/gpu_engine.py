@@ -28,35 +28,38 @@ import torch  # noqa: E402
 import rlhf_core  # noqa: E402,F401  (offline switches)
 
 
-import rlhf_core.rollout.static as static  # noqa: E402
+from rlhf_core.rollout.decode.attention import choose_row_kernel, flash_layout_attention, use_flash  # noqa: E402
+from rlhf_core.rollout.decode.settings import SETTINGS, DecodeSettings  # noqa: E402
 from rlhf_core.rollout.engine import HFGenerateEngine, SamplingParams  # noqa: E402
 from rlhf_core.rollout.static import StaticCacheEngine  # noqa: E402
 
-# Static engines: name -> the settings it runs under (compile_layers is the engine's own argument, the rest
-# rollout_static's module switches). static_cuda_graphs is what an RL run gets; static_before is the engine before
+# Static engines: name -> the settings it runs under (compile_layers is the engine's own argument, the rest fields
+# of the decode SETTINGS). static_cuda_graphs is what an RL run gets; static_before is the engine before
 # flash decode attention and compiled layer halves (2026-11-29).
-DEFAULT = dict(compile_layers=None, _DECODE_ATTENTION="auto", _DECODE_SDPA=None, _WIDTH_BUCKET=static._WIDTH_BUCKET,
-               _FLASH_GROUPED=True, _COMPILE_SAMPLER=True)
+_DEFAULTS = DecodeSettings()
+DEFAULT = dict(compile_layers=None, attention=_DEFAULTS.attention, sdpa_backends=_DEFAULTS.sdpa_backends,
+               width_bucket=_DEFAULTS.width_bucket, flash_grouped=_DEFAULTS.flash_grouped,
+               compile_sampler=_DEFAULTS.compile_sampler)
 VARIANTS = {name: {**DEFAULT, **change} for name, change in {
     "static_cuda_graphs": {},
-    "static_torch_flash": dict(_DECODE_ATTENTION="flash"),  # torch's varlen flash op over the filled keys (before Triton)
-    "static_sdpa": dict(_DECODE_ATTENTION="sdpa"),  # masked SDPA over the whole cache, compiled
-    "static_flash_rows": dict(_FLASH_GROUPED=False),  # one query row per cache row and query head
-    "static_sampler_uncompiled": dict(_COMPILE_SAMPLER=False),
+    "static_torch_flash": dict(attention="flash"),  # torch's varlen flash op over the filled keys (before Triton)
+    "static_sdpa": dict(attention="sdpa"),  # masked SDPA over the whole cache, compiled
+    "static_flash_rows": dict(flash_grouped=False),  # one query row per cache row and query head
+    "static_sampler_uncompiled": dict(compile_sampler=False),
     "static_uncompiled": dict(compile_layers=False),
-    "static_before": dict(compile_layers=False, _DECODE_ATTENTION="sdpa"),
+    "static_before": dict(compile_layers=False, attention="sdpa"),
     # one graph over the whole cache width (before width buckets), SDPA
-    "static_cuda_graphs_one_width": dict(compile_layers=False, _DECODE_ATTENTION="sdpa", _WIDTH_BUCKET=10**9),
+    "static_cuda_graphs_one_width": dict(compile_layers=False, attention="sdpa", width_bucket=10**9),
     # the masked SDPA path's backend forced (torch's own choice is cuDNN on an H100)
-    **{f"static_cuda_graphs_{b.lower()}": dict(compile_layers=False, _DECODE_ATTENTION="sdpa", _DECODE_SDPA=(b,))
+    **{f"static_cuda_graphs_{b.lower()}": dict(compile_layers=False, attention="sdpa", sdpa_backends=(b,))
        for b in ("EFFICIENT_ATTENTION", "MATH", "CUDNN_ATTENTION")}}.items()}
 
 
 def configure(name: str) -> None:
-    """Set rollout_static's switches to engine ``name``'s."""
+    """Set the decode SETTINGS to engine ``name``'s (compile_layers goes to the engine when it is built)."""
     for key, value in VARIANTS.get(name, DEFAULT).items():
-        if key.startswith("_"):
-            setattr(static, key, value)
+        if key != "compile_layers":
+            setattr(SETTINGS, key, value)
 
 
 def build_engines(names: list[str], model, tok, rows: int) -> dict:
@@ -138,7 +141,6 @@ def kernel_check(device, reps: int = 200) -> list[dict]:
     device time a call (CUDA events over ``reps`` replays of a graph of one call, as the engine runs it: the first
     check, 2026-12-01, timed an eager loop of calls, each with its host launch, which a graph does not pay)."""
     from rlhf_core.models import decode_attention as da
-    from rlhf_core.rollout.static import _decode_attention
 
     B, Hkv, G, D, W = 512, 2, 7, 64, 512
     g = torch.Generator(device=device).manual_seed(0)
@@ -154,7 +156,7 @@ def kernel_check(device, reps: int = 200) -> list[dict]:
         ref = da.decode_attention_reference(q, k, v, cu_k, used, W, 0.125).float()
         row = {"new_tokens": new, "mean_used_keys": round(float(used.float().mean()), 1)}
         for name, fn in (("triton", lambda: da.decode_attention(q, k, v, cu_k, used, 0.125)),
-                         ("torch_flash", lambda: _decode_attention(q, k, v, cu_q, cu_k, W, used, 0.125))):
+                         ("torch_flash", lambda: flash_layout_attention(q, k, v, cu_q, cu_k, W, used, 0.125))):
             try:
                 out = fn()
                 graph = torch.cuda.CUDAGraph()  # one call captured and replayed: no host launch in the timing
@@ -229,7 +231,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from gpu_grpo import build_model, build_tokenizer
-    from side_by_side import SMALL_SHAPE as SMALL
+    from side_by_side_parts.settings import SMALL_SHAPE as SMALL
 
     from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 
@@ -259,12 +261,12 @@ def main() -> None:
     for name, engine in engines.items():
         if isinstance(engine, StaticCacheEngine):
             configure(name)
-            report["row_kernel_by_engine"][name] = (static._row_kernel(device, head_dim, engine.triton_attention)
-                                                    if static._use_flash(device, dtype, head_dim) else "sdpa")
+            report["row_kernel_by_engine"][name] = (choose_row_kernel(device, head_dim, engine.triton_attention)
+                                                    if use_flash(device, dtype, head_dim) else "sdpa")
     configure("static_cuda_graphs")
     report["compiled_layers"] = engines["static_cuda_graphs"].compile_layers and device.type == "cuda"
-    report["flash_decode_attention"] = static._use_flash(device, dtype, model.config.hidden_size
-                                                         // model.config.num_attention_heads)
+    report["flash_decode_attention"] = use_flash(device, dtype, model.config.hidden_size
+                                                 // model.config.num_attention_heads)
     if "static_cuda_graphs_one_width" in engines:
         one, buckets = (report["engines"][k]["median_s"] for k in ("static_cuda_graphs_one_width", "static_cuda_graphs"))
         report["speedup_width_buckets_over_one_width"] = round(one / buckets, 3)

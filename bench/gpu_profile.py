@@ -50,10 +50,11 @@ def profile_decode(model_dir: Path, args, report: dict) -> None:
     """One captured decode iteration of the static engine (decode + sample + record), before (masked SDPA over
     the whole cache, plain layer halves; keys prefixed ``before_``) and as the engine runs now on a GPU (flash
     over each row's filled keys, compiled halves; no prefix): capture time, replay and eager times, top kernels."""
-    import rlhf_core.rollout.static as static
     from rlhf_core.models.loading import load_causal_lm
+    from rlhf_core.rollout.decode.decoder import Decoder
+    from rlhf_core.rollout.decode.sampling import Sampler, sample
+    from rlhf_core.rollout.decode.settings import SETTINGS
     from rlhf_core.rollout.engine import SamplingParams
-    from rlhf_core.rollout.static import _Decoder, _Sampler, _sample
 
     dev = torch.device("cuda")
     sampler = load_causal_lm(model_dir, dev).to(torch.bfloat16).eval()
@@ -61,11 +62,11 @@ def profile_decode(model_dir: Path, args, report: dict) -> None:
     mask = torch.ones_like(ids)
     params = SamplingParams(n=8, temperature=1.0, max_new_tokens=args.new_tokens)
     for variant, attention, compiled in (("before_", "sdpa", False), ("", "auto", True)):
-        static._DECODE_ATTENTION = attention
+        SETTINGS.attention = attention
         with torch.no_grad():
-            dec = _Decoder(sampler, ids, mask, args.new_tokens, 8, compiled=compiled)
+            dec = Decoder(sampler, ids, mask, args.new_tokens, 8, compiled=compiled)
             dec.prefill()
-            state = _Sampler(params, args.rows, args.new_tokens, eos=-1, pad=0, device=dev)  # eos -1: no row ends
+            state = Sampler(params, args.rows, args.new_tokens, eos=-1, pad=0, device=dev)  # eos -1: no row ends
             state.uniforms.uniform_()
             t = time.perf_counter()
             dec.capture(state)
@@ -76,14 +77,14 @@ def profile_decode(model_dir: Path, args, report: dict) -> None:
             report[variant + "decode_step_ms_eager"] = round(1000 * timed(lambda: dec._step(), 5), 3)
             logits = dec._step()
             uniform = state.uniforms[0]
-            report[variant + "sample_ms_eager"] = round(1000 * timed(lambda: _sample(logits, params, uniform=uniform), 20), 3)
+            report[variant + "sample_ms_eager"] = round(1000 * timed(lambda: sample(logits, params, uniform=uniform), 20), 3)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
                     dec.replay()
                 torch.cuda.synchronize()
             report[variant + "iteration_graph_top_5_replays"] = top(prof)
             dec.release()
-    static._DECODE_ATTENTION = "auto"
+    SETTINGS.attention = "auto"
     del sampler
     torch.cuda.empty_cache()
 

@@ -8,6 +8,7 @@ runs against a temporary server. Only sizes are micro, so the suite stays within
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -273,10 +274,12 @@ def ray_local():
 
 @pytest.fixture(scope="module")
 def bench():
-    """``bench/side_by_side.py`` as a module (a script, not a package member), loaded once per test module."""
-    import importlib.util
+    """``bench/side_by_side.py``'s modules (the package ``bench/side_by_side_parts``, importable with bench/ on
+    ``sys.path``, as the script has it): ``bench.measure``, ``bench.results``."""
+    import importlib
+    import types
 
-    spec = importlib.util.spec_from_file_location("side_by_side_under_test", REPO / "bench" / "side_by_side.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    if str(REPO / "bench") not in sys.path:
+        sys.path.insert(0, str(REPO / "bench"))
+    return types.SimpleNamespace(**{name: importlib.import_module(f"side_by_side_parts.{name}")
+                                    for name in ("measure", "results")})

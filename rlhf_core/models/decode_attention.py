@@ -2,9 +2,9 @@
 
 At a decode step each cache row has one new query position, and its ``G = H / H_kv`` query heads share each KV
 head. The engine used torch's varlen flash forward with those ``G`` heads folded into ``G`` query rows of one
-sequence (``rollout_static._decode_attention``): exact, but flash's tiles are 64-128 query rows tall, so a
-tile of 7 real rows does 9-18x the score work it needs, and its grid is one program per (row, KV head, query
-tile). Profiled (Qwen2-0.5B shape, 512 rows, cache half full; BENCHMARKS.md, "Rollout decode"), it took
+sequence (``rlhf_core.rollout.decode.attention.flash_layout_attention``): exact, but flash's tiles are 64-128
+query rows tall, so a tile of 7 real rows does 9-18x the score work it needs, and its grid is one program per
+(row, KV head, query tile). Profiled (Qwen2-0.5B shape, 512 rows, cache half full; BENCHMARKS.md, "Rollout decode"), it took
 several times a layer's key and value traffic. This kernel is split-free flash-decoding (Dao et al. 2023,
 "Flash-Decoding for long-context inference"; the online softmax of Milakov & Gimelshein 2018): one program per
 (cache row, KV head) holds that head's ``G`` queries as one ``M``-row tile (``M`` = ``G`` rounded up to 16, the

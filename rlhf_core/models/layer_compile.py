@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["INDUCTOR_OPTIONS", "compile_decoder_layers", "decoder_layers", "use_compiled_layers"]
 
-# Inductor compiles in this process (here and in rlhf_core.rollout.static's decode step): its default pool of
+# Inductor compiles in this process (here and in rlhf_core.rollout.decode's decode step): its default pool of
 # compile workers (one per core), started by the first compile, each importing torch, kept every core busy
 # through the next steps, and the host-bound ones ran ~2x slower there (a 0.5B GRPO step's log-prob and update
 # phases; BENCHMARKS.md); the compile needs only seconds.

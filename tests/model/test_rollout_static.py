@@ -10,6 +10,11 @@ import torch
 
 from rlhf_core.config import RLConfig, build_config
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+from rlhf_core.rollout.decode.attention import choose_row_kernel
+from rlhf_core.rollout.decode.decoder import Decoder
+from rlhf_core.rollout.decode.layer import attention_inputs, output_and_mlp
+from rlhf_core.rollout.decode.sampling import Sampler, sample, sampling_weights
+from rlhf_core.rollout.decode.settings import SETTINGS
 from rlhf_core.rollout.engine import HFGenerateEngine, RolloutEngine, SamplingParams, response_mask_from_ids
 from rlhf_core.rollout.static import StaticCacheEngine, supports
 from rlhf_core.trainers.rl import build_rollout_engine
@@ -145,15 +150,13 @@ def test_decode_over_the_filled_prefix_equals_the_whole_cache(micro_model, monke
     every step and end at the full width."""
     from rlhf_core.data.tokenize import encode_prompt
     from rlhf_core.rollout.engine import _left_pad
-    import rlhf_core.rollout.static as static
-    from rlhf_core.rollout.static import _Decoder
 
     bucket = 32
     model, tok = _eos_biased(micro_model)
     ids, mask = _left_pad([encode_prompt(tok, p) for p in PROMPTS], tok.pad_token_id)
     R = 3 * bucket + 5
     with torch.no_grad():
-        decoder = _Decoder(model, ids, mask, max_new_tokens=R, n=2)
+        decoder = Decoder(model, ids, mask, max_new_tokens=R, n=2)
         logits = decoder.prefill()
         P = ids.shape[1]
         for t in range(40):
@@ -166,7 +169,7 @@ def test_decode_over_the_filled_prefix_equals_the_whole_cache(micro_model, monke
                 torch.testing.assert_close(decoder._step(width), full, atol=1e-5, rtol=0)
             logits = full
     assert decoder.width_buckets() == [P + R]  # the default: one graph over the whole cache
-    monkeypatch.setattr(static, "_WIDTH_BUCKET", bucket)
+    monkeypatch.setattr(SETTINGS, "width_bucket", bucket)
     buckets = decoder.width_buckets()
     assert buckets[-1] == P + R and buckets[0] == P + bucket
     assert all(b - a <= bucket for a, b in zip(buckets, buckets[1:]))
@@ -179,12 +182,11 @@ def test_captured_iteration_equals_the_stepwise_loop(temperature, top_k, top_p, 
     log-probs and stop step exactly: on a CPU one draw of every step's uniforms equals the per-step draws,
     so both see the same numbers. Rows finish at different steps (eos-biased model; a stop token too). The
     stepwise loop keeps its whole batch here (finished rows are not dropped), as the captured one does."""
-    from rlhf_core.rollout import static as rollout_static
     from rlhf_core.data.tokenize import encode_prompt
     from rlhf_core.rollout.engine import _left_pad
-    from rlhf_core.rollout.static import _decode_eagerly, _decode_in_graphs, _Decoder, _Sampler
+    from rlhf_core.rollout.static import _decode_eagerly, _decode_in_graphs
 
-    monkeypatch.setattr(rollout_static, "_COMPACT_BELOW", 0.0)
+    monkeypatch.setattr(SETTINGS, "compact_below", 0.0)
     model, tok = _eos_biased(micro_model)
     ids, mask = _left_pad([encode_prompt(tok, p) for p in PROMPTS], tok.pad_token_id)
     R = 24
@@ -194,8 +196,8 @@ def test_captured_iteration_equals_the_stepwise_loop(temperature, top_k, top_p, 
     runs = []
     for path in ("stepwise", "captured body"):
         with torch.no_grad():
-            decoder = _Decoder(model, ids, mask, max_new_tokens=R, n=3)
-            sampler = _Sampler(params, ids.shape[0] * 3, R, tok.eos_token_id, tok.pad_token_id, torch.device("cpu"))
+            decoder = Decoder(model, ids, mask, max_new_tokens=R, n=3)
+            sampler = Sampler(params, ids.shape[0] * 3, R, tok.eos_token_id, tok.pad_token_id, torch.device("cpu"))
             generator = torch.Generator().manual_seed(11)
             logits = decoder.prefill()
             if path == "stepwise":
@@ -216,13 +218,12 @@ def test_captured_iteration_equals_the_stepwise_loop(temperature, top_k, top_p, 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (1.0, 5, 0.9)])
 def test_dropping_finished_rows_keeps_every_sample(temperature, top_k, top_p, micro_model, monkeypatch):
-    """The eager decode drops finished rows from its batch (``_COMPACT_BELOW``): the same tokens and stop step
+    """The eager decode drops finished rows from its batch (``SETTINGS.compact_below``): the same tokens and stop step
     as the whole batch to the end (never dropping), the response log-probs to an ulp (a smaller batch's GEMMs may
     round differently), and the batch did shrink (rows of the eos-biased model end at different steps)."""
-    from rlhf_core.rollout import static as rollout_static
     from rlhf_core.data.tokenize import encode_prompt
     from rlhf_core.rollout.engine import _left_pad
-    from rlhf_core.rollout.static import _decode_eagerly, _Decoder, _Sampler
+    from rlhf_core.rollout.static import _decode_eagerly
 
     model, tok = _eos_biased(micro_model)
     ids, mask = _left_pad([encode_prompt(tok, p) for p in PROMPTS], tok.pad_token_id)
@@ -230,10 +231,10 @@ def test_dropping_finished_rows_keeps_every_sample(temperature, top_k, top_p, mi
     params = SamplingParams(n=n, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=R)
     runs = []
     for share in (0.0, 0.75):  # 0: never drop (kept <= 0 rows only once all have finished)
-        monkeypatch.setattr(rollout_static, "_COMPACT_BELOW", share)
+        monkeypatch.setattr(SETTINGS, "compact_below", share)
         with torch.no_grad():
-            decoder = _Decoder(model, ids, mask, max_new_tokens=R, n=n)
-            sampler = _Sampler(params, ids.shape[0] * n, R, tok.eos_token_id, tok.pad_token_id, torch.device("cpu"))
+            decoder = Decoder(model, ids, mask, max_new_tokens=R, n=n)
+            sampler = Sampler(params, ids.shape[0] * n, R, tok.eos_token_id, tok.pad_token_id, torch.device("cpu"))
             steps = _decode_eagerly(decoder, decoder.prefill(), sampler, torch.Generator().manual_seed(5))
         kept = response_mask_from_ids(sampler.out_ids[:, :steps], tok.eos_token_id, ()).bool()
         runs.append((steps, sampler.out_ids[:, :steps], sampler.out_logp[:, :steps][kept], decoder.shape.rows))
@@ -261,23 +262,22 @@ def test_flash_layout_steps_equal_the_masked_cache(fused, grouped, micro_model, 
     a count of used keys advanced in place, no mask; grouped: each KV head's query heads folded into query
     rows, with Q's heads and o_proj's columns reordered in the fused weights, or regrouped around the call
     with the model's own modules) gives the masked whole-cache step's logits at every step. On a CPU its attention is the
-    reference inside ``_decode_attention`` (the same keys through SDPA); the flash kernel itself is checked on
+    reference inside ``flash_layout_attention`` (the same keys through SDPA); the flash kernel itself is checked on
     a GPU by bench/gpu_engine.py (greedy tokens against HF generate, log-probs against the trainer's)."""
     from rlhf_core.data.tokenize import encode_prompt
     from rlhf_core.rollout.engine import _left_pad
-    import rlhf_core.rollout.static as static
 
     model, tok = _eos_biased(micro_model)
     ids, mask = _left_pad([encode_prompt(tok, p) for p in PROMPTS], tok.pad_token_id)
     assert len(set(mask.sum(-1).tolist())) > 1  # rows start at different columns
     if not fused:
-        monkeypatch.setattr(static._Decoder, "_fuse_weights", lambda self: None)
-    monkeypatch.setattr(static, "_FLASH_GROUPED", grouped)
+        monkeypatch.setattr(Decoder, "_fuse_weights", lambda self: None)
+    monkeypatch.setattr(SETTINGS, "flash_grouped", grouped)
     decoders = {}
     with torch.no_grad():
         for choice in ("sdpa", "flash"):
-            monkeypatch.setattr(static, "_DECODE_ATTENTION", choice)
-            decoders[choice] = static._Decoder(model, ids, mask, max_new_tokens=20, n=2)
+            monkeypatch.setattr(SETTINGS, "attention", choice)
+            decoders[choice] = Decoder(model, ids, mask, max_new_tokens=20, n=2)
         masked, flash = decoders["sdpa"], decoders["flash"]
         assert flash.flash and not masked.flash and (flash.fused is not None) == fused
         assert flash.grouped == grouped and flash.heads_regrouped == (grouped and fused)
@@ -289,7 +289,7 @@ def test_flash_layout_steps_equal_the_masked_cache(fused, grouped, micro_model, 
 
 @pytest.mark.parametrize("grouped", [True, False])
 def test_the_triton_row_kernel_takes_the_flash_layout_arguments(grouped, micro_model, monkeypatch):
-    """``ALIGNFLOW_DECODE_ATTENTION=triton``: the decoder hands the Triton kernel the flash layout's tensors (the
+    """``SETTINGS.attention = "triton"``: the decoder hands the Triton kernel the flash layout's tensors (the
     rows' queries, the caches end to end, ``cu_k``, the used counts), and through the kernel's contract
     (``decode_attention_reference``, standing in for the kernel, which needs a GPU or Triton's interpreter:
     tests/unit/test_decode_attention.py runs it against that contract) every step's logits equal the masked
@@ -297,7 +297,6 @@ def test_the_triton_row_kernel_takes_the_flash_layout_arguments(grouped, micro_m
     from rlhf_core.models import decode_attention as da
     from rlhf_core.data.tokenize import encode_prompt
     from rlhf_core.rollout.engine import _left_pad
-    import rlhf_core.rollout.static as static
 
     calls = []
 
@@ -307,14 +306,14 @@ def test_the_triton_row_kernel_takes_the_flash_layout_arguments(grouped, micro_m
 
     monkeypatch.setattr(da, "decode_attention", contract)
     monkeypatch.setattr(da, "available", lambda: True)  # the kernel's stand-in runs anywhere
-    monkeypatch.setattr(static, "_FLASH_GROUPED", grouped)
+    monkeypatch.setattr(SETTINGS, "flash_grouped", grouped)
     model, tok = _eos_biased(micro_model)
     ids, mask = _left_pad([encode_prompt(tok, p) for p in PROMPTS], tok.pad_token_id)
     with torch.no_grad():
-        monkeypatch.setattr(static, "_DECODE_ATTENTION", "sdpa")
-        masked = static._Decoder(model, ids, mask, max_new_tokens=12, n=2)
-        monkeypatch.setattr(static, "_DECODE_ATTENTION", "triton")
-        rows = static._Decoder(model, ids, mask, max_new_tokens=12, n=2)
+        monkeypatch.setattr(SETTINGS, "attention", "sdpa")
+        masked = Decoder(model, ids, mask, max_new_tokens=12, n=2)
+        monkeypatch.setattr(SETTINGS, "attention", "triton")
+        rows = Decoder(model, ids, mask, max_new_tokens=12, n=2)
         assert rows.flash and rows.row_kernel == "triton"
         _assert_steps_equal(rows, masked, 11)
     s = masked.shape
@@ -325,12 +324,11 @@ def test_the_triton_row_kernel_takes_the_flash_layout_arguments(grouped, micro_m
 
 def test_asking_for_the_triton_kernel_where_it_cannot_run_says_so(micro_model, monkeypatch):
     from rlhf_core.models import decode_attention as da
-    import rlhf_core.rollout.static as static
 
     monkeypatch.setattr(da, "available", lambda: False)
-    monkeypatch.setattr(static, "_DECODE_ATTENTION", "triton")
-    with pytest.raises(ValueError, match="ALIGNFLOW_DECODE_ATTENTION=triton needs Triton and a CUDA device"):
-        static._row_kernel(torch.device("cpu"), 16)
+    monkeypatch.setattr(SETTINGS, "attention", "triton")
+    with pytest.raises(ValueError, match="the decode attention triton needs Triton and a CUDA device"):
+        choose_row_kernel(torch.device("cpu"), 16)
 
 
 @pytest.mark.parametrize("capability,head_dim,triton_here,expected", [
@@ -340,13 +338,12 @@ def test_auto_takes_the_triton_kernel_on_hopper_only(capability, head_dim, trito
     """Auto's kernel of the row layout: Triton where it was measured (Hopper), with Triton importable and a power-of-
     two head size; torch's flash op otherwise."""
     from rlhf_core.models import decode_attention as da
-    import rlhf_core.rollout.static as static
 
-    monkeypatch.setattr(static, "_DECODE_ATTENTION", "auto")
+    monkeypatch.setattr(SETTINGS, "attention", "auto")
     monkeypatch.setattr(da, "available", lambda: triton_here)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    assert static._row_kernel(torch.device("cuda"), head_dim) == expected
-    assert static._row_kernel(torch.device("cpu"), head_dim) == "flash"
+    assert choose_row_kernel(torch.device("cuda"), head_dim) == expected
+    assert choose_row_kernel(torch.device("cpu"), head_dim) == "flash"
 
 
 def test_auto_falls_back_to_torch_flash_where_the_triton_kernel_fails(micro_model, monkeypatch, caplog):
@@ -355,7 +352,6 @@ def test_auto_falls_back_to_torch_flash_where_the_triton_kernel_fails(micro_mode
     from rlhf_core.models import decode_attention as da
     from rlhf_core.data.tokenize import encode_prompt
     from rlhf_core.rollout.engine import _left_pad
-    import rlhf_core.rollout.static as static
 
     def broken(*args, **kwargs):
         raise RuntimeError("PassManager::run failed")
@@ -364,15 +360,15 @@ def test_auto_falls_back_to_torch_flash_where_the_triton_kernel_fails(micro_mode
     model, tok = _eos_biased(micro_model)
     engine = StaticCacheEngine(model, tok, batch_size=8)
     ids, mask = _left_pad([encode_prompt(tok, p) for p in PROMPTS], tok.pad_token_id)
-    monkeypatch.setattr(static, "_DECODE_ATTENTION", "flash")
-    decoder = static._Decoder(model, ids, mask, max_new_tokens=4, n=2, triton=engine.triton_attention)
+    monkeypatch.setattr(SETTINGS, "attention", "flash")
+    decoder = Decoder(model, ids, mask, max_new_tokens=4, n=2, triton=engine.triton_attention)
     decoder.row_kernel = "triton"  # what auto picks on a CUDA device with Triton
-    monkeypatch.setattr(static, "_DECODE_ATTENTION", "auto")
+    monkeypatch.setattr(SETTINGS, "attention", "auto")
     with caplog.at_level(logging.WARNING, logger="rlhf_core.rollout.static"):
         engine._check_row_kernel(decoder)
     assert decoder.row_kernel == "flash" and engine.triton_attention is False
     assert "Triton decode attention failed (PassManager::run failed)" in caplog.text
-    assert static._row_kernel(torch.device("cuda"), 64, triton=engine.triton_attention) == "flash"
+    assert choose_row_kernel(torch.device("cuda"), 64, triton=engine.triton_attention) == "flash"
     with torch.no_grad():
         decoder.prefill()
         decoder.step(torch.zeros(decoder.shape.rows, dtype=torch.long))  # decodes through the flash path
@@ -385,17 +381,16 @@ def test_compiled_layer_halves_trace_whole_and_equal_the_plain_ones(attention, m
     aten graph run eagerly; inductor's fused kernels are checked on a GPU by bench/gpu_engine.py)."""
     from rlhf_core.data.tokenize import encode_prompt
     from rlhf_core.rollout.engine import _left_pad
-    import rlhf_core.rollout.static as static
 
-    monkeypatch.setattr(static, "_DECODE_ATTENTION", attention)
+    monkeypatch.setattr(SETTINGS, "attention", attention)
     model, tok = _eos_biased(micro_model)
     ids, mask = _left_pad([encode_prompt(tok, p) for p in PROMPTS], tok.pad_token_id)
     traced = tuple(torch.compile(fn, backend="aot_eager", fullgraph=True)
-                   for fn in (static._attention_inputs, static._output_and_mlp))
+                   for fn in (attention_inputs, output_and_mlp))
     runs = []
     with torch.no_grad():
-        for halves in ((static._attention_inputs, static._output_and_mlp), traced):
-            decoder = static._Decoder(model, ids, mask, max_new_tokens=6, n=2)
+        for halves in ((attention_inputs, output_and_mlp), traced):
+            decoder = Decoder(model, ids, mask, max_new_tokens=6, n=2)
             decoder.halves = halves
             logits = [decoder.prefill()]
             for _ in range(5):
@@ -434,14 +429,12 @@ def test_compiled_sampler_traces_whole_and_equals_the_plain_one(temperature, top
     tokens and log-probs from the same logits and uniforms (top-p takes the plain weights)."""
     import functools
 
-    from rlhf_core.rollout.static import _sample, _sampling_weights
-
     torch.manual_seed(0)
     logits, uniform = torch.randn(12, 50) * 3, torch.rand(12, 1)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    traced = functools.partial(_sample, weights_fn=torch.compile(_sampling_weights, backend="aot_eager",
+    traced = functools.partial(sample, weights_fn=torch.compile(sampling_weights, backend="aot_eager",
                                                                  fullgraph=True))
-    token, logp = _sample(logits, params, uniform=uniform)
+    token, logp = sample(logits, params, uniform=uniform)
     token_c, logp_c = traced(logits, params, uniform=uniform)
     assert torch.equal(token, token_c) and torch.equal(logp, logp_c)
 
@@ -454,11 +447,10 @@ def test_a_lora_policy_decodes_through_its_adapters(fused, micro_model, monkeypa
     a LoRA run's reference) match it there too. DoRA is refused with the reason."""
     from peft import LoraConfig, get_peft_model
 
-    import rlhf_core.rollout.static as static
     from rlhf_core.models.loading import adapters_off, prepare_for_training
 
     if not fused:
-        monkeypatch.setattr(static._Decoder, "_fuse_weights", lambda self: None)
+        monkeypatch.setattr(Decoder, "_fuse_weights", lambda self: None)
     model = prepare_for_training(load_causal_lm(micro_model, torch.device("cpu")), lora_rank=4, lora_alpha=8.0).eval()
     torch.manual_seed(0)
     with torch.no_grad():  # peft starts B at zero: move it, so the adapters change the outputs

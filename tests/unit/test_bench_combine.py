@@ -25,7 +25,7 @@ def _timed_median(path: Path, row: str) -> float:
 
 def test_combined_ratio_is_trls_median_over_ours_from_the_raw_steps(bench, tmp_path):
     out = tmp_path / "combined.json"
-    doc = bench.combine([OURS, TRL], out, warmup=1)
+    doc = bench.results.combine([OURS, TRL], out, warmup=1)
     pair = doc["results"]["grpo"]["summary"]["pairs"]["ours-bf16 / trl-default"]
     expected = _timed_median(TRL, "trl-default") / _timed_median(OURS, "ours-bf16")
     assert pair["speedup_ours_over_trl"] == pytest.approx(expected, abs=1e-3)
@@ -39,4 +39,4 @@ def test_combined_ratio_is_trls_median_over_ours_from_the_raw_steps(bench, tmp_p
 
 def test_a_row_in_two_files_is_refused(bench, tmp_path):
     with pytest.raises(SystemExit, match="ours-bf16 of grpo is in more than one file"):
-        bench.combine([OURS, OURS], tmp_path / "twice.json", warmup=1)
+        bench.results.combine([OURS, OURS], tmp_path / "twice.json", warmup=1)

@@ -19,11 +19,11 @@ def test_concurrent_peak_sums_the_windows_that_hold_each_moment(bench):
     of peaks). A process with no window at t adds nothing."""
     learner = [[0.0, 1.0, 10.0], [1.0, 2.0, 30.0], [2.0, 3.0, 10.0]]
     replica = [[0.0, 1.0, 20.0], [1.0, 2.0, 2.0], [2.0, 3.0, 20.0]]
-    assert bench.concurrent_peak_gb([learner, replica]) == 32.0
+    assert bench.measure.concurrent_peak_gb([learner, replica]) == 32.0
     shifted = [[0.25, 1.25, 20.0], [1.25, 2.25, 2.0]]
-    assert bench.concurrent_peak_gb([learner, shifted]) == 50.0
-    assert bench.concurrent_peak_gb([learner, [[2.5, 3.0, 1.0]]]) == 30.0
-    assert bench.concurrent_peak_gb([]) == 0.0
+    assert bench.measure.concurrent_peak_gb([learner, shifted]) == 50.0
+    assert bench.measure.concurrent_peak_gb([learner, [[2.5, 3.0, 1.0]]]) == 30.0
+    assert bench.measure.concurrent_peak_gb([]) == 0.0
 
 
 def test_peak_files_give_the_sum_of_peaks_and_the_concurrent_peak(bench, tmp_path):
@@ -36,6 +36,6 @@ def test_peak_files_give_the_sum_of_peaks_and_the_concurrent_peak(bench, tmp_pat
     for r in records:
         (tmp_path / f"{r['pid']}.json").write_text(json.dumps(r))
     (tmp_path / "4.json").write_text("{not json")  # a file cut off as its process was killed: skipped
-    by_device, concurrent = bench._read_peaks(tmp_path)
+    by_device, concurrent = bench.measure.read_peaks(tmp_path)
     assert by_device == {gpu: 50.0, "host:3": 1.5}
     assert concurrent == {gpu: 32.0}

@@ -1,7 +1,8 @@
-"""Code shape of rlhf_core/, flows/ and tasks/: short functions, no import cycles.
+"""Code shape of rlhf_core/, flows/, tasks/ (and bench/): short functions, short modules, no import cycles.
 
 An algorithm should read top to bottom (STYLE.md 1), so no function or method runs past 80
-lines; and modules form a layered graph, so no two import each other, directly or through
+lines and no module past 600 (a longer one holds more than one concern: split it where the concern
+splits); the benchmark scripts under bench/ keep the same shape. Modules form a layered graph, so no two import each other, directly or through
 others — function-local imports included, since they hide a cycle from Python, not from a
 reader. The import graph comes from ``scripts/import_cycles.py`` (also runnable on its own).
 """
@@ -14,7 +15,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("rlhf_core", "flows", "tasks")
+SHAPED = PACKAGES + ("bench",)  # folders whose functions and modules are held to the limits below
 MAX_FUNCTION_LINES = 80
+MAX_MODULE_LINES = 600
 
 
 def _load_import_cycles():
@@ -27,7 +30,7 @@ def _load_import_cycles():
 def long_functions(limit: int = MAX_FUNCTION_LINES) -> list[tuple[str, int, str, int]]:
     """(file, line, name, length) of every function or method, nested ones included, over ``limit`` lines."""
     out = []
-    for package in PACKAGES:
+    for package in SHAPED:
         for path in sorted((REPO / package).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -41,6 +44,23 @@ def test_no_function_is_longer_than_80_lines():
     offenders = long_functions()
     assert not offenders, f"functions longer than {MAX_FUNCTION_LINES} lines (split them into named helpers):\n" + \
         "\n".join(f"  {file}:{line} {name}: {length} lines" for file, line, name, length in offenders)
+
+
+def long_modules(limit: int = MAX_MODULE_LINES) -> list[tuple[str, int]]:
+    """(file, lines) of every module over ``limit`` lines."""
+    out = []
+    for package in SHAPED:
+        for path in sorted((REPO / package).rglob("*.py")):
+            lines = len(path.read_text(encoding="utf-8").splitlines())
+            if lines > limit:
+                out.append((str(path.relative_to(REPO)), lines))
+    return out
+
+
+def test_no_module_is_longer_than_600_lines():
+    offenders = long_modules()
+    assert not offenders, f"modules longer than {MAX_MODULE_LINES} lines (split them where the concern splits):\n" + \
+        "\n".join(f"  {file}: {lines} lines" for file, lines in offenders)
 
 
 def test_no_import_cycles():

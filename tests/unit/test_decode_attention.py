@@ -4,7 +4,7 @@ The kernel runs here under Triton's interpreter (``TRITON_INTERPRET=1``: the sam
 executed with numpy on CPU tensors) where Triton is installed; the CPU install does not carry Triton (it comes
 with torch's CUDA wheels), so these tests skip there and bench/gpu_engine.py makes the comparison on a GPU in bf16
 (the interpreter does not model bf16: fp32 and fp16 here). The reference itself is checked against the engine's
-flash-layout reference (``rollout_static._decode_attention`` on a CPU) without Triton.
+flash-layout reference (``rlhf_core.rollout.decode.attention.flash_layout_attention`` on a CPU) without Triton.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from rlhf_core.models import decode_attention as da
-from rlhf_core.rollout.static import _decode_attention
+from rlhf_core.rollout.decode.attention import flash_layout_attention
 
 # (cache rows B, query rows a cache row Q, query heads H_q, KV heads H_kv, head size D, cache width W):
 # grouped heads folded into rows (Q = G, H_q = H_kv), one row a cache row with grouped heads, plain multi-head,

@@ -11,9 +11,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 NAME = re.compile(r"\bALIGNFLOW_[A-Z_]+\b")
 ALLOWED = {"ALIGNFLOW_HOME", "ALIGNFLOW_FAULT", "ALIGNFLOW_FAULT_RANK", "ALIGNFLOW_FAULT_SIGNAL"}
-# rlhf_core/rollout/static.py's decode switches, which the rollout/static.py split takes out on its own branch:
-# tolerated while that file still reads them, an error once it does not (then drop this set).
-LEAVING = {"ALIGNFLOW_DECODE_ATTENTION", "ALIGNFLOW_DECODE_COMPILE"}
 
 
 def _names_in_sources() -> dict[str, list[str]]:
@@ -34,11 +31,9 @@ def _doc_section() -> str:
 
 def test_only_the_allowed_variables_are_read():
     found = _names_in_sources()
-    unknown = {name: where for name, where in found.items() if name not in ALLOWED | LEAVING}
+    unknown = {name: where for name, where in found.items() if name not in ALLOWED}
     assert not unknown, (f"environment switches {unknown}: make each a config field (so it is in the run's "
                          f"lineage) or remove it; alignflow's own variables are only {sorted(ALLOWED)}")
-    gone = LEAVING - set(found)
-    assert not gone, f"{sorted(gone)} are no longer read: drop them from LEAVING"
     assert ALLOWED <= set(found), f"not read any more: {sorted(ALLOWED - set(found))} (update ALLOWED and the doc)"
 
 

@@ -1,0 +1,395 @@
+"""One chunk's decode state (:class:`Decoder`): the static KV cache, the prefill, the fixed-shape decode step
+and its CUDA graphs, and (eager decode) the batch shrinking to live rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from rlhf_core.models.loading import has_lora
+from rlhf_core.rollout.decode.attention import choose_row_kernel, flash_layout_attention, use_flash
+from rlhf_core.rollout.decode.layer import (attention_inputs, biases, compiled_layer_halves, merged_weight,
+                                            output_and_mlp, rotate)
+from rlhf_core.rollout.decode.sampling import Sampler, compiled_sample, sample
+from rlhf_core.rollout.decode.settings import SETTINGS
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Shapes:
+    rows: int
+    width: int  # prompt width P + max_new_tokens R
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+
+class Decoder:
+    """One chunk's decode state: the static cache and the buffers a captured step reads and writes.
+
+    Shapes: ``B`` rows, ``P`` prompt width, ``W = P + R`` cache width, ``H``/``H_kv`` query/KV heads,
+    ``D`` head size, ``V`` vocabulary.
+    """
+
+    def __init__(self, model: Any, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, n: int,
+                 compiled: bool = False, triton: bool = True):
+        cfg = model.config
+        self.model, self.inner = model, model.model
+        self.layers = list(self.inner.layers)
+        attn = self.layers[0].self_attn
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(attn, "head_dim", None) or cfg.hidden_size // heads
+        prompts, P = ids.shape
+        B = prompts * n  # decode rows: n samples of each prompt, contiguous
+        self.n = n
+        self.shape = _Shapes(B, P + max_new_tokens, heads, kv_heads, head_dim)
+        self.scaling = getattr(attn, "scaling", head_dim ** -0.5)
+        self.rope = rotate
+        dtype = next(model.parameters()).dtype
+        device = ids.device
+        W = self.shape.width
+        # Cache layout: (B, W, H_kv, D) for the flash kernel (a row's keys contiguous), else (B, H_kv, W, D).
+        self.flash = use_flash(device, dtype, head_dim)
+        self.row_kernel = choose_row_kernel(device, head_dim, triton) if self.flash else "sdpa"
+        layout = (B, W, kv_heads, head_dim) if self.flash else (B, kv_heads, W, head_dim)
+        self.k = [torch.zeros(layout, dtype=dtype, device=device) for _ in self.layers]
+        self.v = [torch.zeros(layout, dtype=dtype, device=device) for _ in self.layers]
+        # rotary tables for positions 0 .. W-1, from the model's own rotary module (any rope scaling)
+        probe = torch.zeros(1, W, head_dim, dtype=dtype, device=device)
+        cos, sin = self.inner.rotary_emb(probe, torch.arange(W, device=device)[None])
+        self.cos, self.sin = cos[0], sin[0]  # (W, D)
+        self.ids, self.prompt_mask = ids, mask  # (prompts, P): one row per prompt
+        # decode-step buffers (updated in place, read by the captured graph), one row per sample
+        row_mask = mask.repeat_interleave(n, dim=0)
+        self.valid = torch.zeros(B, W, dtype=torch.bool, device=device)  # keys a row may attend to
+        self.valid[:, :P] = row_mask.bool()
+        self.token = torch.zeros(B, dtype=torch.long, device=device)
+        self.pos = (row_mask.sum(-1) - 1).clamp(min=0)  # position of the last prompt token; advanced before a step
+        self.col = torch.tensor([P - 1], dtype=torch.long, device=device)
+        # flash: row b's keys start at its first prompt token (left padding) and run ``used[b]`` columns
+        start = P - row_mask.sum(-1)
+        # flash, grouped (SETTINGS.flash_grouped): KV head j's G query heads are G query rows; the fused weights put
+        # Q's heads (and o_proj's columns) in (g, j) order, so the projection writes those rows directly
+        self.grouped = self.flash and SETTINGS.flash_grouped and heads > kv_heads
+        self.cu_q = torch.arange(B + 1, dtype=torch.int32, device=device) * (heads // kv_heads if self.grouped else 1)
+        self.cu_k = torch.cat([torch.arange(B, device=device) * W + start,
+                               torch.tensor([B * W], device=device)]).to(torch.int32)
+        self.used = (P - start).to(torch.int32)
+        self.decode_steps, self.step_index = max_new_tokens, 0
+        self.graphs: list[tuple[int, Any]] = []  # (cache width, CUDA graph of a whole iteration)
+        self.fused = self._fuse_weights()
+        self.heads_regrouped = self.grouped and self.fused is not None
+        self.compiled = compiled and self.fused is not None
+        self.halves = compiled_layer_halves() if self.compiled else (attention_inputs, output_and_mlp)
+        self.sample = compiled_sample() if self.compiled and SETTINGS.compile_sampler else sample
+
+    def _grouped_q(self, w: torch.Tensor) -> torch.Tensor:
+        """Q projection rows ``(H D, ..)`` from head order ``h = j G + g`` to ``(g, j)`` order (grouped flash
+        layout); unchanged otherwise."""
+        if not self.grouped:
+            return w
+        s = self.shape
+        G = s.heads // s.kv_heads
+        return w.reshape(s.kv_heads, G, s.head_dim, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+
+    def _copies_fit(self) -> bool:
+        """Whether the fused copies (Q/K/V and gate/up always; the output projection in the grouped layout; all
+        seven projections, merged, for a LoRA policy) fit in half of the GPU's free memory. A 32B policy's
+        replica holding the base and adapters would copy every projection, 62 GB beside its 65.5 GB base, more than a
+        141 GB card holds (BENCHMARKS.md): there the model's own modules (peft's for the adapters)
+        run instead, slower but without copies. Always on a CPU."""
+        device = self.cos.device
+        if device.type != "cuda":
+            return True
+        lora = has_lora(self.layers[0])
+        names = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj") + (("o_proj",) if self.grouped or lora else ()) \
+            + (("down_proj",) if lora else ())
+        need = len(self.layers) * self.cos.element_size() * sum(
+            (m.get_base_layer() if hasattr(m, "get_base_layer") else m).weight.numel()
+            for name, m in self.layers[0].named_modules() if name.rsplit(".", 1)[-1] in names)
+        free, _ = torch.cuda.mem_get_info(device)
+        if need <= free // 2:
+            return True
+        log.warning("StaticCacheEngine: the fused projection copies (%.1f GB) exceed half the free GPU memory "
+                    "(%.1f GB); decoding through the model's own modules", need / 2**30, free / 2**30)
+        return False
+
+    def _fuse_weights(self) -> list[dict[str, Any]] | None:
+        """Per layer, Q/K/V and gate/up projections concatenated into one matrix each (decode only).
+
+        A decode step at batch 512 is a chain of ~40 small kernels per layer (a profile in
+        BENCHMARKS.md, "Rollout decode"); one GEMM for Q, K and V, one for gate and up, rotary
+        embedding applied once to the Q and K heads together and a fused RMS norm cut that chain by
+        about a third. Copies of this call's weights, so they are rebuilt with the decoder (per call).
+        ``None`` (use the model's modules) for layouts this does not cover (Qwen3's q/k norms), and on a GPU
+        where the copies would take more than half the free memory (:meth:`_copies_fit`).
+        """
+        if not self._copies_fit():
+            return None
+        fused = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if hasattr(attn, "q_norm") or not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj")) \
+                    or not all(hasattr(n, "variance_epsilon") for n in (layer.input_layernorm,
+                                                                         layer.post_attention_layernorm)):
+                return None
+            projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+            try:
+                qkv_bias, gate_up_bias = biases(projections), biases((mlp.gate_proj, mlp.up_proj))
+            except ValueError:
+                return None  # some projections biased, some not
+            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+            o_proj = merged_weight(attn.o_proj)
+            fused.append({  # the model's own tensors (LoRA: merged copies), except the two concatenations
+                "ln1": ln1.weight, "eps1": ln1.variance_epsilon, "ln2": ln2.weight, "eps2": ln2.variance_epsilon,
+                "qkv": torch.cat([self._grouped_q(merged_weight(attn.q_proj)), merged_weight(attn.k_proj),
+                                  merged_weight(attn.v_proj)]),
+                "qkv_bias": None if qkv_bias is None else torch.cat([self._grouped_q(qkv_bias[0]), *qkv_bias[1:]]),
+                "o": self._grouped_q(o_proj.T).T.contiguous() if self.grouped else o_proj, "o_bias": attn.o_proj.bias,
+                "gate_up": torch.cat([merged_weight(mlp.gate_proj), merged_weight(mlp.up_proj)]),
+                "gate_up_bias": None if gate_up_bias is None else torch.cat(gate_up_bias),
+                "down": merged_weight(mlp.down_proj), "down_bias": mlp.down_proj.bias,
+            })
+        return fused
+
+    # ---- the math -----------------------------------------------------------------------------
+
+    def _layer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write: Any,
+               attend: Any) -> torch.Tensor:
+        """One decoder layer on ``x (B, T, hidden)``: the model's modules, our cache handling."""
+        layer = self.layers[i]
+        attn = layer.self_attn
+        s = self.shape
+        B, T, _ = x.shape
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(B, T, s.heads, s.head_dim)
+        k = attn.k_proj(h).view(B, T, s.kv_heads, s.head_dim)
+        v = attn.v_proj(h).view(B, T, s.kv_heads, s.head_dim).transpose(1, 2)
+        if hasattr(attn, "q_norm"):  # Qwen3: RMS norm of each head before rotary
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (B, H, T, D), (B, H_kv, T, D)
+        write(i, k, v)
+        o = attend(i, q)  # (B, T, H * D)
+        x = x + attn.o_proj(o)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.inner.norm(x))
+
+    # ---- prefill: the prompts, every position at once --------------------------------------------
+
+    def prefill(self) -> torch.Tensor:
+        """Run each prompt once, fill cache columns ``0 .. P-1`` of its ``n`` rows; ``(B, V)`` next-token logits."""
+        B, P = self.ids.shape  # B prompts here
+        pos = (self.prompt_mask.cumsum(-1) - 1).clamp(min=0)  # as generate: counted from the first real token
+        cos, sin = self.cos[pos], self.sin[pos]  # (B, P, D)
+        keys = self.prompt_mask.bool()
+        causal = torch.ones(P, P, dtype=torch.bool, device=self.ids.device).tril()
+        allowed = causal[None] & keys[:, None, :]  # (B, P, P)
+        allowed |= torch.eye(P, dtype=torch.bool, device=self.ids.device)[None]  # pad queries: no empty rows
+        s = self.shape
+
+        kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def write(i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            kv[i] = (k, v)
+            if self.flash:
+                self.k[i][:, :P] = k.transpose(1, 2).repeat_interleave(self.n, dim=0)
+                self.v[i][:, :P] = v.transpose(1, 2).repeat_interleave(self.n, dim=0)
+            else:
+                self.k[i][:, :, :P] = k.repeat_interleave(self.n, dim=0)
+                self.v[i][:, :, :P] = v.repeat_interleave(self.n, dim=0)
+
+        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+            k, v = kv.pop(i)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=self.scaling,
+                                               enable_gqa=s.heads != s.kv_heads)
+            return o.transpose(1, 2).reshape(B, P, s.heads * s.head_dim)
+
+        x = self.inner.embed_tokens(self.ids)
+        for i in range(len(self.layers)):
+            x = self._layer(i, x, cos, sin, write, attend)
+        return self._head(x[:, -1]).repeat_interleave(self.n, dim=0)
+
+    # ---- decode: one new token per row, fixed shapes -----------------------------------------------
+
+    def _write(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write one decode position's ``k``, ``v (B, H_kv, 1, D)`` into layer ``i``'s cache at column ``col``."""
+        if self.flash:
+            self.k[i].index_copy_(1, self.col, k.transpose(1, 2))
+            self.v[i].index_copy_(1, self.col, v.transpose(1, 2))
+        else:
+            self.k[i].index_copy_(2, self.col, k)
+            self.v[i].index_copy_(2, self.col, v)
+
+    def _attend(self, i: int, q: torch.Tensor, key_mask: torch.Tensor | None, width: int) -> torch.Tensor:
+        """Layer ``i``'s attention of ``q (B, H, 1, D)`` over the cache; ``(B, 1, H D)``."""
+        s = self.shape
+        B, G, D = s.rows, s.heads // s.kv_heads, s.head_dim
+        if self.flash:
+            regroup = self.grouped and not self.heads_regrouped  # the model's own q_proj: heads in (j, g) order
+            if regroup:
+                q = q.reshape(B, s.kv_heads, G, D).transpose(1, 2)
+            rows = q.reshape(B * G, s.kv_heads, D) if self.grouped else q.reshape(B, s.heads, D)
+            o = flash_layout_attention(rows, self.k[i].view(-1, s.kv_heads, D), self.v[i].view(-1, s.kv_heads, D),
+                                  self.cu_q, self.cu_k, s.width, self.used, self.scaling, self.row_kernel)
+            if regroup:
+                o = o.view(B, G, s.kv_heads, D).transpose(1, 2)
+        else:  # the G query heads of each KV head as G query rows over that head's cache: no K/V copies
+            o = F.scaled_dot_product_attention(q.reshape(B, s.kv_heads, G, D), self.k[i][:, :, :width],
+                                               self.v[i][:, :, :width], attn_mask=key_mask, scale=self.scaling)
+        return o.reshape(B, 1, s.heads * D)
+
+    def run_row_kernel(self) -> None:
+        """One call of the decode attention on layer 0's cache with zero queries (builds a JIT kernel eagerly;
+        the result is dropped, no buffer changes)."""
+        s = self.shape
+        self._attend(0, torch.zeros(s.rows, s.heads, 1, s.head_dim, dtype=self.k[0].dtype, device=self.k[0].device),
+                     None, s.width)
+
+    def _fused_layer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     key_mask: torch.Tensor | None, width: int) -> torch.Tensor:
+        """:meth:`_layer` for one decode position ``x (B, 1, hidden)`` with the fused projections: the two
+        halves around attention (compiled on a GPU, see :func:`compiled_layer_halves`), the cache write and
+        attention between them."""
+        w, s = self.fused[i], self.shape
+        attention_inputs, output_and_mlp = self.halves
+        q, k, v = attention_inputs(x, w["ln1"], w["eps1"], w["qkv"], w["qkv_bias"], cos, sin, s.heads, s.kv_heads,
+                                   self.flash)
+        self._write(i, k, v)
+        o = self._attend(i, q, key_mask, width)
+        return output_and_mlp(x, o, w["o"], w["o_bias"], w["ln2"], w["eps2"], w["gate_up"], w["gate_up_bias"],
+                              w["down"], w["down_bias"])
+
+    def _step(self, width: int | None = None) -> torch.Tensor:
+        """Reads ``token``, ``pos``, ``col``, ``valid``; writes the cache at ``col``; ``(B, V)`` logits.
+
+        Attention reads cache columns ``0 .. width-1`` only (default: all ``W``); any ``width > col``
+        gives the same result, since later columns are masked out.
+        """
+        if SETTINGS.sdpa_backends is not None:
+            with sdpa_kernel([getattr(SDPBackend, name) for name in SETTINGS.sdpa_backends]):
+                return self._decode(width)
+        return self._decode(width)
+
+    def _decode(self, width: int | None) -> torch.Tensor:
+        width = width or self.shape.width
+        cos, sin = self.cos[self.pos][:, None], self.sin[self.pos][:, None]  # (B, 1, D)
+        key_mask = None if self.flash else self.valid[:, None, None, :width]  # (B, 1, 1, width)
+        x = self.inner.embed_tokens(self.token[:, None])
+        if self.fused is not None:
+            for i in range(len(self.layers)):
+                x = self._fused_layer(i, x, cos, sin, key_mask, width)
+        else:
+            def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+                return self._attend(i, q, key_mask, width)
+
+            for i in range(len(self.layers)):
+                x = self._layer(i, x, cos, sin, self._write, attend)
+        return self._head(x[:, 0])
+
+    def _advance(self) -> None:
+        self.pos += 1
+        self.col += 1
+        if self.flash:
+            self.used += 1
+        else:
+            self.valid.index_fill_(1, self.col, True)
+
+    @property
+    def compactable(self) -> bool:
+        """Whether :meth:`keep` may shrink the batch: the SDPA cache layout (not the flash one, whose sequence
+        bounds would need rebuilding) and no captured graphs (they hold the buffers)."""
+        return not self.flash and not self.graphs
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows ``rows`` (positions in the current batch): their caches and step buffers."""
+        if not self.compactable:
+            raise RuntimeError("the decode batch can shrink only in the SDPA layout without captured graphs")
+        self.k = [k.index_select(0, rows) for k in self.k]
+        self.v = [v.index_select(0, rows) for v in self.v]
+        self.valid, self.token, self.pos = (t.index_select(0, rows) for t in (self.valid, self.token, self.pos))
+        self.shape = dataclasses.replace(self.shape, rows=len(rows))
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        """Feed ``token (B,)``; the next ``(B, V)`` logits (eager decode: the CPU path, and the fallback when
+        graphs cannot be captured; the captured path is :meth:`replay`)."""
+        self.token.copy_(token)
+        self._advance()
+        self.step_index += 1
+        return self._step()
+
+    def _iteration(self, sampler: Sampler, width: int) -> None:
+        """One whole decode iteration on device buffers (what a graph captures): feed ``token``, decode,
+        sample with this column's uniforms, record, and leave the sampled token in ``token``."""
+        self._advance()
+        logits = self._step(width)
+        uniform = sampler.uniforms.index_select(0, sampler.t)[0]  # (B, 1): column t's draws
+        self.token.copy_(sampler.record(*self.sample(logits, sampler.params, uniform=uniform)))
+
+    def replay(self) -> None:
+        """Replay the captured iteration for the next column. ``self.step_index`` counts steps on the host
+        (the column is a device tensor a graph reads), so the graph of the narrowest width bucket that
+        covers this step's column is picked without a sync."""
+        self.step_index += 1
+        needed = self.shape.width - self.decode_steps + self.step_index  # columns 0 .. col (col = P - 1 + steps)
+        next(graph for width, graph in self.graphs if width >= needed).replay()
+
+    def width_buckets(self) -> list[int]:
+        """Cache widths of the captured decode graphs: every ``SETTINGS.width_bucket`` columns past the prompt,
+        and the whole cache. Attention over the filled prefix only: its cost grows with the step instead of
+        always paying for the whole ``W`` (at 512 rows, ~30% of a full-width step)."""
+        W, P = self.shape.width, self.shape.width - self.decode_steps
+        if not SETTINGS.width_bucket:
+            return [W]
+        bucket = SETTINGS.width_bucket
+        return sorted({min(W, P + b) for b in range(bucket, self.decode_steps + bucket, bucket)})
+
+    def capture(self, sampler: Sampler) -> None:
+        """Capture :meth:`_iteration` into one CUDA graph per width bucket (after warm-up runs on a side
+        stream, as torch requires), sharing one memory pool: they replay one at a time, in capture order.
+
+        Sampling, recording and the eos bookkeeping are inside the graph, so a decode step is one replay
+        with no host work between steps (the sampling's dozen kernels used to be launched from Python
+        after each replay). Warm-up and capture write cache column ``P`` and the sampler's buffers: every
+        buffer they touch is restored afterwards, also when capture fails, and the first real step
+        rewrites that column.
+        """
+        buffers = (self.token, self.pos, self.col, self.valid, self.used, *sampler.buffers())
+        saved = [b.clone() for b in buffers]
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            widths = self.width_buckets()
+            with torch.cuda.stream(stream):
+                for width in widths:
+                    for _ in range(2):
+                        self._iteration(sampler, width)
+            torch.cuda.current_stream().wait_stream(stream)
+            pool = torch.cuda.graph_pool_handle()
+            self.graphs = []
+            for width in widths:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._iteration(sampler, width)
+                self.graphs.append((width, graph))
+        except RuntimeError:
+            self.graphs = []
+            raise
+        finally:
+            for buf, value in zip(buffers, saved):
+                buf.copy_(value)
+
+    def release(self) -> None:
+        self.graphs, self.fused = [], None
+        self.k = self.v = []
