@@ -170,13 +170,13 @@ def _peak_by_gpu(smi: subprocess.Popen) -> dict[str, float]:
 def main() -> None:
     args = _args()
     from rlhf_core.config import RLConfig, build_config
-    from rlhf_core.trainers import rl
+    from rlhf_core.trainers import rl_parts
     from rlhf_core.trainers.rl import train_rl
 
     if args.sampling == "master":
         from rlhf_core.rollout.engine import HFGenerateEngine
 
-        rl.build_rollout_engine = lambda cfg, policy, tok, dtype=None: HFGenerateEngine(policy, tok, cfg.batch_size)
+        rl_parts.build_rollout_engine = lambda cfg, policy, tok, dtype=None: HFGenerateEngine(policy, tok, cfg.batch_size)
 
     work = Path(tempfile.mkdtemp(prefix="gpu-grpo-"))
     model_dir, prompts, reward = _inputs(args, work)

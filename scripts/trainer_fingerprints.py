@@ -137,10 +137,17 @@ def _renamed() -> dict[str, str]:
     return module.RENAMED
 
 
+# Trainer fields that were environment switches before they became config fields; at these values a run computes
+# what a run without the switch set did, so a record that has them digests like one that has not.
+FROM_ENVIRONMENT = {"attention": "auto", "collective_timeout_s": 600.0, "compile_backend": "inductor",
+                    "stack_dump_s": 0.0}
+
+
 def recorded_config_md5(path: Path) -> str:
     """md5 of an ``alignflow.json`` with its recorded config in one spelling: a section within a config (``kl: {coef:
     ...}``) as dotted names (``kl.coef``), and an old flat name mapped through ``rlhf_core.config.RENAMED`` (``kl_coef``
-    -> ``kl.coef``), so a config recorded under either spelling digests the same."""
+    -> ``kl.coef``), so a config recorded under either spelling digests the same; a field of
+    :data:`FROM_ENVIRONMENT` at its value is left out."""
     renamed = _renamed()
     record = json.loads(Path(path).read_text())
     config = record.get("config")
@@ -151,7 +158,7 @@ def recorded_config_md5(path: Path) -> str:
                 flat.update({f"{key}.{k}": v for k, v in value.items()})
             else:
                 flat[renamed.get(key, key)] = value
-        record["config"] = flat
+        record["config"] = {k: v for k, v in flat.items() if k not in FROM_ENVIRONMENT or FROM_ENVIRONMENT[k] != v}
     return hashlib.md5(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 

@@ -32,7 +32,7 @@ stay valid. Architectures: the Llama family's decoder layer (``llama``, ``qwen2`
 with its q/k norms, ``mistral`` within its sliding window), with or without peft LoRA adapters (a LoRA
 policy's projections are merged, ``W + s B A``, into the per-call copies the decode step reads; the
 prefill runs peft's own layers); :func:`supports` says why a model is refused, and
-:func:`rlhf_core.trainers.rl.build_rollout_engine` then falls back to HF ``generate``.
+:func:`rlhf_core.trainers.rl_parts.build_rollout_engine` then falls back to HF ``generate``.
 
 Log-probs follow the contract of :mod:`rlhf_core.rollout.engine`: ``log_softmax(logits / T)`` of the
 sampled token, before top-k / top-p filtering.

@@ -79,9 +79,8 @@ from rlhf_core.trainers.loop import (
     save_hf_dir)
 from rlhf_core.trainers.step import seed_everything
 from rlhf_core.trainers.rl_parts import (Experience, GeneratorState, PhaseTimes, RLResult, Rollout, Sampled,
-                                         build_rollout_engine, check_prompt_lengths, check_teacher_tokenizer,
-                                         concat_batches, mean_or_nan, read_prompts, rendered_rollout_rows,
-                                         reward_source_for, sampling_copy, take_rows)
+                                         concat_batches, mean_or_nan, rendered_rollout_rows,
+                                         sampling_parts, take_rows, training_prompts)
 from rlhf_core.trainers.rl_roles import KL_CLAMP as _KL_CLAMP
 from rlhf_core.trainers.rl_roles import BaseReference, PolicyLearner, ReferenceScorer, base_is_reference
 
@@ -143,8 +142,8 @@ class RLTrainer:
         autocast_dtype = Precision.resolve(cfg.precision, self.device).compute_dtype
         self.estimator = AdvantageEstimator(cfg.algorithm.estimator)
         self.tokenizer = load_tokenizer(cfg.model_path)
-        if self.estimator.needs_teacher:  # before any model loads: a mismatched teacher fails in seconds
-            check_teacher_tokenizer(cfg, self.tokenizer)
+        # before any model loads: a mismatched teacher or a prompt too long fails in seconds
+        self.prompts, self.labels, self.conversations = training_prompts(cfg, self.tokenizer)
         self.learner = learner or PolicyLearner(cfg, self.device)
         # a LoRA policy's frozen base is its reference when it started from it: no second model (BaseReference)
         self.reference = reference or (BaseReference(self.learner) if base_is_reference(cfg)
@@ -153,13 +152,8 @@ class RLTrainer:
         self.teacher = (teacher or ReferenceScorer(cfg, self.device, model_path=cfg.distill.teacher_model_path)
                         if self.estimator.needs_teacher else None)
         self.kind = RewardKind(cfg.reward.kind)
-        self.reward_source = reward_source or reward_source_for(cfg, self.kind, self.device)
-        # in-process the policy is the trained model; under Ray a view refreshed from rank 0 on demand.
-        # Asynchronous: a copy of its own, which the update does not write while it samples.
-        self.engine = engine or build_rollout_engine(
-            cfg, self.learner.policy if not cfg.off_policy.max_staleness else sampling_copy(cfg, self.device),
-            self.tokenizer,
-            autocast_dtype)
+        self.reward_source, self.engine = sampling_parts(cfg, self.learner, self.tokenizer, self.device,
+                                                         autocast_dtype, engine, reward_source)
         # A LoRA policy's engine needs merged weights; the HF engine that holds the policy needs nothing.
         self.engine_weights = getattr(self.learner, "engine_weights", None)
         # multi-turn rollouts: a fresh environment per trajectory (rlhf_core/rollout/environments.py); None: single-turn
@@ -169,8 +163,6 @@ class RLTrainer:
                                              token_env=cfg.environment.token_env,
                                              max_response_bytes=cfg.reward.max_response_bytes)
                          if cfg.environment.spec else None)
-        self.prompts, self.labels, self.conversations = read_prompts(cfg, self.tokenizer)
-        check_prompt_lengths(cfg, self.tokenizer, self.prompts)
         self.sampler = EpochSampler(len(self.prompts), cfg.rollout.prompts_per_step, cfg.seed)
         # the KL controller; the learner owns the optimisers (its schedule advances once per iteration)
         self.kl_ctl: KLController = (AdaptiveKLController(cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)

@@ -15,7 +15,7 @@ import torch
 
 from rlhf_core.common.redact import redact_secrets
 from rlhf_core.config import ConfigError, RLConfig
-from rlhf_core.config.choices import RewardKind
+from rlhf_core.config.choices import AdvantageEstimator, RewardKind
 from rlhf_core.data.formats import prompt_text, read_prompt_examples
 from rlhf_core.data.io import DataError, read_records
 from rlhf_core.data.sequences import SAMPLE_ROWS, rendered_row
@@ -234,6 +234,16 @@ def check_prompt_lengths(cfg: RLConfig, tokenizer: Any, prompts: list[str]) -> N
                           f"{name} {response} that exceeds max_length {cfg.max_length}")
 
 
+def training_prompts(cfg: RLConfig, tokenizer: Any) -> tuple[list[str], list[str | None], list[list[dict]] | None]:
+    """What :func:`read_prompts` returns, checked before any model loads: a distillation teacher's tokenizer against
+    the policy's, and every prompt's length within ``max_length``."""
+    if AdvantageEstimator(cfg.algorithm.estimator).needs_teacher:
+        check_teacher_tokenizer(cfg, tokenizer)
+    prompts, labels, conversations = read_prompts(cfg, tokenizer)
+    check_prompt_lengths(cfg, tokenizer, prompts)
+    return prompts, labels, conversations
+
+
 # --------------------------------------------------------------------------------------
 # Checkpoints and engines
 # --------------------------------------------------------------------------------------
@@ -273,3 +283,15 @@ def build_rollout_engine(cfg: RLConfig, policy: Any, tokenizer: Any,
             return StaticCacheEngine(policy, tokenizer, batch_size=cfg.batch_size, autocast_dtype=autocast_dtype)
         log.warning("rl: rollout_engine static cannot run this policy (%s); using the HF engine instead", reason)
     return HFGenerateEngine(policy, tokenizer, batch_size=cfg.batch_size, autocast_dtype=autocast_dtype)
+
+
+def sampling_parts(cfg: RLConfig, learner: Any, tokenizer: Any, device: torch.device,
+                   autocast_dtype: torch.dtype | None, engine: RolloutEngine | None = None,
+                   reward_source: RewardSource | None = None) -> tuple[RewardSource, RolloutEngine]:
+    """The reward source and the rollout engine, each built unless given. A built engine samples from the learner's
+    policy or, asynchronous, from a copy of its own, which the update does not write while it samples."""
+    reward_source = reward_source or reward_source_for(cfg, RewardKind(cfg.reward.kind), device)
+    engine = engine or build_rollout_engine(
+        cfg, learner.policy if not cfg.off_policy.max_staleness else sampling_copy(cfg, device), tokenizer,
+        autocast_dtype)
+    return reward_source, engine

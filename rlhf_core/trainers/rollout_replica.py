@@ -17,7 +17,7 @@ from rlhf_core.distributed.weight_sync import SyncGroup, bucket_views, unflatten
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer, pick_device, prepare_for_training
 from rlhf_core.models.precision import Precision
 from rlhf_core.rollout.engine import LoadsWeightBuckets
-from rlhf_core.trainers.rl import build_rollout_engine
+from rlhf_core.trainers.rl_parts import build_rollout_engine
 from rlhf_core.trainers.rl_forward import release_memory
 
 

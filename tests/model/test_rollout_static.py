@@ -17,7 +17,7 @@ from rlhf_core.rollout.decode.sampling import Sampler, sample, sampling_weights
 from rlhf_core.rollout.decode.settings import SETTINGS
 from rlhf_core.rollout.engine import HFGenerateEngine, RolloutEngine, SamplingParams, response_mask_from_ids
 from rlhf_core.rollout.static import StaticCacheEngine, supports
-from rlhf_core.trainers.rl import build_rollout_engine
+from rlhf_core.trainers.rl_parts import build_rollout_engine
 from test_rollout_hf import forward_logprobs
 
 PROMPTS = ["12+30=", "sort 321=", "7*8=", "sort 90817=", "1+1="]

@@ -154,7 +154,8 @@ def test_trainer_renders_tool_messages_for_conversation_prompts(chat_tool_model,
 
     from rlhf_core.config import RLConfig, build_config
     from rlhf_core.data.io import DataError
-    from rlhf_core.trainers.rl import RLTrainer, PhaseTimes, read_prompts
+    from rlhf_core.trainers.rl import RLTrainer, PhaseTimes
+    from rlhf_core.trainers.rl_parts import read_prompts
 
     env = tmp_path / "env.py"
     env.write_text("from rlhf_core.rollout.environments import StepResult\n\nclass Env:\n    stop_tokens = ('</calc>',)\n"
