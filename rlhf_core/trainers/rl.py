@@ -82,7 +82,7 @@ from rlhf_core.trainers.rl_parts import (Experience, GeneratorState, PhaseTimes,
                                          concat_batches, mean_or_nan, rendered_rollout_rows,
                                          sampling_parts, take_rows, training_prompts)
 from rlhf_core.trainers.rl_roles import KL_CLAMP as _KL_CLAMP
-from rlhf_core.trainers.rl_roles import BaseReference, PolicyLearner, ReferenceScorer, base_is_reference
+from rlhf_core.trainers.rl_roles import build_roles
 
 # Rollout tables show whole groups, so a reader sees what the group baseline compared.
 _TABLE_GROUPS = 4
@@ -144,13 +144,7 @@ class RLTrainer:
         self.tokenizer = load_tokenizer(cfg.model_path)
         # before any model loads: a mismatched teacher or a prompt too long fails in seconds
         self.prompts, self.labels, self.conversations = training_prompts(cfg, self.tokenizer)
-        self.learner = learner or PolicyLearner(cfg, self.device)
-        # a LoRA policy's frozen base is its reference when it started from it: no second model (BaseReference)
-        self.reference = reference or (BaseReference(self.learner) if base_is_reference(cfg)
-                                       else ReferenceScorer(cfg, self.device))
-        # on-policy distillation's teacher: the reference's machinery (frozen, compute dtype, same placement)
-        self.teacher = (teacher or ReferenceScorer(cfg, self.device, model_path=cfg.distill.teacher_model_path)
-                        if self.estimator.needs_teacher else None)
+        self.learner, self.reference, self.teacher = build_roles(cfg, self.device, learner, reference, teacher)
         self.kind = RewardKind(cfg.reward.kind)
         self.reward_source, self.engine = sampling_parts(cfg, self.learner, self.tokenizer, self.device,
                                                          autocast_dtype, engine, reward_source)

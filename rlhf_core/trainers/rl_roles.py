@@ -557,3 +557,16 @@ def _cpu_copy(t: torch.Tensor, on_cpu: bool) -> torch.Tensor:
     # .cpu() of a GPU tensor is already a copy; on the CPU it would alias the live weights
     return t.clone() if on_cpu else t.cpu()
 
+
+def build_roles(cfg: RLConfig, device: torch.device, learner: Any = None, reference: Any = None,
+                teacher: Any = None) -> tuple[Any, Any, Any]:
+    """The policy learner, its reference and (on-policy distillation) its teacher, each built unless given. A LoRA
+    policy's frozen base is its reference when it started from it: no second model (:class:`BaseReference`). The
+    teacher is the reference's machinery (frozen, compute dtype, same placement); ``None`` for other estimators."""
+    learner = learner or PolicyLearner(cfg, device)
+    reference = reference or (BaseReference(learner) if base_is_reference(cfg) else ReferenceScorer(cfg, device))
+    if AdvantageEstimator(cfg.algorithm.estimator).needs_teacher:
+        teacher = teacher or ReferenceScorer(cfg, device, model_path=cfg.distill.teacher_model_path)
+    else:
+        teacher = None
+    return learner, reference, teacher

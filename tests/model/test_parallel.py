@@ -499,7 +499,7 @@ def test_on_policy_distillation_on_ray_scores_with_teacher_actors(ray_local, mic
     local, remote = Recorder(), Recorder()
     train_rl(_rl(micro_model, micro_data, tmp_path / "local", length_reward, **kw), local, show_progress=False)
     # under Ray the controller loads no scorer of its own: the teacher's log-probs come from the actors
-    monkeypatch.setattr("rlhf_core.trainers.rl.ReferenceScorer", lambda *a, **k: pytest.fail("scored in-process"))
+    monkeypatch.setattr("rlhf_core.trainers.rl_roles.ReferenceScorer", lambda *a, **k: pytest.fail("scored in-process"))
     train_rl_on_ray(_rl(micro_model, micro_data, tmp_path / "ray", length_reward,
                         **{"distribution.placement": "colocated"},
                         num_workers=2, **kw), remote, show_progress=False)
