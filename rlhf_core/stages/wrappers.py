@@ -420,7 +420,7 @@ def rejection(cfg: RejectionConfig, tracking: TrackingConfig, parent_run_id: str
     _use_tracking(tracking)
     inputs = {"policy": cfg.policy_path, "prompts": cfg.prompts_file}
     if cfg.scorer == "reward_model":
-        inputs["reward_model"] = cfg.reward.model_path
+        inputs["reward_model"] = cfg.reward_model_path
     with start_run(tracking, "rejection", parent_run_id, lineage_tags(inputs, "rejection")) as run:
         run.log_params(config_params(cfg))
         run.log_input(cfg.prompts_file, "prompts", dvc_md5(cfg.prompts_file), "sampling")
