@@ -34,6 +34,8 @@ from typing import Any, Sequence
 
 import rlhf_core  # offline switches first
 from flows import errors
+from flows.params import load_all, write_private_overrides
+from flows.preflight import check_flow_inputs, check_inputs
 from rlhf_core.common.redact import redact_secrets
 from rlhf_core.config import (
     OVERRIDE_SOURCE,
@@ -52,6 +54,7 @@ from rlhf_core.config import (
 from rlhf_core.data.validate import KINDS, ValidationFailed
 from rlhf_core.config import stage_registry as registry
 from rlhf_core.config.stage_registry import Stage
+from rlhf_core.stages import wrappers as stages
 
 
 def _common(p: argparse.ArgumentParser, section: str | None, stage: Stage | None = None) -> None:
@@ -121,8 +124,6 @@ def _print(obj: Any) -> None:
 
 def _stage_cfg(args: argparse.Namespace) -> Any:
     """The command's config from params.yaml and ``--set``, its input files and start model checked."""
-    from flows.preflight import check_inputs  # lazy: dispatch (keeps each stage's DVC deps its own)
-
     stage = registry.get(args.command)
     cfg_section = getattr(args, "section", None) or stage.section
     overrides = stage_overrides(args.set, cfg_section, args.command)
@@ -133,23 +134,17 @@ def _stage_cfg(args: argparse.Namespace) -> Any:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     cfg = _stage_cfg(args)
-    from rlhf_core.stages import wrappers as stages  # lazy: stages (~30 ms of modules --help skips)
-
     _print(stages.generate(cfg).to_dict())
     return 0
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:
     cfg = _stage_cfg(args)
-    from rlhf_core.stages import wrappers as stages  # lazy: stages (~30 ms of modules --help skips)
-
     _print(stages.init_model(cfg).to_dict())
     return 0
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from rlhf_core.stages import wrappers as stages  # lazy: stages (~30 ms of modules --help skips)
-
     overrides = stage_overrides(args.set, "sft", "validate")  # field names: the sft section's, as the flows read them
     # The unpaired kind's boolean field lives in its stage's own config, not DataFields.
     desirable_field = overrides.pop("desirable_field", None)
@@ -185,8 +180,6 @@ def _require_checkpoint(cfg: Any, section: str) -> None:
 def cmd_stage(args: argparse.Namespace) -> int:
     """A training-shaped stage command: runs the registry's entry of ``args.command`` with tracking, its guards
     and data report, and an optional metrics file."""
-    from flows.preflight import check_inputs  # lazy: dispatch (keeps each stage's DVC deps its own)
-
     stage = registry.get(args.command)
     cfg_section = getattr(args, "section", None) or stage.section
     overrides = stage_overrides(args.set, cfg_section, stage.name, shared=("guards", "data_report"))
@@ -270,8 +263,6 @@ def cmd_init(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     cfg = _stage_cfg(args)
     tracking = load_config(TrackingConfig, "tracking", args.params)
-    from rlhf_core.stages import wrappers as stages  # lazy: stages (~30 ms of modules --help skips)
-
     _print(stages.evaluate(cfg, tracking, run_name=args.run_name).to_dict())
     return 0
 
@@ -294,8 +285,6 @@ def _flow_overrides(pairs: Sequence[str]) -> tuple[dict[str, dict[str, Any]], st
     (a URL's ``user:pass@`` or ``?token=``, a field named like ``token``) is shown there redacted
     (``***``), and its real value goes to a private file whose path is the second parameter
     (:func:`flows.params.write_private_overrides`). Secret-free overrides stay readable as given."""
-    from flows.params import write_private_overrides  # lazy: dispatch (keeps each stage's DVC deps its own)
-
     overrides = _section_overrides(pairs)
     secret = {section: {name: value for name, value in values.items() if redact_secrets(value, name) != value}
               for section, values in overrides.items()}
@@ -308,9 +297,6 @@ def _flow_overrides(pairs: Sequence[str]) -> tuple[dict[str, dict[str, Any]], st
 def _check_flow_config(args: argparse.Namespace, overrides: dict[str, dict[str, Any]], private: str | None) -> None:
     """Every section's config and the flow's own input paths, checked before Prefect starts: a typo is one
     line naming its source in a second, not a failed flow run."""
-    from flows.params import load_all  # lazy: dispatch (keeps each stage's DVC deps its own)
-    from flows.preflight import check_flow_inputs  # lazy: dispatch (keeps each stage's DVC deps its own)
-
     load_all(args.params, overrides, private)
     check_flow_inputs({f"--{k.replace('_', '-')}": getattr(args, k, None)
                        for k in ("sft_file", "preference_file", "prompts_file", "eval_file", "base_model")})

@@ -29,7 +29,9 @@ From there, the import closure within ``rlhf_core``, ``flows`` and ``tasks``:
 * The two dispatch modules, :data:`DISPATCH`, hold one function per stage; read whole, they would make
   every stage depend on every other stage's trainer. They are read by calls instead: their top-level
   statements, the entry functions, and the functions those call by name (here or through an import of
-  a dispatch module), transitively; a nested function counts with the function around it. A function
+  a dispatch module), transitively; a nested function counts with the function around it. A top-level
+  import there counts where that code uses a name it binds (an import's module body defines, the code
+  that uses its names runs). A function
   such a module passes as a value (a callback) would escape that reading, so the generator refuses
   one, the CLI's ``cmd_*`` handlers apart (argparse's table; the command's own is an entry point).
 
@@ -56,7 +58,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
-from flows.source_graph import PACKAGES, REPO, from_base, import_targets, module_files
+from flows.source_graph import PACKAGES, REPO, from_base, import_targets, module_files, resolve_module
 from rlhf_core.config import SECTIONS, build_config, config_to_dict, read_params, stage_registry as registry
 from rlhf_core.config.stage_registry import DvcStage
 
@@ -131,6 +133,19 @@ class SourceIndex:
                     out[alias.asname or alias.name] = f"{base}.{alias.name}"
         return out
 
+    def top_imports(self, module: str) -> dict[str, str]:
+        """Local name -> our module it stands for, for each name a top-level import of ``module`` binds
+        (``from rlhf_core.data.io import read_records``: ``read_records`` -> ``rlhf_core.data.io``)."""
+        out: dict[str, str] = {}
+        for node in self.tree(module).body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for alias in node.names:
+                    target = self.bindings(module).get(alias.asname or alias.name.split(".")[0], "")
+                    found = resolve_module(target, self.known)
+                    if found is not None:
+                        out[alias.asname or alias.name.split(".")[0]] = found
+        return out
+
     def reached(self, unit: Unit) -> set[Unit]:
         """:func:`reached`, read once per unit."""
         if unit not in self._reached:
@@ -157,7 +172,7 @@ def _region(index: SourceIndex, unit: Unit) -> list[ast.AST]:
     for stmt in tree.body:  # a def statement runs its decorators and defaults, not its body
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
             region += [*stmt.decorator_list, *stmt.args.defaults, *(d for d in stmt.args.kw_defaults if d)]
-        else:
+        elif not isinstance(stmt, (ast.Import, ast.ImportFrom)):  # an import counts where its name is used
             region.append(stmt)
     return region
 
@@ -175,12 +190,16 @@ def _dotted(node: ast.AST, module: str, bindings: dict[str, str], local: dict[st
 
 
 def reached(index: SourceIndex, unit: Unit) -> set[Unit]:
-    """The units that ``unit`` runs directly: the modules it imports, the dispatch functions it calls."""
+    """The units that ``unit`` runs directly: the modules it imports, the dispatch functions it calls; in a
+    dispatch module, the modules whose names it uses that a top-level import binds."""
     bindings, local = index.bindings(unit.module), index.defs(unit.module)
+    used = index.top_imports(unit.module) if unit.module in DISPATCH else {}
     out: set[Unit] = set()
     for root in _region(index, unit):
         for node in ast.walk(root):
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
+            if isinstance(node, ast.Name) and node.id in used:
+                out.add(Unit(used[node.id]))
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
                 out |= {Unit(m) for m in import_targets(node, unit.module, index.is_package(unit.module), index.known)}
             elif isinstance(node, ast.Call):
                 module, _, name = (_dotted(node.func, unit.module, bindings, local) or "").rpartition(".")

@@ -26,7 +26,7 @@ def module_files(root: Path = REPO, packages: tuple[str, ...] = PACKAGES) -> dic
     return out
 
 
-def _resolve(name: str, known: set[str]) -> str | None:
+def resolve_module(name: str, known: set[str]) -> str | None:
     """The longest prefix of dotted ``name`` that is one of our modules (None for third-party)."""
     parts = name.split(".")
     for end in range(len(parts), 0, -1):
@@ -54,4 +54,4 @@ def import_targets(node: ast.Import | ast.ImportFrom, module: str, is_package: b
         base = from_base(node, module, is_package)
         # `from pkg import mod` loads the submodule pkg.mod; `from pkg.mod import f` loads pkg.mod.
         names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
-    return {t for t in (_resolve(n, known) for n in names) if t is not None}
+    return {t for t in (resolve_module(n, known) for n in names) if t is not None}

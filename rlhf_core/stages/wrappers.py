@@ -41,8 +41,13 @@ from rlhf_core.config import (
 from rlhf_core.data.formats import plain_text
 from rlhf_core.data.io import read_records
 from rlhf_core.data.validate import ValidationFailed, prompts_kind, validate_dataset
+from rlhf_core.embedded.tasks import ProblemSpace, generate_datasets
+from rlhf_core.embedded.tiny_model import build_tiny_model, count_parameters, train_tokenizer
+from rlhf_core.stages.gate import data_report_of, gate_inputs, remember_pass
+from rlhf_core.stages.guard import check_stage_guards
 from rlhf_core.tracking.lineage import dvc_md5, lineage_tags, use_hash_cache
 from rlhf_core.tracking.mlflow_runs import start_run
+from rlhf_core.tracking.plots import RecordingSink, curves_figure
 from rlhf_core.tracking.stage_run import maybe_run, open_stage_run
 
 RENDERED_EXAMPLES = "samples/rendered_examples.json"
@@ -82,9 +87,6 @@ def _write_json_atomic(obj: Any, path: str | Path) -> Path:
 def generate(cfg: GenerateConfig, tracking: TrackingConfig | None = None,
              parent_run_id: str | None = None) -> StageResult:
     """Write the embedded task's datasets (deterministic in ``cfg.seed``)."""
-    from rlhf_core.embedded.tasks import (  # lazy: dispatch (keeps each stage's DVC deps its own)
-        ProblemSpace, generate_datasets)
-
     _use_tracking(tracking)
     # The config carries every ProblemSpace field under the same name (plus sizes and seed).
     space = ProblemSpace(**{name: getattr(cfg, name) for name in ProblemSpace.__dataclass_fields__})
@@ -115,8 +117,6 @@ def init_model(cfg: ModelConfig, tracking: TrackingConfig | None = None,
     """
     from rlhf_core.tracking.checkpoint import (  # lazy: torch (light `alignflow validate`)
         fsync_tree, replace_dir, storage_guard, sweep_temps, temp_sibling)
-    from rlhf_core.embedded.tiny_model import (  # lazy: dispatch (keeps each stage's DVC deps its own)
-        build_tiny_model, count_parameters, train_tokenizer)
 
     _use_tracking(tracking)
     # A conversational file's words, not the reprs of its message lists.
@@ -173,9 +173,6 @@ def validate(path: str | Path, kind: str, fields: DataFields | None = None,
     parent run too with ``report_to_parent``, a cycle's own run), and a failed check raises
     ``ValidationFailed`` with its report. ``report_file`` keeps the gate's report alone.
     """
-    from rlhf_core.stages.gate import (  # lazy: dispatch (keeps each stage's DVC deps its own)
-        data_report_of, remember_pass)
-
     _use_tracking(tracking)
     with maybe_run(tracking, f"validate-{name or kind}", parent_run_id,
                     lineage_tags({"dataset": path}, "validate")) as run:
@@ -232,17 +229,12 @@ def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: s
     saved output instead of training again (:func:`rlhf_core.trainers.loop.run_checkpointed`), and the
     retry continues the same MLflow run, which registers one model version.
     """
-    from rlhf_core.stages.gate import gate_inputs  # lazy: dispatch (keeps each stage's DVC deps its own)
-
     arm_stack_dumps(cfg.stack_dump_s)
     _use_tracking(tracking)
     reports = gate_inputs(cfg, datasets, gate_kinds, data_report)
     with open_stage_run(tracking, name, parent_run_id, cfg, datasets, extra_inputs, reports) as run:
         result, out_md5 = _train(name, cfg, train_fn, run, show_progress)
         if guards is not None and guards.enabled and getattr(cfg, "eval_file", ""):
-            from rlhf_core.stages.guard import (  # lazy: dispatch (keeps each stage's DVC deps its own)
-                check_stage_guards)
-
             result.metrics.update(check_stage_guards(name, cfg, Path(result.output_dir), guards, run,
                                                      getattr(result, "eval_answers", None)))
         model_uri = _register(name, cfg, run, result, register_as, metrics_file)
@@ -253,8 +245,6 @@ def _train_stage(name: str, cfg: Any, tracking: TrackingConfig, parent_run_id: s
 def _train(name: str, cfg: Any, train_fn: Any, run: Any, show_progress: bool) -> tuple[Any, str]:
     """The trainer (in this process or through the Ray launcher), its curves and output recorded into ``run``;
     returns its result and the output model's md5."""
-    from rlhf_core.tracking.plots import RecordingSink  # lazy: dispatch (keeps each stage's DVC deps its own)
-
     sink = RecordingSink(run)
     result = _launcher(train_fn, cfg)(cfg, sink=sink, show_progress=show_progress)
     return result, _record_training(run, f"{name}: {cfg.output_dir}", result, sink.history)
@@ -263,8 +253,6 @@ def _train(name: str, cfg: Any, train_fn: Any, run: Any, show_progress: bool) ->
 def _record_training(run: Any, title: str, result: Any, history: Any) -> str:
     """Log what the trainer left to ``run``: its curves (``history``: the sink's; ``title`` above them), eval samples
     and rendered examples; tag and return the output model's md5."""
-    from rlhf_core.tracking.plots import curves_figure  # lazy: dispatch (keeps each stage's DVC deps its own)
-
     figure = curves_figure(history, title)
     if figure is not None and hasattr(run, "log_figure"):
         run.log_figure(figure, "curves.png")

@@ -94,10 +94,11 @@ TOY = {
     "rlhf_core/stages/__init__.py": "",
     "rlhf_core/lazy.py": "",
     "rlhf_core/deep.py": "",
-    "rlhf_core/stages/wrappers.py": ("from rlhf_core import config\n\n"
-                            "def sft():\n    from rlhf_core.trainers import sft\n    return _helper()\n\n"
+    "rlhf_core/stages/wrappers.py": ("from rlhf_core import config\nfrom rlhf_core.trainers import dpo\n\n"
+                            "def sft():\n    from rlhf_core.trainers import sft\n    config.sections\n"
+                            "    return _helper()\n\n"
                             "def _helper():\n    from rlhf_core import lazy\n\n"
-                            "def dpo():\n    from rlhf_core.trainers import dpo\n"),
+                            "def dpo_stage():\n    return dpo.train()\n"),
     "rlhf_core/trainers/__init__.py": "",
     "rlhf_core/trainers/sft.py": "def train():\n    from rlhf_core import deep\n",
     "rlhf_core/trainers/dpo.py": "",
@@ -113,7 +114,8 @@ TOY = {
 def test_closure_follows_lazy_imports_and_calls_not_other_handlers(tmp_path):
     """`alignflow sft` runs cli.main and cmd_sft, stages.sft and the _helper it calls; whole modules count
     with their function-local imports (trainers/sft.py's `deep`), packages with their __init__ (and env,
-    which rlhf_core's imports). Not cmd_flow's flows/align.py, nor stages.dpo's trainer."""
+    which rlhf_core's imports); a dispatch module's top-level import where a reached function uses its name
+    (`config`). Not cmd_flow's flows/align.py, nor the dpo trainer that only stages.dpo_stage uses."""
     index = _toy(tmp_path, TOY)
     files = dvc_deps.closure(index, dvc_deps.command_entries(index, "alignflow sft --metrics-file m.json"))
     assert files == {"flows/__init__.py", "flows/cli.py", "rlhf_core/__init__.py", "rlhf_core/common/__init__.py",

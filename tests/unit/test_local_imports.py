@@ -14,8 +14,6 @@ import ast
 import re
 from pathlib import Path
 
-from flows.dvc_stages import DISPATCH
-
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("rlhf_core", "flows", "tasks")
 
@@ -25,13 +23,8 @@ LAZY_DEPENDENCIES = {
     "pyarrow", "numpy", "matplotlib", "tokenizers", "safetensors", "requests", "filelock",
     # optional: an extra or a platform's kernel, not always installed
     "vllm", "deepspeed", "peft", "triton", "liger_kernel", "prefect_ray", "uvicorn",
-    # our stage modules (~30 ms together), which `alignflow --help` does not load
-    "stages",
 }
-"""The names a ``# lazy:`` comment may give: heavy or optional packages, and ``stages``."""
-
-DISPATCH_FILES = {module.replace(".", "/") + ".py" for module in DISPATCH}
-"""Where ``# lazy: dispatch`` may stand as well (module docstring)."""
+"""The names a ``# lazy:`` comment may give: heavy or optional packages."""
 
 LAZY = re.compile(r"#.*\blazy: ([A-Za-z_][\w.]*) \(")
 
@@ -53,13 +46,10 @@ def unmarked_local_imports(root: Path = REPO) -> list[str]:
                         continue
                     seen.add(node.lineno)
                     match = LAZY.search(lines[node.lineno - 1])
-                    relative = path.relative_to(root).as_posix()
-                    where = f"{relative}:{node.lineno}"
+                    where = f"{path.relative_to(root).as_posix()}:{node.lineno}"
                     if match is None:
                         offenders.append(f"{where}: no '# lazy: <dependency> (<why>)' comment")
-                    elif match.group(1) == "dispatch" and relative not in DISPATCH_FILES:
-                        offenders.append(f"{where}: 'dispatch' outside {', '.join(sorted(DISPATCH_FILES))}")
-                    elif match.group(1) not in LAZY_DEPENDENCIES | {"dispatch"}:
+                    elif match.group(1) not in LAZY_DEPENDENCIES:
                         offenders.append(f"{where}: '{match.group(1)}' is not in LAZY_DEPENDENCIES")
     return offenders
 
@@ -75,11 +65,11 @@ def test_the_check_finds_an_unmarked_import(tmp_path):
     (tmp_path / "rlhf_core").mkdir()
     (tmp_path / "rlhf_core" / "m.py").write_text(
         "def f():\n    import os\n    import torch  # lazy: torch (heavy)\n    import yaml  # lazy: yaml (light)\n"
-        "    from rlhf_core import x  # lazy: dispatch (a stage's own)\n")
+        "    from rlhf_core import x  # lazy: stages (a stage's own)\n")
     for package in PACKAGES[1:]:
         (tmp_path / package).mkdir()
     assert unmarked_local_imports(tmp_path) == [
         "rlhf_core/m.py:2: no '# lazy: <dependency> (<why>)' comment",
         "rlhf_core/m.py:4: 'yaml' is not in LAZY_DEPENDENCIES",
-        "rlhf_core/m.py:5: 'dispatch' outside flows/cli.py, rlhf_core/stages/wrappers.py",
+        "rlhf_core/m.py:5: 'stages' is not in LAZY_DEPENDENCIES",
     ]
