@@ -64,7 +64,7 @@ def test_debug_adds_the_traceback(project):
 
 def test_a_fresh_project_names_each_missing_input_and_the_command_that_makes_it(project):
     one_error(run_cli(["sft", "--set", "train_file=data/sft.jsonl"], project), 2,
-              "sft.eval_file: data/embedded/eval.jsonl: file not found", "params.yaml",
+              "sft.eval_file: data/embedded/eval.jsonl: file not found", "(value from the default)",
               "`alignflow generate`", "--set eval_file=PATH")
     one_error(run_cli(["sft", "--set", "train_file=data/sft.jsonl", "--set", "eval_file=data/sft.jsonl"], project),
               2, "sft.model_path: models/base: folder not found", "`alignflow init-model`",
