@@ -138,6 +138,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gym_generate(args: argparse.Namespace) -> int:
+    cfg = _stage_cfg(args)
+    _print(stages.gym_generate(cfg, section=getattr(args, "section", None) or "gym_generate").to_dict())
+    return 0
+
+
 def cmd_init_model(args: argparse.Namespace) -> int:
     cfg = _stage_cfg(args)
     _print(stages.init_model(cfg).to_dict())
@@ -417,7 +423,8 @@ def _add_validate_command(p: argparse.ArgumentParser) -> None:
 def _add_stage_commands(sub: Any) -> None:
     """One command per stage of the registry that has one: the training-shaped ones share :func:`cmd_stage`,
     the others have a handler of their own."""
-    own = {"generate": cmd_generate, "init-model": cmd_init_model, "evaluate": cmd_evaluate}
+    own = {"generate": cmd_generate, "gym-generate": cmd_gym_generate, "init-model": cmd_init_model,
+           "evaluate": cmd_evaluate}
     for stage in registry.commands():
         p = sub.add_parser(stage.name, help=stage.help)
         if stage.command == registry.TRAIN:

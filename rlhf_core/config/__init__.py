@@ -18,20 +18,22 @@ from rlhf_core.config.base import (MAX_INT, MAX_YAML_DEPTH, MAX_YAML_NODES, OVER
 from rlhf_core.config.data import MAX_LINE_BYTES, DataFields, DataReportConfig
 from rlhf_core.config.embedded import GenerateConfig, ModelConfig, ToolEvalConfig, ToolGenerateConfig
 from rlhf_core.config.guards import GUARD_NAMES, GuardsConfig
+from rlhf_core.config.gym import GymGenerateConfig
 from rlhf_core.config.pipeline import CyclesConfig, FlowConfig, TrackingConfig
 from rlhf_core.config.rl import RLConfig
 from rlhf_core.config.rl_sections import RENAMED
 from rlhf_core.config.sampling import EvalConfig, RejectionConfig
-from rlhf_core.config.sections import SECTIONS, TOOL_TASK_SECTIONS, load_config, read_params, unknown_sections
+from rlhf_core.config.sections import (REAL_TASK_SECTIONS, SECTIONS, TOOL_TASK_SECTIONS, load_config, read_params,
+                                       unknown_sections)
 from rlhf_core.config.training import (LM_HEADS, PRECISIONS, SWITCHES, DistillConfig, DPOConfig, KTOConfig, RaftConfig,
                                        RewardConfig, SFTConfig, TrainerConfig)
 
 __all__ = [
     "GUARD_NAMES", "LM_HEADS", "MAX_INT", "MAX_LINE_BYTES", "MAX_YAML_DEPTH", "MAX_YAML_NODES",
-    "OVERRIDE_SOURCE", "PRECISIONS", "SECTIONS", "SWITCHES", "TOOL_TASK_SECTIONS",
+    "OVERRIDE_SOURCE", "PRECISIONS", "REAL_TASK_SECTIONS", "SECTIONS", "SWITCHES", "TOOL_TASK_SECTIONS",
     "ConfigError", "CyclesConfig", "DataFields", "DataReportConfig", "DistillConfig", "DPOConfig", "EvalConfig",
-    "FlowConfig", "GenerateConfig", "GuardsConfig", "KTOConfig", "ModelConfig", "RLConfig", "RaftConfig",
-    "RejectionConfig", "RewardConfig", "SFTConfig", "ToolEvalConfig", "ToolGenerateConfig", "TrackingConfig",
+    "FlowConfig", "GenerateConfig", "GuardsConfig", "GymGenerateConfig", "KTOConfig", "ModelConfig", "RLConfig",
+    "RaftConfig", "RejectionConfig", "RewardConfig", "SFTConfig", "ToolEvalConfig", "ToolGenerateConfig", "TrackingConfig",
     "TrainerConfig",
     "RENAMED", "build_config", "config_params", "config_to_dict", "field_docs", "load_config", "parse_overrides",
     "read_params", "section_fields",

@@ -175,6 +175,15 @@ _TOOL_COMMENT = (
     "# Not in the `alignflow init` template (tests/unit/test_project_template.py says why).",
 )
 _TOOL_TASK = "python -m rlhf_core.rollout.tool_task"
+_REAL = "data/real"
+_REAL_FILES = ("prompts.jsonl", "eval.jsonl", "sft.jsonl", "eval_second.jsonl", "eval_gsm.jsonl", "manifest.json")
+"""What real_generate writes (params.yaml's real_generate section: the task, a second task and gsm_symbolic)."""
+_REAL_KINDS = {name: "sft" if name == "sft.jsonl" else "prompts" for name in _REAL_FILES if name.endswith(".jsonl")}
+"""Each file's validation kind (the real_validate stage)."""
+_REAL_COMMENT = (
+    "# ---- the real recipe: a pretrained model on a reasoning-gym task (the real-model extra) ---------------------",
+    "# Beside the default pipeline, sharing none of its outputs; params sections real_* (params.yaml).",
+)
 
 
 def _train(name: str, help_text: str, cls: str, *, reads: tuple[Read, ...], deps: tuple[str, ...],
@@ -290,3 +299,13 @@ register(Stage(
                   metrics=("metrics/tool_eval_${key}.json",),
                   foreach=(("sft", "models/tool_sft"), ("rl", "models/tool_rl")), in_template=False),)))
 
+register(Stage(
+    "gym-generate", "write a reasoning-gym task's datasets (the real-model extra)", "gym_generate",
+    f"{_CONFIG}:GymGenerateConfig", f"{_WRAPPERS}:gym_generate", writes=("out_dir", "writes the task's datasets there"),
+    dvc=(DvcStage("real_generate", "alignflow gym-generate --section real_generate", params=("real_generate",),
+                  outs=tuple(f"{_REAL}/{name}" for name in _REAL_FILES), comment=_REAL_COMMENT, in_template=False),
+         DvcStage("real_validate", "alignflow validate --kind ${item.kind} data/real/${item.file} "
+                                   "--report reports/validation/real_${key}.json",
+                  deps=("data/real/${item.file}",), outs=(f"{_VALIDATED}/real_${{key}}.json",), cache_outs=False,
+                  foreach=tuple((name.removesuffix(".jsonl"), {"file": name, "kind": kind})
+                                for name, kind in _REAL_KINDS.items()), in_template=False))))

@@ -11,6 +11,12 @@ An eval file whose items carry no label at all (a user's own prompts) is answere
 has no accuracy (``eval/n_items`` and the sample answers only; the stage's guards then judge the held-out
 reward or a user's metric command, :mod:`rlhf_core.promotion.guards`). A file where some items have a label and
 others not is an error naming the first unlabelled line (:func:`labels_present`).
+
+Two options of the ``evaluate`` stage change what is judged, never how the answers are made: a ``scorer``
+(``file.py:function`` with a reward function's signature, e.g. a reasoning-gym task's verifier) replaces exact
+match, an item being correct when it scores at least 1.0; a ``format_check`` (``file.py:function``, completion ->
+bool) adds the rate of answers in the expected format and the accuracy among those (:func:`format_metrics`), so a
+model that learns the format is told apart from one that learns the task.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from rlhf_core.data.formats import Text, is_conversational, labels_present, prom
 from rlhf_core.data.io import read_records
 from rlhf_core.data.tokenize import encode_prompt
 from rlhf_core.embedded.tasks import is_correct, parse_prompt
+from rlhf_core.rewards.sources import FunctionRewardSource, load_function
 
 
 @dataclass
@@ -62,11 +69,15 @@ class EvalResult:
     samples: list[dict[str, str]] = field(default_factory=list)
     by_skill: dict[str, float] = field(default_factory=dict)
     answers: GreedyAnswers | None = None
+    formatting: dict[str, float] = field(default_factory=dict)
+    """With a format check: format_rate, n_formatted and (labelled items) accuracy_formatted, each rate with its
+    ``_stderr`` (:func:`format_metrics`); empty without one."""
 
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
         """``<prefix>/n_items`` and, on labelled items, accuracy, its standard error and per-skill accuracy
-        (never a NaN accuracy: without labels there is none to log)."""
+        (never a NaN accuracy: without labels there is none to log), and the format check's figures if any."""
         out = {f"{prefix}/n_items": float(self.n)}
+        out.update({f"{prefix}/{name}": value for name, value in sorted(self.formatting.items())})
         if self.accuracy is None:
             return out
         out = {f"{prefix}/accuracy": self.accuracy, f"{prefix}/accuracy_stderr": float(self.stderr or 0.0), **out}
@@ -118,6 +129,25 @@ def greedy_answers(model: Any, tokenizer: Any, prompts: Sequence[str], *, max_ne
     return outputs
 
 
+def format_metrics(formatted: Sequence[bool], correct: Sequence[bool] | None) -> dict[str, float]:
+    """The share of answers in the expected format and, given each answer's correctness, the accuracy among those
+    well formatted, each with its binomial standard error (0 for none formatted) and its count."""
+    rate, rate_se = accuracy_with_stderr(formatted)
+    out = {"format_rate": rate, "format_rate_stderr": rate_se, "n_formatted": float(sum(formatted))}
+    if correct is not None:
+        acc, acc_se = accuracy_with_stderr([ok for ok, fmt in zip(correct, formatted) if fmt])
+        out.update({"accuracy_formatted": acc, "accuracy_formatted_stderr": acc_se})
+    return out
+
+
+def _scored(scorer: str, prompts: Sequence[str], answers: Sequence[str], labels: Sequence[str]) -> list[bool]:
+    """Each answer's correctness: exact match with its label, or ``scorer`` (``file.py:function``, a reward
+    function's signature) scoring it >= 1.0."""
+    if not scorer:
+        return [is_correct(a, y) for a, y in zip(answers, labels)]
+    return [score >= 1.0 for score in FunctionRewardSource(scorer)(prompts, answers, labels)]
+
+
 def _question(prompt: Text) -> str:
     """The question a prompt asks: the text, or a conversation's last user message."""
     if not is_conversational(prompt):
@@ -127,9 +157,11 @@ def _question(prompt: Text) -> str:
 
 def evaluate_exact_match(model: Any, tokenizer: Any, eval_file: str | Path, *, prompt_field: str = "prompt",
                          label_field: str = "label", max_items: int = 1000, max_new_tokens: int = 12,
-                         batch_size: int = 256, n_samples: int = 8, show_progress: bool = False) -> EvalResult:
+                         batch_size: int = 256, n_samples: int = 8, show_progress: bool = False, scorer: str = "",
+                         format_check: str = "") -> EvalResult:
     """Greedy exact-match accuracy of ``model`` on the first ``max_items`` items of ``eval_file`` (no accuracy, the
-    answers only, when no item has a label)."""
+    answers only, when no item has a label). ``scorer``: ``file.py:function`` judging correctness instead of exact
+    match; ``format_check``: ``file.py:function`` (completion) -> bool, adding :func:`format_metrics`."""
     examples = read_prompt_examples(read_records(eval_file, limit=max_items), eval_file, prompt_field=prompt_field,
                                     label_field=label_field)
     labelled = labels_present([e.label for e in examples], [e.line for e in examples], eval_file, label_field)
@@ -139,11 +171,14 @@ def evaluate_exact_match(model: Any, tokenizer: Any, eval_file: str | Path, *, p
     param = next(model.parameters())
     record = GreedyAnswers(str(eval_file), max_items, max_new_tokens, batch_size, prompt_field, param.device.type,
                            str(param.dtype), hasattr(model, "peft_config"), list(answers))
+    check = load_function(format_check)[2] if format_check else None
+    formatted = [bool(check(a)) for a in answers] if check is not None else None
     if not labelled:
         samples = [{"prompt": p, "completion": a} for p, a in list(zip(prompts, answers))[:n_samples]]
-        return EvalResult(None, None, len(answers), samples, answers=record)
+        return EvalResult(None, None, len(answers), samples, answers=record,
+                          formatting=format_metrics(formatted, None) if formatted is not None else {})
     labels = [str(e.label) for e in examples]
-    correct = [is_correct(a, y) for a, y in zip(answers, labels)]
+    correct = _scored(scorer, prompts, answers, labels)
     acc, se = accuracy_with_stderr(correct)
     # Per-skill accuracy for the embedded task (user prompts that parse as neither are skipped).
     groups: dict[str, list[bool]] = {}
@@ -154,4 +189,8 @@ def evaluate_exact_match(model: Any, tokenizer: Any, eval_file: str | Path, *, p
     by_skill = {skill: accuracy_with_stderr(oks)[0] for skill, oks in groups.items()}
     samples = [{"prompt": p, "completion": a, "label": y, "correct": str(c)}
                for p, a, y, c in list(zip(prompts, answers, labels, correct))[:n_samples]]
-    return EvalResult(acc, se, len(correct), samples, by_skill, record)
+    if formatted is None:
+        return EvalResult(acc, se, len(correct), samples, by_skill, record)
+    for sample, fmt in zip(samples, formatted):
+        sample["formatted"] = str(fmt)
+    return EvalResult(acc, se, len(correct), samples, by_skill, record, format_metrics(formatted, correct))

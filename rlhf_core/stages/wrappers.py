@@ -28,6 +28,7 @@ from rlhf_core.config import (
     EvalConfig,
     GenerateConfig,
     GuardsConfig,
+    GymGenerateConfig,
     KTOConfig,
     ModelConfig,
     RaftConfig,
@@ -39,6 +40,7 @@ from rlhf_core.config import (
     config_params,
 )
 from rlhf_core.data.formats import plain_text
+from rlhf_core.data.gym_tasks import write_gym_datasets
 from rlhf_core.data.io import read_records
 from rlhf_core.data.validate import ValidationFailed, prompts_kind, validate_dataset
 from rlhf_core.embedded.tasks import ProblemSpace, generate_datasets
@@ -99,6 +101,22 @@ def generate(cfg: GenerateConfig, tracking: TrackingConfig | None = None,
         if run is not None:
             run.log_params(config_params(cfg))
             run.set_tags({f"dvc.md5.output_{k}": v for k, v in result.md5.items()})
+    return result
+
+
+def gym_generate(cfg: GymGenerateConfig, tracking: TrackingConfig | None = None, parent_run_id: str | None = None,
+                 section: str = GymGenerateConfig.section) -> StageResult:
+    """Write a reasoning-gym task's datasets and their manifest (rlhf_core/data/gym_tasks.py); errors name
+    ``section``'s fields."""
+    _use_tracking(tracking)
+    outputs = {k: str(v) for k, v in write_gym_datasets(cfg, section).items()}
+    result = StageResult(outputs, {k: dvc_md5(v) for k, v in outputs.items()})
+    with maybe_run(tracking, "gym-generate", parent_run_id, lineage_tags({}, "gym-generate")) as run:
+        if run is not None:
+            manifest = json.loads(Path(outputs["manifest"]).read_text())
+            run.log_params(config_params(cfg))
+            run.set_tags({"gym.task": cfg.task, "gym.version": manifest["version"],
+                          **{f"dvc.md5.output_{k}": v for k, v in result.md5.items()}})
     return result
 
 
@@ -429,7 +447,8 @@ def rejection(cfg: RejectionConfig, tracking: TrackingConfig, parent_run_id: str
 
 def evaluate(cfg: EvalConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
              run_name: str = "evaluate") -> StageResult:
-    """Greedy exact-match accuracy of ``cfg.model_path``; writes ``cfg.output_file``."""
+    """Greedy accuracy of ``cfg.model_path`` (exact match, or ``cfg.scorer``; ``cfg.format_check`` adds the format
+    rate); writes ``cfg.output_file``."""
     import torch  # lazy: torch (light `alignflow validate`)
 
     from rlhf_core.rollout.evaluate import evaluate_exact_match  # lazy: torch (light `alignflow validate`)
@@ -448,7 +467,7 @@ def evaluate(cfg: EvalConfig, tracking: TrackingConfig, parent_run_id: str | Non
         result = evaluate_exact_match(model, tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
                                       label_field=cfg.label_field, max_items=cfg.max_items,
                                       max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
-                                      show_progress=True)
+                                      show_progress=True, scorer=cfg.scorer, format_check=cfg.format_check)
         metrics = result.metrics("eval")
         run.log_metrics({**metrics, "perf/eval_seconds": time.perf_counter() - started}, 0)
         run.log_dict(result.samples, "eval_samples.json")
