@@ -24,6 +24,15 @@ class DataFields:
     """Field holding a chat as a list of {role, content}; used when present instead of prompt/completion."""
     label_field: str = "label"
     """Field holding the checkable answer (RL prompts, eval)."""
+    label_check: str = ""
+    """How an answer is judged against its label in every evaluation (a stage's eval, ``evaluate``, the guard
+    probe): empty, exact match of the answer's first line; else ``file.py:function`` with a reward function's
+    signature (prompts, completions, labels) -> scores, an item being correct when it scores >= 1.0 (a
+    reasoning-gym task: rlhf_core/rewards/gym.py:reward)."""
+    format_check: str = ""
+    """Empty: none. Else ``file.py:function`` (completion) -> bool, whether an answer is in the expected format;
+    evaluations then add the format rate and the accuracy among well-formatted answers, each with its standard
+    error and count (a reasoning-gym task: rlhf_core/rewards/gym.py:formatted)."""
     chosen_field: str = "chosen"
     """Field holding the preferred response (preference pairs)."""
     rejected_field: str = "rejected"
@@ -39,9 +48,13 @@ class DataFields:
         self._check_limits("data")
 
     def _check_limits(self, s: str) -> None:
-        """The size limits' checks, for the ``__post_init__`` of each config built on these fields."""
+        """The size limits' and the checks' specs, for the ``__post_init__`` of each config built on these fields."""
         for name in ("max_field_chars", "max_line_bytes"):
             _check(getattr(self, name) >= 1, s, name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("label_check", "format_check"):
+            spec = getattr(self, name)
+            _check(not spec or (".py:" in spec and not spec.endswith(":")), s, name,
+                   f"must be empty or 'path/to/file.py:function', got {spec!r}")
 
 
 @dataclass

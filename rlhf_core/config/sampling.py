@@ -73,20 +73,7 @@ class EvalConfig(DataFields):
     """Prompts per generate call."""
     num_threads: int = 2
     """torch intra-op threads on CPU."""
-    scorer: str = ""
-    """Empty: exact match of the answer's first line with the label. Else ``file.py:function`` with a reward
-    function's signature (prompts, completions, labels) -> scores; an item is correct when it scores >= 1.0
-    (a reasoning-gym task: rlhf_core/rewards/gym.py:reward)."""
-    format_check: str = ""
-    """Empty: none. Else ``file.py:function`` (completion) -> bool, whether an answer is in the expected format;
-    the metrics then add the format rate and the accuracy among well-formatted answers, each with its standard
-    error and count (a reasoning-gym task: rlhf_core/rewards/gym.py:formatted)."""
-
     def __post_init__(self) -> None:
         self._check_limits("evaluate")
         for name in ("max_items", "max_new_tokens", "batch_size", "num_threads"):
             _check(getattr(self, name) >= 1, "evaluate", name, f"must be >= 1, got {getattr(self, name)}")
-        for name in ("scorer", "format_check"):
-            spec = getattr(self, name)
-            _check(not spec or (".py:" in spec and not spec.endswith(":")), "evaluate", name,
-                   f"must be empty or 'path/to/file.py:function', got {spec!r}")

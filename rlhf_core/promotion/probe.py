@@ -44,9 +44,9 @@ from rlhf_core.data.io import read_records
 from rlhf_core.data.tokenize import encode_prompt
 from rlhf_core.rollout.engine import HFGenerateEngine, SamplingParams
 from rlhf_core.rollout.environments import OBSERVATION, rollout_with_environment, tool_conversations
-from rlhf_core.rollout.evaluate import _question, greedy_answers
+from rlhf_core.rollout.evaluate import _question, greedy_answers, judged
 from rlhf_core.promotion.guards import ProbeRecord
-from rlhf_core.embedded.tasks import is_correct, parse_prompt
+from rlhf_core.embedded.tasks import parse_prompt
 
 RewardFn = Callable[[list[str], list[str], list[Any]], Sequence[float]]
 
@@ -63,6 +63,8 @@ class EvalItems:
     which a multi-turn probe in chat mode renders tool turns into)."""
     source: str = ""
     """The eval file they come from (named in errors)."""
+    label_check: str = ""
+    """How an answer is judged against its label (:attr:`rlhf_core.config.DataFields.label_check`)."""
 
     @property
     def has_labels(self) -> bool:
@@ -70,7 +72,7 @@ class EvalItems:
 
 
 def read_eval_items(eval_file: str | Path, tokenizer: Any, *, prompt_field: str, label_field: str, slice_field: str,
-                    max_items: int) -> EvalItems:
+                    max_items: int, label_check: str = "") -> EvalItems:
     """The first ``max_items`` items of ``eval_file``; an item's slice is its ``slice_field`` or, for the embedded
     task, the skill its prompt asks for."""
     records = read_records(eval_file, limit=max_items)
@@ -83,7 +85,7 @@ def read_eval_items(eval_file: str | Path, tokenizer: Any, *, prompt_field: str,
             problem = parse_prompt(_question(example.prompt))
             slices.append(problem.skill if problem is not None else None)
     return EvalItems([prompt_text(tokenizer, e.prompt) for e in examples], [e.label for e in examples], slices,
-                     list(examples), str(eval_file))
+                     list(examples), str(eval_file), label_check)
 
 
 @torch.no_grad()
@@ -154,7 +156,8 @@ def probe(model: Any, tokenizer: Any, items: EvalItems, *, reward_fn: RewardFn |
                                  batch_size=batch_size)
     elif len(answers) != len(items.prompts):
         raise ValueError(f"probe: {len(answers)} answers given for {len(items.prompts)} items")
-    correct = ([float(is_correct(a, y)) for a, y in zip(answers, items.labels)] if items.has_labels else None)
+    correct = ([float(ok) for ok in judged(items.label_check, items.prompts, answers, items.labels)]
+               if items.has_labels else None)
     reward = [float(r) for r in reward_fn(list(items.prompts), answers, list(items.labels))] if reward_fn else None
     was_training = model.training
     model.eval()

@@ -1,7 +1,8 @@
 """reasoning-gym's verifier as a reward file and an evaluation scorer.
 
 Name it in a config as ``rlhf_core/rewards/gym.py:reward`` (``reward.function`` of RL or rejection sampling, or
-``evaluate.scorer``), and its format rule as ``rlhf_core/rewards/gym.py:formatted`` (``evaluate.format_check``).
+``label_check`` of any stage that evaluates), and its format rule as ``rlhf_core/rewards/gym.py:formatted``
+(``format_check``).
 Each label is one written by ``alignflow gym-generate`` (:func:`rlhf_core.data.gym_answers.make_label`): the
 task's name, reference answer and metadata. The answer is taken from the completion by
 :func:`rlhf_core.data.gym_answers.extract_answer` and scored by the task's own ``score_answer`` (1.0 right, 0.0

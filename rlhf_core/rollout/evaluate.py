@@ -12,7 +12,7 @@ has no accuracy (``eval/n_items`` and the sample answers only; the stage's guard
 reward or a user's metric command, :mod:`rlhf_core.promotion.guards`). A file where some items have a label and
 others not is an error naming the first unlabelled line (:func:`labels_present`).
 
-Two options of the ``evaluate`` stage change what is judged, never how the answers are made: a ``scorer``
+Two fields of every stage's config (``label_check``, ``format_check``) change what is judged, never how the answers are made: a ``scorer``
 (``file.py:function`` with a reward function's signature, e.g. a reasoning-gym task's verifier) replaces exact
 match, an item being correct when it scores at least 1.0; a ``format_check`` (``file.py:function``, completion ->
 bool) adds the rate of answers in the expected format and the accuracy among those (:func:`format_metrics`), so a
@@ -140,12 +140,19 @@ def format_metrics(formatted: Sequence[bool], correct: Sequence[bool] | None) ->
     return out
 
 
-def _scored(scorer: str, prompts: Sequence[str], answers: Sequence[str], labels: Sequence[str]) -> list[bool]:
-    """Each answer's correctness: exact match with its label, or ``scorer`` (``file.py:function``, a reward
+def judged(label_check: str, prompts: Sequence[str], answers: Sequence[str], labels: Sequence[Any]) -> list[bool]:
+    """Each answer's correctness: exact match with its label, or ``label_check`` (``file.py:function``, a reward
     function's signature) scoring it >= 1.0."""
-    if not scorer:
+    if not label_check:
         return [is_correct(a, y) for a, y in zip(answers, labels)]
-    return [score >= 1.0 for score in FunctionRewardSource(scorer)(prompts, answers, labels)]
+    return [score >= 1.0 for score in FunctionRewardSource(label_check)(list(prompts), list(answers), list(labels))]
+
+
+def eval_options(cfg: Any) -> dict[str, str]:
+    """The fields of a stage's config (:class:`rlhf_core.config.DataFields`) that say what its evaluation reads
+    and how it judges: passed to :func:`evaluate_exact_match` by every stage that evaluates."""
+    return {"prompt_field": cfg.prompt_field, "label_field": cfg.label_field, "label_check": cfg.label_check,
+            "format_check": cfg.format_check}
 
 
 def _question(prompt: Text) -> str:
@@ -157,11 +164,11 @@ def _question(prompt: Text) -> str:
 
 def evaluate_exact_match(model: Any, tokenizer: Any, eval_file: str | Path, *, prompt_field: str = "prompt",
                          label_field: str = "label", max_items: int = 1000, max_new_tokens: int = 12,
-                         batch_size: int = 256, n_samples: int = 8, show_progress: bool = False, scorer: str = "",
+                         batch_size: int = 256, n_samples: int = 8, show_progress: bool = False, label_check: str = "",
                          format_check: str = "") -> EvalResult:
     """Greedy exact-match accuracy of ``model`` on the first ``max_items`` items of ``eval_file`` (no accuracy, the
-    answers only, when no item has a label). ``scorer``: ``file.py:function`` judging correctness instead of exact
-    match; ``format_check``: ``file.py:function`` (completion) -> bool, adding :func:`format_metrics`."""
+    answers only, when no item has a label). ``label_check``: ``file.py:function`` judging correctness instead of
+    exact match; ``format_check``: ``file.py:function`` (completion) -> bool, adding :func:`format_metrics`."""
     examples = read_prompt_examples(read_records(eval_file, limit=max_items), eval_file, prompt_field=prompt_field,
                                     label_field=label_field)
     labelled = labels_present([e.label for e in examples], [e.line for e in examples], eval_file, label_field)
@@ -178,7 +185,7 @@ def evaluate_exact_match(model: Any, tokenizer: Any, eval_file: str | Path, *, p
         return EvalResult(None, None, len(answers), samples, answers=record,
                           formatting=format_metrics(formatted, None) if formatted is not None else {})
     labels = [str(e.label) for e in examples]
-    correct = _scored(scorer, prompts, answers, labels)
+    correct = judged(label_check, prompts, answers, labels)
     acc, se = accuracy_with_stderr(correct)
     # Per-skill accuracy for the embedded task (user prompts that parse as neither are skipped).
     groups: dict[str, list[bool]] = {}

@@ -65,7 +65,8 @@ def check_stage_guards(stage: str, cfg: Any, child_dir: Path, guards: GuardsConf
     device = pick_device()
     tokenizer = load_tokenizer(child_dir)
     items = read_eval_items(cfg.eval_file, tokenizer, prompt_field=cfg.prompt_field, label_field=cfg.label_field,
-                            slice_field=guards.slice_field, max_items=getattr(cfg, "eval_items", 1000))
+                            slice_field=guards.slice_field, max_items=getattr(cfg, "eval_items", 1000),
+                            label_check=cfg.label_check)
     reward_fn, reward_id = _reward_for_guards(stage, cfg, guards, device)
     env = _probe_environment(stage, cfg)
     run.set_tags({"guard.probe": "single-turn" if env is None else
@@ -131,6 +132,8 @@ def _probe_settings(cfg: Any, guards: GuardsConfig, reward_id: Any, env: Any = N
     stay what they were)."""
     settings = {"max_items": getattr(cfg, "eval_items", 1000), "max_new_tokens": _max_new_tokens(cfg),
                 "reward": reward_id, "fields": [cfg.prompt_field, cfg.label_field, guards.slice_field], "probe": 1}
+    if cfg.label_check:  # keys without one stay what they were
+        settings["label_check"] = cfg.label_check
     if env is not None:
         settings["environment"] = env.identity
     return settings

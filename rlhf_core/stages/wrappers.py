@@ -447,11 +447,11 @@ def rejection(cfg: RejectionConfig, tracking: TrackingConfig, parent_run_id: str
 
 def evaluate(cfg: EvalConfig, tracking: TrackingConfig, parent_run_id: str | None = None,
              run_name: str = "evaluate") -> StageResult:
-    """Greedy accuracy of ``cfg.model_path`` (exact match, or ``cfg.scorer``; ``cfg.format_check`` adds the format
-    rate); writes ``cfg.output_file``."""
+    """Greedy accuracy of ``cfg.model_path`` (exact match, or ``cfg.label_check``; ``cfg.format_check`` adds the
+    format rate); writes ``cfg.output_file``."""
     import torch  # lazy: torch (light `alignflow validate`)
 
-    from rlhf_core.rollout.evaluate import evaluate_exact_match  # lazy: torch (light `alignflow validate`)
+    from rlhf_core.rollout.evaluate import eval_options, evaluate_exact_match  # lazy: torch (light `alignflow validate`)
     from rlhf_core.models.loading import load_causal_lm, load_tokenizer  # lazy: torch (light `alignflow validate`)
 
     _use_tracking(tracking)
@@ -464,10 +464,9 @@ def evaluate(cfg: EvalConfig, tracking: TrackingConfig, parent_run_id: str | Non
         started = time.perf_counter()
         model = load_causal_lm(cfg.model_path)
         tokenizer = load_tokenizer(cfg.model_path)
-        result = evaluate_exact_match(model, tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
-                                      label_field=cfg.label_field, max_items=cfg.max_items,
+        result = evaluate_exact_match(model, tokenizer, cfg.eval_file, max_items=cfg.max_items,
                                       max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
-                                      show_progress=True, scorer=cfg.scorer, format_check=cfg.format_check)
+                                      show_progress=True, **eval_options(cfg))
         metrics = result.metrics("eval")
         run.log_metrics({**metrics, "perf/eval_seconds": time.perf_counter() - started}, 0)
         run.log_dict(result.samples, "eval_samples.json")

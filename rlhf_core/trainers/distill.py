@@ -25,7 +25,7 @@ from rlhf_core.config import DistillConfig
 from rlhf_core.data.io import read_records
 from rlhf_core.data.sequences import rendered_rows, tokenize_sft_records
 from rlhf_core.data.tokenize import collate_packed, collate_padded
-from rlhf_core.rollout.evaluate import evaluate_exact_match
+from rlhf_core.rollout.evaluate import eval_options, evaluate_exact_match
 from rlhf_core.algorithms.logprobs import MODEL_INPUTS
 from rlhf_core.algorithms.losses import IGNORE_INDEX, distillation_loss
 from rlhf_core.models.loading import ModelLoadError, load_causal_lm, load_tokenizer, pick_device
@@ -99,8 +99,7 @@ def train_distill(cfg: DistillConfig, sink: MetricSink | None = None, show_progr
         return mean * n_tokens, n_tokens  # the loop wants a sum over its units (tokens)
 
     def evaluate() -> tuple[Any, ...]:
-        result = evaluate_exact_match(model, tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
-                                      label_field=cfg.label_field, max_items=cfg.eval_items)
+        result = evaluate_exact_match(model, tokenizer, cfg.eval_file, max_items=cfg.eval_items, **eval_options(cfg))
         return result.stage_output()  # metrics, samples, every answer (the guard probe reuses them)
 
     # ---- train, then save ---------------------------------------------------------------

@@ -21,7 +21,7 @@ from rlhf_core.config import DPOConfig
 from rlhf_core.data.io import read_records
 from rlhf_core.data.sequences import rendered_pair_rows, tokenize_preference_records
 from rlhf_core.data.tokenize import TokenizedExample, collate_pair_batch
-from rlhf_core.rollout.evaluate import evaluate_exact_match
+from rlhf_core.rollout.evaluate import eval_options, evaluate_exact_match
 from rlhf_core.models.lm_head import LMHead, prepare_kernels
 from rlhf_core.algorithms.logprobs import reference_logprobs, response_logprobs, response_token_counts
 from rlhf_core.algorithms.losses import PreferenceLoss, preference_loss
@@ -144,8 +144,7 @@ def train_dpo(cfg: DPOConfig, sink: MetricSink | None = None, show_progress: boo
         return loss_sum, torch.tensor(n)
 
     def evaluate() -> tuple[Any, ...]:
-        result = evaluate_exact_match(model, tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
-                                      label_field=cfg.label_field, max_items=cfg.eval_items)
+        result = evaluate_exact_match(model, tokenizer, cfg.eval_file, max_items=cfg.eval_items, **eval_options(cfg))
         return result.stage_output()  # metrics, samples, every answer (the guard probe reuses them)
 
     # ---- train, then save -----------------------------------------------------------------

@@ -29,7 +29,7 @@ from rlhf_core.data.formats import UnpairedExample, completion_text, prompt_text
 from rlhf_core.data.io import DataError, Record, read_records
 from rlhf_core.data.sequences import SAMPLE_ROWS, rendered_row
 from rlhf_core.data.tokenize import TokenizedExample, collate_packed, collate_padded, tokenize_prompt_completion
-from rlhf_core.rollout.evaluate import evaluate_exact_match
+from rlhf_core.rollout.evaluate import eval_options, evaluate_exact_match
 from rlhf_core.models.lm_head import LMHead, prepare_kernels
 from rlhf_core.algorithms.logprobs import response_logprobs
 from rlhf_core.algorithms.losses import kto_loss, kto_reference_point
@@ -153,8 +153,7 @@ def train_kto(cfg: KTOConfig, sink: MetricSink | None = None, show_progress: boo
         return out
 
     def evaluate() -> tuple[Any, ...]:
-        result = evaluate_exact_match(model, tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
-                                      label_field=cfg.label_field, max_items=cfg.eval_items)
+        result = evaluate_exact_match(model, tokenizer, cfg.eval_file, max_items=cfg.eval_items, **eval_options(cfg))
         return result.stage_output()  # metrics, samples, every answer (the guard probe reuses them)
 
     # ---- train, then save -------------------------------------------------------------

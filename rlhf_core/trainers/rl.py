@@ -60,7 +60,7 @@ import torch
 from rlhf_core.config import RLConfig, config_to_dict
 from rlhf_core.rollout.environments import (environment_factory, evaluate_with_environment, rollout_with_environment,
                                     trajectory_rows)
-from rlhf_core.rollout.evaluate import evaluate_exact_match
+from rlhf_core.rollout.evaluate import eval_options, evaluate_exact_match
 from rlhf_core.models.loading import load_tokenizer, merged_model, pick_device
 from rlhf_core.models.precision import Precision
 from rlhf_core.common.redact import redact_secrets
@@ -502,8 +502,8 @@ class RLTrainer:
 
     def _evaluate(self, step: int) -> tuple[Any, ...]:
         cfg = self.cfg
-        result = evaluate_exact_match(self.learner.view(), self.tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
-                                      label_field=cfg.label_field, max_items=cfg.eval_items,
+        result = evaluate_exact_match(self.learner.view(), self.tokenizer, cfg.eval_file, **eval_options(cfg),
+                                      max_items=cfg.eval_items,
                                       max_new_tokens=cfg.rollout.max_new_tokens, n_samples=cfg.eval_items)
         metrics = result.metrics("eval")
         samples = result.samples[:_EVAL_SAMPLES]

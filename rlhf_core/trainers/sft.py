@@ -20,7 +20,7 @@ from rlhf_core.data.formats import labels_present
 from rlhf_core.data.io import read_records
 from rlhf_core.data.sequences import rendered_rows, tokenize_labelled_prompts, tokenize_sft_records
 from rlhf_core.data.tokenize import TokenizedExample, collate_packed, collate_padded
-from rlhf_core.rollout.evaluate import evaluate_exact_match
+from rlhf_core.rollout.evaluate import eval_options, evaluate_exact_match
 from rlhf_core.models.lm_head import LMHead, labelled_token_logprobs, prepare_kernels
 from rlhf_core.algorithms.losses import IGNORE_INDEX
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer, pick_device
@@ -102,8 +102,7 @@ def train_sft(cfg: SFTConfig, sink: MetricSink | None = None, show_progress: boo
                            collate=lambda idx: _collate([train[i] for i in idx], cfg, tokenizer.pad_token_id))
 
     def evaluate() -> tuple[Any, ...]:
-        result = evaluate_exact_match(model, tokenizer, cfg.eval_file, prompt_field=cfg.prompt_field,
-                                      label_field=cfg.label_field, max_items=cfg.eval_items)
+        result = evaluate_exact_match(model, tokenizer, cfg.eval_file, max_items=cfg.eval_items, **eval_options(cfg))
         metrics, samples, answers = result.stage_output()  # every answer too: raft's guard probe reuses them
         if held_out:
             metrics["eval/loss"] = eval_loss(model, held_out, cfg, tokenizer.pad_token_id, head)

@@ -34,9 +34,9 @@ def test_scorer_judges_correctness_and_format_check_adds_its_figures(micro_model
     assert not [k for k in plain.metrics() if "format" in k]  # unset: exact match's metrics only
     assert {"eval/accuracy", "eval/accuracy_stderr", "eval/n_items"} <= set(plain.metrics())
 
-    full = _run(micro_model, micro_data["eval"], scorer=f"{tmp_path}/judges.py:full")
+    full = _run(micro_model, micro_data["eval"], label_check=f"{tmp_path}/judges.py:full")
     assert full.accuracy == 1.0 and full.answers.answers == plain.answers.answers  # the same greedy answers
-    assert _run(micro_model, micro_data["eval"], scorer=f"{tmp_path}/judges.py:almost").accuracy == 0.0
+    assert _run(micro_model, micro_data["eval"], label_check=f"{tmp_path}/judges.py:almost").accuracy == 0.0
 
     checked = _run(micro_model, micro_data["eval"], format_check=f"{tmp_path}/judges.py:starts_with_digit")
     answers = checked.answers.answers
@@ -55,7 +55,7 @@ def test_evaluate_stage_writes_the_format_figures(micro_model, micro_data, tmp_p
     (tmp_path / "judges.py").write_text(SCORERS)
     out = tmp_path / "metrics.json"
     cfg = EvalConfig(model_path=str(micro_model), eval_file=str(micro_data["eval"]), output_file=str(out),
-                     max_items=8, max_new_tokens=6, num_threads=1, scorer=f"{tmp_path}/judges.py:full",
+                     max_items=8, max_new_tokens=6, num_threads=1, label_check=f"{tmp_path}/judges.py:full",
                      format_check=f"{tmp_path}/judges.py:starts_with_digit")
     stages.evaluate(cfg, TrackingConfig(experiment="gym-eval", log_model=False))
     metrics = json.loads(out.read_text())
