@@ -37,7 +37,8 @@ TOOL_TASK_SECTIONS = ("tool_generate", "tool_model", "tool_sft", "tool_data_repo
                       "tool_evaluate")
 # The repository's real recipe (a pretrained model on a reasoning-gym task): its own sections after the tool task's,
 # not in the template either.
-REAL_TASK_SECTIONS = ("real_generate",)
+REAL_TASK_SECTIONS = ("real_generate", "real_data_report", "real_sft", "real_rl", "real_guards", "real_rejection",
+                      "real_raft", "real_evaluate")
 
 SECTIONS: dict[str, type] = {
     "generate": GenerateConfig,
@@ -61,6 +62,13 @@ SECTIONS: dict[str, type] = {
     "tool_guards": GuardsConfig,
     "tool_evaluate": ToolEvalConfig,
     "real_generate": GymGenerateConfig,
+    "real_data_report": DataReportConfig,
+    "real_sft": SFTConfig,
+    "real_rl": RLConfig,
+    "real_guards": GuardsConfig,
+    "real_rejection": RejectionConfig,
+    "real_raft": RaftConfig,
+    "real_evaluate": EvalConfig,
 }
 
 

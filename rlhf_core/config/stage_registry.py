@@ -186,6 +186,22 @@ _REAL_COMMENT = (
 )
 
 
+def _real(stage: str, deps: tuple[str, ...], *, outs: tuple[str, ...] = ()) -> DvcStage:
+    """The real recipe's DVC stage of ``alignflow STAGE --section real_STAGE``: models/real_STAGE unless ``outs``."""
+    name = f"real_{stage}"
+    return DvcStage(name, f"alignflow {stage} --section {name} --metrics-file metrics/{name}.json", deps=deps,
+                    params=(name,), outs=outs or (f"models/{name}",), metrics=(f"metrics/{name}.json",),
+                    in_template=False)
+
+
+_REAL_EVALS = (("base", "models/real_base", "eval"), ("sft", "models/real_sft", "eval"),
+               ("rl", "models/real_rl", "eval"), ("raft", "models/real_raft", "eval"),
+               ("base_second", "models/real_base", "eval_second"), ("raft_second", "models/real_raft", "eval_second"),
+               ("base_gsm", "models/real_base", "eval_gsm"), ("raft_gsm", "models/real_raft", "eval_gsm"))
+"""The real recipe's evaluations (key, model, eval file): every model on the task, the first and last on the
+second task and gsm_symbolic."""
+
+
 def _train(name: str, help_text: str, cls: str, *, reads: tuple[Read, ...], deps: tuple[str, ...],
            guarded: bool = False, in_chain: bool = True, task: str = "", comment: tuple[str, ...] = (),
            more_dvc: tuple[DvcStage, ...] = ()) -> Stage:
@@ -236,12 +252,20 @@ register(_train(
           f"{_VALIDATED}/eval.json"),
     more_dvc=(DvcStage("tool_sft", "alignflow sft --section tool_sft --metrics-file metrics/tool_sft.json",
                        deps=("models/tool_base", "data/tool/sft.jsonl", "data/tool/eval.jsonl"), params=("tool_sft",),
-                       outs=("models/tool_sft",), metrics=("metrics/tool_sft.json",), in_template=False),)))
+                       outs=("models/tool_sft",), metrics=("metrics/tool_sft.json",), in_template=False),
+              _real("sft", ("models/real_base", f"{_REAL}/sft.jsonl", f"{_REAL}/eval.jsonl",
+                            f"{_VALIDATED}/real_sft.json")))))
 
 register(Stage(
     "evaluate", "greedy exact-match accuracy of a model", "evaluate", f"{_CONFIG}:EvalConfig", f"{_WRAPPERS}:evaluate",
     dvc=(DvcStage("evaluate", "alignflow evaluate", deps=("models/sft", f"{_EMBEDDED}/eval.jsonl"),
-                  params=("evaluate",), metrics=("metrics/eval_sft.json",)),)))
+                  params=("evaluate",), metrics=("metrics/eval_sft.json",)),
+         DvcStage("real_evaluate", "alignflow evaluate --section real_evaluate --run-name real-eval-${key} "
+                                   "--set model_path=${item.model} --set eval_file=data/real/${item.eval}.jsonl "
+                                   "--set output_file=metrics/real_eval_${key}.json",
+                  deps=("${item.model}", "data/real/${item.eval}.jsonl"), params=("real_evaluate",),
+                  metrics=("metrics/real_eval_${key}.json",), in_template=False,
+                  foreach=tuple((key, {"model": model, "eval": file}) for key, model, file in _REAL_EVALS)))))
 
 register(_train(
     "reward", "train a scalar reward model on preference pairs", "RewardConfig", task="train-reward-model",
@@ -272,11 +296,14 @@ register(Stage(
                                         "--report reports/validation/rejection_${key}.json",
                   deps=("data/rejection/${item.file}",), outs=(f"{_VALIDATED}/rejection_${{key}}.json",),
                   cache_outs=False, foreach=(("kept", {"file": "best.jsonl", "kind": "sft"}),
-                                             ("pairs", {"file": "pairs.jsonl", "kind": "preference"}))))))
+                                             ("pairs", {"file": "pairs.jsonl", "kind": "preference"}))),
+         _real("rejection", ("models/real_rl", f"{_REAL}/prompts.jsonl", f"{_VALIDATED}/real_prompts.json"),
+               outs=(f"{_REAL}/rejection/best.jsonl", f"{_REAL}/rejection/pairs.jsonl")))))
 
 register(_train(
     "raft", "SFT of the policy on its kept best-of-n samples (one RAFT round)", "RaftConfig", guarded=True, reads=(),
-    deps=("models/sft", "data/rejection/best.jsonl", f"{_EMBEDDED}/eval.jsonl", f"{_VALIDATED}/rejection_kept.json")))
+    deps=("models/sft", "data/rejection/best.jsonl", f"{_EMBEDDED}/eval.jsonl", f"{_VALIDATED}/rejection_kept.json"),
+    more_dvc=(_real("raft", ("models/real_rl", f"{_REAL}/rejection/best.jsonl", f"{_REAL}/eval.jsonl")),)))
 
 register(_train(
     "distill", "token-level knowledge distillation from a teacher model", "DistillConfig", guarded=True,
@@ -289,7 +316,9 @@ register(_train(
     deps=("models/sft", f"{_EMBEDDED}/prompts.jsonl", f"{_EMBEDDED}/eval.jsonl", f"{_VALIDATED}/prompts.json"),
     more_dvc=(DvcStage("tool_rl", "alignflow rl --section tool_rl --metrics-file metrics/tool_rl.json",
                        deps=("models/tool_sft", "data/tool/prompts.jsonl", "data/tool/eval.jsonl"), params=("tool_rl",),
-                       outs=("models/tool_rl",), metrics=("metrics/tool_rl.json",), in_template=False),)))
+                       outs=("models/tool_rl",), metrics=("metrics/tool_rl.json",), in_template=False),
+              _real("rl", ("models/real_sft", f"{_REAL}/prompts.jsonl", f"{_REAL}/eval.jsonl",
+                           f"{_VALIDATED}/real_prompts.json")))))
 
 register(Stage(
     "tool-evaluate", "exact-match accuracy of a tool task model", "tool_evaluate", f"{_CONFIG}:ToolEvalConfig",

@@ -23,6 +23,7 @@ from rlhf_core.data.tokenize import encode_prompt
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer, pick_device
 from rlhf_core.embedded.tasks import normalize_completion, rule_reward, write_jsonl
 from rlhf_core.rewards.model import load_reward_model, score
+from rlhf_core.rewards.sources import FunctionRewardSource
 
 
 @dataclass
@@ -70,12 +71,13 @@ def _answer(prompt: Text, text: str) -> Text:
 def _score(cfg: RejectionConfig, examples: list[PromptExample], prompts: list[str], flat: list[str],
            device: torch.device) -> list[float]:
     """Each candidate's score (``cfg.n_samples`` per prompt, in order): the rule against the prompt's label
-    (given the ``prompts`` the policy read), or the reward model's, reading each prompt as its own tokenizer
+    (``cfg.label_check``'s function where set; given the ``prompts`` the policy read), or the reward model's, reading each prompt as its own tokenizer
     renders it."""
     k = cfg.n_samples
-    if cfg.scorer == "rule":
+    if cfg.scorer == "rule":  # the label check (cfg.label_check), else the embedded task's exact match
         labels = [str(e.label) for e in examples for _ in range(k)]
-        return rule_reward([p for p in prompts for _ in range(k)], flat, labels)
+        rule = FunctionRewardSource(cfg.label_check) if cfg.label_check else rule_reward
+        return [float(r) for r in rule([p for p in prompts for _ in range(k)], flat, labels)]
 
     rm = load_reward_model(cfg.reward_model_path, device)
     rm_tokenizer = load_tokenizer(cfg.reward_model_path)

@@ -142,7 +142,9 @@ def test_cli_flow_with_bad_file_exits_nonzero(project, tmp_path):
     bad = tmp_path / "bad_prefs.jsonl"
     bad.write_text(json.dumps({"prompt": "1+2=", "rejected": "4"}) + "\n")
     proc = run_cli(["flow", "align", "--preference-file", str(bad)], project)
-    # once, bounded, file:line:field, no traceback: not again in Prefect's task and flow failure logs
-    one_error(proc, 1, f"{bad}: INVALID preference dataset", f"{bad}:1: field 'chosen': missing")
+    # once, bounded, file:line:field, no traceback: not again in Prefect's task and flow failure logs; the file
+    # named as the run records it, relative to the project it lies in (rlhf_core.tracking.lineage.project_relative)
+    named = bad.relative_to(project) if bad.is_relative_to(project) else bad
+    one_error(proc, 1, f"{named}: INVALID preference dataset", f"{named}:1: field 'chosen': missing")
     assert proc.stderr.count("field 'chosen': missing") == 1, proc.stderr[-5000:]
     assert not (project / "models").exists()
