@@ -24,6 +24,7 @@ from rlhf_core.config.base import T, ConfigError, _load_yaml, build_config
 from rlhf_core.config.data import DataReportConfig
 from rlhf_core.config.embedded import GenerateConfig, ModelConfig, ToolEvalConfig, ToolGenerateConfig
 from rlhf_core.config.guards import GuardsConfig
+from rlhf_core.config.importing import ImportModelConfig
 from rlhf_core.config.pipeline import CyclesConfig, FlowConfig, TrackingConfig
 from rlhf_core.config.rl import RLConfig
 from rlhf_core.config.sampling import EvalConfig, RejectionConfig
@@ -34,10 +35,14 @@ from rlhf_core.config.training import DistillConfig, DPOConfig, KTOConfig, RaftC
 # the `alignflow init` template (flows/project_template/params.yaml): a user's project gets the default task only.
 TOOL_TASK_SECTIONS = ("tool_generate", "tool_model", "tool_sft", "tool_data_report", "tool_rl", "tool_guards",
                       "tool_evaluate")
+# The repository's real-model sections (a pretrained model imported from a package's file): after the tool task's
+# in params.yaml, not in the `alignflow init` template either.
+REAL_MODEL_SECTIONS = ("real_import",)
 
 SECTIONS: dict[str, type] = {
     "generate": GenerateConfig,
     "model": ModelConfig,
+    "import_model": ImportModelConfig,
     # a trainer's config class names its own section (``section``, the one its errors name)
     **{cls.section: cls for cls in (SFTConfig, DPOConfig, RewardConfig, KTOConfig, DistillConfig)},
     "rejection": RejectionConfig,
@@ -55,6 +60,7 @@ SECTIONS: dict[str, type] = {
     "tool_rl": RLConfig,
     "tool_guards": GuardsConfig,
     "tool_evaluate": ToolEvalConfig,
+    "real_import": ImportModelConfig,
 }
 
 

