@@ -161,19 +161,18 @@ def _load(source: Source, dtype: torch.dtype) -> tuple[Any, Any]:
     return model.eval(), tokenizer
 
 
-def _rebuild(model: Any) -> Any:
+def _rebuild(model: Any, what: Path) -> Any:
     """A plain model of ``model``'s config holding its weights: what ``save_pretrained`` accepts."""
     from transformers import AutoModelForCausalLM  # lazy: transformers (light `alignflow --help`)
 
     config = copy.deepcopy(model.config)
     if hasattr(config, "quantization_config"):  # the GGUF load's: the rebuilt weights are plain floats
         del config.quantization_config
-    config.name_or_path = ""  # a machine's path otherwise
     plain = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
     missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False)
     tied = set(getattr(plain, "_tied_weights_keys", None) or ()) if config.tie_word_embeddings else set()
     if unexpected or set(missing) - tied:
-        raise ImportRefused(f"rebuilding the model from its config: missing weights {sorted(missing)[:5]}, "
+        raise ImportRefused(f"{what}: rebuilding the model from its config: missing weights {sorted(missing)[:5]}, "
                             f"unexpected {sorted(unexpected)[:5]}")
     plain.tie_weights()
     return plain.eval()
@@ -199,7 +198,7 @@ def model_card(cfg: ImportModelConfig, source: Source, n_parameters: int) -> str
     front = {"license": cfg.license.lower(), "base_model": cfg.original_model, "library_name": "transformers"}
     lines = ["---", *(f"{k}: {v}" for k, v in front.items()), "---", "", f"# {name} (imported by alignflow)", "",
              f"Original model: [{cfg.original_model}](https://huggingface.co/{cfg.original_model}), "
-             f"license {cfg.license}. This folder holds its weights; the license and attribution are the original's.",
+             f"license {cfg.license}, which applies to the weights in this folder.",
              ""]
     if source.gguf:
         types = ", ".join(f"{n} {t}" for t, n in source.tensor_types.items())
@@ -217,34 +216,20 @@ def model_card(cfg: ImportModelConfig, source: Source, n_parameters: int) -> str
 def write_model_folder(cfg: ImportModelConfig, source: Source, out: Path) -> dict[str, Any]:
     """Load ``source``, rebuild and check it, and write the model folder into ``out`` (made here; the caller
     renames it into place). Returns the parameter count and the architecture."""
+    from transformers import AutoModelForCausalLM  # lazy: transformers (light `alignflow --help`)
+
     dtype = getattr(torch, cfg.dtype)
     loaded, tokenizer = _load(source, dtype)
     ids = torch.tensor([tokenizer(PROBE)["input_ids"]])
     with torch.no_grad():
         reference = loaded(ids).logits
-    plain = _rebuild(loaded)
+    plain = _rebuild(loaded, source.path)
     _check_same(reference, plain, ids, f"{source.path}: the rebuilt model")
     out.mkdir(parents=True)
     plain.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
     n_parameters = sum(p.numel() for p in plain.parameters())
     (out / "README.md").write_text(model_card(cfg, source, n_parameters), encoding="utf-8")
-    _normalise_json(out)
-    from transformers import AutoModelForCausalLM  # lazy: transformers (light `alignflow --help`)
-
     _check_same(reference, AutoModelForCausalLM.from_pretrained(str(out), dtype=dtype).eval(), ids,
                 f"{source.path}: the written folder")
     return {"n_parameters": n_parameters, "architecture": source.architecture}
-
-
-def _normalise_json(out: Path) -> None:
-    """Drop what names a machine's path from the written JSON files (``name_or_path``): the folder's md5 is then
-    the same wherever the source was installed."""
-    for file in sorted(out.glob("*.json")):
-        if file.name == "tokenizer.json":
-            continue
-        data = json.loads(file.read_text(encoding="utf-8"))
-        if isinstance(data, dict) and any(k in data for k in ("name_or_path", "_name_or_path")):
-            for key in ("name_or_path", "_name_or_path"):
-                data.pop(key, None)
-            file.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")

