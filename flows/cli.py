@@ -150,6 +150,12 @@ def cmd_init_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_import_model(args: argparse.Namespace) -> int:
+    cfg = _stage_cfg(args)
+    _print(stages.import_model(cfg).to_dict())
+    return 0
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     overrides = stage_overrides(args.set, "sft", "validate")  # field names: the sft section's, as the flows read them
     # The unpaired kind's boolean field lives in its stage's own config, not DataFields.
@@ -424,6 +430,7 @@ def _add_stage_commands(sub: Any) -> None:
     """One command per stage of the registry that has one: the training-shaped ones share :func:`cmd_stage`,
     the others have a handler of their own."""
     own = {"generate": cmd_generate, "gym-generate": cmd_gym_generate, "init-model": cmd_init_model,
+           "import-model": cmd_import_model,
            "evaluate": cmd_evaluate}
     for stage in registry.commands():
         p = sub.add_parser(stage.name, help=stage.help)

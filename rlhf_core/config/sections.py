@@ -25,6 +25,7 @@ from rlhf_core.config.data import DataReportConfig
 from rlhf_core.config.embedded import GenerateConfig, ModelConfig, ToolEvalConfig, ToolGenerateConfig
 from rlhf_core.config.guards import GuardsConfig
 from rlhf_core.config.gym import GymGenerateConfig
+from rlhf_core.config.importing import ImportModelConfig
 from rlhf_core.config.pipeline import CyclesConfig, FlowConfig, TrackingConfig
 from rlhf_core.config.rl import RLConfig
 from rlhf_core.config.sampling import EvalConfig, RejectionConfig
@@ -35,15 +36,16 @@ from rlhf_core.config.training import DistillConfig, DPOConfig, KTOConfig, RaftC
 # the `alignflow init` template (flows/project_template/params.yaml): a user's project gets the default task only.
 TOOL_TASK_SECTIONS = ("tool_generate", "tool_model", "tool_sft", "tool_data_report", "tool_rl", "tool_guards",
                       "tool_evaluate")
-# The repository's real recipe (a pretrained model on a reasoning-gym task): its own sections after the tool task's,
-# not in the template either.
-REAL_TASK_SECTIONS = ("real_generate", "real_data_report", "real_sft", "real_rl", "real_guards", "real_rejection",
-                      "real_raft", "real_evaluate")
+# The repository's real recipe (a pretrained model imported from a package's file, on a reasoning-gym task): its own
+# sections after the tool task's, not in the `alignflow init` template either.
+REAL_RECIPE_SECTIONS = ("real_import", "real_generate", "real_data_report", "real_sft", "real_rl", "real_guards",
+                        "real_rejection", "real_raft", "real_evaluate")
 
 SECTIONS: dict[str, type] = {
     "generate": GenerateConfig,
     "gym_generate": GymGenerateConfig,
     "model": ModelConfig,
+    "import_model": ImportModelConfig,
     # a trainer's config class names its own section (``section``, the one its errors name)
     **{cls.section: cls for cls in (SFTConfig, DPOConfig, RewardConfig, KTOConfig, DistillConfig)},
     "rejection": RejectionConfig,
@@ -61,6 +63,7 @@ SECTIONS: dict[str, type] = {
     "tool_rl": RLConfig,
     "tool_guards": GuardsConfig,
     "tool_evaluate": ToolEvalConfig,
+    "real_import": ImportModelConfig,
     "real_generate": GymGenerateConfig,
     "real_data_report": DataReportConfig,
     "real_sft": SFTConfig,

@@ -181,7 +181,7 @@ _REAL_FILES = ("prompts.jsonl", "eval.jsonl", "sft.jsonl", "eval_second.jsonl", 
 _REAL_KINDS = {name: "sft" if name == "sft.jsonl" else "prompts" for name in _REAL_FILES if name.endswith(".jsonl")}
 """Each file's validation kind (the real_validate stage)."""
 _REAL_COMMENT = (
-    "# ---- the real recipe: a pretrained model on a reasoning-gym task (the real-model extra) ---------------------",
+    "# ---- the real recipe: a pretrained model on a reasoning-gym task (the real-model extra: make setup-real) -----",
     "# Beside the default pipeline, sharing none of its outputs; params sections real_* (params.yaml).",
 )
 
@@ -328,11 +328,20 @@ register(Stage(
                   metrics=("metrics/tool_eval_${key}.json",),
                   foreach=(("sft", "models/tool_sft"), ("rl", "models/tool_rl")), in_template=False),)))
 
+
+register(Stage(
+    "import-model", "import a pretrained model from a package's GGUF file (or a local HF folder)", "import_model",
+    f"{_CONFIG}:ImportModelConfig", f"{_WRAPPERS}:import_model", writes=("out_dir", "imports the model there"),
+    dvc=(DvcStage("real_import", "alignflow import-model --section real_import", params=("real_import",),
+                  outs=("models/real_base",), in_template=False,
+                  comment=(*_REAL_COMMENT, "# real_import depends on its params only: the sha256 there pins the "
+                                           "file's content.")),)))
+
 register(Stage(
     "gym-generate", "write a reasoning-gym task's datasets (the real-model extra)", "gym_generate",
     f"{_CONFIG}:GymGenerateConfig", f"{_WRAPPERS}:gym_generate", writes=("out_dir", "writes the task's datasets there"),
     dvc=(DvcStage("real_generate", "alignflow gym-generate --section real_generate", params=("real_generate",),
-                  outs=tuple(f"{_REAL}/{name}" for name in _REAL_FILES), comment=_REAL_COMMENT, in_template=False),
+                  outs=tuple(f"{_REAL}/{name}" for name in _REAL_FILES), in_template=False),
          DvcStage("real_validate", "alignflow validate --kind ${item.kind} data/real/${item.file} "
                                    "--report reports/validation/real_${key}.json",
                   deps=("data/real/${item.file}",), outs=(f"{_VALIDATED}/real_${{key}}.json",), cache_outs=False,

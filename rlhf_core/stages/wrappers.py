@@ -29,6 +29,7 @@ from rlhf_core.config import (
     GenerateConfig,
     GuardsConfig,
     GymGenerateConfig,
+    ImportModelConfig,
     KTOConfig,
     ModelConfig,
     RaftConfig,
@@ -163,6 +164,52 @@ def init_model(cfg: ModelConfig, tracking: TrackingConfig | None = None,
             run.log_params(config_params(cfg))
             run.log_metrics(result.metrics, 0)
             run.set_tags({"dvc.md5.output_model": result.md5["model"]})
+    return result
+
+
+# --------------------------------------------------------------------------------------
+# import-model
+# --------------------------------------------------------------------------------------
+
+
+def import_model(cfg: ImportModelConfig, tracking: TrackingConfig | None = None,
+                 parent_run_id: str | None = None) -> StageResult:
+    """Import a pretrained model (a package's GGUF file or a local HF folder) into ``cfg.out_dir``.
+
+    The source is checked first (:func:`rlhf_core.models.importing.resolve_source`: package, version, file,
+    sha256, GGUF header): a refusal writes nothing. The folder is written in a unique temp folder beside
+    ``out_dir`` and renamed into place as ``init_model`` does, so an error leaves the previous folder or none.
+    """
+    from rlhf_core.models import importing  # lazy: torch (light `alignflow validate`)
+    from rlhf_core.tracking.checkpoint import (  # lazy: torch (light `alignflow validate`)
+        fsync_tree, replace_dir, storage_guard, sweep_temps, temp_sibling)
+
+    _use_tracking(tracking)
+    source = importing.resolve_source(cfg)
+    out = Path(cfg.out_dir)
+    staging = temp_sibling(out)
+    try:
+        with storage_guard(out, "cannot write the imported model to"):
+            out.parent.mkdir(parents=True, exist_ok=True)
+            sweep_temps(out.parent, lambda name: name == out.name)  # left by killed writers
+            made = importing.write_model_folder(cfg, source, staging)
+            fsync_tree(staging)
+            replace_dir(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # only still there if something above failed
+    result = StageResult({"model": str(out)}, {"model": dvc_md5(out)},
+                         {"model/n_parameters": float(made["n_parameters"])})
+    source_tags = ({"import.package": cfg.package, "import.package_version": cfg.package_version,
+                    "import.file": cfg.file, "import.sha256": cfg.sha256} if cfg.package
+                   else {"import.source_dir": cfg.source_dir})
+    inputs = {"source": cfg.source_dir} if not cfg.package else {}
+    with maybe_run(tracking, "import-model", parent_run_id, lineage_tags(inputs, "import_model")) as run:
+        if run is not None:
+            run.log_params(config_params(cfg))
+            run.log_metrics(result.metrics, 0)
+            run.set_tags({**source_tags, "import.dtype": cfg.dtype, "import.architecture": made["architecture"],
+                          "dvc.md5.output_model": result.md5["model"]})
+            result.run_id = run.run_id
     return result
 
 

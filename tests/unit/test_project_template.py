@@ -9,8 +9,8 @@ One exception, by decision: the embedded *tool* task (``rlhf_core/rollout/tool_t
 demonstration of multi-turn RL, not part of a user's project. Its ``tool_*`` sections close
 ``params.yaml`` (after the template's text) and its ``tool_*`` stages sit in ``dvc.yaml`` only, so
 ``alignflow init`` projects, and their ``dvc repro``, stay as they were. The real recipe (a pretrained model on a
-reasoning-gym task, the real-model extra) is the same kind of exception: its ``real_*`` sections follow the tool
-task's and its ``real_*`` stages sit in ``dvc.yaml`` only.
+reasoning-gym task, the real-model extra: :data:`REAL_RECIPE_SECTIONS`) is the same kind of exception: its ``real_*``
+sections follow the tool task's and its ``real_*`` stages sit in ``dvc.yaml`` only.
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ from pathlib import Path
 import yaml
 
 from conftest import REPO
-from rlhf_core.config import REAL_TASK_SECTIONS, SECTIONS, TOOL_TASK_SECTIONS, load_config, read_params
+from rlhf_core.config import REAL_RECIPE_SECTIONS, SECTIONS, TOOL_TASK_SECTIONS, load_config, read_params
 
 TEMPLATE = REPO / "flows" / "project_template"
 # Where the repository's params.yaml continues past the template's text: the tool task's, then the real recipe's sections.
 TOOL_BLOCK = "\n# ---- the embedded tool task"
 REAL_BLOCK = "\n# ---- the real recipe"
+REPOSITORY_STAGES = ("tool_", "real_")
+"""Prefixes of dvc.yaml's stages that are the repository's own, not the template's."""
 
 
 def _without_alignflow_sources(stage: dict) -> dict:
@@ -48,7 +50,7 @@ def test_params_and_prefect_yaml_are_the_template_files():
             ours, sep, tool = ours.partition(TOOL_BLOCK)
             tool, sep_real, real = tool.partition(REAL_BLOCK)
             assert sep and set(yaml.safe_load(sep + tool)) == set(TOOL_TASK_SECTIONS)
-            assert sep_real and set(yaml.safe_load(sep_real + real)) == set(REAL_TASK_SECTIONS)
+            assert sep_real and set(yaml.safe_load(sep_real + real)) == set(REAL_RECIPE_SECTIONS)
         assert ours == (TEMPLATE / name).read_text(), f"{name} differs from flows/project_template/{name}: edit both"
 
 
@@ -56,8 +58,8 @@ def test_dvc_yaml_is_the_template_plus_alignflow_source_deps():
     ours = yaml.safe_load((REPO / "dvc.yaml").read_text())
     template = yaml.safe_load((TEMPLATE / "dvc.yaml").read_text())
     assert {name: _without_alignflow_sources(stage) for name, stage in ours["stages"].items()
-            if not name.startswith(("tool_", "real_"))} == template["stages"]
-    assert not any(name.startswith("tool_") for name in template["stages"])
+            if not name.startswith(REPOSITORY_STAGES)} == template["stages"]
+    assert not any(name.startswith(REPOSITORY_STAGES) for name in template["stages"])
     assert {name for name in ours["stages"] if name.startswith("tool_")}  # the repository's tool task stages
     assert "rlhf_core/" not in (TEMPLATE / "dvc.yaml").read_text().split("stages:", 1)[1]
     assert set(ours) == set(template) == {"stages"}
@@ -65,7 +67,7 @@ def test_dvc_yaml_is_the_template_plus_alignflow_source_deps():
 
 def test_template_params_load_every_section():
     raw = read_params(TEMPLATE / "params.yaml")
-    assert set(raw) == set(SECTIONS) - set(TOOL_TASK_SECTIONS) - set(REAL_TASK_SECTIONS)
+    assert set(raw) == set(SECTIONS) - set(TOOL_TASK_SECTIONS) - set(REAL_RECIPE_SECTIONS)
     for section, cls in SECTIONS.items():
         assert isinstance(load_config(cls, section, TEMPLATE / "params.yaml"), cls)
         assert isinstance(load_config(cls, section, REPO / "params.yaml"), cls)  # the tool sections too
