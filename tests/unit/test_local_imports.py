@@ -22,7 +22,7 @@ LAZY_DEPENDENCIES = {
     "torch", "transformers", "ray", "mlflow", "prefect", "great_expectations", "dvc", "datasets", "pandas",
     "pyarrow", "numpy", "matplotlib", "tokenizers", "safetensors", "requests", "filelock",
     # optional: an extra or a platform's kernel, not always installed
-    "vllm", "deepspeed", "peft", "triton", "liger_kernel", "prefect_ray", "uvicorn", "gguf",
+    "vllm", "deepspeed", "peft", "triton", "liger_kernel", "prefect_ray", "uvicorn", "gguf", "reasoning_gym",
 }
 """The names a ``# lazy:`` comment may give: heavy or optional packages."""
 
