@@ -15,7 +15,7 @@ export ALIGNFLOW_HOME := $(CURDIR)
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 export PREFECT_HOME ?= $(CURDIR)/.prefect
 
-.PHONY: setup setup-real demo test test-slow repro bench-cpu clean-runs
+.PHONY: setup setup-real demo test test-slow repro real-recipe bench-cpu clean-runs
 
 setup: $(STAMP)
 
@@ -57,6 +57,11 @@ bench-cpu: $(STAMP)
 
 repro: $(STAMP)
 	$(BIN)/dvc repro
+
+# The real recipe (README "A real model on a real task"): SmolLM2-135M-Instruct on a reasoning-gym task, its own
+# dvc.yaml (recipes/real/), which `make repro` leaves alone.
+real-recipe: $(REAL_STAMP)
+	$(BIN)/dvc repro recipes/real/dvc.yaml
 
 clean-runs:
 	rm -rf mlflow.db mlartifacts runs .prefect metrics/align_summary.json

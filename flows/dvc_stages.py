@@ -357,9 +357,25 @@ def _flow_value(value: Any) -> str:
     return str(value)
 
 
+RECIPE_HEADER = """\
+# A recipe of its own beside the align pipeline: `dvc repro {file}` runs it, while `dvc repro` and
+# `make repro` (the working directory's dvc.yaml) leave it alone. Its stages run from the checkout's root (wdir);
+# their md5s land in the dvc.lock beside this file. Written from the stage registry
+# (rlhf_core/config/stage_registry.py) by `alignflow dvc-stages --write`, never edited by hand; each stage also
+# depends on the alignflow source files it runs.
+"""
+
+
+def _wdir(file: str) -> str:
+    """``wdir`` of a stage in ``file``: the checkout's root, relative to the file's folder ("" for the root's)."""
+    depth = len(Path(file).parent.parts)
+    return "/".join([".."] * depth)
+
+
 def _body(stage: DvcStage, code_deps: list[str] | None, pad: str) -> list[str]:
     """The stage's ``cmd``, ``deps``, ``params``, ``outs`` and ``metrics`` lines, indented by ``pad``."""
-    lines = [f"{pad}cmd: {stage.cmd}"]
+    wdir = _wdir(stage.file)
+    lines = [f"{pad}cmd: {stage.cmd}", *([f"{pad}wdir: {wdir}"] if wdir else [])]
     deps = [*stage.deps, *(code_deps or [])]
     uncached = [f"{pad}      cache: false"]
     for key, items, cached in (("deps", deps, True), ("params", stage.params, True),
@@ -388,10 +404,15 @@ def render(stages: list[DvcStage], code_deps: dict[str, list[str]] | None, heade
 
 
 def generate(root: Path = REPO) -> dict[str, str]:
-    """The checkout's ``dvc.yaml`` and the template's, relative path -> text, from the registry."""
+    """The checkout's ``dvc.yaml`` (and each recipe's of its own) and the template's, relative path -> text, from
+    the registry."""
     stages = registry.dvc_stages()
-    return {DVC_YAML: render(stages, stage_code_deps(SourceIndex(root), stages), CHECKOUT_HEADER),
-            TEMPLATE_DVC_YAML: render([s for s in stages if s.in_template], None, TEMPLATE_HEADER)}
+    code_deps = stage_code_deps(SourceIndex(root), stages)
+    files = {DVC_YAML: CHECKOUT_HEADER, **{s.file: RECIPE_HEADER.format(file=s.file) for s in stages
+                                          if s.file != DVC_YAML}}
+    out = {file: render([s for s in stages if s.file == file], code_deps, header) for file, header in files.items()}
+    out[TEMPLATE_DVC_YAML] = render([s for s in stages if s.in_template], None, TEMPLATE_HEADER)
+    return out
 
 
 def check(root: Path = REPO) -> str:
@@ -414,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.write:
         for rel, text in generate(args.root).items():
+            (args.root / rel).parent.mkdir(parents=True, exist_ok=True)
             (args.root / rel).write_text(text, encoding="utf-8")
         return 0
     if args.check:

@@ -60,6 +60,10 @@ class DvcStage:
     """Comment lines written above the stage."""
     in_template: bool = True
     """Also a stage of the ``alignflow init`` project template (flows/project_template/dvc.yaml)."""
+    file: str = "dvc.yaml"
+    """The checkout's ``dvc.yaml`` that holds it. A recipe of its own (the real recipe: ``recipes/real/dvc.yaml``)
+    sits in its own file, which ``dvc repro`` and ``make repro`` leave alone (DVC reads the working directory's
+    ``dvc.yaml`` unless given a target); its stages run from the checkout's root (``wdir``), their paths as here."""
 
 
 @dataclass(frozen=True)
@@ -180,6 +184,8 @@ _REAL_FILES = ("prompts.jsonl", "eval.jsonl", "sft.jsonl", "eval_second.jsonl", 
 """What real_generate writes (params.yaml's real_generate section: the task, a second task and gsm_symbolic)."""
 _REAL_KINDS = {name: "sft" if name == "sft.jsonl" else "prompts" for name in _REAL_FILES if name.endswith(".jsonl")}
 """Each file's validation kind (the real_validate stage)."""
+_REAL_DVC = "recipes/real/dvc.yaml"
+"""The real recipe's own dvc.yaml: ``make real-recipe`` (``dvc repro recipes/real/dvc.yaml``) runs it."""
 _REAL_COMMENT = (
     "# ---- the real recipe: a pretrained model on a reasoning-gym task (the real-model extra: make setup-real) -----",
     "# Beside the default pipeline, sharing none of its outputs; params sections real_* (params.yaml).",
@@ -191,7 +197,7 @@ def _real(stage: str, deps: tuple[str, ...], *, outs: tuple[str, ...] = ()) -> D
     name = f"real_{stage}"
     return DvcStage(name, f"alignflow {stage} --section {name} --metrics-file metrics/{name}.json", deps=deps,
                     params=(name,), outs=outs or (f"models/{name}",), metrics=(f"metrics/{name}.json",),
-                    in_template=False)
+                    in_template=False, file=_REAL_DVC)
 
 
 _REAL_EVALS = (("base", "models/real_base", "eval"), ("sft", "models/real_sft", "eval"),
@@ -264,7 +270,7 @@ register(Stage(
                                    "--set model_path=${item.model} --set eval_file=data/real/${item.eval}.jsonl "
                                    "--set output_file=metrics/real_eval_${key}.json",
                   deps=("${item.model}", "data/real/${item.eval}.jsonl"), params=("real_evaluate",),
-                  metrics=("metrics/real_eval_${key}.json",), in_template=False,
+                  metrics=("metrics/real_eval_${key}.json",), in_template=False, file=_REAL_DVC,
                   foreach=tuple((key, {"model": model, "eval": file}) for key, model, file in _REAL_EVALS)))))
 
 register(_train(
@@ -333,7 +339,7 @@ register(Stage(
     "import-model", "import a pretrained model from a package's GGUF file (or a local HF folder)", "import_model",
     f"{_CONFIG}:ImportModelConfig", f"{_WRAPPERS}:import_model", writes=("out_dir", "imports the model there"),
     dvc=(DvcStage("real_import", "alignflow import-model --section real_import", params=("real_import",),
-                  outs=("models/real_base",), in_template=False,
+                  outs=("models/real_base",), in_template=False, file=_REAL_DVC,
                   comment=(*_REAL_COMMENT, "# real_import depends on its params only: the sha256 there pins the "
                                            "file's content.")),)))
 
@@ -341,9 +347,9 @@ register(Stage(
     "gym-generate", "write a reasoning-gym task's datasets (the real-model extra)", "gym_generate",
     f"{_CONFIG}:GymGenerateConfig", f"{_WRAPPERS}:gym_generate", writes=("out_dir", "writes the task's datasets there"),
     dvc=(DvcStage("real_generate", "alignflow gym-generate --section real_generate", params=("real_generate",),
-                  outs=tuple(f"{_REAL}/{name}" for name in _REAL_FILES), in_template=False),
+                  outs=tuple(f"{_REAL}/{name}" for name in _REAL_FILES), in_template=False, file=_REAL_DVC),
          DvcStage("real_validate", "alignflow validate --kind ${item.kind} data/real/${item.file} "
                                    "--report reports/validation/real_${key}.json",
                   deps=("data/real/${item.file}",), outs=(f"{_VALIDATED}/real_${{key}}.json",), cache_outs=False,
                   foreach=tuple((name.removesuffix(".jsonl"), {"file": name, "kind": kind})
-                                for name, kind in _REAL_KINDS.items()), in_template=False))))
+                                for name, kind in _REAL_KINDS.items()), in_template=False, file=_REAL_DVC))))
