@@ -27,10 +27,12 @@ def _record_sources_as_built(project) -> None:
     from dvc.repo import Repo
 
     with Repo(str(project)) as repo, repo.lock:
-        stages = list(repo.index.stages)
-        for stage in stages:
+        by_file: dict = {}  # the checkout's dvc.yaml and the real recipe's own (recipes/real/dvc.yaml)
+        for stage in repo.index.stages:
             stage.save(allow_missing=True, run_cache=False)
-        stages[0].dvcfile.dump_stages(stages, update_pipeline=False)
+            by_file.setdefault(stage.dvcfile.path, (stage.dvcfile, []))[1].append(stage)
+        for dvcfile, stages in by_file.values():
+            dvcfile.dump_stages(stages, update_pipeline=False)
 
 
 def _stages_with_changed(project, path: str) -> set[str]:
@@ -54,3 +56,4 @@ def test_editing_a_core_module_marks_sft_and_its_downstream_stages_changed(tmp_p
 
     assert SFT_AND_DOWNSTREAM <= changed
     assert {"tool_sft", "tool_rl"} <= changed  # the tool task's trainers run the same core
+    assert {"recipes/real/dvc.yaml:real_sft", "recipes/real/dvc.yaml:real_rl"} <= changed  # and the real recipe's
