@@ -200,12 +200,12 @@ def _real(stage: str, deps: tuple[str, ...], *, outs: tuple[str, ...] = ()) -> D
                     in_template=False, file=_REAL_DVC)
 
 
-_REAL_EVALS = (("base", "models/real_base", "eval"), ("sft", "models/real_sft", "eval"),
-               ("rl", "models/real_rl", "eval"), ("raft", "models/real_raft", "eval"),
-               ("base_second", "models/real_base", "eval_second"), ("raft_second", "models/real_raft", "eval_second"),
-               ("base_gsm", "models/real_base", "eval_gsm"), ("raft_gsm", "models/real_raft", "eval_gsm"))
-"""The real recipe's evaluations (key, model, eval file): every model on the task, the first and last on the
-second task and gsm_symbolic."""
+_REAL_EVALS = tuple((f"{model}{suffix}", {"model": f"models/real_{model}", "eval": f"eval{suffix}", "tokens": tokens})
+                    for suffix, tokens, models in (("", 48, ("base", "sft", "rl", "raft")),
+                                                   ("_second", 48, ("base", "raft")), ("_gsm", 160, ("base", "raft")))
+                    for model in models)
+"""The real recipe's evaluations (key, item): every model on the task, the first and last on the second task and on
+gsm_symbolic (whose worked answers need a longer budget)."""
 
 
 def _train(name: str, help_text: str, cls: str, *, reads: tuple[Read, ...], deps: tuple[str, ...],
@@ -268,10 +268,10 @@ register(Stage(
                   params=("evaluate",), metrics=("metrics/eval_sft.json",)),
          DvcStage("real_evaluate", "alignflow evaluate --section real_evaluate --run-name real-eval-${key} "
                                    "--set model_path=${item.model} --set eval_file=data/real/${item.eval}.jsonl "
-                                   "--set output_file=metrics/real_eval_${key}.json",
+                                   "--set max_new_tokens=${item.tokens} --set output_file=metrics/real_eval_${key}.json",
                   deps=("${item.model}", "data/real/${item.eval}.jsonl"), params=("real_evaluate",),
                   metrics=("metrics/real_eval_${key}.json",), in_template=False, file=_REAL_DVC,
-                  foreach=tuple((key, {"model": model, "eval": file}) for key, model, file in _REAL_EVALS)))))
+                  foreach=_REAL_EVALS))))
 
 register(_train(
     "reward", "train a scalar reward model on preference pairs", "RewardConfig", task="train-reward-model",
