@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator
 
 from rlhf_core.common.redact import redact_secrets
@@ -43,6 +45,28 @@ def stage_inputs(cfg: Any, datasets: dict[str, tuple[str, str]], extra: dict[str
     return inputs
 
 
+MANIFEST = "manifest.json"
+"""A generated dataset folder's record of where its files came from (``alignflow gym-generate`` writes one)."""
+
+
+def source_tags(datasets: dict[str, tuple[str, str]]) -> dict[str, str]:
+    """``source.<dataset>.*`` tags of each dataset whose folder holds a generator's :data:`MANIFEST`: the package
+    and its version, the task and its config (a reasoning-gym task: the lineage of data no DVC stage of the run's
+    own project describes); none for a folder without one."""
+    tags: dict[str, str] = {}
+    for name, (path, _) in datasets.items():
+        manifest = Path(path).parent / MANIFEST
+        try:
+            record = json.loads(manifest.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and {"package", "version", "task"} <= set(record):
+            tags.update({f"source.{name}.package": f"{record['package']}=={record['version']}",
+                         f"source.{name}.task": str(record["task"]),
+                         f"source.{name}.task_config": json.dumps(record.get("task_config", {}), sort_keys=True)})
+    return tags
+
+
 @contextmanager
 def open_stage_run(tracking: TrackingConfig, name: str, parent_run_id: str | None, cfg: Any,
                    datasets: dict[str, tuple[str, str]], extra_inputs: dict[str, str] | None,
@@ -50,6 +74,9 @@ def open_stage_run(tracking: TrackingConfig, name: str, parent_run_id: str | Non
     """The stage's run, its lineage tags, params, input datasets and data reports logged."""
     with start_run(tracking, name, parent_run_id, lineage_tags(stage_inputs(cfg, datasets, extra_inputs), name)) as run:
         run.log_params(config_params(cfg))
+        sources = source_tags(datasets)
+        if sources:
+            run.set_tags(sources)
         for ds_name, (path, context) in datasets.items():
             run.log_input(path, ds_name, dvc_md5(path), context)
         for ds_name, report in reports.items():
