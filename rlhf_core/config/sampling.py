@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from rlhf_core.config.base import _check
@@ -18,11 +19,15 @@ class RejectionConfig(DataFields):
     prompts_file: str = "data/embedded/prompts.jsonl"
     """Prompts (with labels when scoring by rule)."""
     scorer: str = "reward_model"
-    """reward_model (uses reward_model_path) or rule (exact match against the label)."""
+    """reward_model (uses reward_model_path) or rule (the label check against the label: ``label_check``'s
+    function, exact match when it is empty)."""
     reward_model_path: str = "models/reward"
     """Reward model directory, for scorer=reward_model."""
     n_samples: int = 4
     """Candidates per prompt."""
+    min_score: float = float("-inf")
+    """A prompt's best candidate is kept (and its pair written) only when it scores at least this (a verifier's
+    1.0: only right answers become RAFT's SFT data); -inf keeps every prompt's best."""
     temperature: float = 1.0
     """Sampling temperature."""
     top_p: float = 1.0
@@ -53,6 +58,7 @@ class RejectionConfig(DataFields):
         for name in ("max_new_tokens", "batch_size", "num_threads"):
             _check(getattr(self, name) >= 1, s, name, f"must be >= 1, got {getattr(self, name)}")
         _check(self.max_prompts >= 0, s, "max_prompts", f"must be >= 0, got {self.max_prompts}")
+        _check(not math.isnan(self.min_score), s, "min_score", "must be a number, got nan")
 
 
 @dataclass

@@ -87,8 +87,8 @@ def _score(cfg: RejectionConfig, examples: list[PromptExample], prompts: list[st
 
 def _keep(cfg: RejectionConfig, examples: list[PromptExample], scores: list[float],
           flat: list[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[tuple[int, str]]]:
-    """Rows of the best candidate per prompt, rows of best vs worst where they differ, and which
-    prompt (index) kept which answer."""
+    """Rows of the best candidate per prompt (where it scores at least ``cfg.min_score``), rows of best vs worst
+    where they differ, and which prompt (index) kept which answer."""
     best_rows, pair_rows, kept = [], [], []
     k = cfg.n_samples
     for i, example in enumerate(examples):
@@ -96,6 +96,8 @@ def _keep(cfg: RejectionConfig, examples: list[PromptExample], scores: list[floa
         if not cand:
             continue
         best = max(cand, key=lambda t: (t[0], -t[1]))  # ties: the earliest sample
+        if best[0] < cfg.min_score:
+            continue
         worst = min(cand, key=lambda t: (t[0], t[1]))
         prompt = example.prompt
         kept.append((i, best[2]))
