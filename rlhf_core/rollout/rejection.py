@@ -23,6 +23,7 @@ from rlhf_core.data.tokenize import encode_prompt
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer, pick_device
 from rlhf_core.embedded.tasks import normalize_completion, rule_reward, write_jsonl
 from rlhf_core.rewards.model import load_reward_model, score
+from rlhf_core.rollout.evaluate import judged
 from rlhf_core.rewards.sources import FunctionRewardSource
 
 
@@ -140,9 +141,11 @@ def rejection_sample(cfg: RejectionConfig, show_progress: bool = True) -> Reject
                "rejection/score_mean": sum(scores) / max(len(scores), 1),
                "rejection/best_score_mean": sum(r["score"] for r in best_rows) / max(len(best_rows), 1)}
     if cfg.label_field and not missing:
-        labels = [str(e.label) for e in examples]
-        kept_ok = [normalize_completion(text) == labels[i] for i, text in kept]
+        labels = [str(e.label) for e in examples]  # judged as every evaluation judges (cfg.label_check)
+        kept_ok = judged(cfg.label_check, [prompts[i] for i, _ in kept], [text for _, text in kept],
+                         [labels[i] for i, _ in kept])
         metrics["rejection/kept_accuracy"] = sum(kept_ok) / max(len(kept_ok), 1)
-        metrics["rejection/sample_accuracy"] = sum(
-            c == labels[j // cfg.n_samples] for j, c in enumerate(flat)) / max(len(flat), 1)
+        owner = [j // cfg.n_samples for j in range(len(flat))]
+        sample_ok = judged(cfg.label_check, [prompts[i] for i in owner], flat, [labels[i] for i in owner])
+        metrics["rejection/sample_accuracy"] = sum(sample_ok) / max(len(flat), 1)
     return RejectionResult(out, pairs, metrics)
