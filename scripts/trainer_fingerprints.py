@@ -137,10 +137,11 @@ def _renamed() -> dict[str, str]:
     return module.RENAMED
 
 
-# Trainer fields that were environment switches before they became config fields; at these values a run computes
-# what a run without the switch set did, so a record that has them digests like one that has not.
+# Trainer fields that were environment switches before they became config fields, and fields added since whose
+# default keeps what a run did before (label_check, format_check: exact match, no format figures); at these values
+# a run computes what a run without them did, so a record that has them digests like one that has not.
 FROM_ENVIRONMENT = {"attention": "auto", "collective_timeout_s": 600.0, "compile_backend": "inductor",
-                    "stack_dump_s": 0.0}
+                    "stack_dump_s": 0.0, "label_check": "", "format_check": ""}
 
 
 def recorded_config_md5(path: Path) -> str:
