@@ -121,3 +121,6 @@ def test_reward_scores_right_wrong_and_unformatted_answers(tmp_path, task):
     tagged = [f"<answer>{a}</answer> (check: {int(float(a)) + 1})" for a in answers]
     assert reward([""] * n, tagged, labels) == [1.0] * n
     assert reward([""] * n, ["I do not know"] * n, labels) == [0.0] * n
+    _, _, strict = load_function("rlhf_core/rewards/gym.py:formatted_reward")
+    assert strict([""] * n, answers, labels) == [1.0] * n
+    assert strict([""] * n, chatty, labels) == [0.0] * n and strict([""] * n, tagged, labels) == [0.0] * n
