@@ -118,11 +118,8 @@ class Recorder:
 
 
 def md5_file(path: Path) -> str:
-    h = hashlib.md5()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "md5").hexdigest()
 
 
 def _renamed() -> dict[str, str]:

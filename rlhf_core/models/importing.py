@@ -76,11 +76,9 @@ def locate_packaged_file(package: str, version: str, file: str) -> Path:
 
 
 def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
+    """sha256 hex digest of a file's bytes (models sit below tracking, whose lineage helper is the same call)."""
     with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def gguf_architectures() -> set[str]:
