@@ -44,11 +44,15 @@ from rlhf_core.common.atomic_io import write_text_atomic
 from rlhf_core.tracking.mlflow_runs import project_root
 
 log = logging.getLogger(__name__)
+_CHUNK = 1 << 20
 
 
 def _file_digest(path: str | Path, algorithm: str) -> str:
+    h = hashlib.new(algorithm)
     with Path(path).open("rb") as fh:
-        return hashlib.file_digest(fh, algorithm).hexdigest()
+        for chunk in iter(lambda: fh.read(_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def file_md5(path: str | Path) -> str:
