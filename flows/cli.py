@@ -261,14 +261,15 @@ def _register(name: str, result: Any, tracking: TrackingConfig, guards: GuardsCo
 def cmd_init(args: argparse.Namespace) -> int:
     from flows.scaffold import init_project  # lazy: prefect (light CLI start)
 
-    made = init_project(args.path, force=args.force)
+    made = init_project(args.path, force=args.force, recipe=args.recipe)
     print(f"alignflow project in {made.root}: {', '.join(made.written)}")
     print(f"DVC remote (default): {made.dvc_remote} (git-ignored; `dvc remote modify local url ...` moves it)")
     if made.initial_commit:
         print(f"git repository made; scaffold committed as {made.initial_commit[:10]}")
     else:
         print("inside an existing git repository: commit the scaffold (git add, git commit) before iterative flows")
-    print(f"next:\n  cd {args.path}\n  alignflow flow align\n  alignflow flow iterative_dpo")
+    recipe = f"\n  dvc repro {registry.recipes()[args.recipe]}" if args.recipe else ""
+    print(f"next:\n  cd {args.path}\n  alignflow flow align\n  alignflow flow iterative_dpo{recipe}")
     return 0
 
 
@@ -470,6 +471,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "git + DVC with a local remote (refuses to overwrite existing files)")
     p.add_argument("path", help="the project folder (made if missing)")
     p.add_argument("--force", action="store_true", help="overwrite the scaffold's files where they exist")
+    p.add_argument("--recipe", choices=sorted(registry.recipes()),
+                   help="also a recipe of its own: its dvc.yaml (recipes/NAME/dvc.yaml) and params sections "
+                        "(real: a pretrained model on a reasoning-gym task; needs the real-model extra)")
     p.set_defaults(func=cmd_init)
 
     p = sub.add_parser("flow", help="run a Prefect flow")

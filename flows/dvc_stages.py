@@ -3,8 +3,10 @@
 Every DVC stage is declared once, with its stage (rlhf_core/config/stage_registry.py: command, data deps,
 params, outs, metrics); this module writes them to the checkout's ``dvc.yaml`` and, without the
 repository's own stages and code deps, to the ``alignflow init`` template
-(flows/project_template/dvc.yaml). ``tests/unit/test_dvc_deps.py`` fails when either committed file
-differs from the generated one.
+(flows/project_template/dvc.yaml). A recipe of its own (a stage's ``file``, e.g. recipes/real/dvc.yaml) gets its
+file, and its template copy without code deps (flows/project_template/recipes/real/dvc.yaml, which
+``alignflow init --recipe real`` writes). ``tests/unit/test_dvc_deps.py`` fails when a committed file differs
+from the generated one.
 
 A stage's outputs depend on the code it runs, so every alignflow source file its command can load
 is one of its ``deps``: edit that file and ``dvc status`` reports the stage changed, ``dvc repro``
@@ -366,6 +368,19 @@ RECIPE_HEADER = """\
 """
 
 
+TEMPLATE_RECIPE_HEADER = """\
+# A recipe of its own beside the align pipeline, written by `alignflow init --recipe {name}`: `dvc repro {file}`
+# runs it, while `dvc repro` (the project's dvc.yaml) leaves it alone. Its stages run from the project's root
+# (wdir), read their params.yaml sections there, and their md5s land in the dvc.lock beside this file. The
+# alignflow checkout's own copy is this file plus each stage's alignflow source files as deps.
+"""
+
+
+def template_path(file: str) -> str:
+    """Where the ``alignflow init`` template keeps a dvc.yaml of the checkout's (``file``, relative to the root)."""
+    return TEMPLATE_DVC_YAML if file == DVC_YAML else f"flows/project_template/{file}"
+
+
 def _wdir(file: str) -> str:
     """``wdir`` of a stage in ``file``: the checkout's root, relative to the file's folder ("" for the root's)."""
     depth = len(Path(file).parent.parts)
@@ -412,6 +427,9 @@ def generate(root: Path = REPO) -> dict[str, str]:
                                           if s.file != DVC_YAML}}
     out = {file: render([s for s in stages if s.file == file], code_deps, header) for file, header in files.items()}
     out[TEMPLATE_DVC_YAML] = render([s for s in stages if s.in_template], None, TEMPLATE_HEADER)
+    for file in files.keys() - {DVC_YAML}:
+        recipe = [s for s in stages if s.file == file]
+        out[template_path(file)] = render(recipe, None, TEMPLATE_RECIPE_HEADER.format(file=file, name=Path(file).parent.name))
     return out
 
 

@@ -13,7 +13,13 @@ the alignflow checkout's own ``params.yaml``, ``dvc.yaml`` and ``prefect.yaml`` 
 files (``dvc.yaml`` plus alignflow's source files as deps), kept equal by
 ``tests/unit/test_project_template.py``.
 
-Run: ``alignflow init my-project`` (``--force`` overwrites the scaffold's own files).
+``--recipe NAME`` adds a recipe of its own beside the align pipeline (``real``: a pretrained model on a
+reasoning-gym task, which needs the real-model extra): its dvc.yaml (``recipes/NAME/dvc.yaml``, the checkout's
+without alignflow's source files as deps), its params sections appended to ``params.yaml``
+(``recipes/NAME/params.yaml`` in the template, the checkout's params.yaml's closing block) and its outputs
+git-ignored; ``dvc repro recipes/NAME/dvc.yaml`` runs it.
+
+Run: ``alignflow init my-project [--recipe real]`` (``--force`` overwrites the scaffold's own files).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from importlib import resources
 from pathlib import Path
 
 from rlhf_core.config import ConfigError
+from rlhf_core.config.stage_registry import recipes
 from tasks.versioning import commit_identity
 
 # template file -> its path in the project. The dotfile ships without its dot: package-data
@@ -33,6 +40,8 @@ from tasks.versioning import commit_identity
 FILES = {"params.yaml": "params.yaml", "dvc.yaml": "dvc.yaml", "prefect.yaml": "prefect.yaml",
          "gitignore": ".gitignore", "README.md": "README.md"}
 DATA_KEEP = "data/.gitkeep"  # git keeps no empty folder
+RECIPE_IGNORED = {"real": ("/data/real/", "/models/real_*/")}
+"""Each recipe's outputs that its stages write beside the align pipeline's (git-ignored in the project)."""
 DVC_REMOTE_NAME = "local"
 DVC_REMOTE_DIR = ".dvc-remote"
 
@@ -57,18 +66,28 @@ def _git(root: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=False)
 
 
-def conflicts(root: Path) -> list[str]:
+def conflicts(root: Path, recipe: str | None = None) -> list[str]:
     """The scaffold's paths that already exist in ``root`` (``init`` refuses to overwrite them)."""
-    return [rel for rel in [*FILES.values(), ".dvc"] if (root / rel).exists()]
+    own = [recipes()[recipe]] if recipe else []
+    return [rel for rel in [*FILES.values(), *own, ".dvc"] if (root / rel).exists()]
 
 
-def write_template(root: Path) -> list[str]:
-    """Write the template files and ``data/``; returns the written paths, relative to ``root``."""
-    for name, rel in FILES.items():
-        (root / rel).write_text(template_text(name), encoding="utf-8")
+def write_template(root: Path, recipe: str | None = None) -> list[str]:
+    """Write the template files, ``data/`` and the recipe's files; returns the written paths, relative to ``root``."""
+    texts = {rel: template_text(name) for name, rel in FILES.items()}
+    written = [*FILES.values(), DATA_KEEP]
+    if recipe:
+        file = recipes()[recipe]
+        texts[file] = template_text(file)
+        texts["params.yaml"] += "\n" + template_text(str(Path(file).with_name("params.yaml")))
+        texts[".gitignore"] += "".join(f"{line}\n" for line in RECIPE_IGNORED.get(recipe, ()))
+        written.insert(len(FILES), file)
+    for rel, text in texts.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text, encoding="utf-8")
     (root / DATA_KEEP).parent.mkdir(exist_ok=True)
     (root / DATA_KEEP).touch()
-    return [*FILES.values(), DATA_KEEP]
+    return written
 
 
 def ensure_git_repo(root: Path) -> bool:
@@ -113,18 +132,20 @@ def commit_scaffold(root: Path) -> str:
     return _git(root, "rev-parse", "HEAD").stdout.strip()
 
 
-def init_project(path: str | Path, force: bool = False) -> Scaffolded:
-    """Scaffold the project at ``path`` (made if missing). Refuses, naming them, to overwrite
-    existing scaffold files unless ``force``; then git (if needed), DVC and the first commit."""
+def init_project(path: str | Path, force: bool = False, recipe: str | None = None) -> Scaffolded:
+    """Scaffold the project at ``path`` (made if missing), with ``recipe``'s files when given. Refuses, naming
+    them, to overwrite existing scaffold files unless ``force``; then git (if needed), DVC and the first commit."""
     root = Path(path).expanduser().resolve()
+    if recipe is not None and recipe not in recipes():
+        raise ConfigError(f"init: --recipe {recipe!r}: no such recipe (one of {', '.join(sorted(recipes()))})")
     if root.exists() and not root.is_dir():
         raise ConfigError(f"init: {root} exists and is not a folder")
-    existing = conflicts(root) if root.exists() else []
+    existing = conflicts(root, recipe) if root.exists() else []
     if existing and not force:
         raise ConfigError(f"init: {root} already has {', '.join(existing)}; nothing was written "
                           "(pick an empty folder, or pass --force to overwrite the scaffold's files)")
     root.mkdir(parents=True, exist_ok=True)
-    written = write_template(root)
+    written = write_template(root, recipe)
     made_repo = ensure_git_repo(root)
     remote = init_dvc(root)
     return Scaffolded(root, written, made_repo, commit_scaffold(root) if made_repo else None, remote)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 TRAIN = "train"
@@ -163,6 +164,11 @@ def dvc_stages() -> list[DvcStage]:
     """Every DVC stage in ``dvc.yaml``'s order: the template's, then the repository's own, each by registration."""
     every = [d for s in STAGES.values() for d in s.dvc]
     return [d for d in every if d.in_template] + [d for d in every if not d.in_template]
+
+
+def recipes() -> dict[str, str]:
+    """Each recipe of its own (a dvc.yaml beside the checkout's): its name (the file's folder) -> the file."""
+    return {Path(d.file).parent.name: d.file for d in dvc_stages() if d.file != "dvc.yaml"}
 
 
 # --------------------------------------------------------------------------------------

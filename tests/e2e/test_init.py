@@ -63,6 +63,28 @@ def test_init_scaffolds_a_git_and_dvc_project(tmp_path):
     assert "alignflow flow align" in readme and "alignflow flow iterative_dpo" in readme
 
 
+def test_init_with_the_real_recipe_writes_a_recipe_dvc_can_run(tmp_path):
+    """``--recipe real``: the recipe's dvc.yaml and params sections beside the scaffold's, its outputs ignored;
+    DVC reads both pipelines (the recipe's stages run from the project's root) and every section loads."""
+    proc = _init(tmp_path, "real-project", "--recipe", "real")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    root = tmp_path / "real-project"
+    assert "dvc repro recipes/real/dvc.yaml" in proc.stdout
+    for section, cls in SECTIONS.items():
+        assert isinstance(load_config(cls, section, root / "params.yaml"), cls)
+    recipe = (root / "recipes" / "real" / "dvc.yaml").read_text()
+    assert "rlhf_core/" not in recipe.split("stages:", 1)[1] and "wdir: ../.." in recipe
+    assert git(root, "status", "--porcelain") == "" and "recipes/real/dvc.yaml" in git(root, "ls-files")
+    assert git(root, "check-ignore", "data/real/eval.jsonl", "models/real_base/x").count("\n") == 1
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        names = {(Path(stage.path).relative_to(root).as_posix(), stage.name) for stage in repo.index.stages}
+    assert {("recipes/real/dvc.yaml", "real_import"), ("recipes/real/dvc.yaml", "real_rl"), ("dvc.yaml", "sft")} <= names
+    refused = _init(tmp_path, "other", "--recipe", "nope")
+    assert refused.returncode == 2 and "nope" in refused.stderr and not (tmp_path / "other").exists()
+
+
 def test_init_refuses_to_overwrite_and_names_the_files(tmp_path):
     root = tmp_path / "mine"
     root.mkdir()

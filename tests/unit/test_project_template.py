@@ -95,7 +95,7 @@ def test_every_template_file_is_package_data():
     globs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["flows"]
     shipped = {p.name for g in globs for p in (REPO / "flows").glob(g) if p.is_file()}
     assert set(FILES) <= shipped and not any(name.startswith(".") for name in FILES)
-    assert {p.name for p in TEMPLATE.iterdir()} == set(FILES)
+    assert {p.name for p in TEMPLATE.iterdir()} == {*FILES, "recipes"}
 
 
 def test_tool_stage_commands_read_the_tool_tasks_guards_and_data_report():
@@ -111,3 +111,21 @@ def test_tool_stage_commands_read_the_tool_tasks_guards_and_data_report():
     tool = load_config(SECTIONS["tool_guards"], "tool_guards", params)
     assert {"length", "entropy_collapse"} <= set(tool.advisory_guards)
     assert tool.max_kl == load_config(SECTIONS["guards"], "guards", params).max_kl  # the rest: the defaults
+
+
+def test_a_recipes_template_files_are_the_checkouts():
+    """``alignflow init --recipe real`` writes the checkout's recipe: its params block (params.yaml from
+    REAL_BLOCK on) and its dvc.yaml without alignflow's source files as deps; both ship as package data."""
+    import tomllib
+
+    from rlhf_core.config.stage_registry import recipes
+
+    assert recipes() == {"real": "recipes/real/dvc.yaml"}
+    block = (REPO / "params.yaml").read_text().partition(REAL_BLOCK)[2]
+    assert (TEMPLATE / "recipes" / "real" / "params.yaml").read_text() == REAL_BLOCK[1:] + block
+    ours = yaml.safe_load((REPO / "recipes" / "real" / "dvc.yaml").read_text())["stages"]
+    template = yaml.safe_load((TEMPLATE / "recipes" / "real" / "dvc.yaml").read_text())["stages"]
+    assert {name: _without_alignflow_sources(stage) for name, stage in ours.items()} == template
+    globs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["flows"]
+    shipped = {p.relative_to(REPO / "flows") for g in globs for p in (REPO / "flows").glob(g) if p.is_file()}
+    assert {Path("project_template/recipes/real/dvc.yaml"), Path("project_template/recipes/real/params.yaml")} <= shipped
