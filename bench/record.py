@@ -141,7 +141,8 @@ def caption(table: Table, index: dict[str, dict], data: dict[str, object]) -> st
 def render_table(table: Table, index: dict[str, dict]) -> str:
     """The marked block's body: the table and its caption."""
     data = {alias: load(path) for alias, path in table.sources.items()}
-    lines = ["| " + " | ".join(render_cell(cell, data) for cell in table.header) + " |", "| " + " | ".join("---" for _ in table.header) + " |"]
+    lines = ["| " + " | ".join(render_cell(cell, data) for cell in table.header) + " |",
+             "| " + " | ".join("---" for _ in table.header) + " |"]
     for row in table.rows:
         if len(row) != len(table.header):
             raise RecordError(f"{table.name}: a row of {len(row)} cells under {len(table.header)} columns")
@@ -170,9 +171,9 @@ def _rel(path: str) -> str:
 
 
 def result_files() -> list[str]:
-    """Every file and top folder under ``bench/results/<device>/<day>/``, relative to ``bench/results``
-    (a folder of one run's files is one entry); anything else under ``bench/results`` is listed as
-    out of the layout."""
+    """Every file and folder under ``bench/results/<device>/<day>/``, relative to ``bench/results`` (a folder
+    of one run's files is one entry); anything elsewhere under ``bench/results`` comes back as it is, for
+    :func:`render_index` to refuse."""
     entries = []
     for device in sorted(p for p in RESULTS.iterdir() if p.name != INDEX.name):
         days = sorted(device.iterdir()) if device.is_dir() else [device]
@@ -212,7 +213,8 @@ def render_index(old: dict[str, dict], fill_commits: bool) -> str:
              "the date is the day (UTC) a bench script wrote the file (`bench/result_paths.py`) or, for a file older",
              "than this layout, the day of the commit that added it. `--check` (run by",
              "`tests/unit/test_benchmark_record.py`) fails when a file is missing here, listed but gone, or outside",
-             "that layout.", "", "| file | device | date | written by | commit that added it |", "| --- | --- | --- | --- | --- |"]
+             "that layout.", "",
+             "| file | device | date | written by | commit that added it |", "| --- | --- | --- | --- | --- |"]
     for rel in result_files():
         m = LAYOUT.match(rel)
         if not m:

@@ -69,8 +69,8 @@ README_OFFLINE = Table(
 README_RL = Table(
     "readme-online-rl", "README.md",
     {**METRICS, "ppo": R + "cpu/2026-11-26/rl_ppo_rm.json"},
-    ("run (from the SFT model)", "eval accuracy start → end", "reward-model score of greedy answers", "final KL to reference",
-     "wall"),
+    ("run (from the SFT model)", "eval accuracy start → end", "reward-model score of greedy answers",
+     "final KL to reference", "wall"),
     (("GRPO, rule reward, 40 × 32 prompts × 8 samples (`alignflow rl`, the committed `dvc.lock`)",
       f"{acc('rl', 'eval/accuracy_start').replace('_start_stderr', '_stderr_start')} → {acc('rl')}", "", "", ""),
      ("PPO + critic, reward model, k1 KL in the reward, coef {ppo:metrics.train/kl_coef|.1f} (AMD EPYC host, "
@@ -102,7 +102,8 @@ CPU_SBS = Table(
      _cpu_row("Reward model, {r:settings.benches.rm.batch|} pairs", "rm")),
     "Intel Xeon, {r:environment.cpus|} cores, torch {r:environment.versions.torch|}",
     "{r:settings.threads|} torch thread a side, {r:settings.rounds|} ABBA rounds, "
-    "{r:results.grpo.summary.rows.ours-fp32.timed_steps|} timed GRPO and {r:results.sft.summary.rows.ours-fp32.timed_steps|} "
+    "{r:results.grpo.summary.rows.ours-fp32.timed_steps|} timed GRPO and "
+    "{r:results.sft.summary.rows.ours-fp32.timed_steps|} "
     "timed training steps a side; the call took {r:wall_s|.0f} s")
 
 
