@@ -76,6 +76,12 @@ def test_every_table_is_in_its_document_and_names_committed_sources():
             f"{doc} cites a result file the index has no commit for: rerun --write after committing it"
 
 
+def test_every_table_of_benchmarks_md_is_rendered():
+    text = record.BLOCK.sub("", (REPO / "BENCHMARKS.md").read_text(encoding="utf-8"))
+    tables = [line for line in text.splitlines() if re.match(r"\|\s*-{3}", line)]
+    assert not tables, "BENCHMARKS.md has a table outside the rendered blocks (bench/record_tables.py renders tables)"
+
+
 def test_excluded_sections_exist():
     for doc, heading in EXCLUDED_SECTIONS:
         headings = [line.lstrip("#").strip() for line in (REPO / doc).read_text(encoding="utf-8").splitlines()
