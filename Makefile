@@ -53,7 +53,7 @@ test-slow: $(STAMP)
 # alignflow vs TRL's GRPOTrainer on the embedded default, same settings, alternating (BENCHMARKS.md).
 bench-cpu: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[bench]' -c constraints.txt
-	$(BIN)/python bench/side_by_side.py --variant cpu --out bench/results/side_by_side_cpu.json
+	$(BIN)/python bench/side_by_side.py --variant cpu
 
 repro: $(STAMP)
 	$(BIN)/dvc repro

@@ -64,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import rlhf_core  # noqa: E402,F401  (offline switches)
+from result_paths import result_path  # noqa: E402  (bench/ is sys.path[0])
 
 
 def build_tokenizer(vocab: int, out: Path) -> Path:
@@ -114,7 +115,7 @@ class Sink:
 
 def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results/gpu_grpo.json")
+    ap.add_argument("--out", default="", help="default: bench/results/<device>/<UTC date>/gpu_grpo.json")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--group", type=int, default=8)
@@ -236,8 +237,9 @@ def main() -> None:
         "peak_gpu_memory_gb_this_process": round(torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, 2), "total_s": round(total, 1),
     }
     print(json.dumps(summary), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"summary": summary, "steps": [m for _, m in sink.rows]}, indent=2) + "\n")
+    out = Path(args.out) if args.out else result_path("gpu_grpo.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"summary": summary, "steps": [m for _, m in sink.rows]}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

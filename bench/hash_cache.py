@@ -9,7 +9,7 @@ before every run when permitted (root). The folder is deleted afterwards.
     .venv/bin/python bench/hash_cache.py                # ~15 GB under /tmp, ~5 minutes
     .venv/bin/python bench/hash_cache.py --gb 2 --runs 3 --out /tmp/hash_cache_small.json
 
-Writes ``bench/results/hash_cache_cpu.json`` (per-run seconds, median and range, machine).
+Writes ``bench/results/cpu/<UTC date>/hash_cache_cpu.json`` (per-run seconds, median and range, machine).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from result_paths import result_path  # noqa: E402  (bench/ is sys.path[0])
 
 from rlhf_core.tracking.lineage import MIN_CACHED_BYTES, HashCache, dvc_md5  # noqa: E402
 
@@ -94,7 +96,7 @@ def main() -> int:
     ap.add_argument("--gb", type=float, default=15.0, help="total size of the shards, GB (10^9 bytes)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/alignflow-hash-bench", help="scratch folder (deleted afterwards)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "hash_cache_cpu.json"))
+    ap.add_argument("--out", default=str(result_path("hash_cache_cpu.json", "cpu")))
     args = ap.parse_args()
 
     scratch = Path(args.dir)

@@ -1,6 +1,6 @@
 """Host time of the bf16 regime's optimizer step (``MasterWeightAdamW.step``), the part of a 0.5B SFT step that
-the H200 profile shows the device waiting for (bench/results/prof_h200_0p5b_sft_phases.json: 5-6 ms gaps inside
-``Optimizer.step``). The same 290 tensors as the Qwen2-0.5B-shaped model's trained parameters, each tiny, so the
+the H200 profile shows the device waiting for
+(bench/results/h200/2026-12-03/prof_h200_0p5b_sft_phases.json: 5-6 ms gaps inside ``Optimizer.step``). The same 290 tensors as the Qwen2-0.5B-shaped model's trained parameters, each tiny, so the
 device work is nil and what is timed is the host's: Python, the dispatcher and torch's AdamW bookkeeping. On a
 CPU, with torch's fused AdamW kernel (the one that runs on a GPU), one torch thread.
 

@@ -17,7 +17,7 @@ scratch folder is deleted afterwards.
     .venv/bin/python bench/registry_cost.py              # ~15 GB (needs ~50 GB free on /tmp), ~10 minutes
     .venv/bin/python bench/registry_cost.py --gb 2 --out /tmp/registry_cost_small.json
 
-Writes ``bench/results/registry_cost_cpu.json``.
+Writes ``bench/results/cpu/<UTC date>/registry_cost_cpu.json``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hash_cache import build_model_dir, drop_page_cache, machine  # noqa: E402  (bench/ is sys.path[0])
+from result_paths import result_path  # noqa: E402
 
 
 def folder_bytes(folder: Path) -> int:
@@ -110,7 +111,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gb", type=float, default=15.0, help="total size of the shards, GB (10^9 bytes)")
     ap.add_argument("--dir", default="/tmp/alignflow-registry-bench", help="scratch folder (deleted afterwards)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "registry_cost_cpu.json"))
+    ap.add_argument("--out", default=str(result_path("registry_cost_cpu.json", "cpu")))
     args = ap.parse_args()
 
     scratch = Path(args.dir)

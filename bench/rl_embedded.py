@@ -5,9 +5,9 @@ overrides, trains with :func:`rlhf_core.trainers.rl.train_rl` without MLflow, an
 logged metric row and the rollout table to ``--out`` (JSON). Examples, from the repository root::
 
     # (a) GRPO with the rule reward
-    OMP_NUM_THREADS=1 .venv/bin/python bench/rl_embedded.py --out bench/results/rl_grpo.json
+    OMP_NUM_THREADS=1 .venv/bin/python bench/rl_embedded.py --out bench/results/cpu/<UTC date>/rl_grpo.json
     # (b) PPO (GAE + critic) with the trained reward model
-    OMP_NUM_THREADS=1 .venv/bin/python bench/rl_embedded.py --out bench/results/rl_ppo.json \\
+    OMP_NUM_THREADS=1 .venv/bin/python bench/rl_embedded.py --out bench/results/cpu/<UTC date>/rl_ppo.json \\
         --set estimator=gae --set reward_kind=model --set kl_in_reward=true --set kl_estimator=k1
 
 ``--root DIR`` points model_path, reward_model_path and the data files at another checkout of the

@@ -13,7 +13,7 @@ Variants (model shapes; random weights built on the device, no download):
   ``ours-fp32,trl-fp32``. After ``make bench-cpu`` (it installs the ``bench`` extra, i.e. TRL; in a worktree
   without the dvc outputs, ``--cpu-root`` names a checkout that has them)::
 
-      .venv/bin/python bench/side_by_side.py --variant cpu --out bench/results/side_by_side_cpu.json
+      .venv/bin/python bench/side_by_side.py --variant cpu
 
 * ``gpu``: Qwen2-0.5B shape (24 layers, hidden 896, 14 heads, 2 KV heads), a 32k byte-level BPE built
   here. GRPO 64 prompts x 8 x 256 new tokens; SFT 32 x 512 tokens; DPO / RM 32 pairs x 512.
@@ -155,6 +155,7 @@ from side_by_side_parts.profiling import WATCHED  # noqa: E402
 from side_by_side_parts.processes import child_main, run_child, trl_checkpointing, trl_launch_command  # noqa: E402
 from side_by_side_parts.summary import environment, model_facts, settings_record  # noqa: E402
 from side_by_side_parts.results import ResultFile, combine, resummarize, scaling  # noqa: E402
+from result_paths import result_path  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -167,7 +168,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--trl-grad-ckpt", choices=["match", "on", "off"], default="match",
                     help="TRL's gradient checkpointing: match ours' logged choice (default), or force it")
     ap.add_argument("--child-timeout", type=float, default=1500, help="seconds before a child is killed")
-    ap.add_argument("--out", default="bench/results/side_by_side_cpu.json")
+    ap.add_argument("--out", default=str(result_path("side_by_side_cpu.json", "cpu")),
+                    help="default: bench/results/cpu/<UTC date>/side_by_side_cpu.json")
     ap.add_argument("--cpu-root", default="", help="cpu variant: the checkout whose models/sft and data/embedded "
                                                    "(dvc outputs) it reads (default: this one)")
     ap.add_argument("--work", default="", help="folder for tokenizer, data and model (default: a new temporary one); "

@@ -2,7 +2,7 @@
 
 For each held-out item: did the model call the tool, does the call copy the question's expression
 exactly, does the answer after ``</result>`` copy the calculator's result, and is the answer right.
-The diagnosis of issue 19 item 2 (bench/results/tool_task_cpu.md) reads these counts.
+The diagnosis of issue 19 item 2 (bench/results/cpu/2026-11-27/tool_task_cpu.md) reads these counts.
 
 Run: ``PYTHONPATH=. python bench/tool_call_audit.py models/tool_sft [models/tool_rl ...]``
 """

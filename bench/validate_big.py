@@ -19,7 +19,7 @@ The files are deleted afterwards.
     .venv/bin/python bench/validate_big.py                       # 2 GB under /tmp
     .venv/bin/python bench/validate_big.py --gb 0.1 --out /tmp/validate_small.json
 
-Writes ``bench/results/validate_big_cpu.json``.
+Writes ``bench/results/cpu/<UTC date>/validate_big_cpu.json``.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from result_paths import result_path  # noqa: E402  (bench/ is sys.path[0])
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches "
          "and sphinx of black quartz hears my vow ").split()
@@ -168,7 +170,7 @@ def main() -> None:
                         help="rerun only the 2 MB record's part, keeping the large file's figures in --out")
     parser.add_argument("--pairs", type=int, default=5,
                         help="alternate alignflow validate on a 30-row file and on the 2 MB record this many times")
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "validate_big_cpu.json"))
+    parser.add_argument("--out", default=str(result_path("validate_big_cpu.json", "cpu")))
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-noredact", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -2,7 +2,7 @@
 
 A planted hackable reward (the number of "0" characters in the answer: gameable without answering anything
 right, like the zeros-full answers PPO learned against the embedded reward model at kl_coef 0.01, see
-bench/results/rl_embedded_cpu.md) drives the micro model to answer "00000000" everywhere within a few
+bench/results/cpu/2026-11-26/rl_embedded_cpu.md) drives the micro model to answer "00000000" everywhere within a few
 iterations. The held-out reward score goes up beyond noise while accuracy stays flat, so the guard fires,
 the version stays ``candidate``, and its tags and model card name the guard and its values.
 """

@@ -8,7 +8,7 @@ environment and the rule reward, then greedy multi-turn evaluation of both model
 * RL raises both the accuracy and the tool-call rate over SFT alone by more than two standard errors
   (the binomial standard errors of the two estimates, combined).
 
-Measured on 2 CPU cores shared with other jobs (README "Tool use", bench/results/tool_task_cpu.md): about
+Measured on 2 CPU cores shared with other jobs (README "Tool use", bench/results/cpu/2026-11-27/tool_task_cpu.md): about
 2.5 min of SFT (500 x 128, one thread), 1 min of RL, 15 s for each evaluation; SFT-only 0.242 +- 0.019 and
 after RL 0.984 +- 0.006 accuracy, tool-call rate 0.104 -> 1.000 (seed 0). Run: ``make test-slow``.
 """

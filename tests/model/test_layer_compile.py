@@ -3,7 +3,7 @@
 The compile runs through dynamo and AOTAutograd with the ``aot_eager`` backend: the same traced forward and
 backward graphs inductor would get, run by eager kernels, so the comparison is exact and no C++ is built per
 graph on this 2-core CPU. Inductor's own kernels on a GPU: ``bench/gpu_lm_head_check.py --parts compiled``
-(``bench/results/gpu_layer_compile_check_h200.json``: bf16 against fp32 at the same error as the eager layers).
+(``bench/results/h200/2026-11-29/gpu_layer_compile_check_h200.json``: bf16 against fp32 at the same error as the eager layers).
 """
 
 from __future__ import annotations

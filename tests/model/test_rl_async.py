@@ -3,7 +3,7 @@ generation overlaps the update (logged timestamps), staleness and IS diagnostics
 stopped with a batch in flight resumes bit-identically.
 
 The accuracy acceptance (the embedded default, async within 2 SE of sync) is measured with
-``bench/rl_embedded.py --set max_staleness=1`` (results in ``bench/results/rl_async_cpu.md``), not here: it
+``bench/rl_embedded.py --set max_staleness=1`` (results in ``bench/results/cpu/2026-11-27/rl_async_cpu.md``), not here: it
 takes minutes.
 """
 

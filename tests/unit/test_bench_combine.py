@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-RESULTS = REPO / "bench" / "results"
+RESULTS = REPO / "bench" / "results" / "h200x4" / "2026-11-29"
 OURS, TRL = RESULTS / "side_by_side_h200x4_7b_grpo_ours_c2.json", RESULTS / "side_by_side_h200x4_7b_grpo_trl_c3.json"
 
 
