@@ -4,7 +4,7 @@ Under Ray (:mod:`rlhf_core.trainers.ray_launcher`) the rollout replicas hold cop
 learner's weights after every update (``rl.distribution.weight_sync``, :class:`WeightSync`). Three paths:
 
 * **object store**: rank 0's state dict, copied to host memory, travels as one Ray object to every replica
-  (2.9-3.7 s per sync for 0.4B weights on H100s, ``bench/results/gpu_grpo_h100x2_*``). Works anywhere.
+  (2.9-3.7 s per sync for 0.4B weights on H100s, ``bench/results/h100x2/*/gpu_grpo_h100x2_*``). Works anywhere.
 * **CUDA IPC** (colocated replicas, one beside each rank on its GPU): :meth:`PolicyLearner.share_weights`.
 * **collective** (this module): policy rank 0 and the replicas form a ``torch.distributed`` group of their
   own -- not the training world, which holds only the learner ranks -- with its own TCPStore (hosted by rank

@@ -177,14 +177,15 @@ def packed_forward_kwargs(model: Any, position_ids: torch.Tensor, device: torch.
     Without them the first layer works the bounds out from the device's copy of the positions: a
     ``nonzero`` and a host read of the longest sequence, two waits for the device in every forward, each
     stopping the host from queueing work ahead of the device (the gaps of
-    ``bench/results/prof_h100_0p5b_gaps.json``). transformers passes a model's extra
+    ``bench/results/h100/*/prof_h100_0p5b_gaps.json``). transformers passes a model's extra
     keyword arguments down to its attention function; the names are the ones its own flash-attention
     path reads (``cu_seq_lens_q`` ...). ``{}`` for any other model (it may not take them).
 
     For a decoder of :data:`MASK_MAPPING_TYPES` it also passes ``attention_mask`` as ``{attention type: None}``:
     the varlen kernel needs no mask, and building one for a packed row reads its positions on the host
     (transformers' ``find_packed_sequence_indices`` ends in a Python ``if (...).all()``), the one wait for the
-    device left in such a forward (``bench/results/census_h200_0p5b_grpo_after.json``). Other decoders (Llama,
+    device left in such a forward (``bench/results/h200/*/census_h200_0p5b_grpo_after.json``). Other decoders
+    (Llama,
     Mistral in transformers 5) build their mask themselves and keep that wait.
     """
     base = model

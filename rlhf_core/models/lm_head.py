@@ -344,7 +344,7 @@ def apply_fused_kernels(model: Any) -> None:
     A model type liger does not know is left as it is.
 
     Why not liger's RMSNorm everywhere: each call of it costs about 0.2 ms of host time (Triton's Python
-    launcher; forward and backward alike, ``bench/results/prof_h200_1p5b_grpo_update.json``) against
+    launcher; forward and backward alike, ``bench/results/h200/*/prof_h200_1p5b_grpo_update.json``) against
     0.01-0.03 ms of device time, so a 28-layer decoder's 57 norms spend ~23 ms of host time a micro-batch
     on them; torch's ``rms_norm`` is one ATen op with a fused CUDA kernel forward and backward.
 

@@ -413,7 +413,7 @@ class PolicyLearner:
         For a rollout engine on the *same GPU* in another process (colocated Ray placement): it
         maps the buffer once and copies from it on each sync, GPU to GPU, instead of the weights
         travelling through host memory and Ray's object store (measured 2.9-3.7 s per sync for
-        0.4B weights on H100s; bench/results/gpu_grpo_h100x2_*). Needs whole weights on this
+        0.4B weights on H100s; bench/results/h100x2/*/gpu_grpo_h100x2_*). Needs whole weights on this
         rank (DDP or ZeRO-2, not ZeRO-3) and no LoRA adapters (those need merging first). The
         buffer is refilled in place, so the handle stays valid for the whole run.
         """
@@ -444,7 +444,8 @@ class PolicyLearner:
     # ZeRO-3 holds a quarter of each weight on each of 4 ranks, so :meth:`share_weights` cannot hand out
     # whole weights, and the fallback (rank 0 gathers everything, the weights travel as one Ray object to
     # every replica) took 92.8 s a sync for a 7B policy on 4 H100s and held a second 15 GB copy on rank 0
-    # (bench/results/side_by_side_h100x4_7b_grpo_diag.json). Instead, bucket by bucket, every rank gathers
+    # (bench/results/h100x4/*/side_by_side_h100x4_7b_grpo_diag_before_buckets.json). Instead, bucket by bucket, every
+    # rank gathers
     # the bucket (NCCL, GPU to GPU) and copies it into a staging buffer on its GPU that the replica beside it
     # maps once through CUDA IPC and copies from: only one bucket is ever whole on a rank. The same scheme
     # as OpenRLHF's and verl's colocated weight updates; written here because it runs inside our two

@@ -49,7 +49,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     ``uniform`` ``(rows, 1)``: the rows' U(0, 1) draws, given (a captured graph cannot draw from a
     generator it does not own); else drawn from ``generator``. ``weights_fn``: :func:`sampling_weights`
     compiled (:func:`compiled_sample`), used without top-p (its running sum is a scan, which inductor of
-    torch 2.11 failed to generate for a few rows: ``SplitScan`` codegen, bench/results/gpu_engine_h200_decode_ab.log).
+    torch 2.11 failed to generate for a few rows: ``SplitScan`` codegen,
+    bench/results/h200/*/gpu_engine_h200_decode_ab.log).
     """
     if params.greedy:
         logits = logits.float()
