@@ -208,7 +208,7 @@ def _real(stage: str, deps: tuple[str, ...], *, outs: tuple[str, ...] = ()) -> D
 
 _REAL_EVALS = tuple((f"{model}{suffix}", {"model": f"models/real_{model}", "eval": f"eval{suffix}", "tokens": tokens})
                     for suffix, tokens, models in (("", 48, ("base", "sft", "rl", "raft")),
-                                                   ("_second", 48, ("base", "raft")), ("_gsm", 160, ("base", "raft")))
+                                                   ("_second", 48, ("base", "sft", "rl", "raft")), ("_gsm", 160, ("base", "raft")))
                     for model in models)
 """The real recipe's evaluations (key, item): every model on the task, the first and last on the second task and on
 gsm_symbolic (whose worked answers need a longer budget)."""
