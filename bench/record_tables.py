@@ -326,8 +326,25 @@ SCALING = Table(
     "global batch {d:rows.sft ours-bf16.global_batch.1|} rows on 1 and on 4 GPUs; target: {d:target|}")
 
 
+REAL_EVALS = ("base", "sft", "rl", "raft", "base_second", "sft_second", "rl_second", "raft_second", "base_gsm",
+              "raft_gsm")
+REAL_MODELS = {"base": "imported", "sft": "SFT", "rl": "GRPO", "raft": "RAFT"}
+REAL_TASKS = {"": "arithmetic (the task)", "_second": "letter counting", "_gsm": "gsm_symbolic"}
+REAL_WALLS = R + "cpu/2026-12-06/real_recipe_walls.json"
+
+README_REAL = Table(
+    "readme-real", "README.md",
+    {**{e: f"metrics/real_eval_{e}.json" for e in REAL_EVALS}, "walls": REAL_WALLS},
+    ("model", "held-out task ({base:eval/n_items|.0f} items each)", "accuracy", "format rate",
+     "accuracy among well-formatted"),
+    tuple((REAL_MODELS[e.split("_")[0]], REAL_TASKS[e[len(e.split("_")[0]):]], acc(e), f"{{{e}:eval/format_rate|.3f}}",
+           acc(e, "eval/accuracy_formatted")) for e in REAL_EVALS),
+    "{walls:host} (`make real-recipe` from a fresh clone: {walls:total_wall_s|.0f} s in all)",
+    "greedy; each model its chat template's prompt; judged by reasoning-gym's scorer (`label_check`)")
+
+
 TABLES: tuple[Table, ...] = (EMBEDDED, README_OFFLINE, README_RL, CPU_SBS, RL_EMBEDDED, GPU_SFT_SMOKE, GPU_SBS, GPU_MIXED,
-                             SEVEN_B, ASYNC, ENGINE, SCALING, ZERO3_RESUME, HASH_REGISTRY, HOSTILE)
+                             SEVEN_B, ASYNC, ENGINE, SCALING, ZERO3_RESUME, HASH_REGISTRY, HOSTILE, README_REAL)
 
 # what wrote a result file: the first prefix of its name that matches
 PRODUCERS: tuple[tuple[str, str], ...] = (
@@ -352,6 +369,7 @@ PRODUCERS: tuple[tuple[str, str], ...] = (
     ("validate_big", "bench/validate_big.py"),
     ("chat_render_cost", "bench/chat_render_cost.py"),
     ("opt_host", "bench/opt_host.py"),
+    ("real_recipe_walls", "bench/real_recipe_walls.py (after make real-recipe)"),
     ("rl_embedded_cpu.md", "notes on bench/rl_embedded.py runs"),
     ("rl_async_cpu.md", "notes on bench/rl_embedded.py runs"),
     ("rl_", "bench/rl_embedded.py"),
