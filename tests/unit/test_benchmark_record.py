@@ -3,7 +3,7 @@
 
 The unit rule: a number with a unit of time, speed-up, share, memory or throughput (``0.465 s``, ``2.88×``,
 ``35%``, ``15.0 GB``, ``13.0k tok/s``) outside a rendered block fails, unless its phrase is in ``ALLOWED``
-(what a rerun needs, not what a run measured) or it stands in a section of ``EXCLUDED_SECTIONS``. Counts
+(what a rerun needs, not what a run measured). Counts
 and sizes of the set-up (``2 cores``, ``500 steps``, ``32 × 8``, ``Qwen2-0.5B``), durations in minutes
 (``about 12 minutes``, ``90-minute``) and accuracies without a unit are not figures this rule reads.
 BENCHMARKS-archive.md, the dated record, is not read.
@@ -30,11 +30,6 @@ FIGURE = re.compile(rf"(?<![\w.\-/])\d+(?:[.,]\d+)*[kM]?(?:\s?{UNIT}(?![\w/])|[x
 ALLOWED = {
     "BENCHMARKS.md": ("~15 GB free under `/tmp`", "~50 GB free under `/tmp`"),
 }
-# sections (by heading) the rule skips, with why; remove an entry once its figures come from a rendered block
-EXCLUDED_SECTIONS = {
-    ("README.md", "A real model on a real task"): "issue 51's section, rewritten by its own work; its figures come "
-                                                  "from bench/results/cpu/2026-12-06/real_recipe_cpu.md",
-}
 
 
 def figures_outside_blocks(doc: str, text: str) -> list[str]:
@@ -46,8 +41,6 @@ def figures_outside_blocks(doc: str, text: str) -> list[str]:
     for line in text.splitlines():
         if line.startswith("#"):
             heading = line.lstrip("#").strip()
-            continue
-        if (doc, heading) in EXCLUDED_SECTIONS:
             continue
         found += [f"{doc}: {heading}: {m.group(0)!r} in {line.strip()[:100]!r}" for m in FIGURE.finditer(line)]
     return found
@@ -82,13 +75,6 @@ def test_every_table_of_benchmarks_md_is_rendered():
     assert not tables, "BENCHMARKS.md has a table outside the rendered blocks (bench/record_tables.py renders tables)"
 
 
-def test_excluded_sections_exist():
-    for doc, heading in EXCLUDED_SECTIONS:
-        headings = [line.lstrip("#").strip() for line in (REPO / doc).read_text(encoding="utf-8").splitlines()
-                    if line.startswith("#")]
-        assert heading in headings, f"{doc} has no section {heading!r}: drop its exclusion"
-
-
 @pytest.mark.parametrize("text, figures", [
     ("0.465 s (0.436–0.527) and 2.88× and 4.44x", ["0.465 s", "2.88×", "4.44x"]),
     ("35% of 6NT, 15.0 GB, 80GB, 13.0k tok/s, 1.3 ms, 76.1 µs, 457 MB/s", ["35%", "15.0 GB", "80GB", "13.0k tok/s",
@@ -101,13 +87,13 @@ def test_the_unit_rule_reads_figures_not_set_up(text, figures):
     assert [m.group(0) for m in FIGURE.finditer(text)] == figures
 
 
-def test_a_section_exclusion_and_an_allowed_phrase_are_honoured():
-    text = "## A real model on a real task\n\n3.2 s a step\n\n## Next\n\n~15 GB free under `/tmp`, 4.1 s\n"
-    assert figures_outside_blocks("README.md", text) == ["README.md: Next: '15 GB' in '~15 GB free under `/tmp`, 4.1 s'",
+def test_an_allowed_phrase_is_honoured_in_its_document_only():
+    text = "## A section\n\n3.2 s a step\n\n## Next\n\n~15 GB free under `/tmp`, 4.1 s\n"
+    assert figures_outside_blocks("BENCHMARKS.md", text) == ["BENCHMARKS.md: A section: '3.2 s' in '3.2 s a step'",
+                                                             "BENCHMARKS.md: Next: '4.1 s' in ', 4.1 s'"]
+    assert figures_outside_blocks("README.md", text) == ["README.md: A section: '3.2 s' in '3.2 s a step'",
+                                                         "README.md: Next: '15 GB' in '~15 GB free under `/tmp`, 4.1 s'",
                                                          "README.md: Next: '4.1 s' in '~15 GB free under `/tmp`, 4.1 s'"]
-    assert figures_outside_blocks("BENCHMARKS.md", text.replace("## A real", "## Another")) == [
-        "BENCHMARKS.md: Another model on a real task: '3.2 s' in '3.2 s a step'",
-        "BENCHMARKS.md: Next: '4.1 s' in ', 4.1 s'"]
 
 
 def test_cells_read_values_through_paths_and_steps():
