@@ -139,6 +139,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -151,10 +152,14 @@ sys.path.insert(0, str(REPO / "bench"))  # side_by_side_parts, also where this f
 from side_by_side_parts.settings import (BENCHES, DEFAULT_ROWS, GPU_ROWS, ROWS, SETTINGS,  # noqa: E402
                                          apply_global_batch, make_small, schedule)
 from side_by_side_parts.inputs import build_inputs  # noqa: E402
+from side_by_side_parts.hygiene import MIN_WARMUP, Deadline, enforce, plan_problems  # noqa: E402
+from side_by_side_parts.search import load_winner  # noqa: E402
+from side_by_side_parts.settings import SEARCH, trl_options  # noqa: E402
+from rlhf_core.common.offline import GPU_ENV  # noqa: E402
 from side_by_side_parts.profiling import WATCHED  # noqa: E402
 from side_by_side_parts.processes import child_main, run_child, trl_checkpointing, trl_launch_command  # noqa: E402
 from side_by_side_parts.summary import environment, model_facts, settings_record  # noqa: E402
-from side_by_side_parts.results import ResultFile, combine, resummarize, scaling  # noqa: E402
+from side_by_side_parts.results import ResultFile, combine, portable, resummarize, scaling  # noqa: E402
 from result_paths import result_path  # noqa: E402
 
 
@@ -164,7 +169,22 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--bench", default=",".join(BENCHES), help="comma-separated subset of " + ",".join(BENCHES))
     ap.add_argument("--rows", default="", help="comma-separated rows (" + ",".join(ROWS) + "); default by variant")
     ap.add_argument("--rounds", type=int, default=0, help="ABBA rounds (default: 2; 1 for gpu-7b)")
-    ap.add_argument("--warmup", type=int, default=1, help="steps per child process left out of the figures")
+    ap.add_argument("--warmup", type=int, default=MIN_WARMUP, help="steps per child process left out of the figures")
+    ap.add_argument("--steps", type=int, default=0, help="steps per child of every benchmark run (default: the "
+                                                         "variant's; --search: 10)")
+    ap.add_argument("--waive-hygiene", action="store_true",
+                    help="run below the hygiene minimums (warm-up, timed steps, ABBA rounds); the file records it")
+    ap.add_argument("--deadline-s", type=float, default=0,
+                    help="launch no child that would end past this many seconds from the start; write what ran")
+    ap.add_argument("--alloc-conf", default=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", GPU_ENV["PYTORCH_CUDA_ALLOC_CONF"]),
+                    help="PYTORCH_CUDA_ALLOC_CONF of every child (both sides)")
+    ap.add_argument("--no-profile-flagged", action="store_true",
+                    help="no extra profiled child for a row whose max/min step exceeds the hygiene flag")
+    ap.add_argument("--search", action="store_true",
+                    help="the TRL search: TRL's configurations of SEARCH on --bench (default sft), ranked; "
+                         "its winner is trl-best of calls given --trl-best-from this file")
+    ap.add_argument("--trl-best-from", metavar="FILE", default="",
+                    help="trl-best: the winner of the search recorded in FILE (else liger + padding-free)")
     ap.add_argument("--trl-grad-ckpt", choices=["match", "on", "off"], default="match",
                     help="TRL's gradient checkpointing: match ours' logged choice (default), or force it")
     ap.add_argument("--child-timeout", type=float, default=1500, help="seconds before a child is killed")
@@ -267,23 +287,66 @@ def _prepare(args: argparse.Namespace, rows: list[str], work: Path) -> tuple[dic
     return inputs, header
 
 
+def _task(name: str, row: str, args: argparse.Namespace, inputs: dict, decided: dict[str, bool]) -> dict:
+    """One child's task: the benchmark, the row, ours' overrides, TRL's options and checkpointing."""
+    task = {"inputs": inputs, "bench": name, "row": row, "micro_batch_tokens": args.micro_batch_tokens,
+            "micro_rows": args.micro_rows, "lm_head": args.lm_head, "compile_layers": args.compile_layers,
+            "gradient_checkpointing": args.grad_ckpt, "warmup": args.warmup,
+            "rollout_sleep": args.rollout_sleep, "shard_reference": args.shard_reference,
+            "profile": {"skip": 2, "active": 3, "phase": args.profile_phase} if args.profile else None,
+            "sync_census": args.sync_census}
+    if ROWS[row]["side"] == "trl":
+        task["trl_grad_ckpt"] = trl_checkpointing(row, decided, args.trl_grad_ckpt)
+        task["trl_opts"] = trl_options(row, args.trl_best["options"] if args.trl_best else None)
+    return task
+
+
+def _child(side: str, task: dict, args: argparse.Namespace, deadline: Deadline, walls: list[float],
+           what: str) -> dict | None:
+    """Run one child unless the deadline forbids it (None then); its wall joins ``walls``, the estimate of the
+    next (the longest so far, plus the time the end of the call needs)."""
+    if not deadline.allows((max(walls) if walls else 0.0) + 30, what):
+        return None
+    res = run_child(side, task, min(args.child_timeout, max(deadline.left() - 20, 1)))
+    walls.append(res.get("wall_s") or 0.0)
+    return res
+
+
+def _profile_flagged(name: str, args: argparse.Namespace, inputs: dict, results: dict, deadline: Deadline,
+                     walls: list[float], decided: dict[str, bool]) -> None:
+    """One more child of each flagged offline row with every step profiled: the slowest and the fastest step's
+    profile go to ``<out>_profiles.json`` beside the result file (grpo rows: --profile instead)."""
+    if args.no_profile_flagged or name == "grpo":
+        return
+    rows = results[name].get("summary", {}).get("rows", {})
+    flagged = [r for r, e in rows.items() if e.get("flagged") and r in ROWS and r != "ours-best"]
+    path = Path(args.out).with_name(Path(args.out).stem + "_profiles.json")
+    done = json.loads(path.read_text()) if path.exists() else {}
+    for row in flagged:
+        task = {**_task(name, row, args, inputs, decided), "profile_steps": True}
+        res = _child(ROWS[row]["side"], task, args, deadline, walls, f"{name} {row} profile")
+        if res is None:
+            results[name].setdefault("flagged_profiles", {})[row] = "not taken: deadline"
+            continue
+        done[f"{name} {row}"] = {"step_profiles": res.get("step_profiles"), "error": res.get("error", "")[-800:],
+                                 "note": "a profiled child: its step times carry the profiler's overhead"}
+        path.write_text(json.dumps(portable(done), indent=2) + "\n")
+        results[name].setdefault("flagged_profiles", {})[row] = path.name
+
+
 def _run_bench(name: str, rows: list[str], args: argparse.Namespace, inputs: dict, results: dict,
-               out: ResultFile) -> None:
+               out: ResultFile, deadline: Deadline, walls: list[float]) -> None:
     """Every row of benchmark ``name`` in ABBA order, one child process a run; ``results[name]`` fills as
-    they end."""
+    they end; then a profiled child of each flagged row."""
     runs: dict[str, list[dict]] = {row: [] for row in rows}
     decided: dict[str, bool] = {}  # ours rows' logged gradient-checkpointing choice on this benchmark
     results[name] = {"runs": runs}
     for rnd, row in schedule(rows, args.rounds):
         side = ROWS[row]["side"]
-        task = {"inputs": inputs, "bench": name, "row": row, "micro_batch_tokens": args.micro_batch_tokens,
-                "micro_rows": args.micro_rows, "lm_head": args.lm_head, "compile_layers": args.compile_layers,
-                "gradient_checkpointing": args.grad_ckpt,
-                "rollout_sleep": args.rollout_sleep, "shard_reference": args.shard_reference,
-                "profile": {"skip": 2, "active": 3, "phase": args.profile_phase} if args.profile else None, "sync_census": args.sync_census}
-        if side == "trl":
-            task["trl_grad_ckpt"] = trl_checkpointing(row, decided, args.trl_grad_ckpt)
-        res = run_child(side, task, args.child_timeout)
+        task = _task(name, row, args, inputs, decided)
+        res = _child(side, task, args, deadline, walls, f"{name} round {rnd} {row}")
+        if res is None:
+            continue
         res["round"] = rnd
         runs[row].append(res)
         if side == "alignflow" and (res.get("gradient_checkpointing") or {}).get("on") is not None:
@@ -295,7 +358,30 @@ def _run_bench(name: str, rows: list[str], args: argparse.Namespace, inputs: dic
                               "gradient_checkpointing": (res.get("gradient_checkpointing") or
                                                          task.get("trl_grad_ckpt"))})}), flush=True)
         out.write(results, final=False)
+    _profile_flagged(name, args, inputs, results, deadline, walls, decided)
+    out.write(results, final=False)
     print(json.dumps({"bench": name, "summary": results[name]["summary"]}), flush=True)
+
+
+def _plan(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], list[str], dict]:
+    """Rows, benchmarks and the hygiene record of this call; refused (SystemExit) below the minimums unless
+    --waive-hygiene. --search: SEARCH's rows on sft, one round, 10 steps, TRL's checkpointing off unless set."""
+    if args.search:
+        args.rows = args.rows or ",".join(SEARCH)
+        args.bench = args.bench if args.bench != ",".join(BENCHES) else "sft"
+        args.rounds = args.rounds or 1
+        args.steps = args.steps or 10
+        args.trl_grad_ckpt = "off" if args.trl_grad_ckpt == "match" else args.trl_grad_ckpt
+    args.rounds = args.rounds or SETTINGS[args.variant]["rounds"]
+    args.trl_best = load_winner(Path(args.trl_best_from)) if args.trl_best_from else None
+    rows, benches = _check_choices(ap, args)
+    if args.steps:
+        for b in benches:
+            SETTINGS[args.variant][b]["steps"] = args.steps
+    problems = plan_problems({b: SETTINGS[args.variant][b]["steps"] for b in benches}, args.warmup, args.rounds,
+                             search=args.search)
+    return rows, benches, {**enforce(problems, args.waive_hygiene), "threads": SETTINGS[args.variant]["threads"],
+                           "PYTORCH_CUDA_ALLOC_CONF": args.alloc_conf, "search": args.search}
 
 
 def main() -> None:
@@ -311,6 +397,8 @@ def main() -> None:
             SETTINGS[task["inputs"]["variant"]].update(gpus=task["inputs"]["gpus"], parallel=task["inputs"]["parallel"])
         if task.get("inputs", {}).get("global_batch"):
             apply_global_batch(task["inputs"]["variant"], task["inputs"]["global_batch"])
+        for bench, steps in task.get("inputs", {}).get("steps", {}).items():
+            SETTINGS[task["inputs"]["variant"]][bench]["steps"] = steps
         child_main(args.child, task)
         return
     if args.small:
@@ -329,18 +417,22 @@ def main() -> None:
     if args.combine:
         combine([Path(p) for p in args.combine], Path(args.out), args.warmup)
         return
-    args.rounds = args.rounds or SETTINGS[args.variant]["rounds"]
-    rows, benches = _check_choices(ap, args)
     started = time.perf_counter()
+    rows, benches, hygiene = _plan(ap, args)
+    deadline, walls = Deadline(args.deadline_s, started), []
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix=f"bench-{args.variant}-"))
     work.mkdir(parents=True, exist_ok=True)
     inputs, header = _prepare(args, rows, work)
+    inputs.update(alloc_conf=args.alloc_conf, steps={b: SETTINGS[args.variant][b]["steps"] for b in benches})
+    header.update(hygiene=hygiene, trl_best_from=args.trl_best or "not given: trl-best is liger + padding-free")
     print(json.dumps({"settings": header}), flush=True)
     out = ResultFile(args, header, started)
     results: dict = {}
     for name in benches:
-        _run_bench(name, rows, args, inputs, results, out)
-    header["ceilings"]["end"] = run_child("ceiling", {"inputs": inputs}, args.child_timeout)
+        _run_bench(name, rows, args, inputs, results, out, deadline, walls)
+    if deadline.allows(30, "end ceiling"):
+        header["ceilings"]["end"] = run_child("ceiling", {"inputs": inputs}, args.child_timeout)
+    header["deadline"] = deadline.record()
     doc = out.write(results, final=True)
     print(json.dumps({"ceiling": doc["ceiling"], "summary": doc["summary"]}), flush=True)
 

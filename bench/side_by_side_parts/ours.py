@@ -15,8 +15,10 @@ from typing import Any
 
 from .settings import OPTIMIZER, OURS_BEST, ROWS, SETTINGS
 from .inputs import bench_paths, reward_file
+from .hygiene import apply_backend, backend_state
 from .measure import child_logging, device_sync, peak_writer, process_peak_memory_gb, thread_counts
 from .profiling import ForwardingProfiler, ProfilingSink, Sink, UpdateProfile, UpdateSyncCensus
+from .step_profiles import step_profiling_sink
 
 
 def in_actor(factory: str, peak_dir: str, *args, **kwargs):
@@ -81,11 +83,19 @@ def ours(task: dict) -> dict:
     s = SETTINGS[inputs["variant"]]
     gpus = inputs["gpus"]
     torch.manual_seed(s["seed"])
+    apply_backend(s["threads"], "ours")  # the call's threads (on a GPU the trainers leave torch's default)
     work = Path(tempfile.mkdtemp(prefix=f"bench-ours-{name}-"))
     common = _ours_settings(task, work)
     sink = ProfilingSink(task["profile"]) if task.get("profile") and name != "grpo" and gpus == 1 else Sink()
+    if task.get("profile_steps") and name != "grpo" and gpus == 1:
+        sink = step_profiling_sink()
     run = _ours_grpo if name == "grpo" else _ours_offline
-    return run(task, common, sink, work)
+    result = run(task, common, sink, work)
+    result["hygiene"] = backend_state()
+    if hasattr(sink, "profiles"):
+        sink.close()
+        result["step_profiles"] = sink.profiles.extremes(warmup=task.get("warmup", 0))
+    return result
 
 
 def settings_of(cfg: Any, names: tuple[str, ...]) -> dict:

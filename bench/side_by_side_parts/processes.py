@@ -16,7 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .settings import NO_MULTICAST, REPO, ROWS
+from .settings import NO_MULTICAST, REPO, ROWS, SETTINGS
+from .hygiene import child_env
 from .inputs import build_model
 from .measure import child_logging, measure_ceiling, peak_writer, read_peaks
 from .ours import ours
@@ -62,6 +63,8 @@ def run_child(kind: str, task: dict, timeout_s: float) -> dict:
         launcher = trl_launch_command(inputs)
     cmd = launcher + [str(SCRIPT), "--child", kind, "--task", json.dumps(task)]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "BENCH_PEAK_DIR": str(peak_dir), **NO_MULTICAST}
+    if "alloc_conf" in inputs:  # one thread count and allocator for every child of the call (hygiene)
+        env.update(child_env(SETTINGS[inputs["variant"]]["threads"], inputs["alloc_conf"]))
     scratch = None
     if kind in ("alignflow", "trl"):
         # A training child's outputs and checkpoints go to its own temporary folder, removed when it ends: left

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from .settings import REPO, SETTINGS, apply_global_batch, make_small
+from .search import search_table
 from .summary import summarize
 
 
@@ -32,7 +33,8 @@ class ResultFile:
     def write(self, results: dict, final: bool) -> dict:
         args, ceiling = self.args, self.ceiling()
         summary = summarize(args.variant, results, args.warmup, ceiling, self.header["model"])
-        doc = {**self.header, "ceiling": {**ceiling, "matmul_tflops": round(ceiling["matmul_flops"] / 1e12, 2),
+        extra = {"search": search_table(results)} if getattr(args, "search", False) and results else {}
+        doc = {**self.header, **extra, "ceiling": {**ceiling, "matmul_tflops": round(ceiling["matmul_flops"] / 1e12, 2),
                                           "copy_tb_per_s": round(ceiling["copy_bytes_per_s"] / 1e12, 3)},
                "final": final, "results": results, "summary": summary,
                "wall_s": round(time.perf_counter() - self.started, 1)}

@@ -35,7 +35,7 @@ SETTINGS = {
     "gpu": dict(model="Qwen2-0.5B shape, 32k vocab", shape=QWEN2_0_5B, vocab=0, tie=True, shard="",
                 threads=8, seed=0, gpus=1, rounds=2, words=dict(prompt=64, completion=192, response=128),
                 grpo=dict(prompts="prompts.jsonl", prompts_per_step=64, group_size=8, max_new_tokens=256,
-                          temperature=1.0, beta=0.04, lr=1e-6, micro_rows=128, steps=4),
+                          temperature=1.0, beta=0.04, lr=1e-6, micro_rows=128, steps=5),
                 sft=dict(data="sft.jsonl", batch=32, max_length=512, lr=1e-5, steps=8),
                 dpo=dict(data="pairs.jsonl", batch=32, max_length=512, lr=1e-6, steps=8, beta=0.1),
                 rm=dict(data="pairs.jsonl", batch=32, max_length=512, lr=1e-6, steps=8)),
@@ -43,7 +43,7 @@ SETTINGS = {
                      shard="", threads=8, seed=0, gpus=1, rounds=2,
                      words=dict(prompt=128, completion=384, response=256),
                      grpo=dict(prompts="prompts.jsonl", prompts_per_step=64, group_size=8, max_new_tokens=256,
-                               temperature=1.0, beta=0.04, lr=1e-6, micro_rows=32, steps=4),
+                               temperature=1.0, beta=0.04, lr=1e-6, micro_rows=32, steps=5),
                      sft=dict(data="sft.jsonl", batch=16, max_length=1024, lr=1e-5, steps=8),
                      dpo=dict(data="pairs.jsonl", batch=16, max_length=1024, lr=1e-6, steps=8, beta=0.1),
                      rm=dict(data="pairs.jsonl", batch=16, max_length=1024, lr=1e-6, steps=8)),
@@ -77,9 +77,10 @@ def make_small(variant: str) -> None:
              words=dict(prompt=16, completion=48, response=32))
     if s["gpus"] > 1:
         s["gpus"] = 2  # two Ray ranks under ZeRO-3 on gloo
-    s["grpo"].update(prompts_per_step=4, group_size=4, max_new_tokens=16, micro_rows=4, steps=3)
+    # steps: the fewest that meet the hygiene minimums at 2 warm-up steps and 2 rounds
+    s["grpo"].update(prompts_per_step=4, group_size=4, max_new_tokens=16, micro_rows=4, steps=5)
     for name in ("sft", "dpo", "rm"):
-        s[name].update(batch=4, max_length=128, steps=3)
+        s[name].update(batch=4, max_length=128, steps=6)
 
 
 def apply_global_batch(variant: str, global_batch: int) -> None:
@@ -112,7 +113,42 @@ ROWS = {
     # TRL at its best in the mixed regime: an fp32 model under bf16 autocast, liger + padding-free
     "trl-mixed-best": dict(side="trl", model_dtype="float32", bf16=True, best=True, regime="mixed"),
     "trl-fp32": dict(side="trl", model_dtype="float32", bf16=False, best=False, regime="fp32"),
+    # trl-default with ours' attention-backend settings (cuDNN's SDPA off, hygiene.SDPA["ours"])
+    "trl-ours-backend": dict(side="trl", model_dtype="bfloat16", bf16=True, best=False, regime="bf16",
+                             opts={"sdpa": "ours"}),
 }
+# The TRL search (``--search``, SFT at 0.5B): trl-default and one change or a pair of changes at a time. Its
+# winner, the fastest by median, is trl-best of a later call (``--trl-best-from``); trl-default if none beats it.
+SEARCH = {
+    "trl-default": {},
+    "trl-cudnn-off": {"sdpa": "ours"},
+    "trl-eager": {"attn": "eager"},
+    "trl-padding-free": {"padding_free": True},
+    "trl-ckpt-on": {"grad_ckpt": True},
+    "trl-liger": {"liger": True},
+    "trl-liger-cudnn-off": {"liger": True, "sdpa": "ours"},
+    "trl-liger-padding-free": {"liger": True, "padding_free": True},
+    "trl-liger-ckpt-on": {"liger": True, "grad_ckpt": True},
+}
+for _name, _opts in SEARCH.items():
+    ROWS.setdefault(_name, dict(side="trl", model_dtype="bfloat16", bf16=True, best=False, regime="bf16",
+                                opts=_opts, search=True))
+
+
+def trl_options(row: str, searched: dict | None = None) -> dict:
+    """A TRL row's options: liger, padding-free SFT, attention implementation, SDPA backends (a key of
+    hygiene.SDPA), gradient checkpointing (None: ``--trl-grad-ckpt``'s choice) and GRPO's static cache. The
+    legacy ``best`` rows: liger + padding-free + static cache; ``trl-best`` with ``searched`` (the search's
+    winner): trl-default plus the winner's options."""
+    spec = ROWS[row]
+    best = bool(spec.get("best"))
+    opts = {"liger": best, "padding_free": best, "attn": "sdpa", "sdpa": "torch-default", "grad_ckpt": None,
+            "static_cache": best}
+    if row == "trl-best" and searched is not None:
+        opts.update(liger=False, padding_free=False, static_cache=False)
+        opts.update(searched)
+    opts.update(spec.get("opts", {}))
+    return opts
 DEFAULT_ROWS = {"cpu": "ours-fp32,trl-fp32"}
 GPU_ROWS = "ours-mixed,ours-bf16,trl-default,trl-mixed,trl-best"
 # (ours, TRL) pairs compared; ours-best is the faster of ours-mixed and ours-bf16
@@ -120,7 +156,7 @@ PAIRS = (("ours-mixed", "trl-mixed"), ("ours-bf16", "trl-default"), ("ours-best"
          ("ours-mixed-padded", "trl-mixed"), ("ours-bf16-padded", "trl-default"), ("ours-best", "trl-default"),
          ("ours-mixed-packed", "trl-mixed"), ("ours-bf16-packed", "trl-default"),
          ("ours-mixed", "trl-mixed-best"), ("ours-mixed-packed", "trl-mixed-best"), ("ours-bf16-packed", "trl-best"),
-         ("ours-fp32", "trl-fp32"))
+         ("ours-fp32", "trl-fp32"), ("ours-bf16", "trl-ours-backend"), ("ours-best", "trl-ours-backend"))
 # Our "best" settings, passed through the config on every ours row
 OURS_BEST = dict(fused_kernels="auto", lm_head="auto", packing=False, gradient_checkpointing="auto")
 OPTIMIZER = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01, max_grad_norm=1.0)

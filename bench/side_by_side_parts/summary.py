@@ -5,12 +5,14 @@ environment and model facts.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
 import sys
 
 from .settings import BENCHES, NO_MULTICAST, OPTIMIZER, OURS_BEST, PAIRS, ROWS, SETTINGS
+from .hygiene import MIN_TIMED, compare_rows, same_backend, spread
 from .inputs import bench_paths
 from .measure import thread_counts
 from .processes import has_nvidia_smi
@@ -31,13 +33,16 @@ def row_summary(name: str, row_runs: list[dict], warmup: int, ceiling: dict, fac
     if not timed:
         return {"error": f"no timed steps (every child ran <= {warmup} warm-up steps)"}
     med = _median(timed)
-    need = 3 if s["gpus"] > 1 else 5  # the minimum: 5 timed steps a side (7B: 3)
-    entry = {"median_step_s": round(med, 4), "range_step_s": [round(min(timed), 4), round(max(timed), 4)],
+    need = 3 if s["gpus"] > 1 else MIN_TIMED[name]  # the hygiene minimum (7B on 4 GPUs: 3)
+    entry = {**spread(timed), "range_step_s": [round(min(timed), 4), round(max(timed), 4)],
              "round_medians_s": [round(_median(r["step_s"][warmup:]), 4) for r in ok], "timed_steps": len(timed),
              "enough_timed_steps": len(timed) >= need, "device": ok[0].get("device"),
              "runs_ok": len(ok), "runs_failed": len(row_runs) - len(ok),
              "peak_memory_gb": round(max(r["peak_memory_gb"] for r in ok), 2),
-             "settings": ok[0].get("settings"), "launch": ok[0].get("launch"), "threads": ok[0].get("threads")}
+             "settings": ok[0].get("settings"), "launch": ok[0].get("launch"), "threads": ok[0].get("threads"),
+             "hygiene": ok[0].get("hygiene")}
+    if len({json.dumps(r.get("hygiene"), sort_keys=True) for r in ok}) > 1:
+        entry["hygiene_by_run"] = [r.get("hygiene") for r in ok]  # the children of one row differed
     concurrent = [r["peak_memory_gb_concurrent"] for r in ok if "peak_memory_gb_concurrent" in r]
     if concurrent:
         entry["peak_memory_gb_concurrent"] = round(max(concurrent), 2)
@@ -122,8 +127,12 @@ def bench_summary(variant: str, name: str, runs: dict[str, list[dict]], warmup: 
                     rows[a]["peak_memory_gb_concurrent"] / max(rows[t]["peak_memory_gb_concurrent"], 1e-9), 3)}
                    if "peak_memory_gb_concurrent" in rows[a] and "peak_memory_gb_concurrent" in rows[t] else {}),
                 "gradient_checkpointing": {"ours": ca.get("on"), "trl": ct.get("on")},
-                "like_with_like_checkpointing": ca.get("on") is not None and ca.get("on") == ct.get("on")}
+                "like_with_like_checkpointing": ca.get("on") is not None and ca.get("on") == ct.get("on"),
+                "like_with_like_backend": same_backend(rows[a].get("hygiene"), rows[t].get("hygiene"))}
     out["pairs"] = pairs
+    out["hygiene"] = compare_rows({r: e.get("hygiene") for r, e in rows.items() if r != "ours-best"})
+    if "median_step_s" in rows.get("trl-best", {}) and "median_step_s" in rows.get("trl-default", {}):
+        out["trl_best_over_default"] = round(rows["trl-best"]["median_step_s"] / rows["trl-default"]["median_step_s"], 3)
     if name == "grpo":
         # our best row's median response, else any ours row's (the CPU variant's only one, ours-fp32, is not an
         # ours-best candidate); without one the floor assumes max_new_tokens
