@@ -1,70 +1,101 @@
-"""A profile of every timed step of one child, one torch.profiler window a step, of which the slowest and the
-fastest are kept: what a flagged row (max/min step > hygiene.FLAG_SPREAD) spends its slow steps on. The harness
-runs one more child of a flagged row with it on (its step times carry the profiler's overhead: not figures).
+"""A profile of every step of one child, in one torch.profiler run (``ProfilerStep#i`` ranges mark the steps),
+split by step afterwards, of which the slowest and the fastest timed step are kept: what a flagged row (max/min
+step > hygiene.FLAG_SPREAD) spends its slow steps on. The harness runs one more child of a flagged row with it
+on (its step times carry the profiler's overhead: not figures). One profiler for the whole run: stopping and
+starting one between steps, inside the trainers' ``record_function`` ranges, crashed the process. Each step is a
+``bench#step`` range of its own (torch names its ``ProfilerStep`` ranges alike in ``events()``).
 """
 
 from __future__ import annotations
 
+STEP = "bench#step"
+
 
 class StepProfiles:
-    """``begin()`` before a step, ``end(step_s)`` after it (device synchronised); ``extremes()`` at the end."""
+    """``start()`` before the first step, ``mark(step_s)`` after each (device synchronised), ``stop()`` at the
+    end; then ``extremes(warmup)``."""
 
     def __init__(self, top: int = 12) -> None:
         self.top = top
+        self.walls: list[float] = []
         self.steps: list[dict] = []
         self.prof = None
+        self.range = None
 
-    def begin(self) -> None:
-        from torch.profiler import ProfilerActivity, profile
+    def _next_range(self) -> None:
+        from torch.profiler import record_function
 
+        if self.range is not None:
+            self.range.__exit__(None, None, None)
+        self.range = record_function(STEP)
+        self.range.__enter__()
+
+    def start(self) -> None:
         import torch
+        from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         self.prof = profile(activities=acts)
-        self.prof.__enter__()
+        self.prof.start()
+        self._next_range()
 
-    def end(self, step_s: float) -> None:
-        if self.prof is None:
-            return
-        self.prof.__exit__(None, None, None)
-        try:
-            summary = self._summary(self.prof)
-        except Exception as exc:  # noqa: BLE001 -- a profile that cannot be read must not cost the row
-            summary = {"error": f"{type(exc).__name__}: {exc}"}
-        self.steps.append({"index": len(self.steps), "step_s": round(step_s, 4), **summary})
-        self.prof = None
+    def mark(self, step_s: float) -> None:
+        if self.prof is not None:
+            self.walls.append(step_s)
+            self._next_range()
 
     def stop(self) -> None:
-        """The window opened after the last step (never ended by a step) is closed unread."""
-        if self.prof is not None:
-            self.prof.__exit__(None, None, None)
-            self.prof = None
+        if self.prof is None:
+            return
+        self.range.__exit__(None, None, None)
+        self.prof.stop()
+        try:
+            self.steps = self._split(self.prof.events())
+        except Exception as exc:  # noqa: BLE001 -- a profile that cannot be read must not cost the row
+            self.steps = [{"error": f"{type(exc).__name__}: {exc}"}]
+        self.prof = None
 
-    def _summary(self, prof) -> dict:
+    def _split(self, events) -> list[dict]:
+        """Per step: device busy seconds (kernels starting in its range) and the top kernels and host ops."""
         from torch.autograd import DeviceType
 
-        events = prof.key_averages()
-        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
-        device_us = sum(e.self_device_time_total for e in kernels)
-        by_device = sorted(kernels, key=lambda e: -e.self_device_time_total)[:self.top]
-        by_host = sorted(events, key=lambda e: -e.self_cpu_time_total)[:self.top]
-        return {"device_busy_s": round(device_us / 1e6, 4),
-                "top_device_ops": [{"op": e.key[:90], "calls": e.count,
-                                    "device_ms": round(e.self_device_time_total / 1e3, 3)} for e in by_device],
-                "top_host_ops": [{"op": e.key[:90], "calls": e.count,
-                                  "host_ms": round(e.self_cpu_time_total / 1e3, 3)} for e in by_host]}
+        spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == STEP)
+        ranges = dict(enumerate(spans))
+        order = sorted(ranges)[:len(self.walls)]
+        device: list[dict[str, list[float]]] = [{} for _ in order]
+        host: list[dict[str, list[float]]] = [{} for _ in order]
+        for e in events:
+            if e.name == STEP:
+                continue
+            at = next((i for i, k in enumerate(order) if ranges[k][0] <= e.time_range.start < ranges[k][1]), None)
+            if at is None:
+                continue
+            cuda = e.device_type == DeviceType.CUDA
+            table, us = (device, e.time_range.elapsed_us()) if cuda else (host, e.self_cpu_time_total)
+            slot = table[at].setdefault(e.name[:90], [0, 0.0])
+            slot[0] += 1
+            slot[1] += us
+        return [{"index": i, "step_s": round(self.walls[i], 4),
+                 "device_busy_s": round(sum(v[1] for v in device[i].values()) / 1e6, 4),
+                 "top_device_ops": self._top(device[i], "device_ms"), "top_host_ops": self._top(host[i], "host_ms")}
+                for i in range(len(order))]
+
+    def _top(self, table: dict[str, list[float]], unit: str) -> list[dict]:
+        ranked = sorted(table.items(), key=lambda kv: -kv[1][1])[:self.top]
+        return [{"op": k, "calls": int(v[0]), unit: round(v[1] / 1e3, 3)} for k, v in ranked]
 
     def extremes(self, warmup: int = 0) -> dict:
         """The slowest and the fastest profiled step past ``warmup``, and every step's time."""
-        timed = self.steps[warmup:] or self.steps
+        ok = [s for s in self.steps if "step_s" in s]
+        timed = ok[warmup:] or ok
         if not timed:
-            return {}
-        return {"step_s": [s["step_s"] for s in self.steps], "warmup": warmup,
+            return {"error": self.steps[0]["error"]} if self.steps else {}
+        return {"step_s": [s["step_s"] for s in ok], "warmup": warmup,
                 "slowest": max(timed, key=lambda s: s["step_s"]), "fastest": min(timed, key=lambda s: s["step_s"])}
 
 
 def step_profiling_sink():
-    """Ours' sink with :class:`StepProfiles` on: a logged step (``perf/elapsed_s``) ends one window, opens the next."""
+    """Ours' sink with :class:`StepProfiles` on: each logged step (``perf/elapsed_s``) marks the end of one."""
     from .profiling import Sink
 
     class StepProfilingSink(Sink):
@@ -72,14 +103,13 @@ def step_profiling_sink():
             super().__init__()
             self.profiles = StepProfiles()
             self.last = 0.0
-            self.profiles.begin()
+            self.profiles.start()
 
         def log_metrics(self, metrics: dict, step: int) -> None:
             super().log_metrics(metrics, step)
             if "perf/elapsed_s" in metrics:
-                self.profiles.end(metrics["perf/elapsed_s"] - self.last)
+                self.profiles.mark(metrics["perf/elapsed_s"] - self.last)
                 self.last = metrics["perf/elapsed_s"]
-                self.profiles.begin()
 
         def close(self) -> None:
             self.profiles.stop()

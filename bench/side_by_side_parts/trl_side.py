@@ -30,16 +30,15 @@ def _trl_timer(times: list[float], lengths: list[float], rank: int, profiles: St
             device_sync()
             self.t = time.perf_counter()
             if profiles is not None:
-                profiles.begin()
+                profiles.start()
 
         def on_step_end(self, args, state, control, **kw):
             device_sync()
             now = time.perf_counter()
             times.append(now - self.t)
-            if profiles is not None:  # its summary is made here, outside the next step's time
-                profiles.end(times[-1])
-                profiles.begin()
-            self.t = time.perf_counter()
+            if profiles is not None:
+                profiles.mark(times[-1])
+            self.t = now
             if rank == 0:  # as it happens: a child cut off at its limit keeps its steps (run_child)
                 print(json.dumps({"partial_step": {"perf/step_s": times[-1]}}), flush=True)
 

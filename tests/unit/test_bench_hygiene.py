@@ -145,16 +145,19 @@ def test_the_deadline_stops_launching_and_records_what_it_skipped():
 
 
 def test_step_profiles_keep_the_slowest_and_fastest_timed_step():
-    """Four profiled steps of 0.3 (warm-up), 0.1, 0.4 and 0.2 s, warm-up 1: slowest index 2, fastest 1."""
+    """Four steps of one profiler run, timed 0.3 (warm-up), 0.1, 0.4 and 0.2 s, warm-up 1: slowest index 2,
+    fastest 1; the third step's 3 matmuls are counted in its own step, not the others'."""
     import torch
 
     p = step_profiles.StepProfiles()
-    for step_s in (0.3, 0.1, 0.4, 0.2):
-        p.begin()
-        torch.ones(64, 64) @ torch.ones(64, 64)
-        p.end(step_s)
-    p.begin()
+    p.start()
+    for i, step_s in enumerate((0.3, 0.1, 0.4, 0.2)):
+        for _ in range(3 if i == 2 else 1):
+            torch.ones(64, 64) @ torch.ones(64, 64)
+        p.mark(step_s)
     p.stop()
     ex = p.extremes(warmup=1)
     assert ex["slowest"]["index"] == 2 and ex["fastest"]["index"] == 1 and ex["step_s"] == [0.3, 0.1, 0.4, 0.2]
-    assert any("mm" in op["op"] for op in ex["slowest"]["top_host_ops"])
+    mm = {s["index"]: next(op["calls"] for op in s["top_host_ops"] if op["op"] == "aten::matmul")
+          for s in (ex["slowest"], ex["fastest"])}
+    assert mm == {2: 3, 1: 1}
