@@ -39,7 +39,11 @@ Rows (``--rows``, comma-separated; default: all five on a GPU variant):
 * ``trl-default``: a bf16 model, ``bf16=True`` (compare with ours-bf16). NB TRL 1.16 given a model *path*
   loads fp32 (``model_init_kwargs`` dtype defaults to float32): that is our ``trl-mixed`` row.
 * ``trl-mixed``: an fp32 model under ``bf16=True`` autocast (compare with ours-mixed).
-* ``trl-best``: trl-default plus ``use_liger_kernel=True`` (liger-kernel from ``bench/device_wheels.sh``),
+* ``trl-ours-backend``: trl-default with ours' attention-backend settings (cuDNN's SDPA off, as ours' trainers
+  set it on a GPU): published beside trl-default, so a ratio can be read both as TRL ships and like with like.
+* ``trl-best`` with ``--trl-best-from FILE``: trl-default plus the options of the winner of the TRL search
+  recorded in FILE (``--search``, below); trl-default itself where no configuration beat it.
+* ``trl-best`` without it (legacy): trl-default plus ``use_liger_kernel=True`` (liger-kernel from ``bench/device_wheels.sh``),
   padding-free SFT (``padding_free=True`` through ``packing=True, packing_strategy="bfd"``: TRL 1.16 refuses
   padding_free alone, and at these lengths a block holds one truncated example; its DPO falls back to
   padding, its RewardConfig has no such option), ``cache_implementation="static"`` for GRPO's HF generate. Compared with ours-best (the faster of
@@ -111,8 +115,28 @@ Settings shared by both sides (the ``settings`` line has every value):
 * DPO: both compute the reference per step (ours ``precompute_reference: false``, TRL
   ``precompute_ref_log_probs=False``), sigmoid loss, no NLL term.
 
-Hygiene: ``--rounds`` ABBA rounds (default 2; 1 for gpu-7b), the first ``--warmup`` steps of every child
-dropped; ONE matmul ceiling per call, the max of 3 measurements at the start and 3 at the end (all
+The TRL search (``--search``; SFT, one round of 10 steps a configuration, TRL's gradient checkpointing off unless
+a configuration turns it on): trl-default, cuDNN SDPA off, eager attention, padding-free (bfd packing), gradient
+checkpointing on, liger, liger with cuDNN off / padding-free / checkpointing (``settings.SEARCH``); the file's
+``search`` block ranks them by median and names the winner, never slower than trl-default::
+
+    source bench/device_setup.sh && python bench/side_by_side.py --variant gpu --search --deadline-s 540 \
+        --out $OUT/trl_search_0p5b_sft.json
+    source bench/device_setup.sh && python bench/side_by_side.py --variant gpu --bench sft --deadline-s 540 \
+        --rows ours-bf16,trl-default,trl-ours-backend,trl-best --trl-best-from <that file> --out $OUT/sft.json
+
+Hygiene, enforced (``side_by_side_parts/hygiene.py``): a call below the minimums -- 2 warm-up steps a child,
+8 timed steps a row offline and 5 on GRPO over all its rounds, 2 ABBA rounds (the search: 1) -- is refused
+before any child starts, unless ``--waive-hygiene`` (recorded in the file). Every child runs with the call's
+thread count (OMP/MKL and torch's intra-op threads, ours too) and ``PYTORCH_CUDA_ALLOC_CONF`` (``--alloc-conf``)
+and its row's SDPA backends; each row records the settings in effect at the end of its run and the summary
+says whether threads and allocator matched across rows and whether each pair ran the same attention backends.
+Each row gives its median, min and max step; a row whose max/min exceeds 1.5 is flagged, and one more child of
+it runs with every step profiled (the slowest and the fastest step's top kernels and host ops, in
+``<out>_profiles.json`` beside the result). ``--deadline-s`` launches no child that would end past it (the
+longest child so far as the estimate) and still writes the file, with what it skipped. ``--rounds`` ABBA rounds
+(default 2; 1 for gpu-7b, which needs ``--waive-hygiene``), the first ``--warmup`` (default 2) steps of every
+child dropped; ONE matmul ceiling per call, the max of 3 measurements at the start and 3 at the end (all
 stored), used by every row; torch thread counts, device names and versions recorded. Every child (and
 Ray actor, and accelerate rank) runs with NVLink multicast off: NCCL_NVLS_ENABLE=0
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
