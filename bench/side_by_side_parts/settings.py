@@ -156,7 +156,8 @@ PAIRS = (("ours-mixed", "trl-mixed"), ("ours-bf16", "trl-default"), ("ours-best"
          ("ours-mixed-padded", "trl-mixed"), ("ours-bf16-padded", "trl-default"), ("ours-best", "trl-default"),
          ("ours-mixed-packed", "trl-mixed"), ("ours-bf16-packed", "trl-default"),
          ("ours-mixed", "trl-mixed-best"), ("ours-mixed-packed", "trl-mixed-best"), ("ours-bf16-packed", "trl-best"),
-         ("ours-fp32", "trl-fp32"), ("ours-bf16", "trl-ours-backend"), ("ours-best", "trl-ours-backend"))
+         ("ours-fp32", "trl-fp32"), ("ours-bf16", "trl-ours-backend"), ("ours-best", "trl-ours-backend"),
+         ("ours-bf16-packed", "trl-ours-backend"))
 # Our "best" settings, passed through the config on every ours row
 OURS_BEST = dict(fused_kernels="auto", lm_head="auto", packing=False, gradient_checkpointing="auto")
 OPTIMIZER = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01, max_grad_norm=1.0)
