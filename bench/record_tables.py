@@ -326,6 +326,58 @@ SCALING = Table(
     "global batch {d:rows.sft ours-bf16.global_batch.1|} rows on 1 and on 4 GPUs; target: {d:target|}")
 
 
+def _mmm(alias: str, path: str) -> str:
+    """``0.1925 s (0.1710–0.3100)``: a row's median step and its min–max."""
+    return (f"{{{alias}:{path}.median_step_s|.4f}} s ({{{alias}:{path}.min_step_s|.4f}}–"
+            f"{{{alias}:{path}.max_step_s|.4f}})")
+
+
+def _search_row(config: str, options: str) -> tuple[str, ...]:
+    c = f"search.configs.{config}"
+    return (config, options, _mmm("s", c), f"{{s:{c}.max_over_min|.2f}}",
+            f"{{s:{c}.median_step_s ÷ s:search.configs.trl-default.median_step_s|.2f}}×")
+
+
+def trl_search_table(path: str, configs: tuple[tuple[str, str], ...]) -> Table:
+    """Issue 52 item 3: the TRL search's configurations at 0.5B SFT (``side_by_side.py --search``), each one
+    child of one call, and the winner (trl-best of the hygiene rows)."""
+    return Table(
+        "trl-search", "BENCHMARKS.md", {"s": path},
+        ("TRL configuration", "options over trl-default", "median step (min–max)", "max / min", "vs trl-default"),
+        tuple(_search_row(c, o) for c, o in configs)
+        + (("winner (trl-best)", "{s:search.winner|}", "", "", "{s:search.winner_over_default|.2f}×"),),
+        "{s:environment.nvidia_smi.0|}",
+        "SFT 32 × ≤512 tokens, one round of {s:settings.benches.sft.steps|} steps a configuration, "
+        "{s:settings.warmup_steps|} warm-up steps dropped; TRL {s:environment.versions.trl|}, liger-kernel "
+        "{s:environment.versions.liger-kernel|}; gradient checkpointing off unless named; {s:search.note|}")
+
+
+def _hygiene_row(label: str, alias: str, bench: str, ours: str) -> tuple[str, ...]:
+    rows = f"results.{bench}.summary.rows"
+    pairs = f"{alias}:results.{bench}.summary.pairs"
+    cells = tuple(_mmm(alias, f"{rows}.{r}") + f", max/min {{{alias}:{rows}.{r}.max_over_min|.2f}}"
+                  for r in (ours, "trl-default", "trl-ours-backend", "trl-best"))
+    ratios = " / ".join(f"{{{pairs}.{ours} / {t}.speedup_ours_over_trl|.2f}}×"
+                        for t in ("trl-default", "trl-ours-backend", "trl-best"))
+    return (label, alias) + cells + (ratios,)
+
+
+def hygiene_table(sources: dict[str, str], rows: tuple[tuple[str, str, str, str], ...]) -> Table:
+    """Issue 52 item 2: ours against TRL as shipped, TRL with ours' attention backends and the searched trl-best,
+    each call's rows in ABBA order under one thread count and allocator (``side_by_side.py``'s hygiene)."""
+    first = next(iter(sources))
+    return Table(
+        "gpu-hygiene", "BENCHMARKS.md", sources,
+        ("trainer", "call", "alignflow", "trl-default", "trl-ours-backend", "trl-best",
+         "TRL / ours: default / ours' backend / best"),
+        tuple(_hygiene_row(*r) for r in rows),
+        f"{{{first}:environment.nvidia_smi.0|}}, one card a call",
+        f"threads {{{first}:hygiene.threads|}} and `PYTORCH_CUDA_ALLOC_CONF={{{first}:hygiene.PYTORCH_CUDA_ALLOC_CONF|}}` "
+        f"in every child; {{{first}:settings.rounds|}} ABBA rounds, {{{first}:settings.warmup_steps|}} warm-up steps "
+        "a child dropped; trl-ours-backend and ours with cuDNN's SDPA off, trl-default with torch's default (on); "
+        "trl-best the search's winner (table above); a row whose max/min exceeds 1.5 is flagged")
+
+
 REAL_EVALS = ("base", "sft", "rl", "raft", "base_second", "sft_second", "rl_second", "raft_second", "base_gsm",
               "raft_gsm")
 REAL_MODELS = {"base": "imported", "sft": "SFT", "rl": "GRPO", "raft": "RAFT"}

@@ -119,13 +119,14 @@ ROWS = {
 }
 # The TRL search (``--search``, SFT at 0.5B): trl-default and one change or a pair of changes at a time. Its
 # winner, the fastest by median, is trl-best of a later call (``--trl-best-from``); trl-default if none beats it.
+# In the order run (a call cut off by --deadline-s keeps the first): every single change, then the pairs with liger.
 SEARCH = {
     "trl-default": {},
-    "trl-cudnn-off": {"sdpa": "ours"},
-    "trl-eager": {"attn": "eager"},
-    "trl-padding-free": {"padding_free": True},
-    "trl-ckpt-on": {"grad_ckpt": True},
     "trl-liger": {"liger": True},
+    "trl-cudnn-off": {"sdpa": "ours"},
+    "trl-padding-free": {"padding_free": True},
+    "trl-eager": {"attn": "eager"},
+    "trl-ckpt-on": {"grad_ckpt": True},
     "trl-liger-cudnn-off": {"liger": True, "sdpa": "ours"},
     "trl-liger-padding-free": {"liger": True, "padding_free": True},
     "trl-liger-ckpt-on": {"liger": True, "grad_ckpt": True},
