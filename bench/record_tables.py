@@ -343,7 +343,7 @@ def trl_search_table(path: str, configs: tuple[tuple[str, str], ...]) -> Table:
     child of one call, and the winner (trl-best of the hygiene rows)."""
     return Table(
         "trl-search", "BENCHMARKS.md", {"s": path},
-        ("TRL configuration", "options over trl-default", "median step (min–max)", "max / min", "vs trl-default"),
+        ("TRL configuration", "options over trl-default", "median step (min–max)", "max / min", "median / trl-default's"),
         tuple(_search_row(c, o) for c, o in configs)
         + (("winner (trl-best)", "{s:search.winner|}", "", "", "{s:search.winner_over_default|.2f}×"),),
         "{s:environment.nvidia_smi.0|}",
@@ -352,17 +352,21 @@ def trl_search_table(path: str, configs: tuple[tuple[str, str], ...]) -> Table:
         "{s:environment.versions.liger-kernel|}; gradient checkpointing off unless named; {s:search.note|}")
 
 
-def _hygiene_row(label: str, alias: str, bench: str, ours: str) -> tuple[str, ...]:
+def _hygiene_row(label: str, alias: str, bench: str, ours: str, missing: str = "") -> tuple[str, ...]:
+    """One benchmark of one call: each row's median (min–max) and max/min, then TRL / ours for each TRL row;
+    ``missing``: a TRL row the call did not run, and why."""
     rows = f"results.{bench}.summary.rows"
     pairs = f"{alias}:results.{bench}.summary.pairs"
-    cells = tuple(_mmm(alias, f"{rows}.{r}") + f", max/min {{{alias}:{rows}.{r}.max_over_min|.2f}}"
-                  for r in (ours, "trl-default", "trl-ours-backend", "trl-best"))
-    ratios = " / ".join(f"{{{pairs}.{ours} / {t}.speedup_ours_over_trl|.2f}}×"
-                        for t in ("trl-default", "trl-ours-backend", "trl-best"))
+    trl = ("trl-default", "trl-ours-backend", "trl-best")
+    cells = tuple(missing if r == missing.split(":")[0] else
+                  _mmm(alias, f"{rows}.{r}") + f", max/min {{{alias}:{rows}.{r}.max_over_min|.2f}}"
+                  for r in (ours,) + trl)
+    ratios = " / ".join("—" if t == missing.split(":")[0] else f"{{{pairs}.{ours} / {t}.speedup_ours_over_trl|.2f}}×"
+                        for t in trl)
     return (label, alias) + cells + (ratios,)
 
 
-def hygiene_table(sources: dict[str, str], rows: tuple[tuple[str, str, str, str], ...]) -> Table:
+def hygiene_table(sources: dict[str, str], rows: tuple[tuple[str, ...], ...]) -> Table:
     """Issue 52 item 2: ours against TRL as shipped, TRL with ours' attention backends and the searched trl-best,
     each call's rows in ABBA order under one thread count and allocator (``side_by_side.py``'s hygiene)."""
     first = next(iter(sources))
@@ -376,6 +380,30 @@ def hygiene_table(sources: dict[str, str], rows: tuple[tuple[str, str, str, str]
         f"in every child; {{{first}:settings.rounds|}} ABBA rounds, {{{first}:settings.warmup_steps|}} warm-up steps "
         "a child dropped; trl-ours-backend and ours with cuDNN's SDPA off, trl-default with torch's default (on); "
         "trl-best the search's winner (table above); a row whose max/min exceeds 1.5 is flagged")
+
+
+H200_1206 = R + "h200/2026-12-06/"
+TRL_SEARCH = trl_search_table(H200_1206 + "side_by_side_h200_0p5b_trl_search.json", (
+    ("trl-default", "none (sdpa, cuDNN SDPA on, padded batches, no liger, checkpointing off)"),
+    ("trl-liger", "`use_liger_kernel`"),
+    ("trl-cudnn-off", "cuDNN SDPA off (ours' backend)"),
+    ("trl-padding-free", "`padding_free` (bfd packing)"),
+    ("trl-eager", "`attn_implementation=\"eager\"`"),
+    ("trl-ckpt-on", "gradient checkpointing on (TRL's own default)"),
+    ("trl-liger-cudnn-off", "liger, cuDNN SDPA off"),
+    ("trl-liger-padding-free", "liger, padding-free"),
+    ("trl-liger-ckpt-on", "liger, gradient checkpointing on")))
+
+GPU_HYGIENE = hygiene_table(
+    {"a": H200_1206 + "side_by_side_h200_0p5b_sft_hygiene.json",
+     "b": H200_1206 + "side_by_side_h200_0p5b_dpo_rm_hygiene.json",
+     "pa": H200_1206 + "side_by_side_h200_0p5b_sft_hygiene_profiles.json",
+     "pb": H200_1206 + "side_by_side_h200_0p5b_dpo_rm_hygiene_profiles.json"},
+    (("SFT 0.5B", "a", "sft", "ours-bf16-packed"),
+     ("DPO 0.5B, reference every step", "b", "dpo", "ours-bf16-packed"),
+     ("Reward model 0.5B, one round: {b:results.rm.summary.rows.trl-default.timed_steps|} timed steps a row, below "
+      "the minimum (the call's deadline stopped it)", "b",
+      "rm", "ours-bf16-packed", "trl-best: not run (the call's --deadline-s)")))
 
 
 REAL_EVALS = ("base", "sft", "rl", "raft", "base_second", "sft_second", "rl_second", "raft_second", "base_gsm",
@@ -395,7 +423,8 @@ README_REAL = Table(
     "greedy; each model its chat template's prompt; judged by reasoning-gym's scorer (`label_check`)")
 
 
-TABLES: tuple[Table, ...] = (EMBEDDED, README_OFFLINE, README_RL, CPU_SBS, RL_EMBEDDED, GPU_SFT_SMOKE, GPU_SBS, GPU_MIXED,
+TABLES: tuple[Table, ...] = (EMBEDDED, README_OFFLINE, README_RL, CPU_SBS, RL_EMBEDDED, GPU_SFT_SMOKE, TRL_SEARCH,
+                             GPU_HYGIENE, GPU_SBS, GPU_MIXED,
                              SEVEN_B, ASYNC, ENGINE, SCALING, ZERO3_RESUME, HASH_REGISTRY, HOSTILE, README_REAL)
 
 # what wrote a result file: the first prefix of its name that matches
