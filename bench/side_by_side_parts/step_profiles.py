@@ -56,21 +56,28 @@ class StepProfiles:
         self.prof = None
 
     def _split(self, events) -> list[dict]:
-        """Per step: device busy seconds (kernels starting in its range) and the top kernels and host ops."""
+        """Per step: device busy seconds and the top kernels (each kernel in the step whose device-side range,
+        kineto's ``gpu_user_annotation`` of the same name, holds its start; the host-side range where there is
+        none) and the top host ops (by the host-side ranges)."""
         from torch.autograd import DeviceType
 
-        spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == STEP)
-        ranges = dict(enumerate(spans))
-        order = sorted(ranges)[:len(self.walls)]
-        device: list[dict[str, list[float]]] = [{} for _ in order]
-        host: list[dict[str, list[float]]] = [{} for _ in order]
+        def spans(on_device: bool) -> list[tuple[float, float]]:
+            return sorted((e.time_range.start, e.time_range.end) for e in events
+                          if e.name == STEP and (e.device_type == DeviceType.CUDA) == on_device)
+
+        n = len(self.walls)
+        host_spans = spans(False)[:n]
+        device_spans = spans(True)[:n] or host_spans
+        device: list[dict[str, list[float]]] = [{} for _ in host_spans]
+        host: list[dict[str, list[float]]] = [{} for _ in host_spans]
         for e in events:
             if e.name == STEP:
                 continue
-            at = next((i for i, k in enumerate(order) if ranges[k][0] <= e.time_range.start < ranges[k][1]), None)
-            if at is None:
-                continue
             cuda = e.device_type == DeviceType.CUDA
+            at = next((i for i, (a, b) in enumerate(device_spans if cuda else host_spans)
+                       if a <= e.time_range.start < b), None)
+            if at is None or at >= len(host_spans):
+                continue
             table, us = (device, e.time_range.elapsed_us()) if cuda else (host, e.self_cpu_time_total)
             slot = table[at].setdefault(e.name[:90], [0, 0.0])
             slot[0] += 1
@@ -78,7 +85,7 @@ class StepProfiles:
         return [{"index": i, "step_s": round(self.walls[i], 4),
                  "device_busy_s": round(sum(v[1] for v in device[i].values()) / 1e6, 4),
                  "top_device_ops": self._top(device[i], "device_ms"), "top_host_ops": self._top(host[i], "host_ms")}
-                for i in range(len(order))]
+                for i in range(len(host_spans))]
 
     def _top(self, table: dict[str, list[float]], unit: str) -> list[dict]:
         ranked = sorted(table.items(), key=lambda kv: -kv[1][1])[:self.top]

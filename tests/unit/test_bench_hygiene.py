@@ -161,3 +161,32 @@ def test_step_profiles_keep_the_slowest_and_fastest_timed_step():
     mm = {s["index"]: next(op["calls"] for op in s["top_host_ops"] if op["op"] == "aten::matmul")
           for s in (ex["slowest"], ex["fastest"])}
     assert mm == {2: 3, 1: 1}
+
+
+def test_kernels_go_to_the_step_of_their_device_side_range():
+    """On a GPU kineto records each ``bench#step`` range twice, on the host and on the device (later: kernels
+    run behind their launches). Host ranges [0, 10) and [10, 20) ms, device ranges [2, 12) and [12, 25): a kernel
+    starting at 11 belongs to step 0 (the device range), though it starts inside the host range of step 1; host
+    ops go by the host ranges. Mixing the two lists (the first version) misnumbered the steps. Device busy:
+    1 ms of kernel in step 0, 4 ms in step 1."""
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    def ev(name, start, end, cuda=False, self_us=0.0):
+        tr = NS(start=start, end=end, elapsed_us=lambda: end - start)
+        return NS(name=name, time_range=tr, device_type=DeviceType.CUDA if cuda else DeviceType.CPU,
+                  self_cpu_time_total=self_us)
+
+    step = step_profiles.STEP
+    ms = 1000  # the profiler's times are in microseconds
+    events = [ev(step, 0, 10 * ms), ev(step, 10 * ms, 20 * ms), ev(step, 2 * ms, 12 * ms, cuda=True),
+              ev(step, 12 * ms, 25 * ms, cuda=True), ev("aten::mm", 5 * ms, 6 * ms, self_us=1.0),
+              ev("aten::add", 15 * ms, 16 * ms, self_us=2.0), ev("gemm_kernel", 11 * ms, 12 * ms, cuda=True),
+              ev("add_kernel", 13 * ms, 17 * ms, cuda=True)]
+    p = step_profiles.StepProfiles()
+    p.walls = [0.1, 0.2]
+    split = p._split(events)
+    assert [s["top_host_ops"][0]["op"] for s in split] == ["aten::mm", "aten::add"]
+    assert [s["top_device_ops"][0]["op"] for s in split] == ["gemm_kernel", "add_kernel"]
+    assert [s["device_busy_s"] for s in split] == [0.001, 0.004]
