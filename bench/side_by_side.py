@@ -67,15 +67,15 @@ On a lent GPU: once here, ``bash bench/device_wheels.sh`` (Ray, DeepSpeed, TRL 1
     # nvidia-h100-x1: 1.5B (151,936 vocab), likewise one benchmark per call
     source bench/device_setup.sh && python bench/side_by_side.py --variant gpu-1.5b --rounds 2 \
         --bench sft --out $OUT/side_by_side_1p5b_sft.json
-    # nvidia-h100-x4: 7B, one AB round of one pair per call
-    source bench/device_setup.sh && python bench/side_by_side.py --variant gpu-7b \
+    # nvidia-h100-x4: 7B, one AB round of one pair per call (below the hygiene minimums: --waive-hygiene)
+    source bench/device_setup.sh && python bench/side_by_side.py --variant gpu-7b --waive-hygiene \
         --bench grpo --rows ours-bf16,trl-default --out $OUT/side_by_side_7b_grpo.json
-    source bench/device_setup.sh && python bench/side_by_side.py --variant gpu-7b \
+    source bench/device_setup.sh && python bench/side_by_side.py --variant gpu-7b --waive-hygiene \
         --bench dpo --rows ours-bf16,trl-default --out $OUT/side_by_side_7b_dpo.json
     # nvidia-h100-x4: 1 -> 4 GPU scaling at a fixed global batch (ours, ZeRO-2), then the summary
     source bench/device_setup.sh && python bench/side_by_side.py --variant gpu-1.5b --bench sft,dpo \
-        --rows ours-bf16 --rounds 1 --gpus 1 --work /tmp/bw15 --out $OUT/scaling_1gpu.json && \
-      python bench/side_by_side.py --variant gpu-1.5b --bench sft,dpo --rows ours-bf16 --rounds 1 --gpus 4 \
+        --rows ours-bf16 --rounds 1 --waive-hygiene --gpus 1 --work /tmp/bw15 --out $OUT/scaling_1gpu.json && \
+      python bench/side_by_side.py --variant gpu-1.5b --bench sft,dpo --rows ours-bf16 --rounds 1 --waive-hygiene --gpus 4 \
         --parallel zero2 --work /tmp/bw15 --out $OUT/scaling_4gpu.json && \
       python bench/side_by_side.py --scaling $OUT/scaling_1gpu.json $OUT/scaling_4gpu.json --out $OUT/scaling.json
 
@@ -92,7 +92,7 @@ turn)::
 
     source bench/device_setup.sh && python bench/side_by_side.py --variant gpu-1.5b --rounds 2 --bench dpo,rm \
         --rows ours-mixed-packed --micro-batch-tokens 8192 --out $OUT/side_by_side_1p5b_packed.json
-    source bench/device_setup.sh && python bench/side_by_side.py --variant gpu --rounds 1 --bench sft \
+    source bench/device_setup.sh && python bench/side_by_side.py --variant gpu --rounds 1 --waive-hygiene --bench sft \
         --rows ours-mixed-packed --profile --out $OUT/prof_0p5b_sft.json
 
 A device call returns at most 8 files from ``$OUT``: keep a call's outputs under that.
