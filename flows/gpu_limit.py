@@ -18,7 +18,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any, Iterator
 
 from prefect import get_client
-from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
 from prefect.client.schemas.objects import ConcurrencyLeaseHolder
 from prefect.concurrency.asyncio import ConcurrencySlotAcquisitionError
 from prefect.concurrency.sync import concurrency
@@ -55,6 +55,13 @@ def ensure_gpu_limit(name: str, slots: int) -> int:
             client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=slots))
         except ObjectAlreadyExists:  # another flow made it first
             pass
+        return client.read_global_concurrency_limit_by_name(name).limit
+
+
+def resize_gpu_limit(name: str, slots: int) -> int:
+    """Set the limit ``name`` to ``slots`` slots; returns the size the server now reports."""
+    with get_client(sync_client=True) as client:
+        client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(limit=slots))
         return client.read_global_concurrency_limit_by_name(name).limit
 
 

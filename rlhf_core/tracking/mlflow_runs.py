@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Iterator, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
+from rlhf_core.common.project import project_root  # noqa: F401 - re-exported: callers import it from here
 from rlhf_core.config import ConfigError, TrackingConfig
 from rlhf_core.common.redact import redact_secrets
 from rlhf_core.data.io import read_records
@@ -88,11 +89,6 @@ class Tracker(Protocol):
     def log_text(self, text: str, artifact_file: str) -> None: ...
     def log_input(self, path: str | Path, name: str, digest: str, context: str) -> None: ...
     def log_hf_model(self, model_dir: str | Path, registered_name: str | None) -> str | None: ...
-
-
-def project_root() -> Path:
-    """``ALIGNFLOW_HOME`` if set, else the current directory, always absolute."""
-    return Path(os.environ.get("ALIGNFLOW_HOME", os.getcwd())).resolve()
 
 
 def resolve_tracking_uri(cfg: TrackingConfig) -> str:
