@@ -350,7 +350,8 @@ def cmd_flow(args: argparse.Namespace) -> int:
               f"-u models:/{p['registered_model']}@{alias} -d {p['registered_model']}-{alias}")
     print(f"registered SFT:  {summary['registered_model']}  ({summary['model_uri']})")
     print(f"parent run:      {summary['parent_run_id']}")
-    print(f"MLflow UI:       {_installed_command('mlflow')} ui --backend-store-uri {uri}")
+    print(f"MLflow UI:       {uri}" if uri.startswith(("http://", "https://"))  # a tracking server serves its UI
+          else f"MLflow UI:       {_installed_command('mlflow')} ui --backend-store-uri {uri}")
     print(f"summary:         {args.summary}")
     return 0
 

@@ -16,7 +16,8 @@ class TrackingConfig:
     tracking_uri: str = ""
     """MLflow tracking URI; empty means sqlite at <project>/mlflow.db (MLFLOW_TRACKING_URI wins)."""
     artifact_dir: str = "mlartifacts"
-    """Artifact folder for new experiments, relative to the project root unless absolute."""
+    """Artifact folder for new experiments of a local store (sqlite), relative to the project root unless absolute;
+    on a tracking server (http(s)) new experiments keep their artifacts in the server's store."""
     experiment: str = "alignflow"
     """MLflow experiment name."""
     registered_model: str = "alignflow-sft"

@@ -463,7 +463,9 @@ def _mlflow_client(cfg: TrackingConfig) -> tuple[Any, str]:
     mlflow.set_tracking_uri(uri)
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(cfg.experiment)
-    if exp is None:
+    if exp is None and uri.startswith(("http://", "https://")):  # a server's own artifact store (the team's S3)
+        exp_id = client.create_experiment(cfg.experiment)
+    elif exp is None:
         artifacts = Path(cfg.artifact_dir)
         artifacts = artifacts if artifacts.is_absolute() else project_root() / artifacts
         exp_id = client.create_experiment(cfg.experiment, artifact_location=artifacts.resolve().as_uri())
