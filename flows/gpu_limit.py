@@ -22,7 +22,8 @@ from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalC
 from prefect.client.schemas.objects import ConcurrencyLeaseHolder
 from prefect.concurrency.asyncio import ConcurrencySlotAcquisitionError
 from prefect.concurrency.sync import concurrency
-from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+from prefect.exceptions import MissingContextError, ObjectAlreadyExists, ObjectNotFound
+from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 
 from rlhf_core.config import ConfigError, FlowConfig
@@ -74,9 +75,6 @@ def limit_state(name: str) -> dict[str, Any]:
 
 def _run_logger() -> logging.Logger | logging.LoggerAdapter:
     """The flow run's logger (its lines reach the Prefect server), else this module's."""
-    from prefect.exceptions import MissingContextError
-    from prefect.logging import get_run_logger
-
     try:
         return get_run_logger()
     except MissingContextError:

@@ -78,7 +78,7 @@ def _size_gpu_limit(cfg: TeamConfig, flow: FlowConfig) -> int:
     """Make ``flow.gpu_limit`` on the Prefect server with ``team.gpu_devices`` slots (0: this machine's GPUs);
     an existing limit is resized only when ``team.gpu_devices`` is set."""
     os.environ["PREFECT_API_URL"] = cfg.prefect_api_url  # before Prefect is imported: its client reads it then
-    from flows.gpu_limit import device_count, ensure_gpu_limit, resize_gpu_limit  # lazy: prefect
+    from flows.gpu_limit import device_count, ensure_gpu_limit, resize_gpu_limit  # lazy: prefect (after PREFECT_API_URL)
 
     size = ensure_gpu_limit(flow.gpu_limit, cfg.gpu_devices or device_count())
     if cfg.gpu_devices and size != cfg.gpu_devices:

@@ -126,7 +126,7 @@ def stop(root: Path, files: ServiceFiles) -> bool:
 def connect(cfg: TeamConfig, password: str, database: str = "postgres") -> Any:
     """A psycopg connection (autocommit) to ``database`` as ``team.database_user``; a wrong password or an
     unreachable server is a ServiceError naming the server, never the password."""
-    import psycopg  # lazy: the team extra
+    import psycopg  # lazy: psycopg (the team extra)
 
     host, port = cfg.database_address
     try:
@@ -149,7 +149,7 @@ def answering(cfg: TeamConfig, password: str) -> bool:
 
 def ensure_databases(cfg: TeamConfig, password: str) -> list[str]:
     """Create the MLflow and Prefect databases where missing; returns those it made."""
-    from psycopg import sql  # lazy: the team extra
+    from psycopg import sql  # lazy: psycopg (the team extra)
 
     made = []
     with connect(cfg, password) as conn:

@@ -58,7 +58,7 @@ def start_object_store(cfg: TeamConfig, files: ServiceFiles, env: dict[str, str]
 
 def ensure_bucket(cfg: TeamConfig, credentials: dict[str, str]) -> bool:
     """Create ``team.bucket`` in the object store if missing; returns True when it made it."""
-    import boto3  # lazy: the team extra
+    import boto3  # lazy: boto3 (the team extra)
 
     s3 = boto3.client("s3", endpoint_url=cfg.endpoint_url, region_name="us-east-1",
                       aws_access_key_id=credentials.get("AWS_ACCESS_KEY_ID"),
