@@ -34,7 +34,7 @@ from filelock import FileLock, Timeout
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from flows.gpu_limit import gpu_stages
+from flows.gpu_limit import gpu_limit_tags, gpu_stages
 from flows.params import load_all
 from rlhf_core.common.offline import OFFLINE_ENV
 from rlhf_core.config import ConfigError, DataFields, FlowConfig, TrackingConfig, config_to_dict
@@ -462,7 +462,7 @@ def align(
         md5 = validate_datasets(cfg, files, parent.run_id)
         parent.set_tags(lineage_tags(files, "align"))
         with gpu_stages(cfg["flow"]) as waited:  # the GPU limit, shared by every project on the Prefect server
-            parent.set_tags({"prefect.gpu_limit": cfg["flow"].gpu_limit or "none", "prefect.gpu_wait_s": f"{waited:.1f}"})
+            parent.set_tags(gpu_limit_tags(cfg["flow"], waited))
             if base_model is None:
                 base_model = build_base(cfg, files, md5, parent.run_id)
             base_md5 = dvc_md5(base_model)

@@ -87,9 +87,21 @@ def _holder() -> ConcurrencyLeaseHolder | None:
     return ConcurrencyLeaseHolder(type="flow_run", id=run_id) if run_id else None
 
 
+def _slots(cfg: FlowConfig, max_retries: int | None = None) -> Any:
+    """Prefect's context manager of the run's slots. A failed lease renewal (the server briefly away) leaves the
+    stage running rather than killing hours of training; the lease then lapses after its 300 s."""
+    return concurrency(cfg.gpu_limit, occupy=cfg.gpu_slots, max_retries=max_retries, strict=True, holder=_holder(),
+                       raise_on_lease_renewal_failure=False)
+
+
 def _every_slot_held(exc: ConcurrencySlotAcquisitionError) -> bool:
     response = getattr(exc.__cause__, "response", None)
     return getattr(response, "status_code", None) == LOCKED
+
+
+def gpu_limit_tags(cfg: FlowConfig, waited: float) -> dict[str, str]:
+    """The flow's parent-run tags: the limit it held (``none``) and the seconds it waited for it."""
+    return {"prefect.gpu_limit": cfg.gpu_limit or "none", "prefect.gpu_wait_s": f"{waited:.1f}"}
 
 
 @contextmanager
@@ -106,14 +118,13 @@ def gpu_stages(cfg: FlowConfig) -> Iterator[float]:
     log, start = _run_logger(), time.monotonic()
     with ExitStack() as stack:
         try:
-            stack.enter_context(concurrency(cfg.gpu_limit, occupy=cfg.gpu_slots, max_retries=0, strict=True,
-                                            holder=_holder()))
+            stack.enter_context(_slots(cfg, max_retries=0))
         except ConcurrencySlotAcquisitionError as exc:
             if not _every_slot_held(exc):
                 raise
             log.warning("GPU limit %r: all %d slot(s) held by other flow runs on this Prefect server; waiting for "
                         "%d", cfg.gpu_limit, size, cfg.gpu_slots)
-            stack.enter_context(concurrency(cfg.gpu_limit, occupy=cfg.gpu_slots, strict=True, holder=_holder()))
+            stack.enter_context(_slots(cfg))
         waited = time.monotonic() - start
         log.info("GPU limit %r: holding %d of %d slot(s) (waited %.1f s)", cfg.gpu_limit, cfg.gpu_slots, size, waited)
         yield waited

@@ -6,8 +6,8 @@ The second run waits, and the wait is the Prefect limit's: the clones are separa
 lock, and neither log says it waited for one), the limit's state on the server shows its one slot held, and the
 waiting run's log lines on the Prefect server say it waits for ``alignflow-gpus``. Both complete; their runs,
 lineage tags, registered versions and artifacts are in MLflow on PostgreSQL and in the object store; their flow
-runs are in the Prefect server's database; the DVC remote in the store takes a push; ``services down`` stops
-every process.
+runs are in the Prefect server's database; the DVC remote in the store takes a push; wrong database credentials
+are refused at start without the password printed; ``services down`` stops every process.
 """
 
 from __future__ import annotations
@@ -57,9 +57,10 @@ def _env(project: Path, home: Path) -> dict[str, str]:
     return env
 
 
-def _alignflow(args: list[str], project: Path, home: Path, timeout: int = 400) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=project, env=_env(project, home),
-                          capture_output=True, text=True, timeout=timeout)
+def _alignflow(args: list[str], project: Path, home: Path, timeout: int = 400,
+              **extra_env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=project,
+                          env={**_env(project, home), **extra_env}, capture_output=True, text=True, timeout=timeout)
 
 
 def _watch_limit(api: str, seen: list[dict], stop: threading.Event) -> None:
@@ -158,6 +159,9 @@ def test_two_projects_share_the_team_services_and_take_turns_on_the_gpu(team_bas
         print(f"services up: {time.monotonic() - started:.0f} s")
         creds = _credentials(home)
         assert not any(v in up.stdout + up.stderr for v in creds.values()), "no credential printed"
+        wrong = _alignflow(["services", "up"], projects[0], home, PGPASSWORD="not-the-password-4711")
+        assert wrong.returncode == 1 and "refused 'alignflow'" in wrong.stderr, wrong.stderr
+        assert "not-the-password-4711" not in wrong.stdout + wrong.stderr, "the wrong password is not printed"
 
         started = time.monotonic()
         logs, seen = _run_two_flows(projects, home, api)
