@@ -463,15 +463,26 @@ def _mlflow_client(cfg: TrackingConfig) -> tuple[Any, str]:
     mlflow.set_tracking_uri(uri)
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(cfg.experiment)
-    if exp is None and uri.startswith(("http://", "https://")):  # a server's own artifact store (the team's S3)
-        exp_id = client.create_experiment(cfg.experiment)
-    elif exp is None:
+    return client, exp.experiment_id if exp is not None else _create_experiment(client, cfg, uri)
+
+
+def _create_experiment(client: Any, cfg: TrackingConfig, uri: str) -> str:
+    """Create ``cfg.experiment``: on a tracking server (http(s)) with the server's artifact store (the team's S3),
+    on a local store under ``cfg.artifact_dir``. Another flow that made it first (two projects starting on one
+    server) is no error: its experiment is the one."""
+    from mlflow.exceptions import MlflowException  # lazy: mlflow (untracked commands skip it)
+
+    location = None
+    if not uri.startswith(("http://", "https://")):
         artifacts = Path(cfg.artifact_dir)
-        artifacts = artifacts if artifacts.is_absolute() else project_root() / artifacts
-        exp_id = client.create_experiment(cfg.experiment, artifact_location=artifacts.resolve().as_uri())
-    else:
-        exp_id = exp.experiment_id
-    return client, exp_id
+        location = (artifacts if artifacts.is_absolute() else project_root() / artifacts).resolve().as_uri()
+    try:
+        return client.create_experiment(cfg.experiment, artifact_location=location)
+    except MlflowException as exc:
+        exp = client.get_experiment_by_name(cfg.experiment)
+        if exc.error_code != "RESOURCE_ALREADY_EXISTS" or exp is None:
+            raise
+        return exp.experiment_id
 
 
 def run_key(parent_run_id: str, run_name: str) -> str:
