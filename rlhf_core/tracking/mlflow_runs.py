@@ -467,15 +467,12 @@ def _mlflow_client(cfg: TrackingConfig) -> tuple[Any, str]:
 
 
 def _create_experiment(client: Any, cfg: TrackingConfig, uri: str) -> str:
-    """Create ``cfg.experiment``: on a tracking server (http(s)) with the server's artifact store (the team's S3),
-    on a local store under ``cfg.artifact_dir``. Another flow that made it first (two projects starting on one
-    server) is no error: its experiment is the one."""
+    """Create ``cfg.experiment``: on a tracking server (http(s)) with its artifact store (the team's S3), on a local
+    store under ``cfg.artifact_dir``; one another flow made first (two projects starting on one server) is used."""
     from mlflow.exceptions import MlflowException  # lazy: mlflow (untracked commands skip it)
 
-    location = None
-    if not uri.startswith(("http://", "https://")):
-        artifacts = Path(cfg.artifact_dir)
-        location = (artifacts if artifacts.is_absolute() else project_root() / artifacts).resolve().as_uri()
+    artifacts = Path(cfg.artifact_dir) if Path(cfg.artifact_dir).is_absolute() else project_root() / cfg.artifact_dir
+    location = None if uri.startswith(("http://", "https://")) else artifacts.resolve().as_uri()
     try:
         return client.create_experiment(cfg.experiment, artifact_location=location)
     except MlflowException as exc:
