@@ -6,7 +6,7 @@ MLflow tracking server, the Prefect server and the DVC remote ``team`` in the ob
 ``--profile NAME`` anywhere on an ``alignflow`` command line, else ``ALIGNFLOW_PROFILE``.
 
 The team profile sets, before MLflow or Prefect is imported, ``MLFLOW_TRACKING_URI``, ``PREFECT_API_URL``,
-``MLFLOW_S3_ENDPOINT_URL`` and the object store's credentials (the environment's or ``team.credentials_file``'s),
+``MLFLOW_S3_ENDPOINT_URL`` and the object store's credentials (the environment's or ``team.env_file``'s),
 and writes the DVC remote to ``.dvc/config.local`` (per machine, never committed): so every command of the run,
 its stage subprocesses and ``dvc`` included, reaches the same services. Credentials stay in the environment.
 """

@@ -3,7 +3,7 @@
 ``PGPASSWORD`` is the PostgreSQL role's password (the MLflow and Prefect servers log in with it; libpq and asyncpg
 read it from their environment, so it is never on a command line or in a URL); ``AWS_ACCESS_KEY_ID`` and
 ``AWS_SECRET_ACCESS_KEY`` open the object store (MLflow's server, DVC). ``alignflow services up`` writes fresh
-random ones to ``team.credentials_file`` for what it runs itself when neither place has them. Error messages name
+random ones to ``team.env_file`` for what it runs itself when neither place has them. Error messages name
 the file and the line, never a value.
 """
 
@@ -20,11 +20,11 @@ KEYS = ("PGPASSWORD", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 
 
 def credentials_path(cfg: TeamConfig, project: Path) -> Path:
-    """``team.credentials_file``, ``~`` expanded; refused inside the project folder (it would be one ``git add``
+    """``team.env_file``, ``~`` expanded; refused inside the project folder (it would be one ``git add``
     away from the repository)."""
-    path = Path(os.path.expanduser(cfg.credentials_file)).resolve()
+    path = Path(os.path.expanduser(cfg.env_file)).resolve()
     if path.is_relative_to(project.resolve()):
-        raise ConfigError(f"team.credentials_file: {path} is inside the project folder {project}; credentials live "
+        raise ConfigError(f"team.env_file: {path} is inside the project folder {project}; credentials live "
                           "outside the repository (default ~/.config/alignflow/team.env)")
     return path
 

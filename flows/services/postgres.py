@@ -135,7 +135,7 @@ def connect(cfg: TeamConfig, password: str, database: str = "postgres") -> Any:
     except psycopg.OperationalError as exc:
         reason = str(exc).replace(password, "***") if password else str(exc)
         raise ServiceError(f"PostgreSQL at {host}:{port} refused {cfg.database_user!r} (team.database_user; password "
-                           f"from PGPASSWORD or team.credentials_file): {reason.strip().splitlines()[-1]}") from None
+                           f"from PGPASSWORD or team.env_file): {reason.strip().splitlines()[-1]}") from None
 
 
 def answering(cfg: TeamConfig, password: str) -> bool:

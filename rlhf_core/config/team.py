@@ -4,7 +4,7 @@
 tracking server and a Prefect server, both on PostgreSQL); ``--profile team`` (or ``ALIGNFLOW_PROFILE=team``)
 points the pipeline at them. A field naming a team's own managed PostgreSQL or S3 endpoint makes ``services up``
 start only what is still local. Credentials are never fields here: they come from the environment or
-:attr:`TeamConfig.credentials_file` (``flows/services/credentials.py``).
+:attr:`TeamConfig.env_file` (``flows/services/credentials.py``).
 """
 
 from __future__ import annotations
@@ -52,9 +52,10 @@ class TeamConfig:
     share; 0: this machine's count (nvidia-smi; 1 without GPUs)."""
     data_dir: str = ".alignflow/services"
     """Folder of the local services' data, logs and pid files, relative to the project root unless absolute."""
-    credentials_file: str = "~/.config/alignflow/team.env"
+    env_file: str = "~/.config/alignflow/team.env"
     """KEY=VALUE file (mode 0600, outside the repository) of PGPASSWORD, AWS_ACCESS_KEY_ID and
-    AWS_SECRET_ACCESS_KEY; the environment wins. ``services up`` writes new random ones here when it is missing."""
+    AWS_SECRET_ACCESS_KEY; the environment wins. ``services up`` writes new random ones here when it is missing.
+    (Not named like a secret: every run logs its params, and a field named so is logged as ***.)"""
     start_timeout_s: float = 120.0
     """Seconds ``services up`` waits for each service to answer before it stops and reports its log."""
 
@@ -75,7 +76,7 @@ class TeamConfig:
                "MLflow and Prefect each need a database of their own")
         for name in ("host", "database_host", "s3_endpoint_url"):
             _check(not _USERINFO.match(getattr(self, name)) and "@" not in getattr(self, name), s, name,
-                   "holds a user name or password: credentials go in the environment or team.credentials_file, "
+                   "holds a user name or password: credentials go in the environment or team.env_file, "
                    "never in params")
         _check(not self.s3_endpoint_url or self.s3_endpoint_url.startswith(("http://", "https://")), s,
                "s3_endpoint_url", f"must be an http(s) URL or empty (the local store), got {self.s3_endpoint_url!r}")

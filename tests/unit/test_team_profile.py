@@ -41,7 +41,7 @@ def test_the_shipped_params_file_has_a_team_section_of_defaults():
     assert managed.database_address == ("db.internal", 5432) and not managed.local_object_store
 
 
-def test_credentials_file_refused_when_others_may_read_it(tmp_path):
+def test_env_file_refused_when_others_may_read_it(tmp_path):
     path = tmp_path / "team.env"
     path.write_text("PGPASSWORD=hunter2\n")
     path.chmod(0o644)
@@ -60,7 +60,7 @@ def test_credentials_come_from_the_environment_first_and_are_made_when_missing(t
         monkeypatch.delenv(key, raising=False)
     project = tmp_path / "project"
     project.mkdir()
-    cfg = TeamConfig(credentials_file=str(tmp_path / "home" / "team.env"))
+    cfg = TeamConfig(env_file=str(tmp_path / "home" / "team.env"))
     made = ensure_credentials(cfg, project)
     path = tmp_path / "home" / "team.env"
     assert set(made) == {"PGPASSWORD", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
@@ -68,8 +68,8 @@ def test_credentials_come_from_the_environment_first_and_are_made_when_missing(t
     assert ensure_credentials(cfg, project) == made  # a second `up` keeps them
     monkeypatch.setenv("PGPASSWORD", "from-env")
     assert team_credentials(cfg, project)["PGPASSWORD"] == "from-env"
-    inside = TeamConfig(credentials_file=str(project / "team.env"))
-    with pytest.raises(ConfigError, match="team.credentials_file: .* is inside the project folder"):
+    inside = TeamConfig(env_file=str(project / "team.env"))
+    with pytest.raises(ConfigError, match="team.env_file: .* is inside the project folder"):
         team_credentials(inside, project)
 
 
@@ -78,7 +78,7 @@ def test_a_managed_service_without_credentials_is_an_error(tmp_path, monkeypatch
         monkeypatch.delenv(key, raising=False)
     project = tmp_path / "project"
     project.mkdir()
-    cfg = TeamConfig(database_host="db.internal", credentials_file=str(tmp_path / "team.env"))
+    cfg = TeamConfig(database_host="db.internal", env_file=str(tmp_path / "team.env"))
     with pytest.raises(ConfigError, match="PGPASSWORD not set for the team's managed service"):
         ensure_credentials(cfg, project)
     assert not (tmp_path / "team.env").exists()
@@ -104,7 +104,7 @@ def test_the_team_profile_points_the_process_and_dvc_at_the_services(tmp_path, m
     project.mkdir()
     subprocess.run(["git", "init", "-q"], cwd=project, check=True)
     subprocess.run([str(Path(sys.executable).parent / "dvc"), "init", "-q"], cwd=project, check=True)
-    (project / "params.yaml").write_text(f"team:\n  mlflow_port: 15000\n  credentials_file: {tmp_path}/team.env\n")
+    (project / "params.yaml").write_text(f"team:\n  mlflow_port: 15000\n  env_file: {tmp_path}/team.env\n")
     (tmp_path / "team.env").write_text("AWS_ACCESS_KEY_ID=key\nAWS_SECRET_ACCESS_KEY=secret\n")
     (tmp_path / "team.env").chmod(0o600)
     monkeypatch.setenv("ALIGNFLOW_HOME", str(project))
@@ -117,3 +117,13 @@ def test_the_team_profile_points_the_process_and_dvc_at_the_services(tmp_path, m
     assert os.environ["AWS_SECRET_ACCESS_KEY"] == "secret"
     local = (project / ".dvc" / "config.local").read_text()
     assert "remote = team" in local and "s3://alignflow/dvc" in local and "secret" not in local
+
+
+def test_the_team_section_is_logged_unredacted():
+    """Every run logs every section's params, redacted by field name and value: the team section holds no secret,
+    so it must come out whole (a field named like a secret would be logged as *** and differ on reproduce)."""
+    from rlhf_core.common.redact import redact_secrets
+    from rlhf_core.config import config_to_dict
+
+    values = config_to_dict(TeamConfig())
+    assert redact_secrets(values) == values
