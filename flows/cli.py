@@ -36,7 +36,7 @@ import rlhf_core  # offline switches first
 from flows import errors
 from flows.params import load_all, write_private_overrides
 from flows.preflight import check_flow_inputs, check_inputs
-from flows.profile import Profile, apply_team_profile, params_file, take_profile
+from flows.profiles import Profile, apply_team_profile, params_file, take_profile
 from rlhf_core.common.redact import redact_secrets
 from rlhf_core.config import (
     OVERRIDE_SOURCE,
@@ -511,7 +511,7 @@ def setup_logging(debug: bool) -> None:
 
 def _apply_profile(argv: list[str]) -> list[str]:
     """``argv`` without ``--profile NAME``; the team profile points this process at the team's services first
-    (flows/profile.py). ``services`` reads its own team section and takes no profile."""
+    (flows/profiles.py). ``services`` reads its own team section and takes no profile."""
     profile, argv = take_profile(argv)
     if profile is Profile.TEAM and argv[:1] != ["services"]:
         apply_team_profile(params_file(argv))

@@ -1,5 +1,5 @@
 """The team section, its credentials file and the profile switch (rlhf_core/config/team.py, flows/services/
-credentials.py, flows/profile.py): bad values name their field, credentials never appear in an error, a file
+credentials.py, flows/profiles.py): bad values name their field, credentials never appear in an error, a file
 others may read is refused, and ``--profile team`` points the process at the section's services."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.profile import Profile, apply_team_profile, params_file, take_profile
+from flows.profiles import Profile, apply_team_profile, params_file, take_profile
 from flows.services.credentials import ensure_credentials, read_credentials, team_credentials
 from rlhf_core.config import ConfigError, TeamConfig, load_config
 

@@ -1,4 +1,5 @@
-"""Profiles: where a run is tracked, orchestrated and versioned.
+"""Profiles: where a run is tracked, orchestrated and versioned. (Not ``profile.py``: Prefect puts an entrypoint's
+folder, ``flows/``, on ``sys.path``, where such a module would shadow the standard library's ``profile``.)
 
 ``embedded`` (the default): MLflow on sqlite in the project, an ephemeral Prefect, the DVC remote the project
 names. ``team``: the shared services of the ``team`` section (``alignflow services up``, or a team's own): the
