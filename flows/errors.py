@@ -31,6 +31,7 @@ MAX_CHARS = 400
 
 EXIT_CODES: dict[str, int] = {
     "rlhf_core.config.base.ConfigError": 2,
+    "flows.services.processes.ServiceError": 1,
     "rlhf_core.models.loading.ModelLoadError": 2,
     "rlhf_core.data.io.DataError": 1,
     "rlhf_core.data.validate.ValidationFailed": 1,

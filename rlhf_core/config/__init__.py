@@ -5,8 +5,8 @@ choices of enum-valued fields), ``data`` (dataset field names, the data report),
 task's data and model, the tool task), ``importing`` (a model imported from a package's file or a folder),
 ``training`` (the offline trainers), ``rl`` and ``rl_sections`` (online RL and its sections), ``sampling``
 (rejection sampling, evaluation), ``pipeline`` (tracking, the align flow, cycles), ``guards`` (the promotion
-guards) and ``sections`` (``SECTIONS``, reading a params file, loading one stage's config). The names below
-are the package's face: ``from rlhf_core.config import SFTConfig, load_config``.
+guards), ``team`` (the team profile's services) and ``sections`` (``SECTIONS``, reading a params file, loading one
+stage's config). The names below are the package's face: ``from rlhf_core.config import SFTConfig, load_config``.
 
 May import ``rlhf_core.common`` only, and nothing that needs torch: the CLI reads and checks configs
 without the ML stack.
@@ -24,6 +24,7 @@ from rlhf_core.config.pipeline import CyclesConfig, FlowConfig, TrackingConfig
 from rlhf_core.config.rl import RLConfig
 from rlhf_core.config.rl_sections import RENAMED
 from rlhf_core.config.sampling import EvalConfig, RejectionConfig
+from rlhf_core.config.team import TeamConfig
 from rlhf_core.config.sections import (REAL_RECIPE_SECTIONS, SECTIONS, TOOL_TASK_SECTIONS, load_config, read_params,
                                        unknown_sections)
 from rlhf_core.config.training import (LM_HEADS, PRECISIONS, SWITCHES, DistillConfig, DPOConfig, KTOConfig, RaftConfig,
@@ -35,7 +36,7 @@ __all__ = [
     "ConfigError", "CyclesConfig", "DataFields", "DataReportConfig", "DistillConfig", "DPOConfig", "EvalConfig",
     "FlowConfig", "GenerateConfig", "GuardsConfig", "GymGenerateConfig", "ImportModelConfig", "KTOConfig", "ModelConfig",
     "RLConfig", "RaftConfig", "RejectionConfig", "RewardConfig", "SFTConfig", "ToolEvalConfig", "ToolGenerateConfig",
-    "TrackingConfig",
+    "TeamConfig", "TrackingConfig",
     "TrainerConfig",
     "RENAMED", "build_config", "config_params", "config_to_dict", "field_docs", "load_config", "parse_overrides",
     "read_params", "section_fields",

@@ -16,7 +16,8 @@ class TrackingConfig:
     tracking_uri: str = ""
     """MLflow tracking URI; empty means sqlite at <project>/mlflow.db (MLFLOW_TRACKING_URI wins)."""
     artifact_dir: str = "mlartifacts"
-    """Artifact folder for new experiments, relative to the project root unless absolute."""
+    """Artifact folder for new experiments of a local store (sqlite), relative to the project root unless absolute;
+    on a tracking server (http(s)) new experiments keep their artifacts in the server's store."""
     experiment: str = "alignflow"
     """MLflow experiment name."""
     registered_model: str = "alignflow-sft"
@@ -76,6 +77,13 @@ class FlowConfig:
     stages: list[str] = field(default_factory=lambda: list(chain_names()))
     """Alignment stages run after SFT, in this order: any of the stage registry's align chain (the default;
     rejection and rl with reward_kind model use the reward stage's model; raft needs rejection)."""
+    gpu_limit: str = "alignflow-gpus"
+    """Prefect global concurrency limit a flow run holds from its first GPU stage (the base model) to its last, so
+    flows of every project on one Prefect server take turns on the GPUs instead of running out of memory together.
+    Made on first use with one slot per device of the machine (``alignflow services up`` sizes it from
+    team.gpu_devices); empty: no limit."""
+    gpu_slots: int = 1
+    """Slots of gpu_limit one flow run holds: the devices its widest stage uses (num_workers)."""
 
     def __post_init__(self) -> None:
         _check(self.retries >= 0, "flow", "retries", f"must be >= 0, got {self.retries}")
@@ -87,6 +95,9 @@ class FlowConfig:
         _check(not unknown, "flow", "stages", f"unknown stage(s) {unknown}; known: {list(chain_names())}")
         _check("raft" not in self.stages or "rejection" in self.stages, "flow", "stages",
                "raft trains on the rejection stage's output: add rejection")
+        _check(self.gpu_slots >= 1, "flow", "gpu_slots", f"must be >= 1, got {self.gpu_slots}")
+        _check(all(c not in self.gpu_limit for c in "/%&<>"), "flow", "gpu_limit",
+               f"a Prefect limit name has none of / % & < >, got {self.gpu_limit!r}")
 
 
 @dataclass

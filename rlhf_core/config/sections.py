@@ -29,6 +29,7 @@ from rlhf_core.config.importing import ImportModelConfig
 from rlhf_core.config.pipeline import CyclesConfig, FlowConfig, TrackingConfig
 from rlhf_core.config.rl import RLConfig
 from rlhf_core.config.sampling import EvalConfig, RejectionConfig
+from rlhf_core.config.team import TeamConfig
 from rlhf_core.config.training import DistillConfig, DPOConfig, KTOConfig, RaftConfig, RewardConfig, SFTConfig
 
 
@@ -56,6 +57,7 @@ SECTIONS: dict[str, type] = {
     "tracking": TrackingConfig,
     "flow": FlowConfig,
     "guards": GuardsConfig,
+    "team": TeamConfig,
     "tool_generate": ToolGenerateConfig,
     "tool_model": ModelConfig,
     "tool_sft": SFTConfig,

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Iterator, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
+from rlhf_core.common.project import project_root  # noqa: F401 - re-exported: callers import it from here
 from rlhf_core.config import ConfigError, TrackingConfig
 from rlhf_core.common.redact import redact_secrets
 from rlhf_core.data.io import read_records
@@ -88,11 +89,6 @@ class Tracker(Protocol):
     def log_text(self, text: str, artifact_file: str) -> None: ...
     def log_input(self, path: str | Path, name: str, digest: str, context: str) -> None: ...
     def log_hf_model(self, model_dir: str | Path, registered_name: str | None) -> str | None: ...
-
-
-def project_root() -> Path:
-    """``ALIGNFLOW_HOME`` if set, else the current directory, always absolute."""
-    return Path(os.environ.get("ALIGNFLOW_HOME", os.getcwd())).resolve()
 
 
 def resolve_tracking_uri(cfg: TrackingConfig) -> str:
@@ -467,13 +463,23 @@ def _mlflow_client(cfg: TrackingConfig) -> tuple[Any, str]:
     mlflow.set_tracking_uri(uri)
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(cfg.experiment)
-    if exp is None:
-        artifacts = Path(cfg.artifact_dir)
-        artifacts = artifacts if artifacts.is_absolute() else project_root() / artifacts
-        exp_id = client.create_experiment(cfg.experiment, artifact_location=artifacts.resolve().as_uri())
-    else:
-        exp_id = exp.experiment_id
-    return client, exp_id
+    return client, exp.experiment_id if exp is not None else _create_experiment(client, cfg, uri)
+
+
+def _create_experiment(client: Any, cfg: TrackingConfig, uri: str) -> str:
+    """Create ``cfg.experiment``: on a tracking server (http(s)) with its artifact store (the team's S3), on a local
+    store under ``cfg.artifact_dir``; one another flow made first (two projects starting on one server) is used."""
+    from mlflow.exceptions import MlflowException  # lazy: mlflow (untracked commands skip it)
+
+    artifacts = Path(cfg.artifact_dir) if Path(cfg.artifact_dir).is_absolute() else project_root() / cfg.artifact_dir
+    location = None if uri.startswith(("http://", "https://")) else artifacts.resolve().as_uri()
+    try:
+        return client.create_experiment(cfg.experiment, artifact_location=location)
+    except MlflowException as exc:
+        exp = client.get_experiment_by_name(cfg.experiment)
+        if exc.error_code != "RESOURCE_ALREADY_EXISTS" or exp is None:
+            raise
+        return exp.experiment_id
 
 
 def run_key(parent_run_id: str, run_name: str) -> str:

@@ -80,3 +80,13 @@ def test_import_graph_sees_function_local_and_relative_imports(tmp_path):
     (pkg / "c.py").write_text("import pkg.a\n")
     ic = _load_import_cycles()
     assert ic.import_cycles(tmp_path, ("pkg",)) == [["pkg.a", "pkg.b"]]
+
+
+def test_no_flows_module_shadows_the_standard_library():
+    """Prefect puts a deployment entrypoint's folder (``flows/``) on ``sys.path``: a ``flows/profile.py`` there made
+    ``import cProfile`` (torch, under transformers) find it instead of the standard library's ``profile``."""
+    import sys
+
+    shadows = sorted(p.name for p in (REPO / "flows").iterdir()
+                     if p.stem in sys.stdlib_module_names and (p.suffix == ".py" or (p / "__init__.py").exists()))
+    assert not shadows, f"flows/ modules named like standard-library ones: {shadows}"

@@ -23,6 +23,7 @@ LAZY_DEPENDENCIES = {
     "pyarrow", "numpy", "matplotlib", "tokenizers", "safetensors", "requests", "filelock",
     # optional: an extra or a platform's kernel, not always installed
     "vllm", "deepspeed", "peft", "triton", "liger_kernel", "prefect_ray", "uvicorn", "gguf", "reasoning_gym",
+    "psycopg", "boto3",  # the team extra (the team profile's services)
 }
 """The names a ``# lazy:`` comment may give: heavy or optional packages."""
 
