@@ -60,6 +60,7 @@ from rlhf_core.config import RENAMED, TrackingConfig, load_config
 from rlhf_core.config import stage_registry as registry
 from rlhf_core.promotion.guards import mean_and_se, paired_delta, unpaired_se
 from rlhf_core.tracking.mlflow_runs import resolve_tracking_uri
+from rlhf_core.tracking.run_dashboard import DASHBOARD_TAG
 
 SECTIONS = ("code", "data", "params", "metrics")
 CODE_TAGS = ("git.commit", "alignflow.version")
@@ -97,6 +98,7 @@ class RunView:
     model_version: str | None = None
     inherited_from: list[str] = field(default_factory=list)
     per_item_run: str | None = None  # the run whose guards/per_item.json this side's per-item results came from
+    dashboards: list[str] = field(default_factory=list)  # runs:/ URIs of the RL run dashboards at or below the run
 
 
 @dataclass
@@ -338,6 +340,8 @@ def _describe(label: str, view: RunView) -> str:
         line += f"; params and data include parent run(s) {', '.join(view.inherited_from)}"
     if view.per_item_run and view.per_item_run != view.run_id:
         line += f"; per-item results from run {view.per_item_run} below it"
+    for uri in view.dashboards:
+        line += f"\n   run dashboard: {uri} (mlflow artifacts download -u {uri})"
     return line
 
 
@@ -481,6 +485,15 @@ def _descendants(client: Any, run: Any) -> list[Any]:
     return sorted(found, key=lambda r: r.info.start_time or 0, reverse=True)
 
 
+def dashboards_of(client: Any, run_id: str) -> list[str]:
+    """``runs:/`` URIs of the run dashboards (:mod:`rlhf_core.tracking.run_dashboard`) of the run, else of the runs
+    below it (a flow or cycle run: its RL stage runs), latest started first."""
+    run = _get_run(client, run_id, run_id)
+    found = [r for r in [run] if DASHBOARD_TAG in r.data.tags] or [
+        r for r in _descendants(client, run) if DASHBOARD_TAG in r.data.tags]
+    return [f"runs:/{r.info.run_id}/{r.data.tags[DASHBOARD_TAG]}" for r in found]
+
+
 def guarded_stages() -> list[str]:
     """The stages whose runs log per-item results (``guards/per_item.json``): the registry's guarded stages."""
     return [stage.name for stage in registry.guarded()]
@@ -540,6 +553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         client = open_store(uri)
         a, b = load_view(client, args.a), load_view(client, args.b)
         sources = item_source(client, a.run_id), item_source(client, b.run_id)
+        a.dashboards, b.dashboards = dashboards_of(client, a.run_id), dashboards_of(client, b.run_id)
     except DiffError as exc:
         print(f"alignflow diff: {exc} (tracking store: {uri})", file=sys.stderr)
         return 2
