@@ -7,8 +7,9 @@ of a step (one lane per process on CPU, per device on a GPU, the idle time betwe
 the reward / length / KL / entropy distributions over steps, the train-inference mismatch, and a per-sample
 drill-down (prompt, completion with tool calls and results, reward, each token's engine and trainer log-prob).
 
-Its size is bounded whatever the run's length: distributions are reduced to quantiles per step, and the
-drill-down keeps the samples of at most :data:`MAX_DRILL_STEPS` steps, evenly spread over the run.
+Its size is bounded: distributions are reduced to quantiles per step (about 1 KB a step with the timeline
+and metrics), and the drill-down keeps the samples of at most :data:`MAX_DRILL_STEPS` steps, evenly spread over
+the run, within :data:`DRILL_BUDGET_BYTES`.
 
 Everything here is pure (records in, a string out), so a test calls it with hand-made records. Run:
 :func:`write_dashboard` (the trainer does, after its last step), or ``render_dashboard(read_records(path))``.
@@ -29,6 +30,8 @@ DASHBOARD_TAG = "alignflow.dashboard"
 """The run tag naming the page's artifact path (the model card and ``alignflow diff`` link it)."""
 MAX_DRILL_STEPS = 200
 """Steps whose drill-down samples the page keeps (evenly spread over a longer run)."""
+DRILL_BUDGET_BYTES = 4_000_000
+"""Bytes of drill-down samples the page holds at most: fewer steps keep theirs when they are long."""
 QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 DISTRIBUTIONS = ("reward", "length", "kl", "entropy")
 """Per-sample quantities a record holds, each shown as its quantiles over steps."""
@@ -102,6 +105,20 @@ def drill_steps(steps: Sequence[int], limit: int = MAX_DRILL_STEPS) -> set[int]:
     return {steps[round(i * (len(steps) - 1) / (limit - 1))] for i in range(limit)}
 
 
+def drill_steps_within(records: Sequence[dict[str, Any]], limit: int = MAX_DRILL_STEPS,
+                       budget: int = DRILL_BUDGET_BYTES) -> set[int]:
+    """:func:`drill_steps` of the records, as many (up to ``limit``) as keep their samples within ``budget``
+    bytes of JSON."""
+    sizes = {r["step"]: len(json.dumps(r.get("drill", []), ensure_ascii=False).encode()) for r in records}
+    while limit > 0:
+        keep = drill_steps(list(sizes), limit)
+        total = sum(sizes[s] for s in keep)
+        if total <= budget:
+            return keep
+        limit = min(limit - 1, int(limit * budget / total))
+    return set()
+
+
 def step_view(record: dict[str, Any], with_samples: bool) -> dict[str, Any]:
     """What the page holds of one record: metrics, timeline lanes (times relative to the step's first start),
     staleness counts, quantiles of each distribution, mismatch KL, and the drill-down samples if kept."""
@@ -122,7 +139,7 @@ def step_view(record: dict[str, Any], with_samples: bool) -> dict[str, Any]:
 
 def page_data(records: Sequence[dict[str, Any]], title: str) -> dict[str, Any]:
     """The page's JSON payload: the title, the metric columns present, and one :func:`step_view` per record."""
-    keep = drill_steps([r["step"] for r in records])
+    keep = drill_steps_within(records)
     columns = [c for c in METRIC_COLUMNS if any(c in r.get("metrics", {}) for r in records)]
     return {"title": title, "columns": columns, "phases": list(PHASES), "quantiles": list(QUANTILES),
             "steps": [step_view(r, r["step"] in keep) for r in records]}
