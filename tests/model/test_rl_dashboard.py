@@ -108,3 +108,44 @@ def test_resumed_run_keeps_the_steps_before_its_checkpoint(micro_model, micro_da
     assert [r["step"] for r in after] == [1, 2, 3]
     assert after[:2] == before
     assert [s["step"] for s in _page_data(resumed.dashboard.read_text())["steps"]] == [1, 2, 3]
+
+
+OBS = "<result>7</result>"
+
+
+@pytest.fixture(scope="module")
+def scripted_env(tmp_path_factory) -> str:
+    """A tool environment answering every call with ``OBS``."""
+    path = tmp_path_factory.mktemp("env") / "env.py"
+    path.write_text("from rlhf_core.rollout.environments import StepResult\n\n"
+                    "class Env:\n    stop_tokens = ('</calc>',)\n"
+                    "    def reset(self, prompt, label):\n        pass\n"
+                    f"    def step(self, action):\n        return StepResult({OBS!r})\n\n"
+                    "def make_env():\n    return Env()\n")
+    return f"{path}:make_env"
+
+
+def test_tool_trajectories_show_calls_results_and_no_log_prob_for_results(tool_model, micro_data, scripted_env,
+                                                                          tmp_path, length_reward):
+    """Multi-turn GRPO with a tool (the micro tool model calls it first at low temperature): each drill-down
+    sample's completion alternates the policy's text and the tool's results, its tool-call count is its number
+    of results, and the tokens of a result carry no engine or trainer log-prob (they are not the policy's)."""
+    cfg = build_config(RLConfig, "rl", {
+        "model_path": str(tool_model), "prompts_file": str(micro_data["prompts"]),
+        "eval_file": str(micro_data["eval"]), "output_dir": str(tmp_path / "rl"),
+        "checkpoint_dir": str(tmp_path / "ckpt"), "reward.function": length_reward,
+        "environment.spec": scripted_env, "environment.max_turns": 3, "environment.max_trajectory_tokens": 20,
+        "rollout.max_new_tokens": 6, "rollout.temperature": 0.2, "max_steps": 2, "rollout.prompts_per_step": 4,
+        "rollout.group_size": 4, "batch_size": 64, "algorithm.mini_batch_size": 16, "lr": 3e-3, "warmup_steps": 0,
+        "eval_items": 8, "eval_at_start": False, "num_threads": 1, "rollout.engine": "hf"})
+    train_rl(cfg, Recorder(), show_progress=False)
+    records = read_records(tmp_path / "ckpt" / "dashboard" / "records.jsonl")
+    samples = [s for r in records for s in r["drill"]]
+    assert samples and any(s["tool_calls"] > 0 for s in samples)
+    for s in samples:
+        results = [seg["text"] for seg in s["segments"] if seg["source"] == "observation"]
+        assert all(OBS in text for text in results) and s["tool_calls"] == len(results)
+        nulls = [i for i, lp in enumerate(s["engine_logp"]) if lp is None]
+        assert nulls == [i for i, lp in enumerate(s["trainer_logp"]) if lp is None]
+        assert "".join(s["tokens"][i] for i in nulls) == "".join(results)
+
