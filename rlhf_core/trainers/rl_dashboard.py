@@ -4,13 +4,13 @@
 One JSON line per step in ``<checkpoint_dir>/dashboard/records.jsonl``, beside the checkpoints, so a resumed
 run keeps the steps before its checkpoint (a step's line is rewritten when the step runs again). Each holds:
 
-* ``metrics``: the step's metrics as the trainer logged them;
+* ``metrics``: the metrics :meth:`RLTrainer.train_step` returned (what the loop logs);
 * ``spans``: ``[lane, phase, start, end]`` of every timed phase (wall-clock seconds); a lane is a process on
   CPU (``pid N``), a device on a GPU (``cuda:0``), split by thread (the trainer's, the rollout thread's);
 * ``staleness``: per sample, updates between the policy that generated it and the one it updates;
-* ``samples``: per sample, reward, response length, KL to the reference (the summed k3 estimate of
-  KL(pi_old || pi_ref), as ``train/kl``) and the mean negative log-prob of its sampled tokens under the engine
-  (an estimate of the policy's per-token entropy);
+* ``samples``: per sample of the batch the update learns from: reward, response length, KL to the reference
+  (the summed k3 estimate of KL(pi_old || pi_ref), as ``train/kl``) and the mean negative log-prob of its
+  sampled tokens under the engine (an estimate of the policy's per-token entropy);
 * ``mismatch_kl``: mean per token of the k3 estimate of KL(engine || trainer) over the rows whose trainer
   log-probs are at hand (``mismatch_rows``): every row where pi_old is recomputed before the update, else the
   drill-down rows, scored by the learner for the page;
@@ -18,14 +18,17 @@ run keeps the steps before its checkpoint (a step's line is rewritten when the s
   tool results, tool calls, reward, and the first :data:`MAX_TOKENS` response tokens with the engine's and the
   trainer's log-prob of each.
 
-Nothing here changes what the run computes: the extra learner forward (pi_old fused into the update) is
-no-grad, draws no random numbers, and its time is a span of its own, outside the ``perf/*`` metrics.
+Nothing here changes what the run computes or logs (``scripts/trainer_fingerprints.py`` compares weights,
+metrics and logged series): where pi_old is fused into the update, the extra learner forward is a no-grad
+forward of the drill-down rows (at most two), timed as a span of its own (``dashboard log-probs``), outside the
+``perf/*`` phase metrics but inside ``perf/step_s``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,7 @@ from rlhf_core.common.redact import redact_secrets
 from rlhf_core.config import RLConfig
 from rlhf_core.tracking.run_dashboard import DASHBOARD_ARTIFACT, write_dashboard
 from rlhf_core.trainers.rl_parts import Experience, PhaseTimes, Rollout, Sampled
+from rlhf_core.trainers.rl_roles import KL_CLAMP
 
 MAX_TOKENS = 256
 """Response tokens of a drill-down sample whose log-probs the page shows."""
@@ -44,7 +48,6 @@ MAX_PROMPT_CHARS = 1000
 MAX_COMPLETION_CHARS = 2000
 PHASE_NAMES = {"perf/rollout_s": "rollout", "perf/reward_s": "reward", "perf/logprob_s": "log-probs",
                "perf/update_s": "update", "perf/weight_sync_s": "sync"}
-_KL_CLAMP = 20.0
 
 
 def _rounded(values: torch.Tensor, digits: int = 4, mask: torch.Tensor | None = None) -> list[float | None]:
@@ -78,7 +81,7 @@ def mismatch_kl(engine_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: tor
     n = float(mask.sum())
     if n == 0:
         return None
-    k3 = kl_penalty(engine_logp.float(), trainer_logp.float(), "k3", clamp=_KL_CLAMP)
+    k3 = kl_penalty(engine_logp.float(), trainer_logp.float(), "k3", clamp=KL_CLAMP)
     return float((k3 * mask).sum()) / n
 
 
@@ -114,7 +117,8 @@ class DashboardRecorder:
             index = torch.tensor(rows)
             start = time.time()
             scored = learner.score({k: v[index.to(v.device)] for k, v in exp.tensors.items()}, exp.prompt_width)
-            self.extra_spans.append([self.lane("MainThread"), "dashboard log-probs", start, time.time()])
+            self.extra_spans.append([self.lane(threading.current_thread().name), "dashboard log-probs", start,
+                                     time.time()])
             trainer = torch.zeros_like(engine)
             trainer[index] = scored["old_logp"].detach().cpu().float() * mask[index]
             have = index
@@ -141,7 +145,8 @@ class DashboardRecorder:
         ids = ids[:MAX_TOKENS]
         return redact_secrets({
             "index": i, "prompt": batch.prompts[i][:MAX_PROMPT_CHARS], "segments": segments,
-            "tool_calls": int(batch.tool_calls[i]) if batch.tool_calls is not None else 0, "reward": round(float(sampled.rewards[i]), 6), "n_tokens": n,
+            "tool_calls": int(batch.tool_calls[i]) if batch.tool_calls is not None else 0,
+            "reward": round(float(sampled.rewards[i]), 6), "n_tokens": n,
             "tokens": [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids],
             "engine_logp": _rounded(engine[i, :len(ids)], mask=mask[i, :len(ids)]),
             "trainer_logp": None if trainer is None else _rounded(trainer[i, :len(ids)], mask=mask[i, :len(ids)]),
@@ -157,7 +162,7 @@ class DashboardRecorder:
         staleness = int(rollout.step - 1 - rollout.version) if self.cfg.off_policy.max_staleness else 0
         for sample in self.drill:
             sample["staleness"] = staleness
-        kl = (kl_penalty(exp.old_logp.detach().cpu(), exp.ref_logp.detach().cpu(), "k3", clamp=_KL_CLAMP)
+        kl = (kl_penalty(exp.old_logp.detach().cpu(), exp.ref_logp.detach().cpu(), "k3", clamp=KL_CLAMP)
               * mask).sum(-1)
         policy_tokens = mask.sum(-1).clamp(min=1)
         entropy = -(exp.sampling_logp.detach().cpu() * mask).sum(-1) / policy_tokens

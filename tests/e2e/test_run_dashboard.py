@@ -58,7 +58,8 @@ def test_grpo_dashboard_opens_offline_and_drills_into_a_sample(tmp_path, chromiu
             assert sorted(series) == [1, 2, 3]
             for step, value in series.items():
                 assert float(cells[f"{step} {name}"]) == value, (name, step)
-        phases = set(page.evaluate("[...document.querySelectorAll('#timeline-svg rect.phase')].map(r => r.dataset.phase)"))
+        phases = set(page.evaluate("[...document.querySelectorAll('#timeline-svg rect.phase')]"
+                                   ".map(r => r.dataset.phase)"))
         assert {"rollout", "reward", "log-probs", "update"} <= phases
         assert page.evaluate("document.querySelectorAll('#staleness-table td[data-staleness=\"0\"]').length") == 3
         assert page.evaluate("document.querySelectorAll('.dist svg polygon').length") == 8  # 2 bands x 4 quantities

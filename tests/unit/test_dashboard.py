@@ -30,8 +30,8 @@ def test_quantiles_interpolate_between_order_statistics():
 
 
 def test_lanes_count_idle_gaps_between_phases_once():
-    """Lane A: rollout 0-1, reward 1.5-2, update 3-4: idle 0.5 + 1 = 1.5, busy 1 + 0.5 + 1 = 2.5. Lane B: two overlapping
-    spans 0-2 and 1-3: busy 3 (the overlap once), idle 0."""
+    """Lane A: rollout 0-1, reward 1.5-2, update 3-4: idle 0.5 + 1 = 1.5, busy 1 + 0.5 + 1 = 2.5.
+    Lane B: two overlapping spans 0-2 and 1-3: busy 3 (the overlap once), idle 0."""
     spans = [["A", "update", 3, 4], ["A", "rollout", 0, 1], ["A", "reward", 1.5, 2],
              ["B", "rollout", 0, 2], ["B", "reward", 1, 3]]
     out = lanes(spans)
