@@ -13,6 +13,10 @@ the run that logged the version. Four sections are compared side by side:
   metric whose name, with ``_stderr`` removed once, is this one's: ``eval/accuracy_stderr``
   for ``eval/accuracy``, ``eval/accuracy_stderr_sft`` for ``eval/accuracy_sft``), and B - A.
 
+Each side's header also gives the ``runs:/`` address of the run dashboard (``dashboard.html``, one offline HTML
+page: :mod:`rlhf_core.tracking.run_dashboard`) of the run, or of the RL stage runs below it (``dashboards`` in
+``--json``).
+
 A cycle run or a stage run logs few params of its own: the flow's config sits on its parent
 run. So params and data tags are read from the run and every run above it (the run's own value
 wins); the header names those parent runs. Metrics and code tags are the run's own.
