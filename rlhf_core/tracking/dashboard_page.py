@@ -25,8 +25,8 @@ pre{white-space:pre-wrap;word-break:break-word;border:1px solid #eee;padding:4px
 PAGE_SCRIPT = r"""
 "use strict";
 const DATA = JSON.parse(document.getElementById("run-data").textContent);
-const COLORS = {"rollout":"#4e79a7","reward":"#f28e2b","log-probs":"#59a14f","dashboard log-probs":"#bab0ac",
-  "update":"#e15759","sync":"#b07aa1","idle":"#dddddd"};
+const COLORS = {"rollout":"#4e79a7","reward":"#f28e2b","log-probs":"#59a14f","update":"#e15759","sync":"#b07aa1",
+  "idle":"#dddddd"};
 const PALETTE = ["#4e79a7","#f28e2b","#e15759","#76b7b2","#59a14f","#edc948","#b07aa1"];
 const app = document.getElementById("app");
 
@@ -157,7 +157,7 @@ function distributionsPanel() {
 function mismatchPanel() {
   const s = section("panel-mismatch", "Train-inference mismatch",
     "rollout/logprob_mismatch: mean |engine - trainer| log-prob per token (logged). mismatch KL: mean k3 " +
-    "estimate of KL(engine || trainer) per token over the rows whose trainer log-probs the dashboard has.");
+    "estimate of KL(engine || trainer) per token over the batch, where pi_old is recomputed before the update.");
   const logged = {name: "rollout/logprob_mismatch", pts: DATA.steps.filter(st => st.metrics["rollout/logprob_mismatch"] != null)
     .map(st => [st.step, st.metrics["rollout/logprob_mismatch"]])};
   const kl = {name: "mismatch KL", pts: DATA.steps.filter(st => st.mismatch_kl != null).map(st => [st.step, st.mismatch_kl])};
@@ -176,7 +176,8 @@ function sampleDetail(st, smp) {
   box.replaceChildren(
     el("h3", {}, "step " + st.step + ", sample " + smp.index + ": reward " + smp.reward),
     el("p", {}, "tool calls: " + smp.tool_calls + "; staleness: " + smp.staleness + "; " + smp.tokens.length +
-       " of " + smp.n_tokens + " response tokens shown; trainer log-probs: " + (smp.trainer_source || "none")),
+       " of " + smp.n_tokens + " response tokens shown; trainer log-probs: " + (smp.trainer_source ? "pi_old, recomputed before the update"
+       : "not recorded (pi_old is the update's own log-prob; rollout/logprob_mismatch is the mismatch)")),
     el("h4", {}, "prompt"), el("pre", {class: "prompt"}, smp.prompt),
     el("h4", {}, "completion (policy text; tool results in italics)"), segs,
     el("div", {class: "scroll"}, el("table", {id: "token-table"},

@@ -39,7 +39,7 @@ METRIC_COLUMNS = ("rollout/reward_mean", "rollout/reward_std", "rollout/response
                   "train/entropy", "rollout/logprob_mismatch", "train/policy_loss", "train/grad_norm",
                   "async/staleness")
 """Logged metrics shown per step in the page's metrics table (those the run logged)."""
-PHASES = ("rollout", "reward", "log-probs", "dashboard log-probs", "update", "sync")
+PHASES = ("rollout", "reward", "log-probs", "update", "sync")
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:

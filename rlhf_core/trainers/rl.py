@@ -199,7 +199,7 @@ class RLTrainer:
         learn_start = time.time()
         scores = self.shape_rewards(sampled)
         exp = perf.time("perf/logprob_s", self.score_logprobs, sampled.batch)
-        self.dashboard.before_update(sampled, exp, self.learner)
+        self.dashboard.before_update(sampled, exp)
         self.estimate_advantages(exp, scores)
         update_start = time.time()
         seen, lr_used = perf.time("perf/update_s", self.update, exp, step)

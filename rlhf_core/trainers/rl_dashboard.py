@@ -11,25 +11,21 @@ run keeps the steps before its checkpoint (a step's line is rewritten when the s
 * ``samples``: per sample of the batch the update learns from: reward, response length, KL to the reference
   (the summed k3 estimate of KL(pi_old || pi_ref), as ``train/kl``) and the mean negative log-prob of its
   sampled tokens under the engine (an estimate of the policy's per-token entropy);
-* ``mismatch_kl``: mean per token of the k3 estimate of KL(engine || trainer) over the rows whose trainer
-  log-probs are at hand (``mismatch_rows``): every row where pi_old is recomputed before the update, else the
-  drill-down rows, scored by the learner for the page;
+* ``mismatch_kl``: mean per token of the k3 estimate of KL(engine || trainer) over every row (``mismatch_rows``)
+  where pi_old is recomputed before the update (the trainer's log-probs); None where pi_old is fused into the
+  update (one update per batch), whose per-token log-probs stay inside it;
 * ``drill``: the step's highest- and lowest-reward samples: prompt, completion cut into the policy's text and
-  tool results, tool calls, reward, and the first :data:`MAX_TOKENS` response tokens with the engine's and the
-  trainer's log-prob of each.
+  tool results, tool calls, reward, and the first :data:`MAX_TOKENS` response tokens with the engine's log-prob
+  of each and, where pi_old is recomputed, the trainer's.
 
 Nothing here changes what the run computes or logs (``scripts/trainer_fingerprints.py`` compares weights,
-metrics and logged series): where pi_old is fused into the update, the extra learner forward is a no-grad
-forward of the drill-down rows (at most two), timed as a span of its own (``dashboard log-probs``), outside the
-``perf/*`` phase metrics but inside ``perf/step_s``.
+metrics and logged series): it reads what the step computed and adds no forward pass.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +92,6 @@ class DashboardRecorder:
         self.where = str(device) if device.type == "cuda" else f"pid {os.getpid()}"
         self.drill: list[dict[str, Any]] = []
         self.trainer_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self.extra_spans: list[list[Any]] = []
         self.started = False
 
     def lane(self, thread: str) -> str:
@@ -104,30 +99,19 @@ class DashboardRecorder:
 
     # ---- before the update: the drill-down rows and the trainer's log-probs -----------------------
 
-    def before_update(self, sampled: Sampled, exp: Experience, learner: Any) -> None:
-        """Pick the drill-down rows and keep the trainer's log-probs for them (and for every row where pi_old
-        was recomputed): ``exp.old_logp`` then, else a no-grad forward of the learner over those rows."""
-        self.extra_spans = []
+    def before_update(self, sampled: Sampled, exp: Experience) -> None:
+        """Pick the drill-down rows and keep the trainer's log-probs where pi_old was recomputed before the update
+        (``exp.old_logp``). Where pi_old is the update's own log-prob (fused: one update per batch) the trainer's
+        per-token log-probs are not at hand, and no forward is added to get them: the drill-down shows the
+        engine's, and ``rollout/logprob_mismatch`` (logged by the update) is the mismatch."""
         rows = drill_rows(sampled.rewards)
         mask = exp.mask.detach().cpu()
         engine = exp.sampling_logp.detach().cpu() * mask
+        trainer = None
         if self.cfg.off_policy.recompute_old_logprobs and not exp.fused_old:
-            trainer, have = exp.old_logp.detach().cpu(), torch.arange(len(mask))
-        elif rows and hasattr(learner, "score"):
-            index = torch.tensor(rows)
-            start = time.time()
-            scored = learner.score({k: v[index.to(v.device)] for k, v in exp.tensors.items()}, exp.prompt_width)
-            self.extra_spans.append([self.lane(threading.current_thread().name), "dashboard log-probs", start,
-                                     time.time()])
-            trainer = torch.zeros_like(engine)
-            trainer[index] = scored["old_logp"].detach().cpu().float() * mask[index]
-            have = index
-        else:
-            self.trainer_rows, self.drill = None, []
-            return
-        self.trainer_rows = (engine[have], trainer[have], mask[have])
-        self.drill = [self._sample(sampled, exp, engine, trainer if int(i) in set(have.tolist()) else None, i)
-                      for i in rows]
+            trainer = exp.old_logp.detach().cpu()
+        self.trainer_rows = None if trainer is None else (engine, trainer, mask)
+        self.drill = [self._sample(sampled, exp, engine, trainer, i) for i in rows]
 
     def _sample(self, sampled: Sampled, exp: Experience, engine: torch.Tensor, trainer: torch.Tensor | None,
                 i: int) -> dict[str, Any]:
@@ -150,7 +134,7 @@ class DashboardRecorder:
             "tokens": [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids],
             "engine_logp": _rounded(engine[i, :len(ids)], mask=mask[i, :len(ids)]),
             "trainer_logp": None if trainer is None else _rounded(trainer[i, :len(ids)], mask=mask[i, :len(ids)]),
-            "trainer_source": None if trainer is None else ("pi_old" if not exp.fused_old else "learner forward"),
+            "trainer_source": "pi_old" if trainer is not None else None,
             "staleness": 0})
 
     # ---- after the step: one line ---------------------------------------------------------------
@@ -167,7 +151,7 @@ class DashboardRecorder:
         policy_tokens = mask.sum(-1).clamp(min=1)
         entropy = -(exp.sampling_logp.detach().cpu() * mask).sum(-1) / policy_tokens
         spans = [[self.lane(thread), PHASE_NAMES.get(name, name), start, end]
-                 for name, start, end, thread in [*rollout.spans, *perf.spans]] + self.extra_spans
+                 for name, start, end, thread in [*rollout.spans, *perf.spans]]
         line = {"step": step, "metrics": {k: float(v) for k, v in metrics.items()}, "spans": spans,
                 "staleness": [staleness] * len(mask),
                 "samples": {"reward": _rounded(sampled.rewards, 6),

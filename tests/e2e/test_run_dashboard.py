@@ -17,13 +17,16 @@ PANELS = ["panel-metrics", "panel-timeline", "panel-staleness", "panel-distribut
 
 
 def _run_rl_flow(tmp_path):
-    """The align flow with GRPO as its one alignment stage, 3 iterations; its project and MLflow client."""
+    """The align flow with GRPO as its one alignment stage, 3 iterations of 2 mini-batches; its project and MLflow
+    client."""
     from mlflow.tracking import MlflowClient
 
     project = copy_project(tmp_path / "proj")
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["flow"]["stages"] = ["rl"]
     params["rl"]["max_steps"] = 3
+    # two mini-batches a batch, as the embedded default has: pi_old (the trainer's log-probs) is recomputed
+    params["rl"]["algorithm"]["mini_batch_size"] = 8
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     proc = run_cli(["flow", "align"], project)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

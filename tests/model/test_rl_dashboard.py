@@ -41,11 +41,12 @@ def _page_data(html: str) -> dict:
 
 
 def test_grpo_run_writes_records_and_a_bounded_offline_page(micro_model, micro_data, tmp_path, length_reward):
-    """Every step has a record whose metrics are the logged ones (non-perf), spans for rollout, reward,
-    log-probs and update, per-sample distributions of the batch's size, and two drill-down samples whose
-    engine log-probs are those of the batch; the page embeds them, fetches nothing, and stays small."""
+    """Two mini-batches a batch (pi_old recomputed before the update): every step has a record whose metrics are
+    the logged ones, spans for rollout, reward, log-probs and update, per-sample distributions of the batch's
+    size, and the highest- and lowest-reward samples with the engine's and the trainer's log-prob of each token;
+    the page embeds them, fetches nothing, and stays small."""
     rec = Recorder()
-    cfg = _cfg(micro_model, micro_data, tmp_path, length_reward)
+    cfg = _cfg(micro_model, micro_data, tmp_path, length_reward, **{"algorithm.mini_batch_size": 8})
     result = train_rl(cfg, rec, show_progress=False)
     records = read_records(tmp_path / "ckpt" / "dashboard" / "records.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -64,9 +65,10 @@ def test_grpo_run_writes_records_and_a_bounded_offline_page(micro_model, micro_d
         assert hi["reward"] == max(r["samples"]["reward"]) and lo["reward"] == min(r["samples"]["reward"])
         for sample in r["drill"]:
             assert len(sample["tokens"]) == len(sample["engine_logp"]) == len(sample["trainer_logp"]) > 0
-            # the trainer's recomputation (fused pi_old: a learner forward) agrees with the engine to rounding
+            # the trainer's recomputation agrees with the engine (the HF engine holds the policy) to rounding
             assert max(abs(a - b) for a, b in zip(sample["engine_logp"], sample["trainer_logp"])) < 1e-3
-        assert r["mismatch_kl"] is not None and 0 <= r["mismatch_kl"] < 1e-5 and r["mismatch_rows"] == 2
+            assert sample["trainer_source"] == "pi_old"
+        assert r["mismatch_kl"] is not None and 0 <= r["mismatch_kl"] < 1e-5 and r["mismatch_rows"] == 16
     page = result.dashboard
     assert page == tmp_path / "ckpt" / "dashboard.html" and page.exists()
     html = page.read_text(encoding="utf-8")
@@ -76,6 +78,21 @@ def test_grpo_run_writes_records_and_a_bounded_offline_page(micro_model, micro_d
     assert [s["step"] for s in data["steps"]] == [1, 2, 3]
     assert data["steps"][0]["metrics"]["rollout/reward_mean"] == records[0]["metrics"]["rollout/reward_mean"]
     assert data["steps"][-1]["samples"][0]["prompt"] == records[-1]["drill"][0]["prompt"]
+
+
+def test_fused_pi_old_adds_no_forward_and_records_the_engine_log_probs(micro_model, micro_data, tmp_path,
+                                                                       length_reward):
+    """One update per batch (pi_old fused into the update): the drill-down has the engine's log-probs and no
+    trainer's, the mismatch KL is absent (the logged rollout/logprob_mismatch stays), and the page says why."""
+    result = train_rl(_cfg(micro_model, micro_data, tmp_path, length_reward), Recorder(), show_progress=False)
+    records = read_records(tmp_path / "ckpt" / "dashboard" / "records.jsonl")
+    for r in records:
+        assert r["mismatch_kl"] is None and r["mismatch_rows"] == 0
+        assert "rollout/logprob_mismatch" in r["metrics"]
+        for sample in r["drill"]:
+            assert sample["trainer_logp"] is None and sample["trainer_source"] is None
+            assert all(lp is not None and lp < 0 for lp in sample["engine_logp"])
+    assert "not recorded (pi_old is the update" in result.dashboard.read_text()
 
 
 def test_asynchronous_run_records_staleness_and_the_rollout_thread(micro_model, micro_data, tmp_path,
@@ -136,7 +153,7 @@ def test_tool_trajectories_show_calls_results_and_no_log_prob_for_results(tool_m
         "checkpoint_dir": str(tmp_path / "ckpt"), "reward.function": length_reward,
         "environment.spec": scripted_env, "environment.max_turns": 3, "environment.max_trajectory_tokens": 20,
         "rollout.max_new_tokens": 6, "rollout.temperature": 0.2, "max_steps": 2, "rollout.prompts_per_step": 4,
-        "rollout.group_size": 4, "batch_size": 64, "algorithm.mini_batch_size": 16, "lr": 3e-3, "warmup_steps": 0,
+        "rollout.group_size": 4, "batch_size": 64, "algorithm.mini_batch_size": 8, "lr": 3e-3, "warmup_steps": 0,
         "eval_items": 8, "eval_at_start": False, "num_threads": 1, "rollout.engine": "hf"})
     train_rl(cfg, Recorder(), show_progress=False)
     records = read_records(tmp_path / "ckpt" / "dashboard" / "records.jsonl")
