@@ -16,7 +16,7 @@ PANELS = ["panel-metrics", "panel-timeline", "panel-staleness", "panel-distribut
           "panel-samples"]
 
 
-def _run_rl_flow(tmp_path):
+def _run_rl_flow(tmp_path, monkeypatch):
     """The align flow with GRPO as its one alignment stage, 3 iterations of 2 mini-batches; its project and MLflow
     client."""
     from mlflow.tracking import MlflowClient
@@ -28,6 +28,8 @@ def _run_rl_flow(tmp_path):
     # two mini-batches a batch, as the embedded default has: pi_old (the trainer's log-probs) is recomputed
     params["rl"]["algorithm"]["mini_batch_size"] = 8
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    # the flow's temporary Prefect server: 20 s to start is short on a loaded 2-core machine
+    monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     proc = run_cli(["flow", "align"], project)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     uri = f"sqlite:///{project / 'mlflow.db'}"
@@ -40,8 +42,8 @@ def _stage_run(client, name: str):
     return run
 
 
-def test_grpo_dashboard_opens_offline_and_drills_into_a_sample(tmp_path, chromium):
-    project, client = _run_rl_flow(tmp_path)
+def test_grpo_dashboard_opens_offline_and_drills_into_a_sample(tmp_path, chromium, monkeypatch):
+    project, client = _run_rl_flow(tmp_path, monkeypatch)
     rl = _stage_run(client, "rl")
     assert rl.data.tags["alignflow.dashboard"] == "dashboard.html"
     page_file = client.download_artifacts(rl.info.run_id, "dashboard.html", str(tmp_path))
