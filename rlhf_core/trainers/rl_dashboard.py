@@ -6,7 +6,8 @@ run keeps the steps before its checkpoint (a step's line is rewritten when the s
 
 * ``metrics``: the metrics :meth:`RLTrainer.train_step` returned (what the loop logs);
 * ``spans``: ``[lane, phase, start, end]`` of every timed phase (wall-clock seconds); a lane is a process on
-  CPU (``pid N``), a device on a GPU (``cuda:0``), split by thread (the trainer's, the rollout thread's);
+  CPU (``pid N``), a device on a GPU (``cuda:0``), split by thread (the trainer's, the rollout thread's). Under
+  Ray it is the controller's process or device: a phase is the time the controller waited on its actors;
 * ``staleness``: per sample, updates between the policy that generated it and the one it updates;
 * ``samples``: per sample of the batch the update learns from: reward, response length, KL to the reference
   (the summed k3 estimate of KL(pi_old || pi_ref), as ``train/kl``) and the mean negative log-prob of its
@@ -89,7 +90,8 @@ class DashboardRecorder:
         root = Path(cfg.checkpoint_dir)
         self.records_file = root / "dashboard" / "records.jsonl"
         self.page_file = root / DASHBOARD_ARTIFACT
-        self.where = str(device) if device.type == "cuda" else f"pid {os.getpid()}"
+        self.where = (f"cuda:{torch.cuda.current_device() if device.index is None else device.index}"
+                      if device.type == "cuda" else f"pid {os.getpid()}")
         self.drill: list[dict[str, Any]] = []
         self.trainer_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.started = False
