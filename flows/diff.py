@@ -13,6 +13,10 @@ the run that logged the version. Four sections are compared side by side:
   metric whose name, with ``_stderr`` removed once, is this one's: ``eval/accuracy_stderr``
   for ``eval/accuracy``, ``eval/accuracy_stderr_sft`` for ``eval/accuracy_sft``), and B - A.
 
+Each side's header also gives the ``runs:/`` address of the run dashboard (``dashboard.html``, one offline HTML
+page: :mod:`rlhf_core.tracking.run_dashboard`) of the run, or of the RL stage runs below it (``dashboards`` in
+``--json``).
+
 A cycle run or a stage run logs few params of its own: the flow's config sits on its parent
 run. So params and data tags are read from the run and every run above it (the run's own value
 wins); the header names those parent runs. Metrics and code tags are the run's own.
@@ -60,6 +64,7 @@ from rlhf_core.config import RENAMED, TrackingConfig, load_config
 from rlhf_core.config import stage_registry as registry
 from rlhf_core.promotion.guards import mean_and_se, paired_delta, unpaired_se
 from rlhf_core.tracking.mlflow_runs import resolve_tracking_uri
+from rlhf_core.tracking.run_dashboard import DASHBOARD_TAG
 
 SECTIONS = ("code", "data", "params", "metrics")
 CODE_TAGS = ("git.commit", "alignflow.version")
@@ -97,6 +102,7 @@ class RunView:
     model_version: str | None = None
     inherited_from: list[str] = field(default_factory=list)
     per_item_run: str | None = None  # the run whose guards/per_item.json this side's per-item results came from
+    dashboards: list[str] = field(default_factory=list)  # runs:/ URIs of the RL run dashboards at or below the run
 
 
 @dataclass
@@ -338,6 +344,8 @@ def _describe(label: str, view: RunView) -> str:
         line += f"; params and data include parent run(s) {', '.join(view.inherited_from)}"
     if view.per_item_run and view.per_item_run != view.run_id:
         line += f"; per-item results from run {view.per_item_run} below it"
+    for uri in view.dashboards:
+        line += f"\n   run dashboard: {uri} (mlflow artifacts download -u {uri})"
     return line
 
 
@@ -481,6 +489,15 @@ def _descendants(client: Any, run: Any) -> list[Any]:
     return sorted(found, key=lambda r: r.info.start_time or 0, reverse=True)
 
 
+def dashboards_of(client: Any, run_id: str) -> list[str]:
+    """``runs:/`` URIs of the run dashboards (:mod:`rlhf_core.tracking.run_dashboard`) of the run, else of the runs
+    below it (a flow or cycle run: its RL stage runs), latest started first."""
+    run = _get_run(client, run_id, run_id)
+    found = [r for r in [run] if DASHBOARD_TAG in r.data.tags] or [
+        r for r in _descendants(client, run) if DASHBOARD_TAG in r.data.tags]
+    return [f"runs:/{r.info.run_id}/{r.data.tags[DASHBOARD_TAG]}" for r in found]
+
+
 def guarded_stages() -> list[str]:
     """The stages whose runs log per-item results (``guards/per_item.json``): the registry's guarded stages."""
     return [stage.name for stage in registry.guarded()]
@@ -540,6 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         client = open_store(uri)
         a, b = load_view(client, args.a), load_view(client, args.b)
         sources = item_source(client, a.run_id), item_source(client, b.run_id)
+        a.dashboards, b.dashboards = dashboards_of(client, a.run_id), dashboards_of(client, b.run_id)
     except DiffError as exc:
         print(f"alignflow diff: {exc} (tracking store: {uri})", file=sys.stderr)
         return 2

@@ -51,6 +51,7 @@ from rlhf_core.stages.guard import check_stage_guards
 from rlhf_core.tracking.lineage import dvc_md5, lineage_tags, use_hash_cache
 from rlhf_core.tracking.mlflow_runs import start_run
 from rlhf_core.tracking.plots import RecordingSink, curves_figure
+from rlhf_core.tracking.run_dashboard import DASHBOARD_ARTIFACT, DASHBOARD_TAG
 from rlhf_core.tracking.stage_run import maybe_run, open_stage_run
 
 RENDERED_EXAMPLES = "samples/rendered_examples.json"
@@ -316,8 +317,9 @@ def _train(name: str, cfg: Any, train_fn: Any, run: Any, show_progress: bool) ->
 
 
 def _record_training(run: Any, title: str, result: Any, history: Any) -> str:
-    """Log what the trainer left to ``run``: its curves (``history``: the sink's; ``title`` above them), eval samples
-    and rendered examples; tag and return the output model's md5."""
+    """Log what the trainer left to ``run``: its curves (``history``: the sink's; ``title`` above them), eval samples,
+    rendered examples and an RL run's dashboard (tagged ``alignflow.dashboard``); tag and return the output model's
+    md5."""
     figure = curves_figure(history, title)
     if figure is not None and hasattr(run, "log_figure"):
         run.log_figure(figure, "curves.png")
@@ -328,6 +330,10 @@ def _record_training(run: Any, title: str, result: Any, history: Any) -> str:
         run.log_dict(result.eval_samples, "eval_samples.json")
     if getattr(result, "rendered_examples", None):  # what the model saw: template, loss-carrying spans
         run.log_dict(result.rendered_examples, RENDERED_EXAMPLES)
+    dashboard = getattr(result, "dashboard", None)  # online RL: the run dashboard (one offline HTML page)
+    if dashboard is not None and Path(dashboard).exists():
+        run.log_text(Path(dashboard).read_text(encoding="utf-8"), DASHBOARD_ARTIFACT)
+        run.set_tags({DASHBOARD_TAG: DASHBOARD_ARTIFACT})
     out_md5 = dvc_md5(result.output_dir)
     run.set_tags({"dvc.md5.output_model": out_md5})
     return out_md5

@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 from rlhf_core.config import GUARD_NAMES
+from rlhf_core.tracking.run_dashboard import DASHBOARD_TAG
 
 KEY_PARAMS = ("algorithm.estimator", "reward.kind", "reward.function", "reward.model_path", "reward_model_path",
               "kl.coef", "kl.estimator", "kl.in_reward", "algorithm.policy_objective", "loss", "beta", "nll_weight",
@@ -31,6 +32,16 @@ def _row(*cells: str) -> str:
     return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
 
+def _dashboard_lines(run_id: str, tags: dict[str, str]) -> list[str]:
+    """The run dashboard's link, when the run logged one (online RL stages)."""
+    if DASHBOARD_TAG not in tags:
+        return []
+    uri = f"runs:/{run_id}/{tags[DASHBOARD_TAG]}"
+    return [(f"**Run dashboard:** [`{tags[DASHBOARD_TAG]}`]({uri}), an artifact of run `{run_id}`: one HTML file that "
+             f"opens offline (`mlflow artifacts download -u {uri}`), with the per-step phase timeline, staleness, "
+             "reward / length / KL / entropy distributions, mismatch KL and per-sample log-probs."), ""]
+
+
 def render_model_card(name: str, version: str, run_id: str, tags: dict[str, str], params: dict[str, str],
                       metrics: dict[str, float], outcome: dict[str, Any], parent_version: str | None) -> str:
     """The card's markdown. ``tags``, ``params``, ``metrics``: the stage run's; ``outcome``: the registry's answer
@@ -43,6 +54,7 @@ def render_model_card(name: str, version: str, run_id: str, tags: dict[str, str]
              (f"**Parent:** `{tags.get('input.model', tags.get('guard.parent_model', '?'))}` (DVC md5 "
               f"`{tags.get('dvc.md5.model', tags.get('guard.parent_md5', '?'))}`), registered as "
               f"{parent_version or 'none (not registered)'}."), "",
+             *_dashboard_lines(run_id, tags),
              "### Data", "", _row("input", "path", "DVC md5"), _row("---", "---", "---")]
     for key in sorted(k for k in tags if k.startswith("dvc.md5.") and k != "dvc.md5.output_model"):
         what = key[len("dvc.md5."):]

@@ -83,6 +83,7 @@ from rlhf_core.trainers.rl_parts import (Experience, GeneratorState, PhaseTimes,
                                          sampling_parts, take_rows, training_prompts)
 from rlhf_core.trainers.rl_roles import KL_CLAMP as _KL_CLAMP
 from rlhf_core.trainers.rl_roles import build_roles
+from rlhf_core.trainers.rl_dashboard import DashboardRecorder
 
 # Rollout tables show whole groups, so a reader sees what the group baseline compared.
 _TABLE_GROUPS = 4
@@ -128,7 +129,8 @@ def train_rl(cfg: RLConfig, sink: MetricSink | None = None, show_progress: bool 
     metrics = {**outcome.result_metrics, **outcome.eval_metrics,
                "perf/train_seconds": outcome.train_seconds, "perf/total_seconds": outcome.total_seconds}
     return RLResult(Path(cfg.output_dir), metrics, outcome.eval_samples, trainer.rollout_table,
-                    trainer.rendered_examples, outcome.eval_answers)
+                    trainer.rendered_examples, outcome.eval_answers,
+                    trainer.dashboard.write_page(f"rl: {cfg.output_dir}"))
 
 
 class RLTrainer:
@@ -168,6 +170,7 @@ class RLTrainer:
         self.step_metrics: dict[str, float] = {}
         self.rollout_table: list[dict[str, Any]] = []
         self.rendered_examples: list[dict[str, Any]] = []
+        self.dashboard = DashboardRecorder(cfg, self.tokenizer, self.device)  # the run dashboard's per-step lines
         # Asynchronous training: the batch in flight, the policy version the engine samples from, and whether
         # the next launch must push weights whatever the gap (after a checkpoint: a resume does too)
         self.pending: Future | None = None
@@ -196,6 +199,7 @@ class RLTrainer:
         learn_start = time.time()
         scores = self.shape_rewards(sampled)
         exp = perf.time("perf/logprob_s", self.score_logprobs, sampled.batch)
+        self.dashboard.before_update(sampled, exp)
         self.estimate_advantages(exp, scores)
         update_start = time.time()
         seen, lr_used = perf.time("perf/update_s", self.update, exp, step)
@@ -207,6 +211,7 @@ class RLTrainer:
         metrics.update(self.timeline(rollout, learn_start, update_start, update_end))
         metrics["perf/step_s"] = step_timer.total()
         self.step_metrics = metrics
+        self.dashboard.record(step, rollout, exp, metrics, perf)
         self.log_rollouts(step, sampled)
         return metrics
 
@@ -243,7 +248,7 @@ class RLTrainer:
         perf = PhaseTimes()
         rollout.start = time.time()
         rollout.sampled = self.generate(rollout.step, perf)
-        rollout.seconds, rollout.end = perf.seconds, time.time()
+        rollout.seconds, rollout.spans, rollout.end = perf.seconds, perf.spans, time.time()
         return rollout
 
     def timeline(self, rollout: Rollout, learn_start: float, update_start: float,

@@ -7,6 +7,8 @@ and the checks a run makes before its first step.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
@@ -44,6 +46,8 @@ class RLResult:
     """The first iteration's first samples as the policy saw and wrote them (:func:`rendered_rollout_rows`)."""
     eval_answers: dict[str, Any] | None = None
     """The final eval's every greedy answer and their settings (the guard probe reuses them)."""
+    dashboard: Path | None = None
+    """The run dashboard (one HTML file, :mod:`rlhf_core.tracking.run_dashboard`); None when no step was recorded."""
 
 
 def read_prompts(cfg: RLConfig, tokenizer: Any) -> tuple[list[str], list[str | None], list[list[dict]] | None]:
@@ -151,6 +155,7 @@ class Rollout:
     end: float | None = None
     sampled: Sampled | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # perf/rollout_s, perf/reward_s
+    spans: list[tuple[str, float, float, str]] = field(default_factory=list)  # PhaseTimes.spans; not checkpointed
 
     def state_dict(self) -> dict[str, Any]:
         """Tensors, strings and numbers only: a checkpoint reads its state back with weights_only."""
@@ -188,18 +193,22 @@ class Experience:
 
 
 class PhaseTimes:
-    """Seconds spent in each named phase of an iteration (summed when a phase runs more than once)."""
+    """Seconds spent in each named phase of an iteration (summed when a phase runs more than once), and each
+    run of a phase as a span ``(name, start, end, thread name)`` in wall-clock seconds (the run dashboard's
+    timeline)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {"perf/rollout_s": 0.0, "perf/reward_s": 0.0}
+        self.spans: list[tuple[str, float, float, str]] = []
 
     def time(self, name: str, fn: Any, *args: Any) -> Any:
         # DEBUG lines at each phase's start and end: where a step that never finishes is stuck
         # (bench/side_by_side.py turns them on; a 7B GRPO step ran past its limit with no trace)
         log.debug("rl: %s started", name)
-        started = Timer()
+        started, wall = Timer(), time.time()
         out = fn(*args)
         self.seconds[name] = self.seconds.get(name, 0.0) + started.total()
+        self.spans.append((name, wall, time.time(), threading.current_thread().name))
         log.debug("rl: %s done in %.2f s", name, started.total())
         return out
 
