@@ -42,6 +42,7 @@ from urllib.parse import urlsplit, urlunsplit
 from rlhf_core.config import ConfigError, TrackingConfig
 from rlhf_core.common.redact import redact_secrets
 from rlhf_core.data.io import read_records
+from rlhf_core.tracking.schema import check_schema
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,11 @@ class Tracker(Protocol):
 def project_root() -> Path:
     """``ALIGNFLOW_HOME`` if set, else the current directory, always absolute."""
     return Path(os.environ.get("ALIGNFLOW_HOME", os.getcwd())).resolve()
+
+
+def flow_lock_path() -> Path:
+    """``<project>/.alignflow/flow.lock``: held by a flow run from start to end, and by ``alignflow gc --apply``."""
+    return project_root() / ".alignflow" / "flow.lock"
 
 
 def resolve_tracking_uri(cfg: TrackingConfig) -> str:
@@ -464,6 +470,7 @@ def _mlflow_client(cfg: TrackingConfig) -> tuple[Any, str]:
     from mlflow.tracking import MlflowClient  # lazy: mlflow (untracked commands skip it)
 
     uri = resolve_tracking_uri(cfg)
+    check_schema(uri)  # before MLflow's first request: a mismatched schema is refused with the fix named
     mlflow.set_tracking_uri(uri)
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(cfg.experiment)
