@@ -24,6 +24,9 @@ their artifacts (:func:`purge_deleted`).
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import re
 import time
 from dataclasses import dataclass, field
@@ -32,6 +35,8 @@ from typing import Any, Iterable
 
 from rlhf_core.config import RetentionConfig
 from rlhf_core.tracking.mlflow_runs import REGISTRATION_TAG
+
+log = logging.getLogger(__name__)
 
 KEEP_TAG = "alignflow.keep"
 """On a run: keep its flow run (the root it belongs to) whatever the age and count rules say."""
@@ -180,12 +185,19 @@ def plan_mlflow(client: Any, experiment_ids: list[str], cfg: RetentionConfig, no
     doomed = {r.run_id for r in plan.runs}
     plan.versions = [(v.name, str(v.version)) for v in versions
                      if v.run_id in doomed and (v.name, str(v.version)) not in aliased]
-    kept_models = {v.model_id for v in versions if v.run_id not in doomed and getattr(v, "model_id", None)}
+    doomed_versions = set(plan.versions)
+    kept_models = {model_of(v) for v in versions if (v.name, str(v.version)) not in doomed_versions}
     plan.logged_models = sorted(m.model_id for m in _logged_models(client, experiment_ids)
                                 if m.source_run_id in doomed and m.model_id not in kept_models)
     plan.protected_md5s = {v for r in plan.kept_runs for k, v in r.tags.items() if k.startswith("dvc.md5")}
     plan.protected_md5s |= {v.tags["dvc.md5"] for v in versions if v.run_id not in doomed and "dvc.md5" in v.tags}
     return plan
+
+
+def model_of(version: Any) -> str:
+    """The logged model a version was registered from (its ``model_id``, else its ``models:/<id>`` source)."""
+    source = str(version.source)
+    return getattr(version, "model_id", None) or (source[len("models:/"):] if source.startswith("models:/m-") else "")
 
 
 def _logged_models(client: Any, experiment_ids: list[str]) -> list[Any]:
@@ -235,9 +247,13 @@ def purge_deleted(uri: str, run_ids: list[str], logged_model_ids: list[str]) -> 
     from mlflow.tracking import _get_store  # lazy: mlflow (light `gc --help`)
 
     store = _get_store(uri, None)
-    _gc_tracking_resources(backend_store=store, run_ids=run_ids, experiment_ids=None,
-                           logged_model_ids=logged_model_ids, older_than=None, time_delta=0,
-                           skip_experiments=True, skip_logged_models=not logged_model_ids)
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):  # its line per run would mix into gc's own report (--json)
+        _gc_tracking_resources(backend_store=store, run_ids=run_ids, experiment_ids=None,
+                               logged_model_ids=logged_model_ids, older_than=None, time_delta=0,
+                               skip_experiments=True, skip_logged_models=not logged_model_ids)
+    for line in said.getvalue().splitlines():
+        log.info("mlflow gc: %s", line)
 
 
 # --------------------------------------------------------------------------------------
