@@ -83,11 +83,9 @@ def check_schema(uri: str) -> None:
     shown = redact_secrets(uri)
     if found in _known_revisions():
         raise TrackingSchemaMismatch(
-            f"the MLflow database {shown} is at schema revision {found}, older than {client} expects "
-            f"({expected}). Back it up, then run `mlflow db upgrade {shown}` to migrate it (every client that "
-            "uses it must then be this version: constraints.txt pins mlflow, mlflow-skinny and mlflow-tracing).")
+            f"MLflow database {shown} is at schema revision {found}, older than {client} expects ({expected}): "
+            f"back it up, then run `mlflow db upgrade {shown}`.")
     raise TrackingSchemaMismatch(
-        f"the MLflow database {shown} is at schema revision {found}, which {client} does not know (it expects "
-        f"{expected}): a newer MLflow migrated it. Install the MLflow version the database's server runs "
-        "(constraints.txt pins mlflow, mlflow-skinny and mlflow-tracing together); `mlflow db upgrade` only "
-        "migrates forward and cannot bring it back to this client.")
+        f"MLflow database {shown} is at schema revision {found}, which {client} does not know (it expects "
+        f"{expected}): a newer MLflow migrated it, and `mlflow db upgrade` cannot bring it back. Use that newer "
+        "MLflow (constraints.txt pins mlflow, mlflow-skinny and mlflow-tracing together).")
