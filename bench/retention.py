@@ -36,7 +36,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(1, str(REPO))
 
+import rlhf_core  # noqa: E402,F401  (offline switches first: every tool's telemetry off)
 from result_paths import result_path  # noqa: E402  (bench/ is sys.path[0])
 
 MB = 1_000_000
@@ -196,6 +198,7 @@ def run_gc(project: Path, scratch: Path) -> tuple[dict[str, int], float]:
 def simulate(flow: dict[str, Any], scratch: Path, nights: int, with_gc: bool) -> list[dict[str, Any]]:
     """``nights`` copies of the measured flow a day apart in a store of their own, gc after each with ``with_gc``;
     what the store holds after each night."""
+    import mlflow
     from mlflow import MlflowClient
 
     from rlhf_core.config import TrackingConfig
@@ -203,7 +206,8 @@ def simulate(flow: dict[str, Any], scratch: Path, nights: int, with_gc: bool) ->
     project = scratch / ("with_gc" if with_gc else "no_gc")
     project.mkdir(parents=True)
     uri = f"sqlite:///{project / 'mlflow.db'}"
-    client = MlflowClient(tracking_uri=uri)
+    mlflow.set_tracking_uri(uri)  # the registry looks a logged model up in the process's tracking store
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     exp = client.create_experiment(TrackingConfig().experiment, artifact_location=(project / "mlartifacts").as_uri())
     now = datetime.now(timezone.utc)
     rows = []
@@ -230,7 +234,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="a project folder this script's measured part already ran the align flow in (its "
                              "figures in <folder>/../measured.json): skip running it again")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(REPO))
     if args.measured:
         project, measured = args.measured, json.loads((args.measured.parent / "measured.json").read_text())
     else:

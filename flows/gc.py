@@ -104,12 +104,14 @@ def _checkpoint_dirs(params: str) -> list[str]:
 def open_store(tracking: TrackingConfig) -> tuple[Any, str, list[str]]:
     """The MLflow client, its URI and the project's experiment ids (none when the experiment does not exist);
     the database's schema is checked first."""
+    import mlflow  # lazy: mlflow (light `gc --help`)
     from mlflow.tracking import MlflowClient  # lazy: mlflow (light `gc --help`)
 
     uri = resolve_tracking_uri(tracking)
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
         return None, uri, []  # no store yet: nothing to collect, and no empty database made by looking
     check_schema(uri)
+    mlflow.set_tracking_uri(uri)  # the registry's own lookups (a version's logged model) use the process's store
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     experiment = client.get_experiment_by_name(tracking.experiment)
     return client, uri, [experiment.experiment_id] if experiment else []
