@@ -19,7 +19,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Iterable
 
-from rlhf_core.config import RetentionConfig
+from rlhf_core.config import ConfigError, RetentionConfig
 from rlhf_core.tracking.lineage import cached_listing
 
 
@@ -109,9 +109,21 @@ def plan_dvc(project: Path, cfg: RetentionConfig, run_commits: set[str], md5s: s
         plan = DvcPlan(commits=commits, missing_commits=missing,
                        cache=[h for odb in _odbs(repo) for h in unused(odb, used)])
         if cfg.dvc_cloud:
-            remote = repo.cloud.get_remote_odb(cfg.dvc_remote or None, "gc")
-            plan.remote, plan.remote_name = unused(remote, used), cfg.dvc_remote or repo.config["core"].get("remote", "")
+            plan.remote = unused(remote_odb(repo, cfg), used)
+            plan.remote_name = cfg.dvc_remote or repo.config["core"].get("remote", "")
     return plan
+
+
+def remote_odb(repo: Any, cfg: RetentionConfig) -> Any:
+    """The object database of the remote ``retention.dvc_remote`` names (empty: the default remote)."""
+    from dvc.exceptions import DvcException  # lazy: dvc (light `gc --help`)
+
+    try:
+        return repo.cloud.get_remote_odb(cfg.dvc_remote or None, "gc")
+    except DvcException as exc:
+        raise ConfigError(f"retention.dvc_cloud: cannot open the DVC remote "
+                          f"{cfg.dvc_remote or '(the default)'}: {exc}. Set retention.dvc_remote to a remote "
+                          "`dvc remote list` shows, or retention.dvc_cloud: false") from None
 
 
 def apply_dvc(project: Path, cfg: RetentionConfig, plan: DvcPlan, md5s: set[str]) -> tuple[int, int]:
@@ -130,10 +142,10 @@ def apply_dvc(project: Path, cfg: RetentionConfig, plan: DvcPlan, md5s: set[str]
         cache = sum(collect(odb, _hash_infos(odb, used)) for odb in _odbs(repo))
         remote = 0
         if cfg.dvc_cloud:
-            remote_odb = repo.cloud.get_remote_odb(cfg.dvc_remote or None, "gc")
-            remote = collect(remote_odb, _hash_infos(remote_odb, used))
+            remote_db = remote_odb(repo, cfg)
+            remote = collect(remote_db, _hash_infos(remote_db, used))
             if remote:
-                get_index(remote_odb).clear()  # as `dvc gc --cloud` does: the remote's listing index is stale
+                get_index(remote_db).clear()  # as `dvc gc --cloud` does: the remote's listing index is stale
     return cache, remote
 
 

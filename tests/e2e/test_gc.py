@@ -210,3 +210,12 @@ def test_a_bad_retention_value_names_section_and_field(isolated_project):
     (isolated_project / "params.yaml").write_text("retention:\n  keep_runs: 0\n")
     proc = run_cli(["gc"], isolated_project, timeout=300)
     assert proc.returncode == 2 and "retention.keep_runs" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_dvc_cloud_without_a_remote_is_refused_naming_the_field(isolated_project):
+    _git(isolated_project, "init", "-q")
+    subprocess.run(["dvc", "init", "-q"], cwd=isolated_project, check=True)
+    (isolated_project / "params.yaml").write_text("retention:\n  dvc_cloud: true\n")
+    proc = run_cli(["gc"], isolated_project, timeout=300)
+    assert proc.returncode == 2 and "retention.dvc_cloud" in proc.stderr and "Traceback" not in proc.stderr, \
+        proc.stderr[-2000:]
