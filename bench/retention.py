@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -204,7 +205,7 @@ def simulate(flow: dict[str, Any], scratch: Path, nights: int, with_gc: bool) ->
     from rlhf_core.config import TrackingConfig
 
     project = scratch / ("with_gc" if with_gc else "no_gc")
-    project.mkdir(parents=True)
+    project.mkdir()
     uri = f"sqlite:///{project / 'mlflow.db'}"
     mlflow.set_tracking_uri(uri)  # the registry looks a logged model up in the process's tracking store
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
@@ -243,9 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     flow = read_flow(f"sqlite:///{project / 'mlflow.db'}")
     sim_scratch = args.scratch / "nights"
     shutil.rmtree(sim_scratch, ignore_errors=True)
-    try:
-        no_gc = simulate(flow, sim_scratch, args.nights, with_gc=False)
-        with_gc = simulate(flow, sim_scratch, args.nights, with_gc=True)
+    sim_scratch.mkdir()
+    try:  # the two stores are independent: one process each
+        with ProcessPoolExecutor(max_workers=2) as pool:
+            no_gc_job, with_gc_job = (pool.submit(simulate, flow, sim_scratch, args.nights, with_gc)
+                                      for with_gc in (False, True))
+            no_gc, with_gc = no_gc_job.result(), with_gc_job.result()
     finally:
         shutil.rmtree(args.scratch, ignore_errors=True)
     result = {
