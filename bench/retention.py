@@ -256,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         "what": "a month of nightly align flows of the embedded default: one measured flow, then simulated nights "
                 "built from its own store (module docstring of bench/retention.py)",
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "nights": args.nights,
+        "host": {"cpus": os.cpu_count(), "load_avg_1_5_15_min_at_end": [round(x, 1) for x in os.getloadavg()],
+                 "note": "wall times are on a machine shared with other jobs; the sizes do not depend on it"},
         "retention": {"keep_runs": 10, "keep_days": 7.0}, "measured_one_flow": measured,
         "simulated": {"no_gc": {"final": no_gc[-1], "per_night": no_gc},
                       "with_gc": {"final": with_gc[-1], "max_runs": max(r["runs"] for r in with_gc),
