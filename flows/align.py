@@ -46,7 +46,7 @@ from rlhf_core.rewards.sources import RewardKind, resolve_reward_file
 from rlhf_core.config import stage_registry as registry
 from rlhf_core.config.stage_registry import Stage
 from rlhf_core.tracking.lineage import lineage_tags
-from rlhf_core.tracking.mlflow_runs import Tracker, project_root, resolve_tracking_uri, start_run
+from rlhf_core.tracking.mlflow_runs import Tracker, flow_lock_path, project_root, resolve_tracking_uri, start_run
 from tasks.data import generate_data, sample_best_of_n, validate_data
 from tasks.evaluation import evaluate_model
 from tasks.base_model import build_base_model
@@ -91,7 +91,7 @@ def one_flow_at_a_time(name: str) -> Iterator[None]:
     unchanged stages coming from the cache. Flows that must run side by side use separate
     project folders (clones). The lock is released by the OS if the process dies.
     """
-    path = project_root() / ".alignflow" / "flow.lock"
+    path = flow_lock_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(path))
     try:

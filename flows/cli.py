@@ -13,7 +13,7 @@ config, command line or model directory. An error is printed once, naming its so
 Expectations load inside the command that needs them (tests/unit/test_cli_startup.py).
 
 ``diff A B`` compares two runs or model versions (flows/diff.py); ``dvc-stages`` writes ``dvc.yaml`` from the
-stage registry (flows/dvc_stages.py).
+stage registry (flows/dvc_stages.py); ``gc`` deletes old runs, checkpoints and unused DVC objects (flows/gc.py).
 
 ``init PATH`` scaffolds a project of your own (flows/scaffold.py); every other command runs
 in a project folder, reading its ``params.yaml``.
@@ -473,6 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "object store, MLflow and Prefect servers (services --help)")
     sub.add_parser("dvc-stages", help="write (--write) or check (--check) dvc.yaml and the project template's from "
                                       "the stage registry, with each stage's code deps (dvc-stages --help)")
+    sub.add_parser("gc", help="delete old runs, their artifacts, versions and checkpoints, and unused DVC objects, by "
+                              "retention.*; aliased versions, their lineage and alignflow.keep runs stay (dry run "
+                              "unless --apply; gc --help)")
 
     p = sub.add_parser("init", help="scaffold a project of your own: params.yaml, dvc.yaml, prefect.yaml, data/, "
                                     "git + DVC with a local remote (refuses to overwrite existing files)")
@@ -497,7 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Commands implemented by a module's own ``main(argv)``; listed in build_parser for --help only.
 PASSTHROUGH = {"serve-rm": "rlhf_core.rewards.server", "nightly": "flows.nightly", "reproduce": "flows.reproduce",
-               "diff": "flows.diff", "dvc-stages": "flows.dvc_stages", "services": "flows.services.command"}
+               "diff": "flows.diff", "dvc-stages": "flows.dvc_stages", "services": "flows.services.command",
+               "gc": "flows.gc"}
 
 
 def setup_logging(debug: bool) -> None:

@@ -4,7 +4,7 @@ By concern: ``base`` (the error type, field checks, YAML reading, typed construc
 choices of enum-valued fields), ``data`` (dataset field names, the data report), ``embedded`` (the embedded
 task's data and model, the tool task), ``importing`` (a model imported from a package's file or a folder),
 ``training`` (the offline trainers), ``rl`` and ``rl_sections`` (online RL and its sections), ``sampling``
-(rejection sampling, evaluation), ``pipeline`` (tracking, the align flow, cycles), ``guards`` (the promotion
+(rejection sampling, evaluation), ``pipeline`` (tracking, retention, the align flow, cycles), ``guards`` (the promotion
 guards), ``team`` (the team profile's services) and ``sections`` (``SECTIONS``, reading a params file, loading one
 stage's config). The names below are the package's face: ``from rlhf_core.config import SFTConfig, load_config``.
 
@@ -20,7 +20,7 @@ from rlhf_core.config.embedded import GenerateConfig, ModelConfig, ToolEvalConfi
 from rlhf_core.config.guards import GUARD_NAMES, GuardsConfig
 from rlhf_core.config.gym import GymGenerateConfig
 from rlhf_core.config.importing import IMPORT_DTYPES, ImportModelConfig
-from rlhf_core.config.pipeline import CyclesConfig, FlowConfig, TrackingConfig
+from rlhf_core.config.pipeline import CyclesConfig, FlowConfig, RetentionConfig, TrackingConfig
 from rlhf_core.config.rl import RLConfig
 from rlhf_core.config.rl_sections import RENAMED
 from rlhf_core.config.sampling import EvalConfig, RejectionConfig
@@ -36,7 +36,7 @@ __all__ = [
     "ConfigError", "CyclesConfig", "DataFields", "DataReportConfig", "DistillConfig", "DPOConfig", "EvalConfig",
     "FlowConfig", "GenerateConfig", "GuardsConfig", "GymGenerateConfig", "ImportModelConfig", "KTOConfig", "ModelConfig",
     "RLConfig", "RaftConfig", "RejectionConfig", "RewardConfig", "SFTConfig", "ToolEvalConfig", "ToolGenerateConfig",
-    "TeamConfig", "TrackingConfig",
+    "RetentionConfig", "TeamConfig", "TrackingConfig",
     "TrainerConfig",
     "RENAMED", "build_config", "config_params", "config_to_dict", "field_docs", "load_config", "parse_overrides",
     "read_params", "section_fields",

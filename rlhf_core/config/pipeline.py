@@ -1,5 +1,5 @@
-"""Sections of the pipeline around the trainers: where runs are tracked (``tracking``), how the align flow runs
-its stages (``flow``) and the iterative flows' cycles (``cycles``)."""
+"""Sections of the pipeline around the trainers: where runs are tracked (``tracking``), how long they are kept
+(``retention``), how the align flow runs its stages (``flow``) and the iterative flows' cycles (``cycles``)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,27 @@ class TrackingConfig:
                f"must be >= 0 (0 keeps every version), got {self.keep_model_versions}")
         _check(self.registry_settle_s >= 0, "tracking", "registry_settle_s",
                f"must be >= 0 seconds, got {self.registry_settle_s}")
+
+
+@dataclass
+class RetentionConfig:
+    """``retention``: what ``alignflow gc`` keeps of old runs, checkpoints and DVC objects. Whatever these say,
+    it keeps every registered version an alias points at, that version's lineage, and runs tagged alignflow.keep."""
+
+    keep_runs: int = 10
+    """Keep the newest this many flow runs (a run with no parent run, with all its stage runs) and the git commits
+    they ran at."""
+    keep_days: float = 7.0
+    """Also keep every run, checkpoint and git commit younger than this many days."""
+    dvc_cloud: bool = False
+    """Also delete, from the DVC remote, the objects no kept commit or kept run refers to (``dvc gc --cloud``)."""
+    dvc_remote: str = ""
+    """The DVC remote ``dvc_cloud`` cleans (empty: the project's default remote)."""
+
+    def __post_init__(self) -> None:
+        _check(self.keep_runs >= 1, "retention", "keep_runs",
+               f"must be >= 1 (the newest flow run is always kept), got {self.keep_runs}")
+        _check(self.keep_days >= 0, "retention", "keep_days", f"must be >= 0 days, got {self.keep_days}")
 
 
 @dataclass

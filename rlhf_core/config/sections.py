@@ -26,7 +26,7 @@ from rlhf_core.config.embedded import GenerateConfig, ModelConfig, ToolEvalConfi
 from rlhf_core.config.guards import GuardsConfig
 from rlhf_core.config.gym import GymGenerateConfig
 from rlhf_core.config.importing import ImportModelConfig
-from rlhf_core.config.pipeline import CyclesConfig, FlowConfig, TrackingConfig
+from rlhf_core.config.pipeline import CyclesConfig, FlowConfig, RetentionConfig, TrackingConfig
 from rlhf_core.config.rl import RLConfig
 from rlhf_core.config.sampling import EvalConfig, RejectionConfig
 from rlhf_core.config.team import TeamConfig
@@ -58,6 +58,7 @@ SECTIONS: dict[str, type] = {
     "flow": FlowConfig,
     "guards": GuardsConfig,
     "team": TeamConfig,
+    "retention": RetentionConfig,
     "tool_generate": ToolGenerateConfig,
     "tool_model": ModelConfig,
     "tool_sft": SFTConfig,

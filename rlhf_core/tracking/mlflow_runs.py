@@ -43,6 +43,7 @@ from rlhf_core.common.project import project_root  # noqa: F401 - re-exported: c
 from rlhf_core.config import ConfigError, TrackingConfig
 from rlhf_core.common.redact import redact_secrets
 from rlhf_core.data.io import read_records
+from rlhf_core.tracking.schema import check_schema
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,11 @@ class Tracker(Protocol):
     def log_text(self, text: str, artifact_file: str) -> None: ...
     def log_input(self, path: str | Path, name: str, digest: str, context: str) -> None: ...
     def log_hf_model(self, model_dir: str | Path, registered_name: str | None) -> str | None: ...
+
+
+def flow_lock_path() -> Path:
+    """``<project>/.alignflow/flow.lock``: held by a flow run from start to end, and by ``alignflow gc --apply``."""
+    return project_root() / ".alignflow" / "flow.lock"
 
 
 def resolve_tracking_uri(cfg: TrackingConfig) -> str:
@@ -460,6 +466,7 @@ def _mlflow_client(cfg: TrackingConfig) -> tuple[Any, str]:
     from mlflow.tracking import MlflowClient  # lazy: mlflow (untracked commands skip it)
 
     uri = resolve_tracking_uri(cfg)
+    check_schema(uri)  # before MLflow's first request: a mismatched schema is refused with the fix named
     mlflow.set_tracking_uri(uri)
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(cfg.experiment)
