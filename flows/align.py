@@ -46,7 +46,8 @@ from rlhf_core.rewards.sources import RewardKind, resolve_reward_file
 from rlhf_core.config import stage_registry as registry
 from rlhf_core.config.stage_registry import Stage
 from rlhf_core.tracking.lineage import lineage_tags
-from rlhf_core.tracking.mlflow_runs import Tracker, flow_lock_path, project_root, resolve_tracking_uri, start_run
+from rlhf_core.common.project import flow_lock_path, project_root
+from rlhf_core.tracking.mlflow_runs import Tracker, resolve_tracking_uri, start_run
 from tasks.data import generate_data, sample_best_of_n, validate_data
 from tasks.evaluation import evaluate_model
 from tasks.base_model import build_base_model

@@ -13,7 +13,7 @@ config, command line or model directory. An error is printed once, naming its so
 Expectations load inside the command that needs them (tests/unit/test_cli_startup.py).
 
 ``diff A B`` compares two runs or model versions (flows/diff.py); ``dvc-stages`` writes ``dvc.yaml`` from the
-stage registry (flows/dvc_stages.py); ``gc`` deletes old runs, checkpoints and unused DVC objects (flows/gc.py).
+stage registry (flows/dvc_stages.py); ``gc`` deletes old runs, checkpoints and unused DVC objects (flows/gc_command.py).
 
 ``init PATH`` scaffolds a project of your own (flows/scaffold.py); every other command runs
 in a project folder, reading its ``params.yaml``.
@@ -501,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Commands implemented by a module's own ``main(argv)``; listed in build_parser for --help only.
 PASSTHROUGH = {"serve-rm": "rlhf_core.rewards.server", "nightly": "flows.nightly", "reproduce": "flows.reproduce",
                "diff": "flows.diff", "dvc-stages": "flows.dvc_stages", "services": "flows.services.command",
-               "gc": "flows.gc"}
+               "gc": "flows.gc_command"}
 
 
 def setup_logging(debug: bool) -> None:

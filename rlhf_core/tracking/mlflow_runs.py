@@ -1,11 +1,10 @@
 """Experiment tracking: MLflow when installed, plain local files otherwise.
 
 Every stage logs through a ``Tracker``: params, namespaced metrics (``train/loss``,
-``eval/accuracy``, ``perf/tokens_per_s``), lineage tags (git commit, DVC md5 of each
-input), input datasets with their DVC md5 as digest, and the final model, registered: copied
-(MLflow's transformers flavor) or by reference (its path and DVC md5), per
-``tracking.model_storage``, with ``tracking.keep_model_versions`` as retention. Runs nest:
-one parent run per flow run, one child per stage, linked by ``parent_run_id``.
+``eval/accuracy``, ``perf/tokens_per_s``), lineage tags (git commit, DVC md5 of each input), input datasets
+with their DVC md5 as digest, and the final model, registered: copied (MLflow's transformers flavor) or by
+reference (its path and DVC md5), per ``tracking.model_storage``, with ``tracking.keep_model_versions`` as
+retention (``alignflow gc`` prunes the rest). Runs nest: one parent run per flow run, one child per stage.
 
 The default store is sqlite at ``<project>/mlflow.db`` with artifacts in
 ``<project>/mlartifacts``, both absolute (MLflow's own default is relative to the working
@@ -90,11 +89,6 @@ class Tracker(Protocol):
     def log_text(self, text: str, artifact_file: str) -> None: ...
     def log_input(self, path: str | Path, name: str, digest: str, context: str) -> None: ...
     def log_hf_model(self, model_dir: str | Path, registered_name: str | None) -> str | None: ...
-
-
-def flow_lock_path() -> Path:
-    """``<project>/.alignflow/flow.lock``: held by a flow run from start to end, and by ``alignflow gc --apply``."""
-    return project_root() / ".alignflow" / "flow.lock"
 
 
 def resolve_tracking_uri(cfg: TrackingConfig) -> str:

@@ -22,7 +22,8 @@ from flows.retention import (MlflowPlan, apply_mlflow, checkpoint_roots, kept_co
 from flows.retention_dvc import apply_dvc, plan_dvc
 from rlhf_core.config import (OVERRIDE_SOURCE, ConfigError, RetentionConfig, TrackingConfig, load_config,
                               parse_overrides, read_params)
-from rlhf_core.tracking.mlflow_runs import flow_lock_path, project_root, resolve_tracking_uri
+from rlhf_core.common.project import flow_lock_path, project_root
+from rlhf_core.tracking.mlflow_runs import resolve_tracking_uri
 from rlhf_core.tracking.schema import check_schema
 
 DESCRIPTION = """\
