@@ -283,3 +283,20 @@ def bench():
         sys.path.insert(0, str(REPO / "bench"))
     return types.SimpleNamespace(**{name: importlib.import_module(f"side_by_side_parts.{name}")
                                     for name in ("measure", "results")})
+
+
+# What the scripted tool environment (fixture ``scripted_env``) answers every call with.
+TOOL_OBSERVATION = "<result>7</result>"
+
+
+@pytest.fixture(scope="module")
+def scripted_env(tmp_path_factory) -> str:
+    """A tool environment (``file.py:make_env``) answering every call with ``TOOL_OBSERVATION``, counting its steps."""
+    path = tmp_path_factory.mktemp("env") / "env.py"
+    path.write_text("from rlhf_core.rollout.environments import StepResult\n\n"
+                    "class Env:\n    stop_tokens = ('</calc>',)\n"
+                    "    def reset(self, prompt, label):\n        self.steps = 0\n"
+                    "    def step(self, action):\n        self.steps += 1\n"
+                    f"        return StepResult({TOOL_OBSERVATION!r})\n\n"
+                    "def make_env():\n    return Env()\n")
+    return f"{path}:make_env"

@@ -12,7 +12,7 @@ import pytest
 from rlhf_core.config import RLConfig, build_config
 from rlhf_core.tracking.run_dashboard import read_records
 from rlhf_core.trainers.rl import train_rl
-from conftest import Recorder, stop_after
+from conftest import TOOL_OBSERVATION, Recorder, stop_after
 
 PAGE_LIMIT = 5 * 2**20
 
@@ -127,19 +127,6 @@ def test_resumed_run_keeps_the_steps_before_its_checkpoint(micro_model, micro_da
     assert [s["step"] for s in _page_data(resumed.dashboard.read_text())["steps"]] == [1, 2, 3]
 
 
-OBS = "<result>7</result>"
-
-
-@pytest.fixture(scope="module")
-def scripted_env(tmp_path_factory) -> str:
-    """A tool environment answering every call with ``OBS``."""
-    path = tmp_path_factory.mktemp("env") / "env.py"
-    path.write_text("from rlhf_core.rollout.environments import StepResult\n\n"
-                    "class Env:\n    stop_tokens = ('</calc>',)\n"
-                    "    def reset(self, prompt, label):\n        pass\n"
-                    f"    def step(self, action):\n        return StepResult({OBS!r})\n\n"
-                    "def make_env():\n    return Env()\n")
-    return f"{path}:make_env"
 
 
 def test_tool_trajectories_show_calls_results_and_no_log_prob_for_results(tool_model, micro_data, scripted_env,
@@ -161,7 +148,7 @@ def test_tool_trajectories_show_calls_results_and_no_log_prob_for_results(tool_m
     assert samples and any(s["tool_calls"] > 0 for s in samples)
     for s in samples:
         results = [seg["text"] for seg in s["segments"] if seg["source"] == "observation"]
-        assert all(OBS in text for text in results) and s["tool_calls"] == len(results)
+        assert all(TOOL_OBSERVATION in text for text in results) and s["tool_calls"] == len(results)
         nulls = [i for i, lp in enumerate(s["engine_logp"]) if lp is None]
         assert nulls == [i for i, lp in enumerate(s["trainer_logp"]) if lp is None]
         assert "".join(s["tokens"][i] for i in nulls) == "".join(results)

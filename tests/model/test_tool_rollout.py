@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Recorder, recomputed_logprobs
+from conftest import TOOL_OBSERVATION, Recorder, recomputed_logprobs
 
 from rlhf_core.config import RLConfig, build_config
 from rlhf_core.rollout.environments import rollout_with_environment
@@ -24,18 +24,6 @@ from rlhf_core.rollout.engine import HFGenerateEngine, SamplingParams
 from rlhf_core.rollout.static import StaticCacheEngine
 
 REPO = Path(__file__).resolve().parents[2]
-OBS = "<result>7</result>"
-
-
-@pytest.fixture(scope="module")
-def scripted_env(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("env") / "env.py"
-    path.write_text("from rlhf_core.rollout.environments import StepResult\n\n"
-                    "class Env:\n    stop_tokens = ('</calc>',)\n"
-                    "    def reset(self, prompt, label):\n        self.steps = 0\n"
-                    f"    def step(self, action):\n        self.steps += 1\n        return StepResult({OBS!r})\n\n"
-                    "def make_env():\n    return Env()\n")
-    return f"{path}:make_env"
 
 
 def _rollout(engine, tokenizer, params, **kw):
@@ -71,7 +59,7 @@ def test_trajectory_is_the_sampled_ids_plus_the_observation_ids(tool_model, scri
     engine.generate_ids = lambda enc, p, prompts=None: turns.append(real(enc, p, prompts)) or turns[-1]
     batch, env_rewards = _rollout(engine, tokenizer, SamplingParams(n=4, temperature=1.0, max_new_tokens=6, seed=3),
                                   env=scripted_env, max_turns=3, max_trajectory_tokens=30)
-    obs_ids = tokenizer.encode(OBS, add_special_tokens=False)
+    obs_ids = tokenizer.encode(TOOL_OBSERVATION, add_special_tokens=False)
     stop = tokenizer.convert_tokens_to_ids("</calc>")
     calls = batch.tool_calls.tolist()
     assert 0 < sum(calls) and 0 in calls and 2 in calls  # some trajectories called the tool, some twice
@@ -199,8 +187,8 @@ def test_multi_turn_rollouts_run_on_ray_replicas_with_the_environment_in_the_con
     assert len(rows) > 0 and all(set(r["action_mask"]) <= {"0", "1"} for r in rows)
     # a trajectory that called the tool holds the observation's text, as observation tokens (mask 0)
     called = [r for r in rows if r["tool_calls"] > 0]
-    assert called and all(OBS in r["text"] and "0" in r["action_mask"] for r in called)
-    assert any(seg["source"] == "observation" and seg["text"] == OBS
+    assert called and all(TOOL_OBSERVATION in r["text"] and "0" in r["action_mask"] for r in called)
+    assert any(seg["source"] == "observation" and seg["text"] == TOOL_OBSERVATION
                for r in called for seg in json.loads(r["segments"]))
     start = load_file(str(tool_model / "model.safetensors"))
     after = load_file(str(result.output_dir / "model.safetensors"))
