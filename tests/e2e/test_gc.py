@@ -118,12 +118,17 @@ def _lineage_only_object(project: Path, repo) -> str:
 @pytest.fixture()
 def month(isolated_project, tmp_path_factory):
     """(project, facts) after 30 simulated nights: the champion's version, runs and md5s."""
+    import mlflow
     from dvc.repo import Repo
     from mlflow import MlflowClient
 
     project = isolated_project
     _init_project(project, tmp_path_factory.mktemp("remote"))
-    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    uri = f"sqlite:///{project / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    # create_model_version looks a models:/ source up through MLflow's process-wide tracking URI, which an
+    # earlier test in this process may have set to its own store (as the pipeline's stages do).
+    mlflow.set_tracking_uri(uri)
     exp = client.create_experiment("gc-test", artifact_location=(project / "mlartifacts").as_uri())
     client.create_registered_model(NAME)
     now = datetime.now(timezone.utc)
