@@ -49,13 +49,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, required=True, help="the project (a clone) that ran the recipe")
     parser.add_argument("--total-s", type=float, required=True, help="wall seconds of `make real-recipe`")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--paused-s", type=float, default=0.0,
+                        help="seconds the run was stopped (SIGSTOP) inside --total-s; the stage walls include them")
+    parser.add_argument("--conditions", default="", help="what else ran on the machine meanwhile")
     args = parser.parse_args(argv)
     import torch  # lazy: the version only
 
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=args.root, capture_output=True, text=True).stdout.strip()
     metrics = {p.stem: json.loads(p.read_text()) for p in sorted((args.root / "metrics").glob("real_*.json"))}
     record = {"commit": commit, "host": _cpu(), "torch": torch.__version__, "command": "make real-recipe",
-              "total_wall_s": args.total_s, "runs": runs(args.root), "metrics": metrics}
+              "total_wall_s": args.total_s, "paused_s": args.paused_s, "conditions": args.conditions, "runs": runs(args.root), "metrics": metrics}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     print(f"wrote {args.out}: {len(record['runs'])} runs, {len(metrics)} metrics files")

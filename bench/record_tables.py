@@ -419,7 +419,8 @@ README_REAL = Table(
      "accuracy among well-formatted"),
     tuple((REAL_MODELS[e.split("_")[0]], REAL_TASKS[e[len(e.split("_")[0]):]], acc(e), f"{{{e}:eval/format_rate|.3f}}",
            acc(e, "eval/accuracy_formatted")) for e in REAL_EVALS),
-    "{walls:host} (`make real-recipe` from a fresh clone: {walls:total_wall_s|.0f} s in all)",
+    "{walls:host} (`make real-recipe` from a fresh clone: {walls:total_wall_s|.0f} s in all, of which the run "
+    "was stopped {walls:paused_s|.0f} s; {walls:conditions|})",
     "greedy; each model its chat template's prompt; judged by reasoning-gym's scorer (`label_check`)")
 
 
