@@ -108,9 +108,12 @@ def test_the_team_profile_points_the_process_and_dvc_at_the_services(tmp_path, m
     (tmp_path / "team.env").write_text("AWS_ACCESS_KEY_ID=key\nAWS_SECRET_ACCESS_KEY=secret\n")
     (tmp_path / "team.env").chmod(0o600)
     monkeypatch.setenv("ALIGNFLOW_HOME", str(project))
+    # setenv then delenv: monkeypatch restores (here: removes) only what it recorded, and a delenv of an unset
+    # variable records nothing, so the profile's settings would outlive the test (later flows would call 4200)
     for key in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "MLFLOW_S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
-                "AWS_SECRET_ACCESS_KEY"):
-        monkeypatch.delenv(key, raising=False)
+                "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     apply_team_profile(str(project / "params.yaml"))
     assert os.environ["MLFLOW_TRACKING_URI"] == "http://127.0.0.1:15000"
     assert os.environ["PREFECT_API_URL"] == "http://127.0.0.1:4200/api"
