@@ -64,6 +64,9 @@ On a lent GPU: once here, ``bash bench/device_wheels.sh`` (Ray, DeepSpeed, TRL 1
         --rows ours-bf16,trl-default,trl-best --out $OUT/side_by_side_0p5b_grpo_a.json
     source bench/device_setup.sh && python bench/side_by_side.py --variant gpu --rounds 2 --bench grpo \
         --rows ours-mixed,trl-mixed --out $OUT/side_by_side_0p5b_grpo_b.json
+    # GRPO's four hygiene rows (ours, trl-default, trl-ours-backend, trl-best) do not fit one call: one ABBA round a
+    # call on one warm machine (--rounds 1 --waive-hygiene, the second call's rows reversed), then here
+    python bench/side_by_side.py --variant gpu --combine-rounds r1.json r2.json --out grpo.json
     # nvidia-h100-x1: 1.5B (151,936 vocab), likewise one benchmark per call
     source bench/device_setup.sh && python bench/side_by_side.py --variant gpu-1.5b --rounds 2 \
         --bench sft --out $OUT/side_by_side_1p5b_sft.json
@@ -255,6 +258,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--combine", nargs="+", metavar="FILE",
                     help="one result file at --out from the rows of FILEs (the same variant's benchmarks, run in "
                          "consecutive calls on one warm machine: the 7B variant's AB round)")
+    ap.add_argument("--combine-rounds", nargs="+", metavar="FILE",
+                    help="one result file at --out from calls of one ABBA round each (the same rows, every second "
+                         "call's order reversed), their runs as the rounds of one call")
     ap.add_argument("--scaling", nargs=2, metavar=("ONE", "MANY"),
                     help="combine two result files (--gpus 1 and --gpus N) into the scaling summary at --out")
     ap.add_argument("--child", choices=["alignflow", "trl", "ceiling", "build"], help=argparse.SUPPRESS)
@@ -438,8 +444,9 @@ def main() -> None:
     if args.scaling:
         scaling(Path(args.scaling[0]), Path(args.scaling[1]), Path(args.out))
         return
-    if args.combine:
-        combine([Path(p) for p in args.combine], Path(args.out), args.warmup)
+    if args.combine or args.combine_rounds:
+        combine([Path(p) for p in args.combine or args.combine_rounds], Path(args.out), args.warmup,
+                as_rounds=bool(args.combine_rounds))
         return
     started = time.perf_counter()
     rows, benches, hygiene = _plan(ap, args)

@@ -14,6 +14,7 @@ from pathlib import Path
 from .settings import REPO, SETTINGS, apply_global_batch, make_small
 from .search import search_table
 from .summary import summarize
+from .hygiene import enforce, plan_problems
 
 
 class ResultFile:
@@ -114,11 +115,15 @@ def apply_recorded_settings(data: dict) -> None:
         apply_global_batch(variant, settings["global_batch"])
 
 
-def combine(paths: list[Path], out: Path, warmup: int) -> dict:
+def combine(paths: list[Path], out: Path, warmup: int, as_rounds: bool = False) -> dict:
     """One result file from the rows of several (``--combine A B ...``): the 7B variant's AB round split across
     consecutive calls on one warm machine (the issue allows it; one call would not hold both sides). The files
     must share the variant, GPU count and benchmarks; every row's runs are kept as run, the ceiling is the max over
-    all the calls' measurements (each call's own kept under ``combined_from``), and the summaries are recomputed."""
+    all the calls' measurements (each call's own kept under ``combined_from``), and the summaries are recomputed.
+
+    ``as_rounds`` (``--combine-rounds``): each file is one ABBA round of the same rows (one call would not hold
+    every round), the row order reversed in every second file; a row's runs are concatenated, numbered as the
+    rounds of one call, and the hygiene minimums are checked again over the combined rounds."""
     docs = [json.loads(p.read_text()) for p in paths]
     first = docs[0]
     for p, d in zip(paths[1:], docs[1:]):
@@ -126,13 +131,18 @@ def combine(paths: list[Path], out: Path, warmup: int) -> dict:
             raise SystemExit(f"--combine: {p.name} is variant {d['variant']!r}, {paths[0].name} {first['variant']!r}")
         if d["settings"].get("gpus") != first["settings"].get("gpus") or set(d["results"]) != set(first["results"]):
             raise SystemExit(f"--combine: {p.name} has other GPUs or benchmarks than {paths[0].name}")
+    if as_rounds:
+        _check_round_split(paths, docs)
     results: dict = {name: {"runs": {}} for name in first["results"]}
+    offset = 0
     for p, d in zip(paths, docs):
         for name, res in d["results"].items():
             for row, runs in res["runs"].items():
-                if row in results[name]["runs"]:
+                if row in results[name]["runs"] and not as_rounds:
                     raise SystemExit(f"--combine: row {row} of {name} is in more than one file")
-                results[name]["runs"][row] = [{**r, "call": p.name} for r in runs]
+                results[name]["runs"].setdefault(row, []).extend(
+                    {**r, "call": p.name, **({"round": offset + r.get("round", 0)} if as_rounds else {})} for r in runs)
+        offset += d["settings"].get("rounds", 1)
     c = {"matmul_flops": max(d["ceiling"]["matmul_flops"] for d in docs),
          "copy_bytes_per_s": max(d["ceiling"]["copy_bytes_per_s"] for d in docs)}
     apply_recorded_settings(first)
@@ -143,9 +153,26 @@ def combine(paths: list[Path], out: Path, warmup: int) -> dict:
            "ceiling": {**c, "matmul_tflops": round(c["matmul_flops"] / 1e12, 2),
                        "copy_tb_per_s": round(c["copy_bytes_per_s"] / 1e12, 3), "rule": "max over the combined calls"},
            "results": results, "summary": summary}
+    if as_rounds:
+        steps = {name: first["settings"]["benches"][name]["steps"] for name in first["results"]}
+        problems = plan_problems(steps, warmup, offset)
+        doc["settings"] = {**first["settings"], "rounds": offset, "combined_rounds": [p.name for p in paths]}
+        doc["hygiene"] = {**first.get("hygiene", {}), **enforce(problems, waive=True),
+                          "rounds_from": "one ABBA round a call, --combine-rounds"}
     out.write_text(json.dumps(portable(doc), indent=2) + "\n")
     print(json.dumps({"summary": doc["summary"]}), flush=True)
     return doc
+
+
+def _check_round_split(paths: list[Path], docs: list[dict]) -> None:
+    """``--combine-rounds``: the files ran the same rows one round each, in ABBA order (every second reversed)."""
+    rows = list(docs[0]["settings"]["rows"])
+    for i, (p, d) in enumerate(zip(paths, docs)):
+        if d["settings"].get("rounds", 1) != 1:
+            raise SystemExit(f"--combine-rounds: {p.name} ran {d['settings'].get('rounds')} rounds; one a file")
+        expected = rows if i % 2 == 0 else rows[::-1]
+        if list(d["settings"]["rows"]) != expected:
+            raise SystemExit(f"--combine-rounds: {p.name} ran rows {list(d['settings']['rows'])}, ABBA wants {expected}")
 
 
 def resummarize(path: Path, warmup: int) -> None:

@@ -40,3 +40,37 @@ def test_combined_ratio_is_trls_median_over_ours_from_the_raw_steps(bench, tmp_p
 def test_a_row_in_two_files_is_refused(bench, tmp_path):
     with pytest.raises(SystemExit, match="ours-bf16 of grpo is in more than one file"):
         bench.results.combine([OURS, OURS], tmp_path / "twice.json", warmup=1)
+
+
+def _one_round(path: Path, dest: Path, rows: list[str]) -> Path:
+    """``path`` as a call of one round that ran ``rows`` in that order (the settings a --rounds 1 call records)."""
+    doc = json.loads(path.read_text())
+    doc["settings"] = {**doc["settings"], "rounds": 1, "rows": {r: doc["settings"]["rows"][r] for r in rows}}
+    dest.write_text(json.dumps(doc))
+    return dest
+
+
+def test_combine_rounds_numbers_each_files_runs_as_the_next_round(bench, tmp_path):
+    """Two one-round calls of the same row: its two runs, rounds 0 and 1, its timed steps pooled (the first
+    step of each left out: 2 x (len - 1)), and the combined file says it ran 2 rounds."""
+    a = _one_round(OURS, tmp_path / "r1.json", ["ours-bf16"])
+    b = _one_round(OURS, tmp_path / "r2.json", ["ours-bf16"])
+    doc = bench.results.combine([a, b], tmp_path / "both.json", warmup=1, as_rounds=True)
+    runs = doc["results"]["grpo"]["runs"]["ours-bf16"]
+    assert [r["round"] for r in runs] == [0, 1] and [r["call"] for r in runs] == ["r1.json", "r2.json"]
+    steps = json.loads(OURS.read_text())["results"]["grpo"]["runs"]["ours-bf16"][0]["step_s"]
+    assert doc["results"]["grpo"]["summary"]["rows"]["ours-bf16"]["timed_steps"] == 2 * (len(steps) - 1)
+    assert doc["settings"]["rounds"] == 2 and doc["settings"]["combined_rounds"] == ["r1.json", "r2.json"]
+
+
+def test_combine_rounds_refuses_a_second_round_not_in_reverse_order(bench, tmp_path):
+    both = json.loads(TRL.read_text())
+    merged = json.loads(OURS.read_text())
+    merged["results"]["grpo"]["runs"].update(both["results"]["grpo"]["runs"])
+    merged["settings"]["rows"] = {**merged["settings"]["rows"], **both["settings"]["rows"]}
+    src = tmp_path / "src.json"
+    src.write_text(json.dumps(merged))
+    rows = list(merged["settings"]["rows"])
+    a, b = _one_round(src, tmp_path / "r1.json", rows), _one_round(src, tmp_path / "r2.json", rows)
+    with pytest.raises(SystemExit, match="ABBA wants"):
+        bench.results.combine([a, b], tmp_path / "both.json", warmup=1, as_rounds=True)
