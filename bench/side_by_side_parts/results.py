@@ -173,6 +173,19 @@ def _check_round_split(paths: list[Path], docs: list[dict]) -> None:
         expected = rows if i % 2 == 0 else rows[::-1]
         if list(d["settings"]["rows"]) != expected:
             raise SystemExit(f"--combine-rounds: {p.name} ran rows {list(d['settings']['rows'])}, ABBA wants {expected}")
+    # A row's rounds must be one regime: a TRL row that ran before any ours row of its call had no choice of ours to
+    # match (--trl-grad-ckpt match) and took TRL's default, so such a call needs --trl-grad-ckpt set
+    for name in docs[0]["results"]:
+        for row in rows:
+            ckpt = {_checkpointing(r) for d in docs for r in d["results"][name]["runs"].get(row, [])}
+            if len(ckpt) > 1:
+                raise SystemExit(f"--combine-rounds: {row} of {name} ran with gradient checkpointing "
+                                 f"{sorted(ckpt, key=str)} across the files (pass --trl-grad-ckpt on or off to each call)")
+
+
+def _checkpointing(run: dict) -> object:
+    """A run's gradient checkpointing: ours' logged choice, or TRL's setting."""
+    return (run.get("gradient_checkpointing") or {}).get("on", run.get("settings", {}).get("gradient_checkpointing"))
 
 
 def resummarize(path: Path, warmup: int) -> None:

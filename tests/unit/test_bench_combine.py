@@ -74,3 +74,12 @@ def test_combine_rounds_refuses_a_second_round_not_in_reverse_order(bench, tmp_p
     a, b = _one_round(src, tmp_path / "r1.json", rows), _one_round(src, tmp_path / "r2.json", rows)
     with pytest.raises(SystemExit, match="ABBA wants"):
         bench.results.combine([a, b], tmp_path / "both.json", warmup=1, as_rounds=True)
+
+
+def test_combine_rounds_refuses_a_row_whose_checkpointing_differs_between_calls(bench, tmp_path):
+    """The 2026-12-06 H100 GRPO calls: round 2's TRL rows ran before ours, took TRL's default (checkpointing on)
+    while round 1's matched ours (off); pooled, their median would mix two regimes."""
+    h100 = REPO / "bench" / "results" / "h100" / "2026-12-06"
+    r1, r2 = (h100 / f"side_by_side_h100_0p5b_grpo_hygiene_r{i}.json" for i in (1, 2))
+    with pytest.raises(SystemExit, match="trl-default of grpo ran with gradient checkpointing"):
+        bench.results.combine([r1, r2], tmp_path / "both.json", warmup=2, as_rounds=True)
