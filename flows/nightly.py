@@ -24,6 +24,8 @@ import argparse
 from typing import Any, Sequence
 
 from flows import errors
+from rlhf_core.common.project import project_root
+from rlhf_core.config import TeamConfig, load_config
 
 DEFAULT_CRON = "0 2 * * *"
 DEFAULT_DEADLINE_S = 6 * 3600.0
@@ -79,8 +81,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 def make_alerts(params: str, deadline_s: float) -> bool:
     """The nightly alerts on the Prefect server when a webhook URL is set (flows/nightly_alerts.py); says which."""
     from flows import nightly_alerts as alerts  # lazy: prefect (light `nightly --help`)
-    from rlhf_core.common.project import project_root
-    from rlhf_core.config import TeamConfig, load_config
 
     url = alerts.webhook_url(load_config(TeamConfig, "team", params), project_root())
     if url is None:

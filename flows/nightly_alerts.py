@@ -24,6 +24,12 @@ from typing import Any
 from urllib.parse import urlsplit
 from uuid import UUID
 
+from prefect import get_client
+from prefect.blocks.notifications import CustomWebhookNotificationBlock
+from prefect.events.actions import SendNotification
+from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
+from prefect.types import SecretDict
+
 from flows.services.credentials import credentials_path, read_credentials
 from rlhf_core.config import ConfigError, TeamConfig
 
@@ -58,9 +64,6 @@ def shown(url: str) -> str:
 def save_webhook_block(url: str) -> UUID:
     """The Custom Webhook block :data:`BLOCK_NAME` posting ``{"subject", "text"}`` to ``url`` (saved over any older
     one); returns its id. The URL sits in the block's secret values, masked in the UI and the API's answers."""
-    from prefect.blocks.notifications import CustomWebhookNotificationBlock  # lazy: prefect (nightly --help)
-    from prefect.types import SecretDict  # lazy: prefect
-
     block = CustomWebhookNotificationBlock(name="alignflow nightly", url="{{webhook_url}}",
                                            json_data={"subject": "{{subject}}", "text": "{{body}}"},
                                            secrets=SecretDict({"webhook_url": url}))
@@ -69,8 +72,6 @@ def save_webhook_block(url: str) -> UUID:
 
 def nightly_triggers(deadline_s: float) -> dict[str, Any]:
     """The two automations' triggers by name (Prefect event triggers on the flow runs tagged :data:`TAG`)."""
-    from prefect.events.schemas.automations import EventTrigger, Posture  # lazy: prefect
-
     runs = {"match": {"prefect.resource.id": "prefect.flow-run.*"},
             "match_related": {"prefect.resource.role": "tag", "prefect.resource.id": f"prefect.tag.{TAG}"}}
     return {
@@ -89,10 +90,6 @@ def ensure_nightly_alerts(url: str, deadline_s: float) -> dict[str, UUID]:
     if deadline_s < 10:
         raise ConfigError(f"nightly --deadline: at least 10 seconds (Prefect's shortest proactive window), got "
                           f"{deadline_s:g}")
-    from prefect import get_client  # lazy: prefect
-    from prefect.events.actions import SendNotification  # lazy: prefect
-    from prefect.events.schemas.automations import AutomationCore  # lazy: prefect
-
     block_id = save_webhook_block(url)
     texts = {FAILED: ("alignflow nightly {{ flow_run.name }}: {{ flow_run.state.name }}",
                       _RUN + ": {{ flow_run.state.message }}"),
