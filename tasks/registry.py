@@ -255,12 +255,26 @@ def _version_of(client: Any, cfg: TrackingConfig, model_dir: str, run_id: str, n
 # --------------------------------------------------------------------------------------
 
 
-def fault_point(point: str) -> None:
-    """Test hook ``ALIGNFLOW_FAULT=register:<point>[:<marker file>]``: fail the registration at ``point``."""
-    if os.environ.get("ALIGNFLOW_FAULT", "").startswith("register:"):
-        from rlhf_core.trainers.loop import inject_fault  # lazy: torch (only under a test's fault)
+class RegistrationFault(RuntimeError):
+    """Raised by :func:`fault_point`: a test's fault in a registration."""
 
-        inject_fault("register", point)
+
+def fault_point(point: str) -> None:
+    """Test hook ``ALIGNFLOW_FAULT=register:<point>[:<marker file>]``: fail the registration at ``point``; with a
+    marker file, once (the file is made when it fires), as :func:`rlhf_core.trainers.loop.inject_fault` does for a
+    stage. Not that function itself: importing the trainers' loop would make it a dependency of every stage that
+    registers (dvc.yaml's deps)."""
+    spec = os.environ.get("ALIGNFLOW_FAULT", "")
+    parts = spec.split(":", 2)
+    if parts[:2] != ["register", point]:
+        return
+    if len(parts) == 3:
+        marker = Path(parts[2])
+        if marker.exists():
+            return
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"register:{point}\n")
+    raise RegistrationFault(f"register: fault injected at {point} (ALIGNFLOW_FAULT={spec})")
 
 
 def undo_version(client: Any, name: str, version: str, made_model: bool) -> Callable[[Any], None]:

@@ -14,8 +14,7 @@ import shutil
 import pytest
 
 from rlhf_core.tracking.mlflow_runs import REGISTRATION_TAG
-from rlhf_core.trainers.loop import InjectedFault
-from tasks.registry import CANDIDATE, CHAMPION, register_model
+from tasks.registry import CANDIDATE, CHAMPION, RegistrationFault, register_model
 
 EXPERIMENT = "registry-transaction"
 
@@ -56,7 +55,7 @@ def test_a_registration_failing_half_way_leaves_the_champion_and_nothing_half_re
     better = client.create_run(exp).info.run_id
     for point in ("version", "alias", "card"):
         monkeypatch.setenv("ALIGNFLOW_FAULT", f"register:{point}")
-        with pytest.raises(InjectedFault, match=f"register: fault injected after step {point}"):
+        with pytest.raises(RegistrationFault, match=f"register: fault injected at {point}"):
             _register(client, exp, model, 0.90, run_id=better)
         assert _aliases(client) == {CHAMPION: out["version"], CANDIDATE: out["version"]}, point
         assert _versions(client) == {out["version"]: (first, "done")}, f"{point}: the failed run's version is gone"
@@ -68,7 +67,7 @@ def test_a_registration_failing_half_way_leaves_the_champion_and_nothing_half_re
     assert all(state == "done" for _, state in _versions(client).values())
 
     monkeypatch.setenv("ALIGNFLOW_FAULT", "register:card")  # a first registration: its registered model goes too
-    with pytest.raises(InjectedFault):
+    with pytest.raises(RegistrationFault):
         _register(client, exp, model, 0.5, name="fresh")
     assert client.search_registered_models("name='fresh'") == []
 
@@ -90,7 +89,7 @@ def test_a_rollback_leaves_an_alias_a_concurrent_flow_moved(store, monkeypatch):
 
     monkeypatch.setattr(registry, "move_aliases", move_then_lose_the_title)
     monkeypatch.setenv("ALIGNFLOW_FAULT", "register:alias")
-    with pytest.raises(InjectedFault):
+    with pytest.raises(RegistrationFault):
         _register(client, exp, model, 0.90)
     aliases = _aliases(client)
     assert aliases[CHAMPION] == theirs["version"], "the concurrent flow's champion is left to it"
