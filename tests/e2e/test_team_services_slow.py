@@ -127,7 +127,8 @@ def test_two_projects_share_the_team_services_and_take_turns_on_the_gpu(team_bas
     home = team_base / "home"
     home.mkdir()
     team = {"postgres_port": free_port(), "object_store_port": free_port(), "mlflow_port": free_port(),
-            "prefect_port": free_port(), "gpu_devices": 1, "data_dir": str(team_base / "services")}
+            "prefect_port": free_port(), "gpu_devices": 1, "data_dir": str(team_base / "services"),
+            "start_timeout_s": 900}  # the Prefect server's first start migrates its database: minutes on busy cores
     projects = [team_clone(team_base, name, team) for name in ("a", "b")]
     api = f"http://127.0.0.1:{team['prefect_port']}/api"
     started = time.monotonic()
