@@ -114,12 +114,16 @@ def dvc_cache_folder(project: Path) -> Path | None:
 def share_dvc_storage(worktree: Path, project: Path, env: dict[str, str]) -> None:
     """Point the worktree's DVC at the project's cache and, by absolute path, at its remotes.
 
-    A git worktree holds no ``.dvc/cache`` (untracked), and a remote given relative to ``.dvc/``
-    (the scaffold's ``../.dvc-remote``) resolves inside the worktree, where nothing was pushed:
-    without this, data a user ``dvc add``-ed could not be pulled into the rerun. Written to the
-    worktree's ``.dvc/config.local``, which git ignores; the commit's files are untouched.
+    A git worktree holds no ``.dvc/cache`` (untracked), no ``.dvc/config.local`` (this machine's settings, where
+    the team profile names its object-store remote) and a remote given relative to ``.dvc/`` (the scaffold's
+    ``../.dvc-remote``) resolves inside the worktree, where nothing was pushed: without this, data a user
+    ``dvc add``-ed could not be pulled into the rerun. The project's ``config.local`` is copied, then the cache and
+    the relative remotes are pinned in the worktree's (which git ignores); the commit's files are untouched.
     """
     dvc = [sys.executable, "-P", "-m", "dvc"]
+    local = project / ".dvc" / "config.local"
+    if local.is_file() and (worktree / ".dvc").is_dir():
+        shutil.copy2(local, worktree / ".dvc" / "config.local")
 
     def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
         return subprocess.run([*dvc, *args], cwd=cwd, env=env, capture_output=True, text=True)

@@ -38,8 +38,9 @@ NETWORK_FIELD = re.compile(r"(url|uri|address|host|endpoint)$")
 OUTPUT_FIELD = re.compile(r"^(out|output|checkpoint)(_|$)|_dir$|^(pairs|metrics|summary|report)_file$")
 # artifact_dir names an MLflow artifact store, often a shared absolute folder; MLflow only adds
 # files under <artifact_dir>/<experiment>/<run>, and a change to it is a tracking setting (refused
-# without --trust), so it is not confined to the worktree.
-UNCONFINED_OUTPUTS = {("tracking", "artifact_dir")}
+# without --trust), so it is not confined to the worktree. team.data_dir is where `alignflow services up` keeps
+# the team services' data, often an absolute folder; a rerun starts no service and never writes there.
+UNCONFINED_OUTPUTS = {("tracking", "artifact_dir"), ("team", "data_dir")}
 NAMING_FIELDS = {("tracking", "experiment"), ("tracking", "registered_model"), ("cycles", "registered_model")}
 """Settings that only name where runs and versions are filed."""
 PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 _.-]{0,199}$")

@@ -22,6 +22,15 @@ champion and the worse model can be set last.
   model is set back, a better one is left and this version's verdict says so. This closes the
   race unless a writer stalls longer than the settle time between reading and setting the alias.
 
+Registration, the alias moves and the model card are one Prefect transaction
+(:func:`prefect.transactions.transaction`) on the registry's own protocol: the version is registered ``pending``, the
+aliases move under the compare-and-set above, the card is written, then the version is tagged ``done``. A failure
+at any point rolls back what was done, newest first: each alias still on this version goes back to the version it
+named before (one a concurrent flow has moved since is left alone), and the version this registration made is
+deleted (with its registered model, when this was its first version). The previous champion stays and nothing
+half-registered is left; the task's retry then registers afresh. ``ALIGNFLOW_FAULT=register:<point>`` (``version``,
+``alias``, ``card``) fails it at that point, for the tests.
+
 Run: called by the align, iterative_dpo and raft flows (``register_model``).
 """
 
@@ -29,17 +38,19 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
 
 from filelock import FileLock, Timeout
 from prefect import task
+from prefect.transactions import CommitMode, transaction
 
 from rlhf_core.config import GuardsConfig, TrackingConfig, build_config
 from rlhf_core.tracking.lineage import dvc_md5
@@ -226,16 +237,77 @@ def promote_on_gate(client: Any, name: str, version: str, gate_passed: bool, why
 
 
 def _version_of(client: Any, cfg: TrackingConfig, model_dir: str, run_id: str, name: str,
-                accuracy: float | None) -> tuple[str, str]:
-    """This run's version of ``name`` (registered now, ``pending``, if it has none yet) and its model URI."""
+                accuracy: float | None) -> tuple[str, str, bool]:
+    """This run's version of ``name`` (registered now, ``pending``, if it has none yet), its model URI, and whether
+    this registration owns it: made now, or left ``pending`` by an attempt that died without rolling back."""
     found = client.search_model_versions(f"name='{name}' and run_id='{run_id}'")
     if found:  # a stage run already registered (a cached stage in a re-run flow, a retry) keeps its version
-        return str(found[0].version), found[0].source
+        return str(found[0].version), found[0].source, found[0].tags.get(REGISTRATION_TAG) == "pending"
     md5 = dvc_md5(model_dir) if cfg.model_storage == "reference" else None
     model_uri = MlflowTracker(client, run_id, tracking=cfg).log_hf_model(
         model_dir, name, md5=md5, version_tags={METRIC_TAG: _metric_text(accuracy), REGISTRATION_TAG: "pending"},
         prune=False)
-    return str(client.search_model_versions(f"name='{name}' and run_id='{run_id}'")[0].version), model_uri
+    return str(client.search_model_versions(f"name='{name}' and run_id='{run_id}'")[0].version), model_uri, True
+
+
+# --------------------------------------------------------------------------------------
+# The transaction's undo steps (Prefect rollback hooks) and its test faults
+# --------------------------------------------------------------------------------------
+
+
+class RegistrationFault(RuntimeError):
+    """Raised by :func:`fault_point`: a test's fault in a registration."""
+
+
+def fault_point(point: str) -> None:
+    """Test hook ``ALIGNFLOW_FAULT=register:<point>[:<marker file>]``: fail the registration at ``point``; with a
+    marker file, once (the file is made when it fires), as :func:`rlhf_core.trainers.loop.inject_fault` does for a
+    stage. Not that function itself: importing the trainers' loop would make it a dependency of every stage that
+    registers (dvc.yaml's deps)."""
+    spec = os.environ.get("ALIGNFLOW_FAULT", "")
+    parts = spec.split(":", 2)
+    if parts[:2] != ["register", point]:
+        return
+    if len(parts) == 3:
+        marker = Path(parts[2])
+        if marker.exists():
+            return
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"register:{point}\n")
+    raise RegistrationFault(f"register: fault injected at {point} (ALIGNFLOW_FAULT={spec})")
+
+
+def undo_version(client: Any, name: str, version: str, made_model: bool) -> Callable[[Any], None]:
+    """Rollback hook: delete ``version`` (its aliases go with it) and, when this registration made the registered
+    model and no version of it is left, the model too."""
+
+    def delete_half_registered_version(_txn: Any) -> None:
+        client.delete_model_version(name, version)
+        if made_model and not client.search_model_versions(f"name='{name}'"):
+            client.delete_registered_model(name)
+        log.warning("%s v%s: registration rolled back; the version is deleted", name, version)
+
+    return delete_half_registered_version
+
+
+def undo_aliases(client: Any, uri: str, name: str, version: str, before: dict[str, str]) -> Callable[[Any], None]:
+    """Rollback hook: each alias still on ``version`` goes back to the version it named in ``before`` (or is
+    removed); one that a concurrent flow has moved since is left to it (compare-and-set, under the registry lock)."""
+
+    def restore_aliases(_txn: Any) -> None:
+        with registry_lock(uri, f"{name} v{version} (rollback)"):
+            now = client.get_registered_model(name).aliases
+            for alias in (CHAMPION, CANDIDATE):
+                if str(now.get(alias)) != version:
+                    continue
+                if alias in before:
+                    set_alias(client, name, alias, str(before[alias]))
+                else:
+                    client.delete_registered_model_alias(name, alias)
+        log.warning("%s v%s: aliases restored (%s)", name, version,
+                    ", ".join(f"{a} v{v}" for a, v in before.items()) or "none before")
+
+    return restore_aliases
 
 
 def gate_blocks(run_tags: dict[str, str], guards: GuardsConfig | None) -> str | None:
@@ -259,6 +331,23 @@ def _gate_text(run_tags: dict[str, str], guards: GuardsConfig | None, blocked: s
     return blocked or said
 
 
+def move_aliases(client: Any, name: str, version: str, accuracy: float | None, higher_is_better: bool,
+                 settle_s: float, run_tags: dict[str, str], guards: GuardsConfig | None,
+                 blocked: str | None) -> dict[str, Any]:
+    """``candidate`` to ``version``, and ``champion`` by the gate and the champion comparison (under the registry
+    lock, :func:`promote_if_better`, :func:`promote_on_gate`); returns the outcome."""
+    set_alias(client, name, CANDIDATE, version)
+    if accuracy is None:
+        return promote_on_gate(client, name, version, blocked is None and guards is not None and guards.gate
+                               and run_tags.get("guard.gate_passed") == "true", blocked or run_tags.get("guard.gate"))
+    if blocked is None:
+        return promote_if_better(client, name, version, accuracy, higher_is_better, settle_s)
+    before = read_champion(client, name)
+    return {"promoted": False, "champion_version": before.version if before else None,
+            "previous_champion_accuracy": before.accuracy if before else None,
+            "verdict": f"candidate v{version} ({accuracy:.4f}): not promoted, {blocked}"}
+
+
 @task(name="register-model", retries=1, retry_delay_seconds=5)
 def register_model(model_dir: str, run_id: str, accuracy: float | None, registered_name: str,
                    tracking: dict[str, Any], higher_is_better: bool = True,
@@ -266,7 +355,9 @@ def register_model(model_dir: str, run_id: str, accuracy: float | None, register
     """Register ``model_dir`` from stage run ``run_id``; alias it ``candidate``, and ``champion`` if it passes the
     gate (``guards``: the ``guards`` section; None skips the gate) and beats the champion. ``accuracy`` None (eval
     items without labels): champion only through a passed gate (:func:`promote_on_gate`). The version's
-    description becomes its model card (:func:`model_card`); the stage's ``guard.*`` tags are copied onto it."""
+    description becomes its model card (:func:`model_card`); the stage's ``guard.*`` tags are copied onto it.
+    All of it is one transaction: a failure leaves the aliases where they were and no version of this run behind
+    (the module's docstring)."""
     import mlflow  # lazy: mlflow (only when a model is registered)
     from mlflow import MlflowClient  # lazy: mlflow (only when a model is registered)
 
@@ -275,35 +366,33 @@ def register_model(model_dir: str, run_id: str, accuracy: float | None, register
     uri = resolve_tracking_uri(cfg)
     client = MlflowClient(tracking_uri=uri)
     mlflow.set_tracking_uri(uri)  # the copy goes through MLflow's fluent API
-    version, model_uri = _version_of(client, cfg, model_dir, run_id, registered_name, accuracy)
-    client.set_model_version_tag(registered_name, version, METRIC_TAG, _metric_text(accuracy))
-    run = client.get_run(run_id)
-    for key, value in run.data.tags.items():
-        if key.startswith("guard."):
-            client.set_model_version_tag(registered_name, version, key, value[:4900])
-    blocked = gate_blocks(run.data.tags, guards_cfg)
-    with registry_lock(uri, f"{registered_name} v{version}"):
-        set_alias(client, registered_name, CANDIDATE, version)
-        if accuracy is None:
-            outcome = promote_on_gate(client, registered_name, version, blocked is None and guards_cfg is not None
-                                      and guards_cfg.gate and run.data.tags.get("guard.gate_passed") == "true",
-                                      blocked or run.data.tags.get("guard.gate"))
-        elif blocked is None:
-            outcome = promote_if_better(client, registered_name, version, accuracy, higher_is_better,
-                                        cfg.registry_settle_s if shared_store(uri) else 0.0)
-        else:
-            before = read_champion(client, registered_name)
-            outcome = {"promoted": False, "champion_version": before.version if before else None,
-                       "previous_champion_accuracy": before.accuracy if before else None,
-                       "verdict": f"candidate v{version} ({accuracy:.4f}): not promoted, {blocked}"}
-    outcome["gate"] = _gate_text(run.data.tags, guards_cfg, blocked)
-    client.set_model_version_tag(registered_name, version, "promotion", outcome["verdict"][:4900])
-    try:
+    had_model = bool(client.search_registered_models(f"name='{registered_name}'"))
+    # EAGER: committed when the block ends, so a later failure of the task (pruning) undoes nothing of it
+    with transaction(commit_mode=CommitMode.EAGER) as txn:
+        version, model_uri, ours = _version_of(client, cfg, model_dir, run_id, registered_name, accuracy)
+        if ours:
+            txn.on_rollback_hooks.append(undo_version(client, registered_name, version, made_model=not had_model))
+        fault_point("version")
+        client.set_model_version_tag(registered_name, version, METRIC_TAG, _metric_text(accuracy))
+        run = client.get_run(run_id)
+        for key, value in run.data.tags.items():
+            if key.startswith("guard."):
+                client.set_model_version_tag(registered_name, version, key, value[:4900])
+        blocked = gate_blocks(run.data.tags, guards_cfg)
+        with registry_lock(uri, f"{registered_name} v{version}"):
+            before = {k: str(v) for k, v in client.get_registered_model(registered_name).aliases.items()
+                      if k in (CANDIDATE, CHAMPION)}
+            txn.on_rollback_hooks.append(undo_aliases(client, uri, registered_name, version, before))
+            outcome = move_aliases(client, registered_name, version, accuracy, higher_is_better,
+                                   cfg.registry_settle_s if shared_store(uri) else 0.0, run.data.tags, guards_cfg,
+                                   blocked)
+            fault_point("alias")
+        outcome["gate"] = _gate_text(run.data.tags, guards_cfg, blocked)
+        client.set_model_version_tag(registered_name, version, "promotion", outcome["verdict"][:4900])
         client.update_model_version(registered_name, version, description=model_card(
             client, registered_name, version, run, outcome))
-    except Exception as exc:  # noqa: BLE001 - a card is documentation: never fail a registration over it
-        log.warning("%s v%s: model card not written: %s", registered_name, version, exc)
-    client.set_model_version_tag(registered_name, version, REGISTRATION_TAG, "done")
+        fault_point("card")
+        client.set_model_version_tag(registered_name, version, REGISTRATION_TAG, "done")
     pruned = prune_model_versions(client, registered_name, cfg.keep_model_versions) if cfg.keep_model_versions else []
     return {"model_uri": model_uri, "version": version, **outcome, "pruned_versions": pruned}
 

@@ -222,6 +222,18 @@ def _free_port() -> int:
 
 
 @pytest.fixture()
+def team_base():
+    """A folder in /tmp every user can search, for the team services' data: under root, PostgreSQL runs as user
+    postgres, which must reach its data folder (pytest's own tmp_path is root's alone)."""
+    import shutil
+
+    base = Path(tempfile.mkdtemp(prefix="alignflow-team-", dir="/tmp"))
+    base.chmod(0o755)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture()
 def prefect_api(tmp_path):
     """A `prefect server start` of the test's own (its own PREFECT_HOME and SQLite database),
     for flows run as separate processes (a deployment's runs, two flows at once)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import signal
 import socket
@@ -66,6 +67,16 @@ def copy_project(dest: Path, *, lock: bool = False, micro: bool = True) -> Path:
         write_micro_params(dest)
     subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
     return dest
+
+
+def team_clone(base: Path, name: str, team: dict) -> Path:
+    """A project clone in ``base/name`` (:func:`copy_project`) whose params' ``team`` section is ``team``."""
+    (base / name).mkdir()
+    project = copy_project(base / name)
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["team"] = team
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    return project
 
 
 def cli_env(project: Path) -> dict[str, str]:
@@ -171,3 +182,40 @@ def seed_versioned_project(root: Path, remote: Path) -> None:
     for cmd in (["generate"], ["init-model"], ["sft"], ["reward"]):
         proc = run_cli(cmd, root)
         assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# ---- the network watch (tests/e2e/netwatch; test_no_network*.py) ---------------------------------------------------
+
+NETWATCH = Path(__file__).resolve().parent / "netwatch"
+_STRACE_ADDRESS = re.compile(r'inet_addr\("([^"]+)"\)|inet_pton\(AF_INET6, "([^"]+)"')
+
+
+def watched_env(env: dict[str, str], attempts: Path, procs: Path | None = None) -> dict[str, str]:
+    """``env`` with every Python process it starts watched by the audit hook (netwatch/sitecustomize.py): attempts
+    to reach a host outside loopback go to ``attempts``; with ``procs``, each watched process's command line too."""
+    out = {**env, "PYTHONPATH": os.pathsep.join([str(NETWATCH), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+           "ALIGNFLOW_TEST_NET_LOG": str(attempts)}
+    if procs is not None:
+        out["ALIGNFLOW_TEST_NET_PROCS"] = str(procs)
+    return out
+
+
+def in_network_namespace(script: str, trace: Path | None = None) -> list[str]:
+    """argv that runs shell ``script`` in a network namespace of its own (only a loopback, brought up first); with
+    ``trace``, under strace following every process (Python or not: PostgreSQL, git), its socket calls to ``trace``."""
+    argv = ["unshare", "--net", "sh", "-c", f"ip link set lo up && {script}"]
+    if trace is None:
+        return argv
+    return ["strace", "-f", "--seccomp-bpf", "-qq", "-e", "signal=none", "-e",
+            "trace=connect,sendto,sendmsg,sendmmsg", "-o", str(trace), *argv]
+
+
+def outside_addresses(trace: Path) -> list[str]:
+    """The strace lines of ``trace`` whose IPv4/IPv6 address is not loopback (Unix and netlink sockets are local)."""
+    outside = []
+    for line in trace.read_text(errors="replace").splitlines():
+        for v4, v6 in _STRACE_ADDRESS.findall(line):
+            address = v4 or v6
+            if not (address.startswith(("127.", "::ffff:127.")) or address in ("::1", "0.0.0.0", "::")):
+                outside.append(line[:300])
+    return outside

@@ -12,42 +12,20 @@ are refused at start without the password printed; ``services down`` stops every
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from flows.services.processes import alive
-from helpers import cli_env, copy_project, free_port
+from helpers import cli_env, free_port, team_clone
 
 pytestmark = pytest.mark.slow
 
 LIMIT = "alignflow-gpus"
-
-
-@pytest.fixture()
-def team_base():
-    """A folder in /tmp every user can search: under root, PostgreSQL runs as user postgres, which must reach its
-    data folder (pytest's own tmp_path is root's alone)."""
-    base = Path(tempfile.mkdtemp(prefix="alignflow-team-", dir="/tmp"))
-    base.chmod(0o755)
-    yield base
-    shutil.rmtree(base, ignore_errors=True)
-
-
-def _clone(base: Path, name: str, team: dict) -> Path:
-    (base / name).mkdir()
-    project = copy_project(base / name)
-    params = yaml.safe_load((project / "params.yaml").read_text())
-    params["team"] = team
-    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    return project
 
 
 def _env(project: Path, home: Path) -> dict[str, str]:
@@ -149,8 +127,9 @@ def test_two_projects_share_the_team_services_and_take_turns_on_the_gpu(team_bas
     home = team_base / "home"
     home.mkdir()
     team = {"postgres_port": free_port(), "object_store_port": free_port(), "mlflow_port": free_port(),
-            "prefect_port": free_port(), "gpu_devices": 1, "data_dir": str(team_base / "services")}
-    projects = [_clone(team_base, name, team) for name in ("a", "b")]
+            "prefect_port": free_port(), "gpu_devices": 1, "data_dir": str(team_base / "services"),
+            "start_timeout_s": 900}  # the Prefect server's first start migrates its database: minutes on busy cores
+    projects = [team_clone(team_base, name, team) for name in ("a", "b")]
     api = f"http://127.0.0.1:{team['prefect_port']}/api"
     started = time.monotonic()
     up = _alignflow(["services", "up"], projects[0], home)

@@ -1,5 +1,6 @@
 """alignflow's own environment variables are the project folder, the profile (where runs are tracked, not how they
-compute) and the test-only fault hooks: every other choice
+compute), the nightly alerts' webhook URL (a credential, like PGPASSWORD: never a params field, which every run logs)
+and the test-only fault hooks: every other choice
 of how a run computes is a config field, recorded in the run's lineage. Every ``ALIGNFLOW_*`` name in the sources
 of ``rlhf_core/``, ``flows/`` and ``tasks/`` must be one of those, and listed in docs/operations.md's
 "Environment variables" section."""
@@ -11,7 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = re.compile(r"\bALIGNFLOW_[A-Z_]+\b")
-ALLOWED = {"ALIGNFLOW_HOME", "ALIGNFLOW_PROFILE", "ALIGNFLOW_FAULT", "ALIGNFLOW_FAULT_RANK", "ALIGNFLOW_FAULT_SIGNAL"}
+ALLOWED = {"ALIGNFLOW_HOME", "ALIGNFLOW_PROFILE", "ALIGNFLOW_NOTIFY_WEBHOOK", "ALIGNFLOW_FAULT", "ALIGNFLOW_FAULT_RANK",
+           "ALIGNFLOW_FAULT_SIGNAL"}
 
 
 def _names_in_sources() -> dict[str, list[str]]:

@@ -247,3 +247,12 @@ def test_the_rerun_gets_each_input_as_flag_equals_the_recorded_path(tmp_path):
     assert rerun_params("iterative_dpo", stored) == {"tracking": {"log_model": False}, "flow": {"use_cache": False},
                                                      "cycles": {"version": False}}
     assert stored["tracking"]["log_model"] is True
+
+
+def test_the_team_services_folder_is_no_output_of_a_rerun(tmp_path):
+    """team.data_dir (``alignflow services up``'s folder, often absolute) is no escape: a rerun starts no service;
+    an output folder outside the worktree still is."""
+    params = {"team": {"data_dir": "/srv/alignflow/services"}, "sft": {"output_dir": "models/sft"}}
+    assert review_config(params, params, tmp_path).escapes == []
+    params["sft"]["output_dir"] = "/srv/elsewhere"
+    assert [e.split(":")[0] for e in review_config(params, params, tmp_path).escapes] == ["sft.output_dir"]

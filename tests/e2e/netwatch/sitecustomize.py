@@ -1,12 +1,14 @@
 """Loaded by every Python process of a test run that puts this folder on PYTHONPATH: an audit hook
 appends each attempt to reach a host other than this machine's loopback (a connect, a DNS look-up,
 a datagram) to the file named by ``ALIGNFLOW_TEST_NET_LOG``. Subprocesses inherit PYTHONPATH, so
-stage workers, the Prefect server and DVC are watched too."""
+stage workers, the Prefect server and DVC are watched too; with ``ALIGNFLOW_TEST_NET_PROCS`` set, each
+watched process also appends its pid and command line there, so a test can show which ones were."""
 
 import os
 import sys
 
 _LOG = os.environ.get("ALIGNFLOW_TEST_NET_LOG")
+_PROCS = os.environ.get("ALIGNFLOW_TEST_NET_PROCS")
 _LOOPBACK = ("localhost", "127.", "::1", "0.0.0.0", "::", "ip6-localhost")
 
 
@@ -35,3 +37,6 @@ def _hook(event, args):
 
 if _LOG:
     sys.addaudithook(_hook)
+    if _PROCS:
+        with open(_PROCS, "a", encoding="utf-8") as fh:
+            fh.write(f"{os.getpid()} {sys.executable} {' '.join(sys.argv)[:200]}\n")
