@@ -79,6 +79,18 @@ def team_clone(base: Path, name: str, team: dict) -> Path:
     return project
 
 
+def registry_store(project: Path, micro_model: Path, experiment: str) -> tuple:
+    """(MLflow client on the project's sqlite store, a new experiment's id, the project's own copy of the micro
+    model at models/policy): the registry tests' starting point."""
+    from mlflow import MlflowClient  # lazy: the helpers module is imported by tests that never touch MLflow
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    exp = client.create_experiment(experiment, artifact_location=(project / "mlartifacts").as_uri())
+    model = project / "models" / "policy"
+    shutil.copytree(micro_model, model)
+    return client, exp, model
+
+
 def cli_env(project: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import free_port, start_mlflow_server, stop_group
+from helpers import free_port, registry_store, start_mlflow_server, stop_group
 from registry_racer import race
 from rlhf_core.config import TrackingConfig
 from rlhf_core.tracking.lineage import dvc_md5
@@ -31,13 +31,7 @@ def _bytes(folder: Path) -> int:
 @pytest.fixture()
 def store(isolated_project, micro_model):
     """(client, experiment id, the project's own copy of the micro model)."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient(tracking_uri=f"sqlite:///{isolated_project / 'mlflow.db'}")
-    exp = client.create_experiment(EXPERIMENT, artifact_location=(isolated_project / "mlartifacts").as_uri())
-    model = isolated_project / "models" / "policy"
-    shutil.copytree(micro_model, model)
-    return client, exp, model
+    return registry_store(isolated_project, micro_model, EXPERIMENT)
 
 
 def _register(client, exp, model, accuracy, name="policy", **tracking):

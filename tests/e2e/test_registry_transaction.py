@@ -9,10 +9,9 @@ a Prefect server for the retried task; the failure is raised in the registration
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
+from helpers import registry_store
 from rlhf_core.tracking.mlflow_runs import REGISTRATION_TAG
 from tasks.registry import CANDIDATE, CHAMPION, RegistrationFault, register_model
 
@@ -22,13 +21,7 @@ EXPERIMENT = "registry-transaction"
 @pytest.fixture()
 def store(isolated_project, micro_model):
     """(client, experiment id, the project's own copy of the micro model)."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient(tracking_uri=f"sqlite:///{isolated_project / 'mlflow.db'}")
-    exp = client.create_experiment(EXPERIMENT, artifact_location=(isolated_project / "mlartifacts").as_uri())
-    model = isolated_project / "models" / "policy"
-    shutil.copytree(micro_model, model)
-    return client, exp, model
+    return registry_store(isolated_project, micro_model, EXPERIMENT)
 
 
 def _register(client, exp, model, accuracy, run_id=None, name="policy"):
