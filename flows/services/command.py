@@ -10,6 +10,7 @@ started here; ``status`` checks that it answers.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 from pathlib import Path
 from typing import Callable, Sequence
@@ -17,7 +18,7 @@ from typing import Callable, Sequence
 from flows import errors
 from flows.services import postgres, servers
 from flows.services.credentials import ensure_credentials, team_credentials
-from flows.services.processes import ServiceFiles, running_pid, stop_group
+from flows.services.processes import ServiceError, ServiceFiles, running_pid, stop_group
 from rlhf_core.config import FlowConfig, TeamConfig, load_config
 from rlhf_core.common.project import project_root
 
@@ -52,8 +53,27 @@ def _start_postgres(cfg: TeamConfig, files: ServiceFiles, creds: dict[str, str])
     postgres.ensure_databases(cfg, creds["PGPASSWORD"])
 
 
+TEAM_MODULES = ("psycopg", "boto3", "moto")
+"""What the ``team`` extra brings that the services use (PostgreSQL's client, S3's client, the local S3 server)."""
+
+
+def require_team_extra() -> None:
+    """A ServiceError naming ``make setup-team`` when the ``team`` extra is not installed (rather than a
+    ModuleNotFoundError traceback from deep inside the first service that needs it)."""
+    missing = []
+    for name in TEAM_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise ServiceError(f"the team extra is not installed ({', '.join(missing)} missing): run `make setup-team` "
+                           "(or pip install 'alignflow[team]')")
+
+
 def up(cfg: TeamConfig, flow: FlowConfig, say: Callable[[str], None]) -> None:
     """Start every service that is not running; then the GPU limit on the Prefect server."""
+    require_team_extra()
     creds = ensure_credentials(cfg, project_root())
     files = _files(cfg)
     env = servers.server_env(cfg, creds)
