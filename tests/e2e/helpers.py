@@ -69,6 +69,15 @@ def copy_project(dest: Path, *, lock: bool = False, micro: bool = True) -> Path:
     return dest
 
 
+def team_section(base: Path) -> dict:
+    """A ``team`` params section for the services of one test: free ports, one GPU slot, the services' data under
+    ``base/services``, and a start timeout long enough for the Prefect server's first start, which migrates its
+    database (minutes on busy cores)."""
+    return {"postgres_port": free_port(), "object_store_port": free_port(), "mlflow_port": free_port(),
+            "prefect_port": free_port(), "gpu_devices": 1, "data_dir": str(base / "services"),
+            "start_timeout_s": 900}
+
+
 def team_clone(base: Path, name: str, team: dict) -> Path:
     """A project clone in ``base/name`` (:func:`copy_project`) whose params' ``team`` section is ``team``."""
     (base / name).mkdir()

@@ -28,7 +28,7 @@ import yaml
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows import nightly_alerts as alerts
-from helpers import cli_env, free_port, stop_group, team_clone, wait_for
+from helpers import cli_env, free_port, stop_group, team_clone, team_section, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -75,9 +75,7 @@ def _posts_about(receiver, run_id: str, timeout: float, what: str) -> list[dict]
 def test_failed_and_missed_nightly_runs_reach_the_webhook(team_base, receiver):
     home = team_base / "home"
     home.mkdir()
-    team = {"postgres_port": free_port(), "object_store_port": free_port(), "mlflow_port": free_port(),
-            "prefect_port": free_port(), "gpu_devices": 1, "data_dir": str(team_base / "services"),
-            "start_timeout_s": 900}  # the Prefect server's first start migrates its database: minutes on busy cores
+    team = team_section(team_base)
     project = team_clone(team_base, "p", team)
     api = f"http://127.0.0.1:{team['prefect_port']}/api"
     url = f"http://127.0.0.1:{receiver.server_port}/hook?token={TOKEN}"

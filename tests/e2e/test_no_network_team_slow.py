@@ -23,10 +23,10 @@ import yaml
 
 from helpers import (
     cli_env,
-    free_port,
     in_network_namespace,
     outside_addresses,
     team_clone,
+    team_section,
     watched_env,
 )
 
@@ -63,9 +63,7 @@ def test_micro_align_flow_on_the_team_services_attempts_nothing_outside_localhos
         "util-linux's unshare, iproute2's ip and strace are needed"
     home = team_base / "home"
     home.mkdir()
-    team = {"postgres_port": free_port(), "object_store_port": free_port(), "mlflow_port": free_port(),
-            "prefect_port": free_port(), "gpu_devices": 1, "data_dir": str(team_base / "services"),
-            "start_timeout_s": 900}  # the Prefect server's first start migrates its database: minutes on busy cores
+    team = team_section(team_base)
     project = team_clone(team_base, "p", team)
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["flow"]["stages"] = ["dpo"]  # SFT, then one alignment stage and its registration: every service in use

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import cli_env, free_port, git, team_clone
+from helpers import cli_env, git, team_clone, team_section
 
 pytestmark = pytest.mark.slow
 
@@ -60,9 +60,7 @@ def _versioned_clone(base: Path, team: dict) -> Path:
 def test_a_fresh_clone_reproduces_a_team_run_from_the_object_store(team_base):
     home = team_base / "home"
     home.mkdir()
-    team = {"postgres_port": free_port(), "object_store_port": free_port(), "mlflow_port": free_port(),
-            "prefect_port": free_port(), "gpu_devices": 1, "data_dir": str(team_base / "services"),
-            "start_timeout_s": 900}  # the Prefect server's first start migrates its database: minutes on busy cores
+    team = team_section(team_base)
     a = _versioned_clone(team_base, team)
     cli = [sys.executable, "-m", "flows.cli"]
     dvc = [sys.executable, "-m", "dvc"]

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from flows.services.processes import alive
-from helpers import cli_env, free_port, team_clone
+from helpers import cli_env, team_clone, team_section
 
 pytestmark = pytest.mark.slow
 
@@ -126,9 +126,7 @@ def _check_object_store(team: dict, creds: dict[str, str], parents: list, projec
 def test_two_projects_share_the_team_services_and_take_turns_on_the_gpu(team_base):
     home = team_base / "home"
     home.mkdir()
-    team = {"postgres_port": free_port(), "object_store_port": free_port(), "mlflow_port": free_port(),
-            "prefect_port": free_port(), "gpu_devices": 1, "data_dir": str(team_base / "services"),
-            "start_timeout_s": 900}  # the Prefect server's first start migrates its database: minutes on busy cores
+    team = team_section(team_base)
     projects = [team_clone(team_base, name, team) for name in ("a", "b")]
     api = f"http://127.0.0.1:{team['prefect_port']}/api"
     started = time.monotonic()
