@@ -36,7 +36,7 @@ from prefect.runtime import flow_run
 
 from flows.gpu_limit import gpu_limit_tags, gpu_stages
 from flows.params import load_all
-from rlhf_core.common.offline import OFFLINE_ENV
+from rlhf_core.common.offline import child_env
 from rlhf_core.config import ConfigError, DataFields, FlowConfig, TrackingConfig, config_to_dict
 from rlhf_core.data.validate import prompts_kind, require_eval_labels
 from rlhf_core.promotion.guards import fired_guards
@@ -138,7 +138,7 @@ def _submit_to_ray(task_fn: Any, parameters: dict[str, Any], address: str) -> di
     """Run one task on the Ray cluster at ``address`` through prefect-ray's task runner; wait for it."""
     from prefect_ray import RayTaskRunner  # lazy: prefect_ray (Ray-submitted tasks only)
 
-    runner = RayTaskRunner(address=address, init_kwargs={"runtime_env": {"env_vars": dict(OFFLINE_ENV)}})
+    runner = RayTaskRunner(address=address, init_kwargs={"runtime_env": {"env_vars": child_env()}})
     with runner:
         return runner.submit(task_fn, parameters=parameters).result()
 

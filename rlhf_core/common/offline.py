@@ -1,4 +1,5 @@
-"""Offline switches for every tool alignflow drives, set before any of them is imported.
+"""The process environment alignflow sets before any tool it drives is imported: offline switches, the math
+libraries' fixed threading, the GPU allocator and progress bars.
 
 Import this module first (``rlhf_core/__init__.py`` does): nothing here may phone home or
 reach a model hub, since the machines this runs on have no network beyond package
@@ -34,6 +35,14 @@ NO_MULTICAST_ENV: dict[str, str] = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DIS
                                     "NVSHMEM_DISABLE_NVLS": "1"}
 
 
+# The math libraries' dynamic threading off. On, MKL and OpenMP choose each call's thread count from the
+# machine's load, which changes the order a reduction sums in: the real recipe's GRPO model differed in its last
+# bits between a run on a quiet machine and one beside other work, and with these set it does not
+# (bench/results/cpu/2026-12-06/real_recipe_cpu.md). Read when the libraries load, so set before torch is imported;
+# Ray workers get them too (rlhf_core.trainers.ray_launcher.worker_env).
+DETERMINISM_ENV: dict[str, str] = {"MKL_DYNAMIC": "FALSE", "OMP_DYNAMIC": "FALSE"}
+
+
 # The CUDA caching allocator with expandable segments: batches of varying length otherwise fragment
 # its cache until it frees and re-allocates (a device sync), seen as SFT steps several times
 # slower than their neighbours and gone with it (BENCHMARKS.md, the allocator A/B). Read by
@@ -47,10 +56,16 @@ QUIET_ENV: dict[str, str] = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 
 def apply_offline_env() -> None:
-    """Set every offline switch (and the GPU allocator and progress-bar settings) that the user has not set
-    explicitly."""
-    for key, value in {**OFFLINE_ENV, **GPU_ENV, **QUIET_ENV}.items():
+    """Set every offline switch (and the threading, GPU allocator and progress-bar settings) that the user has
+    not set explicitly."""
+    for key, value in {**OFFLINE_ENV, **DETERMINISM_ENV, **GPU_ENV, **QUIET_ENV}.items():
         os.environ.setdefault(key, value)
+
+
+def child_env() -> dict[str, str]:
+    """What a process alignflow starts elsewhere (a Ray worker) must begin with: the offline switches, and the
+    math libraries' threading as this process has it (fixed unless the user set otherwise)."""
+    return {**OFFLINE_ENV, **{k: os.environ.get(k, v) for k, v in DETERMINISM_ENV.items()}}
 
 
 # Diagnostics for a run that hangs (a step that never ends on a large model): a trainer config's stack_dump_s=N

@@ -283,24 +283,29 @@ def _unwrap_lora_layers(model: Any) -> None:
 
 
 def export_state_dict(model: Any) -> dict[str, torch.Tensor]:
-    """The plain model's weights (LoRA merged in, names without adapters), for a rollout engine.
+    """The plain model's weights (LoRA merged in, names without adapters), for a rollout engine; ``model`` is not
+    changed.
 
-    The model itself is left as it was: adapters are merged for the copy, then unmerged.
+    Each adapted weight is built out of place, ``W + get_delta_weight()`` per active adapter, the sum peft's
+    ``merge()`` forms. Not peft's ``merge()`` then ``unmerge()``: that leaves ``(W + dW) - dW`` in the model, which
+    in floating point is not ``W``, so the frozen base (and the KL reference taken with adapters off) moved by an
+    ulp at every sync. Vanilla LoRA only (:func:`prepare_for_training` makes no other kind).
     """
     if not has_lora(model):
         return {k: v.detach() for k, v in model.state_dict().items()}
-    from peft.tuners.tuners_utils import BaseTunerLayer  # lazy: peft (LoRA only; several seconds to import)
+    from peft.tuners.lora import LoraLayer  # lazy: peft (LoRA only; several seconds to import)
 
-    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-    for layer in layers:
-        layer.merge()
-    try:
-        out = {}
-        for key, value in model.state_dict().items():
-            if "lora_" in key:
+    merged: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, layer in model.named_modules():
+            if not isinstance(layer, LoraLayer):
                 continue
-            out[key.replace(".base_layer.", ".")] = value.detach().clone()
-        return out
-    finally:
-        for layer in layers:
-            layer.unmerge()
+            if layer.merged or layer.lora_variant or any(layer.lora_bias.values()):
+                raise ValueError(f"{name}: only unmerged vanilla LoRA adapters can be exported")
+            weight = layer.get_base_layer().weight.detach().clone()
+            for adapter in layer.active_adapters:
+                if adapter in layer.lora_A:
+                    weight += layer.get_delta_weight(adapter)
+            merged[f"{name}.base_layer.weight"] = weight
+    return {key.replace(".base_layer.", "."): merged[key] if key in merged else value.detach().clone()
+            for key, value in model.state_dict().items() if "lora_" not in key}

@@ -36,7 +36,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.queue import Queue
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlhf_core.common.offline import NO_MULTICAST_ENV, OFFLINE_ENV, arm_stack_dumps
+from rlhf_core.common.offline import NO_MULTICAST_ENV, arm_stack_dumps, child_env
 from rlhf_core.distributed.parallel import current_world, join_world
 from rlhf_core.trainers import rl_forward
 
@@ -88,9 +88,9 @@ def gather(refs: Sequence[Any], what: str, on_wait: Callable[[], None] | None = 
 
 
 def worker_env() -> dict[str, str]:
-    """The environment every Ray worker starts with: the offline switches and NVLink multicast off (unless the
-    driver's environment says otherwise)."""
-    return {**OFFLINE_ENV, **{k: os.environ.get(k, v) for k, v in _NO_MULTICAST.items()}}
+    """The environment every Ray worker starts with: the offline switches, and NVLink multicast and the math
+    libraries' dynamic threading off (unless the driver's environment says otherwise)."""
+    return {**child_env(), **{k: os.environ.get(k, v) for k, v in _NO_MULTICAST.items()}}
 
 
 def connect(min_cpus: float = 0.0) -> str:

@@ -524,8 +524,10 @@ def test_lora_trains_merges_and_reloads_as_a_plain_model(micro_model, micro_data
     ids = torch.tensor([[5, 17, 42, 8, 99, 3]])
     with torch.no_grad():
         adapted = model(input_ids=ids).logits
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     engine_weights = export_state_dict(model)
     assert not any("lora_" in k or "base_layer" in k for k in engine_weights)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # the base did not move by an ulp
     save_hf_dir(merged_model(model), _tok(micro_model), tmp_path / "merged")
     plain = load_causal_lm(tmp_path / "merged", torch.device("cpu")).eval()
     assert not any("lora" in k for k in load_file(str(tmp_path / "merged" / "model.safetensors")))

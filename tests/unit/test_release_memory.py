@@ -38,5 +38,5 @@ def test_one_process_keeps_its_cache_and_ray_actors_hand_it_back(cuda_calls, mon
     _Worker(str(tmp_path / "absent"), 1, 0.0, False)
     assert rl_forward.RELEASE_MEMORY is False
     env = worker_env()
-    assert env["NCCL_NVLS_ENABLE"] == "0" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["NCCL_NVLS_ENABLE"] == "0" and env["HF_HUB_OFFLINE"] == "1" and env["MKL_DYNAMIC"] == "FALSE"
     assert not any(name.startswith("ALIGNFLOW_") for name in env)
