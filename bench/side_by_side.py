@@ -88,9 +88,10 @@ Options for ours' rows: ``--micro-batch-tokens N`` (packed rows: a token budget 
 ``gradient_checkpointing``, default auto; TRL's matches it), ``--global-batch G``
 (a step of G rows, each rank's micro-batch the variant's batch: the 1 -> N scaling pair at a fixed global batch
 with the same work per GPU), ``--profile``
-(torch.profiler over steps 4-6 of each offline row, rank 0's under Ray ranks, and over the third policy
-update of the grpo bench on one device: device busy time, the idle gaps between kernels and what the host ran during
-the largest; a where-the-time-goes run, not a timing), ``--sync-census`` (grpo on one GPU: every wait of the host for the device
+(torch.profiler over steps 4-6 of each offline row, rank 0's under Ray ranks, and over the third call of each RL
+phase ``--profile-phase`` names (update by default; reference, rollout) of the grpo bench on one device: device busy
+time, kernel time by category, the idle gaps between kernels and what the host ran during the largest; a
+where-the-time-goes run, not a timing), ``--sync-census`` (grpo on one GPU: every wait of the host for the device
 in the third policy update, counted by where it was made; ``bench/ab_processes.sh`` runs old and new trees in
 turn)::
 
@@ -191,6 +192,14 @@ from side_by_side_parts.results import ResultFile, combine, portable, resummariz
 from result_paths import result_path  # noqa: E402
 
 
+def _phases(value: str) -> str:
+    """``--profile-phase``: RL phases of :data:`WATCHED`, comma-separated."""
+    unknown = [p for p in value.split(",") if p not in WATCHED]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not one of {', '.join(WATCHED)}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variant", choices=list(SETTINGS), default="cpu")
@@ -250,8 +259,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="ours' offline rows (steps 4-6; rank 0 on several GPUs) and grpo's third update on one "
                          "device under torch.profiler: a where-the-time-goes "
                          "run, its step times carry the profiler's overhead")
-    ap.add_argument("--profile-phase", choices=list(WATCHED), default="update",
-                    help="grpo with --profile: the RL phase profiled (its third call)")
+    ap.add_argument("--profile-phase", type=_phases, default="update",
+                    help=f"grpo with --profile: the RL phases profiled, comma-separated ({','.join(WATCHED)}), each "
+                         "over its third call")
     ap.add_argument("--sync-census", action="store_true",
                     help="grpo on one GPU: count where the third policy update waits for the device (sync debug "
                          "mode); its step times carry the warnings' cost")

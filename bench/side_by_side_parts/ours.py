@@ -137,11 +137,12 @@ def _ours_grpo(task: dict, common: dict, sink: Any, work: Path) -> dict:
                        "distribution.shard_reference": task.get("shard_reference", "on") == "on"})
     cfg = build_config(RLConfig, "rl", values)
     device_sync()
-    update_profile = UpdateProfile(task["profile"]) if task.get("profile") and not on_ray else None
-    if update_profile is None and task.get("sync_census") and not on_ray:
-        update_profile = UpdateSyncCensus({"skip": 2})
-    if update_profile is not None:
-        update_profile.install()
+    watches = ([UpdateProfile({**task["profile"], "phase": phase}) for phase in task["profile"]["phase"].split(",")]
+               if task.get("profile") and not on_ray else [])
+    if not watches and task.get("sync_census") and not on_ray:
+        watches = [UpdateSyncCensus({"skip": 2})]
+    for watch in watches:
+        watch.install()
     if on_ray:
         from rlhf_core.trainers import rl_on_ray
 
@@ -164,7 +165,7 @@ def _ours_grpo(task: dict, common: dict, sink: Any, work: Path) -> dict:
                                                       "micro_batch_size", "mini_batch_size", "kl_coef",
                                                       "lora_rank", "rollout_workers", "rollout_sleep",
                                                       "shard_reference")),
-            **({update_profile.key: update_profile.summary} if update_profile is not None else {}),
+            **{watch.key: watch.summary for watch in watches},
             "threads": thread_counts()}
 
 

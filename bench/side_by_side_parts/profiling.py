@@ -64,7 +64,7 @@ class ProfilingSink(Sink):
         # steps actually profiled (fewer than ``active`` when the run ends first: a short --small run)
         n = next((e.count for e in events if e.key.startswith("ProfilerStep")), self.active) or self.active
         walls = [b - a for a, b in zip(self.marks, self.marks[1:])][-n:]
-        self.summary = {"active_steps": n, **_profile_summary(prof, walls, n)}
+        self.summary = {"active_steps": n, **profile_summary(prof, walls, n)}
 
     def close(self) -> None:
         self.prof.stop()
@@ -83,7 +83,7 @@ class ForwardingProfiler(ProfilingSink):
         self._mark(metrics)
 
 
-def _profile_summary(prof, walls: list[float], n: int) -> dict:
+def profile_summary(prof, walls: list[float], n: int) -> dict:
     """A profile of ``n`` steps of wall seconds ``walls``: the device's busy seconds a step (kernels and
     copies, annotations left out), the top ops by device and by host time, and the idle gaps."""
     from torch.autograd import DeviceType
@@ -103,11 +103,47 @@ def _profile_summary(prof, walls: list[float], n: int) -> dict:
             "top_host_ops": [{"op": e.key[:90], "calls": e.count // n,
                               "host_ms_per_step": round(e.self_cpu_time_total / 1e3 / n, 3)}
                              for e in by_host],
+            "device_ms_per_step_by_category": by_category(((e.key, e.self_device_time_total) for e in kernels), n),
             "device_idle": _idle_gaps(prof.events(), n)}
 
 
-# The RL phases a watch can wrap (``--profile-phase``): the method of rl_roles that runs each one in this process.
-WATCHED = {"update": ("PolicyLearner", "update"), "reference": ("ReferenceScorer", "logprobs")}
+# Kernel categories by name, the first pattern that matches (attention before matmul: cuDNN's attention kernels
+# carry "wgmma" too; log-softmax before the inductor-fused catch-all: a fused log-softmax is named after it).
+# "cache writes" are index_copy kernels: the decode step's K/V columns, and the sampler's two record columns.
+CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("matmul", ("nvjet", "gemm", "gemv", "cutlass", "xmma", "splitk")),
+    ("log-softmax, loss, sampling", ("softmax", "cross_entropy", "logsumexp", "scan", "searchsorted", "cumsum",
+                                     "gather", "sort", "topk")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "lerp", "_amp_")),
+    ("cache writes (index_copy)", ("index_copy",)),
+    ("copies, fills", ("memcpy", "memset", "direct_copy", "copy_kernel", "catarraybatchedcopy", "fill_kernel",
+                       "fillfunctor")),
+    ("norms, rotary, activations, other elementwise", ("triton_", "elementwise", "norm", "reduce", "silu",
+                                                          "cat", "index")),
+)
+
+
+def category(name: str) -> str:
+    """A kernel's category (:data:`CATEGORIES`), ``other`` where no pattern matches."""
+    low = name.lower()
+    return next((c for c, pats in CATEGORIES if any(p in low for p in pats)), "other")
+
+
+def by_category(kernels, n: int) -> dict[str, float]:
+    """Device milliseconds a step by :func:`category`, from ``(kernel name, device microseconds)`` pairs over
+    ``n`` steps; largest first."""
+    out: dict[str, float] = {}
+    for name, us in kernels:
+        out[category(name)] = out.get(category(name), 0.0) + us / 1e3 / n
+    return {k: round(v, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+
+
+# The RL phases a watch can wrap (``--profile-phase``): the module, class and method that runs each one in this
+# process (the rollout: the static engine's generate, what rl's rollout phase times on a GPU).
+WATCHED = {"update": ("rlhf_core.trainers.rl_roles", "PolicyLearner", "update"),
+           "reference": ("rlhf_core.trainers.rl_roles", "ReferenceScorer", "logprobs"),
+           "rollout": ("rlhf_core.rollout.static", "StaticCacheEngine", "generate")}
 
 
 class _UpdateWatch:
@@ -123,10 +159,10 @@ class _UpdateWatch:
         self.summary: dict = {}
 
     def install(self) -> None:
-        from rlhf_core.trainers import rl_roles
+        import importlib
 
-        owner = getattr(rl_roles, WATCHED[self.phase][0])
-        method = WATCHED[self.phase][1]
+        module, cls, method = WATCHED[self.phase]
+        owner = getattr(importlib.import_module(module), cls)
         original, calls, around = getattr(owner, method), [0], self.around
 
         def watched(role, *args, **kwargs):
@@ -141,10 +177,13 @@ class _UpdateWatch:
 
 
 class UpdateProfile(_UpdateWatch):
-    """``--profile`` on the grpo bench: torch.profiler over one update call, summarised as the offline rows' steps
-    are. One process (no Ray ranks). The profiled step's times carry the profiler's overhead: not for the figures."""
+    """``--profile`` on the grpo bench: torch.profiler over one call of an RL phase (``--profile-phase``: the update
+    by default), summarised as the offline rows' steps are, under ``<phase>_profile``. One process (no Ray ranks).
+    The profiled step's times carry the profiler's overhead: not for the figures."""
 
-    key = "update_profile"
+    def __init__(self, spec: dict) -> None:
+        super().__init__(spec)
+        self.key = f"{self.phase}_profile"  # update_profile, reference_profile, rollout_profile
 
     def around(self, run):
         import torch
@@ -159,7 +198,13 @@ class UpdateProfile(_UpdateWatch):
             sync()
         wall = time.perf_counter() - start
         try:
-            self.summary = {"phase": self.phase, "update_call": self.at, **_profile_summary(prof, [wall], 1)}
+            self.summary = {"phase": self.phase, "update_call": self.at, **profile_summary(prof, [wall], 1)}
+            # the rollout engine's switches after the call: a capture that failed under the profiler decodes eagerly
+            owner = run.args[0] if run.args else None
+            flags = {a: getattr(owner, a) for a in ("cuda_graphs", "compile_layers", "triton_attention")
+                     if hasattr(owner, a)}
+            if flags:
+                self.summary["engine_after"] = flags
         except Exception as exc:  # noqa: BLE001 -- a profile that cannot be read must not cost the row
             self.summary = {"error": f"{type(exc).__name__}: {exc}"}
         return out
@@ -241,7 +286,12 @@ def _idle_gaps(events, steps: int, top: int = 12) -> dict:
                 overlap[name] = min(overlap.get(name, math.inf), s1 - s0)
         return [k[:60] for k, _ in sorted(overlap.items(), key=lambda kv: kv[1])[:4]]  # innermost first
 
+    sizes = {"under_10us": (0, 10), "10_100us": (10, 100), "100us_1ms": (100, 1000), "over_1ms": (1000, math.inf)}
     return {"span_ms_per_step": round(span / 1e3 / steps, 2), "idle_ms_per_step": round(idle / 1e3 / steps, 2),
+            # launch latency between a graph's kernels sits in the smallest gaps; the host's own work in the largest
+            "idle_ms_per_step_by_gap": {k: round(sum(g[0] for g in gaps if a <= g[0] < b) / 1e3 / steps, 3)
+                                        for k, (a, b) in sizes.items()},
+            "gaps_per_step": round(len(gaps) / steps, 1),
             "gaps_over_100us_per_step": round(sum(g[0] > 100 for g in gaps) / steps, 1),
             "idle_in_gaps_over_1ms_per_step": round(sum(g[0] for g in gaps if g[0] > 1000) / 1e3 / steps, 2),
             "largest": [{"ms": round(g[0] / 1e3, 2), "after": g[3][:60], "before": g[4][:60],
