@@ -1,23 +1,11 @@
-"""Can a rollout engine and the trainer compute the same log-probs bit for bit on a CPU? A probe before building
-parity mode (issue 54, item 1).
+"""Does parity mode's batch-invariant forward (``rlhf_core/models/parity.py``, ``rl.rollout.parity``) give a
+sequence's log-probs the same bits however it is batched, on this machine's math library, and at what cost?
 
-The two sides differ in how rows and keys are grouped: the engine decodes a token at a time over a KV cache with
-whatever rows are still in the batch, the trainer scores whole sequences in batches of its own, and left padding puts
-a sequence's keys at different columns in each. Floating-point sums depend on their grouping, so log-probs differ in
-the last bits (the mismatch KL alignflow logs and corrects). The probe tries two batch-invariant replacements on a
-model loaded from a folder (the embedded SFT model by default), and reports, with them off and on:
-
-* ``linear``: every ``nn.Linear`` computes its rows as one batched matmul over blocks of a fixed size (zero rows pad
-  the last block), so each row goes through the math library's kernel in a block of the same shape whatever the batch;
-* ``attention``: a registered transformers attention that moves each row's keys to their logical positions (left
-  padding shifted out), pads them to a fixed length and reduces over the same layout for every query, in the cache
-  or not.
-
-It compares, for the sampled (here: given) tokens, ``log_softmax(logits)`` from (a) one forward of a batch of 64
-left-padded sequences, (b) each sequence alone, (c) a batch where half the rows end early (right padding), and
-(d) a prefill plus token-by-token decode over transformers' cache, as HF ``generate`` runs it; then times a forward
-of the batch both ways (median and range of 5). Nothing here is wired into the trainers: the probe says whether the
-route holds on this machine's math library and what it costs.
+On a model loaded from a folder (the embedded SFT model by default), with the forward plain and batch-invariant,
+it compares the log-probs of the given tokens from (a) one forward of a batch of 64 left-padded sequences, (b) each
+sequence alone, (c) a batch where half the rows end early (right padding), and (d) a prefill plus token-by-token
+decode over transformers' cache, as HF ``generate`` runs it; then times a forward of the batch both ways (median
+and range of 5).
 
 Run: ``python bench/parity_probe.py --model models/sft --out bench/results/cpu/DAY/parity_probe.json``
 """
@@ -30,7 +18,6 @@ import platform
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -40,71 +27,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import rlhf_core  # noqa: E402,F401  (offline switches, fixed math-library threading)
-
-PARITY = "parity_probe"
-BLOCK_ROWS = 16
+from rlhf_core.models.parity import BLOCK_ROWS, make_batch_invariant  # noqa: E402
 
 
-def blocked_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T (+ b)`` as one batched matmul over blocks of :data:`BLOCK_ROWS` rows (zero rows pad the last): every
-    row meets the kernel in a block of the same shape whatever the batch."""
-    flat = x.reshape(-1, x.shape[-1])
-    rows = flat.shape[0]
-    padded = F.pad(flat, (0, 0, 0, (-rows) % BLOCK_ROWS))
-    blocks = padded.shape[0] // BLOCK_ROWS
-    out = torch.bmm(padded.view(blocks, BLOCK_ROWS, -1), self.weight.t().unsqueeze(0).expand(blocks, -1, -1))
-    out = out.reshape(-1, self.weight.shape[0])[:rows]
-    if self.bias is not None:
-        out = out + self.bias
-    return out.reshape(*x.shape[:-1], out.shape[-1])
 
-
-def canonical_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, key_length=64, **_):
-    """Attention whose reductions see each row's keys at their logical positions, padded to ``key_length``.
-
-    query ``(B, H, Tq, D)``, key/value ``(B, Hkv, Tk, D)``; ``attention_mask`` transformers' boolean ``(B, 1, Tq, Tk)``
-    (True: attend) or None (no padding: causal over the last ``Tq`` positions). Returns ``(B, Tq, H, D)``."""
-    B, H, Tq, D = query.shape
-    Tk = key.shape[2]
-    key = key.repeat_interleave(H // key.shape[1], dim=1)
-    value = value.repeat_interleave(H // value.shape[1], dim=1)
-    if attention_mask is None:
-        q_pos = torch.arange(Tk - Tq, Tk).view(Tq, 1)
-        allowed = (torch.arange(Tk).view(1, Tk) <= q_pos).expand(B, 1, Tq, Tk)
-    else:
-        allowed = attention_mask.bool().expand(B, 1, Tq, Tk)
-    shift = allowed[:, 0, -1, :].int().argmax(-1)  # leading padding of each row (its first key the last query sees)
-    src = torch.arange(key_length).view(1, key_length) + shift.view(B, 1)  # canonical slot i <- key i + shift
-    inside = src < Tk
-    src = src.clamp(max=Tk - 1)
-    take = src.view(B, 1, key_length, 1).expand(B, H, key_length, D)
-    key = torch.gather(key, 2, take) * inside.view(B, 1, key_length, 1)
-    value = torch.gather(value, 2, take) * inside.view(B, 1, key_length, 1)
-    allowed = torch.gather(allowed, 3, src.view(B, 1, 1, key_length).expand(B, 1, Tq, key_length))
-    allowed = allowed & inside.view(B, 1, 1, key_length)
-    scores = (query.unsqueeze(-2) * key.unsqueeze(-3)).sum(-1) * (scaling if scaling is not None else D ** -0.5)
-    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)  # padding queries: 0
-    out = (probs.unsqueeze(-1) * value.unsqueeze(-3)).sum(-2)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def register(key_length: int) -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(PARITY, lambda *a, **k: canonical_attention(*a, key_length=key_length, **k))
-    AttentionMaskInterface.register(PARITY, sdpa_mask)
-
-
-def load(path: Path, parity: bool):
+def load(path: Path, parity: bool, key_length: int):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation=PARITY if parity else "sdpa").eval()
-    if parity:
-        for module in model.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.forward = types.MethodType(blocked_linear, module)
-    return model
+    model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa").eval()
+    return make_batch_invariant(model, key_length) if parity else model
 
 
 def batch(vocab: int, rows: int, width: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +80,7 @@ def compare(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor) -> dict:
 
 
 def probe(path: Path, parity: bool, rows: int, width: int, length: int) -> dict:
-    model = load(path, parity)
+    model = load(path, parity, key_length=width + length)
     ids, mask = batch(model.config.vocab_size, rows, width, length, seed=0)
     valid = (mask[:, 1:] * mask[:, :-1]).bool()  # a real token predicted from a real token
     full = scored(model, ids, mask)
@@ -177,7 +108,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=24, help="response tokens after the prompt")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    register(key_length=args.width + args.length)
     torch.manual_seed(0)
     result = {"model": str(args.model), "host": platform.processor() or platform.machine(),
               "threads": torch.get_num_threads(), "torch": torch.__version__, "block_rows": BLOCK_ROWS,

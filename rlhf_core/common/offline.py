@@ -37,8 +37,8 @@ NO_MULTICAST_ENV: dict[str, str] = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DIS
 
 # The math libraries' dynamic threading off. On, MKL and OpenMP choose each call's thread count from the
 # machine's load, which changes the order a reduction sums in: the real recipe's GRPO model differed in its last
-# bits between a run on a quiet machine and one beside other work, and with these set it does not
-# (bench/results/cpu/2026-12-06/real_recipe_cpu.md). Read when the libraries load, so set before torch is imported;
+# bits between a run on a quiet machine and one beside other work, and with these set it does not (README, "A real
+# model on a real task"). Read when the libraries load, so set before torch is imported;
 # Ray workers get them too (rlhf_core.trainers.ray_launcher.worker_env).
 DETERMINISM_ENV: dict[str, str] = {"MKL_DYNAMIC": "FALSE", "OMP_DYNAMIC": "FALSE"}
 

@@ -231,6 +231,19 @@ class RLConfig(TrainerConfig):
                "GPU) or parallel zero2")
         self._check_weight_sync()
         self._check_rollout_sleep()
+        self._check_parity()
+
+    def _check_parity(self) -> None:
+        """rl.rollout.parity: one process, the HF engine sampling from the policy itself, padded rows."""
+        s = self.section
+        if not self.rollout.parity:
+            return
+        _check(self.rollout.engine == "hf", s, "rollout.parity",
+               f"needs rollout.engine hf (the static and vLLM engines run decode kernels of their own), "
+               f"got {self.rollout.engine!r}")
+        _check(self.distribution.placement == "none", s, "rollout.parity",
+               f"needs placement none (one process), got {self.distribution.placement!r}")
+        _check(self.packing is not True, s, "rollout.parity", "needs packing auto or false (padded rows)")
 
     def _check_rollout_sleep(self) -> None:
         """rl.rollout_sleep: on only where every rollout is followed by a sync of the whole weights."""

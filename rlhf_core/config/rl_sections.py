@@ -27,6 +27,12 @@ class RolloutSection:
     """Nucleus sampling mass of rollouts, in (0, 1]."""
     max_new_tokens: int = 12
     """Generation budget per response in tokens, eos included."""
+    parity: bool = False
+    """The engine and the trainer compute log-probs with the same batch-invariant forward
+    (rlhf_core/models/parity.py), so the engine's log-prob of every sampled token equals the trainer's recomputation
+    bit for bit and rollout/logprob_mismatch reads exactly 0: a divergence seen then is the algorithm's, not numerics'.
+    Needs engine hf, placement none, packing off and a CPU; the embedded GRPO step is about 5x slower (measured by
+    bench/parity_abba.sh)."""
     vllm_memory_fraction: float = 0.1
     """rollout.engine vllm: fraction of GPU memory (of RAM on CPU) vLLM reserves for its KV cache."""
     sleep: str = "auto"
@@ -235,7 +241,7 @@ RENAMED: dict[str, str] = {
     "rollout_engine": "rollout.engine", "prompts_per_step": "rollout.prompts_per_step",
     "group_size": "rollout.group_size", "temperature": "rollout.temperature", "top_p": "rollout.top_p",
     "max_new_tokens": "rollout.max_new_tokens", "vllm_memory_fraction": "rollout.vllm_memory_fraction",
-    "rollout_sleep": "rollout.sleep", "reward_kind": "reward.kind", "reward_function": "reward.function",
+    "rollout_sleep": "rollout.sleep", "rollout_parity": "rollout.parity", "reward_kind": "reward.kind", "reward_function": "reward.function",
     "reward_model_path": "reward.model_path", "reward_url": "reward.url", "reward_timeout_s": "reward.timeout_s",
     "reward_retries": "reward.retries", "reward_backoff_cap_s": "reward.backoff_cap_s",
     "reward_deadline_s": "reward.deadline_s", "reward_max_response_bytes": "reward.max_response_bytes",

@@ -244,7 +244,7 @@ def _response_logits(model: Any, exp: dict[str, torch.Tensor], prompt_width: int
 def token_logprobs(model: Any, exp: dict[str, torch.Tensor], prompt_width: int, temperature: float,
                    with_entropy: bool = False, entropy_grad: bool = False,
                    share_prompts: bool = False, head: LMHead = LMHead(),
-                   packed: bool | PackedRows = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   packed: bool | PackedRows = False, parity: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(rows, R)`` ``log_softmax(logits / T)`` of each response token, and optionally its entropy.
 
     The logits at position ``t`` predict token ``t + 1``, so the response tokens (columns
@@ -259,8 +259,11 @@ def token_logprobs(model: Any, exp: dict[str, torch.Tensor], prompt_width: int, 
     ``log_softmax(z)[y] = z_y - logsumexp(z)``: gathering before normalising keeps no ``(rows, R, V)``
     log-softmax tensor alive for backward. With ``head`` chunked or liger (:mod:`rlhf_core.models.lm_head`) the
     model returns hidden states and no ``(rows, R, V)`` logits exist at all.
+
+    ``parity`` (``rl.rollout.parity``, a batch-invariant model): whole logits and ``log_softmax`` then gather, the HF
+    engine's own arithmetic (:class:`rlhf_core.rollout.engine._SampledTokenLogprobs`), so the bits match its.
     """
-    if bypasses_head(model, head):
+    if not parity and bypasses_head(model, head):
         with head_bypassed(model) as lm_head:
             hidden = _response_logits(model, exp, prompt_width, share_prompts, packed)  # (rows, R, H): hidden states
         rows, R = exp["response_ids"].shape
@@ -270,7 +273,10 @@ def token_logprobs(model: Any, exp: dict[str, torch.Tensor], prompt_width: int, 
     logits = _response_logits(model, exp, prompt_width, share_prompts, packed).float()
     if temperature != 1.0:
         logits = logits / temperature
-    logp = logits.gather(-1, exp["response_ids"].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    if parity:
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, exp["response_ids"].unsqueeze(-1)).squeeze(-1)
+    else:
+        logp = logits.gather(-1, exp["response_ids"].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     if not with_entropy:
         return logp, None
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):

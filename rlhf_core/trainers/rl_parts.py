@@ -23,6 +23,7 @@ from rlhf_core.data.io import DataError, read_records
 from rlhf_core.data.sequences import SAMPLE_ROWS, rendered_row
 from rlhf_core.data.tokenize import IGNORE_INDEX, TokenizedExample, encode_prompt
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+from rlhf_core.models.parity import make_batch_invariant
 from rlhf_core.models.precision import Precision
 from rlhf_core.rewards.sources import RewardSource, build_reward_source
 from rlhf_core.rollout.engine import HFGenerateEngine, RolloutBatch, RolloutEngine
@@ -280,7 +281,10 @@ def sampling_copy(cfg: RLConfig, device: torch.device) -> Any:
 
 def build_rollout_engine(cfg: RLConfig, policy: Any, tokenizer: Any,
                          autocast_dtype: torch.dtype | None = None) -> RolloutEngine:
-    """The engine ``cfg.rollout.engine`` names; vLLM falls back to HF generate, with a warning, when absent."""
+    """The engine ``cfg.rollout.engine`` names; vLLM falls back to HF generate, with a warning, when absent. Under
+    ``rollout.parity`` the policy it samples from is made batch-invariant (already so where it is the learner's)."""
+    if cfg.rollout.parity:
+        make_batch_invariant(policy, cfg.max_length)
     if cfg.rollout.engine == "vllm":
         if vllm_available():
             return VLLMEngine(cfg.model_path, tokenizer, seed=cfg.seed,

@@ -31,6 +31,7 @@ from rlhf_core.models.loading import adapter_parameters, adapters_off, export_st
 from rlhf_core.distributed.parallel import (LocalStrategy, World, current_world, disable_dropout, resident_weight_bytes,
                                             train_mode)
 from rlhf_core.distributed.strategies import build_strategy, shard_frozen
+from rlhf_core.models.parity import make_batch_invariant
 from rlhf_core.models.precision import Precision
 from rlhf_core.algorithms.rl_math import (AdvantageEstimator, LossAggregation, PolicyObjective, aggregate_loss,
                                aggregation_units, clipped_value_loss, kl_penalty, masked_mean, policy_loss)
@@ -179,6 +180,12 @@ class PolicyLearner:
         log.info("rl: %s", why)
         prepare_for_training(self.policy, gradient_checkpointing=self.checkpointing, lora_rank=cfg.lora_rank,
                              lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout)
+        if cfg.rollout.parity:  # after the adapters exist: they are linear layers too
+            if self.device.type != "cpu":
+                raise ValueError(f"{cfg.section}.rollout.parity: batch invariance is checked on a CPU only so far "
+                                 f"(this policy is on {self.device.type}); set rollout.parity false")
+            make_batch_invariant(self.policy, cfg.max_length)
+            self.packing = False
         # under mixed/bf16 this casts the policy to bf16 (after taking the fp32 masters from it)
         self.optimizer = build_optimizer(self.policy, cfg.lr, cfg.weight_decay, self.precision, parallel=cfg.parallel,
                                          distributed=self.world.distributed)
@@ -196,7 +203,7 @@ class PolicyLearner:
         # repeats), but it has not run there: those keep the padded rows. It needs no KV cache, so gradient
         # checkpointing keeps it.
         local = type(self.strategy) is LocalStrategy  # DDPStrategy subclasses it
-        self.share_prompts = local
+        self.share_prompts = local and not cfg.rollout.parity  # parity: the padded rows, as the engine saw them
         self.critic = self.critic_opt = self.critic_sched = self.critic_strategy = None
         if AdvantageEstimator(cfg.algorithm.estimator).needs_critic:
             self.critic = load_reward_model(cfg.critic_model_path or cfg.model_path, self.device,
@@ -241,7 +248,8 @@ class PolicyLearner:
         """``(my_rows, R)`` the policy's log-probs of this rank's rows, no gradient, in ``shard``'s chunks."""
         return in_chunks(
             lambda e, p: token_logprobs(self.strategy.module, e, p, self.cfg.rollout.temperature, head=self.head,
-                                        share_prompts=self.share_prompts, packed=self.packing)[0],
+                                        share_prompts=self.share_prompts, packed=self.packing,
+                                        parity=self.cfg.rollout.parity)[0],
             exp, prompt_width, shard.rows.to(self.device), shard.n_chunks)
 
     # ---- update: ppo_epochs x mini-batches of the policy (and critic) ------------------------
@@ -322,7 +330,7 @@ class PolicyLearner:
         fused_old = "old_logp" not in m
         logp, entropy = token_logprobs(model, m, width, cfg.rollout.temperature, with_entropy=True,
                                        entropy_grad=cfg.algorithm.entropy_coef != 0, share_prompts=self.share_prompts,
-                                       head=self.head, packed=packed)
+                                       head=self.head, packed=packed, parity=cfg.rollout.parity)
         old_logp = logp.detach() * m["mask"] if fused_old else m["old_logp"]
         pg_loss, stats = policy_loss(self.objective, logp, old_logp, m["advantages"], m["mask"],
                                      clip_low=self.clip[0], clip_high=self.clip[1], dual_clip=cfg.algorithm.dual_clip
