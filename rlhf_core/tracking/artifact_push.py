@@ -23,8 +23,9 @@ class ArtifactPushFailed(RuntimeError):
 
 def failure_reason(exc: BaseException, limit: int = 300) -> str:
     """The root cause of a failed request in a few words (``[Errno 111] Connection refused``, ``too many 500 error
-    responses``), else the exception's type and the first ``limit`` characters of its text."""
-    found = re.search(r"\[Errno -?\d+\] [^'\")\]]+|too many \d+ error responses", str(exc))
+    responses``, ``ConnectionResetError(104, 'Connection reset by peer')``), else the exception's type and the first
+    ``limit`` characters of its text."""
+    found = re.search(r"\[Errno -?\d+\] [^'\")\]]+|too many \d+ error responses|\w+Error\(-?\d+, '[^']+'\)", str(exc))
     return found.group(0).strip() if found else f"{type(exc).__name__}: {str(exc)[:limit]}"
 
 
@@ -38,9 +39,9 @@ def pushing(what: str, run_id: str, uri: str) -> Iterator[None]:
         yield
     except (MlflowException, OSError) as exc:  # requests' errors are OSErrors
         raise ArtifactPushFailed(redact_secrets(
-            f"{what} of MLflow run {run_id} could not be pushed to the artifact store through {uri} "
-            f"({failure_reason(exc, 120)}); nothing is registered from this run and no alias moves. Check the object "
-            "store behind the server (alignflow services status on the team profile), then run again.")) from exc
+            f"{what} of MLflow run {run_id} could not be pushed to the artifact store through {uri}; nothing is "
+            f"registered from this run and no alias moves ({failure_reason(exc, 60)}). Check the object store behind "
+            "the server (alignflow services status on the team profile), then run again.")) from exc
 
 
 def pushes(method: Callable[..., Any]) -> Callable[..., Any]:
