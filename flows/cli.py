@@ -35,7 +35,7 @@ from typing import Any, Sequence
 import rlhf_core  # offline switches first
 from flows import errors
 from flows.params import load_all, write_private_overrides
-from flows.preflight import check_flow_inputs, check_inputs
+from flows.preflight import check_flow_inputs, check_inputs, check_prefect_server
 from flows.profiles import Profile, apply_team_profile, params_file, take_profile
 from rlhf_core.common.redact import redact_secrets
 from rlhf_core.config import (
@@ -309,11 +309,12 @@ def _flow_overrides(pairs: Sequence[str]) -> tuple[dict[str, dict[str, Any]], st
 
 
 def _check_flow_config(args: argparse.Namespace, overrides: dict[str, dict[str, Any]], private: str | None) -> None:
-    """Every section's config and the flow's own input paths, checked before Prefect starts: a typo is one
-    line naming its source in a second, not a failed flow run."""
+    """Every section's config, the flow's own input paths and the Prefect server it is pointed at, checked before
+    Prefect starts: a typo or a server that is down is one line naming its source in a second, not a failed flow run."""
     load_all(args.params, overrides, private)
     check_flow_inputs({f"--{k.replace('_', '-')}": getattr(args, k, None)
                        for k in ("sft_file", "preference_file", "prompts_file", "eval_file", "base_model")})
+    check_prefect_server()
 
 
 def cmd_flow(args: argparse.Namespace) -> int:

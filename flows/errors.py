@@ -40,6 +40,7 @@ EXIT_CODES: dict[str, int] = {
     "rlhf_core.rewards.sources.RewardError": 1,
     "rlhf_core.promotion.metric_command.MetricCommandError": 1,
     "rlhf_core.tracking.checkpoint.StorageError": 1,
+    "rlhf_core.tracking.artifact_push.ArtifactPushFailed": 1,
 }
 """The project's own errors (``module.Class``) and the exit status each gives; subclasses count too."""
 

@@ -6,6 +6,9 @@ not end in a traceback from deep inside the gate: it says which setting names th
 that value came from (``--set``, the params file, or the default), which command writes that path, and
 how to point the setting elsewhere.
 
+A flow also needs the Prefect server it is pointed at (:func:`check_prefect_server`): one that does not answer is one
+line naming it, not Prefect's traceback.
+
 Run by :mod:`flows.cli` (stage commands and ``flow``); imports only the config module and the stage registry.
 """
 
@@ -13,9 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
+from rlhf_core.common.redact import redact_secrets
 from rlhf_core.config import ConfigError, read_params
 from rlhf_core.config import stage_registry as registry
 
@@ -85,3 +91,30 @@ def check_flow_inputs(given: dict[str, str | None]) -> None:
     for option, path in given.items():
         if path and not Path(path).exists():
             raise ConfigError(f"{option}: {path}: not found")
+
+
+GATEWAY_DOWN = (502, 503, 504)
+"""A gateway's answer for a server behind it that is down."""
+
+
+def check_prefect_server() -> None:
+    """The Prefect server ``PREFECT_API_URL`` names (the team profile sets it) answers: else a ConfigError naming it,
+    as :class:`rlhf_core.tracking.mlflow_runs.TrackingUnavailable` does for MLflow's, before Prefect's client meets
+    it with a traceback. Any HTTP answer but a gateway's counts (a 401 or 404 too: this asks whether a server is
+    there). Without ``PREFECT_API_URL`` a flow starts an ephemeral Prefect of its own: nothing to ask."""
+    url = os.environ.get("PREFECT_API_URL", "").rstrip("/")
+    if not url:
+        return
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5):  # noqa: S310 - the user's own server
+            return
+    except urllib.error.HTTPError as exc:
+        if exc.code not in GATEWAY_DOWN:
+            return
+        problem = f"HTTP {exc.code} from a gateway"
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        problem = str(getattr(exc, "reason", exc))
+    raise ConfigError(redact_secrets(
+        f"Prefect server {url} (PREFECT_API_URL) did not answer ({problem}): start it (the team profile's: "
+        "alignflow services up; alignflow services status says which service is down), or unset PREFECT_API_URL "
+        "to run the flow on an ephemeral Prefect of its own."))

@@ -28,8 +28,10 @@ aliases move under the compare-and-set above, the card is written, then the vers
 at any point rolls back what was done, newest first: each alias still on this version goes back to the version it
 named before (one a concurrent flow has moved since is left alone), and the version this registration made is
 deleted (with its registered model, when this was its first version). The previous champion stays and nothing
-half-registered is left; the task's retry then registers afresh. ``ALIGNFLOW_FAULT=register:<point>`` (``version``,
-``alias``, ``card``) fails it at that point, for the tests.
+half-registered is left; the task's retry then registers afresh. The model is pushed into the artifact store before
+the version is made: a push that fails (the object store unreachable) is
+:class:`rlhf_core.tracking.artifact_push.ArtifactPushFailed`, with nothing to roll back.
+``ALIGNFLOW_FAULT=register:<point>`` (``version``, ``alias``, ``card``) fails it at that point, for the tests.
 
 Run: called by the align, iterative_dpo and raft flows (``register_model``).
 """
@@ -53,6 +55,7 @@ from prefect import task
 from prefect.transactions import CommitMode, transaction
 
 from rlhf_core.config import GuardsConfig, TrackingConfig, build_config
+from rlhf_core.tracking.artifact_push import pushing
 from rlhf_core.tracking.lineage import dvc_md5
 from rlhf_core.tracking.mlflow_runs import (
     MODEL_REF_FILE,
@@ -244,9 +247,10 @@ def _version_of(client: Any, cfg: TrackingConfig, model_dir: str, run_id: str, n
     if found:  # a stage run already registered (a cached stage in a re-run flow, a retry) keeps its version
         return str(found[0].version), found[0].source, found[0].tags.get(REGISTRATION_TAG) == "pending"
     md5 = dvc_md5(model_dir) if cfg.model_storage == "reference" else None
-    model_uri = MlflowTracker(client, run_id, tracking=cfg).log_hf_model(
-        model_dir, name, md5=md5, version_tags={METRIC_TAG: _metric_text(accuracy), REGISTRATION_TAG: "pending"},
-        prune=False)
+    with pushing(f"the model {name}", run_id, client.tracking_uri):  # before the version: nothing to undo if it fails
+        model_uri = MlflowTracker(client, run_id, tracking=cfg).log_hf_model(
+            model_dir, name, md5=md5, version_tags={METRIC_TAG: _metric_text(accuracy), REGISTRATION_TAG: "pending"},
+            prune=False)
     return str(client.search_model_versions(f"name='{name}' and run_id='{run_id}'")[0].version), model_uri, True
 
 

@@ -221,8 +221,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture()
-def team_base():
+def _team_folder():
     """A folder in /tmp every user can search, for the team services' data: under root, PostgreSQL runs as user
     postgres, which must reach its data folder (pytest's own tmp_path is root's alone)."""
     import shutil
@@ -231,6 +230,18 @@ def team_base():
     base.chmod(0o755)
     yield base
     shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture()
+def team_base():
+    """:func:`_team_folder` for one test."""
+    yield from _team_folder()
+
+
+@pytest.fixture(scope="module")
+def team_base_module():
+    """:func:`_team_folder` for a test module whose tests share one set of team services."""
+    yield from _team_folder()
 
 
 @pytest.fixture()

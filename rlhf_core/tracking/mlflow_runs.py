@@ -27,7 +27,6 @@ import json
 import logging
 import math
 import os
-import re
 import sys
 import threading
 import time
@@ -42,6 +41,7 @@ from rlhf_core.common.project import project_root  # noqa: F401 - re-exported: c
 from rlhf_core.config import ConfigError, TrackingConfig
 from rlhf_core.common.redact import redact_secrets
 from rlhf_core.data.io import read_records
+from rlhf_core.tracking.artifact_push import failure_reason, pushes
 from rlhf_core.tracking.schema import check_schema
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,6 @@ class TrackingLost(RuntimeError):
 
     Transient for Prefect: the server may be back by the retry, which continues the same run.
     """
-
 
 
 class Tracker(Protocol):
@@ -141,17 +140,21 @@ class MlflowTracker:
 
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in redact_secrets(tags).items()])
 
+    @pushes
     def log_dict(self, obj: Any, artifact_file: str) -> None:
         self.client.log_dict(self.run_id, redact_secrets(obj), artifact_file)
 
+    @pushes
     def log_text(self, text: str, artifact_file: str) -> None:
         """A text artifact (an HTML page shows rendered in the MLflow UI), secrets redacted."""
         self.client.log_text(self.run_id, redact_secrets(text), artifact_file)
 
+    @pushes
     def log_figure(self, figure: Any, artifact_file: str) -> None:
         """A matplotlib figure as a PNG artifact."""
         self.client.log_figure(self.run_id, figure, artifact_file)
 
+    @pushes
     def log_table(self, rows: list[dict[str, Any]], name: str) -> None:
         """Append ``rows`` to the run's table artifact ``name`` (MLflow merges rows of the same file)."""
         import pandas as pd  # lazy: pandas (only when a table is logged)
@@ -367,13 +370,6 @@ def _delete_version_artifacts(client: Any, version: Any) -> None:
 _GATEWAY_DOWN = frozenset({502, 503, 504})
 
 
-def _reason(exc: BaseException) -> str:
-    """The root cause of a failed request in a few words (``[Errno 111] Connection refused``), else
-    the exception's type and the start of its text."""
-    found = re.search(r"\[Errno -?\d+\] [^'\")\]]+", str(exc))
-    return found.group(0).strip() if found else f"{type(exc).__name__}: {str(exc)[:300]}"
-
-
 def wait_for_server(uri: str, patience_s: float) -> None:
     """Return once the http(s) tracking server at ``uri`` answers; :class:`TrackingUnavailable`
     after ``patience_s`` seconds of trying (sqlite and file stores need no server: no check).
@@ -402,7 +398,7 @@ def wait_for_server(uri: str, patience_s: float) -> None:
                 return
             problem = f"HTTP {reply.status_code} from a gateway"
         except requests.RequestException as exc:
-            problem = _reason(exc)
+            problem = failure_reason(exc)
         left = deadline - time.monotonic()
         if left <= 0:
             raise TrackingUnavailable(redact_secrets(
@@ -551,7 +547,7 @@ def _mark_failed(client: Any, run_id: str, uri: str, patience_s: float) -> None:
             client.set_terminated(run_id, status="FAILED")
     except Exception as exc:  # noqa: BLE001 - whatever broke, the stage's error is the one to report
         log.warning(redact_secrets(
-            f"could not mark MLflow run {run_id} FAILED at {uri} ({_reason(exc)}); it stays RUNNING there "
+            f"could not mark MLflow run {run_id} FAILED at {uri} ({failure_reason(exc)}); it stays RUNNING there "
             "(a retry of the task continues it). The stage's own error follows."))
 
 
@@ -563,7 +559,7 @@ def _mark_finished(client: Any, run_id: str, uri: str, run_name: str) -> None:
     except Exception as exc:
         raise TrackingLost(redact_secrets(
             f"{run_name}: the stage finished and wrote its outputs, but MLflow at {uri} did not record run "
-            f"{run_id} as FINISHED ({_reason(exc)}). Once the server is back, a Prefect retry "
+            f"{run_id} as FINISHED ({failure_reason(exc)}). Once the server is back, a Prefect retry "
             "continues this run; a rerun of the command records a new one.")) from exc
 
 
