@@ -62,6 +62,15 @@ def micro_tokenizer(tmp_path_factory, micro_data) -> Path:
 
 
 @pytest.fixture(scope="session")
+def length_reward(tmp_path_factory) -> str:
+    """A dense reward file for RL tests on the untrained micro model: the answer's length / 10, so the samples of
+    one prompt differ (the embedded rule reward is almost always 0 on it)."""
+    path = tmp_path_factory.mktemp("rewards") / "length_reward.py"
+    path.write_text("def reward(prompts, completions, labels):\n    return [len(c) / 10 for c in completions]\n")
+    return f"{path}:reward"
+
+
+@pytest.fixture(scope="session")
 def micro_model(tmp_path_factory, micro_tokenizer) -> Path:
     """A micro Qwen2 model directory (no chat template: the plain template is used)."""
     from rlhf_core.embedded.tiny_model import build_tiny_model

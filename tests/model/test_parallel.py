@@ -148,13 +148,6 @@ def _rl(micro_model, micro_data, tmp_path, reward_function, **kw) -> RLConfig:
     return build_config(RLConfig, "rl", {**values})
 
 
-@pytest.fixture(scope="module")
-def length_reward(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("rewards") / "length_reward.py"
-    path.write_text("def reward(prompts, completions, labels):\n    return [len(c) / 10 for c in completions]\n")
-    return f"{path}:reward"
-
-
 @pytest.mark.parametrize("placement", ["colocated", pytest.param("disaggregated", marks=pytest.mark.slow)])
 def test_grpo_runs_on_ray_with_either_placement(ray_local, micro_model, micro_data, tmp_path, length_reward,
                                                 placement, caplog):

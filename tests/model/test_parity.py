@@ -15,14 +15,6 @@ from rlhf_core.trainers.rl import train_rl
 from conftest import Recorder
 
 
-@pytest.fixture(scope="module")
-def length_reward(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("rewards") / "length_reward.py"
-    path.write_text("def reward(prompts, completions, labels):\n"
-                    "    return [len(c) / 10 for c in completions]\n")
-    return f"{path}:reward"
-
-
 def _scored(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``(rows, T-1)`` log-probs of each next token, positions counted from each row's first real token."""
     positions = (mask.cumsum(-1) - 1).clamp(min=0)

@@ -28,15 +28,6 @@ ESTIMATORS = ["gae", "reinforce++", "reinforce++-baseline", "rloo", "grpo", "dr-
 
 
 
-@pytest.fixture(scope="module")
-def length_reward(tmp_path_factory) -> str:
-    """A reward file: the answer's length / 10 (differs between samples of one prompt)."""
-    path = tmp_path_factory.mktemp("rewards") / "length_reward.py"
-    path.write_text("def reward(prompts, completions, labels):\n"
-                    "    return [len(c) / 10 for c in completions]\n")
-    return f"{path}:reward"
-
-
 def _cfg(micro_model, micro_data, tmp_path, reward_function, **overrides) -> RLConfig:
     values = {"model_path": str(micro_model), "prompts_file": str(micro_data["prompts"]),
               "eval_file": str(micro_data["eval"]), "output_dir": str(tmp_path / "rl"),
