@@ -25,7 +25,9 @@ def failure_reason(exc: BaseException, limit: int = 300) -> str:
     """The root cause of a failed request in a few words (``[Errno 111] Connection refused``, ``too many 500 error
     responses``, ``ConnectionResetError(104, 'Connection reset by peer')``), else the exception's type and the first
     ``limit`` characters of its text."""
-    found = re.search(r"\[Errno -?\d+\] [^'\")\]]+|too many \d+ error responses|\w+Error\(-?\d+, '[^']+'\)", str(exc))
+    # an error class's name is bounded ({1,60}): an unbounded \w+ makes the search quadratic on a long word
+    found = re.search(r"\[Errno -?\d+\] [^'\")\]]+|too many \d+ error responses|\b\w{1,60}Error\(-?\d+, '[^']+'\)",
+                      str(exc))
     return found.group(0).strip() if found else f"{type(exc).__name__}: {str(exc)[:limit]}"
 
 
