@@ -100,6 +100,12 @@ def probe(path: Path, parity: bool, rows: int, width: int, length: int) -> dict:
             "forward_s": {"median": statistics.median(times), "min": min(times), "max": max(times)}}
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository where it lies inside it (a result file names no machine's folders)."""
+    path = path.resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else path.name
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=REPO / "models" / "sft")
@@ -109,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    result = {"model": str(args.model), "host": platform.processor() or platform.machine(),
+    result = {"model": _shown(args.model), "host": platform.processor() or platform.machine(),
               "threads": torch.get_num_threads(), "torch": torch.__version__, "block_rows": BLOCK_ROWS,
               "shape": {"rows": args.rows, "prompt_width": args.width, "response": args.length},
               "off": probe(args.model, False, args.rows, args.width, args.length),
