@@ -15,17 +15,25 @@ from rlhf_core.config import ConfigError, FlowConfig
 HOLD_S = 3.0
 
 
-def _flow_holding(name: str):
+def _flow_holding(name: str, holding: threading.Event, asking: threading.Event):
     from prefect import flow
 
     from flows.gpu_limit import gpu_stages
 
     @flow(name="hold-gpus")
-    def hold() -> tuple[float, float, float]:
+    def hold(first: bool) -> tuple[float, float, float, float]:
+        """The first run keeps the slot for HOLD_S seconds after the second has started asking for it, so the two
+        contend however long Prefect takes to start a flow run on a loaded machine."""
+        entered = time.monotonic()
+        if not first:
+            asking.set()
         with gpu_stages(FlowConfig(gpu_limit=name)) as waited:
             start = time.monotonic()
+            if first:
+                holding.set()
+                assert asking.wait(60), "the second run never started"
             time.sleep(HOLD_S)
-            return waited, start, time.monotonic()
+            return waited, entered, start, time.monotonic()
 
     return hold
 
@@ -35,17 +43,24 @@ def test_two_flow_runs_take_turns_on_one_slot(prefect_server):
 
     name = f"test-gpus-{uuid.uuid4().hex[:8]}"
     assert ensure_gpu_limit(name, 1) == 1
-    hold = _flow_holding(name)
-    results: list[tuple[float, float, float]] = []
-    threads = [threading.Thread(target=lambda: results.append(hold())) for _ in range(2)]
+    holding, asking = threading.Event(), threading.Event()
+    hold = _flow_holding(name, holding, asking)
+    results: dict[str, tuple[float, float, float, float]] = {}
+
+    def second() -> None:
+        assert holding.wait(60), "the first run never held the slot"
+        results["second"] = hold(first=False)
+
+    threads = [threading.Thread(target=lambda: results.update(first=hold(first=True))), threading.Thread(target=second)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=120)
-    assert len(results) == 2
-    first, second = sorted(results, key=lambda r: r[1])
-    assert second[1] >= first[2] - 0.2, "the second run held the slot only after the first let it go"
-    assert second[0] >= HOLD_S - 1.0 and first[0] < HOLD_S - 1.0, (first[0], second[0])
+    assert set(results) == {"first", "second"}
+    first, second = results["first"], results["second"]
+    assert second[2] >= first[3] - 0.2, "the second run held the slot only after the first let it go"
+    assert first[0] < HOLD_S - 1.0, first
+    assert second[0] >= first[3] - second[1] - 0.3 >= HOLD_S - 0.3, (first, second)
     assert limit_state(name) == {"limit": 1, "active_slots": 0, "active": True}
 
 
