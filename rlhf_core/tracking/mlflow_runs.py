@@ -41,7 +41,7 @@ from rlhf_core.common.project import project_root  # noqa: F401 - re-exported: c
 from rlhf_core.config import ConfigError, TrackingConfig
 from rlhf_core.common.redact import redact_secrets
 from rlhf_core.data.io import read_records
-from rlhf_core.tracking.artifact_push import failure_reason, pushes
+from rlhf_core.tracking.artifact_push import failure_reason, pushes, pushing
 from rlhf_core.tracking.schema import check_schema
 
 log = logging.getLogger(__name__)
@@ -219,7 +219,8 @@ class MlflowTracker:
         requirements = [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}",
                         f"tokenizers=={tokenizers.__version__}", "safetensors", "accelerate"]
         status = self.client.get_run(self.run_id).info.status
-        with mlflow.start_run(run_id=self.run_id):
+        with pushing(f"the model {registered_name or model_dir.name}", self.run_id, self.client.tracking_uri), \
+                mlflow.start_run(run_id=self.run_id):
             info = mlflow.transformers.log_model(
                 transformers_model=str(model_dir), name="model", task="text-generation",
                 pip_requirements=requirements,
@@ -252,7 +253,8 @@ class MlflowTracker:
         files = sorted(p for p in folder.rglob("*") if p.is_file())
         pointer = {"format": MODEL_REF_FORMAT, "path": str(folder), "dvc_md5": md5,
                    "bytes": sum(p.stat().st_size for p in files), "files": [str(p.relative_to(folder)) for p in files]}
-        self.client.log_dict(self.run_id, pointer, MODEL_REF_FILE)
+        with pushing(f"the model pointer of {registered_name or folder.name}", self.run_id, self.client.tracking_uri):
+            self.client.log_dict(self.run_id, pointer, MODEL_REF_FILE)
         model_uri = f"runs:/{self.run_id}/{Path(MODEL_REF_FILE).parent}"
         if registered_name:
             self._create_version(registered_name, RunsArtifactRepository.get_underlying_uri(model_uri),

@@ -379,8 +379,9 @@ def inject_fault(stage: str, step: int | str) -> None:
     the tests make a Prefect task fail on its first attempt and succeed on its retry. With
     ``ALIGNFLOW_FAULT_RANK=r`` only data-parallel rank ``r`` fires; with ``ALIGNFLOW_FAULT_SIGNAL=KILL``
     the process SIGKILLs itself instead of raising (a worker dying with no handler run), with ``STOP``
-    it SIGSTOPs itself (a worker that hangs). Unset in
-    normal use: the cost is one environment lookup per step.
+    it SIGSTOPs itself (a worker that hangs), with ``PAUSE`` it SIGSTOPs itself and, once continued, goes on
+    without raising (a test changes the world at that point: cuts the object store before the model's push).
+    Unset in normal use: the cost is one environment lookup per step.
     """
     spec = os.environ.get("ALIGNFLOW_FAULT")
     if not spec:
@@ -399,6 +400,9 @@ def inject_fault(stage: str, step: int | str) -> None:
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(f"{stage}:{step}\n")
     how = os.environ.get("ALIGNFLOW_FAULT_SIGNAL")
+    if how == "PAUSE":
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
     if how in ("KILL", "STOP"):  # STOP: the process freezes, alive but silent (a hung rank)
         os.kill(os.getpid(), signal.SIGKILL if how == "KILL" else signal.SIGSTOP)
     raise InjectedFault(f"{stage}: fault injected after step {step} (ALIGNFLOW_FAULT={spec})")

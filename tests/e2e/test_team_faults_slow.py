@@ -14,6 +14,8 @@ team's S3 behind a network fault would; stopping moto itself would discard them.
   DPO's artifacts at the end of its training are the next push): the flow fails with one message naming the push,
   the champion and candidate aliases stay on the previous version, no version of the failed run is left, and every
   object the store held before is still there.
+- The object store unreachable exactly at a stage's model push (the stage paused there by the fault hook): one
+  message naming the model and the run, no version registered, nothing the store held lost; run again, it registers.
 - Wrong database credentials: ``services up`` refuses them before it starts a server, a run then stops at
   its start before any stage, and the password is printed nowhere (output, service logs, project files).
 """
@@ -231,6 +233,51 @@ def test_object_store_unreachable_at_push_time_moves_no_alias(team):
         client.get_model_version_download_uri(POLICY, champion.version), dst_path=str(team.base / "champion"),
         tracking_uri=f"http://127.0.0.1:{team.section['mlflow_port']}"))
     assert list(weights.rglob("model.safetensors")), "the champion's weights load from the store"
+
+
+def _paused(pid: int) -> bool:
+    """The process stopped itself (``/proc``'s state ``T``)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].startswith("T")
+
+
+def test_object_store_unreachable_at_the_stage_model_push_registers_nothing(team):
+    project = _clone(team, "stage-push", sft={"max_steps": 10, "save_every": 5})
+    for cmd in (["generate"], ["init-model"]):
+        done = team.alignflow([*cmd, "--profile", "team"], project)
+        assert done.returncode == 0, (cmd, done.stderr[-3000:])
+    client = team.client()
+    before = {r.info.run_id for r in _sft_runs(client)}
+    # The stage stops itself where its model is saved and not yet pushed (ALIGNFLOW_FAULT=sft:tracking, PAUSE); the
+    # store is cut there, so the model's push is the first thing that meets it.
+    stage = subprocess.Popen([sys.executable, "-m", "flows.cli", "sft", "--profile", "team"], cwd=project,
+                             env=team.env(project, ALIGNFLOW_FAULT="sft:tracking", ALIGNFLOW_FAULT_SIGNAL="PAUSE",
+                                          MLFLOW_HTTP_REQUEST_MAX_RETRIES="1"),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        def paused():
+            assert stage.poll() is None, stage.communicate()[1][-3000:]
+            return _paused(stage.pid)
+
+        wait_for(paused, 900, "the stage paused before its model push")
+        held = team.keys()
+        team.store.cut()
+        os.kill(stage.pid, signal.SIGCONT)
+        out, err = stage.communicate(timeout=600)
+    finally:
+        if stage.poll() is None:
+            stage.kill()
+        team.store.restore()
+    [run_id] = {r.info.run_id for r in _sft_runs(client)} - before
+    block = one_error(subprocess.CompletedProcess(stage.args, stage.returncode, out, err), 1,
+                      "the model alignflow-sft", run_id, "could not be pushed to the artifact store")
+    print(block)
+    assert not client.search_model_versions(f"run_id='{run_id}'"), "no version of the failed run"
+    assert held <= team.keys(), "every object the store held before the fault is still there"
+    again = team.alignflow(["sft", "--profile", "team"], project)  # the store back: the stage runs again and registers
+    assert again.returncode == 0, again.stderr[-3000:]
+    new = {r.info.run_id for r in _sft_runs(client)} - before
+    assert [v.run_id for v in client.search_model_versions("name='alignflow-sft'") if v.run_id in new], \
+        "the rerun registered its model"
 
 
 # ---- wrong database credentials ------------------------------------------------------------------------------
