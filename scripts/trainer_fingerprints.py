@@ -402,7 +402,7 @@ def _resumed(stage: str, fail_after: int, train: Callable[..., Any], cfg: Any, r
     """Run ``cfg`` until the loop's fault hook (``ALIGNFLOW_FAULT``, raised right after a step's checkpoint)
     stops it, then run it again: it resumes from the newest checkpoint. Fingerprints the resumed run, the
     first run's metrics and the checkpoints as they were at the fault."""
-    from rlhf_core.trainers.loop import InjectedFault
+    from rlhf_core.common.faults import InjectedFault
 
     first = Recorder()
     os.environ["ALIGNFLOW_FAULT"] = f"{stage}:{fail_after}"

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import tempfile
 import time
@@ -54,6 +53,7 @@ from filelock import FileLock, Timeout
 from prefect import task
 from prefect.transactions import CommitMode, transaction
 
+from rlhf_core.common.faults import fires
 from rlhf_core.config import GuardsConfig, TrackingConfig, build_config
 from rlhf_core.tracking.artifact_push import pushing
 from rlhf_core.tracking.lineage import dvc_md5
@@ -264,21 +264,11 @@ class RegistrationFault(RuntimeError):
 
 
 def fault_point(point: str) -> None:
-    """Test hook ``ALIGNFLOW_FAULT=register:<point>[:<marker file>]``: fail the registration at ``point``; with a
-    marker file, once (the file is made when it fires), as :func:`rlhf_core.trainers.loop.inject_fault` does for a
-    stage. Not that function itself: importing the trainers' loop would make it a dependency of every stage that
-    registers (dvc.yaml's deps)."""
-    spec = os.environ.get("ALIGNFLOW_FAULT", "")
-    parts = spec.split(":", 2)
-    if parts[:2] != ["register", point]:
-        return
-    if len(parts) == 3:
-        marker = Path(parts[2])
-        if marker.exists():
-            return
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(f"register:{point}\n")
-    raise RegistrationFault(f"register: fault injected at {point} (ALIGNFLOW_FAULT={spec})")
+    """Test hook ``ALIGNFLOW_FAULT=register:<point>[:<marker file>]`` (:func:`rlhf_core.common.faults.fires`): fail
+    the registration at ``point``."""
+    spec = fires("register", point)
+    if spec is not None:
+        raise RegistrationFault(f"register: fault injected at {point} (ALIGNFLOW_FAULT={spec})")
 
 
 def undo_version(client: Any, name: str, version: str, made_model: bool) -> Callable[[Any], None]:

@@ -173,7 +173,7 @@ def chromium() -> str:
 def stop_after(step: str, train, cfg, monkeypatch) -> None:
     """Run ``train(cfg)`` until the fault hook fires after ``step`` (``ALIGNFLOW_FAULT``, e.g. ``"sft:9"``),
     as a killed run would stop, leaving its checkpoints; the hook is unset again afterwards."""
-    from rlhf_core.trainers.loop import InjectedFault
+    from rlhf_core.common.faults import InjectedFault
 
     monkeypatch.setenv("ALIGNFLOW_FAULT", step)
     with pytest.raises(InjectedFault):

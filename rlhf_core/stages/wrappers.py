@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core.common.atomic_io import write_text_atomic
+from rlhf_core.common.faults import inject_fault
 from rlhf_core.common.offline import arm_stack_dumps
 from rlhf_core.config import (
     DataFields,
@@ -344,7 +345,6 @@ def _register(name: str, cfg: Any, run: Any, result: Any, register_as: str | Non
     """The model registered (``register_as``), the metrics file written, then the checkpoints cleared; returns
     the registered model's URI."""
     from rlhf_core.tracking.checkpoint import clear_checkpoints  # lazy: torch (light `alignflow validate`)
-    from rlhf_core.trainers.loop import inject_fault  # lazy: torch (light `alignflow validate`)
 
     inject_fault(name, "tracking")  # test hook (ALIGNFLOW_FAULT=<stage>:tracking): saved, not yet registered
     model_uri = run.log_hf_model(result.output_dir, register_as) if register_as else None

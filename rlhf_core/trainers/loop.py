@@ -4,7 +4,7 @@ checkpoints, the final save.
 A trainer supplies a :class:`TrainingBody` (a step, an evaluation, its state, its final save) and gets the
 rest from :func:`run_checkpointed`: the offline trainers through :func:`rlhf_core.trainers.offline.run_training`,
 RL through :class:`rlhf_core.trainers.rl`'s iteration. Here too: the metric sinks, the free-space preflight,
-the atomic HF save and the fault-injection test hook the loop fires after each step.
+the atomic HF save; after each step the loop fires the fault-injection test hook (:mod:`rlhf_core.common.faults`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import logging
 import os
 import secrets
 import shutil
-import signal
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -25,6 +24,7 @@ from typing import Any, Callable, Protocol
 import torch
 from tqdm.auto import tqdm
 
+from rlhf_core.common.faults import inject_fault
 from rlhf_core.distributed.parallel import World, current_world
 from rlhf_core.tracking.checkpoint import (
     StorageError, TrainingInterrupted, fsync_tree, replace_dir, rng_state, set_rng_state, sigterm_checkpoints,
@@ -192,7 +192,7 @@ def run_checkpointed(plan: LoopPlan, checkpointer: Any, body: TrainingBody, *, s
                     world.barrier()  # no rank runs ahead of a checkpoint it might have to resume from
                 if stop.requested:
                     raise TrainingInterrupted(f"{plan.name}: stopped by SIGTERM after step {step}; resume from {path}")
-                inject_fault(plan.name, step)
+                inject_fault(plan.name, step, rank=lambda: current_world().rank)
         train_seconds = clock.train_seconds()
         evals.run(plan.max_steps, clock)
         sink.log_metrics({"perf/train_seconds": train_seconds, "perf/total_seconds": clock.total_seconds()},
@@ -367,46 +367,3 @@ def preflight_storage(plan: LoopPlan, checkpointer: Any, body: Any) -> None:
                                              f"{need:,} ({n_ckpt} checkpoint(s) of ~{needs.checkpoint_bytes:,} bytes "
                                              f"and an output of ~{needs.output_bytes:,}); free space or set "
                                              f"checkpoint_dir / output_dir on a larger disk. Refused before training")
-
-
-def inject_fault(stage: str, step: int | str) -> None:
-    """Test hook: ``ALIGNFLOW_FAULT=<stage>:<step>[:<marker file>]`` raises after that step.
-
-    ``<step>`` may also be ``tracking``: :func:`rlhf_core.stages.wrappers._train_stage` fires that one after the
-    model is saved and before it is logged and registered (a tracking server lost at that point).
-
-    With a marker file the fault fires once (the file is created when it fires), which is how
-    the tests make a Prefect task fail on its first attempt and succeed on its retry. With
-    ``ALIGNFLOW_FAULT_RANK=r`` only data-parallel rank ``r`` fires; with ``ALIGNFLOW_FAULT_SIGNAL=KILL``
-    the process SIGKILLs itself instead of raising (a worker dying with no handler run), with ``STOP``
-    it SIGSTOPs itself (a worker that hangs), with ``PAUSE`` it SIGSTOPs itself and, once continued, goes on
-    without raising (a test changes the world at that point: cuts the object store before the model's push).
-    Unset in normal use: the cost is one environment lookup per step.
-    """
-    spec = os.environ.get("ALIGNFLOW_FAULT")
-    if not spec:
-        return
-    parts = spec.split(":", 2)
-    if len(parts) < 2 or parts[0] != stage or parts[1] != str(step):
-        return
-    only_rank = os.environ.get("ALIGNFLOW_FAULT_RANK")
-    if only_rank is not None:
-        if current_world().rank != int(only_rank):
-            return
-    if len(parts) == 3:
-        marker = Path(parts[2])
-        if marker.exists():
-            return
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(f"{stage}:{step}\n")
-    how = os.environ.get("ALIGNFLOW_FAULT_SIGNAL")
-    if how == "PAUSE":
-        os.kill(os.getpid(), signal.SIGSTOP)
-        return
-    if how in ("KILL", "STOP"):  # STOP: the process freezes, alive but silent (a hung rank)
-        os.kill(os.getpid(), signal.SIGKILL if how == "KILL" else signal.SIGSTOP)
-    raise InjectedFault(f"{stage}: fault injected after step {step} (ALIGNFLOW_FAULT={spec})")
-
-
-class InjectedFault(RuntimeError):
-    """Raised by :func:`inject_fault`; Prefect treats it as transient and retries."""

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 # NVLink multicast off in every actor unless the user sets these (rlhf_core.common.offline.NO_MULTICAST_ENV says why).
 _NO_MULTICAST = NO_MULTICAST_ENV
-# Test hooks (rlhf_core.trainers.loop.inject_fault) reach the actors through their runtime env.
+# Test hooks (rlhf_core.common.faults) reach the actors through their runtime env.
 _FAULT_ENV = ("ALIGNFLOW_FAULT", "ALIGNFLOW_FAULT_RANK", "ALIGNFLOW_FAULT_SIGNAL")
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
+from rlhf_core.common.faults import inject_fault
 from rlhf_core.config import RLConfig
 from rlhf_core.models.lm_head import prepare_kernels
 from rlhf_core.models.loading import adapter_parameters, adapters_off, export_state_dict, has_lora, load_causal_lm, \
@@ -36,7 +37,6 @@ from rlhf_core.models.precision import Precision
 from rlhf_core.algorithms.rl_math import (AdvantageEstimator, LossAggregation, PolicyObjective, aggregate_loss,
                                aggregation_units, clipped_value_loss, kl_penalty, masked_mean, policy_loss)
 from rlhf_core.rewards.model import load_reward_model
-from rlhf_core.trainers.loop import inject_fault
 from rlhf_core.trainers.rl_forward import (Sharded, by_length, in_chunks, pack_rows, release_memory, resolve_packing,
                                            sharded, to, token_logprobs, token_values, trim_padding)
 from rlhf_core.trainers.step import accumulate_and_step, build_optimizer, build_scheduler
@@ -268,7 +268,7 @@ class PolicyLearner:
         ``exp`` then carries ``sampling_logp``, and the diagnostics add ``seq_kl`` (per-sequence k3
         KL(pi_old || pi_ref)) and ``logprob_mismatch`` that the controller would have computed.
         """
-        inject_fault("rl-learner", step)  # test hook: a learner rank dies as iteration ``step`` updates
+        inject_fault("rl-learner", step, rank=lambda: current_world().rank)  # test hook: a learner rank dies as iteration ``step`` updates
         cfg, world = self.cfg, self.world
         exp = to(exp, self.device)
         seen: dict[str, list[float]] = {k: [] for k in SEEN_KEYS}

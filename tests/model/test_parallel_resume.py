@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from conftest import Recorder
 from rlhf_core.config import SFTConfig
-from rlhf_core.trainers.loop import InjectedFault
+from rlhf_core.common.faults import InjectedFault
 from rlhf_core.trainers.sft import train_sft
 
 

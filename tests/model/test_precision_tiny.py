@@ -15,7 +15,7 @@ from conftest import Recorder, stop_after
 from rlhf_core.config import DPOConfig, SFTConfig
 from rlhf_core.tracking.lineage import dvc_md5
 from rlhf_core.trainers.dpo import train_dpo
-from rlhf_core.trainers.loop import InjectedFault
+from rlhf_core.common.faults import InjectedFault
 from rlhf_core.trainers.sft import train_sft
 
 

@@ -16,7 +16,7 @@ from rlhf_core.tracking.checkpoint import FORMAT_VERSION, Checkpointer, clear_ch
 from rlhf_core.config import DPOConfig, RewardConfig, RLConfig, build_config, SFTConfig
 from rlhf_core.tracking.lineage import dvc_md5
 from rlhf_core.trainers.dpo import train_dpo
-from rlhf_core.trainers.loop import InjectedFault
+from rlhf_core.common.faults import InjectedFault
 from rlhf_core.trainers.offline import run_training
 from rlhf_core.trainers.step import NonFiniteError
 from rlhf_core.trainers.reward import train_reward_model
