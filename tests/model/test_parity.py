@@ -5,6 +5,8 @@ one)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -13,6 +15,8 @@ from rlhf_core.models.loading import load_causal_lm
 from rlhf_core.models.parity import make_batch_invariant
 from rlhf_core.trainers.rl import train_rl
 from conftest import Recorder
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _scored(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -95,3 +99,26 @@ def test_parity_refuses_what_it_cannot_make_invariant(micro_model, micro_data, t
                                                       message):
     with pytest.raises(ConfigError, match=message):
         _cfg(micro_model, micro_data, tmp_path, length_reward, **{"rollout.parity": True, **setting})
+
+
+def test_the_tool_task_with_parity_reads_a_mismatch_of_exactly_zero(tool_model, micro_data, tmp_path):
+    """Three GRPO steps of the tool task (the calculator environment, up to 3 turns, observations appended between
+    the engine's turns): every step's mean |engine - trainer| log-prob is 0.0 with parity, above 0 without."""
+    env = str(REPO / "rlhf_core/rollout/tool_task.py")
+    seen = {}
+    for parity in (True, False):
+        sink = Recorder()
+        cfg = build_config(RLConfig, "rl", {
+            "model_path": str(tool_model), "prompts_file": str(micro_data["prompts"]),
+            "eval_file": str(micro_data["eval"]), "output_dir": str(tmp_path / str(parity) / "rl"),
+            "checkpoint_dir": str(tmp_path / str(parity) / "ckpt"), "reward.function": f"{env}:reward",
+            "environment.spec": f"{env}:make_env", "environment.max_turns": 3,
+            "environment.max_trajectory_tokens": 20, "rollout.max_new_tokens": 6, "max_steps": 3,
+            "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.engine": "hf", "batch_size": 64,
+            "algorithm.mini_batch_size": 8, "lr": 3e-3, "warmup_steps": 0, "eval_items": 8,
+            "eval_at_start": False, "num_threads": 1, "save_every": 0, "rollout.parity": parity})
+        train_rl(cfg, sink, show_progress=False)
+        seen[parity] = sink.series("rollout/logprob_mismatch")
+        assert sink.series("rollout/observation_tokens")[0] > 0, "the environment answered between turns"
+    assert seen[True] == [0.0, 0.0, 0.0]
+    assert len(seen[False]) == 3 and all(v > 0 for v in seen[False])
