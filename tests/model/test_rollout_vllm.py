@@ -246,6 +246,41 @@ def test_grpo_with_a_vllm_replica_in_a_ray_actor(vllm_model, micro_data, tmp_pat
     assert min(sink.series("perf/weight_sync_s")) > 0
 
 
+@pytest.mark.slow  # two Ray GRPO runs with a vLLM replica each (about 45 s each on 2 cores)
+def test_lora_grpo_on_two_ray_policy_ranks_is_the_same_with_adapter_only_and_merged_syncs(vllm_model, micro_data,
+                                                                                          tmp_path):
+    """2 policy ranks (DDP over gloo) and a vLLM replica in its own actor, a LoRA policy: rank 0's adapters alone
+    reach the replica through the object store (``replicas_hold_adapters``) and vLLM serves them, or the merged
+    weights are reloaded (``rl.rollout.lora_sync`` merged). Same seed: the same rewards and losses (within 1e-3),
+    the engine's log-probs the trainer's (within 0.02 nats), and each step's sync bytes a fraction of the merged
+    model's."""
+    import ray
+
+    from conftest import Recorder
+    from rlhf_core.trainers.rl_on_ray import train_rl_on_ray
+
+    runs = {}
+    try:
+        for sync in ("adapters", "merged"):
+            (tmp_path / sync).mkdir()
+            runs[sync] = Recorder()
+            train_rl_on_ray(_vllm_rl_cfg(vllm_model, micro_data, tmp_path / sync, lora_rank=4, lora_alpha=8.0,
+                                         lr=1e-2, num_workers=2, **{"rollout.lora_sync": sync,
+                                                                    "distribution.placement": "disaggregated"}),
+                            runs[sync], show_progress=False)
+    finally:
+        ray.shutdown()
+    adapters, merged = runs["adapters"], runs["merged"]
+    assert adapters.series("rollout/reward_mean") == merged.series("rollout/reward_mean")
+    for key in ("train/policy_loss", "train/grad_norm", "train/kl"):
+        a, m = adapters.series(key), merged.series(key)
+        assert len(a) == len(m) == 3 and all(abs(x - y) <= 1e-3 for x, y in zip(a, m)), (key, a, m)
+    for run in (adapters, merged):
+        assert max(run.series("rollout/logprob_mismatch")) < 0.02
+        assert len(run.series("perf/weight_sync_s")) == 3
+    assert max(adapters.series("perf/weight_sync_bytes")) < 0.2 * min(merged.series("perf/weight_sync_bytes"))
+
+
 @pytest.mark.slow  # a second vLLM engine start-up (about a minute on 2 cores): `make test-slow`
 def test_multi_turn_tool_rollout_on_the_vllm_engine(micro_tokenizer, tmp_path):
     """rollout_with_environment on vLLM (``generate_ids``: the trajectory's exact ids in, the environment's stop
