@@ -487,6 +487,7 @@ PRODUCERS: tuple[tuple[str, str], ...] = (
     ("gpu_nosync_check", "bench/gpu_lm_head_check.py --parts nosync"),
     ("gpu_profile", "bench/gpu_profile.py"),
     ("parity_probe", "bench/parity_probe.py"),
+    ("lora_sync_vllm_cpu", "bench/lora_sync_cpu.py --sync adapters, then --sync merged"),
     ("gpu_sft_profile", "bench/gpu_sft_profile.py"),
     ("gpu_sft_smoke", "bench/gpu_sft_smoke.py"),
     ("gpu_zero3_resume", "bench/gpu_zero3_resume.py"),

@@ -217,6 +217,8 @@ class RLConfig(TrainerConfig):
                f"must be hf, static or vllm, got {self.rollout.engine!r}")
         _check(0 < self.rollout.vllm_memory_fraction <= 1, s, "rollout.vllm_memory_fraction",
                f"must be in (0, 1], got {self.rollout.vllm_memory_fraction}")
+        _check(self.rollout.lora_sync in ("adapters", "merged"), s, "rollout.lora_sync",
+               f"must be adapters or merged, got {self.rollout.lora_sync!r}")
         _check(self.distribution.placement in ("none", "colocated", "disaggregated"), s, "distribution.placement",
                f"must be none, colocated or disaggregated, got {self.distribution.placement!r}")
         _check(self.distribution.rollout_workers >= 1, s, "distribution.rollout_workers",

@@ -35,6 +35,11 @@ class RolloutSection:
     bench/parity_abba.sh)."""
     vllm_memory_fraction: float = 0.1
     """rollout.engine vllm: fraction of GPU memory (of RAM on CPU) vLLM reserves for its KV cache."""
+    lora_sync: str = "adapters"
+    """A LoRA policy's (lora_rank > 0) weight sync to an engine with weights of its own (vLLM, Ray rollout replicas):
+    adapters (the engine keeps the frozen base and takes the adapter tensors alone: the static and HF engines hold
+    them injected as the learner does, vLLM serves them as a LoRA adapter) or merged (the whole model with the
+    adapters folded in, reloaded every step). Logged per step as perf/weight_sync_bytes and perf/weight_sync_s."""
     sleep: str = "auto"
     """Colocated Ray replicas free their weights' memory once a rollout is done, and the weight sync after the update
     allocates and fills them again (vLLM's sleep mode, level 2, for our engines): the reference, old log-prob and update
@@ -241,6 +246,7 @@ RENAMED: dict[str, str] = {
     "rollout_engine": "rollout.engine", "prompts_per_step": "rollout.prompts_per_step",
     "group_size": "rollout.group_size", "temperature": "rollout.temperature", "top_p": "rollout.top_p",
     "max_new_tokens": "rollout.max_new_tokens", "vllm_memory_fraction": "rollout.vllm_memory_fraction",
+    "lora_sync": "rollout.lora_sync",
     "rollout_sleep": "rollout.sleep", "rollout_parity": "rollout.parity", "reward_kind": "reward.kind", "reward_function": "reward.function",
     "reward_model_path": "reward.model_path", "reward_url": "reward.url", "reward_timeout_s": "reward.timeout_s",
     "reward_retries": "reward.retries", "reward_backoff_cap_s": "reward.backoff_cap_s",

@@ -168,9 +168,16 @@ class RolloutEngine(Protocol):
         """``params.n`` samples for each raw prompt, grouped contiguously."""
         ...
 
-    def update_weights(self, weights: Mapping[str, torch.Tensor] | torch.nn.Module | str | Path) -> None:
-        """Make the next :meth:`generate` sample from ``weights`` (a state dict, a model or an HF directory)."""
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | torch.nn.Module | str | Path) -> int:
+        """Make the next :meth:`generate` sample from ``weights`` (a state dict, a model or an HF directory);
+        returns the bytes of weights the engine took in (:func:`tensor_bytes`; 0 when handed the model it samples
+        from), which the trainer logs as ``perf/weight_sync_bytes``."""
         ...
+
+
+def tensor_bytes(weights: Mapping[str, Any]) -> int:
+    """Bytes of the tensors among ``weights``' values (what a weight sync moves: a state dict, adapters, a bucket)."""
+    return sum(v.numel() * v.element_size() for v in weights.values() if isinstance(v, torch.Tensor))
 
 
 @runtime_checkable
@@ -333,16 +340,18 @@ class HFGenerateEngine:
     def name(self) -> str:
         return "hf"
 
-    def update_weights(self, weights: Mapping[str, torch.Tensor] | torch.nn.Module | str | Path) -> None:
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | torch.nn.Module | str | Path) -> int:
         """Load a state dict, another model's weights or an HF directory into the engine's model; for a model
         carrying LoRA adapters, also exactly its adapter tensors (:meth:`PolicyLearner.engine_weights` with
-        ``adapters_only``), copied in place."""
+        ``adapters_only``), copied in place. Returns the bytes copied in (the sampling copy's refresh counts; the
+        trainer's own model without one is 0: nothing moves)."""
         if weights is self.model:  # the trainer's model itself: already current, or refresh the copy
-            if self.sampler is not None:
-                with torch.no_grad():
-                    for mine, theirs in zip(self.sampler.parameters(), self.model.parameters()):
-                        mine.copy_(theirs)
-            return
+            if self.sampler is None:
+                return 0
+            with torch.no_grad():
+                for mine, theirs in zip(self.sampler.parameters(), self.model.parameters()):
+                    mine.copy_(theirs)
+            return tensor_bytes(dict(self.sampler.named_parameters()))
         if isinstance(weights, (str, Path)):
             weights = load_causal_lm(weights, torch.device("cpu"))
         if isinstance(weights, torch.nn.Module):
@@ -352,6 +361,7 @@ class HFGenerateEngine:
             self.model.load_state_dict(weights, strict=True)
         if self.sampler is not None:
             self.update_weights(self.model)
+        return tensor_bytes(weights)
 
     def load_weight_bucket(self, weights: Mapping[str, torch.Tensor], last: bool) -> None:
         """One bucket of a collective sync (:class:`LoadsWeightBuckets`), copied into the model's parameters in

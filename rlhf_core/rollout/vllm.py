@@ -10,6 +10,14 @@ Why a folder and not tensors: in vLLM's multiprocess mode the RPC arguments are 
 workers, and tensors passed that way fail there; a disaggregated cluster deployment would
 broadcast over a collective instead.
 
+A LoRA policy (``lora_rank`` > 0, ``rl.rollout.lora_sync`` adapters) is served the way vLLM serves LoRA: the engine
+keeps the frozen base it was started with, and each sync hands it the adapter tensors alone
+(:meth:`PolicyLearner.engine_weights` with ``adapters_only``), written as a PEFT adapter folder and loaded in place of
+the previous one (``add_lora`` with ``load_inplace``); every later request carries that adapter. vLLM's LoRA layers
+cover Qwen2's and Llama's attention and MLP projections (q/k/v packed as ``qkv_proj``, gate/up as ``gate_up_proj``),
+which is every layer :func:`rlhf_core.models.loading.prepare_for_training` adapts (all linear layers but the LM head).
+The merged weights (``lora_sync`` merged) take the reload above instead.
+
 Log-prob contract (see :mod:`rlhf_core.rollout.engine`): vLLM is started with
 ``logprobs_mode="processed_logprobs"``, i.e. ``log_softmax(logits / T)`` of each sampled token —
 what the trainer recomputes — as long as top-k and top-p are off. With them on, vLLM
@@ -23,11 +31,12 @@ token ids, so the engine and the trainer see exactly the same tokens.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, get_args
 
 import torch
 from safetensors.torch import load, save, save_file
@@ -94,11 +103,60 @@ class WeightSyncExtension:
             self._alignflow_repack_head()
 
 
+ADAPTER_NAME = "alignflow-policy"
+"""The name (and id 1) of the one LoRA adapter a LoRA policy's engine serves, replaced in place at every sync."""
+
+
+def peft_adapter_name(name: str) -> str:
+    """A policy's adapter parameter name as a PEFT adapter file spells it: ``base_model.model.`` before the module
+    path and no adapter name (``model.layers.0.self_attn.q_proj.lora_A.default.weight`` ->
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), which vLLM's loader reads."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-2]):
+        if part in ("lora_A", "lora_B"):
+            del parts[i + 1]  # the adapter's name ("default") between lora_A/lora_B and weight
+            break
+    name = ".".join(parts)
+    return name if name.startswith("base_model.model.") else f"base_model.model.{name}"
+
+
+def is_adapter_state(weights: Mapping[str, Any]) -> bool:
+    """Whether ``weights`` are a LoRA policy's adapter tensors alone (every name a ``lora_A`` / ``lora_B``)."""
+    return bool(weights) and all(".lora_A." in k or ".lora_B." in k for k in weights)
+
+
+def write_peft_adapter(weights: Mapping[str, torch.Tensor], folder: Path, lora_alpha: float) -> int:
+    """``weights`` (a policy's adapter tensors) as a PEFT adapter folder (``adapter_model.safetensors`` and
+    ``adapter_config.json``: rank, alpha, the adapted modules); returns the tensors' bytes."""
+    tensors = {peft_adapter_name(k): v.detach().contiguous().cpu() for k, v in weights.items()}
+    rank = next(v.shape[0] for k, v in tensors.items() if ".lora_A." in k)
+    modules = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in tensors})
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": lora_alpha, "target_modules": modules, "bias": "none",
+              "lora_dropout": 0.0, "use_rslora": False}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return sum(v.numel() * v.element_size() for v in tensors.values())
+
+
+def _lora_slot(rank: int) -> int:
+    """vLLM's ``max_lora_rank`` for adapters of rank ``rank``: the smallest value it accepts that holds them."""
+    from vllm.config.lora import MaxLoRARanks  # lazy: vllm (optional extra)
+
+    fits = [r for r in get_args(MaxLoRARanks) if r >= rank]
+    if not fits:
+        raise ValueError(f"VLLMEngine: LoRA rank {rank} is above vLLM's largest max_lora_rank "
+                         f"{max(get_args(MaxLoRARanks))}; use rl.rollout.lora_sync merged")
+    return min(fits)
+
+
 class VLLMEngine:
-    """Rollouts from a vLLM ``LLM`` started on ``model_path`` (an HF directory)."""
+    """Rollouts from a vLLM ``LLM`` started on ``model_path`` (an HF directory); with ``lora_rank`` > 0 it serves
+    a LoRA policy's adapters on that base (``lora_alpha`` their scale's numerator, as the policy's)."""
 
     def __init__(self, model_path: str | Path, tokenizer: Any, *, seed: int = 0, max_model_len: int | None = None,
-                 memory_fraction: float = 0.1, dtype: str = "auto", max_num_seqs: int = 256):
+                 memory_fraction: float = 0.1, dtype: str = "auto", max_num_seqs: int = 256, lora_rank: int = 0,
+                 lora_alpha: float = 16.0):
         from vllm import LLM  # lazy: vllm (optional extra)
 
         if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
@@ -115,16 +173,40 @@ class VLLMEngine:
                                       worker_extension_cls="rlhf_core.rollout.vllm.WeightSyncExtension")
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
+        self.lora_rank, self.lora_alpha = lora_rank, lora_alpha
+        self._adapter: Any = None  # the LoRARequest every request carries once adapters were synced
+        if lora_rank:
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=_lora_slot(lora_rank))
         self.llm = LLM(**kwargs)
 
     @property
     def name(self) -> str:
         return "vllm"
 
+    @property
+    def takes_adapters(self) -> bool:
+        """Whether a LoRA policy's sync hands this engine its adapter tensors alone (:meth:`update_weights`)."""
+        return self.lora_rank > 0
+
     # ---- weights ------------------------------------------------------------------------
 
-    def update_weights(self, weights: Mapping[str, torch.Tensor] | torch.nn.Module | str | Path) -> None:
-        """Reload the engine's weights in place from an HF directory, a model or a state dict."""
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | torch.nn.Module | str | Path) -> int:
+        """Reload the engine's weights in place from an HF directory, a model or a state dict; or, for an engine
+        started with ``lora_rank``, load a LoRA policy's adapter tensors alone as its adapter. Returns the bytes
+        handed to the engine (the tensors written for it)."""
+        if isinstance(weights, Mapping) and is_adapter_state(weights):
+            moved = self._load_adapter(weights)
+        else:
+            moved = self._reload(weights)
+            self._adapter = None  # merged weights hold the adapters already
+        # Prefix caching would otherwise serve prompts' KV blocks computed with the old weights (or the old
+        # adapter, whose name the new one keeps), and a rollout would mix two policies.
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vllm engine: could not reset the prefix cache after a weight update")
+        return moved
+
+    def _reload(self, weights: Mapping[str, torch.Tensor] | torch.nn.Module | str | Path) -> int:
+        """Every worker reloads the whole model from an HF directory (written here unless given); its bytes."""
         if isinstance(weights, (str, Path)):
             path = Path(weights)
         else:
@@ -137,10 +219,23 @@ class VLLMEngine:
                 save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()},
                           str(path / "model.safetensors"))
         self.llm.collective_rpc("alignflow_reload", kwargs={"weights_path": str(path)})
-        # Prefix caching would otherwise serve prompts' KV blocks computed with the old weights,
-        # and a rollout would mix two policies.
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vllm engine: could not reset the prefix cache after a weight update")
+        return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+    def _load_adapter(self, weights: Mapping[str, torch.Tensor]) -> int:
+        """The adapter tensors as the engine's one adapter, replacing the last one in place; their bytes."""
+        from vllm.lora.request import LoRARequest  # lazy: vllm (optional extra)
+
+        if not self.lora_rank:
+            raise ValueError("VLLMEngine.update_weights: LoRA adapters alone, but the engine was started without "
+                             "lora_rank (it serves merged weights only)")
+        folder = self.sync_dir / "adapter"
+        moved = write_peft_adapter(weights, folder, self.lora_alpha)
+        # load_inplace: the workers drop the adapter of this id and load the folder's; requests then carry the
+        # plain request, which loads nothing while the adapter is there
+        if not self.llm.llm_engine.add_lora(LoRARequest(ADAPTER_NAME, 1, str(folder), load_inplace=True)):
+            raise RuntimeError("vllm engine: add_lora refused the policy's adapters")
+        self._adapter = LoRARequest(ADAPTER_NAME, 1, str(folder))
+        return moved
 
     def load_weight_bucket(self, weights: Mapping[str, torch.Tensor], last: bool) -> None:
         """One bucket of a collective sync (:class:`rlhf_core.rollout.engine.LoadsWeightBuckets`), handed to every
@@ -189,7 +284,8 @@ class VLLMEngine:
                                    top_k=params.top_k, max_tokens=params.max_new_tokens, seed=params.seed,
                                    logprobs=0, stop_token_ids=[eos, *params.stop_token_ids], ignore_eos=False,
                                    detokenize=False)
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], sampling, use_tqdm=False)
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], sampling, use_tqdm=False,
+                                    lora_request=self._adapter)
 
         prompt_rows: list[list[int]] = []
         response_rows: list[list[int]] = []
@@ -221,7 +317,8 @@ class VLLMEngine:
         from vllm import SamplingParams as VSamplingParams  # lazy: vllm (optional extra)
 
         sampling = VSamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in token_ids], sampling, use_tqdm=False)
+        outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in token_ids], sampling, use_tqdm=False,
+                                    lora_request=self._adapter)
         return [[step[tok].logprob for step, tok in zip(out.prompt_logprobs[1:], ids[1:])]
                 for out, ids in zip(outputs, token_ids)]
 

@@ -205,9 +205,10 @@ class RLTrainer:
         seen, lr_used = perf.time("perf/update_s", self.update, exp, step)
         update_end = time.time()
         if not self.cfg.off_policy.max_staleness:  # asynchronous: weights move at the next launch, when needed
-            perf.time("perf/weight_sync_s", self.sync_weights)
+            perf.time("perf/weight_sync_s", self.sync_weights, perf)
         metrics = self.iteration_metrics(sampled, exp, seen, lr_used)
         metrics.update(perf.seconds)
+        metrics.update(perf.tallies)
         metrics.update(self.timeline(rollout, learn_start, update_start, update_end))
         metrics["perf/step_s"] = step_timer.total()
         self.step_metrics = metrics
@@ -236,7 +237,7 @@ class RLTrainer:
         ``step - 1`` (updates done); the engine's weights may be at most ``max_staleness`` versions older, so
         when they would be, the learner's current weights (version ``step - 2``) are pushed first."""
         if self.sync_due or (step - 1) - self.engine_version > self.cfg.off_policy.max_staleness:
-            perf.time("perf/weight_sync_s", self.sync_weights)
+            perf.time("perf/weight_sync_s", self.sync_weights, perf)
             self.engine_version, self.sync_due = step - 2, False
         # The thread draws prompts from the sampler and samples with a per-step seed (a private RNG stream in
         # the static and vLLM engines, a forked one in HF's); nothing else touches the sampler until the batch
@@ -419,9 +420,12 @@ class RLTrainer:
         seen = self.learner.update(exp.tensors, exp.prompt_width, orders, self.kl_ctl.value, step)
         return seen, self.learner.end_iteration()
 
-    def sync_weights(self) -> None:
-        """Hand the updated weights to the rollout engine (a no-op for the HF engine that holds the policy)."""
-        self.engine.update_weights(self.engine_weights(self.engine))
+    def sync_weights(self, perf: PhaseTimes | None = None) -> None:
+        """Hand the updated weights to the rollout engine (a no-op for the HF engine that holds the policy); the
+        bytes it took in go to ``perf`` as ``perf/weight_sync_bytes`` (beside the sync's ``perf/weight_sync_s``)."""
+        moved = self.engine.update_weights(self.engine_weights(self.engine))
+        if perf is not None:
+            perf.tally("perf/weight_sync_bytes", moved or 0)
 
     # ---- KL controller and logging -------------------------------------------------------------
 

@@ -214,9 +214,11 @@ class CollectiveSync:
     learners: ActorGroup
     replicas: list[Any]
 
-    def run(self) -> None:
+    def run(self) -> int:
+        """One sync; the bytes the replicas received, all of them together."""
         refs = [a.call.remote("broadcast_weights") for a in self.learners.actors]
-        gather(refs + [r.call.remote("receive_weights") for r in self.replicas], "weight sync (collective)")
+        received = gather(refs + [r.call.remote("receive_weights") for r in self.replicas], "weight sync (collective)")
+        return sum(int(b or 0) for b in received[len(refs):])
 
     def close(self) -> None:
         """Every member closes its side at once. One at a time (as each actor group is shut down in turn) an
@@ -280,22 +282,23 @@ class RemoteRollout:
             refs.append(self.group.actors[i].call.remote(method, args[0], seeded, *args[1:]))
         return concat_batches(gather(refs, "rollout"), self.pad_id)
 
-    def update_weights(self, weights: Any) -> None:
+    def update_weights(self, weights: Any) -> int:
         """Push weights (a Ray object reference, fetched once per node, a state dict, or one CUDA IPC
-        payload per replica) to every replica, or broadcast them through the weight-sync group."""
+        payload per replica) to every replica, or broadcast them through the weight-sync group. Returns the bytes
+        the replicas took in, all of them together (each takes its own copy)."""
         if isinstance(weights, CollectiveSync):
-            weights.run()
-            return
+            return weights.run()
         if isinstance(weights, PerReplica):
-            gather([a.call.remote("update_weights", w) for a, w in zip(self.group.actors, weights)], "weight sync")
-            return
+            return sum(gather([a.call.remote("update_weights", w) for a, w in zip(self.group.actors, weights)],
+                              "weight sync"))
         if isinstance(weights, ZeroBuckets):  # rank i's staging buffer -> replica i, a bucket at a time
+            moved = 0
             for index in range(weights.count):
                 payloads = weights.learners.call_all("share_bucket", index, weights.dtype)
-                gather([a.call.remote("load_bucket", p) for a, p in zip(self.group.actors, payloads)],
-                       f"weight sync bucket {index}")
-            return
-        self.group.call_all("update_weights", weights)
+                moved += sum(gather([a.call.remote("load_bucket", p) for a, p in zip(self.group.actors, payloads)],
+                                    f"weight sync bucket {index}"))
+            return moved
+        return sum(self.group.call_all("update_weights", weights))
 
 
 class RemoteReward:

@@ -201,6 +201,10 @@ class PhaseTimes:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {"perf/rollout_s": 0.0, "perf/reward_s": 0.0}
         self.spans: list[tuple[str, float, float, str]] = []
+        self.tallies: dict[str, float] = {}  # amounts other than seconds (perf/weight_sync_bytes), summed the same way
+
+    def tally(self, name: str, amount: float) -> None:
+        self.tallies[name] = self.tallies.get(name, 0.0) + float(amount)
 
     def time(self, name: str, fn: Any, *args: Any) -> Any:
         # DEBUG lines at each phase's start and end: where a step that never finishes is stuck
@@ -279,6 +283,12 @@ def sampling_copy(cfg: RLConfig, device: torch.device) -> Any:
     return load_causal_lm(cfg.model_path, device, dtype, cfg.attention).eval().requires_grad_(False)
 
 
+def syncs_adapters(cfg: RLConfig) -> bool:
+    """Whether an engine with weights of its own takes a LoRA policy's adapters alone at each sync (``lora_rank`` > 0
+    and ``rl.rollout.lora_sync`` adapters) rather than the merged weights."""
+    return bool(cfg.lora_rank) and cfg.rollout.lora_sync == "adapters"
+
+
 def build_rollout_engine(cfg: RLConfig, policy: Any, tokenizer: Any,
                          autocast_dtype: torch.dtype | None = None) -> RolloutEngine:
     """The engine ``cfg.rollout.engine`` names; vLLM falls back to HF generate, with a warning, when absent. Under
@@ -287,8 +297,10 @@ def build_rollout_engine(cfg: RLConfig, policy: Any, tokenizer: Any,
         make_batch_invariant(policy, cfg.max_length)
     if cfg.rollout.engine == "vllm":
         if vllm_available():
+            lora = cfg.lora_rank if syncs_adapters(cfg) else 0  # serves the adapters on the base it starts from
             return VLLMEngine(cfg.model_path, tokenizer, seed=cfg.seed,
-                              memory_fraction=cfg.rollout.vllm_memory_fraction)
+                              memory_fraction=cfg.rollout.vllm_memory_fraction, lora_rank=lora,
+                              lora_alpha=cfg.lora_alpha)
         log.warning("rl: rollout_engine is vllm but vLLM cannot be imported here; using the HF engine instead")
     if cfg.rollout.engine == "static":
         reason = supports(policy)

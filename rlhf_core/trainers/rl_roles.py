@@ -393,9 +393,12 @@ class PolicyLearner:
         """What a rollout engine's ``update_weights`` takes: the policy itself, or its (merged LoRA) weights
         on the CPU, cast to ``dtype`` when given; ``adapters_only`` (a LoRA policy, for replicas that hold the
         same frozen base with adapters of their own): the adapter tensors alone, in their own dtype, a few MB
-        where the merged weights are the whole model (a 32B policy: ~0.3 GB of r-16 adapters against 65.5 GB)."""
+        where the merged weights are the whole model (a 32B policy: ~0.3 GB of r-16 adapters against 65.5 GB). An
+        engine that serves adapters itself (``takes_adapters``: vLLM started with the policy's LoRA rank) gets them
+        alone too."""
         if engine is not None and getattr(engine, "model", None) is self.policy:
             return self.policy  # the HF engine holds this very model (adapters and all)
+        adapters_only = adapters_only or bool(getattr(engine, "takes_adapters", False))
         adapters = adapter_parameters(self.policy) if adapters_only else None
         if adapters_only and not adapters:
             raise ValueError("engine_weights: adapters_only, but the policy carries no LoRA adapters")

@@ -16,17 +16,17 @@ from rlhf_core.distributed.parallel import resident_weight_bytes
 from rlhf_core.distributed.weight_sync import SyncGroup, bucket_views, unflatten_bucket
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer, pick_device, prepare_for_training
 from rlhf_core.models.precision import Precision
-from rlhf_core.rollout.engine import LoadsWeightBuckets
-from rlhf_core.trainers.rl_parts import build_rollout_engine
+from rlhf_core.rollout.engine import LoadsWeightBuckets, tensor_bytes
+from rlhf_core.trainers.rl_parts import build_rollout_engine, syncs_adapters
 from rlhf_core.trainers.rl_forward import release_memory
 
 
 def replicas_hold_adapters(cfg: Any) -> bool:
-    """Whether rollout replicas hold a LoRA policy as the learner does, the frozen base with adapters injected,
-    so each sync sends the adapters alone (the static and HF engines sample through them; vLLM takes merged
-    weights). Without this a 32B LoRA policy's sync was its whole merged model, 65.5 GB through the object
-    store, for ~0.3 GB of adapters (BENCHMARKS.md, issue 22's memory plan)."""
-    return bool(cfg.lora_rank) and cfg.rollout.engine != "vllm"
+    """Whether rollout replicas hold a LoRA policy's frozen base and take its adapters alone at each sync
+    (:func:`rlhf_core.trainers.rl_parts.syncs_adapters`: the static and HF engines hold the adapters injected as the
+    learner does, vLLM serves them as a LoRA adapter). Without this a 32B LoRA policy's sync was its whole merged
+    model, 65.5 GB through the object store, for ~0.3 GB of adapters (BENCHMARKS.md, issue 22's memory plan)."""
+    return syncs_adapters(cfg)
 
 
 class RolloutReplica:
@@ -111,7 +111,8 @@ class RolloutReplica:
             raise RuntimeError("rollout replica: its weights were released after the last rollout (rl.rollout.sleep) "
                                "and no weight sync has refilled them since")
 
-    def update_weights(self, weights: Any) -> None:
+    def update_weights(self, weights: Any) -> int:
+        """The learner's weights into the engine; the bytes the engine took in (``perf/weight_sync_bytes``)."""
         self._wake()
         if isinstance(weights, dict) and "cuda_ipc" in weights:  # a rank's buffer on this GPU
             if getattr(self, "_shared", None) is None:  # map it once; the rank refills it in place
@@ -120,26 +121,30 @@ class RolloutReplica:
             flat = self._shared
             weights = {name: flat[offset:offset + _numel(shape)].view(shape)
                        for name, shape, offset in weights["layout"]}
-        self.engine.update_weights(weights)
+        moved = self.engine.update_weights(weights)
         # a whole state dict (the engine's load is strict) or a model: every released weight was written
         self._filled_by_sync(self._released or (), last=True)
+        return int(moved or 0)
 
-    def load_bucket(self, payload: dict[str, Any]) -> None:
+    def load_bucket(self, payload: dict[str, Any]) -> int:
         """One bucket of a ZeRO-3 sync (:class:`rlhf_core.trainers.rl_on_ray.ZeroBuckets`) from the staging buffer of the rank on this GPU into
-        the engine's model, in place (captured CUDA graphs stay valid); the last one refreshes a sampling copy."""
+        the engine's model, in place (captured CUDA graphs stay valid); the last one refreshes a sampling copy.
+        Returns the bucket's bytes."""
         if getattr(self, "_staging", None) is None:  # map it once; the rank refills it in place
             rebuild, args = payload["cuda_ipc"]
             self._staging = rebuild(*args)
             self._params = dict(self.engine.model.named_parameters())
         self._wake()
-        flat = self._staging
+        flat, moved = self._staging, 0
         with torch.no_grad():
             for name, shape, offset in payload["layout"]:
                 self._params[name].copy_(flat[offset:offset + _numel(shape)].view(shape))
+                moved += _numel(shape) * flat.element_size()
         torch.cuda.synchronize()  # the rank refills the buffer for the next bucket after this returns
         self._filled_by_sync([name for name, _, _ in payload["layout"]], payload["last"])
         if payload["last"] and getattr(self.engine, "sampler", None) is not None:
             self.engine.update_weights(self.engine.model)
+        return moved
 
     # ---- rl.distribution.weight_sync collective: a receiver of the weight-sync group (distributed.weight_sync) ------
 
@@ -159,17 +164,19 @@ class RolloutReplica:
         self._sync_group = SyncGroup(addr, port, rank, size, timeout_s, pick_device())
         self._sync_group.allocate(layout)
 
-    def receive_weights(self) -> None:
+    def receive_weights(self) -> int:
         """One sync: each bucket broadcast from policy rank 0 into the flat buffers, handed to the engine as
         named views (:class:`rlhf_core.rollout.engine.LoadsWeightBuckets`: copied in place), or, for an engine without
-        that seam, gathered into one state dict for its ``update_weights``."""
+        that seam, gathered into one state dict for its ``update_weights``. Returns the bytes received."""
         group, layout = self._sync_group, self._sync_layout
         whole: dict[str, torch.Tensor] = {}
         self._wake()
+        moved = 0
         for i, bucket in enumerate(layout):
             flats = bucket_views(bucket, group.buffers)
             group.broadcast(flats)
             named = unflatten_bucket(flats, bucket)
+            moved += tensor_bytes(named)
             if isinstance(self.engine, LoadsWeightBuckets):
                 self.engine.load_weight_bucket(named, last=i == len(layout) - 1)
                 self._filled_by_sync(named, last=i == len(layout) - 1)
@@ -180,6 +187,7 @@ class RolloutReplica:
             self._filled_by_sync(whole, last=True)
         if group.device.type == "cuda":
             torch.cuda.synchronize()  # the sync's time is its real end; the next bucket's buffer is free
+        return moved
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights the engine samples from, on the CPU (a check that a sync arrived; vLLM's are in its workers)."""

@@ -228,7 +228,9 @@ def test_a_lora_replica_takes_the_adapters_alone_and_samples_as_the_merged_weigh
     learner does, and each sync sends the adapters alone (``engine_weights(adapters_only=True)``, what
     ``PolicyGroup.engine_weights`` asks of rank 0 for such replicas). Loaded into the replica they give the
     greedy tokens and log-probs of a plain replica loaded with the merged weights, for a fraction of the bytes;
-    a sync whose names are not exactly the adapters' is refused by the strict load."""
+    a sync whose names are not exactly the adapters' is refused by the strict load. Each sync reports the bytes it
+    moved (``perf/weight_sync_bytes``): the adapters', against the whole merged model's. ``rl.rollout.lora_sync``
+    merged sends the merged weights instead, to a plain replica."""
     from rlhf_core.trainers.rollout_replica import RolloutReplica, replicas_hold_adapters
     from rlhf_core.rollout.engine import SamplingParams
     from rlhf_core.trainers.rl_roles import PolicyLearner
@@ -236,7 +238,9 @@ def test_a_lora_replica_takes_the_adapters_alone_and_samples_as_the_merged_weigh
     cfg = _rl(micro_model, micro_data, tmp_path, length_reward, lora_rank=4, lora_alpha=8.0)
     assert replicas_hold_adapters(cfg) and not replicas_hold_adapters(_rl(micro_model, micro_data, tmp_path,
                                                                           length_reward, lora_rank=4,
-                                                                          **{"rollout.engine": "vllm"}))
+                                                                          **{"rollout.lora_sync": "merged"}))
+    assert replicas_hold_adapters(_rl(micro_model, micro_data, tmp_path, length_reward, lora_rank=4,
+                                      **{"rollout.engine": "vllm"}))
     learner = PolicyLearner(cfg, torch.device("cpu"))
     torch.manual_seed(0)
     with torch.no_grad():  # trained adapters: B away from its zero start
@@ -250,8 +254,10 @@ def test_a_lora_replica_takes_the_adapters_alone_and_samples_as_the_merged_weigh
 
     holding, plain = RolloutReplica(cfg), RolloutReplica(_rl(micro_model, micro_data, tmp_path, length_reward))
     assert holding.engine.name == "static"
-    holding.update_weights(adapters)
-    plain.update_weights(merged)
+    from rlhf_core.rollout.engine import tensor_bytes
+
+    moved_adapters, moved_merged = holding.update_weights(adapters), plain.update_weights(merged)
+    assert moved_adapters == tensor_bytes(adapters) and moved_merged == tensor_bytes(merged) > 5 * moved_adapters
     params = SamplingParams(n=2, temperature=0, max_new_tokens=8)
     prompts = ["12+30=", "sort 321=", "7*8="]
     a, b = holding.generate(prompts, params), plain.generate(prompts, params)

@@ -105,6 +105,7 @@ def test_async_runs_with_the_hf_engine_a_lora_policy_dynamic_sampling_and_a_crit
              show_progress=False)
     assert sink.series("async/staleness") == [0.0, 1.0, 1.0]
     assert sink.steps("perf/weight_sync_s") == [2]  # batch 3's launch: the engine would be 2 updates back
+    assert sink.steps("perf/weight_sync_bytes") == [2] and sink.series("perf/weight_sync_bytes")[0] > 0
     assert all(math.isfinite(v) for _, row in sink.rows for v in row.values())
 
 
@@ -157,7 +158,7 @@ def test_async_on_ray_disaggregated_generates_on_the_replica_while_the_learner_u
     assert all(gen_start[k + 1] < upd_end[k] for k in range(3)), (gen_start, upd_end)
     assert all(s > 0 for s in sink.series("perf/overlap_s")[:3])
     # weights pushed at the launches of batches 3 and 4 (batch 2's engine, the start, is one update back already)
-    assert sink.steps("perf/weight_sync_s") == [2, 3]
+    assert sink.steps("perf/weight_sync_s") == sink.steps("perf/weight_sync_bytes") == [2, 3]
     start = load_file(str(micro_model / "model.safetensors"))
     after = load_file(str(result.output_dir / "model.safetensors"))
     assert any(not torch.equal(start[k], after[k]) for k in start)

@@ -119,6 +119,77 @@ def test_weight_buckets_after_an_update(engine, vllm_model):
     assert len(buckets) > 1 and mismatch < 0.02 and moved >= 10 * 0.02, (mismatch, moved)
 
 
+@pytest.fixture(scope="module")
+def lora_engine(vllm_model):
+    """An engine serving a rank-4 LoRA policy's adapters (``lora_rank``: vLLM's LoRA layers on)."""
+    eng = VLLMEngine(vllm_model, load_tokenizer(vllm_model), seed=0, memory_fraction=0.2, lora_rank=4, lora_alpha=8.0)
+    yield eng
+    eng.close()
+
+
+def test_adapter_only_sync_gives_the_merged_weights_logprobs(lora_engine, vllm_model, micro_data, tmp_path):
+    """A LoRA policy's sync to vLLM hands it the adapter tensors alone (``engine_weights`` for an engine that
+    ``takes_adapters``), served as a LoRA adapter that each sync replaces: at two successive syncs the engine's
+    log-probs of fixed sequences equal the trainer's (the policy with its adapters, i.e. its merged weights) within
+    0.02 nats, and the adapters moved them (by more than 0.05 nats from the base). The merged weights reloaded into the same engine (the
+    fallback, ``rl.rollout.lora_sync`` merged) give the same log-probs for more than five times the bytes."""
+    from rlhf_core.models.loading import adapter_parameters
+    from rlhf_core.rollout.engine import tensor_bytes
+    from rlhf_core.trainers.rl_roles import PolicyLearner
+
+    tokenizer = load_tokenizer(vllm_model)
+    seq = [tokenizer.encode("12+30=42"), tokenizer.encode("sort 321=123")]
+    learner = PolicyLearner(_vllm_rl_cfg(vllm_model, micro_data, tmp_path, lora_rank=4, lora_alpha=8.0),
+                            torch.device("cpu"))
+    policy = learner.policy.eval()
+    base = lora_engine.sequence_logprobs(seq)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        with torch.no_grad():  # trained adapters: B away from its zero start, moving at each step
+            for name, p in adapter_parameters(policy).items():
+                if "lora_B" in name:
+                    p.add_(0.6 * torch.randn(p.shape, generator=g))
+        adapters = learner.engine_weights(lora_engine)
+        assert adapters.keys() == adapter_parameters(policy).keys()
+        moved = lora_engine.update_weights(adapters)
+        after = lora_engine.sequence_logprobs(seq)
+        mismatch, shift = _mean_abs(after, _trainer_logprobs(policy, seq)), _mean_abs(after, base)
+        print(f"adapter sync: {moved} bytes; engine vs trainer {mismatch:.5f} nats; moved {shift:.3f}")
+        assert moved == tensor_bytes(adapters) and mismatch < 0.02 and shift > 0.05, (mismatch, shift)
+    merged = learner.engine_weights()  # no engine: the merged weights
+    assert not any("lora_" in k for k in merged)
+    merged_bytes = lora_engine.update_weights(merged)
+    after_merged = lora_engine.sequence_logprobs(seq)
+    print(f"merged sync: {merged_bytes} bytes; engine vs adapter-only {_mean_abs(after_merged, after):.6f} nats")
+    assert _mean_abs(after_merged, after) < 0.02 and merged_bytes > 5 * moved
+
+
+@pytest.mark.slow  # two more vLLM engine start-ups (about a minute each on 2 cores): `make test-slow`
+def test_lora_grpo_curve_is_the_same_with_adapter_only_and_merged_syncs(vllm_model, micro_data, tmp_path):
+    """The embedded LoRA GRPO run on vLLM, same seed, syncing the adapters alone or the merged weights
+    (``rl.rollout.lora_sync``): the engine samples the same policy either way, so the rewards are the same and the
+    losses agree within 1e-3; each step logs the bytes it moved, the adapters' a fraction of the merged model's."""
+    from conftest import Recorder
+    from rlhf_core.trainers.rl import train_rl
+
+    runs = {}
+    for sync in ("adapters", "merged"):
+        (tmp_path / sync).mkdir()
+        runs[sync] = Recorder()
+        train_rl(_vllm_rl_cfg(vllm_model, micro_data, tmp_path / sync, lora_rank=4, lora_alpha=8.0, lr=1e-2,
+                              **{"rollout.lora_sync": sync}), runs[sync], show_progress=False)
+    adapters, merged = runs["adapters"], runs["merged"]
+    print({k: (adapters.series(k), merged.series(k)) for k in ("rollout/reward_mean", "train/policy_loss",
+                                                              "perf/weight_sync_bytes", "perf/weight_sync_s")})
+    assert adapters.series("rollout/reward_mean") == merged.series("rollout/reward_mean")
+    for key in ("train/policy_loss", "train/grad_norm", "train/kl"):
+        a, m = adapters.series(key), merged.series(key)
+        assert len(a) == len(m) == 3 and all(abs(x - y) <= 1e-3 for x, y in zip(a, m)), (key, a, m)
+    for run in (adapters, merged):
+        assert max(run.series("rollout/logprob_mismatch")) < 0.02
+    assert max(adapters.series("perf/weight_sync_bytes")) < 0.2 * min(merged.series("perf/weight_sync_bytes"))
+
+
 @pytest.mark.slow  # a second vLLM engine start-up (about a minute on 2 cores): `make test-slow`
 def test_grpo_run_with_the_vllm_engine(vllm_model, micro_data, tmp_path):
     """rollout_engine vllm end to end (with the truncated importance-sampling correction): samples
@@ -173,6 +244,41 @@ def test_grpo_with_a_vllm_replica_in_a_ray_actor(vllm_model, micro_data, tmp_pat
     mismatch = sink.series("rollout/logprob_mismatch")
     assert len(mismatch) == 3 and max(mismatch) < 0.02, mismatch
     assert min(sink.series("perf/weight_sync_s")) > 0
+
+
+@pytest.mark.slow  # two Ray GRPO runs with a vLLM replica each (about 45 s each on 2 cores)
+def test_lora_grpo_on_two_ray_policy_ranks_is_the_same_with_adapter_only_and_merged_syncs(vllm_model, micro_data,
+                                                                                          tmp_path):
+    """2 policy ranks (DDP over gloo) and a vLLM replica in its own actor, a LoRA policy: rank 0's adapters alone
+    reach the replica through the object store (``replicas_hold_adapters``) and vLLM serves them, or the merged
+    weights are reloaded (``rl.rollout.lora_sync`` merged). Same seed: the same rewards and losses (within 1e-3),
+    the engine's log-probs the trainer's (within 0.02 nats), and each step's sync bytes a fraction of the merged
+    model's."""
+    import ray
+
+    from conftest import Recorder
+    from rlhf_core.trainers.rl_on_ray import train_rl_on_ray
+
+    runs = {}
+    try:
+        for sync in ("adapters", "merged"):
+            (tmp_path / sync).mkdir()
+            runs[sync] = Recorder()
+            train_rl_on_ray(_vllm_rl_cfg(vllm_model, micro_data, tmp_path / sync, lora_rank=4, lora_alpha=8.0,
+                                         lr=1e-2, num_workers=2, **{"rollout.lora_sync": sync,
+                                                                    "distribution.placement": "disaggregated"}),
+                            runs[sync], show_progress=False)
+    finally:
+        ray.shutdown()
+    adapters, merged = runs["adapters"], runs["merged"]
+    assert adapters.series("rollout/reward_mean") == merged.series("rollout/reward_mean")
+    for key in ("train/policy_loss", "train/grad_norm", "train/kl"):
+        a, m = adapters.series(key), merged.series(key)
+        assert len(a) == len(m) == 3 and all(abs(x - y) <= 1e-3 for x, y in zip(a, m)), (key, a, m)
+    for run in (adapters, merged):
+        assert max(run.series("rollout/logprob_mismatch")) < 0.02
+        assert len(run.series("perf/weight_sync_s")) == 3
+    assert max(adapters.series("perf/weight_sync_bytes")) < 0.2 * min(merged.series("perf/weight_sync_bytes"))
 
 
 @pytest.mark.slow  # a second vLLM engine start-up (about a minute on 2 cores): `make test-slow`

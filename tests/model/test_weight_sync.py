@@ -110,5 +110,7 @@ def test_grpo_logs_the_same_metrics_through_the_collective_as_through_the_object
     for name in sorted(set(names)):
         assert runs["object_store"].series(name) == runs["collective"].series(name), name
     assert len(runs["collective"].series("perf/weight_sync_s")) == 2
+    for run in runs.values():  # the bytes each path moved to the 2 replicas, logged beside the seconds
+        assert len(run.series("perf/weight_sync_bytes")) == 2 and min(run.series("perf/weight_sync_bytes")) > 0
     # a replica left on the old weights would sample off the learner's policy from the second batch on
     assert max(runs["collective"].series("rollout/logprob_mismatch")) < 1e-4
