@@ -192,6 +192,26 @@ HOSTILE = Table(
       "{c:render_chat.median_us|.1f} µs against {c:apply_chat_template.median_us|.1f} µs unbounded")),
     "{c:machine|}")
 
+def _sync_row(path: str) -> tuple[str, ...]:
+    r = f"r:paths.{path}"
+    return (path, f"{{{r}.perf/weight_sync_bytes.median|,.0f}}",
+            f"{{{r}.perf/weight_sync_s.median|*1000:.1f}} ms ({{{r}.perf/weight_sync_s.min|*1000:.1f}}–"
+            f"{{{r}.perf/weight_sync_s.max|*1000:.1f}})", f"{{{r}.perf/weight_sync_s.steps|}}",
+            f"{{{r}.series.rollout/reward_mean|len:d}} rewards, last {{{r}.series.rollout/reward_mean.7|.4f}}",
+            f"{{{r}.series.rollout/logprob_mismatch|max:.1e}}")
+
+
+LORA_SYNC = Table(
+    "lora-sync-cpu", "BENCHMARKS.md", {"r": R + "cpu/2026-12-07/lora_sync_vllm_cpu.json"},
+    ("LoRA sync to vLLM", "bytes a sync (median)", "seconds a sync: median (min–max)", "syncs", "GRPO curve",
+     "engine vs trainer log-prob mismatch (max)"),
+    (_sync_row("adapters"), _sync_row("merged")),
+    "CPU, {r:setup.cpus|} cores (shared with one other CPU-bound job), {r:setup.engine|}",
+    "{r:setup.model|}, LoRA rank {r:setup.lora_rank|}, {r:setup.policy_ranks|} policy ranks, "
+    "{r:setup.rollout_replicas|} vLLM replica ({r:setup.placement|}, weights through the {r:setup.weight_path|}), "
+    "{r:setup.steps|} GRPO steps a path, same seed")
+
+
 def sbs(alias: str, bench: str, ours: str, trl: str, frac: str = "") -> tuple[str, ...]:
     """A side-by-side pair of one call: ours (median, range, tokens/s, fraction), TRL's, the ratios."""
     rows = f"{alias}:results.{bench}.summary.rows"
@@ -470,7 +490,8 @@ README_REAL = Table(
 
 TABLES: tuple[Table, ...] = (EMBEDDED, README_OFFLINE, README_RL, CPU_SBS, RL_EMBEDDED, GPU_SFT_SMOKE, TRL_SEARCH,
                              GPU_HYGIENE, GPU_HYGIENE_GRPO, GPU_SBS, GPU_MIXED,
-                             SEVEN_B, ASYNC, ENGINE, SCALING, ZERO3_RESUME, HASH_REGISTRY, HOSTILE, README_REAL)
+                             SEVEN_B, ASYNC, ENGINE, SCALING, ZERO3_RESUME, HASH_REGISTRY, HOSTILE, README_REAL,
+                             LORA_SYNC)
 
 # what wrote a result file: the first prefix of its name that matches
 PRODUCERS: tuple[tuple[str, str], ...] = (
