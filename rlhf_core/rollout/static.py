@@ -6,8 +6,11 @@ the step is bound by Python and kernel launches (a few hundred small kernels), n
 installed everywhere (not on the lent GPUs, for one). This engine does what vLLM's decode
 does for one fixed batch, in plain torch:
 
-* the cache is preallocated once per call, ``(B, H_kv, P + R, D)`` per layer, and step ``t``
-  writes column ``P + t`` (prompts are left-padded, so every row's new token shares a column);
+* the cache is preallocated, ``(B, H_kv, P + R, D)`` per layer, and step ``t`` writes column ``P + t``
+  (prompts are left-padded, so every row's new token shares a column); the decoder holding it (with the fused
+  weight copies and the captured graphs) is kept for the next chunk of the same shape and sampling settings,
+  its buffers reset and the current weights copied in (``SETTINGS.keep_decoder``), so a training run captures
+  once;
 * one decode step has fixed shapes and touches only preallocated buffers (the token, its
   position, the column and a key mask are updated in place), so on CUDA it is captured once
   into a ``torch.cuda.CUDAGraph`` and replayed: one launch per step instead of hundreds;
@@ -28,7 +31,8 @@ does for one fixed batch, in plain torch:
 
 It runs the model's own modules (projections, norms, MLP, rotary embedding), so it holds no
 weights of its own: :meth:`update_weights` copies into the model in place and captured graphs
-stay valid. Architectures: the Llama family's decoder layer (``llama``, ``qwen2``, ``qwen3``
+stay valid (the fused copies are refreshed from the model before every chunk; a parameter given new storage
+makes a new decoder). Architectures: the Llama family's decoder layer (``llama``, ``qwen2``, ``qwen3``
 with its q/k norms, ``mistral`` within its sliding window), with or without peft LoRA adapters (a LoRA
 policy's projections are merged, ``W + s B A``, into the per-call copies the decode step reads; the
 prefill runs peft's own layers); :func:`supports` says why a model is refused, and
@@ -41,6 +45,7 @@ sampled token, before top-k / top-p filtering.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import Any, Sequence
@@ -128,6 +133,8 @@ class StaticCacheEngine(HFGenerateEngine):
         # assemble), summed over calls, when a caller sets this to a dict (bench/gpu_engine.py --phases): each phase
         # then waits for the device at its ends, so a timed run is a little slower. None (the default): no waits.
         self.phase_seconds: dict[str, float] | None = None
+        # The last chunk's (key, decoder, sampler), kept for the next chunk of the same key (SETTINGS.keep_decoder)
+        self._kept: tuple[tuple, Decoder, Sampler] | None = None
 
     @contextlib.contextmanager
     def _phase(self, name: str, device: torch.device):
@@ -191,14 +198,11 @@ class StaticCacheEngine(HFGenerateEngine):
         # Each prompt is prefilled once and its cache shared by its n samples (rows i*n .. i*n+n-1).
         graphs = self.cuda_graphs and device.type == "cuda"
         with self._phase("decoder_setup", device):
-            decoder = Decoder(self._sampling_model, ids.to(device), mask.to(device), params.max_new_tokens, params.n,
-                               compiled=graphs and self.compile_layers, triton=self.triton_attention)
-            self._check_row_kernel(decoder)
+            decoder, sampler = self._decoder_for(ids.to(device), mask.to(device), params, device, graphs)
         with self._phase("prefill", device):
             logits = decoder.prefill()
         ids, mask = ids.repeat_interleave(params.n, dim=0), mask.repeat_interleave(params.n, dim=0)
-        sampler = Sampler(params, ids.shape[0], params.max_new_tokens, eos, pad, device)
-        if graphs:
+        if graphs and not decoder.graphs:
             with self._phase("capture", device):
                 self._capture(decoder, sampler)
         with self._phase("decode", device):
@@ -207,15 +211,56 @@ class StaticCacheEngine(HFGenerateEngine):
             else:
                 steps = _decode_eagerly(decoder, logits, sampler, generator)
         with self._phase("to_host", device):
-            out_ids, out_logp = sampler.out_ids, sampler.out_logp
-            decoder.release()
-            response = out_ids[:, :steps].cpu()
-            logprobs = out_logp[:, :steps].cpu()
+            if not SETTINGS.keep_decoder:
+                self.release_decoder()
+            response = sampler.out_ids[:, :steps].to("cpu", copy=True)  # copies: a kept sampler's buffers are reused
+            logprobs = sampler.out_logp[:, :steps].to("cpu", copy=True)
             response_mask = response_mask_from_ids(response, eos, params.stop_token_ids)
             longest = max(int(response_mask.sum(-1).max()), 1)  # columns after every row's eos: dropped, as generate does
             response, response_mask, logprobs = response[:, :longest], response_mask[:, :longest], logprobs[:, :longest]
             response = response.masked_fill(response_mask == 0, pad)
         return ids, mask, response, response_mask, logprobs.masked_fill(response_mask == 0, 0.0)
+
+    def _decoder_for(self, ids: torch.Tensor, mask: torch.Tensor, params: SamplingParams, device: torch.device,
+                     graphs: bool) -> tuple[Decoder, Sampler]:
+        """The chunk's decoder and sampler: the kept ones, reset for these prompts with the weights copied in
+        afresh, where everything their captured graphs depend on is unchanged (:meth:`_decoder_key`); else new
+        ones (the kept ones dropped first, so two never hold memory together)."""
+        key = self._decoder_key(ids, params, device, graphs)
+        if self._kept is not None and self._kept[0] == key and self._kept[1].shape.rows == ids.shape[0] * params.n:
+            _, decoder, sampler = self._kept  # rows: the eager decode may have shrunk it (Decoder.keep)
+            decoder.load_prompts(ids, mask)
+            decoder.refresh_weights()
+            sampler.reset()
+            return decoder, sampler
+        self.release_decoder()
+        decoder = Decoder(self._sampling_model, ids, mask, params.max_new_tokens, params.n,
+                          compiled=graphs and self.compile_layers, triton=self.triton_attention)
+        self._check_row_kernel(decoder)
+        sampler = Sampler(params, ids.shape[0] * params.n, params.max_new_tokens, self.tokenizer.eos_token_id,
+                          self.tokenizer.pad_token_id, device)
+        self._kept = (key, decoder, sampler)
+        return decoder, sampler
+
+    def _decoder_key(self, ids: torch.Tensor, params: SamplingParams, device: torch.device, graphs: bool) -> tuple:
+        """What a kept decoder's buffers and captured graphs were made for: the prompts' shape, the sampling settings
+        but the seed (the graph samples with them), the decode switches, and the weights' storage (a graph reads
+        their addresses: a parameter given new storage, e.g. a rollout replica's weights released and refilled
+        under rl.rollout.sleep, makes a new decoder) and LoRA adapters' switches (the unfused path runs peft's
+        layers as captured)."""
+        model = self._sampling_model
+        adapters = tuple((m.disable_adapters, m.merged, tuple(m.active_adapters)) for m in model.modules()
+                         if hasattr(m, "get_base_layer")) if hasattr(model, "peft_config") else ()
+        return (device, tuple(ids.shape), dataclasses.replace(params, seed=None), graphs, self.compile_layers,
+                self.triton_attention, dataclasses.astuple(SETTINGS), adapters,
+                tuple(p.data_ptr() for p in model.parameters()))
+
+    def release_decoder(self) -> None:
+        """Drop the kept decoder and sampler (cache, fused weight copies, captured graphs): their memory goes back
+        to the allocator. The next chunk builds new ones."""
+        if self._kept is not None:
+            self._kept[1].release()
+            self._kept = None
 
     def _check_row_kernel(self, decoder: Decoder) -> None:
         """Build auto's Triton decode attention once, eagerly, before any graph captures it; where it fails (a

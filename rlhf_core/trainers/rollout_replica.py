@@ -17,8 +17,9 @@ from rlhf_core.distributed.weight_sync import SyncGroup, bucket_views, unflatten
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer, pick_device, prepare_for_training
 from rlhf_core.models.precision import Precision
 from rlhf_core.rollout.engine import LoadsWeightBuckets, tensor_bytes
-from rlhf_core.trainers.rl_parts import build_rollout_engine, syncs_adapters
+from rlhf_core.trainers import rl_forward
 from rlhf_core.trainers.rl_forward import release_memory
+from rlhf_core.trainers.rl_parts import build_rollout_engine, syncs_adapters
 
 
 def replicas_hold_adapters(cfg: Any) -> bool:
@@ -52,14 +53,27 @@ class RolloutReplica:
     def generate(self, prompts: Sequence[str], params: Any) -> Any:
         self._check_awake()
         batch = self.engine.generate(prompts, params)
-        release_memory()  # colocated: the KV cache's blocks go back before the learner's phase
+        self._after_rollout()
         return batch
 
     def generate_ids(self, encoded: Sequence[list[int]], params: Any, prompts: Sequence[str]) -> Any:
         self._check_awake()
         batch = self.engine.generate_ids(encoded, params, prompts)
-        release_memory()
+        self._after_rollout()
         return batch
+
+    def _after_rollout(self) -> None:
+        """Colocated (the GPU shared with learner ranks: ``rl_forward.RELEASE_MEMORY``): the static engine's kept
+        decoder (KV cache, fused copies, graphs) is dropped and the cache's blocks go back before the learner's
+        phase."""
+        if rl_forward.RELEASE_MEMORY:
+            self._release_decoder()
+        release_memory()
+
+    def _release_decoder(self) -> None:
+        release = getattr(self.engine, "release_decoder", None)  # the static engine's; others keep none
+        if release is not None:
+            release()
 
     # ---- rl.rollout.sleep: the weights' memory handed back between a rollout and the next sync ------
     #
@@ -79,6 +93,7 @@ class RolloutReplica:
         if self._released is not None:
             return 0
         freed = resident_weight_bytes(model)
+        self._release_decoder()  # its fused copies and graphs belong to the storage released here
         self._released = {}
         for name, p in model.named_parameters():
             self._released[name] = p.shape

@@ -3,6 +3,7 @@ groups, early stop, in-place weight updates, and the fallback for models it cann
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -474,3 +475,48 @@ def test_a_lora_policy_decodes_through_its_adapters(fused, micro_model, monkeypa
     dora = get_peft_model(load_causal_lm(micro_model, torch.device("cpu")),
                           LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
     assert "use_dora" in supports(dora.get_base_model())
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_kept_decoder_samples_as_a_fresh_engine_after_a_weight_update(lora, micro_model, monkeypatch):
+    """The engine keeps its decoder (cache, fused weight copies; on a GPU the captured graphs) from one generate
+    call to the next of the same shape: after ``update_weights`` (and, for a LoRA policy, its adapters moved in
+    place as an optimizer step moves them, with no sync at all) the second call's tokens and log-probs are
+    bit-identical to a freshly built engine's with the new weights and the same seed, and the decoder was kept.
+    A call of another shape builds a new one; with ``keep_decoder`` off none is kept."""
+    monkeypatch.setattr(SETTINGS, "compact_below", 0.0)  # a shrunk eager batch is not kept; keep this one whole
+    model, tok = _eos_biased(micro_model)
+    with torch.no_grad():
+        model.lm_head.bias[tok.eos_token_id] = 0.5  # rows still end at different steps
+    if lora:
+        from rlhf_core.models.loading import prepare_for_training
+
+        model = prepare_for_training(model, lora_rank=4, lora_alpha=8.0).eval()
+    params = SamplingParams(n=3, temperature=0.9, top_p=0.95, max_new_tokens=10, seed=7)
+    engine = StaticCacheEngine(model, tok, batch_size=64)
+    first = engine.generate(PROMPTS, params)
+    kept = engine._kept[1]
+    assert kept.fused is not None  # the fused copies are what a weight update must reach
+    torch.manual_seed(1)
+    with torch.no_grad():
+        if lora:  # in place, as the optimizer moves them: the engine holds the trainer's own model
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.add_(torch.randn_like(p) * 0.3)
+        else:
+            moved = {k: v + torch.randn_like(v) * 0.05 for k, v in model.state_dict().items()}
+            engine.update_weights(moved)
+    second = engine.generate(PROMPTS, dataclasses.replace(params, seed=8))
+    assert engine._kept[1] is kept  # the same decoder, reset and refreshed
+    fresh = StaticCacheEngine(model, tok, batch_size=64).generate(PROMPTS, dataclasses.replace(params, seed=8))
+    for name in ("response_ids", "response_mask", "sampling_logprobs", "prompt_ids"):
+        assert torch.equal(getattr(second, name), getattr(fresh, name)), name
+    assert second.completions == fresh.completions
+    assert not torch.equal(first.sampling_logprobs[:, :4], second.sampling_logprobs[:, :4])
+    lengths = second.response_lengths()
+    assert (lengths < 10).any() and (lengths > 1).any()  # rows ended at different steps
+    engine.generate(PROMPTS[:2], params)  # another prompt shape: a new decoder
+    assert engine._kept[1] is not kept
+    monkeypatch.setattr(SETTINGS, "keep_decoder", False)
+    again = engine.generate(PROMPTS, dataclasses.replace(params, seed=8))
+    assert engine._kept is None and torch.equal(again.sampling_logprobs, fresh.sampling_logprobs)

@@ -32,6 +32,18 @@ class _Shapes:
     head_dim: int
 
 
+def _cat(parts: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:
+    """``torch.cat(parts)``, written into ``out`` (a kept fused copy) when given."""
+    return torch.cat(parts) if out is None else torch.cat(parts, out=out)
+
+
+def _into(value: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``value`` laid out contiguously (the model's own tensor stays itself), or copied into ``out`` (a kept copy)
+    unless ``out`` is that very tensor."""
+    if out is None:
+        return value.contiguous()
+    return out if out is value else out.copy_(value)
+
 
 class Decoder:
     """One chunk's decode state: the static cache and the buffers a captured step reads and writes.
@@ -62,36 +74,64 @@ class Decoder:
         self.flash = use_flash(device, dtype, head_dim)
         self.row_kernel = choose_row_kernel(device, head_dim, triton) if self.flash else "sdpa"
         layout = (B, W, kv_heads, head_dim) if self.flash else (B, kv_heads, W, head_dim)
-        self.k = [torch.zeros(layout, dtype=dtype, device=device) for _ in self.layers]
-        self.v = [torch.zeros(layout, dtype=dtype, device=device) for _ in self.layers]
+        self.k = [torch.empty(layout, dtype=dtype, device=device) for _ in self.layers]
+        self.v = [torch.empty(layout, dtype=dtype, device=device) for _ in self.layers]
         # rotary tables for positions 0 .. W-1, from the model's own rotary module (any rope scaling)
         probe = torch.zeros(1, W, head_dim, dtype=dtype, device=device)
         cos, sin = self.inner.rotary_emb(probe, torch.arange(W, device=device)[None])
         self.cos, self.sin = cos[0], sin[0]  # (W, D)
-        self.ids, self.prompt_mask = ids, mask  # (prompts, P): one row per prompt
-        # decode-step buffers (updated in place, read by the captured graph), one row per sample
-        row_mask = mask.repeat_interleave(n, dim=0)
-        self.valid = torch.zeros(B, W, dtype=torch.bool, device=device)  # keys a row may attend to
-        self.valid[:, :P] = row_mask.bool()
-        self.token = torch.zeros(B, dtype=torch.long, device=device)
-        self.pos = (row_mask.sum(-1) - 1).clamp(min=0)  # position of the last prompt token; advanced before a step
-        self.col = torch.tensor([P - 1], dtype=torch.long, device=device)
-        # flash: row b's keys start at its first prompt token (left padding) and run ``used[b]`` columns
-        start = P - row_mask.sum(-1)
+        # decode-step buffers (updated in place, read by the captured graph), one row per sample; filled by
+        # load_prompts
+        self.valid = torch.empty(B, W, dtype=torch.bool, device=device)  # keys a row may attend to
+        self.token = torch.empty(B, dtype=torch.long, device=device)
+        self.pos = torch.empty(B, dtype=torch.long, device=device)  # position of the last token fed
+        self.col = torch.empty(1, dtype=torch.long, device=device)
         # flash, grouped (SETTINGS.flash_grouped): KV head j's G query heads are G query rows; the fused weights put
         # Q's heads (and o_proj's columns) in (g, j) order, so the projection writes those rows directly
         self.grouped = self.flash and SETTINGS.flash_grouped and heads > kv_heads
         self.cu_q = torch.arange(B + 1, dtype=torch.int32, device=device) * (heads // kv_heads if self.grouped else 1)
-        self.cu_k = torch.cat([torch.arange(B, device=device) * W + start,
-                               torch.tensor([B * W], device=device)]).to(torch.int32)
-        self.used = (P - start).to(torch.int32)
-        self.decode_steps, self.step_index = max_new_tokens, 0
+        # flash: row b's keys start at its first prompt token (left padding) and run ``used[b]`` columns
+        self.cu_k = torch.empty(B + 1, dtype=torch.int32, device=device)
+        self.used = torch.empty(B, dtype=torch.int32, device=device)
+        self.decode_steps = max_new_tokens
         self.graphs: list[tuple[int, Any]] = []  # (cache width, CUDA graph of a whole iteration)
+        self.load_prompts(ids, mask)
         self.fused = self._fuse_weights()
         self.heads_regrouped = self.grouped and self.fused is not None
         self.compiled = compiled and self.fused is not None
         self.halves = compiled_layer_halves() if self.compiled else (attention_inputs, output_and_mlp)
         self.sample = compiled_sample() if self.compiled and SETTINGS.compile_sampler else sample
+
+    def load_prompts(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        """Set every buffer that depends on the prompts ``ids``, ``mask (prompts, P)`` (of this decoder's shape), in
+        place: the caches zeroed, the key mask, positions, column and sequence bounds of the prompts. A decoder
+        kept from an earlier chunk then runs exactly as a fresh one, and its captured graphs, which read these
+        buffers, stay valid."""
+        B, W = self.shape.rows, self.shape.width
+        P = ids.shape[1]
+        if ids.shape[0] * self.n != B or W - self.decode_steps != P:
+            raise ValueError(f"Decoder.load_prompts: prompts {tuple(ids.shape)} do not fit a decoder of {B} rows "
+                             f"and width {W}")
+        device = self.token.device
+        self.ids, self.prompt_mask = ids, mask  # (prompts, P): one row per prompt
+        row_mask = mask.repeat_interleave(self.n, dim=0)
+        for cache in (*self.k, *self.v):
+            cache.zero_()
+        self.valid.zero_()
+        self.valid[:, :P] = row_mask.bool()
+        self.token.zero_()
+        self.pos.copy_((row_mask.sum(-1) - 1).clamp(min=0))  # advanced before a step
+        self.col.fill_(P - 1)
+        start = P - row_mask.sum(-1)
+        self.cu_k.copy_(torch.cat([torch.arange(B, device=device) * W + start, torch.tensor([B * W], device=device)]))
+        self.used.copy_(P - start)
+        self.step_index = 0
+
+    def refresh_weights(self) -> None:
+        """Copy the model's weights as they are now into the fused copies, in place (the captured graphs read
+        them): a decoder kept across weight updates samples from the current weights."""
+        if self.fused is not None:
+            self._fuse_weights(into=self.fused)
 
     def _grouped_q(self, w: torch.Tensor) -> torch.Tensor:
         """Q projection rows ``(H D, ..)`` from head order ``h = j G + g`` to ``(g, j)`` order (grouped flash
@@ -124,20 +164,21 @@ class Decoder:
                     "(%.1f GB); decoding through the model's own modules", need / 2**30, free / 2**30)
         return False
 
-    def _fuse_weights(self) -> list[dict[str, Any]] | None:
+    def _fuse_weights(self, into: list[dict[str, Any]] | None = None) -> list[dict[str, Any]] | None:
         """Per layer, Q/K/V and gate/up projections concatenated into one matrix each (decode only).
 
         A decode step at batch 512 is a chain of ~40 small kernels per layer (a profile in
         BENCHMARKS.md, "Rollout decode"); one GEMM for Q, K and V, one for gate and up, rotary
         embedding applied once to the Q and K heads together and a fused RMS norm cut that chain by
-        about a third. Copies of this call's weights, so they are rebuilt with the decoder (per call).
+        about a third. Copies of the weights as they are when called: ``into`` (this decoder's copies, which its
+        captured graphs read) is written in place instead (:meth:`refresh_weights`, before every chunk).
         ``None`` (use the model's modules) for layouts this does not cover (Qwen3's q/k norms), and on a GPU
         where the copies would take more than half the free memory (:meth:`_copies_fit`).
         """
-        if not self._copies_fit():
+        if into is None and not self._copies_fit():
             return None
         fused = []
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             if hasattr(attn, "q_norm") or not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj")) \
                     or not all(hasattr(n, "variance_epsilon") for n in (layer.input_layernorm,
@@ -150,15 +191,18 @@ class Decoder:
                 return None  # some projections biased, some not
             ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
             o_proj = merged_weight(attn.o_proj)
+            out = into[i] if into is not None else {}
             fused.append({  # the model's own tensors (LoRA: merged copies), except the two concatenations
                 "ln1": ln1.weight, "eps1": ln1.variance_epsilon, "ln2": ln2.weight, "eps2": ln2.variance_epsilon,
-                "qkv": torch.cat([self._grouped_q(merged_weight(attn.q_proj)), merged_weight(attn.k_proj),
-                                  merged_weight(attn.v_proj)]),
-                "qkv_bias": None if qkv_bias is None else torch.cat([self._grouped_q(qkv_bias[0]), *qkv_bias[1:]]),
-                "o": self._grouped_q(o_proj.T).T.contiguous() if self.grouped else o_proj, "o_bias": attn.o_proj.bias,
-                "gate_up": torch.cat([merged_weight(mlp.gate_proj), merged_weight(mlp.up_proj)]),
-                "gate_up_bias": None if gate_up_bias is None else torch.cat(gate_up_bias),
-                "down": merged_weight(mlp.down_proj), "down_bias": mlp.down_proj.bias,
+                "qkv": _cat([self._grouped_q(merged_weight(attn.q_proj)), merged_weight(attn.k_proj),
+                             merged_weight(attn.v_proj)], out.get("qkv")),
+                "qkv_bias": None if qkv_bias is None else _cat([self._grouped_q(qkv_bias[0]), *qkv_bias[1:]],
+                                                               out.get("qkv_bias")),
+                "o": _into(self._grouped_q(o_proj.T).T if self.grouped else o_proj, out.get("o")),
+                "o_bias": attn.o_proj.bias,
+                "gate_up": _cat([merged_weight(mlp.gate_proj), merged_weight(mlp.up_proj)], out.get("gate_up")),
+                "gate_up_bias": None if gate_up_bias is None else _cat(gate_up_bias, out.get("gate_up_bias")),
+                "down": _into(merged_weight(mlp.down_proj), out.get("down")), "down_bias": mlp.down_proj.bias,
             })
         return fused
 

@@ -82,6 +82,14 @@ class Sampler:
         self.t = torch.zeros(1, dtype=torch.long, device=device)
         self.uniforms = torch.zeros((R, rows, 1), dtype=torch.float32, device=device)
 
+    def reset(self) -> None:
+        """Back to a fresh sampler's state, in place (a kept decoder's captured graphs read these buffers)."""
+        self.out_ids.fill_(self.pad)
+        self.out_logp.zero_()
+        self.finished.zero_()
+        self.t.zero_()
+        self.uniforms.zero_()
+
     def record(self, token: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
         """Write column ``t`` (rows past their eos get pad), update ``finished``, advance ``t``; the token
         ``(B,)`` the next decode step feeds. Device ops only, so a captured graph can run it."""

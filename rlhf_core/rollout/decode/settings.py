@@ -36,13 +36,17 @@ class DecodeSettings:
 
     width_bucket: int = 0
     """Columns between the cache widths of the decode graphs (see ``Decoder.width_buckets``); 0: one graph over the
-    whole cache. Measured (512 x 256, BENCHMARKS.md): eight 32-column graphs were ~25% slower than one graph: graphs
-    are captured per generate call, and the extra captures cost more than the narrower attention saves. Kept for
-    graphs kept across calls."""
+    whole cache. Measured (512 x 256, BENCHMARKS.md) when graphs were captured every generate call: eight 32-column
+    graphs were ~25% slower than one graph, the extra captures costing more than the narrower attention saved."""
 
     sdpa_backends: tuple[str, ...] | None = None
     """SDPA backends a decode step may use (None: torch's choice, cuDNN on Hopper), by name of
     torch.nn.attention.SDPBackend; bench/gpu_engine.py's static_cuda_graphs_<backend> engines A/B them."""
+
+    keep_decoder: bool = True
+    """Whether the engine keeps a chunk's decoder (KV cache, fused weight copies, captured graphs) for the next chunk
+    of the same shape and sampling settings, resetting its buffers and copying the current weights in, instead of
+    building and capturing afresh each call. The cost: the cache and the copies stay allocated between rollouts."""
 
     compact_below: float = 0.75
     """The eager decode (the CPU's) drops finished rows from its batch once this share or fewer of them still run:
