@@ -18,7 +18,7 @@ import torch
 from rlhf_core.models.attention import VARLEN, packed_forward_kwargs
 from rlhf_core.models.lm_head import LMHead, bypasses_head, head_bypassed, head_logprobs, unwrap
 from rlhf_core.distributed.parallel import World
-from rlhf_core.algorithms.rl_math import entropy_from_logits
+from rlhf_core.algorithms.rl_math import aggregation_units, entropy_from_logits
 from rlhf_core.data.tokenize import group_by_tokens
 
 
@@ -175,14 +175,18 @@ class PackedRows:
     forward_kwargs: dict[str, Any]
 
 
-def pack_rows(model: Any, exp: dict[str, torch.Tensor], prompt_width: int) -> PackedRows:
+def pack_rows(model: Any, exp: dict[str, torch.Tensor], prompt_width: int,
+              host: torch.Tensor | None = None) -> PackedRows:
     """The :class:`PackedRows` of ``exp``'s rows (left-padded prompts of width ``prompt_width``, right-padded
     responses), worked out on the host from one copy of the mask and positions: this waits for the device
-    once. The policy update calls it for every micro-batch before the first forward, so no micro-batch
-    waits for the one before it (a wait there drained the queue of launched work at each micro-batch)."""
+    once, or not at all when ``host`` is that copy already, ``(2, rows, W)`` long (attention mask, positions; the
+    policy update reads every micro-batch's in one transfer, :func:`read_together`). The update works out every
+    micro-batch's before the first forward, so no micro-batch waits for the one before it (a wait there drained
+    the queue of launched work at each micro-batch)."""
     rows, W = exp["attention_mask"].shape
     device = exp["input_ids"].device
-    host = torch.stack([exp["attention_mask"].long(), exp["position_ids"].long()]).cpu()  # (2, rows, W)
+    if host is None:
+        host = torch.stack([exp["attention_mask"].long(), exp["position_ids"].long()]).cpu()  # (2, rows, W)
     keep = host[0].flatten().bool()
     index = keep.nonzero().squeeze(-1)  # (N,) padded flat position of each packed token
     positions = host[1].flatten()[index][None]  # (1, N)
@@ -297,8 +301,26 @@ def token_values(critic: Any, exp: dict[str, torch.Tensor], prompt_width: int) -
 _SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 
-def trim_padding(exp: dict[str, torch.Tensor], prompt_width: int) -> tuple[dict[str, torch.Tensor], int]:
+def read_together(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """CPU copies of ``tensors`` with one wait for the device: each copy queued into pinned memory, then one
+    synchronize (a ``.cpu()`` or ``int()`` each would wait once each). On a CPU, the tensors themselves."""
+    if not tensors or not tensors[0].is_cuda:
+        return [t.cpu() for t in tensors]
+    out = [t.to("cpu", non_blocking=True) for t in tensors]
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return out
+
+
+def trim_widths(attention_mask: torch.Tensor, prompt_width: int) -> torch.Tensor:
+    """``(2,)`` on the rows' device: the longest prompt and the longest response among the rows of
+    ``attention_mask (rows, P + R)``, what :func:`trim_padding` keeps (read on the host by the caller)."""
+    return torch.stack([attention_mask[:, :prompt_width].sum(-1).max(), attention_mask[:, prompt_width:].sum(-1).max()])
+
+
+def trim_padding(exp: dict[str, torch.Tensor], prompt_width: int,
+                 widths: tuple[int, int] | None = None) -> tuple[dict[str, torch.Tensor], int]:
     """A chunk of rows without the columns that are padding in all of them; and the chunk's prompt width.
+    ``widths``: the chunk's :func:`trim_widths`, already read (else read here: a wait for the device).
 
     Prompts are left-padded to the batch's longest and responses right-padded to its longest, so a
     chunk of short rows carries columns nobody needs: those left of its own longest prompt and right
@@ -308,8 +330,9 @@ def trim_padding(exp: dict[str, torch.Tensor], prompt_width: int) -> tuple[dict[
     """
     att = exp["attention_mask"]
     R = att.shape[1] - prompt_width
-    start = prompt_width - int(att[:, :prompt_width].sum(-1).max())
-    r = max(int(att[:, prompt_width:].sum(-1).max()), 1)
+    longest_prompt, longest_response = widths if widths is not None else trim_widths(att, prompt_width).tolist()
+    start = prompt_width - int(longest_prompt)
+    r = max(int(longest_response), 1)
     out = {}
     for k, v in exp.items():
         if k in _SEQUENCE_KEYS:
@@ -333,6 +356,42 @@ def by_length(exp: dict[str, torch.Tensor], rows: torch.Tensor, prompt_width: in
     order = torch.argsort(att[:, prompt_width:].sum(-1), stable=True)
     order = order[torch.argsort(prompt_id[order], stable=True)]
     return order[torch.argsort(att[order, :prompt_width].sum(-1), stable=True)]
+
+
+def micro_batches(model: Any, mb: dict[str, torch.Tensor], prompt_width: int, n: int, aggregation: Any,
+                  packing: bool) -> tuple[list, list, list[float], float]:
+    """The policy update's mini-batch ``mb`` as ``n`` micro-batches ``(rows, prompt width)``: rows of similar length
+    together (:func:`by_length`), each trimmed to its own widths (the summed gradient is the same whichever rows
+    share a micro-batch); each one's packed layout (:func:`pack_rows`, with ``packing``; else False) and loss units
+    (:func:`aggregation_units`); and the mini-batch's token count. Every width, unit count and packed layout comes
+    from one read of the device (:func:`read_together`), before the first forward."""
+    rows = torch.arange(mb["mask"].shape[0], device=mb["mask"].device)
+    order = by_length(mb, rows, prompt_width)
+    chunks = torch.tensor_split(order, n)
+    if any(len(c) == 0 for c in chunks):
+        raise ValueError(f"rl.micro_batch_size: a mini-batch share of {len(rows)} rows cannot fill "
+                         f"{n} micro-batches; raise micro_batch_size or mini_batch_size")
+    parts = [{k: v[chunk] for k, v in mb.items()} for chunk in chunks]
+    # per micro-batch: longest prompt, longest response, loss units (over its untrimmed columns: the trimmed ones
+    # carry no mask); then the mini-batch's tokens. Counts below 2^24: exact in float32 and float64 alike.
+    counts = torch.cat([torch.cat([trim_widths(p["attention_mask"], prompt_width).double(),
+                                   aggregation_units(p["mask"], aggregation).double().reshape(1)]) for p in parts]
+                       + [mb["mask"].sum().double().reshape(1)])
+    layout = [torch.stack([mb["attention_mask"].long(), mb["position_ids"].long()])[:, order]] if packing else []
+    counts, *layout = read_together(counts, *layout)
+    values = counts.tolist()
+    micro, packed, units, at = [], [], [], 0
+    for i, part in enumerate(parts):
+        longest_prompt, longest_response, unit = values[3 * i:3 * i + 3]
+        m, width = trim_padding(part, prompt_width, (int(longest_prompt), int(longest_response)))
+        micro.append((m, width))
+        units.append(unit)
+        packed.append(False)
+        if packing:  # this micro-batch's rows (consecutive in ``order``) and kept columns
+            start, size = prompt_width - width, len(chunks[i])
+            host = layout[0][:, at:at + size, start:start + m["attention_mask"].shape[1]]
+            packed[-1], at = pack_rows(model, m, width, host=host), at + size
+    return micro, packed, units, values[-1]
 
 
 @torch.no_grad()

@@ -35,10 +35,10 @@ from rlhf_core.distributed.strategies import build_strategy, shard_frozen
 from rlhf_core.models.parity import make_batch_invariant
 from rlhf_core.models.precision import Precision
 from rlhf_core.algorithms.rl_math import (AdvantageEstimator, LossAggregation, PolicyObjective, aggregate_loss,
-                               aggregation_units, clipped_value_loss, kl_penalty, masked_mean, policy_loss)
+                               clipped_value_loss, kl_penalty, masked_mean, policy_loss)
 from rlhf_core.rewards.model import load_reward_model
-from rlhf_core.trainers.rl_forward import (Sharded, by_length, in_chunks, pack_rows, release_memory, resolve_packing,
-                                           sharded, to, token_logprobs, token_values, trim_padding)
+from rlhf_core.trainers.rl_forward import (Sharded, in_chunks, micro_batches, release_memory, resolve_packing, sharded,
+                                           to, token_logprobs, token_values)
 from rlhf_core.trainers.step import accumulate_and_step, build_optimizer, build_scheduler
 from rlhf_core.distributed.weight_sync import Layout, SyncGroup, TensorSpec, flatten_bucket, plan_layout
 
@@ -277,7 +277,9 @@ class PolicyLearner:
             for order in orders:
                 for start in range(0, len(order), cfg.algorithm.mini_batch_size):
                     mb_rows = order[start:start + cfg.algorithm.mini_batch_size]
-                    index = mb_rows[world.rows(len(mb_rows))].to(self.device)  # one copy, not one a key
+                    index = mb_rows[world.rows(len(mb_rows))]  # one copy, not one a key; pinned: no wait
+                    index = (index.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda"
+                             else index.to(self.device))
                     mb = {k: v[index] for k, v in exp.items()}
                     self._policy_step(mb, prompt_width, kl_coef, step, seen)
                     if self.critic is not None:
@@ -287,20 +289,12 @@ class PolicyLearner:
 
     def _policy_step(self, mb: dict[str, torch.Tensor], prompt_width: int, kl_coef: float, step: int,
                      seen: dict[str, list[float]]) -> None:
-        cfg, agg = self.cfg, self.aggregation
+        cfg = self.cfg
         # Each micro-batch's loss L_m over u_m units enters backward as L_m * u_m / U, U the units of the
         # whole mini-batch over all ranks: the accumulated gradient is the one-pass gradient.
-        rows = torch.arange(mb["mask"].shape[0], device=mb["mask"].device)
-        # rows of similar length together, each micro-batch trimmed to its own widths: the summed
-        # gradient is the same whichever rows share a micro-batch
-        chunks = torch.tensor_split(by_length(mb, rows, prompt_width), self.micro_batches)
-        if any(len(c) == 0 for c in chunks):
-            raise ValueError(f"rl.micro_batch_size: a mini-batch share of {len(rows)} rows cannot fill "
-                             f"{self.micro_batches} micro-batches; raise micro_batch_size or mini_batch_size")
-        micro = [trim_padding({k: v[chunk] for k, v in mb.items()}, prompt_width) for chunk in chunks]
-        units = [float(aggregation_units(m["mask"], agg)) for m, _ in micro]
-        total_units, n_seq, n_tok = self.world.all_reduce_sum([sum(units), float(len(rows)), float(mb["mask"].sum())])
-        packed = [pack_rows(self.strategy.module, m, width) if self.packing else False for m, width in micro]
+        micro, packed, units, n_tok = micro_batches(self.strategy.module, mb, prompt_width, self.micro_batches,
+                                                    self.aggregation, self.packing)
+        total_units, n_seq, n_tok = self.world.all_reduce_sum([sum(units), float(len(mb["mask"])), n_tok])
         # loss, pg, kl_loss, clip_frac, approx_kl, entropy, seq_kl, mismatch: summed on the device and read once
         # with the losses and the norm, after the last micro-batch, so no micro-batch waits for the device
         loss_fn = functools.partial(self._policy_loss, kl_coef=kl_coef, total_units=max(total_units, 1.0),

@@ -226,3 +226,34 @@ def test_torch_rms_norm_gives_the_modules_values_and_gradients(micro_model, micr
         results.append((logps.detach(), _grads(model)))
     torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=0)
     _assert_grads_close(results[1][1], results[0][1])
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_rl_micro_batches_read_once_equal_the_micro_batch_by_micro_batch_reads(micro_model, micro_data, packing):
+    """The policy update splits its mini-batch (``rl_forward.micro_batches``) from one read of the device: the
+    micro-batches' rows and trimmed columns, prompt widths, packed layouts, loss units and the token count are
+    exactly those of reading each micro-batch on its own (``by_length``, ``trim_padding``, ``aggregation_units``,
+    ``pack_rows`` one by one, as the update did)."""
+    from rlhf_core.algorithms.rl_math import LossAggregation, aggregation_units
+    from rlhf_core.trainers.rl_forward import by_length, micro_batches, pack_rows, trim_padding
+
+    model, exp, p, mask = _rl_rows(micro_model, ["12+30=", "7*8=", "sort 321=", "sort 90817="], seed=8)
+    mb = {**exp, "mask": mask, "advantages": torch.randn(mask.shape) * mask}
+    for agg in (LossAggregation.TOKEN_MEAN, LossAggregation("seq_mean_token_mean")):
+        micro, packed, units, n_tok = micro_batches(model, mb, p, 3, agg, packing)
+        chunks = torch.tensor_split(by_length(mb, torch.arange(len(mask)), p), 3)
+        one_by_one = [trim_padding({k: v[c] for k, v in mb.items()}, p) for c in chunks]
+        assert [w for _, w in micro] == [w for _, w in one_by_one]
+        assert len({w for _, w in micro}) > 1 or len({m["input_ids"].shape[1] for m, _ in micro}) > 1
+        for (m, _), (ref, _) in zip(micro, one_by_one):
+            assert m.keys() == ref.keys() and all(torch.equal(m[k], ref[k]) for k in m)
+        assert units == [float(aggregation_units(m["mask"], agg)) for m, _ in one_by_one]
+        assert n_tok == float(mask.sum())
+        for got, (m, width) in zip(packed, one_by_one):
+            if not packing:
+                assert got is False
+                continue
+            want = pack_rows(model, m, width)
+            for field in ("index", "positions", "scored"):
+                assert torch.equal(getattr(got, field), getattr(want, field)), field
+            assert got.forward_kwargs.keys() == want.forward_kwargs.keys()
