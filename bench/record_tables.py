@@ -507,6 +507,8 @@ PRODUCERS: tuple[tuple[str, str], ...] = (
     ("gpu_varlen_check", "bench/gpu_lm_head_check.py --parts packed"),
     ("gpu_nosync_check", "bench/gpu_lm_head_check.py --parts nosync"),
     ("gpu_profile", "bench/gpu_profile.py"),
+    ("gpu_fp8", "bench/gpu_fp8.py"),
+    ("gpu_lora_sync", "bench/gpu_lora_sync.py"),
     ("parity_probe", "bench/parity_probe.py"),
     ("lora_sync_vllm_cpu", "bench/lora_sync_cpu.py --sync adapters, then --sync merged"),
     ("gpu_sft_profile", "bench/gpu_sft_profile.py"),
