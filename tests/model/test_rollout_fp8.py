@@ -1,7 +1,7 @@
 """FP8 rollouts (rl.rollout.fp8): the engines sample through an e4m3 copy (prefill and decode alike), each weight
 sync quantizes again, the trainer's model stays as it was, and a device without FP8 products is refused. On a CPU
-torch runs the scaled products too (slowly), which is how the engine path is checked here; the GPU test compares
-with bf16 on a card that has them."""
+the pinned torch runs the scaled products too (slowly), which is how the engine path is checked here; the GPU test
+compares with bf16 on a card that has them."""
 
 from __future__ import annotations
 
@@ -81,5 +81,6 @@ def test_fp8_logprobs_near_bf16_on_a_gpu(micro_tokenizer, tmp_path):
         with torch.no_grad():
             trainer = token_logprobs(model, exp, batch.prompt_ids.shape[1], 1.0)[0].float().cpu()
         gaps[fp8] = (batch.sampling_logprobs - trainer)[mask].abs()
-    assert gaps[True].mean() < 0.05 and gaps[True].max() < 0.5
+    # the quantization's own gap: at the 0.5B shape a mean of about 0.1 nats (BENCHMARKS.md, "FP8 rollouts")
+    assert gaps[True].mean() < 0.15 and gaps[True].max() < 1.0
     assert gaps[True].mean() >= gaps[False].mean()
