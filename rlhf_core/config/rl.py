@@ -234,6 +234,28 @@ class RLConfig(TrainerConfig):
         self._check_weight_sync()
         self._check_rollout_sleep()
         self._check_parity()
+        self._check_fp8()
+
+    def _check_fp8(self) -> None:
+        """rl.rollout.fp8: an engine of ours on a whole-weight copy; TIS on unless a correction is chosen. Whether the
+        device runs FP8 is checked where the engine is built (rl_parts.build_rollout_engine)."""
+        s = self.section
+        if not self.rollout.fp8:
+            return
+        _check(self.rollout.engine in ("static", "hf"), s, "rollout.fp8",
+               f"needs rollout.engine static or hf (their sampling copy is what is quantized), got "
+               f"{self.rollout.engine!r}")
+        _check(not self.rollout.parity, s, "rollout.fp8",
+               "and rollout.parity exclude each other (parity makes the engine's log-probs the trainer's bit for bit)")
+        _check(not self.lora_rank, s, "rollout.fp8",
+               "needs a policy without LoRA adapters (lora_rank 0): the engine quantizes whole weights")
+        _check(self.off_policy.recompute_old_logprobs, s, "rollout.fp8",
+               "needs off_policy.recompute_old_logprobs: true (the FP8 engine's log-probs are not the trainer's)")
+        _check(self.rollout.sleep != "on", s, "rollout.fp8",
+               "and rollout.sleep on exclude each other (the replica samples through a copy of its weights); use "
+               "rollout.sleep auto or off")
+        if not self.off_policy.tis_cap and not self.off_policy.mis_threshold:
+            self.off_policy.tis_cap = 2.0
 
     def _check_parity(self) -> None:
         """rl.rollout.parity: one process, the HF engine sampling from the policy itself, padded rows."""

@@ -33,6 +33,13 @@ class RolloutSection:
     bit for bit and rollout/logprob_mismatch reads exactly 0: a divergence seen then is the algorithm's, not numerics'.
     Needs engine hf, placement none, packing off and a CPU; the embedded GRPO step is about 5x slower (measured by
     bench/parity_abba.sh)."""
+    fp8: bool = False
+    """The engine samples through a copy of the policy whose linear layers (all but the LM head) run in FP8: e4m3
+    weights with a scale per output channel, inputs quantized with a scale per token, torch._scaled_mm
+    (rlhf_core/models/fp8.py). Every weight sync quantizes the new weights again; the trainer keeps its own precision.
+    Needs a CUDA GPU of compute capability >= 8.9 (refused on a CPU or an older GPU when the engine is built), engine
+    static or hf, no LoRA, no parity. Turns truncated importance sampling on (off_policy.tis_cap 2) unless
+    off_policy.tis_cap or off_policy.mis_threshold is set."""
     vllm_memory_fraction: float = 0.1
     """rollout.engine vllm: fraction of GPU memory (of RAM on CPU) vLLM reserves for its KV cache."""
     lora_sync: str = "adapters"
@@ -199,7 +206,8 @@ class OffPolicySection:
     tis_cap: float = 0.0
     """Truncated importance sampling (Yao et al. 2025): weight each token's policy-gradient term by min(pi_old /
     pi_engine, off_policy.tis_cap) to correct for an engine (vLLM) that samples slightly off the trainer's policy; 0 =
-    off, 2 is the paper's choice. Needs off_policy.recompute_old_logprobs."""
+    off, 2 is the paper's choice. Needs off_policy.recompute_old_logprobs. With rollout.fp8 and neither this nor
+    off_policy.mis_threshold set, 2."""
     mis_threshold: float = 0.0
     """Sequence-level masked importance sampling (Seq-MIS, rl_math.sequence_is_mask): a response whose ratio pi_old(y) /
     pi_engine(y) leaves [1 / off_policy.mis_threshold, off_policy.mis_threshold] is masked out of the loss, whether the
@@ -247,7 +255,8 @@ RENAMED: dict[str, str] = {
     "group_size": "rollout.group_size", "temperature": "rollout.temperature", "top_p": "rollout.top_p",
     "max_new_tokens": "rollout.max_new_tokens", "vllm_memory_fraction": "rollout.vllm_memory_fraction",
     "lora_sync": "rollout.lora_sync",
-    "rollout_sleep": "rollout.sleep", "rollout_parity": "rollout.parity", "reward_kind": "reward.kind", "reward_function": "reward.function",
+    "rollout_sleep": "rollout.sleep", "rollout_parity": "rollout.parity", "rollout_fp8": "rollout.fp8",
+    "reward_kind": "reward.kind", "reward_function": "reward.function",
     "reward_model_path": "reward.model_path", "reward_url": "reward.url", "reward_timeout_s": "reward.timeout_s",
     "reward_retries": "reward.retries", "reward_backoff_cap_s": "reward.backoff_cap_s",
     "reward_deadline_s": "reward.deadline_s", "reward_max_response_bytes": "reward.max_response_bytes",

@@ -30,7 +30,8 @@ from typing import Any, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 import torch
 
 from rlhf_core.data.tokenize import encode_prompt
-from rlhf_core.models.loading import copy_adapters, load_causal_lm
+from rlhf_core.models.fp8 import load_quantized, quantize_linears
+from rlhf_core.models.loading import copy_adapters, has_lora, load_causal_lm
 
 
 @dataclass(frozen=True)
@@ -320,7 +321,10 @@ class HFGenerateEngine:
     model object makes weight sync free — :meth:`update_weights` with that object is a no-op.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, batch_size: int = 16, autocast_dtype: torch.dtype | None = None):
+    def __init__(self, model: Any, tokenizer: Any, batch_size: int = 16, autocast_dtype: torch.dtype | None = None,
+                 fp8: bool = False):
+        """``fp8`` (``rl.rollout.fp8``): sample through a copy whose linear layers but the LM head are e4m3
+        (:mod:`rlhf_core.models.fp8`), quantized again from the model's weights at every :meth:`update_weights`."""
         if batch_size < 1:
             raise ValueError(f"{type(self).__name__}: batch_size must be >= 1, got {batch_size}")
         if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
@@ -331,10 +335,16 @@ class HFGenerateEngine:
         # by update_weights, so the decode loop does no fp32 -> bf16 casts (a GRPO rollout about
         # 30% shorter than with fp32 weights; bench/gpu_grpo.py, BENCHMARKS.md). None: sample
         # with the model itself, in its own dtype.
-        self.autocast_dtype = autocast_dtype
+        self.autocast_dtype, self.fp8 = autocast_dtype, fp8
         self.sampler = None
-        if autocast_dtype is not None and next(model.parameters()).dtype != autocast_dtype:
-            self.sampler = copy.deepcopy(model).to(autocast_dtype).eval().requires_grad_(False)
+        own = next(model.parameters()).dtype
+        if fp8 and has_lora(model):
+            raise ValueError(f"{type(self).__name__}: fp8 sampling needs a model without LoRA adapters (merge them "
+                             "first)")
+        if fp8 or (autocast_dtype is not None and own != autocast_dtype):
+            self.sampler = copy.deepcopy(model).to(autocast_dtype or own).eval().requires_grad_(False)
+            if fp8:
+                quantize_linears(self.sampler)
 
     @property
     def name(self) -> str:
@@ -349,6 +359,9 @@ class HFGenerateEngine:
             if self.sampler is None:
                 return 0
             with torch.no_grad():
+                if self.fp8:  # each sync quantizes the new weights again
+                    load_quantized(self.sampler, self.model.named_parameters())
+                    return tensor_bytes(self.sampler.state_dict())
                 for mine, theirs in zip(self.sampler.parameters(), self.model.parameters()):
                     mine.copy_(theirs)
             return tensor_bytes(dict(self.sampler.named_parameters()))

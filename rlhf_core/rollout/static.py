@@ -116,14 +116,15 @@ class StaticCacheEngine(HFGenerateEngine):
     """
 
     def __init__(self, model: Any, tokenizer: Any, batch_size: int = 256, autocast_dtype: torch.dtype | None = None,
-                 cuda_graphs: bool = True, compile_layers: bool | None = None):
+                 cuda_graphs: bool = True, compile_layers: bool | None = None, fp8: bool = False):
         """``compile_layers``: compile the decode layer's halves
         (:func:`rlhf_core.rollout.decode.layer.compiled_layer_halves`) where CUDA graphs are captured; ``None`` reads
-        ``SETTINGS.compile_layers`` (:data:`rlhf_core.rollout.decode.settings.SETTINGS`)."""
+        ``SETTINGS.compile_layers`` (:data:`rlhf_core.rollout.decode.settings.SETTINGS`). ``fp8``: the HF engine's
+        (an e4m3 sampling copy; the prefill and the fused decode projections run its FP8 products)."""
         reason = supports(model)
         if reason:
             raise ValueError(f"StaticCacheEngine: cannot run this model: {reason}")
-        super().__init__(model, tokenizer, batch_size=batch_size, autocast_dtype=autocast_dtype)
+        super().__init__(model, tokenizer, batch_size=batch_size, autocast_dtype=autocast_dtype, fp8=fp8)
         self.cuda_graphs = cuda_graphs
         self.compile_layers = SETTINGS.compile_layers if compile_layers is None else compile_layers
         self.triton_attention = True  # auto's Triton decode attention; False once it failed to build here

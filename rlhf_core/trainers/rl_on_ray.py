@@ -191,12 +191,13 @@ class ZeroBuckets:
 
 def resolve_rollout_sleep(cfg: Any, gpus: bool) -> bool:
     """``rl.rollout.sleep`` for this run: ``on`` as configured (the config checked it can work), ``auto`` on GPUs where
-    it can (colocated replicas sharing a GPU with the learner, synchronous, hf or static engine, whole-weight syncs);
+    it can (colocated replicas sharing a GPU with the learner, synchronous, hf or static engine, whole-weight syncs, no
+    FP8 sampling copy);
     off on CPUs, where the replica's weights are host memory and nothing is gained."""
     if cfg.rollout.sleep != "auto":
         return cfg.rollout.sleep == "on"
     return (gpus and cfg.distribution.placement == "colocated" and cfg.rollout.engine in ("hf", "static")
-            and not cfg.lora_rank and not cfg.off_policy.max_staleness)
+            and not cfg.lora_rank and not cfg.off_policy.max_staleness and not cfg.rollout.fp8)
 
 
 def _engine_dtype(cfg: Any) -> torch.dtype | None:

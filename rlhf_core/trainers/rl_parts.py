@@ -22,6 +22,7 @@ from rlhf_core.data.formats import prompt_text, read_prompt_examples
 from rlhf_core.data.io import DataError, read_records
 from rlhf_core.data.sequences import SAMPLE_ROWS, rendered_row
 from rlhf_core.data.tokenize import IGNORE_INDEX, TokenizedExample, encode_prompt
+from rlhf_core.models.fp8 import fp8_unsupported
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 from rlhf_core.models.parity import make_batch_invariant
 from rlhf_core.models.precision import Precision
@@ -292,7 +293,8 @@ def syncs_adapters(cfg: RLConfig) -> bool:
 def build_rollout_engine(cfg: RLConfig, policy: Any, tokenizer: Any,
                          autocast_dtype: torch.dtype | None = None) -> RolloutEngine:
     """The engine ``cfg.rollout.engine`` names; vLLM falls back to HF generate, with a warning, when absent. Under
-    ``rollout.parity`` the policy it samples from is made batch-invariant (already so where it is the learner's)."""
+    ``rollout.parity`` the policy it samples from is made batch-invariant (already so where it is the learner's);
+    ``rollout.fp8`` is refused (ConfigError) where the policy's device has no FP8 matrix products."""
     if cfg.rollout.parity:
         make_batch_invariant(policy, cfg.max_length)
     if cfg.rollout.engine == "vllm":
@@ -302,12 +304,18 @@ def build_rollout_engine(cfg: RLConfig, policy: Any, tokenizer: Any,
                               memory_fraction=cfg.rollout.vllm_memory_fraction, lora_rank=lora,
                               lora_alpha=cfg.lora_alpha)
         log.warning("rl: rollout_engine is vllm but vLLM cannot be imported here; using the HF engine instead")
+    fp8 = cfg.rollout.fp8
+    if fp8:
+        unsupported = fp8_unsupported(next(policy.parameters()).device)
+        if unsupported:
+            raise ConfigError(f"{cfg.section}.rollout.fp8: {unsupported}; set rollout.fp8 false")
     if cfg.rollout.engine == "static":
         reason = supports(policy)
         if reason is None:
-            return StaticCacheEngine(policy, tokenizer, batch_size=cfg.batch_size, autocast_dtype=autocast_dtype)
+            return StaticCacheEngine(policy, tokenizer, batch_size=cfg.batch_size, autocast_dtype=autocast_dtype,
+                                     fp8=fp8)
         log.warning("rl: rollout_engine static cannot run this policy (%s); using the HF engine instead", reason)
-    return HFGenerateEngine(policy, tokenizer, batch_size=cfg.batch_size, autocast_dtype=autocast_dtype)
+    return HFGenerateEngine(policy, tokenizer, batch_size=cfg.batch_size, autocast_dtype=autocast_dtype, fp8=fp8)
 
 
 def sampling_parts(cfg: RLConfig, learner: Any, tokenizer: Any, device: torch.device,

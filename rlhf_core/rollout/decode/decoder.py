@@ -16,7 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from rlhf_core.models.loading import has_lora
 from rlhf_core.rollout.decode.attention import choose_row_kernel, flash_layout_attention, use_flash
 from rlhf_core.rollout.decode.layer import (attention_inputs, biases, compiled_layer_halves, merged_weight,
-                                            output_and_mlp, rotate)
+                                            output_and_mlp, rotate, weight_scale)
 from rlhf_core.rollout.decode.sampling import Sampler, compiled_sample, sample
 from rlhf_core.rollout.decode.settings import SETTINGS
 
@@ -192,7 +192,8 @@ class Decoder:
             ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
             o_proj = merged_weight(attn.o_proj)
             out = into[i] if into is not None else {}
-            fused.append({  # the model's own tensors (LoRA: merged copies), except the two concatenations
+            fused.append({**self._fused_scales(attn, mlp, out),  # an FP8 copy's scales (None each otherwise)
+                # the model's own tensors (LoRA: merged copies), except the two concatenations
                 "ln1": ln1.weight, "eps1": ln1.variance_epsilon, "ln2": ln2.weight, "eps2": ln2.variance_epsilon,
                 "qkv": _cat([self._grouped_q(merged_weight(attn.q_proj)), merged_weight(attn.k_proj),
                              merged_weight(attn.v_proj)], out.get("qkv")),
@@ -205,6 +206,18 @@ class Decoder:
                 "down": _into(merged_weight(mlp.down_proj), out.get("down")), "down_bias": mlp.down_proj.bias,
             })
         return fused
+
+    def _fused_scales(self, attn: Any, mlp: Any, out: dict[str, Any]) -> dict[str, torch.Tensor | None]:
+        """An FP8 copy's per-output-channel weight scales (:class:`rlhf_core.models.fp8.Fp8Linear`), laid out as the
+        fused weights' rows (Q's heads regrouped like Q's rows; o_proj's regrouped columns keep its rows' scales);
+        ``None`` each for weights of another dtype. The concatenations are written into ``out``'s (a kept decoder's
+        copies) when it has them, as :meth:`_fuse_weights` does the weights."""
+        q, k, v = (weight_scale(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+        gate, up = weight_scale(mlp.gate_proj), weight_scale(mlp.up_proj)
+        return {"qkv_scale": None if q is None else _cat([self._grouped_q(q), k, v], out.get("qkv_scale")),
+                "o_scale": weight_scale(attn.o_proj),
+                "gate_up_scale": None if gate is None else _cat([gate, up], out.get("gate_up_scale")),
+                "down_scale": weight_scale(mlp.down_proj)}
 
     # ---- the math -----------------------------------------------------------------------------
 
@@ -309,11 +322,11 @@ class Decoder:
         w, s = self.fused[i], self.shape
         attention_inputs, output_and_mlp = self.halves
         q, k, v = attention_inputs(x, w["ln1"], w["eps1"], w["qkv"], w["qkv_bias"], cos, sin, s.heads, s.kv_heads,
-                                   self.flash)
+                                   self.flash, w["qkv_scale"])
         self._write(i, k, v)
         o = self._attend(i, q, key_mask, width)
         return output_and_mlp(x, o, w["o"], w["o_bias"], w["ln2"], w["eps2"], w["gate_up"], w["gate_up_bias"],
-                              w["down"], w["down_bias"])
+                              w["down"], w["down_bias"], w["o_scale"], w["gate_up_scale"], w["down_scale"])
 
     def _step(self, width: int | None = None) -> torch.Tensor:
         """Reads ``token``, ``pos``, ``col``, ``valid``; writes the cache at ``col``; ``(B, V)`` logits.

@@ -10,7 +10,21 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from rlhf_core.models.fp8 import fp8_linear
 from rlhf_core.models.layer_compile import INDUCTOR_OPTIONS
+
+
+def weight_scale(linear: Any) -> torch.Tensor | None:
+    """An FP8 layer's per-output-channel weight scale ``(N, 1)`` (:class:`rlhf_core.models.fp8.Fp8Linear`); ``None``
+    for a layer of another dtype."""
+    return getattr(linear, "weight_scale", None)
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            scale: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear``, or with an e4m3 ``weight`` and its ``scale (N, 1)`` the FP8 product
+    (:func:`rlhf_core.models.fp8.fp8_linear`)."""
+    return F.linear(x, weight, bias) if scale is None else fp8_linear(x, weight, scale, bias)
 
 
 def merged_weight(linear: Any) -> torch.Tensor:
@@ -55,16 +69,17 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 def attention_inputs(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: torch.Tensor,
                       qkv_b: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-                      kv_heads: int, contiguous_q: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      kv_heads: int, contiguous_q: bool = False,
+                      qkv_s: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pre-attention half of a Llama-family layer at one decode position: RMS norm, Q/K/V as one GEMM,
     rotary on the Q and K heads at once.
 
     ``x (B, 1, hidden)``, ``qkv_w ((H + 2 H_kv) D, hidden)``, ``cos``/``sin (B, 1, D)``; returns
     ``q (B, H, 1, D)`` (``contiguous_q``: laid out contiguously, as the flash call takes it), ``k``,
-    ``v (B, H_kv, 1, D)``.
+    ``v (B, H_kv, 1, D)``. ``qkv_s ((H + 2 H_kv) D, 1)``: ``qkv_w``'s per-channel scale where it is e4m3 (:func:`project`).
     """
     B, D = x.shape[0], cos.shape[-1]
-    qkv = F.linear(_rms_norm(x, norm_w, eps), qkv_w, qkv_b).view(B, heads + 2 * kv_heads, 1, D)
+    qkv = project(_rms_norm(x, norm_w, eps), qkv_w, qkv_b, qkv_s).view(B, heads + 2 * kv_heads, 1, D)
     qk, _ = rotate(qkv[:, :heads + kv_heads], qkv[:, :0], cos, sin)
     q = qk[:, :heads]
     return q.contiguous() if contiguous_q else q, qk[:, heads:], qkv[:, heads + kv_heads:]
@@ -72,12 +87,14 @@ def attention_inputs(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: t
 
 def output_and_mlp(x: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None,
                     norm_w: torch.Tensor, eps: float, gate_up_w: torch.Tensor, gate_up_b: torch.Tensor | None,
-                    down_w: torch.Tensor, down_b: torch.Tensor | None) -> torch.Tensor:
+                    down_w: torch.Tensor, down_b: torch.Tensor | None, o_s: torch.Tensor | None = None,
+                    gate_up_s: torch.Tensor | None = None, down_s: torch.Tensor | None = None) -> torch.Tensor:
     """Post-attention half: output projection and residual, RMS norm, the gated SiLU MLP (Shazeer 2020) with
-    gate and up as one GEMM, residual. ``x (B, 1, hidden)``, ``o (B, 1, H D)``; returns ``(B, 1, hidden)``."""
-    x = x + F.linear(o, o_w, o_b)
-    gate, up = F.linear(_rms_norm(x, norm_w, eps), gate_up_w, gate_up_b).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, down_w, down_b)
+    gate and up as one GEMM, residual. ``x (B, 1, hidden)``, ``o (B, 1, H D)``; returns ``(B, 1, hidden)``.
+    ``*_s``: the weights' per-channel scales where they are e4m3 (:func:`project`)."""
+    x = x + project(o, o_w, o_b, o_s)
+    gate, up = project(_rms_norm(x, norm_w, eps), gate_up_w, gate_up_b, gate_up_s).chunk(2, dim=-1)
+    return x + project(F.silu(gate) * up, down_w, down_b, down_s)
 
 
 def biases(linears: Sequence[Any]) -> list[torch.Tensor] | None:
