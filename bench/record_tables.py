@@ -212,6 +212,24 @@ LORA_SYNC = Table(
     "{r:setup.steps|} GRPO steps a path, same seed")
 
 
+def _lora_row(engine: str, path: str) -> tuple[str, ...]:
+    r = f"l:engines.{engine}.{path}"
+    return (f"{engine}, {path}", f"{{{r}.bytes_per_sync|,d}}",
+            f"{{{r}.sync_s_median|*1000:.1f}} ms ({{{r}.sync_s_range|range:*1000:.1f}})",
+            f"{{{r}.logprobs_vs_merged_trainer.mean_abs|.2e}} / {{{r}.logprobs_vs_merged_trainer.max_abs|.3f}}")
+
+
+LORA_SYNC_GPU = Table(
+    "gpu-lora-sync", "BENCHMARKS.md", {"l": R + "h100/2026-12-07/gpu_lora_sync_1p5b.json"},
+    ("engine, sync", "bytes a sync", "seconds a sync: median (min–max)",
+     "engine vs merged trainer log-prob: mean / max abs"),
+    tuple(_lora_row(e, p) for e in ("hf", "static") for p in ("adapters", "merged")),
+    "{l:gpu|}, torch {l:torch|}",
+    "{l:model|}, LoRA rank {l:lora_rank|} (alpha {l:lora_alpha|}) on every linear layer but the LM head, "
+    "{l:syncs_timed|} syncs a path after a warm-up, in one process (the learner's engine_weights to host memory, then "
+    "the engine's update_weights)")
+
+
 def sbs(alias: str, bench: str, ours: str, trl: str, frac: str = "") -> tuple[str, ...]:
     """A side-by-side pair of one call: ours (median, range, tokens/s, fraction), TRL's, the ratios."""
     rows = f"{alias}:results.{bench}.summary.rows"
@@ -491,7 +509,7 @@ README_REAL = Table(
 TABLES: tuple[Table, ...] = (EMBEDDED, README_OFFLINE, README_RL, CPU_SBS, RL_EMBEDDED, GPU_SFT_SMOKE, TRL_SEARCH,
                              GPU_HYGIENE, GPU_HYGIENE_GRPO, GPU_SBS, GPU_MIXED,
                              SEVEN_B, ASYNC, ENGINE, SCALING, ZERO3_RESUME, HASH_REGISTRY, HOSTILE, README_REAL,
-                             LORA_SYNC)
+                             LORA_SYNC, LORA_SYNC_GPU)
 
 # what wrote a result file: the first prefix of its name that matches
 PRODUCERS: tuple[tuple[str, str], ...] = (
@@ -507,6 +525,7 @@ PRODUCERS: tuple[tuple[str, str], ...] = (
     ("gpu_varlen_check", "bench/gpu_lm_head_check.py --parts packed"),
     ("gpu_nosync_check", "bench/gpu_lm_head_check.py --parts nosync"),
     ("gpu_profile", "bench/gpu_profile.py"),
+    ("gpu_lora_sync", "bench/gpu_lora_sync.py"),
     ("parity_probe", "bench/parity_probe.py"),
     ("lora_sync_vllm_cpu", "bench/lora_sync_cpu.py --sync adapters, then --sync merged"),
     ("gpu_sft_profile", "bench/gpu_sft_profile.py"),
