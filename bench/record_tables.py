@@ -511,7 +511,7 @@ REAL_EVALS = ("base", "sft", "rl", "raft", "base_second", "sft_second", "rl_seco
               "raft_gsm")
 REAL_MODELS = {"base": "imported", "sft": "SFT", "rl": "GRPO", "raft": "RAFT"}
 REAL_TASKS = {"": "arithmetic (the task)", "_second": "letter counting", "_gsm": "gsm_symbolic"}
-REAL_WALLS = R + "cpu/2026-12-07/real_recipe_walls.json"
+REAL_WALLS = R + "cpu/2026-12-07/real_recipe_walls_epyc.json"
 
 README_REAL = Table(
     "readme-real", "README.md",

@@ -122,7 +122,8 @@ Settings shared by both sides (the ``settings`` line has every value):
 
 The TRL search (``--search``; SFT, one round of 10 steps a configuration, TRL's gradient checkpointing off unless
 a configuration turns it on): trl-default, cuDNN SDPA off, eager attention, padding-free (bfd packing), gradient
-checkpointing on, liger, liger with cuDNN off / padding-free / checkpointing (``settings.SEARCH``); the file's
+checkpointing on, liger, liger with cuDNN off / padding-free / checkpointing (``settings.SEARCH``; with ``--bench grpo``
+``settings.SEARCH_GRPO``: a static KV cache for TRL's ``generate`` in place of padding-free); the file's
 ``search`` block ranks them by median and names the winner, never slower than trl-default::
 
     source bench/device_setup.sh && python bench/side_by_side.py --variant gpu --search --deadline-s 540 \
@@ -183,7 +184,7 @@ from side_by_side_parts.settings import (BENCHES, DEFAULT_ROWS, GPU_ROWS, ROWS, 
 from side_by_side_parts.inputs import build_inputs  # noqa: E402
 from side_by_side_parts.hygiene import MIN_WARMUP, Deadline, enforce, plan_problems  # noqa: E402
 from side_by_side_parts.search import load_winner  # noqa: E402
-from side_by_side_parts.settings import SEARCH, trl_options  # noqa: E402
+from side_by_side_parts.settings import SEARCHES, trl_options  # noqa: E402
 from rlhf_core.common.offline import GPU_ENV  # noqa: E402
 from side_by_side_parts.profiling import WATCHED  # noqa: E402
 from side_by_side_parts.processes import child_main, run_child, trl_checkpointing, trl_launch_command  # noqa: E402
@@ -218,7 +219,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-profile-flagged", action="store_true",
                     help="no extra profiled child for a row whose max/min step exceeds the hygiene flag")
     ap.add_argument("--search", action="store_true",
-                    help="the TRL search: TRL's configurations of SEARCH on --bench (default sft), ranked; "
+                    help="the TRL search: TRL's configurations of SEARCHES[bench] on --bench (sft or grpo; default sft), ranked; "
                          "its winner is trl-best of calls given --trl-best-from this file")
     ap.add_argument("--trl-best-from", metavar="FILE", default="",
                     help="trl-best: the winner of the search recorded in FILE (else liger + padding-free)")
@@ -406,10 +407,12 @@ def _run_bench(name: str, rows: list[str], args: argparse.Namespace, inputs: dic
 
 def _plan(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], list[str], dict]:
     """Rows, benchmarks and the hygiene record of this call; refused (SystemExit) below the minimums unless
-    --waive-hygiene. --search: SEARCH's rows on sft, one round, 10 steps, TRL's checkpointing off unless set."""
+    --waive-hygiene. --search: SEARCHES[bench]'s rows (sft by default), one round, 10 steps, TRL's checkpointing off unless set."""
     if args.search:
-        args.rows = args.rows or ",".join(SEARCH)
         args.bench = args.bench if args.bench != ",".join(BENCHES) else "sft"
+        if args.bench not in SEARCHES:
+            ap.error(f"--search runs on one benchmark of {', '.join(SEARCHES)}, got --bench {args.bench}")
+        args.rows = args.rows or ",".join(SEARCHES[args.bench])
         args.rounds = args.rounds or 1
         args.steps = args.steps or 10
         args.trl_grad_ckpt = "off" if args.trl_grad_ckpt == "match" else args.trl_grad_ckpt

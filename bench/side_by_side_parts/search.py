@@ -1,5 +1,5 @@
-"""The TRL search (``side_by_side.py --search``): TRL's SFT step under each configuration of
-``settings.SEARCH``, one child each, ranked by median; the winner is trl-best of later calls
+"""The TRL search (``side_by_side.py --search``): TRL's step under each configuration of
+``settings.SEARCHES[bench]`` (SFT's or GRPO's), one child each, ranked by median; the winner is trl-best of later calls
 (``--trl-best-from``), and trl-default itself when no configuration beats it.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .settings import ROWS, SEARCH
+from .settings import ROWS
 
 
 def search_table(results: dict) -> dict:
@@ -26,7 +26,7 @@ def search_table(results: dict) -> dict:
     fastest = min(timed, key=timed.get) if timed else None
     winner = fastest if default is None or (fastest and timed[fastest] < default) else "trl-default"
     return {"bench": name, "configs": configs, "ranking": sorted(timed, key=timed.get), "winner": winner,
-            "winner_options": SEARCH.get(winner, {}) if winner else None,
+            "winner_options": ROWS[winner].get("opts", {}) if winner else None,
             "winner_over_default": round(timed[winner] / default, 3) if winner and default else None,
             "note": ("no configuration beat trl-default: trl-best is trl-default" if winner == "trl-default"
                      else f"{winner} beats trl-default")}

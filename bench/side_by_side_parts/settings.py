@@ -131,7 +131,19 @@ SEARCH = {
     "trl-liger-padding-free": {"liger": True, "padding_free": True},
     "trl-liger-ckpt-on": {"liger": True, "grad_ckpt": True},
 }
-for _name, _opts in SEARCH.items():
+# The GRPO search (``--search --bench grpo``): TRL's GRPO step generates with HF ``generate``, so its options differ
+# from SFT's (no padding-free; a static KV cache for ``generate`` instead). TRL's checkpointing off unless a row sets it.
+SEARCH_GRPO = {
+    "trl-default": {},
+    "trl-cudnn-off": {"sdpa": "ours"},
+    "trl-static-cache": {"static_cache": True},
+    "trl-liger": {"liger": True},
+    "trl-eager": {"attn": "eager"},
+    "trl-ckpt-on": {"grad_ckpt": True},
+    "trl-static-cache-cudnn-off": {"static_cache": True, "sdpa": "ours"},
+}
+SEARCHES = {"sft": SEARCH, "grpo": SEARCH_GRPO}
+for _name, _opts in {**SEARCH, **SEARCH_GRPO}.items():
     ROWS.setdefault(_name, dict(side="trl", model_dtype="bfloat16", bf16=True, best=False, regime="bf16",
                                 opts=_opts, search=True))
 

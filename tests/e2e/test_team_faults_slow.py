@@ -185,6 +185,19 @@ def _dpo_training(client, flow: subprocess.Popen, first_parent: str):
     return runs and client.get_metric_history(runs[0].info.run_id, "train/loss") and runs[0].info.run_id
 
 
+def _cut_store_and_go_on(team: Team, proc: subprocess.Popen, timeout: int) -> tuple[str, str]:
+    """Cut the object store while ``proc`` is stopped, let it go on and wait for it; its stdout and stderr. The
+    store is restored and the process killed, whatever happens."""
+    try:
+        team.store.cut()
+        os.kill(proc.pid, signal.SIGCONT)
+        return proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        team.store.restore()
+
+
 def test_object_store_unreachable_at_push_time_moves_no_alias(team):
     # use_cache off: the second flow trains again rather than taking the first one's results from Prefect's cache
     project = _clone(team, "push", flow={"stages": ["dpo"], "use_cache": False},
@@ -208,13 +221,10 @@ def test_object_store_unreachable_at_push_time_moves_no_alias(team):
     try:
         dpo_run = wait_for(lambda: _dpo_training(client, flow, first_parent), 900, "the second flow's DPO training")
         os.kill(flow.pid, signal.SIGSTOP)
-        team.store.cut()
-        os.kill(flow.pid, signal.SIGCONT)
-        out, err = flow.communicate(timeout=900)
-    finally:
-        if flow.poll() is None:
-            flow.kill()
-        team.store.restore()
+    except BaseException:
+        flow.kill()
+        raise
+    out, err = _cut_store_and_go_on(team, flow, 900)
     block = one_error(subprocess.CompletedProcess(flow.args, flow.returncode, out, err), 1, dpo_run,
                       "could not be pushed to the artifact store", "no alias moves")
     print(block)
@@ -253,20 +263,17 @@ def test_object_store_unreachable_at_the_stage_model_push_registers_nothing(team
                              env=team.env(project, ALIGNFLOW_FAULT="sft:tracking", ALIGNFLOW_FAULT_SIGNAL="PAUSE",
                                           MLFLOW_HTTP_REQUEST_MAX_RETRIES="1"),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        def paused():
-            assert stage.poll() is None, stage.communicate()[1][-3000:]
-            return _paused(stage.pid)
+    def paused():
+        assert stage.poll() is None, stage.communicate()[1][-3000:]
+        return _paused(stage.pid)
 
+    try:
         wait_for(paused, 900, "the stage paused before its model push")
         held = team.keys()
-        team.store.cut()
-        os.kill(stage.pid, signal.SIGCONT)
-        out, err = stage.communicate(timeout=600)
-    finally:
-        if stage.poll() is None:
-            stage.kill()
-        team.store.restore()
+    except BaseException:
+        stage.kill()
+        raise
+    out, err = _cut_store_and_go_on(team, stage, 600)
     [run_id] = {r.info.run_id for r in _sft_runs(client)} - before
     block = one_error(subprocess.CompletedProcess(stage.args, stage.returncode, out, err), 1,
                       "the model alignflow-sft", run_id, "could not be pushed to the artifact store")

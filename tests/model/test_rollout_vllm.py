@@ -164,6 +164,18 @@ def test_adapter_only_sync_gives_the_merged_weights_logprobs(lora_engine, vllm_m
     assert _mean_abs(after_merged, after) < 0.02 and merged_bytes > 5 * moved
 
 
+def _assert_same_curve(adapters: Recorder, merged: Recorder) -> None:
+    """Three GRPO steps of an adapter-only and a merged sync: the same rewards, losses within 1e-3, the engine's
+    log-probs within tolerance of the trainer's, and the adapters a fifth of the merged bytes at most."""
+    assert adapters.series("rollout/reward_mean") == merged.series("rollout/reward_mean")
+    for key in ("train/policy_loss", "train/grad_norm", "train/kl"):
+        a, m = adapters.series(key), merged.series(key)
+        assert len(a) == len(m) == 3 and all(abs(x - y) <= 1e-3 for x, y in zip(a, m)), (key, a, m)
+    for run in (adapters, merged):
+        assert max(run.series("rollout/logprob_mismatch")) < 0.02
+    assert max(adapters.series("perf/weight_sync_bytes")) < 0.2 * min(merged.series("perf/weight_sync_bytes"))
+
+
 @pytest.mark.slow  # two more vLLM engine start-ups (about a minute each on 2 cores): `make test-slow`
 def test_lora_grpo_curve_is_the_same_with_adapter_only_and_merged_syncs(vllm_model, micro_data, tmp_path):
     """The embedded LoRA GRPO run on vLLM, same seed, syncing the adapters alone or the merged weights
@@ -181,13 +193,7 @@ def test_lora_grpo_curve_is_the_same_with_adapter_only_and_merged_syncs(vllm_mod
     adapters, merged = runs["adapters"], runs["merged"]
     print({k: (adapters.series(k), merged.series(k)) for k in ("rollout/reward_mean", "train/policy_loss",
                                                               "perf/weight_sync_bytes", "perf/weight_sync_s")})
-    assert adapters.series("rollout/reward_mean") == merged.series("rollout/reward_mean")
-    for key in ("train/policy_loss", "train/grad_norm", "train/kl"):
-        a, m = adapters.series(key), merged.series(key)
-        assert len(a) == len(m) == 3 and all(abs(x - y) <= 1e-3 for x, y in zip(a, m)), (key, a, m)
-    for run in (adapters, merged):
-        assert max(run.series("rollout/logprob_mismatch")) < 0.02
-    assert max(adapters.series("perf/weight_sync_bytes")) < 0.2 * min(merged.series("perf/weight_sync_bytes"))
+    _assert_same_curve(adapters, merged)
 
 
 @pytest.mark.slow  # a second vLLM engine start-up (about a minute on 2 cores): `make test-slow`
@@ -270,15 +276,8 @@ def test_lora_grpo_on_two_ray_policy_ranks_is_the_same_with_adapter_only_and_mer
                             runs[sync], show_progress=False)
     finally:
         ray.shutdown()
-    adapters, merged = runs["adapters"], runs["merged"]
-    assert adapters.series("rollout/reward_mean") == merged.series("rollout/reward_mean")
-    for key in ("train/policy_loss", "train/grad_norm", "train/kl"):
-        a, m = adapters.series(key), merged.series(key)
-        assert len(a) == len(m) == 3 and all(abs(x - y) <= 1e-3 for x, y in zip(a, m)), (key, a, m)
-    for run in (adapters, merged):
-        assert max(run.series("rollout/logprob_mismatch")) < 0.02
-        assert len(run.series("perf/weight_sync_s")) == 3
-    assert max(adapters.series("perf/weight_sync_bytes")) < 0.2 * min(merged.series("perf/weight_sync_bytes"))
+    _assert_same_curve(runs["adapters"], runs["merged"])
+    assert all(len(run.series("perf/weight_sync_s")) == 3 for run in runs.values())
 
 
 @pytest.mark.slow  # a second vLLM engine start-up (about a minute on 2 cores): `make test-slow`

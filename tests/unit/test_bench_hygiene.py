@@ -190,3 +190,15 @@ def test_kernels_go_to_the_step_of_their_device_side_range():
     assert [s["top_host_ops"][0]["op"] for s in split] == ["aten::mm", "aten::add"]
     assert [s["top_device_ops"][0]["op"] for s in split] == ["gemm_kernel", "add_kernel"]
     assert [s["device_busy_s"] for s in split] == [0.001, 0.004]
+
+
+def test_the_grpo_search_has_its_own_configurations_and_names_their_options():
+    assert set(settings.SEARCHES) == {"sft", "grpo"}
+    assert not any(o.get("padding_free") for o in settings.SEARCH_GRPO.values())  # no such option in GRPO's step
+    medians = {"trl-default": 9.1, "trl-static-cache": 7.5, "trl-liger": 12.5}
+    table = search.search_table({"grpo": {"runs": {r: [] for r in medians},
+                                          "summary": {"rows": {r: {"median_step_s": m} for r, m in medians.items()}}}})
+    assert table["bench"] == "grpo" and table["winner"] == "trl-static-cache"
+    assert table["winner_options"] == {"static_cache": True}
+    best = settings.trl_options("trl-best", table["winner_options"])
+    assert best["static_cache"] is True and best["liger"] is False
