@@ -29,6 +29,7 @@ import rlhf_core  # noqa: E402,F401  (offline switches)
 
 
 from rlhf_core.rollout.decode.attention import choose_row_kernel, flash_layout_attention, use_flash  # noqa: E402
+from rlhf_core.rollout.decode.sampling import choose_sampler  # noqa: E402
 from rlhf_core.rollout.decode.settings import SETTINGS, DecodeSettings  # noqa: E402
 from rlhf_core.rollout.engine import HFGenerateEngine, SamplingParams  # noqa: E402
 from rlhf_core.rollout.static import StaticCacheEngine  # noqa: E402
@@ -39,13 +40,15 @@ from rlhf_core.rollout.static import StaticCacheEngine  # noqa: E402
 _DEFAULTS = DecodeSettings()
 DEFAULT = dict(compile_layers=None, attention=_DEFAULTS.attention, sdpa_backends=_DEFAULTS.sdpa_backends,
                width_bucket=_DEFAULTS.width_bucket, flash_grouped=_DEFAULTS.flash_grouped,
-               compile_sampler=_DEFAULTS.compile_sampler)
+               compile_sampler=_DEFAULTS.compile_sampler, sampler=_DEFAULTS.sampler)
 VARIANTS = {name: {**DEFAULT, **change} for name, change in {
     "static_cuda_graphs": {},
     "static_torch_flash": dict(attention="flash"),  # torch's varlen flash op over the filled keys (before Triton)
     "static_sdpa": dict(attention="sdpa"),  # masked SDPA over the whole cache, compiled
     "static_flash_rows": dict(flash_grouped=False),  # one query row per cache row and query head
     "static_sampler_uncompiled": dict(compile_sampler=False),
+    # torch's sampling (log-softmax, cumsum, searchsorted over (rows, V) fp32) instead of the fused Triton sampler
+    "static_cuda_graphs_torch_sampler": dict(sampler="torch"),
     "static_uncompiled": dict(compile_layers=False),
     "static_before": dict(compile_layers=False, attention="sdpa"),
     # one graph over the whole cache width (before width buckets), SDPA
@@ -220,7 +223,8 @@ def main() -> None:
                     help="comma-separated; static_sdpa / static_uncompiled / static_before (neither) for the flash "
                          "decode attention and compiled layer halves A/B, static_cuda_graphs_one_width for the "
                          "width-bucket A/B, static_cuda_graphs_{efficient_attention,math,cudnn_attention} for the "
-                         "masked decode attention's SDPA backend")
+                         "masked decode attention's SDPA backend, static_cuda_graphs_torch_sampler for the sampler "
+                         "A/B (torch's against the fused Triton kernel)")
     ap.add_argument("--small", action="store_true", help="micro model (a CPU smoke test)")
     ap.add_argument("--phases", type=int, default=0, metavar="N",
                     help="after the timed reps, N more calls of each static engine with its phases timed (each phase "
@@ -257,12 +261,13 @@ def main() -> None:
     if args.phases:
         report["phases_s_a_call"] = time_phases(engines, prompts, args)
     head_dim = model.config.hidden_size // model.config.num_attention_heads
-    report["row_kernel_by_engine"] = {}
+    report["row_kernel_by_engine"], report["sampler_by_engine"] = {}, {}
     for name, engine in engines.items():
         if isinstance(engine, StaticCacheEngine):
             configure(name)
             report["row_kernel_by_engine"][name] = (choose_row_kernel(device, head_dim, engine.triton_attention)
                                                     if use_flash(device, dtype, head_dim) else "sdpa")
+            report["sampler_by_engine"][name] = choose_sampler(device, engine.triton_sampler)
     configure("static_cuda_graphs")
     report["compiled_layers"] = engines["static_cuda_graphs"].compile_layers and device.type == "cuda"
     report["flash_decode_attention"] = use_flash(device, dtype, model.config.hidden_size
@@ -270,6 +275,10 @@ def main() -> None:
     if "static_cuda_graphs_one_width" in engines:
         one, buckets = (report["engines"][k]["median_s"] for k in ("static_cuda_graphs_one_width", "static_cuda_graphs"))
         report["speedup_width_buckets_over_one_width"] = round(one / buckets, 3)
+    if "static_cuda_graphs_torch_sampler" in engines:
+        torch_s, ours = (report["engines"][k]["median_s"] for k in ("static_cuda_graphs_torch_sampler",
+                                                                    "static_cuda_graphs"))
+        report["speedup_default_sampler_over_torch_sampler"] = round(torch_s / ours, 3)
     if "hf_generate" in engines:
         report["checks_by_engine"] = check_numerics(engines, model, prompts, device)
         configure("static_cuda_graphs")

@@ -25,7 +25,8 @@ does for one fixed batch, in plain torch:
   gated MLP) are compiled with ``torch.compile`` (inductor fuses their ~20 small elementwise kernels a
   layer into a few) and captured like the rest, compiled once per process and reused by every layer;
 * sampling (temperature, top-k, top-p; inverse-CDF with the call's own generator, every step's
-  uniforms drawn up front) and the eos bookkeeping are captured with the decode step, so a step is
+  uniforms drawn up front; on a GPU, temperature sampling without top-k / top-p is one Triton kernel,
+  :mod:`rlhf_core.models.fused_sampling`) and the eos bookkeeping are captured with the decode step, so a step is
   one replay; the loop stops once every row has emitted eos (checked every few steps so the host
   does not wait on the GPU each step).
 
@@ -54,7 +55,7 @@ import torch
 
 from rlhf_core.rollout.decode.decoder import Decoder
 from rlhf_core.rollout.decode.layer import attention_inputs, output_and_mlp
-from rlhf_core.rollout.decode.sampling import Sampler, sample
+from rlhf_core.rollout.decode.sampling import Sampler, sampling_function
 from rlhf_core.rollout.decode.settings import SETTINGS
 from rlhf_core.rollout.engine import (HFGenerateEngine, RolloutBatch, SamplingParams, _left_pad, assemble_batch,
                                       response_mask_from_ids)
@@ -128,6 +129,7 @@ class StaticCacheEngine(HFGenerateEngine):
         self.cuda_graphs = cuda_graphs
         self.compile_layers = SETTINGS.compile_layers if compile_layers is None else compile_layers
         self.triton_attention = True  # auto's Triton decode attention; False once it failed to build here
+        self.triton_sampler = True  # auto's Triton sampler; False once it failed to build here
         cfg = model.config
         self._window = getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
         # Seconds spent in each phase of generate (encode, decoder set-up, prefill, capture, decode, to_host,
@@ -205,6 +207,7 @@ class StaticCacheEngine(HFGenerateEngine):
         ids, mask = ids.repeat_interleave(params.n, dim=0), mask.repeat_interleave(params.n, dim=0)
         if graphs and not decoder.graphs:
             with self._phase("capture", device):
+                self._check_sampler(decoder, sampler, logits)
                 self._capture(decoder, sampler)
         with self._phase("decode", device):
             if decoder.graphs:
@@ -236,7 +239,8 @@ class StaticCacheEngine(HFGenerateEngine):
             return decoder, sampler
         self.release_decoder()
         decoder = Decoder(self._sampling_model, ids, mask, params.max_new_tokens, params.n,
-                          compiled=graphs and self.compile_layers, triton=self.triton_attention)
+                          compiled=graphs and self.compile_layers, triton=self.triton_attention,
+                          triton_sampler=self.triton_sampler)
         self._check_row_kernel(decoder)
         sampler = Sampler(params, ids.shape[0] * params.n, params.max_new_tokens, self.tokenizer.eos_token_id,
                           self.tokenizer.pad_token_id, device)
@@ -253,7 +257,7 @@ class StaticCacheEngine(HFGenerateEngine):
         adapters = tuple((m.disable_adapters, m.merged, tuple(m.active_adapters)) for m in model.modules()
                          if hasattr(m, "get_base_layer")) if hasattr(model, "peft_config") else ()
         return (device, tuple(ids.shape), dataclasses.replace(params, seed=None), graphs, self.compile_layers,
-                self.triton_attention, dataclasses.astuple(SETTINGS), adapters,
+                self.triton_attention, self.triton_sampler, dataclasses.astuple(SETTINGS), adapters,
                 tuple(p.data_ptr() for p in model.parameters()))
 
     def release_decoder(self) -> None:
@@ -276,6 +280,19 @@ class StaticCacheEngine(HFGenerateEngine):
             self.triton_attention = False
             decoder.row_kernel = "flash"
 
+    def _check_sampler(self, decoder: Decoder, sampler: Sampler, logits: torch.Tensor) -> None:
+        """Build auto's Triton sampler once, eagerly, on the prefill's logits ``(B, V)`` (zero uniforms: the call's
+        generator is not drawn from) before any graph captures it; where it fails, torch's sampling from now on."""
+        if decoder.sampler != "triton" or SETTINGS.sampler != "auto":
+            return
+        try:
+            decoder.sample(logits, sampler.params, uniform=torch.zeros((logits.shape[0], 1), device=logits.device))
+        except Exception as err:  # noqa: BLE001 - Triton's compile errors are of many kinds; all mean "not here"
+            log.warning("StaticCacheEngine: the Triton sampler failed (%s); torch's sampling from now on", err)
+            self.triton_sampler = False
+            decoder.sampler = "torch"
+            decoder.sample = sampling_function("torch", decoder.compiled and SETTINGS.compile_sampler)
+
     def _capture(self, decoder: Decoder, sampler: Sampler) -> None:
         """Capture the decode graphs (each attempt restores every buffer it touched); when the compiled layer
         halves fail (compilation, or capturing their kernels), once more with the plain ones; when capture
@@ -288,7 +305,8 @@ class StaticCacheEngine(HFGenerateEngine):
                 log.warning("StaticCacheEngine: the compiled decode layers failed (%s); using the plain ones from "
                             "now on", err)
                 self.compile_layers = decoder.compiled = False
-                decoder.halves, decoder.sample = (attention_inputs, output_and_mlp), sample
+                decoder.halves = (attention_inputs, output_and_mlp)
+                decoder.sample = sampling_function(decoder.sampler, compiled=False)
         try:
             decoder.capture(sampler)
         except RuntimeError as err:
@@ -314,7 +332,7 @@ def _decode_eagerly(decoder: Decoder, logits: torch.Tensor, sampler: Sampler,
     live = torch.arange(rows, device=device)  # the decoder's rows among all rows
     for t in range(R):
         uniform = None if sampler.params.greedy else torch.rand((rows, 1), device=device, generator=generator)
-        token, logp = sample(logits, sampler.params, uniform=None if uniform is None else uniform[live])
+        token, logp = decoder.sample(logits, sampler.params, uniform=None if uniform is None else uniform[live])
         if len(live) < rows:  # rows gone from the decoder record pad (they have finished: record pads them)
             token = torch.full((rows,), sampler.pad, dtype=token.dtype, device=device).index_copy_(0, live, token)
             logp = torch.zeros(rows, dtype=logp.dtype, device=device).index_copy_(0, live, logp)

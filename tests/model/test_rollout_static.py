@@ -245,6 +245,83 @@ def test_dropping_finished_rows_keeps_every_sample(temperature, top_k, top_p, mi
     assert rows0 == len(PROMPTS) * n and rows1 < rows0 / 2  # the second run's batch shrank
 
 
+# test_the_triton_sampler_decodes_as_torchs's child: the eos-biased micro model (argv[1]) with each sampler
+_SAMPLER_CHILD = """
+import json, sys, torch
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+from rlhf_core.rollout.decode.settings import SETTINGS
+from rlhf_core.rollout.engine import SamplingParams
+from rlhf_core.rollout.static import StaticCacheEngine
+model, tok = load_causal_lm(sys.argv[1], torch.device("cpu")).eval(), load_tokenizer(sys.argv[1])
+head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
+with torch.no_grad():
+    head.weight.copy_(model.lm_head.weight)
+    head.bias.zero_()
+    head.bias[tok.eos_token_id] = 3.0
+model.lm_head, model.config.tie_word_embeddings = head, False
+out = {}
+for sampler in ("torch", "triton"):
+    SETTINGS.sampler = sampler
+    engine = StaticCacheEngine(model, tok, batch_size=8)
+    batch = engine.generate(json.loads(sys.argv[2]), SamplingParams(n=4, temperature=0.8, max_new_tokens=16, seed=3))
+    out[sampler] = {"ids": batch.response_ids.tolist(), "logp": batch.sampling_logprobs.tolist(),
+                    "lengths": batch.response_lengths().tolist(), "used": engine._kept[1].sampler}
+print(json.dumps(out))
+"""
+
+
+def test_the_triton_sampler_decodes_as_torchs(micro_model):
+    """The engine's eager decode (the CPU's) with ``SETTINGS.sampler`` triton, its kernel run by Triton's interpreter
+    (a child process: Triton reads ``TRITON_INTERPRET`` on its first import), gives torch's tokens and their log-probs
+    to 1e-5, rows ending at different steps (the batch shrinks as they finish: the kernel samples the live rows)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-c", _SAMPLER_CHILD, str(micro_model), json.dumps(PROMPTS)], check=False,
+                         env=env, capture_output=True, text=True, timeout=300, cwd=root)
+    assert res.returncode == 0, res.stderr[-3000:]
+    runs = json.loads(res.stdout.strip().splitlines()[-1])
+    ours, ref = runs["triton"], runs["torch"]
+    assert (ours["used"], ref["used"]) == ("triton", "torch")
+    assert ours["ids"] == ref["ids"] and len(set(ref["lengths"])) > 1
+    torch.testing.assert_close(torch.tensor(ours["logp"]), torch.tensor(ref["logp"]), atol=1e-5, rtol=0)
+
+
+def test_auto_falls_back_to_torch_sampling_where_the_triton_sampler_fails(micro_model, monkeypatch, caplog):
+    """Under auto a Triton sampler that fails to build is tried once, eagerly, on the prefill's logits before any
+    capture; the engine then samples with torch, in that call and after."""
+    from rlhf_core.data.tokenize import encode_prompt
+    from rlhf_core.models import fused_sampling
+    from rlhf_core.rollout.decode.sampling import choose_sampler, sampling_function
+    from rlhf_core.rollout.engine import _left_pad
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(fused_sampling, "fused_sample", broken)
+    model, tok = _eos_biased(micro_model)
+    engine = StaticCacheEngine(model, tok, batch_size=8)
+    ids, mask = _left_pad([encode_prompt(tok, p) for p in PROMPTS], tok.pad_token_id)
+    params = SamplingParams(n=2, max_new_tokens=4)
+    decoder = Decoder(model, ids, mask, max_new_tokens=4, n=2, triton_sampler=engine.triton_sampler)
+    decoder.sampler, decoder.sample = "triton", sampling_function("triton", False)  # auto's pick on a CUDA device
+    sampler = Sampler(params, ids.shape[0] * 2, 4, tok.eos_token_id, tok.pad_token_id, torch.device("cpu"))
+    monkeypatch.setattr(SETTINGS, "sampler", "auto")
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="rlhf_core.rollout.static"):
+        engine._check_sampler(decoder, sampler, decoder.prefill())
+    assert decoder.sampler == "torch" and decoder.sample is sample and engine.triton_sampler is False
+    assert "Triton sampler failed (PassManager::run failed)" in caplog.text
+    monkeypatch.setattr(fused_sampling, "available", lambda: True)
+    assert choose_sampler(torch.device("cuda"), triton=engine.triton_sampler) == "torch"
+
+
 def _assert_steps_equal(decoder, masked, steps: int) -> None:
     """``decoder``'s prefill and ``steps`` greedy decode steps give ``masked``'s logits (to 1e-5), fed the same
     tokens."""

@@ -17,7 +17,7 @@ from rlhf_core.models.loading import has_lora
 from rlhf_core.rollout.decode.attention import choose_row_kernel, flash_layout_attention, use_flash
 from rlhf_core.rollout.decode.layer import (attention_inputs, biases, compiled_layer_halves, merged_weight,
                                             output_and_mlp, rotate, weight_scale)
-from rlhf_core.rollout.decode.sampling import Sampler, compiled_sample, sample
+from rlhf_core.rollout.decode.sampling import Sampler, choose_sampler, sampling_function
 from rlhf_core.rollout.decode.settings import SETTINGS
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class Decoder:
     """
 
     def __init__(self, model: Any, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, n: int,
-                 compiled: bool = False, triton: bool = True):
+                 compiled: bool = False, triton: bool = True, triton_sampler: bool = True):
         cfg = model.config
         self.model, self.inner = model, model.model
         self.layers = list(self.inner.layers)
@@ -100,7 +100,8 @@ class Decoder:
         self.heads_regrouped = self.grouped and self.fused is not None
         self.compiled = compiled and self.fused is not None
         self.halves = compiled_layer_halves() if self.compiled else (attention_inputs, output_and_mlp)
-        self.sample = compiled_sample() if self.compiled and SETTINGS.compile_sampler else sample
+        self.sampler = choose_sampler(device, triton_sampler)  # triton or torch (SETTINGS.sampler)
+        self.sample = sampling_function(self.sampler, self.compiled and SETTINGS.compile_sampler)
 
     def load_prompts(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
         """Set every buffer that depends on the prompts ``ids``, ``mask (prompts, P)`` (of this decoder's shape), in

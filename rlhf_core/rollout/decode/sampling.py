@@ -1,6 +1,7 @@
 """Sampling on the device: temperature, top-k, top-p by inverse CDF (:func:`sample`, compiled:
-:func:`compiled_sample`) and a chunk's sampling state (:class:`Sampler`), all device ops, so a captured graph runs
-them.
+:func:`compiled_sample`; plain temperature sampling through one Triton kernel: :func:`triton_sample`), the choice
+between them (:func:`sampling_function`, by ``SETTINGS.sampler``) and a chunk's sampling state (:class:`Sampler`),
+all device ops, so a captured graph runs them.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from typing import Any
 
 import torch
 
+from rlhf_core.models import fused_sampling
 from rlhf_core.models.layer_compile import INDUCTOR_OPTIONS
+from rlhf_core.rollout.decode.settings import SETTINGS
 from rlhf_core.rollout.engine import SamplingParams
 
 
@@ -22,6 +25,39 @@ def compiled_sample() -> Any:
     return functools.partial(sample, weights_fn=torch.compile(sampling_weights, fullgraph=True,
                                                                options=INDUCTOR_OPTIONS))
 
+
+def choose_sampler(device: torch.device, triton: bool = True) -> str:
+    """``triton`` or ``torch``, by ``SETTINGS.sampler``: auto takes triton on a CUDA device where the kernel
+    (:mod:`rlhf_core.models.fused_sampling`) can run, unless ``triton`` is False (it failed to build here:
+    :meth:`rlhf_core.rollout.static.StaticCacheEngine._check_sampler`), else torch; triton where it cannot run
+    raises."""
+    choice = SETTINGS.sampler
+    if choice not in ("auto", "triton", "torch"):
+        raise ValueError(f"the decode sampler (SETTINGS.sampler) must be auto, triton or torch, got {choice!r}")
+    if choice == "triton" and not fused_sampling.available():
+        raise ValueError("the decode sampler triton (SETTINGS.sampler) needs Triton and a CUDA device (or Triton's "
+                         "interpreter, TRITON_INTERPRET=1); use auto or torch")
+    if choice == "auto":
+        return "triton" if triton and device.type == "cuda" and fused_sampling.available() else "torch"
+    return choice
+
+
+def sampling_function(kind: str, compiled: bool) -> Any:
+    """The decode step's sampling function, :func:`sample`'s signature: :func:`triton_sample` for ``kind``
+    ``triton`` (its torch fallback :func:`compiled_sample` where ``compiled``), else that torch function."""
+    torch_sample = compiled_sample() if compiled else sample
+    return functools.partial(triton_sample, fallback=torch_sample) if kind == "triton" else torch_sample
+
+
+def triton_sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+                  uniform: torch.Tensor | None = None, fallback: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample`'s contract: temperature sampling with no top-k / top-p through one Triton kernel
+    (:func:`rlhf_core.models.fused_sampling.fused_sample`: the same inverse-CDF rule, no ``(rows, V)`` fp32 arrays,
+    each row independent of the others); greedy, top-k, top-p, or no given ``uniform`` ``(rows, 1)``: ``fallback``
+    (None: :func:`sample`)."""
+    if params.greedy or params.top_k or params.top_p < 1.0 or uniform is None:
+        return (fallback or sample)(logits, params, generator=generator, uniform=uniform)
+    return fused_sampling.fused_sample(logits, uniform, params.temperature)
 
 
 def sampling_weights(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,7 +28,16 @@ class DecodeSettings:
     engine's own ``compile_layers`` argument, when given, overrides it."""
 
     compile_sampler: bool = True
-    """With compiled layers, whether sampling's weights (log-softmax, filters, exponential) are compiled too."""
+    """With compiled layers, whether sampling's weights (log-softmax, filters, exponential) are compiled too (the
+    torch sampler's, and the triton sampler's fallback for greedy, top-k and top-p)."""
+
+    sampler: str = "auto"
+    """The decode step's sampling without top-k / top-p: triton (one Triton kernel a step, the inverse-CDF rule of
+    rlhf_core/models/fused_sampling.py over the logits in their own dtype: a GPU with Triton), torch (log-softmax,
+    cumsum and searchsorted over (rows, V) fp32 arrays: rlhf_core.rollout.decode.sampling.sample) or auto (triton on a
+    CUDA device where Triton imports, else torch: :func:`rlhf_core.rollout.decode.sampling.choose_sampler`). Greedy,
+    top-k and top-p sample with torch under every choice; on a CPU, triton runs under Triton's interpreter
+    (TRITON_INTERPRET=1, tests)."""
 
     flash_grouped: bool = True
     """Whether the flash call folds each KV head's query heads into its query rows (the kernel then reads a row's
