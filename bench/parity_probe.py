@@ -7,7 +7,8 @@ sequence alone, (c) a batch where half the rows end early (right padding), and (
 decode over transformers' cache, as HF ``generate`` runs it; then times a forward of the batch both ways (median
 and range of 5).
 
-Run: ``python bench/parity_probe.py --model models/sft --out bench/results/cpu/DAY/parity_probe.json``
+Run: ``python bench/parity_probe.py --model models/sft --out bench/results/cpu/DAY/parity_probe.json``; on a GPU
+``--device cuda --dtype bfloat16`` (``--model``: e.g. the folder a side_by_side ``--work`` call built).
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ from rlhf_core.models.parity import BLOCK_ROWS, make_batch_invariant  # noqa: E4
 
 
 
-def load(path: Path, parity: bool, key_length: int):
+def load(path: Path, parity: bool, key_length: int, device: str = "cpu", dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa",
+                                                 dtype=getattr(torch, dtype)).to(device).eval()
     return make_batch_invariant(model, key_length) if parity else model
 
 
@@ -79,9 +81,10 @@ def compare(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor) -> dict:
             "tokens_differing": int((diff > 0).sum()), "tokens": int(valid.sum())}
 
 
-def probe(path: Path, parity: bool, rows: int, width: int, length: int) -> dict:
-    model = load(path, parity, key_length=width + length)
-    ids, mask = batch(model.config.vocab_size, rows, width, length, seed=0)
+def probe(path: Path, parity: bool, rows: int, width: int, length: int, device: str = "cpu",
+          dtype: str = "float32") -> dict:
+    model = load(path, parity, width + length, device, dtype)
+    ids, mask = (t.to(device) for t in batch(model.config.vocab_size, rows, width, length, seed=0))
     valid = (mask[:, 1:] * mask[:, :-1]).bool()  # a real token predicted from a real token
     full = scored(model, ids, mask)
     starts = [int(mask[r].argmax()) for r in range(rows)]  # each sequence alone: its padding cut off
@@ -92,12 +95,19 @@ def probe(path: Path, parity: bool, rows: int, width: int, length: int) -> dict:
     keep = valid & (ended[:, 1:] * ended[:, :-1]).bool()
     times = []
     for _ in range(5):
+        _sync(device)
         start = time.perf_counter()
         scored(model, ids, mask)
+        _sync(device)
         times.append(time.perf_counter() - start)
     return {"batch_vs_alone": compare(full, alone, valid), "batch_vs_rows_ended_early": compare(full, early, keep),
             "batch_vs_cached_decode": compare(full, decoded(model, ids, mask, width), valid),
             "forward_s": {"median": statistics.median(times), "min": min(times), "max": max(times)}}
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def _shown(path: Path) -> str:
@@ -112,14 +122,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--width", type=int, default=12, help="prompt width (prompts of 3..width tokens, left-padded)")
     parser.add_argument("--length", type=int, default=24, help="response tokens after the prompt")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (the cuBLAS and attention kernels' bits)")
+    parser.add_argument("--dtype", default="float32", help="the model's dtype: float32 or bfloat16")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     result = {"model": _shown(args.model), "host": platform.processor() or platform.machine(),
               "threads": torch.get_num_threads(), "torch": torch.__version__, "block_rows": BLOCK_ROWS,
-              "shape": {"rows": args.rows, "prompt_width": args.width, "response": args.length},
-              "off": probe(args.model, False, args.rows, args.width, args.length),
-              "on": probe(args.model, True, args.rows, args.width, args.length)}
+              "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
+              "dtype": args.dtype, "shape": {"rows": args.rows, "prompt_width": args.width, "response": args.length},
+              "off": probe(args.model, False, args.rows, args.width, args.length, args.device, args.dtype),
+              "on": probe(args.model, True, args.rows, args.width, args.length, args.device, args.dtype)}
     result["on_over_off_forward"] = result["on"]["forward_s"]["median"] / result["off"]["forward_s"]["median"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
