@@ -32,7 +32,11 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-from record_tables import PRODUCERS, TABLES, Table  # noqa: E402
+import record_tables_grpo  # noqa: E402
+from record_tables import PRODUCERS, Table  # noqa: E402
+from record_tables import TABLES as _OTHERS  # noqa: E402
+
+TABLES = _OTHERS + record_tables_grpo.TABLES
 from result_paths import RESULTS  # noqa: E402
 
 INDEX = RESULTS / "INDEX.md"
@@ -200,8 +204,11 @@ def parse_index(text: str) -> dict[str, dict]:
 
 
 def added_by(rel: str) -> str:
-    """The commit that added a result file (renames followed), or ``uncommitted``."""
-    out = subprocess.run(["git", "log", "--follow", "--diff-filter=A", "--format=%H", "--", f"bench/results/{rel}"],
+    """The commit that added a result file at its path, or ``uncommitted``. Renames are not followed: ``--follow``
+    matches by content, so a new file much like an older one was credited to the older one's commit (files moved
+    into the device/date layout keep the commits the index already holds)."""
+    out = subprocess.run(["git", "log", "--no-renames", "--diff-filter=A", "--format=%H", "--",
+                          f"bench/results/{rel}"],
                          cwd=REPO, capture_output=True, text=True).stdout.split()
     return out[-1][:10] if out else UNCOMMITTED
 

@@ -395,16 +395,17 @@ def _search_row(config: str, options: str) -> tuple[str, ...]:
             f"{{s:{c}.median_step_s ÷ s:search.configs.trl-default.median_step_s|.2f}}×")
 
 
-def trl_search_table(path: str, configs: tuple[tuple[str, str], ...]) -> Table:
-    """Issue 52 item 3: the TRL search's configurations at 0.5B SFT (``side_by_side.py --search``), each one
-    child of one call, and the winner (trl-best of the hygiene rows)."""
+def trl_search_table(path: str, configs: tuple[tuple[str, str], ...], name: str = "trl-search",
+                     bench: str = "SFT 32 × ≤512 tokens", bench_key: str = "sft") -> Table:
+    """Issue 52 item 3: the TRL search's configurations at 0.5B (``side_by_side.py --search``; SFT, or GRPO with
+    ``--bench grpo``), each one child of one call, and the winner (trl-best of the hygiene rows)."""
     return Table(
-        "trl-search", "BENCHMARKS.md", {"s": path},
+        name, "BENCHMARKS.md", {"s": path},
         ("TRL configuration", "options over trl-default", "median step (min–max)", "max / min", "median / trl-default's"),
         tuple(_search_row(c, o) for c, o in configs)
         + (("winner (trl-best)", "{s:search.winner|}", "", "", "{s:search.winner_over_default|.2f}×"),),
         "{s:environment.nvidia_smi.0|}",
-        "SFT 32 × ≤512 tokens, one round of {s:settings.benches.sft.steps|} steps a configuration, "
+        bench + f", one round of {{s:settings.benches.{bench_key}.steps|}} steps a configuration, "
         "{s:settings.warmup_steps|} warm-up steps dropped; TRL {s:environment.versions.trl|}, liger-kernel "
         "{s:environment.versions.liger-kernel|}; gradient checkpointing off unless named; {s:search.note|}")
 
@@ -538,6 +539,7 @@ PRODUCERS: tuple[tuple[str, str], ...] = (
     ("prof_", "bench/side_by_side.py --profile"),
     ("pyspy_", "py-spy over bench/side_by_side.py"),
     ("gpu_engine_", "bench/gpu_engine.py"),
+    ("gpu_rollout_exactness", "bench/gpu_rollout_exactness.py"),
     ("gpu_grpo_", "bench/gpu_grpo.py"),
     ("gpu_liger_probe", "bench/gpu_liger_probe.py"),
     ("gpu_lm_head_check", "bench/gpu_lm_head_check.py"),

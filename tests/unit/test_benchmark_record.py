@@ -59,7 +59,7 @@ def test_no_figure_with_a_unit_outside_the_rendered_blocks(doc):
 
 
 def test_every_table_is_in_its_document_and_names_committed_sources():
-    for table in record_tables.TABLES:
+    for table in record.TABLES:
         text = (REPO / table.doc).read_text(encoding="utf-8")
         assert record.BEGIN.format(table.name) in text, table.name
         for path in table.sources.values():

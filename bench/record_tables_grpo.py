@@ -1,0 +1,102 @@
+"""The benchmark record's tables of the GRPO step toward its floor (issue 52 part 4) and of the engine's exactness
+(``bench/record.py`` renders them with :data:`record_tables.TABLES`): the before/after processes of one warm GPU,
+the engine's log-probs against the trainer's in the same call, the sampler A/B, TRL's GRPO search and the
+batch-invariant forward on a GPU.
+"""
+
+from __future__ import annotations
+
+from record_tables import R, Table, trl_search_table
+
+H100_1207 = R + "h100/2026-12-07/"
+AB = H100_1207 + "side_by_side_h100_0p5b_grpo_floor_ab_{}.json"
+OURS = "results.grpo.summary.rows.ours-bf16-packed"
+
+
+def _ab_row(label: str, alias: str) -> tuple[str, ...]:
+    """One process of the A/B: its median step (range), phases (medians), share of the floor, tokens/s, memory."""
+    phase = f"{alias}:{OURS}.phase_s"
+    return (label, f"{{{alias}:{OURS}.median_step_s|.3f}} s ({{{alias}:{OURS}.range_step_s|range:.3f}})",
+            f"{{{phase}.rollout_s|.3f}} s", f"{{{phase}.logprob_s|.3f}} s", f"{{{phase}.update_s|.3f}} s",
+            f"{{{alias}:{OURS}.fraction_of_floor|.0%}} of {{{alias}:{OURS}.floor_s|.3f}} s",
+            f"{{{alias}:{OURS}.generated_tokens_per_s|,.0f}}", f"{{{alias}:{OURS}.peak_memory_gb|.1f}} GB")
+
+
+GRPO_FLOOR_AB = Table(
+    "gpu-grpo-floor-ab", "BENCHMARKS.md",
+    {"b1": AB.format("1_before"), "a2": AB.format("2_after"), "a3": AB.format("3_after"), "b4": AB.format("4_before")},
+    ("process (ABBA)", "step: median (range)", "rollout", "log-probs", "update", "share of the floor",
+     "generated tokens/s", "peak memory"),
+    (_ab_row("1: before", "b1"), _ab_row("2: after", "a2"), _ab_row("3: after", "a3"), _ab_row("4: before", "b4")),
+    "{b1:environment.nvidia_smi.0|}, torch {b1:environment.versions.torch|}, one warm machine (process 4 in a later "
+    "call on it)",
+    "GRPO 64 prompts × 8 × 256 new tokens, Qwen2-0.5B shape, 32k vocab, ours-bf16-packed; "
+    "{b1:results.grpo.summary.rows.ours-bf16-packed.timed_steps|} timed steps a process after "
+    "{b1:settings.warmup_steps|} warm-up steps (`bench/ab_processes.sh`, `--rounds 1 --waive-hygiene` a process); "
+    "before: rlhf_core of c25f56c; after: of 5543fca (the decoder kept across rollouts, one device read a "
+    "mini-batch in the update, the fused Triton sampler); phases are medians of the timed steps")
+
+
+def _exact_row(label: str, alias: str) -> tuple[str, ...]:
+    phases = f"{alias}:last_call_phases_s"
+    return (label, f"{{{alias}:generate_walls_s.2|.3f}} s", f"{{{phases}.decode|.3f}} s",
+            f"{{{alias}:mean_abs_diff|.2e}} / {{{alias}:max_abs_diff|.4f}}", f"{{{alias}:mismatch_kl_k3|.2e}}",
+            f"{{{alias}:tokens|,d}}", "{" + alias + ":kept_decoder|}")
+
+
+ROLLOUT_EXACTNESS = Table(
+    "gpu-rollout-exactness", "BENCHMARKS.md",
+    {"b": H100_1207 + "gpu_rollout_exactness_h100_0p5b_before.json",
+     "a": H100_1207 + "gpu_rollout_exactness_h100_0p5b_after.json"},
+    ("engine code", "third generate call", "its decode phase", "engine − trainer log-prob: mean / max abs",
+     "mismatch KL (k3)", "sampled tokens", "decoder kept"),
+    (_exact_row("before (c25f56c)", "b"), _exact_row("after (5543fca)", "a")),
+    "{b:device|}, in the call of the A/B's processes 1 and 2, on the model they built",
+    "512 rows × 256 new tokens, bf16; three generate calls with every weight moved in place before the second and "
+    "third; the third call's sampled tokens scored by the trainer's forward (`bench/gpu_rollout_exactness.py`)")
+
+
+def _engine_row(label: str, key: str) -> tuple[str, ...]:
+    e = f"e:engines.{key}"
+    return (label, f"{{{e}.median_s|.3f}} s", f"{{e:phases_s_a_call.{key}.decode|.3f}} s",
+            f"{{{e}.ms_per_decode_step|.3f}} ms", f"{{{e}.generated_tokens_per_s|,.0f}}")
+
+
+SAMPLER_AB = Table(
+    "gpu-sampler-ab", "BENCHMARKS.md", {"e": H100_1207 + "gpu_engine_h100_sampler_ab.json"},
+    ("static engine", "generate: median of the calls", "decode phase", "a decode step", "generated tokens/s"),
+    (_engine_row("fused Triton inverse-CDF sampler (`SETTINGS.sampler` auto)", "static_cuda_graphs"),
+     _engine_row("torch's log-softmax, cumsum and searchsorted", "static_cuda_graphs_torch_sampler")),
+    "{e:gpu|}, torch {e:torch|}",
+    "{e:rows|} rows × {e:new_tokens|} new tokens, CUDA graphs, compiled layer halves, Triton decode attention; "
+    "5 calls each, the first included; the fused sampler's engine over torch's: "
+    "{e:speedup_default_sampler_over_torch_sampler|.3f}×")
+
+TRL_SEARCH_GRPO = trl_search_table(H100_1207 + "side_by_side_h100_0p5b_grpo_trl_search.json", (
+    ("trl-default", "none (sdpa, cuDNN SDPA on, HF `generate` with its dynamic cache, no liger, checkpointing off)"),
+    ("trl-cudnn-off", "cuDNN SDPA off (ours' backend)"),
+    ("trl-static-cache", "`cache_implementation=\"static\"` for `generate`"),
+    ("trl-liger", "`use_liger_kernel`")),
+    name="trl-search-grpo", bench="GRPO 64 prompts × 8 × 256 new tokens (`--search --bench grpo`; eager attention and "
+    "checkpointing on were listed but not reached before the call's --deadline-s)", bench_key="grpo")
+
+
+def _parity_row(label: str, check: str) -> tuple[str, ...]:
+    return (label,) + tuple(f"{{p:{side}.{check}.bit_identical|}} ({{p:{side}.{check}.tokens_differing|,d}} of "
+                            f"{{p:{side}.{check}.tokens|,d}} differ, max {{p:{side}.{check}.max_abs_diff|.3g}})"
+                            for side in ("off", "on"))
+
+
+PARITY_GPU = Table(
+    "gpu-parity-probe", "BENCHMARKS.md", {"p": H100_1207 + "parity_probe_h100_bf16.json"},
+    ("a batch of 64 left-padded rows against", "plain forward: bit-identical", "batch-invariant forward: bit-identical"),
+    (_parity_row("each row alone", "batch_vs_alone"),
+     _parity_row("half the rows ended early", "batch_vs_rows_ended_early"),
+     _parity_row("prefill + token-by-token decode over the cache", "batch_vs_cached_decode"),
+     ("forward of the batch: median", "{p:off.forward_s.median|.4f} s", "{p:on.forward_s.median|.4f} s "
+      "({p:on_over_off_forward|.2f}× the plain one)")),
+    "{p:device|}, torch {p:torch|}, {p:dtype|}",
+    "the 0.5B bench model (random weights, 32k vocab); prompts of 3–{p:shape.prompt_width|} tokens, "
+    "{p:shape.response|} more; blocks of {p:block_rows|} rows (`bench/parity_probe.py --device cuda`)")
+
+TABLES: tuple[Table, ...] = (GRPO_FLOOR_AB, ROLLOUT_EXACTNESS, SAMPLER_AB, TRL_SEARCH_GRPO, PARITY_GPU)
