@@ -294,21 +294,28 @@ def test_the_triton_sampler_decodes_as_torchs(micro_model):
     torch.testing.assert_close(torch.tensor(ours["logp"]), torch.tensor(ref["logp"]), atol=1e-5, rtol=0)
 
 
-def test_auto_falls_back_to_torch_sampling_where_the_triton_sampler_fails(micro_model, monkeypatch, caplog):
-    """Under auto a Triton sampler that fails to build is tried once, eagerly, on the prefill's logits before any
-    capture; the engine then samples with torch, in that call and after."""
+def _engine_with_broken(micro_model, monkeypatch, module, kernel: str):
+    """A static engine over the eos-biased micro model, ``module.kernel`` raising as a Triton build failure does,
+    and the test prompts left-padded: ``(model, tok, engine, ids, mask)``."""
     from rlhf_core.data.tokenize import encode_prompt
-    from rlhf_core.models import fused_sampling
-    from rlhf_core.rollout.decode.sampling import choose_sampler, sampling_function
     from rlhf_core.rollout.engine import _left_pad
 
     def broken(*args, **kwargs):
         raise RuntimeError("PassManager::run failed")
 
-    monkeypatch.setattr(fused_sampling, "fused_sample", broken)
+    monkeypatch.setattr(module, kernel, broken)
     model, tok = _eos_biased(micro_model)
-    engine = StaticCacheEngine(model, tok, batch_size=8)
     ids, mask = _left_pad([encode_prompt(tok, p) for p in PROMPTS], tok.pad_token_id)
+    return model, tok, StaticCacheEngine(model, tok, batch_size=8), ids, mask
+
+
+def test_auto_falls_back_to_torch_sampling_where_the_triton_sampler_fails(micro_model, monkeypatch, caplog):
+    """Under auto a Triton sampler that fails to build is tried once, eagerly, on the prefill's logits before any
+    capture; the engine then samples with torch, in that call and after."""
+    from rlhf_core.models import fused_sampling
+    from rlhf_core.rollout.decode.sampling import choose_sampler, sampling_function
+
+    model, tok, engine, ids, mask = _engine_with_broken(micro_model, monkeypatch, fused_sampling, "fused_sample")
     params = SamplingParams(n=2, max_new_tokens=4)
     decoder = Decoder(model, ids, mask, max_new_tokens=4, n=2, triton_sampler=engine.triton_sampler)
     decoder.sampler, decoder.sample = "triton", sampling_function("triton", False)  # auto's pick on a CUDA device
@@ -428,16 +435,8 @@ def test_auto_falls_back_to_torch_flash_where_the_triton_kernel_fails(micro_mode
     """Under auto a Triton kernel that fails to build (a Triton or driver it does not build on) is tried once,
     eagerly, before any capture; the engine then decodes through torch's flash kernel, in that call and after."""
     from rlhf_core.models import decode_attention as da
-    from rlhf_core.data.tokenize import encode_prompt
-    from rlhf_core.rollout.engine import _left_pad
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("PassManager::run failed")
-
-    monkeypatch.setattr(da, "decode_attention", broken)
-    model, tok = _eos_biased(micro_model)
-    engine = StaticCacheEngine(model, tok, batch_size=8)
-    ids, mask = _left_pad([encode_prompt(tok, p) for p in PROMPTS], tok.pad_token_id)
+    model, tok, engine, ids, mask = _engine_with_broken(micro_model, monkeypatch, da, "decode_attention")
     monkeypatch.setattr(SETTINGS, "attention", "flash")
     decoder = Decoder(model, ids, mask, max_new_tokens=4, n=2, triton=engine.triton_attention)
     decoder.row_kernel = "triton"  # what auto picks on a CUDA device with Triton
