@@ -33,7 +33,7 @@ def median_range(alias: str, path: str, fmt: str = ".3f", unit: str = " s") -> s
 R = "bench/results/"
 METRICS = {a: f"metrics/{a}.json" for a in ("sft", "reward", "dpo", "kto", "rejection", "raft", "distill", "rl",
                                             "tool_eval_sft", "tool_eval_rl")}
-LOCK_DEVICE = "2 cores of an Intel Xeon with AVX-512 (`make repro`, the committed `dvc.lock`)"
+LOCK_DEVICE = "2 cores of an AMD EPYC with AVX-512 (`make repro`, the committed `dvc.lock`)"
 
 EMBEDDED = Table(
     "embedded-default", "BENCHMARKS.md", METRICS,
@@ -80,7 +80,7 @@ README_RL = Table(
       "{ppo:metrics.train/kl|.2f}", "{ppo:wall_s|.0f} s"),
      ("tool task: SFT, then GRPO with a calculator, 40 × 32 × 8 trajectories (the committed `dvc.lock`)",
       f"{acc('tool_eval_sft', 'eval/accuracy_tool')} → {acc('tool_eval_rl', 'eval/accuracy_tool')}", "", "", "")),
-    "2 CPU cores: Intel Xeon (`dvc.lock`) and AMD EPYC (the PPO run)")
+    "2 CPU cores of AMD EPYC hosts (`dvc.lock`; the PPO run another day)")
 
 CPU_SBS_FILE = R + "cpu/2026-12-02/side_by_side_cpu_xeon_2026-12-02_fused_adamw.json"
 
