@@ -3,7 +3,8 @@
 N GPUs (the data-parallel scaling figure of BENCHMARKS.md). ``bench/side_by_side.py`` runs the same
 configuration against TRL; this script varies placement, workers, engine and parallelism.
 
-Runs on the lent GPUs with torch + transformers only (no MLflow, Prefect or Ray needed)::
+Runs on the lent GPUs with torch + transformers only (no MLflow, Prefect or Ray needed; `--engine hf --parity`: parity
+mode, whose mismatch must read exactly 0 at every step)::
 
     PYTHONPATH=. python bench/gpu_grpo.py --out $OUT/gpu_grpo.json
 
@@ -136,6 +137,8 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--weight-sync", choices=["auto", "object_store", "collective"], default="auto",
                     help="rl.distribution.weight_sync: how rollout replicas get the weights (collective: NCCL broadcast from rank 0)")
     ap.add_argument("--small", action="store_true", help="a micro model and short rows (CPU smoke test)")
+    ap.add_argument("--parity", action="store_true", help="rl.rollout.parity (with --engine hf): the engine's "
+                    "log-probs equal the trainer's bit for bit; rollout/logprob_mismatch then reads 0")
     ap.add_argument("--sampling", choices=["copy", "master"], default="copy",
                     help="copy: the HF engine samples with a bf16 copy of the policy (default); master: with the "
                          "fp32 master weights (the engine before that change, for an A/B on one machine)")
@@ -196,7 +199,7 @@ def main() -> None:
                                         "distribution.rollout_workers": args.rollout_workers or args.workers,
                                         "parallel": args.parallel, "gradient_checkpointing": args.grad_ckpt,
                                         "off_policy.max_staleness": args.max_staleness,
-                                        "distribution.weight_sync": args.weight_sync})
+                                        "distribution.weight_sync": args.weight_sync, "rollout.parity": args.parity})
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -222,8 +225,9 @@ def main() -> None:
         "placement": args.placement, "workers": args.workers, "parallel": args.parallel,
         "rollout_workers": cfg.distribution.rollout_workers, "gradient_checkpointing": args.grad_ckpt,
         "gpus_seen": torch.cuda.device_count(), "peak_memory_used_gb_by_gpu": {k: round(v, 2) for k, v in peak_by_gpu.items()},
-        "sampling": args.sampling, "engine": args.engine, "kl_coef": args.kl, "micro_batch": args.micro,
+        "sampling": args.sampling, "engine": args.engine, "parity": args.parity, "kl_coef": args.kl, "micro_batch": args.micro,
         "logprob_mismatch": round(statistics.median(m["rollout/logprob_mismatch"] for m in timed), 5),
+        "logprob_mismatch_max_all_steps": max(m["rollout/logprob_mismatch"] for m in steps),
         "prompts": args.prompts, "group": args.group, "new_tokens": args.new_tokens, "mini_batch": args.mini,
         "median_step_s": round(step_s, 3), "samples_per_s": round(args.prompts * args.group / step_s, 1),
         "generated_tokens_per_s": round(gen_tokens / step_s, 1),

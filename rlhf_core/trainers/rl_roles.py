@@ -181,9 +181,6 @@ class PolicyLearner:
         prepare_for_training(self.policy, gradient_checkpointing=self.checkpointing, lora_rank=cfg.lora_rank,
                              lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout)
         if cfg.rollout.parity:  # after the adapters exist: they are linear layers too
-            if self.device.type != "cpu":
-                raise ValueError(f"{cfg.section}.rollout.parity: batch invariance is checked on a CPU only so far "
-                                 f"(this policy is on {self.device.type}); set rollout.parity false")
             make_batch_invariant(self.policy, cfg.max_length)
             self.packing = False
         # under mixed/bf16 this casts the policy to bf16 (after taking the fp32 masters from it)
