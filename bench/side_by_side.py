@@ -43,6 +43,8 @@ Rows (``--rows``, comma-separated; default: all five on a GPU variant):
   set it on a GPU): published beside trl-default, so a ratio can be read both as TRL ships and like with like.
 * ``trl-best`` with ``--trl-best-from FILE``: trl-default plus the options of the winner of the TRL search
   recorded in FILE (``--search``, below); trl-default itself where no configuration beat it.
+  A TRL row whose options equal an earlier row's of ``--rows`` (trl-best where the winner is cuDNN's SDPA off, as
+  trl-ours-backend) is not run again: it reports that row's processes (``shared_runs``, each run ``same_run_as``).
 * ``trl-best`` without it (legacy): trl-default plus ``use_liger_kernel=True`` (liger-kernel from ``bench/device_wheels.sh``),
   padding-free SFT (``padding_free=True`` through ``packing=True, packing_strategy="bfd"``: TRL 1.16 refuses
   padding_free alone, and at these lengths a block holds one truncated example; its DPO falls back to
@@ -180,7 +182,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))  # side_by_side_parts, also where this file is loaded as a module (tests)
 
 from side_by_side_parts.settings import (BENCHES, DEFAULT_ROWS, GPU_ROWS, ROWS, SETTINGS,  # noqa: E402
-                                         apply_global_batch, make_small, schedule)
+                                         apply_global_batch, make_small, schedule, shared_runs)
 from side_by_side_parts.inputs import build_inputs  # noqa: E402
 from side_by_side_parts.hygiene import MIN_WARMUP, Deadline, enforce, plan_problems  # noqa: E402
 from side_by_side_parts.search import load_winner  # noqa: E402
@@ -382,8 +384,9 @@ def _run_bench(name: str, rows: list[str], args: argparse.Namespace, inputs: dic
     they end; then a profiled child of each flagged row."""
     runs: dict[str, list[dict]] = {row: [] for row in rows}
     decided: dict[str, bool] = {}  # ours rows' logged gradient-checkpointing choice on this benchmark
-    results[name] = {"runs": runs}
-    for rnd, row in schedule(rows, args.rounds):
+    same = shared_runs(rows, args.trl_best["options"] if args.trl_best else None)
+    results[name] = {"runs": runs, **({"shared_runs": same} if same else {})}
+    for rnd, row in schedule([r for r in rows if r not in same], args.rounds):
         side = ROWS[row]["side"]
         task = _task(name, row, args, inputs, decided)
         res = _child(side, task, args, deadline, walls, f"{name} round {rnd} {row}")
@@ -400,6 +403,8 @@ def _run_bench(name: str, rows: list[str], args: argparse.Namespace, inputs: dic
                               "gradient_checkpointing": (res.get("gradient_checkpointing") or
                                                          task.get("trl_grad_ckpt"))})}), flush=True)
         out.write(results, final=False)
+    for row, earlier in same.items():  # the same processes, reported under both names
+        runs[row] = [{**r, "same_run_as": earlier} for r in runs[earlier]]
     _profile_flagged(name, args, inputs, results, deadline, walls, decided)
     out.write(results, final=False)
     print(json.dumps({"bench": name, "summary": results[name]["summary"]}), flush=True)

@@ -162,6 +162,25 @@ def trl_options(row: str, searched: dict | None = None) -> dict:
         opts.update(searched)
     opts.update(spec.get("opts", {}))
     return opts
+
+
+def shared_runs(rows: list[str], searched: dict | None = None) -> dict[str, str]:
+    """TRL rows of ``rows`` that would run exactly what an earlier TRL row of the list runs (the same dtype,
+    regime and :func:`trl_options`; e.g. trl-best where the search's winner is cuDNN's SDPA off, which is
+    trl-ours-backend): ``{row: the earlier row}``. Such a row is not run again; it reports the earlier row's runs."""
+    keys = ("side", "model_dtype", "bf16", "regime")
+    same: dict[str, str] = {}
+    for i, row in enumerate(rows):
+        if ROWS[row]["side"] != "trl":
+            continue
+        for earlier in rows[:i]:
+            if earlier not in same and all(ROWS[earlier].get(k) == ROWS[row].get(k) for k in keys) \
+                    and trl_options(earlier, searched) == trl_options(row, searched):
+                same[row] = earlier
+                break
+    return same
+
+
 DEFAULT_ROWS = {"cpu": "ours-fp32,trl-fp32"}
 GPU_ROWS = "ours-mixed,ours-bf16,trl-default,trl-mixed,trl-best"
 # (ours, TRL) pairs compared; ours-best is the faster of ours-mixed and ours-bf16

@@ -122,6 +122,18 @@ def test_trl_rows_options():
     assert settings.trl_options("trl-best")["padding_free"] is True  # no search given: the legacy set
 
 
+
+def test_a_trl_row_with_an_earlier_rows_options_shares_its_runs():
+    """trl-best of a search won by cuDNN's SDPA off runs what trl-ours-backend runs: one of them runs, in the
+    ABBA order; a liger winner is a row of its own."""
+    rows = ["ours-bf16-packed", "trl-default", "trl-ours-backend", "trl-best"]
+    assert settings.shared_runs(rows, {"sdpa": "ours"}) == {"trl-best": "trl-ours-backend"}
+    assert settings.shared_runs(rows[::-1], {"sdpa": "ours"}) == {"trl-ours-backend": "trl-best"}
+    assert settings.shared_runs(rows, {"liger": True}) == {}
+    assert settings.shared_runs(rows, {}) == {"trl-best": "trl-default"}  # no configuration beat trl-default
+    assert settings.shared_runs(rows) == {}  # no search given: the legacy trl-best (liger, padding-free)
+    assert settings.shared_runs(["trl-default", "trl-mixed"]) == {}  # another dtype and regime
+
 def _search_results(medians: dict[str, float]) -> dict:
     rows = {r: {"median_step_s": m, "min_step_s": m, "max_step_s": m} for r, m in medians.items()}
     return {"sft": {"runs": {r: [] for r in medians}, "summary": {"rows": rows}}}
