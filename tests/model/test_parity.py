@@ -91,7 +91,7 @@ def test_grpo_with_parity_reads_a_mismatch_of_exactly_zero(micro_model, micro_da
 
 
 @pytest.mark.parametrize("setting, message", [
-    ({"rollout.engine": "static"}, "needs rollout.engine hf"),
+    ({"rollout.engine": "vllm"}, "needs rollout.engine static or hf"),
     ({"packing": True}, "needs packing auto or false"),
     ({"distribution.placement": "colocated"}, "needs placement none"),
 ])
