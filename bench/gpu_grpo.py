@@ -3,8 +3,8 @@
 N GPUs (the data-parallel scaling figure of BENCHMARKS.md). ``bench/side_by_side.py`` runs the same
 configuration against TRL; this script varies placement, workers, engine and parallelism.
 
-Runs on the lent GPUs with torch + transformers only (no MLflow, Prefect or Ray needed; `--engine hf --parity`: parity
-mode, whose mismatch must read exactly 0 at every step)::
+Runs on the lent GPUs with torch + transformers only (no MLflow, Prefect or Ray needed; `--parity` with `--engine hf` or
+`--engine static`: parity mode, whose mismatch must read exactly 0 at every step)::
 
     PYTHONPATH=. python bench/gpu_grpo.py --out $OUT/gpu_grpo.json
 
@@ -137,7 +137,7 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--weight-sync", choices=["auto", "object_store", "collective"], default="auto",
                     help="rl.distribution.weight_sync: how rollout replicas get the weights (collective: NCCL broadcast from rank 0)")
     ap.add_argument("--small", action="store_true", help="a micro model and short rows (CPU smoke test)")
-    ap.add_argument("--parity", action="store_true", help="rl.rollout.parity (with --engine hf): the engine's "
+    ap.add_argument("--parity", action="store_true", help="rl.rollout.parity (--engine hf or static): the engine's "
                     "log-probs equal the trainer's bit for bit; rollout/logprob_mismatch then reads 0")
     ap.add_argument("--sampling", choices=["copy", "master"], default="copy",
                     help="copy: the HF engine samples with a bf16 copy of the policy (default); master: with the "

@@ -258,13 +258,12 @@ class RLConfig(TrainerConfig):
             self.off_policy.tis_cap = 2.0
 
     def _check_parity(self) -> None:
-        """rl.rollout.parity: one process, the HF engine sampling from the policy itself, padded rows."""
+        """rl.rollout.parity: one process, the HF or static engine sampling from the policy itself, padded rows."""
         s = self.section
         if not self.rollout.parity:
             return
-        _check(self.rollout.engine == "hf", s, "rollout.parity",
-               f"needs rollout.engine hf (the static and vLLM engines run decode kernels of their own), "
-               f"got {self.rollout.engine!r}")
+        _check(self.rollout.engine in ("static", "hf"), s, "rollout.parity",
+               f"needs rollout.engine static or hf (vLLM runs decode kernels of its own), got {self.rollout.engine!r}")
         _check(self.distribution.placement == "none", s, "rollout.parity",
                f"needs placement none (one process), got {self.distribution.placement!r}")
         _check(self.packing is not True, s, "rollout.parity", "needs packing auto or false (padded rows)")

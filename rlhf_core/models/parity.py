@@ -17,11 +17,13 @@ LLM Inference", batch invariance):
   prefill, a cached decode step or a full forward;
 * norms, rotary embeddings and the MLP's activation reduce within a row or act elementwise, and are left as they are.
 
-Measured on a CPU (the model-tier tests, ``tests/model/test_parity.py``): a batch of 64 left-padded sequences, each
-sequence alone and rows that ended early score the same bits, and three GRPO steps with the HF engine log a mismatch
-of exactly 0. The embedded GRPO step takes about 5x as long (``bench/parity_abba.sh`` measures each phase).
-Not yet on a GPU: cuBLAS and the attention there need checks of their own; nor for the static engine, whose decode
-kernels are its own.
+Both in-process engines run it: HF ``generate`` calls the model's forward, and the static engine
+(:class:`rlhf_core.rollout.decode.decoder.Decoder` in parity mode) runs the model's own modules and
+:func:`canonical_attention` over its KV cache, decoding eagerly. Measured on a CPU (the model-tier tests,
+``tests/model/test_parity.py``, ``tests/model/test_parity_static.py``): a batch of 64 left-padded sequences, each
+sequence alone and rows that ended early score the same bits, and three GRPO steps with either engine log a mismatch
+of exactly 0. The embedded GRPO step takes about 5x as long (``bench/parity_abba.sh`` measures each phase, HF engine).
+On a GPU only the forward is checked (``bench/parity_probe.py``); the engines' decode there needs checks of its own.
 """
 
 from __future__ import annotations

@@ -28,7 +28,11 @@ does for one fixed batch, in plain torch:
   uniforms drawn up front; on a GPU, temperature sampling without top-k / top-p is one Triton kernel,
   :mod:`rlhf_core.models.fused_sampling`) and the eos bookkeeping are captured with the decode step, so a step is
   one replay; the loop stops once every row has emitted eos (checked every few steps so the host
-  does not wait on the GPU each step).
+  does not wait on the GPU each step);
+* in parity mode (``rl.rollout.parity``: a policy made batch-invariant, :mod:`rlhf_core.models.parity`) the decode
+  runs the model's own blocked projections, the canonical attention over the cache and the torch sampler, eagerly
+  (no compiled layers, no CUDA graphs), so every sampled token's log-prob equals the trainer's recomputation bit
+  for bit (:class:`rlhf_core.rollout.decode.decoder.Decoder`).
 
 It runs the model's own modules (projections, norms, MLP, rotary embedding), so it holds no
 weights of its own: :meth:`update_weights` copies into the model in place and captured graphs
@@ -53,6 +57,7 @@ from typing import Any, Sequence
 
 import torch
 
+from rlhf_core.models.parity import is_batch_invariant
 from rlhf_core.rollout.decode.decoder import Decoder
 from rlhf_core.rollout.decode.layer import attention_inputs, output_and_mlp
 from rlhf_core.rollout.decode.sampling import Sampler, sampling_function
@@ -156,6 +161,11 @@ class StaticCacheEngine(HFGenerateEngine):
     def name(self) -> str:
         return "static"
 
+    @property
+    def _parity(self) -> bool:
+        """Whether the model sampled from runs the batch-invariant forward (``rl.rollout.parity``)."""
+        return is_batch_invariant(self._sampling_model)
+
     # ---- generate ---------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[str], params: SamplingParams) -> RolloutBatch:
@@ -198,8 +208,9 @@ class StaticCacheEngine(HFGenerateEngine):
                         generator: torch.Generator) -> tuple[torch.Tensor, ...]:
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         ids, mask = _left_pad(encoded, pad)
-        # Each prompt is prefilled once and its cache shared by its n samples (rows i*n .. i*n+n-1).
-        graphs = self.cuda_graphs and device.type == "cuda"
+        # Each prompt is prefilled once and its cache shared by its n samples (rows i*n .. i*n+n-1). Parity mode
+        # decodes eagerly: its attention reads the cache's filled prefix, one more column each step.
+        graphs = self.cuda_graphs and device.type == "cuda" and not self._parity
         with self._phase("decoder_setup", device):
             decoder, sampler = self._decoder_for(ids.to(device), mask.to(device), params, device, graphs)
         with self._phase("prefill", device):
@@ -240,7 +251,7 @@ class StaticCacheEngine(HFGenerateEngine):
         self.release_decoder()
         decoder = Decoder(self._sampling_model, ids, mask, params.max_new_tokens, params.n,
                           compiled=graphs and self.compile_layers, triton=self.triton_attention,
-                          triton_sampler=self.triton_sampler)
+                          triton_sampler=self.triton_sampler, parity=self._parity)
         self._check_row_kernel(decoder)
         sampler = Sampler(params, ids.shape[0] * params.n, params.max_new_tokens, self.tokenizer.eos_token_id,
                           self.tokenizer.pad_token_id, device)
@@ -249,16 +260,16 @@ class StaticCacheEngine(HFGenerateEngine):
 
     def _decoder_key(self, ids: torch.Tensor, params: SamplingParams, device: torch.device, graphs: bool) -> tuple:
         """What a kept decoder's buffers and captured graphs were made for: the prompts' shape, the sampling settings
-        but the seed (the graph samples with them), the decode switches, and the weights' storage (a graph reads
-        their addresses: a parameter given new storage, e.g. a rollout replica's weights released and refilled
-        under rl.rollout.sleep, makes a new decoder) and LoRA adapters' switches (the unfused path runs peft's
+        but the seed (the graph samples with them), the decode switches and parity mode, and the weights' storage (a
+        graph reads their addresses: a parameter given new storage, e.g. a rollout replica's weights released and
+        refilled under rl.rollout.sleep, makes a new decoder) and LoRA adapters' switches (the unfused path runs peft's
         layers as captured)."""
         model = self._sampling_model
         adapters = tuple((m.disable_adapters, m.merged, tuple(m.active_adapters)) for m in model.modules()
                          if hasattr(m, "get_base_layer")) if hasattr(model, "peft_config") else ()
-        return (device, tuple(ids.shape), dataclasses.replace(params, seed=None), graphs, self.compile_layers,
-                self.triton_attention, self.triton_sampler, dataclasses.astuple(SETTINGS), adapters,
-                tuple(p.data_ptr() for p in model.parameters()))
+        return (device, tuple(ids.shape), dataclasses.replace(params, seed=None), graphs, self._parity,
+                self.compile_layers, self.triton_attention, self.triton_sampler, dataclasses.astuple(SETTINGS),
+                adapters, tuple(p.data_ptr() for p in model.parameters()))
 
     def release_decoder(self) -> None:
         """Drop the kept decoder and sampler (cache, fused weight copies, captured graphs): their memory goes back

@@ -293,7 +293,8 @@ def syncs_adapters(cfg: RLConfig) -> bool:
 def build_rollout_engine(cfg: RLConfig, policy: Any, tokenizer: Any,
                          autocast_dtype: torch.dtype | None = None) -> RolloutEngine:
     """The engine ``cfg.rollout.engine`` names; vLLM falls back to HF generate, with a warning, when absent. Under
-    ``rollout.parity`` the policy it samples from is made batch-invariant (already so where it is the learner's);
+    ``rollout.parity`` the policy it samples from is made batch-invariant (already so where it is the learner's; the
+    static and HF engines then run its batch-invariant forward);
     ``rollout.fp8`` is refused (ConfigError) where the policy's device has no FP8 matrix products."""
     if cfg.rollout.parity:
         make_batch_invariant(policy, cfg.max_length)

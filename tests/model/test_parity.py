@@ -91,7 +91,7 @@ def test_grpo_with_parity_reads_a_mismatch_of_exactly_zero(micro_model, micro_da
 
 
 @pytest.mark.parametrize("setting, message", [
-    ({"rollout.engine": "static"}, "needs rollout.engine hf"),
+    ({"rollout.engine": "vllm"}, "needs rollout.engine static or hf"),
     ({"packing": True}, "needs packing auto or false"),
     ({"distribution.placement": "colocated"}, "needs placement none"),
 ])
@@ -101,9 +101,11 @@ def test_parity_refuses_what_it_cannot_make_invariant(micro_model, micro_data, t
         _cfg(micro_model, micro_data, tmp_path, length_reward, **{"rollout.parity": True, **setting})
 
 
-def test_the_tool_task_with_parity_reads_a_mismatch_of_exactly_zero(tool_model, micro_data, tmp_path):
+@pytest.mark.parametrize("engine", ["hf", "static"])
+def test_the_tool_task_with_parity_reads_a_mismatch_of_exactly_zero(tool_model, micro_data, tmp_path, engine):
     """Three GRPO steps of the tool task (the calculator environment, up to 3 turns, observations appended between
-    the engine's turns): every step's mean |engine - trainer| log-prob is 0.0 with parity, above 0 without."""
+    the engine's turns, each turn a fresh prefill + decode of the static engine): every step's mean
+    |engine - trainer| log-prob is 0.0 with parity, above 0 without."""
     env = str(REPO / "rlhf_core/rollout/tool_task.py")
     seen = {}
     for parity in (True, False):
@@ -114,7 +116,7 @@ def test_the_tool_task_with_parity_reads_a_mismatch_of_exactly_zero(tool_model, 
             "checkpoint_dir": str(tmp_path / str(parity) / "ckpt"), "reward.function": f"{env}:reward",
             "environment.spec": f"{env}:make_env", "environment.max_turns": 3,
             "environment.max_trajectory_tokens": 20, "rollout.max_new_tokens": 6, "max_steps": 3,
-            "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.engine": "hf", "batch_size": 64,
+            "rollout.prompts_per_step": 4, "rollout.group_size": 4, "rollout.engine": engine, "batch_size": 64,
             "algorithm.mini_batch_size": 8, "lr": 3e-3, "warmup_steps": 0, "eval_items": 8,
             "eval_at_start": False, "num_threads": 1, "save_every": 0, "rollout.parity": parity})
         train_rl(cfg, sink, show_progress=False)

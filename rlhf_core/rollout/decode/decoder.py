@@ -1,5 +1,6 @@
 """One chunk's decode state (:class:`Decoder`): the static KV cache, the prefill, the fixed-shape decode step
-and its CUDA graphs, and (eager decode) the batch shrinking to live rows.
+and its CUDA graphs, and (eager decode) the batch shrinking to live rows; in parity mode (``rl.rollout.parity``) the
+batch-invariant forward of :mod:`rlhf_core.models.parity` over that cache.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rlhf_core.models.loading import has_lora
+from rlhf_core.models.parity import canonical_attention
 from rlhf_core.rollout.decode.attention import choose_row_kernel, flash_layout_attention, use_flash
 from rlhf_core.rollout.decode.layer import (attention_inputs, biases, compiled_layer_halves, merged_weight,
                                             output_and_mlp, rotate, weight_scale)
@@ -50,10 +52,17 @@ class Decoder:
 
     Shapes: ``B`` rows, ``P`` prompt width, ``W = P + R`` cache width, ``H``/``H_kv`` query/KV heads,
     ``D`` head size, ``V`` vocabulary.
+
+    ``parity`` (a batch-invariant ``model``, :func:`rlhf_core.models.parity.make_batch_invariant`): the model's own
+    modules (their ``blocked_linear`` projections, no fused copies, no torch.compile), the SDPA cache layout
+    ``(B, H_kv, W, D)``, attention through :func:`rlhf_core.models.parity.canonical_attention` over the filled prefix
+    of the cache (the key count of HF generate's step), and the torch sampler, whose ``log_softmax(logits.float() /
+    T)`` then gather is the HF engine's and the trainer's parity arithmetic. Decode is eager (the engine captures no
+    CUDA graphs in parity mode: the filled prefix grows every step).
     """
 
     def __init__(self, model: Any, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, n: int,
-                 compiled: bool = False, triton: bool = True, triton_sampler: bool = True):
+                 compiled: bool = False, triton: bool = True, triton_sampler: bool = True, parity: bool = False):
         cfg = model.config
         self.model, self.inner = model, model.model
         self.layers = list(self.inner.layers)
@@ -67,11 +76,12 @@ class Decoder:
         self.shape = _Shapes(B, P + max_new_tokens, heads, kv_heads, head_dim)
         self.scaling = getattr(attn, "scaling", head_dim ** -0.5)
         self.rope = rotate
+        self.parity = parity
         dtype = next(model.parameters()).dtype
         device = ids.device
         W = self.shape.width
         # Cache layout: (B, W, H_kv, D) for the flash kernel (a row's keys contiguous), else (B, H_kv, W, D).
-        self.flash = use_flash(device, dtype, head_dim)
+        self.flash = not parity and use_flash(device, dtype, head_dim)
         self.row_kernel = choose_row_kernel(device, head_dim, triton) if self.flash else "sdpa"
         layout = (B, W, kv_heads, head_dim) if self.flash else (B, kv_heads, W, head_dim)
         self.k = [torch.empty(layout, dtype=dtype, device=device) for _ in self.layers]
@@ -96,11 +106,12 @@ class Decoder:
         self.decode_steps = max_new_tokens
         self.graphs: list[tuple[int, Any]] = []  # (cache width, CUDA graph of a whole iteration)
         self.load_prompts(ids, mask)
-        self.fused = self._fuse_weights()
+        self.fused = None if parity else self._fuse_weights()
         self.heads_regrouped = self.grouped and self.fused is not None
         self.compiled = compiled and self.fused is not None
         self.halves = compiled_layer_halves() if self.compiled else (attention_inputs, output_and_mlp)
-        self.sampler = choose_sampler(device, triton_sampler)  # triton or torch (SETTINGS.sampler)
+        # triton or torch (SETTINGS.sampler); parity: torch, the log-softmax the trainer recomputes
+        self.sampler = "torch" if parity else choose_sampler(device, triton_sampler)
         self.sample = sampling_function(self.sampler, self.compiled and SETTINGS.compile_sampler)
 
     def load_prompts(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
@@ -254,7 +265,8 @@ class Decoder:
         keys = self.prompt_mask.bool()
         causal = torch.ones(P, P, dtype=torch.bool, device=self.ids.device).tril()
         allowed = causal[None] & keys[:, None, :]  # (B, P, P)
-        allowed |= torch.eye(P, dtype=torch.bool, device=self.ids.device)[None]  # pad queries: no empty rows
+        if not self.parity:  # pad queries: no empty rows (SDPA would give NaN; canonical_attention gives them zeros)
+            allowed |= torch.eye(P, dtype=torch.bool, device=self.ids.device)[None]
         s = self.shape
 
         kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -270,6 +282,9 @@ class Decoder:
 
         def attend(i: int, q: torch.Tensor) -> torch.Tensor:
             k, v = kv.pop(i)
+            if self.parity:  # (B, P, H, D), HF's own call of the parity attention
+                o = canonical_attention(self.layers[i].self_attn, q, k, v, allowed[:, None], scaling=self.scaling)[0]
+                return o.reshape(B, P, s.heads * s.head_dim)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=self.scaling,
                                                enable_gqa=s.heads != s.kv_heads)
             return o.transpose(1, 2).reshape(B, P, s.heads * s.head_dim)
@@ -294,7 +309,10 @@ class Decoder:
         """Layer ``i``'s attention of ``q (B, H, 1, D)`` over the cache; ``(B, 1, H D)``."""
         s = self.shape
         B, G, D = s.rows, s.heads // s.kv_heads, s.head_dim
-        if self.flash:
+        if self.parity:  # keys: the cache's first ``width`` columns, ``key_mask (B, 1, 1, width)``
+            o, _ = canonical_attention(self.layers[i].self_attn, q, self.k[i][:, :, :width], self.v[i][:, :, :width],
+                                       key_mask, scaling=self.scaling)  # (B, 1, H, D)
+        elif self.flash:
             regroup = self.grouped and not self.heads_regrouped  # the model's own q_proj: heads in (j, g) order
             if regroup:
                 q = q.reshape(B, s.kv_heads, G, D).transpose(1, 2)
@@ -380,12 +398,13 @@ class Decoder:
         self.shape = dataclasses.replace(self.shape, rows=len(rows))
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
-        """Feed ``token (B,)``; the next ``(B, V)`` logits (eager decode: the CPU path, and the fallback when
-        graphs cannot be captured; the captured path is :meth:`replay`)."""
+        """Feed ``token (B,)``; the next ``(B, V)`` logits (eager decode: the CPU path, parity mode, and the fallback
+        when graphs cannot be captured; the captured path is :meth:`replay`). Parity mode attends over the filled
+        columns ``0 .. col`` only, as many keys as HF generate's cache holds at this step."""
         self.token.copy_(token)
         self._advance()
         self.step_index += 1
-        return self._step()
+        return self._step(self.shape.width - self.decode_steps + self.step_index if self.parity else None)
 
     def _iteration(self, sampler: Sampler, width: int) -> None:
         """One whole decode iteration on device buffers (what a graph captures): feed ``token``, decode,
