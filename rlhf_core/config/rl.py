@@ -258,7 +258,8 @@ class RLConfig(TrainerConfig):
             self.off_policy.tis_cap = 2.0
 
     def _check_parity(self) -> None:
-        """rl.rollout.parity: one process, the HF or static engine sampling from the policy itself, padded rows."""
+        """rl.rollout.parity: one process, the HF or static engine sampling from the policy itself, padded rows, the
+        model's own modules (fused_kernels and compile_layers off; auto resolves to off)."""
         s = self.section
         if not self.rollout.parity:
             return
@@ -267,6 +268,14 @@ class RLConfig(TrainerConfig):
         _check(self.distribution.placement == "none", s, "rollout.parity",
                f"needs placement none (one process), got {self.distribution.placement!r}")
         _check(self.packing is not True, s, "rollout.parity", "needs packing auto or false (padded rows)")
+        # the trainer's forward must run the modules the engine's decode runs: inductor's fused layers and liger's
+        # kernels (whose RoPE the static engine does not use) are not checked batch-invariant
+        for name in ("fused_kernels", "compile_layers"):
+            _check(getattr(self, name) != "on", s, name,
+                   "on and rollout.parity exclude each other (the trainer's forward would run kernels the engine's "
+                   "decode does not); use auto or off")
+            if getattr(self, name) == "auto":
+                setattr(self, name, "off")
 
     def _check_rollout_sleep(self) -> None:
         """rl.rollout_sleep: on only where every rollout is followed by a sync of the whole weights."""

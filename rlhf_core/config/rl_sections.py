@@ -31,8 +31,8 @@ class RolloutSection:
     """The engine and the trainer compute log-probs with the same batch-invariant forward
     (rlhf_core/models/parity.py), so the engine's log-prob of every sampled token equals the trainer's recomputation
     bit for bit and rollout/logprob_mismatch reads exactly 0: a divergence seen then is the algorithm's, not numerics'.
-    Needs engine static or hf (the static engine then decodes eagerly, without CUDA graphs), placement none and
-    packing off. The forward's batch invariance is checked on a CPU in fp32 and on a GPU in bf16
+    Needs engine static or hf (the static engine then decodes eagerly, without CUDA graphs), placement none,
+    packing off, and fused_kernels and compile_layers off (auto resolves to off). The forward's batch invariance is checked on a CPU in fp32 and on a GPU in bf16
     (bench/parity_probe.py); the embedded GRPO step is about 5x slower (bench/parity_abba.sh)."""
     fp8: bool = False
     """The engine samples through a copy of the policy whose linear layers (all but the LM head) run in FP8: e4m3

@@ -94,11 +94,22 @@ def test_grpo_with_parity_reads_a_mismatch_of_exactly_zero(micro_model, micro_da
     ({"rollout.engine": "vllm"}, "needs rollout.engine static or hf"),
     ({"packing": True}, "needs packing auto or false"),
     ({"distribution.placement": "colocated"}, "needs placement none"),
+    ({"fused_kernels": "on"}, "fused_kernels: on and rollout.parity exclude each other"),
+    ({"compile_layers": True}, "compile_layers: on and rollout.parity exclude each other"),
 ])
 def test_parity_refuses_what_it_cannot_make_invariant(micro_model, micro_data, tmp_path, length_reward, setting,
                                                       message):
     with pytest.raises(ConfigError, match=message):
         _cfg(micro_model, micro_data, tmp_path, length_reward, **{"rollout.parity": True, **setting})
+
+
+def test_parity_turns_the_kernels_the_engine_does_not_run_off(micro_model, micro_data, tmp_path, length_reward):
+    """auto would compile the trainer's decoder layers and use liger's kernels on a GPU (on an H100 the mismatch then
+    read 0.0092 with parity as without it): under parity both resolve to off; without it they stay auto."""
+    on = _cfg(micro_model, micro_data, tmp_path, length_reward, **{"rollout.parity": True})
+    assert (on.fused_kernels, on.compile_layers) == ("off", "off")
+    off = _cfg(micro_model, micro_data, tmp_path, length_reward)
+    assert (off.fused_kernels, off.compile_layers) == ("auto", "auto")
 
 
 @pytest.mark.parametrize("engine", ["hf", "static"])
