@@ -23,7 +23,10 @@ Both in-process engines run it: HF ``generate`` calls the model's forward, and t
 ``tests/model/test_parity.py``, ``tests/model/test_parity_static.py``): a batch of 64 left-padded sequences, each
 sequence alone and rows that ended early score the same bits, and three GRPO steps with either engine log a mismatch
 of exactly 0. The embedded GRPO step takes about 5x as long (``bench/parity_abba.sh`` measures each phase, HF engine).
-On a GPU only the forward is checked (``bench/parity_probe.py``); the engines' decode there needs checks of its own.
+On a GPU in bf16 (``bench/parity_probe.py``; ``bench/gpu_grpo.py --parity``, BENCHMARKS.md): the same three checks of
+the forward, and four 0.5B GRPO steps with either engine log a mismatch of exactly 0, the step about 10x as long.
+The trainer's forward then runs the model's own modules too: ``rl.rollout.parity`` turns compiled layers and liger's
+kernels off.
 """
 
 from __future__ import annotations
