@@ -99,4 +99,33 @@ PARITY_GPU = Table(
     "the 0.5B bench model (random weights, 32k vocab); prompts of 3–{p:shape.prompt_width|} tokens, "
     "{p:shape.response|} more; blocks of {p:block_rows|} rows (`bench/parity_probe.py --device cuda`)")
 
-TABLES: tuple[Table, ...] = (GRPO_FLOOR_AB, ROLLOUT_EXACTNESS, SAMPLER_AB, TRL_SEARCH_GRPO, PARITY_GPU)
+PARITY_RUN = H100_1207 + "gpu_grpo_h100_0p5b_{}_parity_{}_call2.json"
+
+
+def _parity_grpo_row(engine: str, alias: str, off: str | None) -> tuple[str, ...]:
+    """One run of ``bench/gpu_grpo.py`` (medians of steps 2..N), and with ``off`` its phases over that run's."""
+    s = f"{alias}:summary"
+    ratio = "—" if off is None else " / ".join(
+        f"{{{s}.{key} ÷ {off}:summary.{key}|.1f}}×" for key in
+        ("median_step_s", "phase_s.perf/rollout_s", "phase_s.perf/logprob_s", "phase_s.perf/update_s"))
+    return (engine, f"{{{s}.parity|}}", f"{{{s}.logprob_mismatch_max_all_steps|.3g}}",
+            f"{{{s}.median_step_s|.3f}} s", f"{{{s}.phase_s.perf/rollout_s|.3f}} s",
+            f"{{{s}.phase_s.perf/logprob_s|.3f}} s", f"{{{s}.phase_s.perf/update_s|.3f}} s",
+            f"{{{s}.peak_gpu_memory_gb_this_process|.1f}} GB", ratio)
+
+
+PARITY_GRPO = Table(
+    "gpu-parity-grpo", "BENCHMARKS.md",
+    {"son": PARITY_RUN.format("static", "on"), "soff": PARITY_RUN.format("static", "off"),
+     "hon": PARITY_RUN.format("hf", "on"), "hoff": PARITY_RUN.format("hf", "off")},
+    ("engine", "parity", "rollout/logprob_mismatch: largest of the 4 steps", "step (median of steps 2..4)",
+     "rollout", "log-probs", "update", "peak memory", "on over off: step / rollout / log-probs / update"),
+    (_parity_grpo_row("static", "son", "soff"), _parity_grpo_row("static", "soff", None),
+     _parity_grpo_row("HF generate", "hon", "hoff"), _parity_grpo_row("HF generate", "hoff", None)),
+    "{son:summary.gpu|}, torch {son:summary.torch|}, the four runs one after another in one call",
+    "GRPO {son:summary.prompts|} prompts × {son:summary.group|} × {son:summary.new_tokens|} new tokens, Qwen2-0.5B "
+    "shape, random weights, 32k vocab, precision auto (bf16 weights); parity on: the model's own modules in the "
+    "trainer (no compiled layers, no liger) and eager decode; off: compiled layers, and the static engine's CUDA graphs "
+    "(`bench/gpu_grpo.py --engine static|hf [--parity] --prompts 32 --new-tokens 128 --steps 4`)")
+
+TABLES: tuple[Table, ...] = (GRPO_FLOOR_AB, ROLLOUT_EXACTNESS, SAMPLER_AB, TRL_SEARCH_GRPO, PARITY_GPU, PARITY_GRPO)
