@@ -72,6 +72,20 @@ def test_grpo_run_writes_records_and_a_bounded_offline_page(micro_model, micro_d
     assert data["steps"][-1]["samples"][0]["prompt"] == records[-1]["drill"][0]["prompt"]
 
 
+@pytest.mark.parametrize("engine", ["static", "hf"])
+def test_with_parity_the_mismatch_kl_is_exactly_zero(micro_model, micro_data, tmp_path, length_reward, engine):
+    """rl.rollout.parity: the dashboard's mismatch KL, computed from the engine's and the trainer's log-probs of
+    every token, reads exactly 0.0 at every step, and each drilled sample's two log-prob lists are equal."""
+    cfg = _cfg(micro_model, micro_data, tmp_path, length_reward,
+               **{"algorithm.mini_batch_size": 8, "rollout.engine": engine, "rollout.parity": True})
+    train_rl(cfg, Recorder(), show_progress=False)
+    records = read_records(tmp_path / "ckpt" / "dashboard" / "records.jsonl")
+    assert [r["mismatch_kl"] for r in records] == [0.0, 0.0, 0.0] and all(r["mismatch_rows"] == 16 for r in records)
+    for r in records:
+        assert r["metrics"]["rollout/logprob_mismatch"] == 0.0
+        for sample in r["drill"]:
+            assert sample["engine_logp"] == sample["trainer_logp"]
+
 def test_fused_pi_old_adds_no_forward_and_records_the_engine_log_probs(micro_model, micro_data, tmp_path,
                                                                        length_reward):
     """One update per batch (pi_old fused into the update): the drill-down has the engine's log-probs and no
