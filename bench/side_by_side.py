@@ -66,9 +66,10 @@ On a lent GPU: once here, ``bash bench/device_wheels.sh`` (Ray, DeepSpeed, TRL 1
         --rows ours-bf16,trl-default,trl-best --out $OUT/side_by_side_0p5b_grpo_a.json
     source bench/device_setup.sh && python bench/side_by_side.py --variant gpu --rounds 2 --bench grpo \
         --rows ours-mixed,trl-mixed --out $OUT/side_by_side_0p5b_grpo_b.json
-    # GRPO's four hygiene rows (ours, trl-default, trl-ours-backend, trl-best) do not fit one call: one ABBA round a
-    # call on one warm machine (--rounds 1 --waive-hygiene, the second call's rows reversed, and --trl-grad-ckpt
-    # off in both: the second call's TRL rows run before ours, with no choice of ours to match), then here
+    # GRPO's four hygiene rows (ours, trl-default, trl-ours-backend, trl-best; three processes where the search's
+    # winner is trl-ours-backend's setting: shared_runs) do not fit one call: one ABBA round a call on one warm
+    # machine (--rounds 1 --waive-hygiene, the second call's rows reversed, and --trl-grad-ckpt off in both: the
+    # second call's TRL rows run before ours, with no choice of ours to match), then here
     python bench/side_by_side.py --variant gpu --combine-rounds r1.json r2.json --out grpo.json
     # nvidia-h100-x1: 1.5B (151,936 vocab), likewise one benchmark per call
     source bench/device_setup.sh && python bench/side_by_side.py --variant gpu-1.5b --rounds 2 \
