@@ -44,8 +44,8 @@ def test_static_engine_logprobs_are_the_same_bits_alone_in_a_batch_and_in_the_tr
                                                                                       monkeypatch):
     """Greedy (the tokens then do not depend on each row's uniforms), 12 new tokens, the micro model nudged towards
     eos so rows end at different steps: the 64-row decode drops finished rows from its batch as it goes
-    (``SETTINGS.compact_below``). Each row decoded alone (no left padding, a batch of one) gives the same tokens and
-    log-prob bits as in the batch; the trainer's recomputation (micro-batches of 64 and of 8) and the HF engine give
+    (``SETTINGS.compact_below``). A row decoded alone (no left padding, a batch of one; one of each prompt length and
+    rows that end early or run to the budget) gives the same tokens and log-prob bits as in the batch; the trainer's recomputation (micro-batches of 64 and of 8) and the HF engine give
     those bits too, and the trainer those of rows sampled at temperature 0.7 with top-p 0.9."""
     monkeypatch.setattr(SETTINGS, "compact_below", 0.9)
     model, tok = _eos_biased(micro_model)
@@ -58,23 +58,29 @@ def test_static_engine_logprobs_are_the_same_bits_alone_in_a_batch_and_in_the_tr
     batch = engine.generate(PROMPTS, params)
     lengths = batch.response_lengths()
     assert (lengths < 12).sum() >= 8 and (lengths == 12).sum() >= 8, "rows end at different steps"
-    alone = [r for p in PROMPTS for r in _responses(engine.generate([p], params))]
     real = batch.response_mask.bool()
-    trainer = {rows: _trainer(model, batch, 1.0, rows) for rows in (64, 8)}
+    if not parity:
+        scored = _trainer(model, batch, 1.0, 64)
+        assert not torch.equal(scored[real], batch.sampling_logprobs[real])
+        torch.testing.assert_close(scored[real], batch.sampling_logprobs[real], rtol=0, atol=1e-4)
+        return
+    # alone (a batch of one each): the first prompt of every length, four rows that end early, four that run on
+    first_of_length: dict[int, int] = {}
+    for i, prompt in enumerate(PROMPTS):
+        first_of_length.setdefault(len(prompt), i)
+    picked = sorted(set(first_of_length.values()) | set((lengths < 12).nonzero()[:4, 0].tolist())
+                    | set((lengths == 12).nonzero()[:4, 0].tolist()))
+    alone = [r for i in picked for r in _responses(engine.generate([PROMPTS[i]], params))]
+    assert alone == [_responses(batch)[i] for i in picked]
+    for rows in (64, 8):
+        assert torch.equal(_trainer(model, batch, 1.0, rows)[real], batch.sampling_logprobs[real])
     hf = HFGenerateEngine(model, tok, batch_size=64).generate(PROMPTS, params)
-    if parity:
-        assert alone == _responses(batch)
-        for scored in trainer.values():
-            assert torch.equal(scored[real], batch.sampling_logprobs[real])
-        assert torch.equal(hf.response_ids, batch.response_ids)
-        assert torch.equal(hf.sampling_logprobs, batch.sampling_logprobs)
-        sampled = engine.generate(PROMPTS[:16], SamplingParams(n=4, temperature=0.7, top_p=0.9, max_new_tokens=12,
-                                                               seed=3))
-        real = sampled.response_mask.bool()
-        assert torch.equal(_trainer(model, sampled, 0.7, 8)[real], sampled.sampling_logprobs[real])
-    else:
-        assert not torch.equal(trainer[64][real], batch.sampling_logprobs[real])
-        torch.testing.assert_close(trainer[64][real], batch.sampling_logprobs[real], rtol=0, atol=1e-4)
+    assert torch.equal(hf.response_ids, batch.response_ids)
+    assert torch.equal(hf.sampling_logprobs, batch.sampling_logprobs)
+    sampled = engine.generate(PROMPTS[:16], SamplingParams(n=4, temperature=0.7, top_p=0.9, max_new_tokens=12,
+                                                           seed=3))
+    real = sampled.response_mask.bool()
+    assert torch.equal(_trainer(model, sampled, 0.7, 8)[real], sampled.sampling_logprobs[real])
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4])
