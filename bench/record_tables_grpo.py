@@ -109,7 +109,9 @@ def _parity_grpo_row(engine: str, alias: str, off: str | None) -> tuple[str, ...
         f"{{{s}.{key} ÷ {off}:summary.{key}|.1f}}×" for key in
         ("median_step_s", "phase_s.perf/rollout_s", "phase_s.perf/logprob_s", "phase_s.perf/update_s"))
     return (engine, f"{{{s}.parity|}}", f"{{{s}.logprob_mismatch_max_all_steps|.3g}}",
-            f"{{{s}.median_step_s|.3f}} s", f"{{{s}.phase_s.perf/rollout_s|.3f}} s",
+            f"{{{s}.median_step_s|.3f}} s",
+            ", ".join(f"{{{alias}:steps.{i}.perf/step_s|.3f}}" for i in (1, 2, 3)) + " s",
+            f"{{{s}.phase_s.perf/rollout_s|.3f}} s",
             f"{{{s}.phase_s.perf/logprob_s|.3f}} s", f"{{{s}.phase_s.perf/update_s|.3f}} s",
             f"{{{s}.peak_gpu_memory_gb_this_process|.1f}} GB", ratio)
 
@@ -118,7 +120,7 @@ PARITY_GRPO = Table(
     "gpu-parity-grpo", "BENCHMARKS.md",
     {"son": PARITY_RUN.format("static", "on"), "soff": PARITY_RUN.format("static", "off"),
      "hon": PARITY_RUN.format("hf", "on"), "hoff": PARITY_RUN.format("hf", "off")},
-    ("engine", "parity", "rollout/logprob_mismatch: largest of the 4 steps", "step (median of steps 2..4)",
+    ("engine", "parity", "rollout/logprob_mismatch: largest of the 4 steps", "step (median of steps 2..4)", "steps 2, 3, 4",
      "rollout", "log-probs", "update", "peak memory", "on over off: step / rollout / log-probs / update"),
     (_parity_grpo_row("static", "son", "soff"), _parity_grpo_row("static", "soff", None),
      _parity_grpo_row("HF generate", "hon", "hoff"), _parity_grpo_row("HF generate", "hoff", None)),
