@@ -32,8 +32,9 @@ class RolloutSection:
     (rlhf_core/models/parity.py), so the engine's log-prob of every sampled token equals the trainer's recomputation
     bit for bit and rollout/logprob_mismatch reads exactly 0: a divergence seen then is the algorithm's, not numerics'.
     Needs engine static or hf (the static engine then decodes eagerly, without CUDA graphs), placement none,
-    packing off, and fused_kernels and compile_layers off (auto resolves to off). The forward's batch invariance is checked on a CPU in fp32 and on a GPU in bf16
-    (bench/parity_probe.py); the embedded GRPO step is about 5x slower (bench/parity_abba.sh)."""
+    packing off, and fused_kernels and compile_layers off (auto resolves to off). The forward's batch invariance is
+    checked on a CPU in fp32 and on a GPU in bf16 (bench/parity_probe.py); what parity costs in each phase is in
+    BENCHMARKS.md."""
     fp8: bool = False
     """The engine samples through a copy of the policy whose linear layers (all but the LM head) run in FP8: e4m3
     weights with a scale per output channel, inputs quantized with a scale per token, torch._scaled_mm

@@ -19,12 +19,12 @@ LLM Inference", batch invariance):
 
 Both in-process engines run it: HF ``generate`` calls the model's forward, and the static engine
 (:class:`rlhf_core.rollout.decode.decoder.Decoder` in parity mode) runs the model's own modules and
-:func:`canonical_attention` over its KV cache, decoding eagerly. Measured on a CPU (the model-tier tests,
-``tests/model/test_parity.py``, ``tests/model/test_parity_static.py``): a batch of 64 left-padded sequences, each
-sequence alone and rows that ended early score the same bits, and three GRPO steps with either engine log a mismatch
-of exactly 0. The embedded GRPO step takes about 5x as long (``bench/parity_abba.sh`` measures each phase, HF engine).
-On a GPU in bf16 (``bench/parity_probe.py``; ``bench/gpu_grpo.py --parity``, BENCHMARKS.md): the same three checks of
-the forward, and four 0.5B GRPO steps with either engine log a mismatch of exactly 0, the step about 10x as long.
+:func:`canonical_attention` over its KV cache, decoding eagerly. The model-tier tests
+(``tests/model/test_parity.py``, ``tests/model/test_parity_static.py``) check on a CPU that a batch of 64
+left-padded sequences, each sequence alone and rows that ended early score the same bits, and that three GRPO steps
+with either engine log a mismatch of exactly 0; ``bench/parity_probe.py`` and ``bench/gpu_grpo.py --parity`` check
+the same on a GPU in bf16. What parity costs in each phase is in BENCHMARKS.md (``bench/parity_abba.sh`` on a CPU,
+``bench/gpu_grpo.py --parity`` on a GPU).
 The trainer's forward then runs the model's own modules too: ``rl.rollout.parity`` turns compiled layers and liger's
 kernels off.
 """
