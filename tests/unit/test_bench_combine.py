@@ -83,3 +83,23 @@ def test_combine_rounds_refuses_a_row_whose_checkpointing_differs_between_calls(
     r1, r2 = (h100 / f"side_by_side_h100_0p5b_grpo_hygiene_r{i}.json" for i in (1, 2))
     with pytest.raises(SystemExit, match="trl-default of grpo ran with gradient checkpointing"):
         bench.results.combine([r1, r2], tmp_path / "both.json", warmup=2, as_rounds=True)
+
+
+def test_the_grpo_targets_are_the_issues_and_read_ours_best_row_and_the_floor(bench, tmp_path):
+    """Two committed one-round calls of the 0.5B GRPO (rows reversed in the second): the combined file's GRPO
+    targets are issue 52's (step, fraction of floor, rollout, update against its floor), each read from ours-best's
+    pooled row and the floor, and say the card they were written for beside the card that ran."""
+    day = REPO / "bench" / "results" / "h100" / "2026-12-07"
+    calls = [day / f"side_by_side_h100_0p5b_grpo_hygiene_final_r{i}.json" for i in (1, 2)]
+    doc = bench.results.combine(calls, tmp_path / "grpo.json", warmup=2, as_rounds=True)
+    summary = doc["results"]["grpo"]["summary"]
+    ours, fl = summary["rows"]["ours-best"], summary["floor"]
+    got = {t["target"]: t for t in doc["summary"]["targets"] if t.get("written_for")}
+    assert list(got) == ["grpo step <= 1.3 s", "grpo fraction of floor >= 50%", "grpo rollout <= 0.45 s",
+                         "grpo update <= 1.6x its floor"]
+    assert got["grpo step <= 1.3 s"]["value"] == ours["median_step_s"]
+    assert got["grpo rollout <= 0.45 s"]["value"] == ours["phase_s"]["rollout_s"]
+    assert got["grpo update <= 1.6x its floor"]["value"] == pytest.approx(ours["phase_s"]["update_s"] / fl["update_s"],
+                                                                         abs=1e-3)
+    assert {t["status"] for t in got.values()} == {"not met"}  # 1.90 s a step on an H100 against 1.3 s
+    assert {t["device"] for t in got.values()} == {"NVIDIA H100 80GB HBM3"}
