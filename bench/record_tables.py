@@ -441,7 +441,6 @@ def hygiene_table(sources: dict[str, str], rows: tuple[tuple[str, ...], ...]) ->
 
 
 H200_1206 = R + "h200/2026-12-06/"
-H100_1206 = R + "h100/2026-12-06/"
 TRL_SEARCH = trl_search_table(H200_1206 + "side_by_side_h200_0p5b_trl_search.json", (
     ("trl-default", "none (sdpa, cuDNN SDPA on, padded batches, no liger, checkpointing off)"),
     ("trl-liger", "`use_liger_kernel`"),
@@ -466,48 +465,6 @@ GPU_HYGIENE = hygiene_table(
 
 
 
-def _grpo_cells(alias: str, row: str, ours: str) -> tuple[str, ...]:
-    """One GRPO row in one call: median (min–max) and max/min, TRL / ours, peak memory and TRL's checkpointing."""
-    r = f"results.grpo.summary.rows.{row}"
-    ratio = "—" if row == ours else f"{{{alias}:results.grpo.summary.pairs.{ours} / {row}.speedup_ours_over_trl|.2f}}×"
-    ckpt = f"{{{alias}:{r}.gradient_checkpointing.on|}}"
-    return (_mmm(alias, r) + f", max/min {{{alias}:{r}.max_over_min|.2f}}", ratio,
-            f"{{{alias}:{r}.peak_memory_gb|.1f}} GB, checkpointing {ckpt}")
-
-
-def grpo_hygiene_table(first: str, second: str, ours: str = "ours-bf16-packed") -> Table:
-    """Issue 52 item 2 for GRPO at 0.5B: ours and TRL three ways (as shipped, ours' attention backends, the searched
-    trl-best), one ABBA round a call in two consecutive calls of one warm machine (four rows of two rounds do not
-    fit one call), each call's rows and ratios side by side; and ours' phases and floor in each call."""
-    phases = (f"rollout {{{{{{a}}:{{p}}.rollout_s|.3f}}}} s, log-probs {{{{{{a}}:{{p}}.logprob_s|.3f}}}} s, update "
-              f"{{{{{{a}}:{{p}}.update_s|.3f}}}} s; {{{{{{a}}:{{f}}|.0%}}}} of the floor ({{{{{{a}}:{{fs}}|.3f}}}} s), "
-              f"{{{{{{a}}:{{g}}|,.0f}}}} generated tokens/s")
-    rowp = f"results.grpo.summary.rows.{ours}"
-
-    def ph(alias: str) -> str:
-        return phases.format(a=alias, p=f"{rowp}.phase_s", f=f"{rowp}.fraction_of_floor", fs=f"{rowp}.floor_s",
-                             g=f"{rowp}.generated_tokens_per_s")
-    return Table(
-        "gpu-hygiene-grpo", "BENCHMARKS.md", {"a": first, "b": second},
-        ("row", "(a) round 1: median (min–max)", "(a) TRL / ours", "(a) peak memory", "(b) round 2: median (min–max)",
-         "(b) TRL / ours", "(b) peak memory"),
-        tuple((r,) + _grpo_cells("a", r, ours) + _grpo_cells("b", r, ours)
-              for r in (ours, "trl-default", "trl-ours-backend", "trl-best"))
-        + ((f"{ours}: phases (medians)", ph("a"), "", "", ph("b"), "", ""),),
-        "{a:environment.nvidia_smi.0|}, both calls on one warm machine",
-        "GRPO 64 prompts × 8 × 256 new tokens, one policy update a step; each call one ABBA round "
-        "(`--rounds 1 --waive-hygiene`; (b)'s rows in reverse order), {a:results.grpo.summary.rows.trl-default.timed_steps|} "
-        "timed steps a row a call after {a:settings.warmup_steps|} warm-up steps; threads {a:hygiene.threads|} and "
-        "`PYTORCH_CUDA_ALLOC_CONF={a:hygiene.PYTORCH_CUDA_ALLOC_CONF|}` in every child; trl-ours-backend and ours with "
-        "cuDNN's SDPA off, trl-default with torch's default (on); trl-best the search's winner "
-        "({a:trl_best_from.winner|}, from the H200 search above); TRL generates with HF `generate`, ours with its "
-        "static-cache engine. TRL's gradient checkpointing matched ours (off) in (a), but in (b) TRL's rows ran before "
-        "ours, found no choice of ours to match and took TRL's default (on): the calls are not pooled, and (b)'s TRL "
-        "rows are not like with like")
-
-GPU_HYGIENE_GRPO = grpo_hygiene_table(H100_1206 + "side_by_side_h100_0p5b_grpo_hygiene_r1.json",
-                                      H100_1206 + "side_by_side_h100_0p5b_grpo_hygiene_r2.json")
-
 REAL_EVALS = ("base", "sft", "rl", "raft", "base_second", "sft_second", "rl_second", "raft_second", "base_gsm",
               "raft_gsm")
 REAL_MODELS = {"base": "imported", "sft": "SFT", "rl": "GRPO", "raft": "RAFT"}
@@ -527,7 +484,7 @@ README_REAL = Table(
 
 
 TABLES: tuple[Table, ...] = (EMBEDDED, README_OFFLINE, README_RL, CPU_SBS, RL_EMBEDDED, GPU_SFT_SMOKE, TRL_SEARCH,
-                             GPU_HYGIENE, GPU_HYGIENE_GRPO, GPU_SBS, GPU_MIXED,
+                             GPU_HYGIENE, GPU_SBS, GPU_MIXED,
                              SEVEN_B, ASYNC, ENGINE, SCALING, ZERO3_RESUME, HASH_REGISTRY, HOSTILE, README_REAL,
                              LORA_SYNC, FP8_ROLLOUT, LORA_SYNC_GPU)
 

@@ -1,5 +1,6 @@
 """The benchmark record's tables of the GRPO step toward its floor (issue 52 part 4) and of the engine's exactness
-(``bench/record.py`` renders them with :data:`record_tables.TABLES`): the before/after processes of one warm GPU,
+(``bench/record.py`` renders them with :data:`record_tables.TABLES`): the GRPO side by side with TRL under the
+hygiene rules (0.5B, two ABBA rounds; 1.5B), issue 52's GRPO targets, the before/after processes of one warm GPU,
 the engine's log-probs against the trainer's in the same call, the sampler A/B, TRL's GRPO search and the
 batch-invariant forward on a GPU.
 """
@@ -11,6 +12,76 @@ from record_tables import R, Table, trl_search_table
 H100_1207 = R + "h100/2026-12-07/"
 AB = H100_1207 + "side_by_side_h100_0p5b_grpo_floor_ab_{}.json"
 OURS = "results.grpo.summary.rows.ours-bf16-packed"
+
+
+HYGIENE = H100_1207 + "side_by_side_h100_0p5b_grpo_hygiene_final.json"
+ONE_5B = H100_1207 + "side_by_side_h100_1p5b_grpo_summary.json"
+
+
+def _pooled_row(label: str, alias: str, row: str, ours: str = "ours-bf16-packed") -> tuple[str, ...]:
+    """One row of a GRPO side by side: median (min–max) over every round, max/min, each round's median, TRL / ours,
+    peak memory and checkpointing."""
+    r = f"{alias}:results.grpo.summary.rows.{row}"
+    ratio = "—" if row == ours else f"{{{alias}:results.grpo.summary.pairs.{ours} / {row}.speedup_ours_over_trl|.2f}}×"
+    rounds = " / ".join(f"{{{r}.round_medians_s.{i}|.3f}}" for i in range(2 if alias == "h" else 1)) + " s"
+    return (label, f"{{{r}.median_step_s|.3f}} s ({{{r}.range_step_s|range:.3f}})", f"{{{r}.max_over_min|.2f}}",
+            rounds, ratio, f"{{{r}.peak_memory_gb|.1f}} GB", f"{{{r}.gradient_checkpointing.on|}}")
+
+
+def _phases_row(label: str, alias: str, ours: str = "ours-bf16-packed") -> tuple[str, ...]:
+    """Ours' phases (medians of the timed steps), its share of the floor and its generated tokens/s."""
+    r = f"{alias}:results.grpo.summary.rows.{ours}"
+    return (label, f"rollout {{{r}.phase_s.rollout_s|.3f}} s, log-probs {{{r}.phase_s.logprob_s|.3f}} s, update "
+            f"{{{r}.phase_s.update_s|.3f}} s", "", f"{{{r}.fraction_of_floor|.0%}} of the floor "
+            f"({{{r}.floor_s|.3f}} s)", "", f"{{{r}.generated_tokens_per_s|,.0f}} generated tokens/s", "")
+
+
+COLUMNS = ("row", "step: median (min–max)", "max / min", "each round's median", "TRL / ours", "peak memory",
+           "gradient checkpointing")
+
+GRPO_HYGIENE = Table(
+    "gpu-hygiene-grpo", "BENCHMARKS.md", {"h": HYGIENE}, COLUMNS,
+    (_pooled_row("ours-bf16-packed", "h", "ours-bf16-packed"),
+     _pooled_row("trl-default (cuDNN SDPA on, torch's default)", "h", "trl-default"),
+     _pooled_row("trl-ours-backend (cuDNN SDPA off, as ours)", "h", "trl-ours-backend"),
+     _pooled_row("trl-best: the GRPO search's winner, {h:trl_best_from.winner|}, the same processes as "
+                 "trl-ours-backend", "h", "trl-best"),
+     _phases_row("ours-bf16-packed: phases (medians)", "h")),
+    "{h:environment.nvidia_smi.0|}, both rounds' calls on one warm machine",
+    "GRPO 64 prompts × 8 × 256 new tokens, Qwen2-0.5B shape, 32k vocab, one policy update a step; "
+    "{h:settings.rounds|} ABBA rounds, one a call (`--rounds 1 --waive-hygiene`, the second call's rows reversed, "
+    "pooled by `--combine-rounds`), {h:results.grpo.summary.rows.trl-default.timed_steps|} timed steps a row after "
+    "{h:settings.warmup_steps|} warm-up steps a call; threads {h:hygiene.threads|} and "
+    "`PYTORCH_CUDA_ALLOC_CONF={h:hygiene.PYTORCH_CUDA_ALLOC_CONF|}` in every child; gradient checkpointing off on "
+    "both sides (`--trl-grad-ckpt off`); TRL generates with HF `generate`, ours with its static-cache engine; a row "
+    "whose max/min exceeds 1.5 is flagged: none is")
+
+GRPO_1P5B = Table(
+    "gpu-grpo-1p5b", "BENCHMARKS.md", {"g": ONE_5B}, COLUMNS,
+    (_pooled_row("ours-bf16-packed", "g", "ours-bf16-packed"),
+     _pooled_row("trl-ours-backend (cuDNN SDPA off, as ours)", "g", "trl-ours-backend"),
+     _phases_row("ours-bf16-packed: phases (medians)", "g")),
+    "{g:environment.nvidia_smi.0|}, one call",
+    "GRPO 64 prompts × 8 × 256 new tokens, Qwen2.5-1.5B shape (vocab 151,936), one policy update a step; one round "
+    "(`--rounds 1 --waive-hygiene`), {g:results.grpo.summary.rows.ours-bf16-packed.timed_steps|} timed steps a row "
+    "after {g:settings.warmup_steps|} warm-up steps; threads {g:hygiene.threads|}; gradient checkpointing off on "
+    "both sides; the summary recomputed from the call's file by `--combine` with the current targets")
+
+
+def _target_row(alias: str, index: int, spec: str, unit: str = "") -> tuple[str, ...]:
+    """One of a file's ``summary.targets`` (by position; its own ``target`` text names it in the row)."""
+    t = f"{alias}:summary.targets.{index}"
+    return (f"{{{t}.target|}}", f"{{{t}.value|{spec}}}{unit}", f"{{{t}.status|}}", f"{{{t}.device|}}")
+
+
+GRPO_TARGETS = Table(
+    "gpu-grpo-targets", "BENCHMARKS.md", {"h": HYGIENE, "g": ONE_5B},
+    ("issue 52's target (written for one H200)", "measured", "status", "card that ran"),
+    (_target_row("h", 9, ".3f", " s"), _target_row("h", 10, ".0%"), _target_row("h", 11, ".3f", " s"),
+     _target_row("h", 12, ".2f", "× its floor"), _target_row("g", 3, ".3f", " s")),
+    "{h:environment.nvidia_smi.0|}: the two calls of the tables above",
+    "ours-best's medians: the step and the rollout in seconds, the update as a multiple of its floor; the floor is "
+    "`bench/side_by_side.py`'s formula with each call's measured ceilings")
 
 
 def _ab_row(label: str, alias: str) -> tuple[str, ...]:
@@ -130,4 +201,4 @@ PARITY_GRPO = Table(
     "trainer (no compiled layers, no liger) and eager decode; off: compiled layers, and the static engine's CUDA graphs "
     "(`bench/gpu_grpo.py --engine static|hf [--parity] --prompts 32 --new-tokens 128 --steps 4`)")
 
-TABLES: tuple[Table, ...] = (GRPO_FLOOR_AB, ROLLOUT_EXACTNESS, SAMPLER_AB, TRL_SEARCH_GRPO, PARITY_GPU, PARITY_GRPO)
+TABLES: tuple[Table, ...] = (GRPO_HYGIENE, GRPO_1P5B, GRPO_TARGETS, GRPO_FLOOR_AB, ROLLOUT_EXACTNESS, SAMPLER_AB, TRL_SEARCH_GRPO, PARITY_GPU, PARITY_GRPO)
