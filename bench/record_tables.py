@@ -424,7 +424,7 @@ def _hygiene_row(label: str, alias: str, bench: str, ours: str, missing: str = "
     return (label, alias) + cells + (ratios,)
 
 
-def hygiene_table(sources: dict[str, str], rows: tuple[tuple[str, ...], ...]) -> Table:
+def hygiene_table(sources: dict[str, str], rows: tuple[tuple[str, ...], ...], other_cards: str = "") -> Table:
     """Issue 52 item 2: ours against TRL as shipped, TRL with ours' attention backends and the searched trl-best,
     each call's rows in ABBA order under one thread count and allocator (``side_by_side.py``'s hygiene)."""
     first = next(iter(sources))
@@ -433,7 +433,7 @@ def hygiene_table(sources: dict[str, str], rows: tuple[tuple[str, ...], ...]) ->
         ("trainer", "call", "alignflow", "trl-default", "trl-ours-backend", "trl-best",
          "TRL / ours: default / ours' backend / best"),
         tuple(_hygiene_row(*r) for r in rows),
-        f"{{{first}:environment.nvidia_smi.0|}}, one card a call",
+        f"{{{first}:environment.nvidia_smi.0|}}, one card a call{other_cards}",
         f"threads {{{first}:hygiene.threads|}} and `PYTORCH_CUDA_ALLOC_CONF={{{first}:hygiene.PYTORCH_CUDA_ALLOC_CONF|}}` "
         f"in every child; {{{first}:settings.rounds|}} ABBA rounds, {{{first}:settings.warmup_steps|}} warm-up steps "
         "a child dropped; trl-ours-backend and ours with cuDNN's SDPA off, trl-default with torch's default (on); "
@@ -456,12 +456,16 @@ GPU_HYGIENE = hygiene_table(
     {"a": H200_1206 + "side_by_side_h200_0p5b_sft_hygiene.json",
      "b": H200_1206 + "side_by_side_h200_0p5b_dpo_rm_hygiene.json",
      "pa": H200_1206 + "side_by_side_h200_0p5b_sft_hygiene_profiles.json",
-     "pb": H200_1206 + "side_by_side_h200_0p5b_dpo_rm_hygiene_profiles.json"},
+     "pb": H200_1206 + "side_by_side_h200_0p5b_dpo_rm_hygiene_profiles.json",
+     "c": R + "h100/2026-12-07/side_by_side_h100_0p5b_rm_hygiene.json",
+     "pc": R + "h100/2026-12-07/side_by_side_h100_0p5b_rm_hygiene_profiles.json"},
     (("SFT 0.5B", "a", "sft", "ours-bf16-packed"),
      ("DPO 0.5B, reference every step", "b", "dpo", "ours-bf16-packed"),
      ("Reward model 0.5B, one round: {b:results.rm.summary.rows.trl-default.timed_steps|} timed steps a row, below "
       "the minimum (the call's deadline stopped it)", "b",
-      "rm", "ours-bf16-packed", "trl-best: not run (the call's --deadline-s)")))
+      "rm", "ours-bf16-packed", "trl-best: not run (the call's --deadline-s)"),
+     ("Reward model 0.5B, the whole call, on an H100", "c", "rm", "ours-bf16-packed")),
+    "; (c) on {c:environment.nvidia_smi.0|}")
 
 
 
