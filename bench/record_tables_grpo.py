@@ -18,14 +18,14 @@ HYGIENE = H100_1207 + "side_by_side_h100_0p5b_grpo_hygiene_final.json"
 ONE_5B = H100_1207 + "side_by_side_h100_1p5b_grpo_summary.json"
 
 
-def _pooled_row(label: str, alias: str, row: str, ours: str = "ours-bf16-packed") -> tuple[str, ...]:
-    """One row of a GRPO side by side: median (min–max) over every round, max/min, each round's median, TRL / ours,
-    peak memory and checkpointing."""
+def _pooled_row(label: str, alias: str, row: str, rounds: int, ours: str = "ours-bf16-packed") -> tuple[str, ...]:
+    """One row of a GRPO side by side: median (min–max) over its ``rounds`` rounds, max/min, each round's median,
+    TRL / ours, peak memory and checkpointing."""
     r = f"{alias}:results.grpo.summary.rows.{row}"
     ratio = "—" if row == ours else f"{{{alias}:results.grpo.summary.pairs.{ours} / {row}.speedup_ours_over_trl|.2f}}×"
-    rounds = " / ".join(f"{{{r}.round_medians_s.{i}|.3f}}" for i in range(2 if alias == "h" else 1)) + " s"
+    each = " / ".join(f"{{{r}.round_medians_s.{i}|.3f}}" for i in range(rounds)) + " s"
     return (label, f"{{{r}.median_step_s|.3f}} s ({{{r}.range_step_s|range:.3f}})", f"{{{r}.max_over_min|.2f}}",
-            rounds, ratio, f"{{{r}.peak_memory_gb|.1f}} GB", f"{{{r}.gradient_checkpointing.on|}}")
+            each, ratio, f"{{{r}.peak_memory_gb|.1f}} GB", f"{{{r}.gradient_checkpointing.on|}}")
 
 
 def _phases_row(label: str, alias: str, ours: str = "ours-bf16-packed") -> tuple[str, ...]:
@@ -41,11 +41,11 @@ COLUMNS = ("row", "step: median (min–max)", "max / min", "each round's median"
 
 GRPO_HYGIENE = Table(
     "gpu-hygiene-grpo", "BENCHMARKS.md", {"h": HYGIENE}, COLUMNS,
-    (_pooled_row("ours-bf16-packed", "h", "ours-bf16-packed"),
-     _pooled_row("trl-default (cuDNN SDPA on, torch's default)", "h", "trl-default"),
-     _pooled_row("trl-ours-backend (cuDNN SDPA off, as ours)", "h", "trl-ours-backend"),
+    (_pooled_row("ours-bf16-packed", "h", "ours-bf16-packed", 2),
+     _pooled_row("trl-default (cuDNN SDPA on, torch's default)", "h", "trl-default", 2),
+     _pooled_row("trl-ours-backend (cuDNN SDPA off, as ours)", "h", "trl-ours-backend", 2),
      _pooled_row("trl-best: the GRPO search's winner, {h:trl_best_from.winner|}, the same processes as "
-                 "trl-ours-backend", "h", "trl-best"),
+                 "trl-ours-backend", "h", "trl-best", 2),
      _phases_row("ours-bf16-packed: phases (medians)", "h")),
     "{h:environment.nvidia_smi.0|}, both rounds' calls on one warm machine",
     "GRPO 64 prompts × 8 × 256 new tokens, Qwen2-0.5B shape, 32k vocab, one policy update a step; "
@@ -58,8 +58,8 @@ GRPO_HYGIENE = Table(
 
 GRPO_1P5B = Table(
     "gpu-grpo-1p5b", "BENCHMARKS.md", {"g": ONE_5B}, COLUMNS,
-    (_pooled_row("ours-bf16-packed", "g", "ours-bf16-packed"),
-     _pooled_row("trl-ours-backend (cuDNN SDPA off, as ours)", "g", "trl-ours-backend"),
+    (_pooled_row("ours-bf16-packed", "g", "ours-bf16-packed", 1),
+     _pooled_row("trl-ours-backend (cuDNN SDPA off, as ours)", "g", "trl-ours-backend", 1),
      _phases_row("ours-bf16-packed: phases (medians)", "g")),
     "{g:environment.nvidia_smi.0|}, one call",
     "GRPO 64 prompts × 8 × 256 new tokens, Qwen2.5-1.5B shape (vocab 151,936), one policy update a step; one round "
